@@ -1,0 +1,205 @@
+"""The checkpoints of a job root: listing, opening, committing and retention.
+
+Readers go through here so that nothing ever opens a checkpoint without its commit record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+
+from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from ckptd.manifest import (
+    COMMIT,
+    DONE,
+    MANIFEST,
+    Manifest,
+    done_prefix,
+    dumps,
+    parse_step_dir,
+    step_dir,
+)
+from storage_backends import NotFoundError, StorageError, Store
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    committed: bool
+    world_size: int | None
+    bytes: int | None
+    time: float | None
+    path: str  # folder relative to the job root
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step,
+            "committed": self.committed,
+            "world_size": self.world_size,
+            "bytes": self.bytes,
+            "time": self.time,
+            "checkpoint_path": self.path,
+        }
+
+
+def steps(store: Store) -> list[int]:
+    """Every step that has a folder, committed or not, ascending."""
+    try:
+        _, dirs = store.list_dir("")
+    except StorageError as e:
+        raise CheckpointError(f"{store.uri}: cannot list job root ({e})") from None
+    return sorted(s for d in dirs if (s := parse_step_dir(d)) is not None)
+
+
+def read_commit(store: Store, step: int) -> dict | None:
+    try:
+        data = store.get(f"{step_dir(step)}/{COMMIT}")
+    except NotFoundError:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise CheckpointError(f"{store.uri}/{step_dir(step)}: commit record is not valid JSON") from None
+
+
+def committed_steps(store: Store) -> list[int]:
+    return [s for s in steps(store) if store.exists(f"{step_dir(s)}/{COMMIT}")]
+
+
+def latest_step(store: Store) -> int | None:
+    """The newest committed step; scans from the newest folder down, so it costs one listing and
+    usually one existence check."""
+    for s in reversed(steps(store)):
+        if store.exists(f"{step_dir(s)}/{COMMIT}"):
+            return s
+    return None
+
+
+def list_checkpoints(store: Store) -> list[CheckpointInfo]:
+    out = []
+    for s in steps(store):
+        commit = read_commit(store, s)
+        if commit is not None:
+            out.append(
+                CheckpointInfo(
+                    s, True, commit.get("world_size"), commit.get("bytes"), commit.get("time"), step_dir(s)
+                )
+            )
+            continue
+        ws = None
+        with contextlib.suppress(NotFoundError, ValueError):
+            ws = json.loads(store.get(f"{step_dir(s)}/{MANIFEST}")).get("world_size")
+        objs = list(store.list(f"{step_dir(s)}/"))
+        out.append(
+            CheckpointInfo(
+                s,
+                False,
+                ws,
+                sum(o.size for o in objs),
+                max((o.mtime for o in objs), default=None),
+                step_dir(s),
+            )
+        )
+    return out
+
+
+def where(store: Store, step: int) -> str:
+    return f"{store.uri.rstrip('/')}/{step_dir(step)}"
+
+
+def resolve_step(store: Store, step: int | None) -> int:
+    """``step`` if it is committed, the latest committed step if None; else a clear error."""
+    if step is None:
+        s = latest_step(store)
+        if s is None:
+            raise CheckpointNotFoundError(f"{store.uri}: no committed checkpoint")
+        return s
+    if store.exists(f"{step_dir(step)}/{COMMIT}"):
+        return step
+    if store.exists(f"{step_dir(step)}/{MANIFEST}") or any(True for _ in store.list(f"{step_dir(step)}/")):
+        raise CheckpointNotFoundError(f"{where(store, step)}: checkpoint is partial (never committed)")
+    raise CheckpointNotFoundError(f"{where(store, step)}: no such checkpoint")
+
+
+def load_manifest(store: Store, step: int | None = None) -> Manifest:
+    """The manifest of a committed checkpoint (the latest if ``step`` is None)."""
+    step = resolve_step(store, step)
+    try:
+        data = store.get(f"{step_dir(step)}/{MANIFEST}")
+    except NotFoundError:
+        raise CheckpointError(f"{where(store, step)}: committed but the manifest is missing") from None
+    m = Manifest.from_bytes(data, where(store, step))
+    if m.step != step:
+        raise CheckpointError(f"{where(store, step)}: manifest says step {m.step}")
+    return m
+
+
+def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: dict | None = None) -> bool:
+    """Write the commit record if every rank of ``attempt`` has written its done record.
+
+    Called by each rank (or daemon) after its own done record is durable. Returns True for the
+    one caller whose ``put_if_absent`` created the record. Listing after our own done record is
+    written guarantees the last finisher sees them all (object stores list what was written).
+    """
+    dones = list(store.list(done_prefix(step, attempt)))
+    if len(dones) < world_size:
+        return False
+    total = 0
+    objects = 0
+    for d in dones:
+        rec = json.loads(store.get(d.key))
+        total += rec.get("bytes", 0)
+        objects += rec.get("objects", 0)
+    record = {
+        "step": step,
+        "attempt": attempt,
+        "world_size": world_size,
+        "bytes": total,
+        "objects": objects,
+        "time": time.time(),
+        **(extra or {}),
+    }
+    return store.put_if_absent(f"{step_dir(step)}/{COMMIT}", dumps(record))
+
+
+def delete_checkpoint(store: Store, step: int) -> int:
+    """Delete one checkpoint folder. The commit record goes first, so a half-deleted checkpoint
+    reads as partial, never as a committed checkpoint with holes."""
+    store.delete(f"{step_dir(step)}/{COMMIT}")
+    return store.delete_prefix(f"{step_dir(step)}/")
+
+
+def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """Keep the newest ``keep_last`` committed checkpoints; delete older committed ones, and
+    partial ones older than the newest commit (they can no longer complete: one save is in flight
+    per job and a newer one committed). Never deletes the newest committed step, a step in
+    ``protect`` (being written), or any step newer than the newest commit. Returns deleted steps."""
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    all_steps = steps(store)
+    committed = [s for s in all_steps if store.exists(f"{step_dir(s)}/{COMMIT}")]
+    if not committed:
+        return []
+    keep = set(committed[-keep_last:]) | set(protect)
+    newest = committed[-1]
+    doomed = [s for s in all_steps if s < newest and s not in keep]
+    for s in doomed:
+        delete_checkpoint(store, s)
+    return doomed
+
+
+__all__ = [
+    "CheckpointInfo",
+    "DONE",
+    "committed_steps",
+    "delete_checkpoint",
+    "latest_step",
+    "list_checkpoints",
+    "load_manifest",
+    "resolve_step",
+    "retain",
+    "steps",
+    "try_commit",
+]

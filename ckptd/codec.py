@@ -1,0 +1,257 @@
+"""Zarr v3 array metadata and the byte layout of its chunks and shards.
+
+Every tensor of a checkpoint is one Zarr v3 array with the tensor's global shape. Two layouts:
+
+* **sharded** (``shard_shape != chunk_shape``): the regular chunk grid has one *shard* per saving
+  block, encoded with the ``sharding_indexed`` codec. A shard object is its inner chunks, each
+  ``bytes`` (little endian, C order) followed by its 4-byte ``crc32c``, then an index of
+  ``(offset, nbytes)`` uint64 pairs (C order over the inner-chunk grid) with its own ``crc32c``.
+  Inner chunks wholly outside the array are absent (offset = nbytes = 2**64-1). A rank writes its
+  shard whole, in one put, without reading anything; a reader fetches inner chunks by ranged GETs.
+* **plain** (``shard_shape == chunk_shape``): small tensors; each chunk object is ``bytes`` +
+  ``crc32c``.
+
+We encode these bytes ourselves rather than through tensorstore/zarr-python so the hot path goes
+through our own storage backends (one client, our retries, scatter-gather puts, ranged reads into
+preallocated memory) with no extra copy; tensorstore and zarr-python read what we write, and the
+tests hold us to that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+import ml_dtypes
+import numpy as np
+
+from ckptd.errors import CheckpointError, CorruptChunkError
+
+EMPTY = 2**64 - 1
+CRC_BYTES = 4
+
+# zarr v3 data_type name -> numpy dtype. bfloat16 is the zarr v3 extension name that tensorstore
+# reads; numpy knows it through ml_dtypes.
+_DTYPES: dict[str, np.dtype] = {
+    "bool": np.dtype(np.bool_),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "complex64": np.dtype(np.complex64),
+    "complex128": np.dtype(np.complex128),
+}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unsupported zarr data type {name!r}") from None
+
+
+def crc32c(data) -> int:
+    return _crc32c.crc32c(data)
+
+
+def crc_bytes(data) -> bytes:
+    return struct.pack("<I", _crc32c.crc32c(data))
+
+
+def _fill_value(dtype: str):
+    if dtype == "bool":
+        return False
+    if dtype.startswith(("float", "bfloat", "complex")):
+        return 0.0 if not dtype.startswith("complex") else [0.0, 0.0]
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayLayout:
+    """Where an array's bytes are: global shape, dtype, shard grid and inner chunk shape."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    shard_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.shard_shape) or len(self.shape) != len(self.chunk_shape):
+            raise ValueError(f"rank mismatch in {self}")
+        for s, c in zip(self.shard_shape, self.chunk_shape, strict=True):
+            if c <= 0 or s <= 0 or s % c:
+                raise ValueError(f"shard shape must be a positive multiple of chunk shape: {self}")
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_shape != self.chunk_shape
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return numpy_dtype(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return self.np_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def chunks_per_shard(self) -> tuple[int, ...]:
+        return tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape, strict=True))
+
+    @property
+    def grid_shape(self) -> tuple[int, ...]:
+        """Number of shards (objects) along each dimension."""
+        return tuple(-(-n // s) for n, s in zip(self.shape, self.shard_shape, strict=True))
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return math.prod(self.chunk_shape) * self.itemsize
+
+    @property
+    def index_nbytes(self) -> int:
+        return math.prod(self.chunks_per_shard) * 16 + CRC_BYTES
+
+    def shard_key(self, coord: Sequence[int]) -> str:
+        """The object key of a shard (or plain chunk) relative to the array's folder."""
+        return "/".join(["c", *map(str, coord)])
+
+    def shard_coords(self) -> Iterator[tuple[int, ...]]:
+        return itertools.product(*[range(g) for g in self.grid_shape])
+
+    def shard_box(self, coord: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(start, stop) of a shard clipped to the array."""
+        start = tuple(c * s for c, s in zip(coord, self.shard_shape, strict=True))
+        stop = tuple(min(b + s, n) for b, s, n in zip(start, self.shard_shape, self.shape, strict=True))
+        return start, stop
+
+    def metadata(self, attributes: dict | None = None) -> dict:
+        """The array's ``zarr.json``."""
+        inner = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+        if self.sharded:
+            codecs = [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(self.chunk_shape),
+                        "codecs": inner,
+                        "index_codecs": inner,
+                        "index_location": "end",
+                    },
+                }
+            ]
+        else:
+            codecs = inner
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.shard_shape)}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": _fill_value(self.dtype),
+            "codecs": codecs,
+            "attributes": attributes or {},
+        }
+
+    @classmethod
+    def from_metadata(cls, meta: dict) -> ArrayLayout:
+        """Parse a ``zarr.json`` that this module wrote (or one of the same form)."""
+        try:
+            shape = tuple(meta["shape"])
+            grid = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+            codecs = meta["codecs"]
+            if codecs[0]["name"] == "sharding_indexed":
+                chunk = tuple(codecs[0]["configuration"]["chunk_shape"])
+                inner = codecs[0]["configuration"]["codecs"]
+            else:
+                chunk, inner = grid, codecs
+            names = [c["name"] for c in inner]
+            if names != ["bytes", "crc32c"]:
+                raise CheckpointError(f"unsupported codec chain {names}")
+            return cls(shape, meta["data_type"], grid, chunk)
+        except (KeyError, IndexError, TypeError) as e:
+            raise CheckpointError(f"malformed zarr.json: {e!r}") from None
+
+
+def _padded(region: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if region.shape == shape:
+        return np.ascontiguousarray(region)
+    out = np.zeros(shape, dtype=region.dtype)
+    out[tuple(slice(0, n) for n in region.shape)] = region
+    return out
+
+
+def encode_shard(layout: ArrayLayout, coord: Sequence[int], block: np.ndarray) -> list:
+    """The buffers whose concatenation is the object of shard ``coord``.
+
+    ``block`` holds the shard's data clipped to the array (shape = shard box). Inner chunks that
+    are whole and contiguous in ``block`` are passed through as views (no copy); only chunks at
+    the array's edge are padded copies.
+    """
+    start, stop = layout.shard_box(coord)
+    expect = tuple(b - a for a, b in zip(start, stop, strict=True))
+    if block.shape != expect:
+        raise ValueError(f"shard {tuple(coord)} needs a block of shape {expect}, got {block.shape}")
+    if not layout.sharded:
+        data = _padded(block, layout.chunk_shape)
+        view = memoryview(data.reshape(-1).view(np.uint8))
+        return [view, crc_bytes(view)]
+    cps = layout.chunks_per_shard
+    index = np.full((*cps, 2), EMPTY, dtype="<u8")
+    bufs: list = []
+    offset = 0
+    for ci in itertools.product(*[range(n) for n in cps]):
+        lo = [i * c for i, c in zip(ci, layout.chunk_shape, strict=True)]
+        if any(a >= n for a, n in zip(lo, expect, strict=True)):
+            continue  # wholly outside the array: absent
+        region = block[tuple(slice(a, a + c) for a, c in zip(lo, layout.chunk_shape, strict=True))]
+        data = _padded(region, layout.chunk_shape)
+        view = memoryview(data.reshape(-1).view(np.uint8))
+        bufs.append(view)
+        bufs.append(crc_bytes(view))
+        index[ci] = (offset, view.nbytes + CRC_BYTES)
+        offset += view.nbytes + CRC_BYTES
+    ib = index.tobytes()
+    bufs.append(ib)
+    bufs.append(crc_bytes(ib))
+    return bufs
+
+
+def decode_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> np.ndarray:
+    """Check a chunk's crc32c and view it as an array of ``chunk_shape``. ``where`` names the
+    chunk in the error message."""
+    mv = memoryview(data)
+    if mv.nbytes != layout.chunk_nbytes + CRC_BYTES:
+        raise CorruptChunkError(
+            f"{where}: chunk has {mv.nbytes} bytes, expected {layout.chunk_nbytes + CRC_BYTES}"
+        )
+    body, tail = mv[:-CRC_BYTES], mv[-CRC_BYTES:]
+    if crc32c(body) != struct.unpack("<I", tail)[0]:
+        raise CorruptChunkError(f"{where}: crc32c mismatch (corrupt chunk)")
+    return np.frombuffer(body, dtype=layout.np_dtype).reshape(layout.chunk_shape)
+
+
+def decode_index(layout: ArrayLayout, data: bytes, where: str) -> np.ndarray:
+    """Check and parse a shard index: an array of shape ``chunks_per_shard + (2,)``."""
+    if len(data) != layout.index_nbytes:
+        raise CorruptChunkError(f"{where}: shard index has {len(data)} bytes, expected {layout.index_nbytes}")
+    body, tail = data[:-CRC_BYTES], data[-CRC_BYTES:]
+    if crc32c(body) != struct.unpack("<I", tail)[0]:
+        raise CorruptChunkError(f"{where}: crc32c mismatch in shard index (corrupt shard)")
+    return np.frombuffer(body, dtype="<u8").reshape((*layout.chunks_per_shard, 2))

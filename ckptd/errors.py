@@ -1,0 +1,23 @@
+"""Errors raised by ckptd. Every message names the checkpoint, the key and what differs."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be saved, found, read or applied.
+
+    Raised instead of a storage or torch exception so that callers catch one type; the message
+    is a single line meant for a human (the CLI prints it as is).
+    """
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The asked-for checkpoint does not exist, or is partial (never committed)."""
+
+
+class CorruptChunkError(CheckpointError):
+    """A chunk failed its crc32c check, or a shard is truncated or malformed."""
+
+
+class StateMismatchError(CheckpointError):
+    """The state being restored into does not match the checkpoint (keys, shapes, dtypes)."""

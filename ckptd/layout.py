@@ -1,0 +1,318 @@
+"""Pure resharding math: which rank writes which shard, and which chunks a reader needs.
+
+Nothing here touches torch.distributed or storage; inputs are global shapes and boxes, outputs
+are frozen dataclasses. Every rank runs the same functions on the same inputs and gets the same
+plan, so no plan is ever gathered or broadcast.
+
+Save: the saving blocks of a tensor (one per rank, from its DTensor placements) usually tile a
+regular grid (FSDP's ``torch.chunk`` split, even TP, their even 2-D products): the zarr shard
+grid is then that grid and each rank writes its own block as one shard object. Replicated blocks
+(DDP, an unsharded bias) are written by one replica, picked by a hash of the key so the writes
+spread over ranks; a large fully replicated tensor is split along dim 0 so every rank writes a
+part. Blocks that tile no regular grid (2-D FSDP x TP on an uneven dimension: 50257 rows over
+TP=2 x FSDP=2 gives 12565/12564/12564/12564) get the even grid ``ceil(n / blocks)`` and a list of
+boundary-row *transfers* between neighbours, so every shard still has exactly one writer that
+holds all of its rows before it writes.
+
+Restore: a reader intersects the box it needs with the shard grid and the inner-chunk grid;
+cost is O(chunks touched), never O(saving ranks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ckptd.codec import ArrayLayout
+
+MiB = 1 << 20
+TARGET_CHUNK_BYTES = 4 * MiB
+MIN_CHUNK_BYTES = 1 * MiB
+# A fully replicated tensor at least this large is split along dim 0 so that every replica
+# writes a part (DDP saves then use every rank's disk/network bandwidth).
+SPLIT_REPLICATED_BYTES = 8 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A hyper-rectangle [start, stop) of a tensor in global coordinates."""
+
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    @classmethod
+    def from_offset(cls, offset: Sequence[int], shape: Sequence[int]) -> Box:
+        return cls(tuple(offset), tuple(o + s for o, s in zip(offset, shape, strict=True)))
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> Box:
+        return cls(tuple(0 for _ in shape), tuple(shape))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(max(0, b - a) for a, b in zip(self.start, self.stop, strict=True))
+
+    @property
+    def volume(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def empty(self) -> bool:
+        return self.volume == 0
+
+    def intersect(self, other: Box) -> Box | None:
+        start = tuple(max(a, b) for a, b in zip(self.start, other.start, strict=True))
+        stop = tuple(min(a, b) for a, b in zip(self.stop, other.stop, strict=True))
+        box = Box(start, stop)
+        return None if box.empty else box
+
+    def contains_point(self, p: Sequence[int]) -> bool:
+        return all(a <= x < b for a, x, b in zip(self.start, p, self.stop, strict=True))
+
+    def relative_to(self, outer: Box) -> tuple[slice, ...]:
+        """Slices that select this box inside an array holding ``outer``."""
+        return tuple(slice(a - o, b - o) for a, b, o in zip(self.start, self.stop, outer.start, strict=True))
+
+
+def stable_hash(key: str) -> int:
+    return zlib.crc32(key.encode())
+
+
+# --------------------------------------------------------------------------------------- chunks
+
+
+def _divisors(n: int) -> list[int]:
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def choose_chunk_shape(
+    shard_shape: Sequence[int],
+    itemsize: int,
+    target: int = TARGET_CHUNK_BYTES,
+    floor: int = MIN_CHUNK_BYTES,
+) -> tuple[int, ...]:
+    """Inner chunk shape for a shard: a few MiB, dividing the shard exactly (tensorstore needs
+    the shard shape to be a multiple of the chunk shape), split along the leading dimensions so
+    that a chunk is a contiguous byte range of the shard's C-order buffer.
+
+    Among the divisors of the leading extent we take the largest whose chunk stays <= target;
+    if that is below ``floor`` (a prime extent has only 1 and itself) the smallest >= floor.
+    """
+    shard_shape = tuple(shard_shape)
+    if math.prod(shard_shape) * itemsize <= target + target // 2 or not shard_shape:
+        return shard_shape
+    chunk = list(shard_shape)
+    for d, n in enumerate(shard_shape):
+        row = math.prod(shard_shape[d + 1 :]) * itemsize
+        if row > target:
+            chunk[d] = 1
+            continue  # one slice along d is still too big: split the next dimension too
+        divs = _divisors(n)
+        under = [k for k in divs if k * row <= target]
+        best = under[-1] if under else 1
+        if best * row < floor:
+            over = [k for k in divs if k * row >= floor]
+            best = over[0] if over else n
+        chunk[d] = best
+        break
+    return tuple(chunk)
+
+
+# ---------------------------------------------------------------------------------- write plans
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Rows ``box`` (global coordinates) travel from rank ``src`` to rank ``dst`` before the save,
+    because ``dst`` writes the shard that holds them."""
+
+    src: int
+    dst: int
+    box: Box
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """The zarr layout of one tensor and who writes each of its shards."""
+
+    layout: ArrayLayout
+    writers: dict[tuple[int, ...], int]  # shard coordinate -> rank
+    transfers: tuple[Transfer, ...] = ()
+    _by_rank: dict[int, list[tuple[int, ...]]] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        for coord, rank in self.writers.items():
+            self._by_rank.setdefault(rank, []).append(coord)
+
+    def shards_of(self, rank: int) -> list[tuple[int, ...]]:
+        return self._by_rank.get(rank, [])
+
+    @property
+    def regular(self) -> bool:
+        return not self.transfers
+
+
+def _interval_grid(intervals: set[tuple[int, int]], extent: int) -> int | None:
+    """The step ``s`` if the non-empty intervals are exactly the cells of the grid with step s
+    covering [0, extent), else None."""
+    if not intervals:
+        return None
+    s = max(b - a for a, b in intervals)
+    cells = {(k * s, min(k * s + s, extent)) for k in range(-(-extent // s))}
+    return s if intervals == cells else None
+
+
+def plan_writes(
+    key: str,
+    shape: Sequence[int],
+    itemsize: int,
+    dtype: str,
+    blocks: Sequence[Box],
+    *,
+    target_chunk: int = TARGET_CHUNK_BYTES,
+    min_chunk: int = MIN_CHUNK_BYTES,
+    split_replicated: int = SPLIT_REPLICATED_BYTES,
+) -> WritePlan:
+    """Plan the write of one tensor. ``blocks[r]`` is the box rank ``r`` holds (its DTensor local
+    block; the full box for a replicated tensor). Deterministic in its inputs."""
+    shape = tuple(shape)
+    ndim = len(shape)
+    if math.prod(shape) == 0:  # empty tensor: metadata only
+        grid = tuple(max(1, n) for n in shape)
+        return WritePlan(ArrayLayout(shape, dtype, grid, grid), {})
+
+    replicas: dict[Box, list[int]] = {}
+    for rank, b in enumerate(blocks):
+        if not b.empty:
+            replicas.setdefault(b, []).append(rank)
+    if not replicas:
+        raise ValueError(f"{key}: no rank holds any data of this tensor")
+    h = stable_hash(key)
+
+    def mk(shard_shape: tuple[int, ...]) -> ArrayLayout:
+        return ArrayLayout(
+            shape, dtype, shard_shape, choose_chunk_shape(shard_shape, itemsize, target_chunk, min_chunk)
+        )
+
+    def pick(box: Box, salt: int = 0) -> int:
+        ranks = replicas[box]
+        return ranks[(h + salt) % len(ranks)]
+
+    full = Box.full(shape)
+    if list(replicas) == [full]:
+        ranks = replicas[full]
+        nbytes = math.prod(shape) * itemsize
+        if ndim and len(ranks) > 1 and nbytes >= split_replicated and shape[0] > 1:
+            s0 = -(-shape[0] // min(len(ranks), shape[0]))
+            shard_shape = (s0, *shape[1:])
+            nsh = -(-shape[0] // s0)
+            writers = {(i, *([0] * (ndim - 1))): ranks[(h + i) % len(ranks)] for i in range(nsh)}
+        else:
+            shard_shape = shape
+            writers = {tuple([0] * ndim): pick(full)}
+        layout = mk(shard_shape)
+        return WritePlan(layout, writers)
+
+    steps = []
+    for d in range(ndim):
+        ivs = {(b.start[d], b.stop[d]) for b in replicas}
+        steps.append(_interval_grid(ivs, shape[d]))
+    regular = all(s is not None for s in steps) and len(replicas) == math.prod(
+        -(-n // s) for n, s in zip(shape, steps, strict=True)
+    )
+    if regular:
+        shard_shape = tuple(steps)
+        writers = {tuple(b.start[d] // shard_shape[d] for d in range(ndim)): pick(b) for b in replicas}
+        layout = mk(shard_shape)
+        return WritePlan(layout, writers)
+
+    # Irregular: an even grid over each dimension, and transfers of the rows that a shard's
+    # writer lacks from the ranks that hold them.
+    shard_shape = []
+    for d in range(ndim):
+        ivs = {(b.start[d], b.stop[d]) for b in replicas}
+        shard_shape.append(steps[d] if steps[d] is not None else -(-shape[d] // len(ivs)))
+    shard_shape = tuple(shard_shape)
+    layout = mk(shard_shape)
+    boxes = sorted(replicas, key=lambda b: b.start)
+    writers: dict[tuple[int, ...], int] = {}
+    transfers: list[Transfer] = []
+    for coord in layout.shard_coords():
+        cell = Box(*layout.shard_box(coord))
+        owner = next((b for b in boxes if b.contains_point(cell.start)), None)
+        pieces = [(b, p) for b in boxes if (p := b.intersect(cell)) is not None]
+        if owner is None or sum(p.volume for _, p in pieces) != cell.volume:
+            raise ValueError(f"{key}: saving blocks do not tile the tensor of shape {shape}")
+        dst = writers[coord] = pick(owner)
+        transfers += [Transfer(pick(b), dst, p) for b, p in pieces if b != owner]
+    return WritePlan(layout, writers, tuple(transfers))
+
+
+# ----------------------------------------------------------------------------------- read plans
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRead:
+    """The inner chunks of one shard that intersect a wanted box."""
+
+    shard: tuple[int, ...]
+    chunks: tuple[tuple[int, ...], ...]  # coordinates inside the shard's chunk grid
+
+
+def _range(lo: int, hi: int, step: int) -> range:
+    return range(lo // step, -(-hi // step))
+
+
+def plan_reads(layout: ArrayLayout, want: Box) -> list[ShardRead]:
+    """Shards and inner chunks to fetch to fill ``want``. O(chunks touched)."""
+    if want.empty:
+        return []
+    out = []
+    shard_ranges = [
+        _range(a, b, s) for a, b, s in zip(want.start, want.stop, layout.shard_shape, strict=True)
+    ]
+    for shard in _product(shard_ranges):
+        s_start, s_stop = layout.shard_box(shard)
+        local = Box(s_start, s_stop).intersect(want)
+        if local is None:
+            continue
+        chunk_ranges = [
+            _range(a - o, b - o, c)
+            for a, b, o, c in zip(local.start, local.stop, s_start, layout.chunk_shape, strict=True)
+        ]
+        out.append(ShardRead(shard, tuple(_product(chunk_ranges))))
+    return out
+
+
+def chunk_box(layout: ArrayLayout, shard: Sequence[int], chunk: Sequence[int]) -> Box:
+    """Global box of an inner chunk, clipped to the array."""
+    start = tuple(
+        s * ss + c * cs
+        for s, ss, c, cs in zip(shard, layout.shard_shape, chunk, layout.chunk_shape, strict=True)
+    )
+    stop = tuple(min(a + cs, n) for a, cs, n in zip(start, layout.chunk_shape, layout.shape, strict=True))
+    return Box(start, stop)
+
+
+def read_cost(layout: ArrayLayout, want: Box) -> tuple[int, int]:
+    """(bytes fetched, objects touched) to fill ``want``: what ``ckptd reshard`` reports."""
+    nbytes = objects = 0
+    for sr in plan_reads(layout, want):
+        objects += 1
+        nbytes += len(sr.chunks) * (layout.chunk_nbytes + 4)
+    return nbytes, objects
+
+
+def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
+    return itertools.product(*ranges)  # product() of nothing is one empty tuple: a 0-d array

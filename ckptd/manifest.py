@@ -1,0 +1,176 @@
+"""The checkpoint folder: its names, the manifest, done records and the commit record.
+
+::
+
+    <job root>/
+      step_0000000100/
+        manifest.json          tensor table + non-tensor state (rank 0 writes it, before its done record)
+        zarr.json              a zarr v3 group, so zarr tools can open the folder
+        arrays/<key>/zarr.json one zarr v3 array per tensor, global shape
+        arrays/<key>/c/...     shards (one per saving block) or plain chunks
+        _done/<attempt>/rank_00003.json   rank 3 finished: its data is durable (+ its RNG state)
+        commit.json            written last, once, with put_if_absent: the checkpoint exists
+
+A folder without ``commit.json`` is partial: nothing restores it, ``ls`` shows it as partial.
+The commit protocol needs no process group: each rank writes its data, then its done record,
+then lists the done records of its attempt; a rank that sees all of them writes ``commit.json``
+with ``put_if_absent``, so exactly one commit happens even when ranks (or daemons) race.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, unquote
+
+from ckptd import FORMAT_VERSION
+from ckptd.codec import ArrayLayout
+from ckptd.errors import CheckpointError
+
+STEP_RE = re.compile(r"^step_(\d{10,})$")
+MANIFEST = "manifest.json"
+COMMIT = "commit.json"
+GROUP = "zarr.json"
+ARRAYS = "arrays"
+DONE = "_done"
+PLANS = "_plans"
+
+
+def step_dir(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+    return f"step_{step:010d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = STEP_RE.match(name.rstrip("/"))
+    return int(m.group(1)) if m else None
+
+
+def done_key(step: int, attempt: str, rank: int) -> str:
+    return f"{step_dir(step)}/{DONE}/{attempt}/rank_{rank:06d}.json"
+
+
+def done_prefix(step: int, attempt: str) -> str:
+    return f"{step_dir(step)}/{DONE}/{attempt}/"
+
+
+def escape_component(c: str) -> str:
+    """One path component of a state key, safe as a file name and an S3 key part."""
+    if c == "":
+        return "%EMPTY"
+    q = quote(c, safe="")
+    return q.replace(".", "%2E") if q in (".", "..") else q
+
+
+def unescape_component(c: str) -> str:
+    return "" if c == "%EMPTY" else unquote(c)
+
+
+def key_of(path: tuple[str, ...]) -> str:
+    """The array key of a state path (``("model", "fc.weight")`` -> ``"model/fc.weight"``)."""
+    return "/".join(escape_component(p) for p in path)
+
+
+def array_path(key: str) -> str:
+    """The array's folder relative to the checkpoint folder."""
+    return f"{ARRAYS}/{key}"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    layout: ArrayLayout
+    placements: str = ""  # how it was sharded at save, for humans (``ckptd show``)
+
+    @property
+    def path(self) -> str:
+        return array_path(self.key)
+
+    def to_json(self) -> dict:
+        return {
+            "key": self.key,
+            "path": self.path,
+            "shape": list(self.layout.shape),
+            "dtype": self.layout.dtype,
+            "shard_shape": list(self.layout.shard_shape),
+            "chunk_shape": list(self.layout.chunk_shape),
+            "nbytes": self.layout.nbytes,
+            "placements": self.placements,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> TensorEntry:
+        layout = ArrayLayout(tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["chunk_shape"]))
+        return cls(d["key"], layout, d.get("placements", ""))
+
+
+@dataclass
+class Manifest:
+    step: int
+    world_size: int
+    tensors: dict[str, TensorEntry]
+    state: dict[str, Any]  # jsonenc-encoded tree of the non-tensor state, with $tensor refs
+    attempt: str = ""
+    created: float = field(default_factory=time.time)
+    layout: dict[str, Any] = field(default_factory=dict)  # how the job was laid out at save
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.layout.nbytes for t in self.tensors.values())
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "format": "ckptd",
+                "format_version": self.format_version,
+                "step": self.step,
+                "world_size": self.world_size,
+                "attempt": self.attempt,
+                "created": self.created,
+                "layout": self.layout,
+                "tensors": [t.to_json() for t in self.tensors.values()],
+                "state": self.state,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Manifest:
+        try:
+            d = json.loads(data)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
+        if not isinstance(d, dict) or d.get("format") != "ckptd":
+            raise CheckpointError(f"{where}: not a ckptd manifest")
+        if d.get("format_version", 0) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where}: format version {d['format_version']} is newer than this ckptd "
+                f"({FORMAT_VERSION}); upgrade ckptd"
+            )
+        try:
+            tensors = {t["key"]: TensorEntry.from_json(t) for t in d["tensors"]}
+            return cls(
+                step=d["step"],
+                world_size=d["world_size"],
+                tensors=tensors,
+                state=d["state"],
+                attempt=d.get("attempt", ""),
+                created=d.get("created", 0.0),
+                layout=d.get("layout", {}),
+                format_version=d["format_version"],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: malformed manifest ({e!r})") from None
+
+
+def group_metadata(attributes: dict | None = None) -> bytes:
+    return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}).encode()
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

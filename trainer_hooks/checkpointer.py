@@ -1,0 +1,243 @@
+"""``Checkpointer``: save and restore a training job's state at any world size.
+
+Order of calls, on every rank of the job (``save`` and ``restore`` are collective)::
+
+    ckpt = Checkpointer("s3://bucket/job")      # collective when torch.distributed is up
+    got = ckpt.restore(state)                    # None on a fresh job root
+    for step in ...:
+        train_step()
+        fut = ckpt.save(step, state)            # blocks only for the snapshot copy
+    ckpt.close()                                # waits for the last commit
+
+Concurrency contract: one training thread calls the public methods; a background writer thread
+(or the ``ckptd serve`` daemon) persists snapshots. At most one save is in flight: a new
+``save`` first waits for the previous one, so host memory holds one snapshot, never a pile.
+Parameters may change the moment ``save`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ckptd import catalog
+from ckptd import manifest as mf
+from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from storage_backends import StorageError, Store, open_store
+from trainer_hooks import rng
+from trainer_hooks.coord import Coordinator
+from trainer_hooks.flatten import flatten
+from trainer_hooks.restore import restore_state
+from trainer_hooks.snapshot import Planner, Stager, take
+from trainer_hooks.writer import BackgroundWriter
+
+log = logging.getLogger("ckptd")
+
+
+def _io_threads() -> int:
+    return int(os.environ.get("CKPTD_IO_THREADS", "16"))
+
+
+class Checkpointer:
+    """Saves and restores ``state`` dicts under one job root URI.
+
+    ``daemon``: None persists from a background thread of this process; ``"http://host:port"``
+    hands each snapshot to a running ``ckptd serve``, which persists and commits it even if this
+    process dies right after ``save`` returned. ``keep_last``: retention, applied after each
+    commit (never deletes the newest committed checkpoint or one being written).
+    """
+
+    def __init__(
+        self,
+        root_uri: str,
+        daemon: str | None = None,
+        keep_last: int | None = None,
+        *,
+        process_group=None,
+        commit_timeout: float = 1800.0,
+    ):
+        if keep_last is not None and keep_last < 1:
+            raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+        try:
+            self.store: Store = open_store(root_uri)
+        except (StorageError, ValueError) as e:
+            raise CheckpointError(str(e)) from None
+        self.root_uri = root_uri
+        self.keep_last = keep_last
+        self.coord = Coordinator(process_group)
+        self.rank, self.world_size = self.coord.rank, self.coord.world_size
+        self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
+        self._stager = Stager()
+        self._planner = Planner()
+        self._inflight: Future | None = None
+        self._unreported: list[tuple[int, BaseException]] = []
+        self._closed = False
+        self.last_save_blocked_s = 0.0
+        if daemon is None:
+            self._sink = BackgroundWriter(self.store, self._io, keep_last, commit_timeout)
+        else:
+            from trainer_hooks.daemon_client import DaemonSink
+
+            self._sink = DaemonSink(daemon, root_uri, self.rank, keep_last)
+
+    # ------------------------------------------------------------------------------ save
+
+    def save(self, step: int, state: dict[str, Any]) -> Future:
+        """Snapshot ``state`` at ``step`` and persist it in the background. Collective.
+
+        Returns once the snapshot is in host memory; the future resolves when the checkpoint is
+        committed and raises its error if it is not. Raises at once if the previous save failed
+        and nobody looked at its future, so failures never pass silently.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        mf.step_dir(step)  # validates the step
+        self._wait_inflight()
+        self._raise_unreported()
+        attempt = self._begin(step)
+        flat = flatten(state)
+        job, entries = take(flat, step, attempt, self.rank, self.world_size, self._stager, self._planner)
+        job.done["rng"] = _encode_rng()
+        if self.rank == 0:
+            m = mf.Manifest(
+                step=step,
+                world_size=self.world_size,
+                tensors=entries,
+                state=flat.tree,
+                attempt=attempt,
+                layout={"world_size": self.world_size},
+            )
+            job.metadata += _group_nodes(entries, step)
+            job.metadata.append((mf.MANIFEST, m.to_bytes()))
+        fut = self._sink.submit(job)
+        fut.add_done_callback(lambda f, s=step: self._note_failure(s, f))
+        self._inflight = fut
+        self.last_save_blocked_s = time.perf_counter() - t0
+        return fut
+
+    def _begin(self, step: int) -> str:
+        """Agree on the step and a fresh attempt id; clear a stale partial folder of this step.
+
+        Done records are per attempt, so leftovers of a crashed earlier attempt at the same step
+        can never complete this one's commit."""
+        err = None
+        attempt = uuid.uuid4().hex[:12]
+        if self.rank == 0:
+            try:
+                if self.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+                    err = f"{catalog.where(self.store, step)}: step {step} is already committed; refusing to overwrite"
+                elif any(True for _ in self.store.list(f"{mf.step_dir(step)}/")):
+                    log.warning("removing stale partial checkpoint %s", catalog.where(self.store, step))
+                    self.store.delete_prefix(f"{mf.step_dir(step)}/")
+            except StorageError as e:
+                err = f"{catalog.where(self.store, step)}: {e}"
+        lo_hi = self.coord.all_max([step, -step])
+        if lo_hi[0] != -lo_hi[1]:
+            err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"
+        msg = self.coord.agree(err)
+        if msg is not None:
+            raise CheckpointError(msg)
+        return self.coord.broadcast(attempt)
+
+    def _note_failure(self, step: int, fut: Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("save of step %d failed: %s", step, fut.exception())
+            self._unreported.append((step, fut.exception()))
+
+    def _raise_unreported(self) -> None:
+        if self._unreported:
+            step, exc = self._unreported[0]
+            self._unreported.clear()
+            raise CheckpointError(f"an earlier save (step {step}) failed: {exc}") from exc
+
+    def _wait_inflight(self) -> None:
+        fut, self._inflight = self._inflight, None
+        if fut is not None:
+            try:
+                fut.result()
+            except BaseException:  # noqa: BLE001 - recorded by _note_failure, raised by the caller
+                pass
+
+    def wait(self) -> None:
+        """Block until every save started so far is committed; raise the first failure."""
+        self._wait_inflight()
+        self._raise_unreported()
+
+    # --------------------------------------------------------------------------- restore
+
+    def restore(self, state: dict[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
+        """Restore ``state`` in place from ``step`` (the latest committed if None). Collective.
+
+        Returns the restored step, or None if the job root has no committed checkpoint. On any
+        error every rank raises ``CheckpointError`` and ``state`` is left as it was.
+        ``strict=False`` skips keys present on only one side instead of failing.
+        """
+        self._check_open()
+        self.wait()
+        return restore_state(self.store, self.coord, state, step, strict, self._io)
+
+    def latest_step(self) -> int | None:
+        try:
+            return catalog.latest_step(self.store)
+        except StorageError as e:
+            raise CheckpointError(str(e)) from None
+
+    # ----------------------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Wait for outstanding saves, then release buffers and threads."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._sink.shutdown()
+            self._io.shutdown(wait=True)
+            self._stager.release()
+            self.store.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("Checkpointer is closed")
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host memory held by reusable snapshot buffers."""
+        return self._stager.nbytes
+
+
+def _encode_rng() -> Any:
+    from ckptd import jsonenc
+
+    return jsonenc.encode(rng.capture())
+
+
+def _group_nodes(entries: dict[str, mf.TensorEntry], step: int) -> list[tuple[str, bytes]]:
+    """zarr.json of the checkpoint folder and of every intermediate group, so zarr tools can walk
+    the hierarchy from the folder down to each array."""
+    groups = {""}
+    for key in entries:
+        parts = mf.array_path(key).split("/")
+        for i in range(1, len(parts)):
+            groups.add("/".join(parts[:i]))
+    out = []
+    for g in sorted(groups):
+        attrs = {"ckptd": {"step": step, "format_version": mf.FORMAT_VERSION}} if g == "" else {}
+        out.append((f"{g}/zarr.json" if g else "zarr.json", mf.group_metadata(attrs)))
+    return out
+
+
+__all__ = ["Checkpointer", "CheckpointError", "CheckpointNotFoundError"]

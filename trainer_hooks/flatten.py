@@ -1,0 +1,200 @@
+"""Turn a user's ``state`` dict into array keys + a JSON tree, and back.
+
+Modules and optimizers go through ``torch.distributed.checkpoint.state_dict`` so every wrapper
+(DDP, FSDP2, TP, 2-D) yields the same FQN-keyed, DTensor-sharded view; we never reach into FSDP
+internals. Any object with ``state_dict``/``load_state_dict`` is stored through those. Every
+tensor met becomes a zarr array named by its path (``model/layers.0.weight``,
+``optim/state/layers.0.weight/exp_avg``); everything else is typed JSON (``ckptd.jsonenc``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ckptd import jsonenc
+from ckptd.errors import CheckpointError
+from ckptd.manifest import key_of
+
+MODULE, OPTIMIZER, STATEFUL, TENSOR, DICT, VALUE = (
+    "module",
+    "optimizer",
+    "stateful",
+    "tensor",
+    "dict",
+    "value",
+)
+
+_TORCH_TO_ZARR = {
+    torch.bool: "bool",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+}
+_ZARR_TO_TORCH = {v: k for k, v in _TORCH_TO_ZARR.items()}
+
+
+def zarr_dtype(dtype: torch.dtype, key: str = "") -> str:
+    try:
+        return _TORCH_TO_ZARR[dtype]
+    except KeyError:
+        raise CheckpointError(f"key {key!r}: tensors of dtype {dtype} cannot be stored") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _ZARR_TO_TORCH[name]
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of a contiguous CPU tensor (bfloat16 through ml_dtypes)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+@dataclass
+class Flat:
+    """``tensors``: array key -> tensor (DTensor or plain), in state order; ``tree``: per
+    top-level name, ``{"kind": ..., "data": <jsonenc tree with $tensor refs>}``."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tree: dict[str, dict] = field(default_factory=dict)
+
+
+def _model_of(optim: torch.optim.Optimizer, state: dict, name: str) -> torch.nn.Module:
+    ids = {id(p) for g in optim.param_groups for p in g["params"]}
+    for v in state.values():
+        if isinstance(v, torch.nn.Module) and any(id(p) in ids for p in v.parameters()):
+            return v
+    raise CheckpointError(
+        f"key {name!r}: optimizer's parameters belong to no torch.nn.Module in the state; "
+        "put the model in the same state dict"
+    )
+
+
+def flatten(state: dict[str, Any]) -> Flat:
+    if not isinstance(state, dict):
+        raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
+    flat = Flat()
+
+    def on_tensor(path: tuple[str, ...], t: torch.Tensor) -> str:
+        key = key_of(path)
+        if key in flat.tensors:
+            raise CheckpointError(f"key {key!r} appears twice in the state")
+        zarr_dtype(t.dtype, key)
+        flat.tensors[key] = t
+        return key
+
+    for name, v in state.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"top-level state keys must be non-empty strings, got {name!r}")
+        if isinstance(v, torch.nn.Module):
+            kind, data = MODULE, get_model_state_dict(v)
+        elif isinstance(v, torch.optim.Optimizer):
+            kind, data = OPTIMIZER, get_optimizer_state_dict(_model_of(v, state, name), v)
+        elif isinstance(v, torch.Tensor):
+            kind, data = TENSOR, v
+        elif callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
+            kind, data = STATEFUL, v.state_dict()
+        elif isinstance(v, dict):
+            kind, data = DICT, v
+        else:
+            kind, data = VALUE, v
+        if kind in (MODULE, OPTIMIZER):  # FQNs are one path component each
+            enc = _encode_fqn_tree(kind, data, name, on_tensor)
+        else:
+            enc = jsonenc.encode(data, on_tensor, (name,))
+        flat.tree[name] = {"kind": kind, "data": enc}
+    return flat
+
+
+def _encode_fqn_tree(kind, data, name, on_tensor):
+    if kind == MODULE:
+        return {fqn: jsonenc.encode(t, on_tensor, (name, fqn)) for fqn, t in data.items()}
+    return {
+        "state": {
+            fqn: {k: jsonenc.encode(v, on_tensor, (name, "state", fqn, k)) for k, v in s.items()}
+            for fqn, s in data.get("state", {}).items()
+        },
+        "param_groups": jsonenc.encode(data.get("param_groups", []), on_tensor, (name, "param_groups")),
+    }
+
+
+def apply(state: dict[str, Any], saved_tree: dict[str, dict], loaded: dict[str, torch.Tensor], strict: bool):
+    """Load decoded values into ``state``. ``loaded[key]`` is the restored tensor for each array
+    key (already sharded like the live one). Keys absent from ``loaded`` were skipped
+    (non-strict); entries that refer to them are dropped."""
+
+    def tensor(key: str):
+        return loaded.get(key, _MISSING)
+
+    opts = StateDictOptions(strict=strict)
+    for name, v in state.items():
+        entry = saved_tree.get(name)
+        if entry is None:
+            continue  # validated by the caller: only reachable when not strict
+        data = _drop_missing(jsonenc.decode(entry["data"], tensor))
+        kind = entry["kind"]
+        if isinstance(v, torch.nn.Module):
+            set_model_state_dict(v, data, options=opts)
+        elif isinstance(v, torch.optim.Optimizer):
+            set_optimizer_state_dict(_model_of(v, state, name), v, data, options=opts)
+        elif isinstance(v, torch.Tensor):
+            if isinstance(data, torch.Tensor):
+                _copy_into(v, data)
+        elif kind == STATEFUL:
+            v.load_state_dict(data)
+        elif isinstance(v, dict) and isinstance(data, dict):
+            _merge_into(v, data)
+        else:
+            state[name] = data
+
+
+_MISSING = object()  # stands for a saved tensor that the live state does not have (non-strict)
+
+
+def _drop_missing(x):
+    if isinstance(x, dict):
+        return {k: _drop_missing(v) for k, v in x.items() if v is not _MISSING}
+    if isinstance(x, list):
+        return [_drop_missing(v) for v in x]
+    return None if x is _MISSING else x
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    from trainer_hooks.sharding import local_tensor
+
+    with torch.no_grad():
+        local_tensor(dst).copy_(local_tensor(src))
+
+
+def _merge_into(target: dict, data: dict) -> None:
+    """Update a user dict in place: tensors are copied into the existing tensors (so references
+    the user holds stay valid), nested dicts merged, other values replaced."""
+    for k, v in data.items():
+        cur = target.get(k)
+        if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
+            _copy_into(cur, v)
+        elif isinstance(cur, dict) and isinstance(v, dict):
+            _merge_into(cur, v)
+        else:
+            target[k] = v

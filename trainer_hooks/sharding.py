@@ -1,0 +1,119 @@
+"""Where a tensor's local data sits in its global tensor, for every rank.
+
+The one place that touches torch's private ``_compute_local_shape_and_global_offset``: it gives
+the box of a DTensor's local block for any mesh coordinate (FSDP2 ``torch.chunk`` splits, uneven
+shards, ``_StridedShard`` for FSDP x TP on one dimension). ``tests/unit/test_sharding.py`` pins
+its behaviour so a torch upgrade that changes it fails loudly instead of writing wrong boxes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from ckptd.errors import CheckpointError
+from ckptd.layout import Box
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - torch >= 2.6 has both
+    DTensor = None
+    _compute_local_shape_and_global_offset = None
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one tensor is laid out across the job.
+
+    ``signature`` identifies the layout (global shape, mesh, placements) so plans can be cached
+    across saves; ``blocks()`` is every global rank's box, O(world size), computed once per
+    distinct signature.
+    """
+
+    global_shape: tuple[int, ...]
+    local_box: Box
+    signature: tuple
+    placements: str
+
+    def blocks(self) -> list[Box]:
+        return list(_blocks(self.signature))
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def sharding_of(t: torch.Tensor) -> Sharding:
+    rank, ws = world()
+    if not is_dtensor(t):
+        shape = tuple(t.shape)
+        sig = ("replicated", shape, ws)
+        return Sharding(shape, Box.full(shape), sig, "replicated" if ws > 1 else "")
+    mesh = t.device_mesh
+    shape = tuple(t.shape)
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    sig = ("dtensor", shape, tuple(mesh.mesh.shape), ranks, tuple(t.placements), ws)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        box = Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+    else:
+        box = _box(shape, tuple(mesh.mesh.shape), tuple(coord), tuple(t.placements))
+        if tuple(box.shape) != tuple(t.to_local().shape):
+            raise CheckpointError(
+                f"DTensor local shape {tuple(t.to_local().shape)} differs from the computed block "
+                f"{box.shape} for placements {t.placements}: unsupported layout"
+            )
+    if any(type(p).__name__ == "_StridedShard" for p in t.placements):
+        _check_tiling(sig)
+    return Sharding(shape, box, sig, ",".join(str(p) for p in t.placements))
+
+
+def _box(shape, mesh_shape, coord, placements) -> Box:
+    local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+    if not offset:
+        offset = tuple(0 for _ in shape)
+    return Box.from_offset(offset, local)
+
+
+@lru_cache(maxsize=4096)
+def _blocks(sig: tuple) -> tuple[Box, ...]:
+    if sig[0] == "replicated":
+        _, shape, ws = sig
+        return tuple(Box.full(shape) for _ in range(ws))
+    _, shape, mesh_shape, ranks, placements, ws = sig
+    empty = Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+    out = [empty] * ws
+    for flat, coord in enumerate(itertools.product(*[range(n) for n in mesh_shape])):
+        out[ranks[flat]] = _box(shape, mesh_shape, coord, placements)
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _check_tiling(sig: tuple) -> None:
+    """Strided placements can make a local block non-contiguous in the global tensor; we store
+    boxes, so insist that the distinct blocks tile the tensor exactly."""
+    boxes = set(_blocks(sig))
+    total = 1
+    for n in sig[1]:
+        total *= n
+    boxes.discard(Box(tuple(0 for _ in sig[1]), tuple(0 for _ in sig[1])))
+    if sum(b.volume for b in boxes) != total:
+        raise CheckpointError(
+            f"placements {sig[4]} give local blocks that are not contiguous boxes of the global "
+            f"tensor {sig[1]}; this layout is not supported yet"
+        )

@@ -1,0 +1,180 @@
+"""Taking a snapshot: plan who writes what, and copy it into reusable host buffers.
+
+This is the only part of a save that blocks training. For each tensor, the rank copies exactly
+the shards it will write (its own block for FSDP/TP; its share of a replicated tensor) into
+buffers that are allocated once and reused by every later save (pinned, and filled on a side
+CUDA stream, when the tensor is on a GPU). Shards whose rows straddle ranks (the irregular 2-D
+case, see ``ckptd.layout``) receive the missing rows from their neighbours here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ckptd import manifest as mf
+from ckptd.codec import ArrayLayout
+from ckptd.layout import Box, WritePlan, plan_writes
+from trainer_hooks.flatten import Flat, zarr_dtype
+from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
+
+
+@dataclass
+class ShardWrite:
+    key: str
+    layout: ArrayLayout
+    coord: tuple[int, ...]
+    buffer: torch.Tensor  # host copy of the shard's data clipped to the array
+
+    @property
+    def object_key(self) -> str:
+        return f"{mf.array_path(self.key)}/{self.layout.shard_key(self.coord)}"
+
+
+@dataclass
+class SaveJob:
+    """Everything a writer needs to persist one rank's part of one checkpoint."""
+
+    step: int
+    attempt: str
+    rank: int
+    world_size: int
+    shards: list[ShardWrite] = field(default_factory=list)
+    metadata: list[tuple[str, bytes]] = field(default_factory=list)  # (key in folder, bytes)
+    done: dict = field(default_factory=dict)  # extra fields of this rank's done record
+    ready: object = None  # a CUDA event to wait for before reading the buffers, or None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.buffer.nbytes for s in self.shards)
+
+
+class Stager:
+    """Reusable host buffers, one per (array key, shard). Not thread-safe: the training thread
+    owns it, and a new save only starts after the previous one is persisted."""
+
+    def __init__(self):
+        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._stream = None
+
+    def buffer(
+        self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool
+    ) -> torch.Tensor:
+        buf = self._buffers.get((key, coord))
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+            buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            self._buffers[(key, coord)] = buf
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+
+class Planner:
+    """Caches write plans across saves: the layout of a job rarely changes."""
+
+    def __init__(self):
+        self._cache: dict[tuple, WritePlan] = {}
+
+    def plan(self, key: str, t: torch.Tensor, sh: Sharding) -> WritePlan:
+        dtype = zarr_dtype(t.dtype, key)
+        ck = (key, sh.signature, dtype)
+        plan = self._cache.get(ck)
+        if plan is None:
+            plan = plan_writes(key, sh.global_shape, t.element_size(), dtype, sh.blocks())
+            self._cache[ck] = plan
+        return plan
+
+
+def take(
+    flat: Flat, step: int, attempt: str, rank: int, world_size: int, stager: Stager, planner: Planner
+) -> tuple[SaveJob, dict[str, mf.TensorEntry]]:
+    """Copy this rank's shards into host buffers and describe the writes. Collective only when
+    some tensor needs boundary rows from another rank (irregular 2-D layouts)."""
+    job = SaveJob(step, attempt, rank, world_size)
+    entries: dict[str, mf.TensorEntry] = {}
+    # (tag, "send"|"recv", peer, tensor, where to put received rows). Tags number the transfers
+    # of all tensors in state order, which every rank walks identically, so both ends agree.
+    p2p: list[tuple[int, str, int, torch.Tensor, tuple | None]] = []
+    n_transfers = 0
+    cuda_used = False
+    for key, t in flat.tensors.items():
+        sh = sharding_of(t)
+        plan = planner.plan(key, t, sh)
+        entries[key] = mf.TensorEntry(key, plan.layout, sh.placements)
+        writers = plan.writers
+        meta_writer = writers[next(iter(writers))] if writers else 0
+        if meta_writer == rank:
+            job.metadata.append((f"{mf.array_path(key)}/zarr.json", mf.dumps(plan.layout.metadata())))
+        local = local_tensor(t).detach()
+        on_cuda = local.is_cuda
+        cuda_used |= on_cuda
+        bufs: dict[tuple[int, ...], tuple[torch.Tensor, Box]] = {}
+        for coord in plan.shards_of(rank):
+            box = Box(*plan.layout.shard_box(coord))
+            buf = stager.buffer(key, coord, box.shape, t.dtype, pin=on_cuda)
+            own = box.intersect(sh.local_box)
+            if own is not None:
+                _copy(buf[own.relative_to(box)], local[own.relative_to(sh.local_box)], on_cuda, stager)
+            bufs[coord] = (buf, box)
+            job.shards.append(ShardWrite(key, plan.layout, coord, buf))
+        for tr in plan.transfers:
+            n_transfers += 1
+            if tr.src == rank:
+                piece = local[tr.box.relative_to(sh.local_box)].contiguous().cpu()
+                p2p.append((n_transfers, "send", tr.dst, piece, None))
+            if tr.dst == rank:
+                coord = tuple(a // s for a, s in zip(tr.box.start, plan.layout.shard_shape, strict=True))
+                buf, box = bufs[coord]
+                tmp = torch.empty(tr.box.shape, dtype=t.dtype)
+                p2p.append((n_transfers, "recv", tr.src, tmp, (buf, tr.box.relative_to(box))))
+    if cuda_used:
+        ev = torch.cuda.Event()
+        ev.record(stager.stream())
+        # Training may overwrite parameters right after save returns: make its stream wait for
+        # the copies (GPU-side ordering, no host stall).
+        torch.cuda.current_stream().wait_event(ev)
+        job.ready = ev
+    if p2p:
+        _exchange(p2p)
+    return job, entries
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, on_cuda: bool, stager: Stager) -> None:
+    if not on_cuda:
+        dst.copy_(src)
+        return
+    stream = stager.stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        src.record_stream(stream)
+
+
+def _exchange(p2p) -> None:
+    ops = [
+        dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tag)
+        for tag, kind, peer, t, _ in p2p
+    ]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    for _, kind, _, tensor, target in p2p:
+        if kind == "recv":
+            buf, where = target
+            buf[where].copy_(tensor)
+
+
+def state_bytes(entries: dict[str, mf.TensorEntry]) -> int:
+    return sum(math.prod(e.layout.shape) * e.layout.itemsize for e in entries.values())
