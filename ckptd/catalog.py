@@ -83,9 +83,7 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
         commit = read_commit(store, s)
         if commit is not None:
             out.append(
-                CheckpointInfo(
-                    s, True, commit.get("world_size"), commit.get("bytes"), commit.get("time"), step_dir(s)
-                )
+                CheckpointInfo(s, True, commit.get("world_size"), commit.get("bytes"), commit.get("time"), step_dir(s))
             )
             continue
         ws = None
@@ -171,11 +169,13 @@ def delete_checkpoint(store: Store, step: int) -> int:
     return store.delete_prefix(f"{step_dir(step)}/")
 
 
-def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """Keep the newest ``keep_last`` committed checkpoints; delete older committed ones, and
-    partial ones older than the newest commit (they can no longer complete: one save is in flight
-    per job and a newer one committed). Never deletes the newest committed step, a step in
-    ``protect`` (being written), or any step newer than the newest commit. Returns deleted steps."""
+def select_for_deletion(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The steps ``retain`` would delete, ascending; deletes nothing (``ckptd gc --dry-run``).
+
+    Keeps the newest ``keep_last`` committed checkpoints; selects older committed ones, and
+    partial ones older than the newest commit (they can no longer complete: one save is in
+    flight per job and a newer one committed). Never selects the newest committed step, a step in
+    ``protect`` (being written), or any step newer than the newest commit."""
     if keep_last < 1:
         raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
     all_steps = steps(store)
@@ -184,7 +184,12 @@ def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = fr
         return []
     keep = set(committed[-keep_last:]) | set(protect)
     newest = committed[-1]
-    doomed = [s for s in all_steps if s < newest and s not in keep]
+    return [s for s in all_steps if s < newest and s not in keep]
+
+
+def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """Apply retention: delete what :func:`select_for_deletion` selects. Returns deleted steps."""
+    doomed = select_for_deletion(store, keep_last, protect)
     for s in doomed:
         delete_checkpoint(store, s)
     return doomed
@@ -200,6 +205,7 @@ __all__ = [
     "load_manifest",
     "resolve_step",
     "retain",
+    "select_for_deletion",
     "steps",
     "try_commit",
 ]

@@ -238,9 +238,7 @@ def decode_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> n
     chunk in the error message."""
     mv = memoryview(data)
     if mv.nbytes != layout.chunk_nbytes + CRC_BYTES:
-        raise CorruptChunkError(
-            f"{where}: chunk has {mv.nbytes} bytes, expected {layout.chunk_nbytes + CRC_BYTES}"
-        )
+        raise CorruptChunkError(f"{where}: chunk has {mv.nbytes} bytes, expected {layout.chunk_nbytes + CRC_BYTES}")
     body, tail = mv[:-CRC_BYTES], mv[-CRC_BYTES:]
     if crc32c(body) != struct.unpack("<I", tail)[0]:
         raise CorruptChunkError(f"{where}: crc32c mismatch (corrupt chunk)")

@@ -46,9 +46,7 @@ def encode(obj: Any, on_tensor: Callable[[tuple[str, ...], Any], str] | None = N
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)).startswith("$")):
             return {k: encode(v, on_tensor, (*path, k)) for k, v in obj.items()}
-        return {
-            "$dict": [[encode(k, None, path), encode(v, on_tensor, (*path, str(k)))] for k, v in obj.items()]
-        }
+        return {"$dict": [[encode(k, None, path), encode(v, on_tensor, (*path, str(k)))] for k, v in obj.items()]}
     if isinstance(obj, list):
         return [encode(v, on_tensor, (*path, str(i))) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):  # torch.Size is a tuple
@@ -99,11 +97,7 @@ def decode(data: Any, on_tensor: Callable[[str], Any] | None = None) -> Any:
             return np.dtype(val[0]).type(val[1])
         if tag == "$ndarray":
             dtype, shape, b64 = val
-            return (
-                np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dtype).newbyteorder("<"))
-                .reshape(shape)
-                .copy()
-            )
+            return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape).copy()
         if tag == "$tensor":
             if on_tensor is None:
                 raise CheckpointError(f"unexpected tensor reference {val!r}")

@@ -279,9 +279,7 @@ def plan_reads(layout: ArrayLayout, want: Box) -> list[ShardRead]:
     if want.empty:
         return []
     out = []
-    shard_ranges = [
-        _range(a, b, s) for a, b, s in zip(want.start, want.stop, layout.shard_shape, strict=True)
-    ]
+    shard_ranges = [_range(a, b, s) for a, b, s in zip(want.start, want.stop, layout.shard_shape, strict=True)]
     for shard in _product(shard_ranges):
         s_start, s_stop = layout.shard_box(shard)
         local = Box(s_start, s_stop).intersect(want)
@@ -298,8 +296,7 @@ def plan_reads(layout: ArrayLayout, want: Box) -> list[ShardRead]:
 def chunk_box(layout: ArrayLayout, shard: Sequence[int], chunk: Sequence[int]) -> Box:
     """Global box of an inner chunk, clipped to the array."""
     start = tuple(
-        s * ss + c * cs
-        for s, ss, c, cs in zip(shard, layout.shard_shape, chunk, layout.chunk_shape, strict=True)
+        s * ss + c * cs for s, ss, c, cs in zip(shard, layout.shard_shape, chunk, layout.chunk_shape, strict=True)
     )
     stop = tuple(min(a + cs, n) for a, cs, n in zip(start, layout.chunk_shape, layout.shape, strict=True))
     return Box(start, stop)

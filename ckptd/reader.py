@@ -84,9 +84,7 @@ class CheckpointReader:
             for c in sr.chunks:
                 off, n = (int(x) for x in index[c])
                 if off == EMPTY and n == EMPTY:
-                    raise CorruptChunkError(
-                        f"{self._name(entry, sr.shard, c)}: chunk is absent from the shard"
-                    )
+                    raise CorruptChunkError(f"{self._name(entry, sr.shard, c)}: chunk is absent from the shard")
                 spans.append((off, n, c))
         else:
             spans = [(0, layout.chunk_nbytes + CRC_BYTES, tuple(0 for _ in layout.shape))]
@@ -109,18 +107,13 @@ class CheckpointReader:
             self._count(len(blob))
             mv = memoryview(blob)
             for off, n, c in g:
-                chunk = decode_chunk(
-                    layout, mv[off - start : off - start + n], self._name(entry, sr.shard, c)
-                )
+                chunk = decode_chunk(layout, mv[off - start : off - start + n], self._name(entry, sr.shard, c))
                 cbox = chunk_box(layout, sr.shard, c)
                 inter = cbox.intersect(req.want)
                 if inter is None:
                     continue
                 src = chunk[
-                    tuple(
-                        slice(a - o, b - o)
-                        for a, b, o in zip(inter.start, inter.stop, cbox.start, strict=True)
-                    )
+                    tuple(slice(a - o, b - o) for a, b, o in zip(inter.start, inter.stop, cbox.start, strict=True))
                 ]
                 req.out[inter.relative_to(req.want)] = src
 
@@ -129,9 +122,7 @@ class CheckpointReader:
         tasks = []
         for req in requests:
             if req.out.shape != req.want.shape:
-                raise CheckpointError(
-                    f"{req.entry.key}: output shape {req.out.shape} != wanted {req.want.shape}"
-                )
+                raise CheckpointError(f"{req.entry.key}: output shape {req.out.shape} != wanted {req.want.shape}")
             tasks.extend((req, sr) for sr in plan_reads(req.entry.layout, req.want))
         if pool is None:
             for req, sr in tasks:

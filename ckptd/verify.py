@@ -105,17 +105,20 @@ def verify(
     done = 0
     with ThreadPoolExecutor(threads) as pool:
         futures = [pool.submit(_check_shard, store, prefix, e, c, where) for e, c in tasks]
-        for f in futures:
-            try:
-                report.bytes += f.result()
-                report.objects += 1
-            except CheckpointError as e:
-                report.errors.append(str(e))
-                if not keep_going:
-                    for g in futures:
-                        g.cancel()
-                    break
-            done += 1
-            if progress:
-                progress(done, len(tasks))
+        try:
+            for f in futures:
+                try:
+                    report.bytes += f.result()
+                    report.objects += 1
+                except CheckpointError as e:
+                    report.errors.append(str(e))
+                    if not keep_going:
+                        break
+                done += 1
+                if progress:
+                    progress(done, len(tasks))
+        finally:
+            # On the first error, or Ctrl-C, drop the queued shards so that leaving the pool waits
+            # only for the few being read instead of re-reading the whole checkpoint.
+            pool.shutdown(wait=False, cancel_futures=True)
     return report

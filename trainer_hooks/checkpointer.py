@@ -22,9 +22,8 @@ import os
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
-
-import torch
 
 from ckptd import catalog
 from ckptd import manifest as mf
@@ -34,7 +33,7 @@ from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import flatten
 from trainer_hooks.restore import restore_state
-from trainer_hooks.snapshot import Planner, Stager, take
+from trainer_hooks.snapshot import Planner, take
 from trainer_hooks.writer import BackgroundWriter
 
 log = logging.getLogger("ckptd")
@@ -73,18 +72,21 @@ class Checkpointer:
         self.coord = Coordinator(process_group)
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
-        self._stager = Stager()
         self._planner = Planner()
-        self._inflight: Future | None = None
+        self._inflight: tuple[int, Future] | None = None
         self._unreported: list[tuple[int, BaseException]] = []
         self._closed = False
         self.last_save_blocked_s = 0.0
+        # Where snapshots go. A sink has submit(job) -> Future (resolved at commit), shutdown(),
+        # and stager() -> the Stager whose buffers save() fills (host memory here; shared
+        # memory that the daemon can read in daemon mode).
         if daemon is None:
             self._sink = BackgroundWriter(self.store, self._io, keep_last, commit_timeout)
         else:
             from trainer_hooks.daemon_client import DaemonSink
 
-            self._sink = DaemonSink(daemon, root_uri, self.rank, keep_last)
+            self._sink = DaemonSink(daemon, root_uri, self.rank, self.world_size, keep_last, commit_timeout)
+        self._stager = self._sink.stager()
 
     # ------------------------------------------------------------------------------ save
 
@@ -115,9 +117,8 @@ class Checkpointer:
             )
             job.metadata += _group_nodes(entries, step)
             job.metadata.append((mf.MANIFEST, m.to_bytes()))
-        fut = self._sink.submit(job)
-        fut.add_done_callback(lambda f, s=step: self._note_failure(s, f))
-        self._inflight = fut
+        fut = _SaveFuture.chain(self._sink.submit(job), step)
+        self._inflight = (step, fut)
         self.last_save_blocked_s = time.perf_counter() - t0
         return fut
 
@@ -131,7 +132,8 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 if self.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
-                    err = f"{catalog.where(self.store, step)}: step {step} is already committed; refusing to overwrite"
+                    where = catalog.where(self.store, step)
+                    err = f"{where}: step {step} is already committed; refusing to overwrite"
                 elif any(True for _ in self.store.list(f"{mf.step_dir(step)}/")):
                     log.warning("removing stale partial checkpoint %s", catalog.where(self.store, step))
                     self.store.delete_prefix(f"{mf.step_dir(step)}/")
@@ -145,11 +147,6 @@ class Checkpointer:
             raise CheckpointError(msg)
         return self.coord.broadcast(attempt)
 
-    def _note_failure(self, step: int, fut: Future) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            log.error("save of step %d failed: %s", step, fut.exception())
-            self._unreported.append((step, fut.exception()))
-
     def _raise_unreported(self) -> None:
         if self._unreported:
             step, exc = self._unreported[0]
@@ -157,12 +154,13 @@ class Checkpointer:
             raise CheckpointError(f"an earlier save (step {step}) failed: {exc}") from exc
 
     def _wait_inflight(self) -> None:
-        fut, self._inflight = self._inflight, None
-        if fut is not None:
-            try:
-                fut.result()
-            except BaseException:  # noqa: BLE001 - recorded by _note_failure, raised by the caller
-                pass
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            step, fut = inflight
+            futures_wait([fut])
+            exc = Future.exception(fut)  # the base method: does not mark it as observed
+            if exc is not None and not fut.observed:
+                self._unreported.append((step, exc))
 
     def wait(self) -> None:
         """Block until every save started so far is committed; raise the first failure."""
@@ -217,6 +215,36 @@ class Checkpointer:
     def staged_bytes(self) -> int:
         """Host memory held by reusable snapshot buffers."""
         return self._stager.nbytes
+
+
+class _SaveFuture(Future):
+    """The future ``save`` returns. It remembers whether the caller looked at the outcome, so a
+    failure the caller already saw is not raised a second time by the next ``save``."""
+
+    observed = False
+
+    @classmethod
+    def chain(cls, inner: Future, step: int) -> _SaveFuture:
+        outer = cls()
+
+        def done(f: Future) -> None:
+            exc = f.exception()
+            if exc is None:
+                outer.set_result(f.result())
+            else:
+                log.error("save of step %d failed: %s", step, exc)
+                outer.set_exception(exc)
+
+        inner.add_done_callback(done)
+        return outer
+
+    def result(self, timeout=None):
+        self.observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self.observed = True
+        return super().exception(timeout)
 
 
 def _encode_rng() -> Any:

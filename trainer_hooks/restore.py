@@ -90,7 +90,9 @@ def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
             )
         dt = zarr_dtype(t.dtype, k)
         if dt != e.layout.dtype:
-            raise StateMismatchError(f"{where}: key {k!r} has dtype {e.layout.dtype} in the checkpoint but {dt} in the state")
+            raise StateMismatchError(
+                f"{where}: key {k!r} has dtype {e.layout.dtype} in the checkpoint but {dt} in the state"
+            )
     return keys
 
 

@@ -196,14 +196,10 @@ class ElasticSampler(Sampler[int]):
         """Restores epoch and position; the next `iter()` continues there at this world size."""
         missing = [key for key in _STATE_KEYS if key not in state_dict]
         if missing:
-            raise ValueError(
-                f"ElasticSampler state lacks {', '.join(missing)}: got keys {sorted(state_dict)}"
-            )
+            raise ValueError(f"ElasticSampler state lacks {', '.join(missing)}: got keys {sorted(state_dict)}")
         version = state_dict["version"]
         if version != _STATE_VERSION:
-            raise ValueError(
-                f"ElasticSampler state has version {version!r}, this code reads {_STATE_VERSION}"
-            )
+            raise ValueError(f"ElasticSampler state has version {version!r}, this code reads {_STATE_VERSION}")
         for key, mine in (
             ("dataset_len", self._dataset_len),
             ("seed", self._seed),

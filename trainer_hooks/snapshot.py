@@ -60,9 +60,7 @@ class Stager:
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._stream = None
 
-    def buffer(
-        self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool
-    ) -> torch.Tensor:
+    def buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
         buf = self._buffers.get((key, coord))
         if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
             buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
@@ -164,10 +162,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, on_cuda: bool, stager: Stager) -
 
 
 def _exchange(p2p) -> None:
-    ops = [
-        dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tag)
-        for tag, kind, peer, t, _ in p2p
-    ]
+    ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tag) for tag, kind, peer, t, _ in p2p]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     for _, kind, _, tensor, target in p2p:

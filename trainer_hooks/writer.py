@@ -24,7 +24,7 @@ from ckptd.errors import CheckpointError
 from storage_backends import StorageError, Store
 from storage_backends.base import data_size
 from trainer_hooks.flatten import as_numpy
-from trainer_hooks.snapshot import SaveJob
+from trainer_hooks.snapshot import SaveJob, Stager
 
 log = logging.getLogger("ckptd.writer")
 
@@ -117,6 +117,9 @@ class BackgroundWriter:
         self.keep_last = keep_last
         self.commit_timeout = commit_timeout
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-writer")
+
+    def stager(self) -> Stager:
+        return Stager()
 
     def submit(self, job: SaveJob) -> Future:
         return self._thread.submit(persist, self.store, job, self.io, self.keep_last, self.commit_timeout)

@@ -1,0 +1,1 @@
+"""The ``ckptd`` command line: one module per subcommand, registered in ``ckptd.cli.main``."""

@@ -1,0 +1,185 @@
+"""What every subcommand shares: opening the job root, output (table or ``--json``), errors and
+a progress bar.
+
+Output contract: results go to stdout (a table for humans, one JSON document with ``--json``);
+errors, notes and progress go to stderr, so ``ckptd ls --json URI | jq`` always sees clean JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from storage_backends import StorageError, Store, open_store
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+PREFIX = "ckptd: "
+
+
+class UsageError(Exception):
+    """Bad usage the parser could not catch (an unknown URI scheme, a malformed URI): exit 2."""
+
+
+@contextmanager
+def job_root(uri: str) -> Iterator[Store]:
+    """The store of a job root URI, closed on exit.
+
+    Everything ``open_store`` rejects is about the URI or its configuration, never about data,
+    so it is bad usage (exit 2), not a failed operation."""
+    try:
+        store = open_store(uri)
+    except (StorageError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    with store:
+        yield store
+
+
+# ----------------------------------------------------------------------------------- arguments
+
+
+def step_arg(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid step {text!r}: expected an integer") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"invalid step {step}: steps are >= 0")
+    return step
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {n}: must be >= 1")
+    return n
+
+
+def add_uri(p: argparse.ArgumentParser) -> None:
+    p.add_argument("uri", metavar="URI", help="job root: /path, file:///path, s3://bucket/prefix, memory://name")
+
+
+def add_step(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step", type=step_arg, default=None, help="step to use (default: latest committed)")
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+
+
+# -------------------------------------------------------------------------------------- output
+
+
+def print_json(obj: Any, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    json.dump(obj, out, indent=2, allow_nan=False)
+    out.write("\n")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO | None = None) -> None:
+    """Left-aligned columns, two spaces apart; numeric-looking cells right-aligned."""
+    out = out or sys.stdout
+    cells = [[str(h) for h in headers], *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    right = [all(isinstance(r[i], int | float) for r in rows) and bool(rows) for i in range(len(headers))]
+    for r in cells:
+        parts = [c.rjust(w) if ra else c.ljust(w) for c, w, ra in zip(r, widths, right, strict=True)]
+        out.write("  ".join(parts).rstrip() + "\n")
+
+
+def error(message: str) -> None:
+    """One line on stderr, prefixed ``ckptd: error:``; newlines in the message are flattened so
+    one error is always one line."""
+    line = " ".join(str(message).split()) or "unknown error"
+    sys.stderr.write(f"{PREFIX}error: {line}\n")
+    sys.stderr.flush()
+
+
+def note(message: str) -> None:
+    sys.stderr.write(f"{PREFIX}{message}\n")
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        size /= 1024
+        if size < 1024 or unit == "PiB":
+            return f"{size:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def iso_time(t: float | None) -> str:
+    """ISO 8601 in UTC, to the second (``2025-01-31T12:00:00Z``)."""
+    if t is None:
+        return "-"
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+# ------------------------------------------------------------------------------------ progress
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal (never into logs
+    or pipes) and at most ten times a second. Use as ``progress(done, total)``; ``close()``
+    clears the line."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str, stream: TextIO | None = None):
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.enabled = _isatty(self.stream)
+        self._last = 0.0
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * self.WIDTH)
+        self.stream.write(f"\r{self.label} [{bar:<{self.WIDTH}}] {frac:4.0%} {done}/{total}")
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._drawn = False
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

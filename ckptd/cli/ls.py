@@ -1,0 +1,41 @@
+"""``ckptd ls URI``: one row per checkpoint of a job root, committed or partial."""
+
+from __future__ import annotations
+
+import argparse
+
+from ckptd import catalog
+from ckptd.cli.common import add_json, add_uri, human_bytes, iso_time, job_root, note, print_json, print_table
+
+HELP = "list the checkpoints of a job root (step, committed/partial, world size, bytes, time)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_uri(p)
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    with job_root(args.uri) as store:
+        # A root that does not exist yet (no folder, no bucket) holds no checkpoints: not an error.
+        infos = catalog.list_checkpoints(store) if store.exists_root() else []
+        uri = store.uri
+    if args.json:
+        print_json([i.to_json() for i in infos])
+        return 0
+    if not infos:
+        note(f"no checkpoints in {uri}")
+        return 0
+    rows = [
+        (
+            i.step,
+            "committed" if i.committed else "partial",
+            "-" if i.world_size is None else i.world_size,
+            human_bytes(i.bytes),
+            iso_time(i.time),
+            i.path,
+        )
+        for i in infos
+    ]
+    print_table(["STEP", "STATUS", "WORLD", "BYTES", "TIME (UTC)", "PATH"], rows)
+    return 0

@@ -1,0 +1,234 @@
+"""The narrow object-store interface every backend implements.
+
+Keys are ``/``-separated strings relative to the store's root (the job root URI), never starting
+with ``/`` and never containing ``..`` components. The verbs are the ones an object store has:
+there is no rename, no append and no directory; a "folder" is only a key prefix.
+
+Concurrency contract: every method may be called from many threads at once on one instance.
+``put`` is atomic: a concurrent ``get`` sees the old object, the new one or ``NotFoundError``,
+never a torn write. ``put`` returns only once the object is durable (fsync on a filesystem, a
+200 from S3). ``put_if_absent`` is the only compare-and-set; the commit protocol rests on it.
+"""
+
+from __future__ import annotations
+
+import abc
+import posixpath
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+# What ``put`` accepts: one bytes-like object, or a sequence of them that is written as their
+# concatenation (scatter-gather), so a shard made of many chunk views and their checksums never
+# has to be joined into one buffer in memory first.
+Data = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
+
+
+class StorageError(Exception):
+    """An operation on the store failed (after retries, where the backend retries)."""
+
+
+class NotFoundError(StorageError, KeyError):
+    """The key does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message
+        return str(self.args[0]) if self.args else "not found"
+
+
+class InvalidKeyError(StorageError, ValueError):
+    """The key is malformed or escapes the store's root."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise InvalidKeyError."""
+    if not isinstance(key, str) or not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise InvalidKeyError(f"invalid key {key!r}")
+    # Every component must be a real name: this rejects "a//b", "a/./b", "../x" and "a/" (a key
+    # ending in "/" is a folder on S3 and cannot be a file on a filesystem).
+    if any(p in ("", ".", "..") for p in key.split("/")):
+        raise InvalidKeyError(f"invalid key {key!r}")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Like check_key but the empty prefix (the whole store) and a trailing ``/`` are allowed."""
+    if not isinstance(prefix, str):
+        raise InvalidKeyError(f"invalid prefix {prefix!r}")
+    if prefix == "":
+        return prefix
+    try:
+        check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+    except InvalidKeyError:
+        raise InvalidKeyError(f"invalid prefix {prefix!r}") from None
+    return prefix
+
+
+def check_dir_prefix(prefix: str) -> str:
+    """A ``list_dir`` prefix: "" or a valid prefix; a missing trailing ``/`` is added."""
+    check_prefix(prefix)
+    return prefix if prefix == "" or prefix.endswith("/") else prefix + "/"
+
+
+def resolve_range(uri: str, key: str, start: int, length: int, size: int) -> int:
+    """The absolute start of ``length`` bytes at ``start`` (negative: from the end) in an object
+    of ``size`` bytes; StorageError if the range does not lie inside the object."""
+    if length < 0:
+        raise StorageError(f"{uri}: negative length {length} for {key!r}")
+    abs_start = size + start if start < 0 else start
+    if abs_start < 0 or abs_start + length > size:
+        raise StorageError(f"{uri}: range start={start} length={length} is outside {key!r} ({size} bytes)")
+    return abs_start
+
+
+def as_buffers(data: Data) -> list[memoryview]:
+    """Normalise ``put`` data to a list of flat byte memoryviews."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        items: Sequence = [data]
+    else:
+        items = data
+    out = []
+    for d in items:
+        mv = memoryview(d)
+        if mv.ndim != 1 or mv.format != "B" or not mv.c_contiguous:
+            # cast() only works on C-contiguous views; anything else (Fortran order, strided) is
+            # copied in logical (C) order, as numpy's tobytes() does.
+            mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
+        if mv.nbytes:
+            out.append(mv)
+    return out
+
+
+def data_size(data: Data) -> int:
+    return sum(b.nbytes for b in as_buffers(data))
+
+
+def as_writable_buffers(buffers: Sequence[bytearray | memoryview]) -> list[memoryview]:
+    """Normalise ``get_range_into`` destinations to writable, flat byte memoryviews."""
+    out = []
+    for b in buffers:
+        mv = memoryview(b)
+        if mv.readonly:
+            raise ValueError("get_range_into needs writable buffers")
+        if not mv.c_contiguous:
+            raise ValueError("get_range_into needs C-contiguous buffers")
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        if mv.nbytes:
+            out.append(mv)
+    return out
+
+
+class Store(abc.ABC):
+    """An object store rooted at one URI (a job root).
+
+    Implementations: ``LocalStore`` (filesystem), ``MemoryStore`` (in-process), ``S3Store``.
+    Use :func:`storage_backends.open_store` to get one from a URI.
+    """
+
+    uri: str
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object. Raises NotFoundError."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes from offset ``start``. A negative ``start`` counts from the end
+        (``get_range(k, -16, 16)`` is the last 16 bytes). Raises NotFoundError; a range past the
+        end of the object raises StorageError (never returns short data silently)."""
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Several ranges of one object. Backends override this to fetch them in parallel."""
+        return [self.get_range(key, s, n) for s, n in ranges]
+
+    def get_range_into(self, key: str, start: int, buffers: Sequence[bytearray | memoryview]) -> None:
+        """Fill ``buffers`` (writable, C-contiguous; filled in order) with the bytes at ``start``
+        (negative: from the end), as many as they hold together. This is the zero-copy restore
+        path: the local backend reads straight into them with ``preadv``. Raises like
+        ``get_range``; on an error the buffers' contents are unspecified."""
+        views = as_writable_buffers(buffers)
+        data = memoryview(self.get_range(key, start, sum(v.nbytes for v in views)))
+        pos = 0
+        for v in views:
+            v[:] = data[pos : pos + v.nbytes]
+            pos += v.nbytes
+
+    @abc.abstractmethod
+    def put(self, key: str, data: Data) -> None:
+        """Write the object atomically and durably, replacing any previous one."""
+
+    @abc.abstractmethod
+    def put_if_absent(self, key: str, data: Data) -> bool:
+        """Write the object only if the key does not exist. True if this call wrote it.
+        Atomic against concurrent callers on any host: exactly one of them gets True."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete the object; deleting a missing key is not an error."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix``; returns how many. Backends may batch."""
+        n = 0
+        for info in list(self.list(prefix)):
+            self.delete(info.key)
+            n += 1
+        return n
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (a plain string prefix, recursive),
+        in lexicographic key order."""
+
+    @abc.abstractmethod
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """One level below ``prefix`` (which is "" or ends with "/"; a missing "/" is added):
+        (object names, child "folder" names), both sorted and relative to ``prefix``, folders
+        without a trailing slash. This is how checkpoints are found without listing every
+        chunk."""
+
+    def head(self, key: str) -> ObjectInfo:
+        """Size and mtime of one object. Raises NotFoundError."""
+        check_key(key)
+        for info in self.list(key):
+            if info.key == key:
+                return info
+        raise NotFoundError(f"{self.uri}: no object {key!r}")
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.head(key)
+        except NotFoundError:
+            return False
+        return True
+
+    def copy(self, src_key: str, dst_key: str) -> None:
+        """Copy an object inside this store. Backends override it with a server-side copy or a
+        hard link; the default reads and writes."""
+        self.put(dst_key, self.get(src_key))
+
+    def exists_root(self) -> bool:
+        """Whether the root itself exists (a folder, a bucket). A missing root is an empty store
+        for reads; the first put creates it."""
+        return True
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release clients and thread pools."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+
+def join(*parts: str) -> str:
+    return posixpath.join(*[p for p in parts if p])

@@ -1,0 +1,673 @@
+"""A store on any S3-compatible object store (AWS S3, MinIO, Ceph RGW, ...) through boto3.
+
+``s3://bucket/prefix``: keys live under ``prefix/`` in ``bucket``. Endpoint, region and
+credentials come from the standard variables, read the way boto3 reads them:
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (botocore reads these itself),
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, profiles, instance roles.
+Region: ``AWS_REGION``, then whatever boto3 finds (``AWS_DEFAULT_REGION``, the config file);
+botocore itself does not read ``AWS_REGION``, so we pass it.
+
+One botocore client and one thread pool per store, both thread-safe and shared by every call:
+large objects are uploaded as multipart uploads whose parts go up in parallel, and read back as
+parallel ranged GETs. Tuning: ``CKPTD_S3_PART_SIZE`` and ``CKPTD_S3_MULTIPART_THRESHOLD`` (bytes,
+or with a K/M/G suffix, binary) and ``CKPTD_S3_WORKERS``, or the constructor's arguments.
+
+Retries: botocore's own ("standard" mode), plus our loop with exponential backoff and full
+jitter around each call for throttling (SlowDown, 503), other 5xx and broken connections, which
+also covers errors while a response body streams (botocore retries only the request).
+
+``put_if_absent`` needs conditional writes (``If-None-Match: *`` on PutObject and
+CompleteMultipartUpload): AWS S3 since 2024-08, MinIO, recent Ceph RGW, and moto >= 5.0.
+A store that silently ignores the header would make every writer win; don't point ckptd at one.
+A missing bucket is an empty store for reads, but puts do not create buckets (that needs
+permissions and a region choice that belong to the operator): they fail with NoSuchBucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+    SSLError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from storage_backends.base import (
+    Data,
+    NotFoundError,
+    ObjectInfo,
+    StorageError,
+    Store,
+    as_buffers,
+    as_writable_buffers,
+    check_dir_prefix,
+    check_key,
+    check_prefix,
+    resolve_range,
+)
+
+MiB = 1 << 20
+DEFAULT_PART_SIZE = 16 * MiB
+DEFAULT_WORKERS = 16
+MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
+MAX_PARTS = 10_000  # S3's maximum parts per upload
+_WRITER_META = "ckptd-writer"  # user metadata naming the put_if_absent call that wrote an object
+
+# Error codes worth another try: throttling, server trouble, and the 409 S3 returns when two
+# conditional writes of one key race (retrying turns it into a clean 412 or success).
+_RETRY_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "ConditionalRequestConflict",
+}
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+_NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
+
+T = TypeVar("T")
+
+
+class _PreconditionFailed(StorageError):
+    """412: an If-None-Match or If-Match condition did not hold."""
+
+
+class _InvalidRange(StorageError):
+    """416: the range starts past the end of the object."""
+
+
+class _NoSuchBucket(NotFoundError):
+    pass
+
+
+class _NoSuchUpload(StorageError):
+    pass
+
+
+class _Changed(Exception):
+    """The object was replaced while we read it in pieces; read it again."""
+
+
+class _Truncated(Exception):
+    """A response body ended early; retried like a broken connection."""
+
+
+_TRANSIENT = (BotoConnectionError, HTTPClientError, IncompleteReadError, _Truncated)
+
+
+def _env_size(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    m = re.fullmatch(r"(\d+)\s*([KMG]?)(?:i?B)?", raw, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{name}={raw!r}: expected a byte count such as 16777216 or 16MiB")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def _join(views: list[memoryview]) -> bytes:
+    if len(views) == 1 and isinstance(views[0].obj, bytes) and views[0].nbytes == len(views[0].obj):
+        return views[0].obj  # already immutable bytes: no copy
+    return b"".join(views)
+
+
+def _slice(views: Sequence[memoryview], ends: Sequence[int], start: int, n: int) -> list[memoryview]:
+    """The views covering bytes [start, start + n) of the concatenation of ``views``, whose
+    cumulative end offsets are ``ends``."""
+    out = []
+    lo = 0
+    for v, end in zip(views, ends, strict=True):
+        if end > start and lo < start + n:
+            a = max(start, lo) - lo
+            b = min(start + n, end) - lo
+            out.append(v[a:b])
+        lo = end
+        if lo >= start + n:
+            break
+    return out
+
+
+def _cumulative(views: Sequence[memoryview]) -> list[int]:
+    ends, total = [], 0
+    for v in views:
+        total += v.nbytes
+        ends.append(total)
+    return ends
+
+
+def _stream_into(body: Any, views: list[memoryview]) -> int:
+    """Copy a response body into ``views``; returns the bytes copied (short at end of body)."""
+    got = 0
+    for v in views:
+        pos = 0
+        while pos < v.nbytes:
+            chunk = body.read(min(v.nbytes - pos, 4 * MiB))
+            if not chunk:
+                return got + pos
+            v[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+        got += pos
+    return got
+
+
+def _total_size(resp: dict) -> int | None:
+    """The object's size from a ranged response's ``Content-Range: bytes a-b/total``."""
+    m = re.search(r"/(\d+)\s*$", resp.get("ContentRange") or "")
+    return int(m.group(1)) if m else None
+
+
+class S3Store(Store):
+    """``s3://bucket/prefix``.
+
+    Thread-safe: every method may be called from many threads; they share one client (whose
+    connection pool is sized for the thread pool plus callers) and one thread pool. Calls made
+    from inside that pool never wait on it, so it cannot deadlock.
+
+    ``put`` is atomic as S3 is (a GET sees the old or the new object). A ``get`` of an object in
+    several ranged pieces pins the ETag of the first piece (``If-Match``), so it never stitches
+    two versions together; it starts again if the object is replaced mid-read.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        part_size: int | None = None,
+        multipart_threshold: int | None = None,
+        max_workers: int | None = None,
+        max_attempts: int = 8,
+        retries: int = 4,
+        backoff: float = 0.2,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+    ) -> None:
+        """``max_attempts`` is botocore's per-call attempts; ``retries`` our extra tries around
+        those, sleeping up to ``backoff * 2**n`` seconds (full jitter, capped at 10 s)."""
+        if not bucket or "/" in bucket:
+            raise ValueError(f"invalid S3 bucket name {bucket!r}")
+        prefix = prefix.strip("/")
+        if prefix:
+            check_prefix(prefix)
+        self.bucket = bucket
+        self._prefix = prefix + "/" if prefix else ""
+        self.uri = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+        part_size = part_size if part_size is not None else _env_size("CKPTD_S3_PART_SIZE", DEFAULT_PART_SIZE)
+        if part_size < MIN_PART_SIZE:
+            raise ValueError(f"S3 part size {part_size} is below S3's minimum of {MIN_PART_SIZE} bytes")
+        self.part_size = part_size
+        self.multipart_threshold = (
+            multipart_threshold
+            if multipart_threshold is not None
+            else _env_size("CKPTD_S3_MULTIPART_THRESHOLD", part_size)
+        )
+        workers = max_workers or int(os.environ.get("CKPTD_S3_WORKERS") or DEFAULT_WORKERS)
+        self._attempts = max(1, retries + 1)
+        self._backoff = backoff
+
+        # With a custom endpoint (MinIO, Ceph, moto) use path-style addressing: virtual hosts
+        # like bucket.localhost rarely resolve there; AWS accepts both.
+        custom_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        config = Config(
+            # Pool workers plus caller threads each hold a connection; botocore's default of 10
+            # would make them queue (and log "connection pool is full").
+            max_pool_connections=workers + 16,
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            tcp_keepalive=True,
+            s3={"addressing_style": "path"} if custom_endpoint else None,
+        )
+        session = boto3.session.Session(region_name=region or os.environ.get("AWS_REGION") or None)
+        # endpoint_url=None lets botocore read AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL itself.
+        self._client = session.client("s3", endpoint_url=endpoint_url, config=config)
+        self.endpoint_url: str = self._client.meta.endpoint_url
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3")
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self._prefix + check_key(key)
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._prefix}{key}"
+
+    def _call(self, op: str, key: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        """``fn(**kwargs)`` with our retries; failures become StorageError (or a subclass)."""
+        for attempt in range(1, self._attempts + 1):
+            try:
+                return fn(**kwargs)
+            except ClientError as e:
+                err = e.response.get("Error", {})
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                transient = err.get("Code") in _RETRY_CODES or status in _RETRY_STATUS
+                if not transient or attempt == self._attempts:
+                    raise self._error(op, key, e, attempt) from None
+            except SSLError as e:  # certificate trouble does not heal by retrying
+                raise self._error(op, key, e, attempt) from None
+            except _TRANSIENT as e:
+                if attempt == self._attempts:
+                    raise self._error(op, key, e, attempt) from None
+            except BotoCoreError as e:  # no credentials, bad parameters, ...
+                raise self._error(op, key, e, attempt) from None
+            time.sleep(random.uniform(0, min(10.0, self._backoff * 2 ** (attempt - 1))))
+        raise AssertionError("unreachable")
+
+    def _error(self, op: str, key: str, e: Exception, attempts: int) -> StorageError:
+        where = self._where(key) if key else self.uri
+        after = f" after {attempts} attempts" if attempts > 1 else ""
+        if isinstance(e, ClientError):
+            err = e.response.get("Error", {})
+            code = str(err.get("Code", "Unknown"))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            detail = f"{code}: {err['Message']}" if err.get("Message") else code
+            text = " ".join(f"{where}: {op} failed: {detail} (HTTP {status}){after}".split())
+            if code == "NoSuchBucket":
+                return _NoSuchBucket(f"{self.uri}: no bucket {self.bucket!r} at {self.endpoint_url}")
+            if code in _NOT_FOUND_CODES:
+                return NotFoundError(f"{where}: no such object")
+            if code == "NoSuchUpload":
+                return _NoSuchUpload(text)
+            if code == "PreconditionFailed" or status == 412:
+                return _PreconditionFailed(text)
+            if code == "InvalidRange" or status == 416:
+                return _InvalidRange(text)
+            return StorageError(text)
+        detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return StorageError(" ".join(f"{where}: {op} failed{after} (endpoint {self.endpoint_url}): {detail}".split()))
+
+    def _submit_all(self, fns: Sequence[Callable[[], T]]) -> list[T]:
+        """Run ``fns`` on the pool (the last one in this thread) and return their results; on the
+        first failure cancel what has not started, wait for the rest, and raise it."""
+        if not fns:
+            return []
+        futures: list[Future[T]] = [self._pool.submit(fn) for fn in fns[:-1]]
+        try:
+            last = fns[-1]()
+            return [f.result() for f in futures] + [last]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            for f in futures:
+                with contextlib.suppress(BaseException):
+                    f.result()
+            raise
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def _get_into(self, key: str, start: int, views: list[memoryview], if_match: str | None = None) -> dict:
+        """One ranged GET streamed into ``views``; returns the response (its ETag, ContentRange).
+        A negative ``start`` asks for the last ``-start`` bytes and keeps the first ones."""
+        n = sum(v.nbytes for v in views)
+        want = -start if start < 0 else n
+        outside = f"{self._where(key)}: range start={start} length={n} is outside the object"
+        if want < n:
+            raise StorageError(outside)
+        rng = f"bytes=-{want}" if start < 0 else f"bytes={start}-{start + n - 1}"
+        extra = {"IfMatch": if_match} if if_match else {}
+
+        def attempt() -> dict:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), Range=rng, **extra)
+            with contextlib.closing(resp["Body"]) as body:
+                if resp["ContentLength"] != want:  # S3 truncates a range that runs past the end
+                    raise StorageError(f"{outside} ({_total_size(resp)} bytes)")
+                if _stream_into(body, views) != n:
+                    raise _Truncated(f"response body ended early ({rng})")
+            return resp
+
+        try:
+            return self._call("GetObject", key, attempt)
+        except _InvalidRange:  # 416: the range starts at or past the end
+            raise StorageError(outside) from None
+
+    def get(self, key: str) -> bytes:
+        for _ in range(3):
+            try:
+                return self._get_whole(key)
+            except _Changed:
+                continue
+        raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
+
+    def _get_whole(self, key: str) -> bytes:
+        # The first piece also tells the size (Content-Range), so a small object costs one GET.
+        try:
+            first, resp = self._get_first(key, f"bytes=0-{self.part_size - 1}")
+        except _InvalidRange:  # a ranged GET of an empty object is a 416
+            return self._get_first(key, None)[0]
+        total = _total_size(resp) or len(first)
+        if total <= len(first):
+            return first
+        buf = bytearray(total)
+        mv = memoryview(buf)
+        got = len(first)
+        mv[:got] = first
+        del first
+        etag = resp["ETag"]
+        pieces = [(off, min(self.part_size, total - off)) for off in range(got, total, self.part_size)]
+        try:
+            self._submit_all(
+                [lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces]
+            )
+        except _PreconditionFailed:
+            raise _Changed() from None
+        return bytes(buf)
+
+    def _get_first(self, key: str, rng: str | None) -> tuple[bytes, dict]:
+        extra = {"Range": rng} if rng else {}
+
+        def attempt() -> tuple[bytes, dict]:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **extra)
+            with contextlib.closing(resp["Body"]) as body:
+                data = body.read()
+            if len(data) != resp["ContentLength"]:
+                raise _Truncated("response body ended early")
+            return data, resp
+
+        return self._call("GetObject", key, attempt)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0 or length > self.part_size:
+            buf = bytearray(max(length, 0))
+            self._range_into(key, start, length, [memoryview(buf)] if length > 0 else [])
+            return bytes(buf)
+        return self._get_range_one(key, start, length)
+
+    def _get_range_one(self, key: str, start: int, length: int) -> bytes:
+        """A range in a single GET, whatever its size (what get_ranges' pool tasks use)."""
+        if length <= 0:
+            self._range_into(key, start, length, [])
+            return b""
+        buf = bytearray(length)
+        self._get_into(key, start, [memoryview(buf)])
+        return bytes(buf)
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        check_key(key)
+        return self._submit_all([lambda s=s, n=n: self._get_range_one(key, s, n) for s, n in ranges])
+
+    def get_range_into(self, key: str, start: int, buffers: Sequence[bytearray | memoryview]) -> None:
+        views = as_writable_buffers(buffers)
+        self._range_into(key, start, sum(v.nbytes for v in views), views)
+
+    def _range_into(self, key: str, start: int, length: int, views: list[memoryview]) -> None:
+        check_key(key)
+        if 0 < length <= self.part_size:
+            self._get_into(key, start, views)
+            return
+        # Empty or large: learn the size first, and the ETag that pins the pieces to one version.
+        for _ in range(3):
+            info = self._head(key)
+            pos = resolve_range(self.uri, key, start, length, info["ContentLength"])
+            try:
+                self._pieces_into(key, pos, length, views, info["ETag"])
+                return
+            except _PreconditionFailed:
+                continue
+        raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
+
+    def _pieces_into(self, key: str, pos: int, length: int, views: list[memoryview], etag: str) -> None:
+        """Bytes [pos, pos + length) into ``views`` as parallel part-sized GETs."""
+        ends = _cumulative(views)
+
+        def piece(off: int, n: int) -> None:
+            self._get_into(key, pos + off, _slice(views, ends, off, n), if_match=etag)
+
+        steps = range(0, length, self.part_size)
+        self._submit_all([lambda o=o: piece(o, min(self.part_size, length - o)) for o in steps])
+
+    def _head(self, key: str) -> dict:
+        return self._call("HeadObject", key, self._client.head_object, Bucket=self.bucket, Key=self._full(key))
+
+    def head(self, key: str) -> ObjectInfo:
+        resp = self._head(key)
+        return ObjectInfo(key, resp["ContentLength"], resp["LastModified"].timestamp())
+
+    def _pages(self, key_prefix: str, **kwargs: Any) -> Iterator[dict]:
+        token = None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            try:
+                page = self._call(
+                    "ListObjectsV2",
+                    key_prefix,
+                    self._client.list_objects_v2,
+                    Bucket=self.bucket,
+                    Prefix=self._prefix + key_prefix,
+                    **kwargs,
+                    **extra,
+                )
+            except _NoSuchBucket:
+                return  # a missing root is an empty store
+            yield page
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        check_prefix(prefix)
+        return self._list(prefix)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        strip = len(self._prefix)
+        for page in self._pages(prefix):
+            for obj in page.get("Contents", []):
+                key = obj["Key"][strip:]
+                if key and not key.endswith("/"):  # skip "folder markers" other tools make
+                    yield ObjectInfo(key, obj["Size"], obj["LastModified"].timestamp())
+
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        prefix = check_dir_prefix(prefix)
+        strip = len(self._prefix) + len(prefix)
+        names, folders = [], []
+        for page in self._pages(prefix, Delimiter="/"):
+            names += [o["Key"][strip:] for o in page.get("Contents", []) if o["Key"][strip:]]
+            folders += [p["Prefix"][strip:].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        return sorted(names), sorted(f for f in folders if f)
+
+    def exists_root(self) -> bool:
+        try:
+            self._call("HeadBucket", "", self._client.head_bucket, Bucket=self.bucket)
+        except NotFoundError:
+            return False
+        return True
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    def put(self, key: str, data: Data) -> None:
+        full = self._full(key)
+        views = as_buffers(data)
+        size = sum(v.nbytes for v in views)
+        if size <= self.multipart_threshold:
+            self._call("PutObject", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=_join(views))
+        else:
+            self._put_multipart(key, views, size)
+
+    def put_if_absent(self, key: str, data: Data) -> bool:
+        full = self._full(key)
+        views = as_buffers(data)
+        size = sum(v.nbytes for v in views)
+        # Our token in the object's metadata tells, on a 412, whether the object there is ours:
+        # when a response is lost and the PUT retried (by botocore or by us), the retry meets the
+        # object the first try wrote, and that call still won.
+        token = secrets.token_hex(16)
+        meta = {_WRITER_META: token}
+        try:
+            if size <= self.multipart_threshold:
+                self._call(
+                    "PutObject",
+                    key,
+                    self._client.put_object,
+                    Bucket=self.bucket,
+                    Key=full,
+                    Body=_join(views),
+                    IfNoneMatch="*",
+                    Metadata=meta,
+                )
+            else:
+                if self.exists(key):  # don't upload gigabytes only to lose
+                    return False
+                self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
+        except _PreconditionFailed:
+            try:
+                return self._head(key).get("Metadata", {}).get(_WRITER_META) == token
+            except NotFoundError:  # the winner's object is already deleted again
+                return False
+        return True
+
+    def _part_size_for(self, size: int) -> int:
+        if size <= self.part_size * MAX_PARTS:
+            return self.part_size
+        return math.ceil(size / MAX_PARTS / MiB) * MiB
+
+    def _put_multipart(
+        self,
+        key: str,
+        views: list[memoryview],
+        size: int,
+        metadata: dict[str, str] | None = None,
+        if_none_match: bool = False,
+    ) -> None:
+        full = self._full(key)
+        token = (metadata or {}).get(_WRITER_META) or secrets.token_hex(16)
+        meta = {**(metadata or {}), _WRITER_META: token}
+        upload_id = self._call(
+            "CreateMultipartUpload",
+            key,
+            self._client.create_multipart_upload,
+            Bucket=self.bucket,
+            Key=full,
+            Metadata=meta,
+        )["UploadId"]
+        part_size = self._part_size_for(size)
+        ends = _cumulative(views)
+
+        def upload(number: int, off: int, n: int) -> dict:
+            # Only this part's slices are joined, when its turn comes: at most one part per
+            # worker is ever copied, never the whole object.
+            body = _join(_slice(views, ends, off, n))
+            resp = self._call(
+                "UploadPart",
+                key,
+                self._client.upload_part,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+            )
+            part = {"PartNumber": number, "ETag": resp["ETag"]}
+            part.update({k: v for k, v in resp.items() if k.startswith("Checksum") and isinstance(v, str)})
+            return part
+
+        try:
+            parts = self._submit_all(
+                [
+                    lambda i=i, off=off: upload(i + 1, off, min(part_size, size - off))
+                    for i, off in enumerate(range(0, size, part_size))
+                ]
+            )
+            extra = {"IfNoneMatch": "*"} if if_none_match else {}
+            try:
+                self._call(
+                    "CompleteMultipartUpload",
+                    key,
+                    self._client.complete_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **extra,
+                )
+            except _NoSuchUpload:
+                # A retried Complete whose first try succeeded (and lost its response) finds the
+                # upload gone: it succeeded if the object there carries our token.
+                try:
+                    ours = self._head(key).get("Metadata", {}).get(_WRITER_META) == token
+                except NotFoundError:
+                    ours = False
+                if not ours:
+                    raise
+        except BaseException:
+            # Parts of an unfinished upload are stored (and billed) until aborted.
+            with contextlib.suppress(StorageError):
+                self._call(
+                    "AbortMultipartUpload",
+                    key,
+                    self._client.abort_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                )
+            raise
+
+    def copy(self, src_key: str, dst_key: str) -> None:
+        # Server-side CopyObject works up to 5 GiB; larger objects would need a multipart copy
+        # (UploadPartCopy), which checkpoints' chunk-sized objects never need.
+        self._call(
+            "CopyObject",
+            src_key,
+            self._client.copy_object,
+            Bucket=self.bucket,
+            Key=self._full(dst_key),
+            CopySource={"Bucket": self.bucket, "Key": self._full(src_key)},
+        )
+
+    def delete(self, key: str) -> None:
+        full = self._full(key)
+        with contextlib.suppress(_NoSuchBucket):  # deleting a missing key is not an error
+            self._call("DeleteObject", key, self._client.delete_object, Bucket=self.bucket, Key=full)
+
+    def delete_prefix(self, prefix: str) -> int:
+        check_prefix(prefix)
+        keys = [info.key for info in self._list(prefix)]
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = keys[i : i + 1000]
+            resp = self._call(
+                "DeleteObjects",
+                prefix,
+                self._client.delete_objects,
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": self._prefix + k} for k in batch], "Quiet": True},
+            )
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                e = errors[0]
+                raise StorageError(
+                    f"s3://{self.bucket}/{e.get('Key')}: DeleteObjects failed: {e.get('Code')}: "
+                    f"{e.get('Message')} ({len(errors)} of {len(batch)} keys failed)"
+                )
+        return len(keys)
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        self._client.close()

@@ -1,0 +1,344 @@
+"""The conformance suite every Store runs (as zarr-python's ``zarr.testing.store``).
+
+Subclass ``StoreConformance`` in a test module and provide a ``store`` fixture that yields an
+empty store of your backend (and closes it afterwards)::
+
+    class TestMyStore(StoreConformance):
+        @pytest.fixture
+        def store(self, tmp_path):
+            with MyStore(...) as s:
+                yield s
+
+A backend that splits large objects into parts should lower its part size in that fixture so
+that ``large_size`` spans several parts. Sizes are kept small: the suite runs on every backend
+on small CI machines.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from storage_backends.base import InvalidKeyError, NotFoundError, ObjectInfo, StorageError, Store
+
+MiB = 1 << 20
+
+INVALID_KEYS = ["", "/abs", "../x", "a/../b", "a//b", "a/./b", "./a", "a/", ".", "..", "a\\b", "a\x00b"]
+
+
+def _payload(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def _run_threads(n: int, fn: Callable[[int], object]) -> list[object]:
+    """``fn(i)`` for i in range(n) in n threads released together; returns results or raises."""
+    barrier = threading.Barrier(n)
+    results: list[object] = [None] * n
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            results[i] = fn(i)
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+class StoreConformance:
+    """The behaviour ``storage_backends.base.Store`` promises, as tests."""
+
+    # Spans several parts once the fixture lowers the part size to 5 MiB; odd on purpose.
+    large_size: int = 12 * MiB + 12345
+
+    # -- get / put --------------------------------------------------------------------------------
+
+    def test_put_get_bytes_like(self, store: Store) -> None:
+        for i, data in enumerate([b"hello", bytearray(b"world"), memoryview(b"view!")]):
+            store.put(f"k{i}", data)
+            got = store.get(f"k{i}")
+            assert type(got) is bytes
+            assert got == bytes(data)
+
+    def test_put_buffer_list(self, store: Store) -> None:
+        f32 = np.arange(100, dtype=np.float32)
+        grid = np.arange(24, dtype=np.int16).reshape(4, 6)
+        fortran = np.asfortranarray(grid)
+        parts = [b"head", bytearray(b"-"), memoryview(f32), memoryview(grid), b"", memoryview(fortran)]
+        store.put("a/list", parts)
+        expected = b"head-" + f32.tobytes() + grid.tobytes() + fortran.tobytes()
+        assert store.get("a/list") == expected
+        assert store.head("a/list").size == len(expected)
+
+    def test_put_copies_caller_buffer(self, store: Store) -> None:
+        buf = bytearray(b"original")
+        store.put("k", buf)
+        buf[:] = b"changed!"
+        assert store.get("k") == b"original"
+
+    def test_overwrite(self, store: Store) -> None:
+        store.put("k", b"first version")
+        store.put("k", b"second")
+        assert store.get("k") == b"second"
+        assert store.head("k").size == 6
+
+    def test_missing_key(self, store: Store) -> None:
+        with pytest.raises(NotFoundError) as e:
+            store.get("no/such/key")
+        assert "no/such/key" in str(e.value)
+        assert isinstance(e.value, KeyError)
+        with pytest.raises(NotFoundError):
+            store.get_range("no/such/key", 0, 1)
+        with pytest.raises(NotFoundError):
+            store.get_range_into("no/such/key", 0, [bytearray(1)])
+        with pytest.raises(NotFoundError):
+            store.head("no/such/key")
+        assert not store.exists("no/such/key")
+
+    def test_folder_is_not_an_object(self, store: Store) -> None:
+        store.put("dir/file", b"x")
+        with pytest.raises(NotFoundError):
+            store.get("dir")
+        assert not store.exists("dir")
+
+    def test_empty_object(self, store: Store) -> None:
+        store.put("empty", b"")
+        assert store.get("empty") == b""
+        assert store.head("empty").size == 0
+        assert store.get_range("empty", 0, 0) == b""
+        with pytest.raises(StorageError):
+            store.get_range("empty", 0, 1)
+        assert [(i.key, i.size) for i in store.list()] == [("empty", 0)]
+        store.put("empty2", [])
+        assert store.get("empty2") == b""
+
+    # -- ranges -----------------------------------------------------------------------------------
+
+    def test_get_range(self, store: Store) -> None:
+        data = bytes(range(100))
+        store.put("r", data)
+        assert store.get_range("r", 0, 10) == data[:10]
+        assert store.get_range("r", 37, 21) == data[37:58]
+        assert store.get_range("r", 90, 10) == data[90:]
+        assert store.get_range("r", 0, 100) == data
+        assert store.get_range("r", -16, 16) == data[-16:]
+        assert store.get_range("r", -16, 4) == data[84:88]
+        assert store.get_range("r", -100, 100) == data
+        assert store.get_range("r", 100, 0) == b""
+        assert type(store.get_range("r", 1, 2)) is bytes
+
+    @pytest.mark.parametrize("start,length", [(95, 10), (100, 1), (1000, 5), (-101, 1), (-10, 11)])
+    def test_get_range_outside(self, store: Store, start: int, length: int) -> None:
+        store.put("r", bytes(100))
+        with pytest.raises(StorageError) as e:
+            store.get_range("r", start, length)
+        assert not isinstance(e.value, NotFoundError)
+
+    def test_get_ranges(self, store: Store) -> None:
+        data = _payload(5000)
+        store.put("r", data)
+        ranges = [(4000, 1000), (0, 1), (-10, 10), (123, 456), (2500, 0)]
+        got = store.get_ranges("r", ranges)
+        assert got == [data[s:][:n] for s, n in ranges]
+        assert store.get_ranges("r", []) == []
+        with pytest.raises(StorageError):
+            store.get_ranges("r", [(0, 10), (4999, 2)])
+
+    def test_get_range_into(self, store: Store) -> None:
+        data = _payload(4096, seed=1)
+        store.put("r", data)
+        a = np.zeros(100, dtype=np.uint8)
+        b = np.zeros(25, dtype=np.float32)  # 100 bytes
+        c = bytearray(56)
+        store.get_range_into("r", 1000, [memoryview(a), memoryview(b), c])
+        assert a.tobytes() + b.tobytes() + bytes(c) == data[1000:1256]
+        tail = bytearray(16)
+        store.get_range_into("r", -16, [tail])
+        assert bytes(tail) == data[-16:]
+        store.get_range_into("r", 0, [])  # nothing to read is fine
+        with pytest.raises(StorageError):
+            store.get_range_into("r", 4090, [bytearray(10)])
+        with pytest.raises(ValueError):
+            store.get_range_into("r", 0, [memoryview(b"read-only")])
+
+    # -- put_if_absent ----------------------------------------------------------------------------
+
+    def test_put_if_absent(self, store: Store) -> None:
+        assert store.put_if_absent("commit", b"first") is True
+        assert store.put_if_absent("commit", b"second") is False
+        assert store.get("commit") == b"first"
+        assert store.put_if_absent("other/commit", [b"a", memoryview(b"b")]) is True
+        assert store.get("other/commit") == b"ab"
+
+    def test_put_if_absent_concurrent(self, store: Store) -> None:
+        won = _run_threads(8, lambda i: store.put_if_absent("race/commit", f"writer {i}".encode() * 100))
+        assert won.count(True) == 1, won
+        assert won.count(False) == 7
+        winner = won.index(True)
+        assert store.get("race/commit") == f"writer {winner}".encode() * 100
+        assert [i.key for i in store.list()] == ["race/commit"]  # no temp objects left behind
+
+    # -- concurrency ------------------------------------------------------------------------------
+
+    def test_concurrent_put_get_never_torn(self, store: Store) -> None:
+        versions = [bytes([v]) * 3000 for v in range(4)]
+        store.put("hot", versions[0])
+
+        def work(i: int) -> None:
+            for n in range(12):
+                if i < 2:
+                    store.put("hot", versions[(i * 12 + n) % 4])
+                else:
+                    assert store.get("hot") in versions
+
+        _run_threads(4, work)
+        assert store.get("hot") in versions
+
+    # -- delete -----------------------------------------------------------------------------------
+
+    def test_delete(self, store: Store) -> None:
+        store.put("a/b/c", b"x")
+        store.put("a/keep", b"y")
+        store.delete("a/b/c")
+        assert not store.exists("a/b/c")
+        store.delete("a/b/c")  # idempotent
+        store.delete("never/existed")
+        assert store.get("a/keep") == b"y"
+        assert store.list_dir("a/") == (["keep"], [])
+
+    def test_delete_prefix(self, store: Store) -> None:
+        for k in ["ckpt/1/a", "ckpt/1/b/c", "ckpt/10/a", "ckpt/2/a", "top"]:
+            store.put(k, b"x")
+        assert store.delete_prefix("ckpt/1/") == 2
+        assert [i.key for i in store.list()] == ["ckpt/10/a", "ckpt/2/a", "top"]
+        assert store.delete_prefix("ckpt/1") == 1  # a plain string prefix: matches ckpt/10
+        assert store.delete_prefix("nothing/") == 0
+        assert store.delete_prefix("") == 2
+        assert list(store.list()) == []
+
+    # -- listing ----------------------------------------------------------------------------------
+
+    def test_list(self, store: Store) -> None:
+        assert list(store.list()) == []
+        keys = {"a/b/c": 3, "a/b.d": 1, "a.c": 4, "a/bc": 2, "b": 0, "a/b/e/f": 5, "z/y": 7}
+        for k, n in keys.items():
+            store.put(k, b"x" * n)
+        infos = list(store.list())
+        assert all(isinstance(i, ObjectInfo) for i in infos)
+        assert [i.key for i in infos] == sorted(keys)
+        assert {i.key: i.size for i in infos} == keys
+        assert all(i.mtime > 0 for i in infos)
+        assert [i.key for i in store.list("a/")] == ["a/b.d", "a/b/c", "a/b/e/f", "a/bc"]
+        assert [i.key for i in store.list("a/b")] == ["a/b.d", "a/b/c", "a/b/e/f", "a/bc"]
+        assert [i.key for i in store.list("a/b/")] == ["a/b/c", "a/b/e/f"]
+        assert [i.key for i in store.list("a")] == ["a.c", "a/b.d", "a/b/c", "a/b/e/f", "a/bc"]
+        assert list(store.list("missing/")) == []
+        assert [i.key for i in store.list("b")] == ["b"]
+
+    def test_list_dir(self, store: Store) -> None:
+        assert store.list_dir() == ([], [])
+        for k in ["ckpt/step-1/commit", "ckpt/step-1/data/0", "ckpt/step-2/data/0", "ckpt/index", "top"]:
+            store.put(k, b"x")
+        assert store.list_dir("") == (["top"], ["ckpt"])
+        assert store.list_dir("ckpt/") == (["index"], ["step-1", "step-2"])
+        assert store.list_dir("ckpt") == (["index"], ["step-1", "step-2"])  # "/" added
+        assert store.list_dir("ckpt/step-1/") == (["commit"], ["data"])
+        assert store.list_dir("missing/") == ([], [])
+
+    def test_head_exists(self, store: Store) -> None:
+        store.put("h/k", b"12345")
+        info = store.head("h/k")
+        assert (info.key, info.size) == ("h/k", 5)
+        assert info.mtime > 0
+        assert store.exists("h/k")
+        assert not store.exists("h/k2")
+        assert not store.exists("h")
+
+    def test_copy(self, store: Store) -> None:
+        store.put("src", b"payload")
+        store.copy("src", "dst/copy")
+        assert store.get("dst/copy") == b"payload"
+        store.put("src", b"changed")  # a copy is independent of its source
+        assert store.get("dst/copy") == b"payload"
+        store.copy("src", "dst/copy")  # overwrites
+        assert store.get("dst/copy") == b"changed"
+        with pytest.raises(NotFoundError):
+            store.copy("missing", "dst/x")
+        assert not store.exists("dst/x")
+
+    # -- keys -------------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("key", INVALID_KEYS)
+    def test_invalid_keys_rejected(self, store: Store, key: str) -> None:
+        calls: list[Callable[[], object]] = [
+            lambda: store.get(key),
+            lambda: store.get_range(key, 0, 1),
+            lambda: store.get_ranges(key, [(0, 1)]),
+            lambda: store.get_range_into(key, 0, [bytearray(1)]),
+            lambda: store.put(key, b"x"),
+            lambda: store.put_if_absent(key, b"x"),
+            lambda: store.delete(key),
+            lambda: store.head(key),
+            lambda: store.copy(key, "ok"),
+            lambda: store.copy("ok", key),
+        ]
+        store.put("ok", b"x")
+        for call in calls:
+            with pytest.raises(InvalidKeyError):
+                call()
+        assert [i.key for i in store.list()] == ["ok"]
+
+    @pytest.mark.parametrize("prefix", ["../", "/abs/", "a//b/", "a/../"])
+    def test_invalid_prefix_rejected(self, store: Store, prefix: str) -> None:
+        with pytest.raises(InvalidKeyError):
+            store.list(prefix)
+        with pytest.raises(InvalidKeyError):
+            store.list_dir(prefix)
+        with pytest.raises(InvalidKeyError):
+            store.delete_prefix(prefix)
+
+    def test_unusual_but_valid_keys(self, store: Store) -> None:
+        keys = ["with space", "ünïcode/ключ", "dots.in.name", "-dash", "zarr.json", "c/0/1.2"]
+        for k in keys:
+            store.put(k, k.encode())
+        assert [i.key for i in store.list()] == sorted(keys)
+        for k in keys:
+            assert store.get(k) == k.encode()
+
+    # -- large objects ----------------------------------------------------------------------------
+
+    def test_large_object(self, store: Store) -> None:
+        n = self.large_size
+        data = np.frombuffer(_payload(n, seed=2), dtype=np.uint8)
+        # Uneven pieces so that part boundaries fall inside buffers.
+        cuts = [0, 3, 1 * MiB + 7, 5 * MiB - 1, 9 * MiB + 11, n]
+        store.put("big", [memoryview(data[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)])
+        assert store.head("big").size == n
+        assert store.get("big") == data.tobytes()
+        mid, span = 5 * MiB - 100, 2 * MiB  # crosses a 5 MiB part boundary
+        assert store.get_range("big", mid, span) == data[mid : mid + span].tobytes()
+        assert store.get_range("big", 0, n) == data.tobytes()
+        assert store.get_ranges("big", [(mid, 200), (-50, 50)]) == [
+            data[mid : mid + 200].tobytes(),
+            data[-50:].tobytes(),
+        ]
+        out = [np.empty(7 * MiB, dtype=np.uint8), np.empty(n - 7 * MiB - 1, dtype=np.uint8)]
+        store.get_range_into("big", 1, [memoryview(o) for o in out])
+        assert np.array_equal(np.concatenate(out), data[1:])
+        assert store.put_if_absent("big", b"small") is False
+        assert store.get_range("big", -3, 3) == data[-3:].tobytes()
+
+    def test_uri_and_repr(self, store: Store) -> None:
+        assert isinstance(store.uri, str) and store.uri
+        assert repr(store) == f"{type(store).__name__}({store.uri!r})"

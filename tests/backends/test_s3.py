@@ -1,0 +1,241 @@
+"""S3Store against moto's standalone server on loopback (see tests/s3server.py).
+
+Faults are real too: a closed port, and a small HTTP proxy in front of the server that answers
+503 SlowDown or drops the connection for the next N requests.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import boto3
+import pytest
+
+from storage_backends import NotFoundError, StorageError, open_store
+from storage_backends.s3 import MIN_PART_SIZE, S3Store
+from storage_backends.testing import StoreConformance
+
+pytestmark = pytest.mark.s3
+
+MiB = 1 << 20
+
+
+def _split(uri: str) -> tuple[str, str]:
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    return bucket, prefix
+
+
+@pytest.fixture
+def client(s3_server: str) -> Iterator:
+    c = boto3.client("s3", endpoint_url=s3_server)
+    yield c
+    c.close()
+
+
+def small_parts(uri: str, **kwargs) -> S3Store:
+    """A store whose multipart threshold and part size are S3's minimum, 5 MiB."""
+    bucket, prefix = _split(uri)
+    kwargs = {"part_size": MIN_PART_SIZE, "multipart_threshold": MIN_PART_SIZE, "max_workers": 4, **kwargs}
+    return S3Store(bucket, prefix, **kwargs)
+
+
+class TestS3Store(StoreConformance):
+    large_size = 12 * MiB + 12345  # three 5 MiB parts
+
+    @pytest.fixture
+    def store(self, s3_bucket: str) -> Iterator[S3Store]:
+        with small_parts(s3_bucket) as s:
+            yield s
+
+
+def test_open_store_reads_the_standard_variables(s3_bucket: str, s3_server: str) -> None:
+    with open_store(s3_bucket) as store:
+        assert isinstance(store, S3Store)
+        assert store.uri == s3_bucket
+        assert store.endpoint_url == s3_server  # from AWS_ENDPOINT_URL, read by botocore
+        assert store.exists_root()
+        store.put("k", b"v")
+    with open_store(s3_bucket + "/") as again:
+        assert again.get("k") == b"v"
+
+
+def test_region_and_tuning_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.setenv("CKPTD_S3_PART_SIZE", "6MiB")
+    with S3Store("some-bucket", endpoint_url="http://127.0.0.1:9") as store:
+        assert store._client.meta.region_name == "eu-west-3"
+        assert store.part_size == 6 * MiB
+        assert store.multipart_threshold == 6 * MiB
+    monkeypatch.setenv("CKPTD_S3_PART_SIZE", "1MiB")
+    with pytest.raises(ValueError, match="minimum"):
+        S3Store("some-bucket", endpoint_url="http://127.0.0.1:9")
+    monkeypatch.setenv("CKPTD_S3_PART_SIZE", "lots")
+    with pytest.raises(ValueError, match="CKPTD_S3_PART_SIZE"):
+        S3Store("some-bucket", endpoint_url="http://127.0.0.1:9")
+
+
+def test_multipart_above_threshold(s3_bucket: str, client) -> None:
+    bucket, prefix = _split(s3_bucket)
+    data = os.urandom(11 * MiB)
+    with small_parts(s3_bucket) as store:
+        store.put("ckpt/shard", [data[:100], memoryview(data)[100:]])
+        store.put("ckpt/small", data[: 5 * MiB])  # at the threshold: a single PutObject
+        assert store.get("ckpt/shard") == data
+    assert client.head_object(Bucket=bucket, Key=f"{prefix}/ckpt/shard")["ETag"].strip('"').endswith("-3")
+    assert "-" not in client.head_object(Bucket=bucket, Key=f"{prefix}/ckpt/small")["ETag"]
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_multipart_put_if_absent(s3_bucket: str) -> None:
+    data = os.urandom(6 * MiB)
+    with small_parts(s3_bucket) as store:
+        assert store.put_if_absent("big/commit", data) is True
+        assert store.put_if_absent("big/commit", b"other") is False
+        assert store.get("big/commit") == data
+
+
+def test_failed_multipart_upload_is_aborted(s3_bucket: str, client) -> None:
+    bucket, _ = _split(s3_bucket)
+    with small_parts(s3_bucket) as store:
+        # Parts below S3's 5 MiB minimum make the server refuse CompleteMultipartUpload
+        # (EntityTooSmall): a real server-side failure after parts were uploaded.
+        store.part_size = 1 * MiB
+        with pytest.raises(StorageError) as e:
+            store.put("doomed", os.urandom(6 * MiB))
+        assert "EntityTooSmall" in str(e.value) and "doomed" in str(e.value)
+        assert not store.exists("doomed")
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_missing_bucket_is_an_empty_store(s3_server: str) -> None:
+    with S3Store("ckptd-no-such-bucket", "job") as store:
+        assert not store.exists_root()
+        assert list(store.list()) == []
+        assert store.list_dir() == ([], [])
+        with pytest.raises(NotFoundError):
+            store.get("k")
+        store.delete("k")
+        with pytest.raises(StorageError, match="ckptd-no-such-bucket"):
+            store.put("k", b"v")
+
+
+def test_unreachable_endpoint_fails_fast_naming_it() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    with S3Store("bucket", "job", endpoint_url=endpoint, max_attempts=1, retries=2, backoff=0.01) as store:
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as e:
+            store.get("some/key")
+        assert time.monotonic() - t0 < 10
+    msg = str(e.value)
+    assert endpoint in msg and "s3://bucket/job/some/key" in msg and "after 3 attempts" in msg
+    assert "\n" not in msg
+
+
+class FlakyProxy:
+    """An HTTP proxy in front of the S3 server that fails the next ``faults`` requests, with a
+    503 SlowDown (``mode="slowdown"``) or by closing the connection unanswered (``"drop"``)."""
+
+    def __init__(self, upstream: str) -> None:
+        up = urlsplit(upstream)
+        self.faults = 0
+        self.mode = "slowdown"
+        self.failed = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _handle(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy.lock:
+                    fail = proxy.faults > 0
+                    if fail:
+                        proxy.faults -= 1
+                        proxy.failed += 1
+                if fail and proxy.mode == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if fail:
+                    xml = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(xml)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(xml)
+                    return
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+                    resp = conn.getresponse()
+                    payload = resp.read()
+                    self.send_response(resp.status)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                            self.send_header(k, v)
+                    self.send_header("Content-Length", resp.getheader("Content-Length") or str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def fail_next(self, n: int, mode: str = "slowdown") -> None:
+        with self.lock:
+            self.faults, self.mode, self.failed = n, mode, 0
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+@pytest.fixture
+def flaky(s3_server: str) -> Iterator[FlakyProxy]:
+    proxy = FlakyProxy(s3_server)
+    yield proxy
+    proxy.close()
+
+
+@pytest.mark.parametrize("mode", ["slowdown", "drop"])
+def test_retries_transient_failures(s3_bucket: str, flaky: FlakyProxy, mode: str) -> None:
+    bucket, prefix = _split(s3_bucket)
+    # botocore's own retries off, so every retry seen here is ours.
+    with S3Store(bucket, prefix, endpoint_url=flaky.url, max_attempts=1, retries=3, backoff=0.01) as store:
+        flaky.fail_next(2, mode)
+        store.put("k", b"value")
+        assert flaky.failed == 2
+        flaky.fail_next(3, mode)
+        assert store.get("k") == b"value"
+        assert flaky.failed == 3
+        flaky.fail_next(2, mode)
+        assert store.put_if_absent("c", b"1") is True
+        flaky.fail_next(100, mode)
+        with pytest.raises(StorageError) as e:
+            store.get("k")
+        assert flaky.failed == 4  # 1 try + 3 retries
+        assert "after 4 attempts" in str(e.value) and "s3://" in str(e.value)
+        if mode == "slowdown":
+            assert "SlowDown" in str(e.value) and "503" in str(e.value)
+        flaky.fail_next(0)
+        assert store.get("c") == b"1"
