@@ -174,3 +174,18 @@ def group_metadata(attributes: dict | None = None) -> bytes:
 
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def group_nodes(keys, step: int) -> list[tuple[str, bytes]]:
+    """zarr.json of the checkpoint folder and of every intermediate group, so zarr tools can walk
+    the hierarchy from the folder down to each array. Keys in the folder, with their bytes."""
+    groups = {""}
+    for key in keys:
+        parts = array_path(key).split("/")
+        for i in range(1, len(parts)):
+            groups.add("/".join(parts[:i]))
+    out = []
+    for g in sorted(groups):
+        attrs = {"ckptd": {"step": step, "format_version": FORMAT_VERSION}} if g == "" else {}
+        out.append((f"{g}/zarr.json" if g else "zarr.json", group_metadata(attrs)))
+    return out

@@ -1,7 +1,8 @@
-"""A store on any S3-compatible object store (AWS S3, MinIO, Ceph RGW, ...) through boto3.
+"""A store on any S3-compatible object store (AWS S3, MinIO, Ceph RGW, ...) through botocore.
 
 ``s3://bucket/prefix``: keys live under ``prefix/`` in ``bucket``. Endpoint, region and
-credentials come from the standard variables, read the way boto3 reads them:
+credentials come from the standard variables, read the way boto3 reads them (a boto3 client is
+a botocore client; we create it through botocore directly to share the parsed service model):
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (botocore reads these itself),
 ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, profiles, instance roles.
 Region: ``AWS_REGION``, then whatever boto3 finds (``AWS_DEFAULT_REGION``, the config file);
@@ -12,9 +13,7 @@ large objects are uploaded as multipart uploads whose parts go up in parallel, a
 parallel ranged GETs. Tuning: ``CKPTD_S3_PART_SIZE`` and ``CKPTD_S3_MULTIPART_THRESHOLD`` (bytes,
 or with a K/M/G suffix, binary) and ``CKPTD_S3_WORKERS``, or the constructor's arguments.
 
-Retries: botocore's own ("standard" mode), plus our loop with exponential backoff and full
-jitter around each call for throttling (SlowDown, 503), other 5xx and broken connections, which
-also covers errors while a response body streams (botocore retries only the request).
+Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``).
 
 ``put_if_absent`` needs conditional writes (``If-None-Match: *`` on PutObject and
 CompleteMultipartUpload): AWS S3 since 2024-08, MinIO, recent Ceph RGW, and moto >= 5.0.
@@ -28,26 +27,25 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 import re
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import boto3
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    HTTPClientError,
-    IncompleteReadError,
-    SSLError,
-)
-from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from storage_backends._s3_calls import (
+    Caller,
+    InvalidRange,
+    NoSuchBucket,
+    NoSuchUpload,
+    PreconditionFailed,
+    Truncated,
+    env_size,
+    new_client,
+)
 from storage_backends.base import (
     Data,
     NotFoundError,
@@ -67,63 +65,12 @@ DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_WORKERS = 16
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum parts per upload
-_WRITER_META = "ckptd-writer"  # user metadata naming the put_if_absent call that wrote an object
-
-# Error codes worth another try: throttling, server trouble, and the 409 S3 returns when two
-# conditional writes of one key race (retrying turns it into a clean 412 or success).
-_RETRY_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "TooManyRequestsException",
-    "RequestTimeout",
-    "RequestTimeoutException",
-    "InternalError",
-    "ServiceUnavailable",
-    "ConditionalRequestConflict",
-}
-_RETRY_STATUS = {429, 500, 502, 503, 504}
-_NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
-
 T = TypeVar("T")
-
-
-class _PreconditionFailed(StorageError):
-    """412: an If-None-Match or If-Match condition did not hold."""
-
-
-class _InvalidRange(StorageError):
-    """416: the range starts past the end of the object."""
-
-
-class _NoSuchBucket(NotFoundError):
-    pass
-
-
-class _NoSuchUpload(StorageError):
-    pass
+_WRITER_META = "ckptd-writer"  # user metadata naming the put_if_absent call that wrote an object
 
 
 class _Changed(Exception):
     """The object was replaced while we read it in pieces; read it again."""
-
-
-class _Truncated(Exception):
-    """A response body ended early; retried like a broken connection."""
-
-
-_TRANSIENT = (BotoConnectionError, HTTPClientError, IncompleteReadError, _Truncated)
-
-
-def _env_size(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    m = re.fullmatch(r"(\d+)\s*([KMG]?)(?:i?B)?", raw, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"{name}={raw!r}: expected a byte count such as 16777216 or 16MiB")
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
 
 
 def _join(views: list[memoryview]) -> bytes:
@@ -216,36 +163,36 @@ class S3Store(Store):
         self._prefix = prefix + "/" if prefix else ""
         self.uri = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
 
-        part_size = part_size if part_size is not None else _env_size("CKPTD_S3_PART_SIZE", DEFAULT_PART_SIZE)
+        part_size = part_size if part_size is not None else env_size("CKPTD_S3_PART_SIZE", DEFAULT_PART_SIZE)
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"S3 part size {part_size} is below S3's minimum of {MIN_PART_SIZE} bytes")
         self.part_size = part_size
         self.multipart_threshold = (
             multipart_threshold
             if multipart_threshold is not None
-            else _env_size("CKPTD_S3_MULTIPART_THRESHOLD", part_size)
+            else env_size("CKPTD_S3_MULTIPART_THRESHOLD", part_size)
         )
         workers = max_workers or int(os.environ.get("CKPTD_S3_WORKERS") or DEFAULT_WORKERS)
-        self._attempts = max(1, retries + 1)
-        self._backoff = backoff
 
         # With a custom endpoint (MinIO, Ceph, moto) use path-style addressing: virtual hosts
         # like bucket.localhost rarely resolve there; AWS accepts both.
-        custom_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        env = os.environ
+        custom_endpoint = endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         config = Config(
             # Pool workers plus caller threads each hold a connection; botocore's default of 10
             # would make them queue (and log "connection pool is full").
             max_pool_connections=workers + 16,
-            retries={"mode": "standard", "max_attempts": max_attempts},
+            # total_max_attempts counts the first try; botocore's "max_attempts" would not.
+            retries={"mode": "standard", "total_max_attempts": max(1, max_attempts)},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             tcp_keepalive=True,
             s3={"addressing_style": "path"} if custom_endpoint else None,
         )
-        session = boto3.session.Session(region_name=region or os.environ.get("AWS_REGION") or None)
         # endpoint_url=None lets botocore read AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL itself.
-        self._client = session.client("s3", endpoint_url=endpoint_url, config=config)
+        self._client = new_client(region or os.environ.get("AWS_REGION") or None, endpoint_url, config)
         self.endpoint_url: str = self._client.meta.endpoint_url
+        self._caller = Caller(bucket, self.endpoint_url, retries + 1, backoff)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3")
         self._closed = False
         self._close_lock = threading.Lock()
@@ -259,48 +206,7 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self._prefix}{key}"
 
     def _call(self, op: str, key: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
-        """``fn(**kwargs)`` with our retries; failures become StorageError (or a subclass)."""
-        for attempt in range(1, self._attempts + 1):
-            try:
-                return fn(**kwargs)
-            except ClientError as e:
-                err = e.response.get("Error", {})
-                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                transient = err.get("Code") in _RETRY_CODES or status in _RETRY_STATUS
-                if not transient or attempt == self._attempts:
-                    raise self._error(op, key, e, attempt) from None
-            except SSLError as e:  # certificate trouble does not heal by retrying
-                raise self._error(op, key, e, attempt) from None
-            except _TRANSIENT as e:
-                if attempt == self._attempts:
-                    raise self._error(op, key, e, attempt) from None
-            except BotoCoreError as e:  # no credentials, bad parameters, ...
-                raise self._error(op, key, e, attempt) from None
-            time.sleep(random.uniform(0, min(10.0, self._backoff * 2 ** (attempt - 1))))
-        raise AssertionError("unreachable")
-
-    def _error(self, op: str, key: str, e: Exception, attempts: int) -> StorageError:
-        where = self._where(key) if key else self.uri
-        after = f" after {attempts} attempts" if attempts > 1 else ""
-        if isinstance(e, ClientError):
-            err = e.response.get("Error", {})
-            code = str(err.get("Code", "Unknown"))
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            detail = f"{code}: {err['Message']}" if err.get("Message") else code
-            text = " ".join(f"{where}: {op} failed: {detail} (HTTP {status}){after}".split())
-            if code == "NoSuchBucket":
-                return _NoSuchBucket(f"{self.uri}: no bucket {self.bucket!r} at {self.endpoint_url}")
-            if code in _NOT_FOUND_CODES:
-                return NotFoundError(f"{where}: no such object")
-            if code == "NoSuchUpload":
-                return _NoSuchUpload(text)
-            if code == "PreconditionFailed" or status == 412:
-                return _PreconditionFailed(text)
-            if code == "InvalidRange" or status == 416:
-                return _InvalidRange(text)
-            return StorageError(text)
-        detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return StorageError(" ".join(f"{where}: {op} failed{after} (endpoint {self.endpoint_url}): {detail}".split()))
+        return self._caller(op, self._where(key) if key else self.uri, fn, **kwargs)
 
     def _submit_all(self, fns: Sequence[Callable[[], T]]) -> list[T]:
         """Run ``fns`` on the pool (the last one in this thread) and return their results; on the
@@ -338,12 +244,12 @@ class S3Store(Store):
                 if resp["ContentLength"] != want:  # S3 truncates a range that runs past the end
                     raise StorageError(f"{outside} ({_total_size(resp)} bytes)")
                 if _stream_into(body, views) != n:
-                    raise _Truncated(f"response body ended early ({rng})")
+                    raise Truncated(f"response body ended early ({rng})")
             return resp
 
         try:
             return self._call("GetObject", key, attempt)
-        except _InvalidRange:  # 416: the range starts at or past the end
+        except InvalidRange:  # 416: the range starts at or past the end
             raise StorageError(outside) from None
 
     def get(self, key: str) -> bytes:
@@ -358,7 +264,7 @@ class S3Store(Store):
         # The first piece also tells the size (Content-Range), so a small object costs one GET.
         try:
             first, resp = self._get_first(key, f"bytes=0-{self.part_size - 1}")
-        except _InvalidRange:  # a ranged GET of an empty object is a 416
+        except InvalidRange:  # a ranged GET of an empty object is a 416
             return self._get_first(key, None)[0]
         total = _total_size(resp) or len(first)
         if total <= len(first):
@@ -374,7 +280,7 @@ class S3Store(Store):
             self._submit_all(
                 [lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces]
             )
-        except _PreconditionFailed:
+        except PreconditionFailed:
             raise _Changed() from None
         return bytes(buf)
 
@@ -386,7 +292,7 @@ class S3Store(Store):
             with contextlib.closing(resp["Body"]) as body:
                 data = body.read()
             if len(data) != resp["ContentLength"]:
-                raise _Truncated("response body ended early")
+                raise Truncated("response body ended early")
             return data, resp
 
         return self._call("GetObject", key, attempt)
@@ -427,7 +333,7 @@ class S3Store(Store):
             try:
                 self._pieces_into(key, pos, length, views, info["ETag"])
                 return
-            except _PreconditionFailed:
+            except PreconditionFailed:
                 continue
         raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
 
@@ -462,7 +368,7 @@ class S3Store(Store):
                     **kwargs,
                     **extra,
                 )
-            except _NoSuchBucket:
+            except NoSuchBucket:
                 return  # a missing root is an empty store
             yield page
             token = page.get("NextContinuationToken")
@@ -533,7 +439,7 @@ class S3Store(Store):
                 if self.exists(key):  # don't upload gigabytes only to lose
                     return False
                 self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
-        except _PreconditionFailed:
+        except PreconditionFailed:
             try:
                 return self._head(key).get("Metadata", {}).get(_WRITER_META) == token
             except NotFoundError:  # the winner's object is already deleted again
@@ -556,6 +462,10 @@ class S3Store(Store):
         full = self._full(key)
         token = (metadata or {}).get(_WRITER_META) or secrets.token_hex(16)
         meta = {**(metadata or {}), _WRITER_META: token}
+        # botocore puts a CRC32 on every part unless told "when_required"
+        # (AWS_REQUEST_CHECKSUM_CALCULATION); the upload must then announce it too, and the
+        # parts' checksums go into CompleteMultipartUpload (copied from each part's response).
+        checksum = self._client.meta.config.request_checksum_calculation != "when_required"
         upload_id = self._call(
             "CreateMultipartUpload",
             key,
@@ -563,6 +473,7 @@ class S3Store(Store):
             Bucket=self.bucket,
             Key=full,
             Metadata=meta,
+            **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
         )["UploadId"]
         part_size = self._part_size_for(size)
         ends = _cumulative(views)
@@ -580,6 +491,7 @@ class S3Store(Store):
                 UploadId=upload_id,
                 PartNumber=number,
                 Body=body,
+                **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
             )
             part = {"PartNumber": number, "ETag": resp["ETag"]}
             part.update({k: v for k, v in resp.items() if k.startswith("Checksum") and isinstance(v, str)})
@@ -604,7 +516,7 @@ class S3Store(Store):
                     MultipartUpload={"Parts": parts},
                     **extra,
                 )
-            except _NoSuchUpload:
+            except NoSuchUpload:
                 # A retried Complete whose first try succeeded (and lost its response) finds the
                 # upload gone: it succeeded if the object there carries our token.
                 try:
@@ -640,7 +552,7 @@ class S3Store(Store):
 
     def delete(self, key: str) -> None:
         full = self._full(key)
-        with contextlib.suppress(_NoSuchBucket):  # deleting a missing key is not an error
+        with contextlib.suppress(NoSuchBucket):  # deleting a missing key is not an error
             self._call("DeleteObject", key, self._client.delete_object, Bucket=self.bucket, Key=full)
 
     def delete_prefix(self, prefix: str) -> int:

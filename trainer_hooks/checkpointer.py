@@ -115,7 +115,7 @@ class Checkpointer:
                 attempt=attempt,
                 layout={"world_size": self.world_size},
             )
-            job.metadata += _group_nodes(entries, step)
+            job.metadata += mf.group_nodes(entries, step)
             job.metadata.append((mf.MANIFEST, m.to_bytes()))
         fut = _SaveFuture.chain(self._sink.submit(job), step)
         self._inflight = (step, fut)
@@ -251,21 +251,6 @@ def _encode_rng() -> Any:
     from ckptd import jsonenc
 
     return jsonenc.encode(rng.capture())
-
-
-def _group_nodes(entries: dict[str, mf.TensorEntry], step: int) -> list[tuple[str, bytes]]:
-    """zarr.json of the checkpoint folder and of every intermediate group, so zarr tools can walk
-    the hierarchy from the folder down to each array."""
-    groups = {""}
-    for key in entries:
-        parts = mf.array_path(key).split("/")
-        for i in range(1, len(parts)):
-            groups.add("/".join(parts[:i]))
-    out = []
-    for g in sorted(groups):
-        attrs = {"ckptd": {"step": step, "format_version": mf.FORMAT_VERSION}} if g == "" else {}
-        out.append((f"{g}/zarr.json" if g else "zarr.json", mf.group_metadata(attrs)))
-    return out
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointNotFoundError"]

@@ -49,6 +49,18 @@ def _pick_step(store: Store, coord: Coordinator, step: int | None) -> int | None
     return choice
 
 
+# What a live value of each kind can be restored from: a module from a plain dict of tensors
+# (``ckptd import`` of a torch.save/safetensors file), and so on.
+_COMPATIBLE = {
+    "module": {"module", "dict"},
+    "optimizer": {"optimizer", "dict"},
+    "dict": {"dict", "module", "optimizer"},
+    "stateful": {"stateful", "dict", "value"},
+    "tensor": {"tensor"},
+    "value": {"value", "dict", "stateful"},
+}
+
+
 def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
     """Check the live state against the manifest; return the keys to read. Raises
     StateMismatchError naming the checkpoint, the key and what differs."""
@@ -76,7 +88,7 @@ def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
             raise StateMismatchError(f"{where}: key {missing_names[0]!r} is in the state but not in the checkpoint")
     for name, node in flat.tree.items():
         saved_node = m.state.get(name)
-        if saved_node is not None and saved_node["kind"] != node["kind"]:
+        if saved_node is not None and saved_node["kind"] not in _COMPATIBLE[node["kind"]]:
             raise StateMismatchError(
                 f"{where}: key {name!r} was saved as a {saved_node['kind']} but the state has a {node['kind']}"
             )

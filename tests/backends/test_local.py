@@ -8,9 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage_backends import LocalStore, NotFoundError, StorageError, UnknownSchemeError, open_store
+from storage_backends import LocalStore, NotFoundError, StorageError
 from storage_backends.local import _advance
-from storage_backends.registry import register_scheme
 from storage_backends.testing import StoreConformance
 
 
@@ -33,32 +32,6 @@ def test_missing_root_is_an_empty_store(tmp_path: Path) -> None:
     store.put("a/k", b"v")
     assert store.exists_root()
     assert (tmp_path / "not" / "yet" / "a" / "k").read_bytes() == b"v"
-
-
-def test_open_store_uris(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert open_store(str(tmp_path)).uri == str(tmp_path)
-    assert open_store(f"file://{tmp_path}/x").uri == str(tmp_path / "x")
-    assert open_store(f"file://localhost{tmp_path}").uri == str(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    rel = open_store("relative/root")
-    assert isinstance(rel, LocalStore) and rel.uri == str(tmp_path / "relative" / "root")
-    with pytest.raises(StorageError, match="host"):
-        open_store("file://somehost/x")
-
-
-def test_unknown_scheme() -> None:
-    with pytest.raises(UnknownSchemeError) as e:
-        open_store("gs://bucket/prefix")
-    msg = str(e.value)
-    assert "'gs'" in msg and "s3://" in msg and "file://" in msg and "memory://" in msg
-    assert "\n" not in msg
-    assert isinstance(e.value, ValueError)
-
-
-def test_register_scheme(tmp_path: Path) -> None:
-    register_scheme("ckpttest", lambda uri: LocalStore(str(tmp_path / uri.split("://", 1)[1])))
-    store = open_store("ckpttest://sub")
-    assert isinstance(store, LocalStore) and store.uri == str(tmp_path / "sub")
 
 
 def test_temp_files_are_hidden(tmp_path: Path) -> None:

@@ -154,6 +154,9 @@ class FlakyProxy:
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # answers botocore's "Expect: 100-continue" at once
+            disable_nagle_algorithm = True
+
             def log_message(self, *args) -> None:
                 pass
 
@@ -197,7 +200,7 @@ class FlakyProxy:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def fail_next(self, n: int, mode: str = "slowdown") -> None:

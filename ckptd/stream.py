@@ -1,0 +1,176 @@
+"""Write a committed checkpoint from one process, one tensor (or one shard) at a time.
+
+For tools that produce checkpoints outside a training job -- ``ckptd import``, ``ckptd reshard
+--rechunk`` -- with memory bounded by the largest shard, not the whole checkpoint. It follows the
+same format and commit protocol as the trainer hooks (data, manifest, done record, then one
+``commit.json`` written with put_if_absent), as a world of one writer::
+
+    with CheckpointWriter(store, step=100) as w:
+        w.write_tensor("model/fc.weight", array)          # numpy or torch (CPU)
+        w.set_state({"model": {"kind": "module", "data": {...}}})
+    # committed on a clean exit; left partial (never committed) if the block raised
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ckptd import catalog
+from ckptd import manifest as mf
+from ckptd.codec import ArrayLayout, encode_shard
+from ckptd.errors import CheckpointError
+from ckptd.layout import Box, choose_chunk_shape
+from storage_backends import Store
+
+MAX_SHARD_BYTES = 256 * 1024 * 1024  # bigger tensors are split along dim 0 into several objects
+
+
+def default_layout(shape: tuple[int, ...], dtype: str, itemsize: int) -> ArrayLayout:
+    """One shard per tensor up to MAX_SHARD_BYTES, else even dim-0 shards; inner chunks of a few
+    MiB so readers at any world size fetch little more than they need."""
+    shape = tuple(shape)
+    if math.prod(shape) == 0:
+        grid = tuple(max(1, n) for n in shape)
+        return ArrayLayout(shape, dtype, grid, grid)
+    nbytes = math.prod(shape) * itemsize
+    shard = shape
+    if shape and nbytes > MAX_SHARD_BYTES and shape[0] > 1:
+        n = min(shape[0], -(-nbytes // MAX_SHARD_BYTES))
+        shard = (-(-shape[0] // n), *shape[1:])
+    return ArrayLayout(shape, dtype, shard, choose_chunk_shape(shard, itemsize))
+
+
+class CheckpointWriter:
+    def __init__(
+        self,
+        store: Store,
+        step: int,
+        *,
+        world_size: int = 1,
+        layout_info: dict | None = None,
+        threads: int = 8,
+        max_pending_bytes: int = 512 * 1024 * 1024,
+    ):
+        """``world_size`` is what ``ls`` reports as the world size at save (an import has none;
+        a rechunk keeps the target size). Puts run on ``threads`` threads with at most
+        ``max_pending_bytes`` of encoded shards in flight."""
+        self.store = store
+        self.step = step
+        self.world_size = world_size
+        self.layout_info = layout_info or {}
+        self.attempt = uuid.uuid4().hex[:12]
+        self.entries: dict[str, mf.TensorEntry] = {}
+        self.state: dict[str, Any] = {}
+        self.bytes = 0
+        self.objects = 0
+        self._folder = mf.step_dir(step)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-stream")
+        self._pending: list[tuple[Future, int]] = []
+        self._max_pending = max_pending_bytes
+        self._committed = False
+        if store.exists(f"{self._folder}/{mf.COMMIT}"):
+            raise CheckpointError(f"{catalog.where(store, step)}: step {step} is already committed")
+        if any(True for _ in store.list(f"{self._folder}/")):
+            store.delete_prefix(f"{self._folder}/")  # a stale partial attempt
+
+    def _put(self, key: str, data, nbytes: int) -> None:
+        self._pending.append((self._pool.submit(self.store.put, f"{self._folder}/{key}", data), nbytes))
+        self.bytes += nbytes
+        self.objects += 1
+        while sum(n for _, n in self._pending) > self._max_pending:
+            self._drain(1)
+
+    def _drain(self, n: int | None = None) -> None:
+        todo, self._pending = (self._pending, []) if n is None else (self._pending[:n], self._pending[n:])
+        for f, _ in todo:
+            f.result()
+
+    def declare(self, key: str, layout: ArrayLayout, placements: str = "") -> None:
+        """Register an array (and write its zarr.json) before writing its shards."""
+        if key in self.entries:
+            raise CheckpointError(f"key {key!r} written twice")
+        self.entries[key] = mf.TensorEntry(key, layout, placements)
+        meta = mf.dumps(layout.metadata())
+        self._put(f"{mf.array_path(key)}/zarr.json", meta, len(meta))
+
+    def write_shard(self, key: str, coord: tuple[int, ...], block: np.ndarray) -> None:
+        """Write one shard of a declared array; ``block`` is the shard's data clipped to the array.
+        The block must stay unchanged until ``close``/``commit`` (it is written asynchronously)."""
+        layout = self.entries[key].layout
+        bufs = encode_shard(layout, coord, block)
+        self._put(f"{mf.array_path(key)}/{layout.shard_key(coord)}", bufs, sum(memoryview(b).nbytes for b in bufs))
+
+    def write_tensor(self, key: str, array, layout: ArrayLayout | None = None, placements: str = "") -> None:
+        """Write a whole tensor (numpy array or CPU torch tensor)."""
+        arr = _as_numpy(array)
+        dtype = _zarr_name(arr.dtype)
+        layout = layout or default_layout(arr.shape, dtype, arr.dtype.itemsize)
+        self.declare(key, layout, placements)
+        for coord in layout.shard_coords() if arr.size else ():
+            box = Box(*layout.shard_box(coord))
+            self.write_shard(key, coord, arr[box.relative_to(Box.full(arr.shape))])
+
+    def set_state(self, tree: dict[str, Any]) -> None:
+        """The manifest's state tree: ``{name: {"kind": ..., "data": <jsonenc with $tensor refs>}}``."""
+        self.state = tree
+
+    def commit(self, extra: dict | None = None) -> None:
+        self._drain()
+        m = mf.Manifest(
+            step=self.step,
+            world_size=self.world_size,
+            tensors=self.entries,
+            state=self.state,
+            attempt=self.attempt,
+            layout=self.layout_info,
+        )
+        for key, data in [*mf.group_nodes(self.entries, self.step), (mf.MANIFEST, m.to_bytes())]:
+            self._put(key, data, len(data))
+        self._drain()
+        for rank in range(self.world_size):  # the done records a commit of this world size needs
+            rec = {"rank": rank, "bytes": self.bytes if rank == 0 else 0, "objects": self.objects if rank == 0 else 0}
+            self.store.put(mf.done_key(self.step, self.attempt, rank), mf.dumps(rec))
+        if not catalog.try_commit(self.store, self.step, self.attempt, self.world_size, extra):
+            raise CheckpointError(f"{catalog.where(self.store, self.step)}: commit lost a race with another writer")
+        self._committed = True
+
+    def close(self) -> None:
+        try:
+            self._drain()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None and not self._committed:
+                self.commit()
+        finally:
+            self.close()
+
+
+def _as_numpy(array) -> np.ndarray:
+    if isinstance(array, np.ndarray):
+        return array
+    from trainer_hooks.flatten import as_numpy
+
+    t = array.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return as_numpy(t.contiguous())
+
+
+def _zarr_name(dtype: np.dtype) -> str:
+    from ckptd.codec import _DTYPES
+
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise CheckpointError(f"unsupported dtype {dtype}")
