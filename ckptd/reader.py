@@ -141,7 +141,8 @@ class CheckpointReader:
             cbox = chunk_box(layout, shard, c)
             if cbox.shape != layout.chunk_shape or cbox.intersect(req.want) != cbox:
                 return False
-            dst = req.out[cbox.relative_to(req.want)]
+            where = cbox.relative_to(req.want)
+            dst = req.out[where] if where else req.out  # out[()] of a 0-d array is a copy, not a view
             if not dst.flags.c_contiguous:
                 return False
             if off > pos:

@@ -214,15 +214,34 @@ class LocalStore(Store):
             raise self._err("get", key, e) from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        buf = bytearray(length if length > 0 else 0)
-        self._read_into(key, start, length, [memoryview(buf)] if length > 0 else [])
-        return bytes(buf)
+        with self._open(key) as (fd, size):
+            pos = resolve_range(self.uri, key, start, length, size)
+            try:
+                data = os.pread(fd, length, pos) if length else b""
+                if 0 < len(data) < length:  # pread may stop short on huge reads: go on
+                    data = b"".join([data, *self._pread_rest(fd, pos + len(data), length - len(data))])
+            except OSError as e:
+                raise self._err("get_range", key, e) from None
+        if len(data) != length:  # the file shrank under us: never return short data
+            raise StorageError(f"{self.uri}: short read of {key!r}: {len(data)} of {length} bytes at {pos}")
+        return data
+
+    @staticmethod
+    def _pread_rest(fd: int, pos: int, n: int) -> Iterator[bytes]:
+        while n > 0:
+            chunk = os.pread(fd, n, pos)
+            if not chunk:
+                return
+            yield chunk
+            pos, n = pos + len(chunk), n - len(chunk)
 
     def get_range_into(self, key: str, start: int, buffers: Sequence[bytearray | memoryview]) -> None:
         views = as_writable_buffers(buffers)
         self._read_into(key, start, sum(v.nbytes for v in views), views)
 
-    def _read_into(self, key: str, start: int, length: int, views: list[memoryview]) -> None:
+    @contextlib.contextmanager
+    def _open(self, key: str) -> Iterator[tuple[int, int]]:
+        """An open file descriptor of the object and its size."""
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -232,13 +251,17 @@ class LocalStore(Store):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise NotFoundError(f"{self.uri}: no object {key!r}")
-            size = st.st_size
-            pos = resolve_range(self.uri, key, start, length, size)
-            got = _preadv_all(fd, views, pos) if views else 0
-        except OSError as e:
-            raise self._err("get_range", key, e) from None
+            yield fd, st.st_size
         finally:
             os.close(fd)
+
+    def _read_into(self, key: str, start: int, length: int, views: list[memoryview]) -> None:
+        with self._open(key) as (fd, size):
+            pos = resolve_range(self.uri, key, start, length, size)
+            try:
+                got = _preadv_all(fd, views, pos) if views else 0
+            except OSError as e:
+                raise self._err("get_range_into", key, e) from None
         if got != length:  # the file shrank under us: never return short data
             raise StorageError(f"{self.uri}: short read of {key!r}: {got} of {length} bytes at {pos}")
 

@@ -16,7 +16,9 @@ or with a K/M/G suffix, binary) and ``CKPTD_S3_WORKERS``, or the constructor's a
 Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``).
 
 ``put_if_absent`` needs conditional writes (``If-None-Match: *`` on PutObject and
-CompleteMultipartUpload): AWS S3 since 2024-08, MinIO, recent Ceph RGW, and moto >= 5.0.
+CompleteMultipartUpload): AWS S3 since 2024-08, MinIO, recent Ceph RGW, and moto (5.2.1 answers
+412 PreconditionFailed, which the conformance suite checks; its server tests and writes without a
+lock, so two racing writers could in theory both win there, which real S3 rules out).
 A store that silently ignores the header would make every writer win; don't point ckptd at one.
 A missing bucket is an empty store for reads, but puts do not create buckets (that needs
 permissions and a region choice that belong to the operator): they fail with NoSuchBucket.
@@ -253,6 +255,8 @@ class S3Store(Store):
             raise StorageError(outside) from None
 
     def get(self, key: str) -> bytes:
+        """A large object is fetched as parallel ranged GETs into one buffer, then copied once
+        into ``bytes``; ``get_range_into`` fills the caller's buffers without that copy."""
         for _ in range(3):
             try:
                 return self._get_whole(key)

@@ -44,8 +44,14 @@ def persist(
     pool: ThreadPoolExecutor,
     keep_last: int | None = None,
     commit_timeout: float = 1800.0,
+    *,
+    wait: bool = True,
 ) -> SaveResult:
-    """Write ``job`` and wait for its checkpoint to commit. Runs on a background thread."""
+    """Write ``job`` and wait for its checkpoint to commit. Runs on a background thread.
+
+    ``wait=False`` returns once this rank's data and done record are durable (and the commit
+    tried), without polling for the other ranks' commit: the daemon watches commits of many jobs
+    from one thread instead of parking an upload worker per job."""
     t0 = time.perf_counter()
     if job.ready is not None:
         job.ready.synchronize()  # the D2H copies into pinned buffers have landed
@@ -87,7 +93,7 @@ def persist(
                     log.info("retention removed steps %s", deleted)
             except (CheckpointError, StorageError) as e:  # retention must not fail a save
                 log.warning("retention failed: %s", e)
-    else:
+    elif wait:
         _wait_commit(store, job, where, commit_timeout)
     return SaveResult(job.step, nbytes, objects, committed, time.perf_counter() - t0)
 

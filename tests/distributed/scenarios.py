@@ -143,6 +143,27 @@ def full_state(state) -> dict:
     return out
 
 
+def replicas_disagree(state) -> list[str]:
+    """Plain (replicated) tensors must be identical on every rank: the full-state gather above
+    only shows rank 0's copy of them."""
+    from trainer_hooks.sharding import is_dtensor
+
+    sd = {**{f"model/{k}": v for k, v in get_model_state_dict(state["model"]).items()}}
+    for fqn, s in get_optimizer_state_dict(state["model"], state["optim"]).get("state", {}).items():
+        sd.update({f"optim/{fqn}/{k}": v for k, v in s.items() if isinstance(v, torch.Tensor)})
+    sd.update({f"extra/{k}": v for k, v in state["extra"].items()})
+    mine = {k: v.detach().clone() for k, v in sd.items() if not is_dtensor(v)}
+    if not dist.is_initialized():
+        return []
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    bad = []
+    for k, v in mine.items():
+        if not all(torch.equal(v, other[k]) for other in everyone):
+            bad.append(f"{k} differs between ranks")
+    return bad
+
+
 def save(layout: str, roots: list[str], out: str, steps: int = 2, seed: int = 0) -> dict:
     """Train ``steps`` steps, save after the last one to every root, record the full state, then
     train one more step and record its loss (the uninterrupted reference)."""
@@ -178,6 +199,7 @@ def restore(layout: str, root: str, out: str, ref: str, seed: int = 123) -> dict
             a, b = expect[k], got[k]
             if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
                 mismatches.append(k)
+    mismatches += replicas_disagree(state)
     next_loss = train_step(state, step + 1, dp_rank, dp_size)
     return {
         "step": step,

@@ -1,0 +1,258 @@
+"""Helpers shared by every benchmark row: sizes, timing statistics, page-cache control, process
+counters (RSS, /proc/self/io) and the description of the machine the numbers come from."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import gc
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+_UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB, "g": GiB, "gb": GiB}
+_UNITS["gib"] = GiB
+
+
+def parse_size(text: str | int) -> int:
+    """``"1.5GiB"``, ``"64MiB"``, ``"512M"`` or a plain byte count (binary units throughout)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 64MiB, 1.5GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def median(xs: Iterable[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def minimum(xs: Iterable[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return min(xs) if xs else None
+
+
+def now_utc() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def collect() -> None:
+    """Free what the previous system left behind before timing the next one."""
+    gc.collect()
+
+
+def rotate(items: list, k: int) -> list:
+    """The interleaving order of repetition ``k``: A,B,C then B,C,A then C,A,B ..."""
+    if not items:
+        return items
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+# ------------------------------------------------------------------------------ page cache
+
+
+@dataclass
+class CacheDropper:
+    """Makes the next read cold. Prefers ``echo 3 > /proc/sys/vm/drop_caches`` (root); otherwise
+    ``posix_fadvise(DONTNEED)`` on every file under the given paths (after fsync, clean pages
+    are dropped)."""
+
+    method: str | None = None
+    calls: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def __call__(self, *paths: str) -> str:
+        self.calls += 1
+        os.sync()
+        if self.method in (None, "drop_caches"):
+            try:
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
+                self.method = "drop_caches"
+                return self.method
+            except OSError as e:
+                self.errors.append(f"drop_caches: {e}")
+                self.method = "fadvise"
+        for p in paths:
+            for f in _files(p):
+                with contextlib.suppress(OSError):
+                    fd = os.open(f, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+        return self.method or "fadvise"
+
+
+def _files(path: str) -> Iterable[str]:
+    if os.path.isfile(path):
+        yield path
+        return
+    for d, _, names in os.walk(path):
+        for n in names:
+            yield os.path.join(d, n)
+
+
+drop_cache = CacheDropper()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+# -------------------------------------------------------------------------- process counters
+
+
+def proc_io() -> dict[str, int]:
+    """This process's /proc/self/io (all threads): ``read_bytes`` is what the block layer read
+    for it (page-cache misses), ``rchar`` what read()/pread() returned."""
+    out = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, v = line.split(":")
+                out[k.strip()] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * KiB
+    return 0
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.s = time.perf_counter() - self.t0
+
+
+# ------------------------------------------------------------------------------- machine info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * KiB
+    except OSError:
+        pass
+    return 0
+
+
+def _disk(path: str) -> dict[str, Any]:
+    path = os.path.realpath(path)
+    best, dev, fstype = "", "?", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                d, mnt, typ = line.split()[:3]
+                if path.startswith(mnt) and len(mnt) > len(best):
+                    best, dev, fstype = mnt, d, typ
+    except OSError:
+        pass
+    usage = shutil.disk_usage(path)
+    name = os.path.basename(dev)
+    rot = None
+    with contextlib.suppress(OSError):
+        with open(f"/sys/block/{name}/queue/rotational") as f:
+            rot = f.read().strip() == "1"
+    return {
+        "path": path,
+        "device": dev,
+        "mount": best,
+        "fstype": fstype,
+        "size": usage.total,
+        "free": usage.free,
+        "rotational": rot,
+    }
+
+
+def machine_info(bench_dir: str) -> dict[str, Any]:
+    import numpy
+    import torch
+
+    try:
+        import tensorstore
+
+        ts_version = tensorstore.__version__
+    except Exception:  # noqa: BLE001 - informational only
+        ts_version = None
+    try:
+        py_spy = subprocess.run(["py-spy", "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        py_spy = None
+    return {
+        "date": now_utc(),
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "ram": _mem_total(),
+        "disk": _disk(bench_dir),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "tensorstore": ts_version,
+        "cuda": torch.cuda.is_available(),
+        "loadavg_at_start": os.getloadavg(),
+        "py_spy": py_spy,
+    }

@@ -1,0 +1,67 @@
+"""Prometheus text exposition of the daemon's counters, without a client library.
+
+Counters only grow; gauges are read at scrape time through callables. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+_HELP = {
+    "ckptd_jobs_accepted_total": ("counter", "snapshots handed off to this daemon"),
+    "ckptd_jobs_committed_total": ("counter", "handed-off snapshots whose checkpoint committed"),
+    "ckptd_jobs_failed_total": ("counter", "handed-off snapshots that failed"),
+    "ckptd_jobs_discarded_total": ("counter", "snapshots discarded at restart (staging files lost)"),
+    "ckptd_jobs_recovered_total": ("counter", "snapshots resumed after a restart"),
+    "ckptd_commits_written_total": ("counter", "commit records this daemon wrote"),
+    "ckptd_bytes_written_total": ("counter", "bytes written to storage (shards and metadata)"),
+    "ckptd_objects_written_total": ("counter", "objects written to storage"),
+    "ckptd_upload_seconds_total": ("counter", "seconds spent uploading (sum over jobs)"),
+    "ckptd_upload_retries_total": ("counter", "uploads re-run after an error"),
+    "ckptd_budget_waits_total": ("counter", "staging requests refused (429) because the budget was full"),
+    "ckptd_handoff_to_commit_seconds_sum": ("counter", "seconds from hand-off to commit, summed over jobs"),
+    "ckptd_handoff_to_commit_seconds_count": ("counter", "jobs counted in the sum above"),
+}
+
+
+class Metrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._c: dict[str, float] = dict.fromkeys(_HELP, 0.0)
+        self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+        self._last: dict[str, float] = {}
+
+    def inc(self, name: str, value: float = 1.0) -> None:
+        with self._lock:
+            self._c[name] += value
+
+    def set_last(self, name: str, value: float) -> None:
+        """A gauge that holds the latest observation (e.g. the last upload's throughput)."""
+        with self._lock:
+            self._last[name] = value
+
+    def gauge(self, name: str, help_text: str, fn: Callable[[], float]) -> None:
+        self._gauges[name] = (help_text, fn)
+
+    def value(self, name: str) -> float:
+        with self._lock:
+            return self._c.get(name, self._last.get(name, 0.0))
+
+    def render(self) -> str:
+        with self._lock:
+            counters = dict(self._c)
+            last = dict(self._last)
+        lines: list[str] = []
+        for name, v in counters.items():
+            kind, text = _HELP[name]
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(v)}"]
+        for name, v in last.items():
+            lines += [f"# TYPE {name} gauge", f"{name} {_num(v)}"]
+        for name, (text, fn) in self._gauges.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {_num(fn())}"]
+        return "\n".join(lines) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))

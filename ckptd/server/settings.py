@@ -1,0 +1,65 @@
+"""The daemon's settings: CLI flags override ``CKPTD_*`` environment variables, which override
+the defaults (pydantic-settings). ``CKPTD_ROOTS='["s3://bucket/jobs"]'`` is ``--root``."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B?|B)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """``"512MiB"`` -> bytes. Binary (KiB .. TiB) and decimal (KB .. TB, or K .. T) units."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.fullmatch(str(text))
+    if m is None:
+        raise ValueError(f"invalid size {text!r} (expected e.g. 512MiB, 2GiB, 1000000)")
+    number, prefix, binary = m.groups()
+    factor = (1024 if binary else 1000) ** ("KMGT".index(prefix.upper()) + 1) if prefix else 1
+    return int(float(number) * factor)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore")
+
+    roots: list[str] = Field(default_factory=list, description="job roots served (--root)")
+    host: str = "127.0.0.1"
+    port: int = 8470
+    token_file: str | None = None
+    staging_dir: str | None = Field(
+        None, description="where snapshots are staged; default /dev/shm/ckptd, else a local folder"
+    )
+    budget: int | None = Field(None, description="bytes of staged snapshots; default half the staging filesystem")
+    upload_workers: int = Field(2, ge=1, description="jobs uploaded at once")
+    io_threads: int = Field(16, ge=1, description="puts in flight at once, over all jobs")
+    upload_retries: int = Field(2, ge=0, description="re-runs of a failed upload before the job fails")
+    lease_ttl_s: float = Field(60.0, gt=0, description="an idle lease whose client stopped heartbeating is freed")
+    budget_stall_s: float = Field(30.0, gt=0, description="a wait for memory that sees no progress this long is granted")
+    max_body_bytes: int = Field(16 * 2**20, ge=1024)
+    log_level: str = "info"
+    # For tests only: sleep this long before every shard put, so a test can kill the daemon
+    # mid-upload. Never set it in production.
+    fault_upload_delay_s: float = 0.0
+
+
+def default_staging_dir(budget: int | None) -> tuple[Path, str]:
+    """(folder, why). /dev/shm when it exists and has room for the budget (or 1 GiB when no
+    budget is set), else a folder under the user's cache."""
+    shm = Path("/dev/shm")
+    need = budget if budget is not None else 2**30
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        free = shutil.disk_usage(shm).free
+        if free >= need:
+            return shm / "ckptd", "shared memory"
+        why = f"/dev/shm has {free} bytes free, the budget needs {need}"
+    else:
+        why = "/dev/shm is not available"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckptd" / "staging"
+    return cache, f"local folder ({why})"
