@@ -52,7 +52,7 @@ from typing import Any
 
 from ckptd.codec import ArrayLayout
 from ckptd.errors import CheckpointError
-from ckptd.layout import Box, _interval_grid, chunk_box, choose_chunk_shape, plan_reads, read_cost
+from ckptd.layout import Box, _interval_grid, choose_chunk_shape, chunk_box, plan_reads, read_cost
 from ckptd.manifest import TensorEntry
 
 # A rechunked tensor whose ranks' blocks tile no regular grid gets the grid of the blocks'
@@ -437,7 +437,7 @@ def find_samplers(tree: Mapping[str, Any]) -> list[tuple[str, dict]]:
 
     def walk(node: Any, path: str) -> None:
         if isinstance(node, dict):
-            if SAMPLER_KEYS <= set(node) and all(isinstance(node[k], int) for k in SAMPLER_KEYS):
+            if set(node) >= SAMPLER_KEYS and all(isinstance(node[k], int) for k in SAMPLER_KEYS):
                 out.append((path, dict(node)))
                 return
             for k, v in node.items():

@@ -38,9 +38,9 @@ class Coordinator:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
-    def agree(self, error: str | None) -> str | None:
-        """Every rank learns whether any rank failed, and the first failing rank's message.
-        Two collectives; no rank gathers O(ranks) data."""
+    def agree(self, error):
+        """Every rank learns whether any rank failed, and the first failing rank's error (a
+        message, or a (kind, message) pair). Two collectives; no rank gathers O(ranks) data."""
         if not self.enabled:
             return error
         ws = self.world_size
@@ -48,8 +48,12 @@ class Coordinator:
         if first == 0:
             return None
         src = ws - first
-        msg = self.broadcast(error if self.rank == src else None, src=src)
-        return f"rank {src}: {msg}" if ws > 1 else msg
+        got = self.broadcast(error if self.rank == src else None, src=src)
+        if ws == 1 or src == self.rank:
+            return got
+        if isinstance(got, tuple | list):
+            return type(got)([got[0], f"(on rank {src}) {got[1]}"])
+        return f"(on rank {src}) {got}"
 
     def barrier(self) -> None:
         if self.enabled:

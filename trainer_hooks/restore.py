@@ -2,7 +2,8 @@
 
 Steps, on every rank (collective):
 
-1. rank 0 picks the step (latest committed if none asked) and broadcasts it;
+1. rank 0 picks the step (latest committed if none asked) and broadcasts it; with none asked, a
+   rechunked copy that a ``ckptd reshard`` plan names for this world size is read instead;
 2. each rank reads the manifest (O(tensors)) -- no rank gathers anyone's plan;
 3. the live state is flattened the same way a save flattens it; keys, global shapes and dtypes
    are checked against the manifest before a byte of data is read;
@@ -23,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ckptd import catalog, jsonenc
+from ckptd import catalog, jsonenc, plans
 from ckptd import manifest as mf
-from ckptd.errors import CheckpointError, StateMismatchError
+from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
 from ckptd.reader import CheckpointReader, ReadRequest
-from storage_backends import NotFoundError, StorageError, Store
+from storage_backends import NotFoundError, StorageError, Store, open_store
 from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import apply, as_numpy, flatten, zarr_dtype
@@ -42,11 +43,34 @@ def _pick_step(store: Store, coord: Coordinator, step: int | None) -> int | None
         try:
             choice = catalog.latest_step(store) if step is None else catalog.resolve_step(store, step)
         except (CheckpointError, StorageError) as e:
-            choice = ("error", str(e))
+            choice = ("missing" if isinstance(e, CheckpointNotFoundError) else "error", str(e))
     choice = coord.broadcast(choice)
     if isinstance(choice, tuple | list):
-        raise CheckpointError(choice[1])
+        raise (CheckpointNotFoundError if choice[0] == "missing" else CheckpointError)(choice[1])
     return choice
+
+
+def _planned_store(store: Store, coord: Coordinator, step: int) -> Store:
+    """Where to read ``step`` from when the caller asked for no particular step: the rechunked
+    copy that ``ckptd reshard --rechunk --to M`` recorded for this world size, else ``store``.
+
+    Rank 0 reads the plan (``ckptd.plans.planned_source``) and every rank follows its answer.
+    The copy holds the same step, tensors and state tree, in chunks that match this world
+    size; ``latest_step`` and an explicit ``step`` never look at plans."""
+    uri = None
+    if coord.rank == 0:
+        try:
+            uri = plans.planned_source(store, step, coord.world_size)
+        except (CheckpointError, StorageError) as e:
+            log.warning("ignoring reshard plans: %s", e)
+    uri = coord.broadcast(uri)
+    if uri is None:
+        return store
+    log.info("step %d at world size %d: reading the rechunked copy %s (reshard plan)", step, coord.world_size, uri)
+    try:
+        return open_store(uri)
+    except (StorageError, ValueError) as e:
+        raise CheckpointError(f"{uri}: cannot open the rechunked copy named by the reshard plan ({e})") from None
 
 
 # What a live value of each kind can be restored from: a module from a plain dict of tensors
@@ -117,18 +141,21 @@ def restore_state(
     pool: ThreadPoolExecutor,
     restore_rng: bool = True,
 ) -> int | None:
+    asked = step
     step = _pick_step(store, coord, step)
     if step is None:
         return None
-    where = catalog.where(store, step)
-    err: str | None = None
+    src = store if asked is not None else _planned_store(store, coord, step)
+    where = catalog.where(src, step)
+    err: CheckpointError | None = None
     loaded: dict[str, torch.Tensor] = {}
-    m = None
+    m = saved = None
     try:
-        m = catalog.load_manifest(store, step)
+        m = catalog.load_manifest(src, step)
+        saved = m if src is store else catalog.load_manifest(store, step)  # its done records hold the RNG
         flat = flatten(state)
         keys = validate(m, flat, where, strict)
-        reader = CheckpointReader(store, mf.step_dir(step))
+        reader = CheckpointReader(src, mf.step_dir(step))
         requests, outs = [], {}
         for k in keys:
             t = flat.tensors[k]
@@ -147,16 +174,25 @@ def restore_state(
                     data, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
                 )
             loaded[k] = data
-    except (CheckpointError, StorageError) as e:
-        err = str(e)
-    msg = coord.agree(err)
-    if msg is not None:
-        raise (StateMismatchError if "in the state" in msg or "in the checkpoint" in msg else CheckpointError)(msg)
+    except CheckpointError as e:
+        err = e
+    except StorageError as e:
+        err = CheckpointError(f"{where}: {e}")
+    finally:
+        if src is not store:
+            src.close()
+    failure = coord.agree(None if err is None else (type(err).__name__, str(err)))
+    if failure is not None:
+        cls, msg = failure
+        raise _ERRORS.get(cls, CheckpointError)(msg) from err
     apply(state, m.state, loaded, strict)
     if restore_rng:
-        _restore_rng(store, m, coord)
-    log.info("restored %s at world size %d (saved at %d)", where, coord.world_size, m.world_size)
+        _restore_rng(store, saved, coord)
+    log.info("restored %s at world size %d (saved at %d)", where, coord.world_size, saved.world_size)
     return step
+
+
+_ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError)}
 
 
 def _restore_rng(store: Store, m: mf.Manifest, coord: Coordinator) -> None:

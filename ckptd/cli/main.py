@@ -31,8 +31,8 @@ COMMANDS: dict[str, str] = {
     "show": "show",
     "verify": "verify",
     "gc": "gc",
-    # "serve": "serve",
-    # "reshard": "reshard",
+    "serve": "serve",
+    "reshard": "reshard",
     # "export": "export",
     # "import": "import_",
 }

@@ -140,12 +140,16 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
     for s in req["shards"]:
         lay = s["layout"]
         try:
-            layout = ArrayLayout(tuple(lay["shape"]), lay["dtype"], tuple(lay["shard_shape"]), tuple(lay["chunk_shape"]))
+            layout = ArrayLayout(
+                tuple(lay["shape"]), lay["dtype"], tuple(lay["shard_shape"]), tuple(lay["chunk_shape"])
+            )
             numpy_dtype(layout.dtype)
         except (ValueError, TypeError, CheckpointError) as e:
             raise BadJob(f"array {s['key']!r}: invalid layout ({e})") from None
         coord = tuple(s["coord"])
-        if len(coord) != len(layout.shape) or not all(0 <= c < g for c, g in zip(coord, layout.grid_shape, strict=True)):
+        if len(coord) != len(layout.shape) or not all(
+            0 <= c < g for c, g in zip(coord, layout.grid_shape, strict=True)
+        ):
             raise BadJob(f"array {s['key']!r}: shard {list(coord)} is outside its grid {list(layout.grid_shape)}")
         _check_store_key(folder, f"{mf.array_path(s['key'])}/{layout.shard_key(coord)}", "array key")
         start, stop = layout.shard_box(coord)
@@ -382,7 +386,9 @@ class Runner:
             self.metrics.inc("ckptd_jobs_recovered_total")
             self._enqueue(job)
             return
-        log.warning("discarding job %s after a restart: %s step %d rank %d: %s", job.job, job.root, job.step, job.rank, why)
+        log.warning(
+            "discarding job %s after a restart: %s step %d rank %d: %s", job.job, job.root, job.step, job.rank, why
+        )
         job.state, job.error = "discarded", f"discarded after a daemon restart: {why}"
         self._remember(job)
         self.metrics.inc("ckptd_jobs_discarded_total")
@@ -467,7 +473,9 @@ class Runner:
             self.metrics.inc("ckptd_objects_written_total", result.objects_written)
             self.metrics.inc("ckptd_upload_seconds_total", job.upload_seconds)
             if job.upload_seconds > 0:
-                self.metrics.set_last("ckptd_upload_throughput_bytes_per_second", result.bytes_written / job.upload_seconds)
+                self.metrics.set_last(
+                    "ckptd_upload_throughput_bytes_per_second", result.bytes_written / job.upload_seconds
+                )
             if result.committed_here:
                 self.metrics.inc("ckptd_commits_written_total")
         self.staging.uploaded(job.lease, job.journal() | {"state": "uploaded"})

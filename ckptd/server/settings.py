@@ -41,7 +41,9 @@ class Settings(BaseSettings):
     io_threads: int = Field(16, ge=1, description="puts in flight at once, over all jobs")
     upload_retries: int = Field(2, ge=0, description="re-runs of a failed upload before the job fails")
     lease_ttl_s: float = Field(60.0, gt=0, description="an idle lease whose client stopped heartbeating is freed")
-    budget_stall_s: float = Field(30.0, gt=0, description="a wait for memory that sees no progress this long is granted")
+    budget_stall_s: float = Field(
+        30.0, gt=0, description="a wait for memory that sees no progress this long is granted"
+    )
     max_body_bytes: int = Field(16 * 2**20, ge=1024)
     log_level: str = "info"
     # For tests only: sleep this long before every shard put, so a test can kill the daemon

@@ -181,7 +181,9 @@ class Staging:
         else:
             since = self._waiters.get(ticket, (now, now))[0]
             blockers = [
-                x for x in self._leases.values() if x is not me and x.bytes > 0 and not (x.active and x.id in self._waiters)
+                x
+                for x in self._leases.values()
+                if x is not me and x.bytes > 0 and not (x.active and x.id in self._waiters)
             ]
             if not blockers:
                 log.warning(
@@ -217,7 +219,9 @@ class Staging:
             folder = self.leases_dir / lease_id
             folder.mkdir()
             lease = Lease(lease_id, folder, root, rank, granted, active=True)
-            write_json_atomic(folder / LEASE_FILE, {"lease": lease_id, "root": root, "rank": rank, "created": time.time()})
+            write_json_atomic(
+                folder / LEASE_FILE, {"lease": lease_id, "root": root, "rank": rank, "created": time.time()}
+            )
             self._leases[lease_id] = lease
             return lease
 

@@ -1,0 +1,445 @@
+"""Single-process rows on the local disk: the floors, torch.save/load, DCP and ckptd.
+
+One repetition runs every selected save-side system once (rotating the order each repetition),
+then every read-side system once, each read preceded by a page-cache drop so that it is cold.
+Systems that keep buffers across calls (ckptd, DCP with an explicit stager) get one untimed
+warm-up call first; their first-call time is kept in the row's ``extra``.
+
+What each time measures:
+
+* ``floor.memcpy``: ``copy_`` of every tensor into buffers allocated (and touched) beforehand;
+* ``floor.write``: the same bytes written sequentially into one file, ``fsync`` of the file and
+  its folder; ``floor.read``: that file read cold into the preallocated buffers;
+* ``torch.save``: into a file, then fsync; ``torch.load``: cold, ``weights_only=True``;
+* ``dcp.save``: ``FileSystemWriter(thread_count=4)``; ``dcp.load``: cold, into the live state
+  dict, then ``set_state_dict`` (what a user restoring a model does);
+* ``dcp.async_save.*``: ``block`` is the time until the snapshot is safe to mutate (the call's
+  return for synchronous staging; ``staging_completion`` for asynchronous staging), ``commit``
+  until the upload future resolves;
+* ``ckptd.*``: ``block`` is ``Checkpointer.save``'s return, ``commit`` is ``fut.result()``,
+  ``restore`` is ``Checkpointer.restore`` (cold).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks import state as st
+from benchmarks.common import Timer, collect, drop_cache, fmt_bytes, fsync_dir, remove, rotate
+from benchmarks.results import NOT_IMPLEMENTED, SKIPPED, Results
+
+SECTION = "local"
+
+
+@dataclass
+class System:
+    name: str
+    phase: str  # "save" or "read"
+    run: Callable[[int], None]
+    warm: bool = False
+
+
+def _write_all(fd: int, mv: memoryview) -> None:
+    off = 0
+    n = mv.nbytes
+    while off < n:
+        off += os.write(fd, mv[off : off + (256 << 20)])
+
+
+def _read_all(fd: int, mv: memoryview) -> int:
+    off = 0
+    n = mv.nbytes
+    while off < n:
+        k = os.readv(fd, [mv[off : off + (256 << 20)]])
+        if k == 0:
+            break
+        off += k
+    return off
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def daemon_status() -> str | None:
+    """None if ``ckptd serve`` and the trainer's daemon client are importable, else why not."""
+    missing = []
+    for m in ("ckptd.server", "trainer_hooks.daemon_client"):
+        try:
+            if importlib.util.find_spec(m) is None:
+                missing.append(m)
+        except (ImportError, ValueError) as e:
+            missing.append(f"{m} ({e})")
+    if missing:
+        return f"`ckptd serve` is not available yet: {', '.join(sorted(set(missing)))} not importable"
+    return None
+
+
+class Daemon:
+    """A ``ckptd serve`` subprocess on a free loopback port."""
+
+    def __init__(self, root: str, log_path: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        code = "import sys; from ckptd.cli.main import main; sys.exit(main())"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, "serve", "--root", root, "--port", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ckptd serve exited with {self.proc.returncode} (log: {log_path})")
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"ckptd serve did not answer /healthz within 60 s (log: {log_path})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def run(res: Results, size: int, reps: int, bench_dir: str, selected: Callable[[str], bool]) -> None:
+    """Build the state once and run every selected single-process system ``reps`` times."""
+    from trainer_hooks import Checkpointer
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    model, optim, dims = st.build_local(size, seed=0)
+    state = {"model": model, "optim": optim}
+    tensors = st.all_tensors(model, optim)
+    total = st.nbytes(tensors)
+    res.sections.setdefault(SECTION, {}).update(
+        {"state_bytes": total, "model": st.describe(dims), "tensors": len(tensors), "reps": reps}
+    )
+    bufs = [torch.empty_like(t) for t in tensors]
+    for b in bufs:
+        b.zero_()  # first touch outside any timing
+    views = [_bytes_view(t) for t in tensors]
+    buf_views = [_bytes_view(b) for b in bufs]
+    sent = st.sentinel(model)
+    ref = sent.detach().clone()
+    failures: list[str] = []
+
+    def path(name: str) -> str:
+        return os.path.join(bench_dir, name)
+
+    def check(name: str, got: torch.Tensor) -> None:
+        if not torch.equal(got, ref):
+            failures.append(f"{name}: restored values differ from the saved ones")
+
+    def R(id, label, floor=None, dcp_ref=None, unit="s"):  # noqa: N802 - a short local constructor
+        return res.row(id, SECTION, label, floor=floor, dcp=dcp_ref, unit=unit)
+
+    R("floor.memcpy", "memcpy into preallocated buffers (snapshot floor)")
+    R("floor.write", "raw sequential write + fsync (write floor)")
+    R("floor.read", "raw cold read into preallocated buffers (read floor)")
+    systems: list[System] = []
+
+    # ---------------------------------------------------------------------------- floors
+    def memcpy(rep: int) -> None:
+        with Timer() as t:
+            for b, x in zip(bufs, tensors, strict=True):
+                b.copy_(x)
+        res.add("floor.memcpy", rep, t.s)
+
+    def raw_write(rep: int) -> None:
+        p = path("raw.bin")
+        remove(p)
+        drop_cache()
+        with Timer() as t:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for v in views:
+                    _write_all(fd, v)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(bench_dir)
+        res.add("floor.write", rep, t.s)
+
+    def raw_read(rep: int) -> None:
+        p = path("raw.bin")
+        drop_cache(p)
+        with Timer() as t:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                got = sum(_read_all(fd, v) for v in buf_views)
+            finally:
+                os.close(fd)
+        if got != total:
+            failures.append(f"raw read got {got} of {total} bytes")
+        res.add("floor.read", rep, t.s)
+
+    if selected("floor"):
+        systems += [System("floor.memcpy", "save", memcpy), System("floor.write", "save", raw_write)]
+        systems += [System("floor.read", "read", raw_read)]
+
+    # ---------------------------------------------------------------------- torch.save
+    R("torch.save", "torch.save + fsync", floor="floor.write", dcp_ref="dcp.save")
+    R("torch.load", "torch.load (cold)", floor="floor.read", dcp_ref="dcp.load")
+
+    def torch_save(rep: int) -> None:
+        p = path("torch.pt")
+        remove(p)
+        drop_cache()
+        with Timer() as t:
+            sd = st.dcp_state(model, optim)
+            with open(p, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(bench_dir)
+        res.add("torch.save", rep, t.s)
+
+    def torch_load(rep: int) -> None:
+        p = path("torch.pt")
+        drop_cache(p)
+        with Timer() as t:
+            obj = torch.load(p, weights_only=True)
+        res.add("torch.load", rep, t.s)
+        check("torch.load", obj["model"]["ln_f.weight"])
+        del obj
+
+    if selected("torch"):
+        systems += [System("torch.save", "save", torch_save), System("torch.load", "read", torch_load)]
+
+    # ------------------------------------------------------------------------------ DCP
+    R("dcp.save", "dcp.save (FileSystemWriter, thread_count=4)", floor="floor.write")
+    R("dcp.load", "dcp.load (cold) + set_state_dict", floor="floor.read")
+
+    def dcp_save(rep: int) -> None:
+        for name in os.listdir(bench_dir):
+            if name.startswith("dcp_save_"):
+                remove(path(name))
+        p = path(f"dcp_save_{rep}")
+        drop_cache()
+        with Timer() as t:
+            sd = st.dcp_state(model, optim)
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=4))
+        res.add("dcp.save", rep, t.s)
+
+    def dcp_load(rep: int) -> None:
+        p = path(f"dcp_save_{rep}")
+        if not os.path.isdir(p):
+            return
+        with torch.no_grad():
+            sent.zero_()
+        drop_cache(p)
+        with Timer() as t:
+            sd = st.dcp_state(model, optim)
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(p))
+            st.dcp_apply(model, optim, sd)
+        res.add("dcp.load", rep, t.s)
+        check("dcp.load", sent.detach())
+
+    if selected("dcp"):
+        systems += [System("dcp.save", "save", dcp_save), System("dcp.load", "read", dcp_load)]
+
+    # DCP async_save variants. Pinned memory needs CUDA: StateDictStager ignores it on CPU, and
+    # FileSystemWriter(cache_staged_state_dict=True) fails there (it pins), so it is not offered.
+    variants = {
+        "default": ("dcp.async_save default (checkpoint_id only)", None),
+        "sync_cached": (
+            "dcp.async_save + DefaultStager(sync staging, cached buffers)",
+            StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                           use_non_blocking_copy=False),
+        ),
+        "shm_cached": (
+            "dcp.async_save + DefaultStager(sync staging, shared-memory cached buffers)",
+            StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
+                           use_non_blocking_copy=False),
+        ),
+        "async_cached": (
+            "dcp.async_save + DefaultStager(async staging, cached buffers): until staging is done",
+            StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                           use_non_blocking_copy=False),
+        ),
+    }  # fmt: skip
+    stagers: dict[str, DefaultStager] = {}
+
+    def dcp_async(variant: str, opts) -> Callable[[int], None]:
+        def go(rep: int) -> None:
+            p = path(f"dcp_async_{variant}_{rep}")
+            remove(p)
+            drop_cache()
+            if opts is not None and variant not in stagers:
+                stagers[variant] = DefaultStager(opts)
+            t0 = time.perf_counter()
+            sd = st.dcp_state(model, optim)
+            if opts is None:
+                r = dcp.async_save(sd, checkpoint_id=p)
+            else:
+                w = dcp.FileSystemWriter(p, thread_count=4)
+                r = dcp.async_save(sd, storage_writer=w, async_stager=stagers[variant])
+            if hasattr(r, "staging_completion"):
+                r.staging_completion.result()
+                upload = r.upload_completion
+            else:
+                upload = r
+            t_safe = time.perf_counter() - t0
+            upload.result()
+            t_commit = time.perf_counter() - t0
+            remove(p)
+            if rep < 0:
+                res.rows[f"dcp.async.{variant}.block"].extra["first_call_s"] = t_safe
+                return
+            res.add(f"dcp.async.{variant}.block", rep, t_safe)
+            res.add(f"dcp.async.{variant}.commit", rep, t_commit)
+
+        return go
+
+    for v, (label, opts) in variants.items():
+        R(f"dcp.async.{v}.block", label + " -- until safe to mutate", floor="floor.memcpy",
+          dcp_ref="dcp.async.default.block")  # fmt: skip
+        R(f"dcp.async.{v}.commit", label + " -- until written", floor="floor.write", dcp_ref="dcp.save")
+        if selected("dcp"):
+            systems.append(System(f"dcp.async.{v}", "save", dcp_async(v, opts), warm=opts is not None))
+
+    # ---------------------------------------------------------------------------- ckptd
+    R("ckptd.block", "ckptd save: time save() blocks", floor="floor.memcpy", dcp_ref="dcp.async.default.block")
+    R("ckptd.commit", "ckptd save: time until committed (fut.result())", floor="floor.write", dcp_ref="dcp.save")
+    R("ckptd.restore", "ckptd restore (cold)", floor="floor.read", dcp_ref="dcp.load")
+    ck_root = path("ckptd_job")
+    ckpts: dict[str, Checkpointer] = {}
+    step = [0]
+
+    def ckptd_save(which: str) -> Callable[[int], None]:
+        prefix = "ckptd" if which == "local" else "ckptd.daemon"
+
+        def go(rep: int) -> None:
+            ck = ckpts[which]
+            step[0] += 1
+            drop_cache()
+            t0 = time.perf_counter()
+            fut = ck.save(step[0], state)
+            t_block = time.perf_counter() - t0
+            fut.result()
+            t_commit = time.perf_counter() - t0
+            if rep < 0:
+                res.rows[f"{prefix}.block"].extra.update(first_call_s=t_block, first_commit_s=t_commit)
+                return
+            res.add(f"{prefix}.block", rep, t_block)
+            res.add(f"{prefix}.commit", rep, t_commit)
+            res.rows[f"{prefix}.block"].extra.setdefault("reported_last_save_blocked_s", []).append(
+                ck.last_save_blocked_s
+            )
+            res.rows[f"{prefix}.block"].extra["staged_bytes"] = ck.staged_bytes
+
+        return go
+
+    def ckptd_restore(rep: int) -> None:
+        ck = ckpts["local"]
+        with torch.no_grad():
+            sent.zero_()
+        drop_cache(ck_root)
+        with Timer() as t:
+            got = ck.restore(state)
+        res.add("ckptd.restore", rep, t.s)
+        if got != step[0]:
+            failures.append(f"ckptd restore returned step {got}, expected {step[0]}")
+        check("ckptd.restore", sent.detach())
+
+    if selected("ckptd"):
+        ckpts["local"] = Checkpointer(ck_root, keep_last=1)
+        systems += [System("ckptd.save", "save", ckptd_save("local"), warm=True)]
+        systems += [System("ckptd.restore", "read", ckptd_restore)]
+
+    # ckptd through the daemon
+    R("ckptd.daemon.block", "ckptd via `ckptd serve`: time save() blocks", floor="floor.memcpy",
+      dcp_ref="dcp.async.default.block")  # fmt: skip
+    R("ckptd.daemon.commit", "ckptd via `ckptd serve`: time until committed", floor="floor.write", dcp_ref="dcp.save")
+    daemon = None
+    if selected("daemon"):
+        why = daemon_status()
+        if why is None:
+            try:
+                daemon = Daemon(path("daemon_job"), path("daemon.log"))
+                ckpts["daemon"] = Checkpointer(path("daemon_job"), daemon=daemon.url, keep_last=1)
+                systems.append(System("ckptd.daemon", "save", ckptd_save("daemon"), warm=True))
+            except Exception as e:  # noqa: BLE001 - any failure of a component still being built
+                why = f"`ckptd serve` did not work: {type(e).__name__}: {e}"
+                if daemon is not None:
+                    daemon.stop()
+                    daemon = None
+        if why is not None:
+            for k in ("block", "commit"):
+                res.rows[f"ckptd.daemon.{k}"].status = SKIPPED
+                res.rows[f"ckptd.daemon.{k}"].note = why
+    else:
+        for k in ("block", "commit"):
+            res.rows[f"ckptd.daemon.{k}"].status = SKIPPED
+            res.rows[f"ckptd.daemon.{k}"].note = "not selected (--only)"
+
+    # ------------------------------------------------------------------------------ run
+    try:
+        for s in systems:
+            if s.warm and s.phase == "save":
+                s.run(-1)
+                collect()
+        saves = [s for s in systems if s.phase == "save"]
+        reads = [s for s in systems if s.phase == "read"]
+        for rep in range(reps):
+            for phase in (saves, reads):
+                for s in rotate(phase, rep):
+                    s.run(rep)
+                    collect()
+            res.sections[SECTION]["last_rep_done"] = rep
+    finally:
+        for ck in ckpts.values():
+            with contextlib.suppress(Exception):
+                ck.close()
+        for sg in stagers.values():
+            sg.close()
+        if daemon is not None:
+            daemon.stop()
+        for name in os.listdir(bench_dir):
+            remove(path(name))
+    res.sections[SECTION]["failures"] = failures
+    res.sections[SECTION]["state"] = fmt_bytes(total)
+    res.sections[SECTION]["cache_drop"] = drop_cache.method
+
+
+def mark_unimplemented(res: Results) -> None:
+    res.skip(
+        "incremental.save",
+        "incremental",
+        "incremental save, 90% of bytes frozen: bytes written per save",
+        "incremental saves (content-hash dedup, hard links / server-side copy) are not built yet (issue 5, item 3)",
+        NOT_IMPLEMENTED,
+    )
+    res.skip(
+        "gpu.block",
+        "gpu",
+        "GPU: save stall with D2H into pinned buffers on a side stream",
+        "no GPU on this machine or in CI; the GPU benchmark is not built yet (issue 5, item 4)",
+        NOT_IMPLEMENTED,
+    )

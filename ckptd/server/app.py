@@ -1,0 +1,345 @@
+"""The daemon's HTTP API (FastAPI). ``create_app(settings)`` builds everything and recovers the
+staging folder before the first request, so a daemon that cannot start says so at once.
+
+Errors are JSON ``{"detail": "..."}``: 400 a malformed request, a root not served, keys or paths
+escaping the job root or the staging lease; 401 a missing or wrong bearer token; 404 unknown
+lease, job or step; 409 a lease the daemon is still uploading from; 413 a body over the limit;
+429 (with ``Retry-After``) the staging budget is full -- the client waits and asks again.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import shutil
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, Field
+
+from ckptd import __version__, catalog
+from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from ckptd.server.jobs import BadJob, Runner
+from ckptd.server.metrics import Metrics
+from ckptd.server.roots import RootError, Roots
+from ckptd.server.settings import Settings, default_staging_dir
+from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
+from storage_backends import StorageError
+
+log = logging.getLogger("ckptd.server")
+
+RETRY_AFTER_S = 1
+_NAME = Field(min_length=1, max_length=64)
+
+
+# ------------------------------------------------------------------------------- bodies
+
+
+class LeaseRequest(BaseModel):
+    root: str = Field(min_length=1, max_length=4096)
+    rank: int = Field(ge=0)
+    bytes: int = Field(ge=0, description="bytes needed now")
+    want: int = Field(0, ge=0, description="bytes wanted (e.g. the whole snapshot), granted if they fit")
+    client: str = Field(min_length=1, max_length=64, description="the requesting client, for fair waiting")
+
+
+class GrowRequest(BaseModel):
+    bytes: int = Field(ge=0)
+    want: int = Field(0, ge=0)
+
+
+class RootRequest(BaseModel):
+    root: str = Field(min_length=1, max_length=4096)
+
+
+class LayoutModel(BaseModel):
+    shape: list[int] = Field(max_length=64)
+    dtype: str = Field(max_length=32)
+    shard_shape: list[int] = Field(max_length=64)
+    chunk_shape: list[int] = Field(max_length=64)
+
+
+class ShardModel(BaseModel):
+    key: str = Field(min_length=1, max_length=4096)
+    layout: LayoutModel
+    coord: list[int] = Field(max_length=64)
+    file: str = _NAME
+
+
+class MetadataModel(BaseModel):
+    key: str = Field(min_length=1, max_length=4096)
+    file: str = _NAME
+
+
+class JobRequest(BaseModel):
+    lease: str = _NAME
+    root: str = Field(min_length=1, max_length=4096)
+    step: int = Field(ge=0)
+    attempt: str = _NAME
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    shards: list[ShardModel]
+    metadata: list[MetadataModel] = []
+    done: dict = {}
+    keep_last: int | None = Field(None, ge=1)
+    commit_timeout: float = Field(1800.0, gt=0, le=7 * 86400)
+
+
+# --------------------------------------------------------------------------- middleware
+
+
+class Guard:
+    """Bearer-token check (every path but ``/healthz``, constant-time compare) and a body
+    size limit (``Content-Length`` checked up front; chunked bodies counted as they arrive)."""
+
+    def __init__(self, app, token: str | None, max_body: int):
+        self.app = app
+        self.token = token.encode() if token is not None else None
+        self.max_body = max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.token is not None and scope["path"] != "/healthz":
+            auth = headers.get(b"authorization", b"")
+            scheme, _, given = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+                return await _send(
+                    send, 401, {"detail": "missing or wrong bearer token"}, [(b"www-authenticate", b"Bearer")]
+                )
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await _send(send, 413, {"detail": f"request body over {self.max_body} bytes"})
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, more = b"", True
+            while more:
+                msg = await receive()
+                if msg["type"] != "http.request":
+                    return await self.app(scope, receive, send)
+                body += msg.get("body", b"")
+                more = msg.get("more_body", False)
+                if len(body) > self.max_body:
+                    return await _send(send, 413, {"detail": f"request body over {self.max_body} bytes"})
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if replayed:
+                    return await receive()
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            return await self.app(scope, replay, send)
+        return await self.app(scope, receive, send)
+
+
+async def _send(send, status: int, obj: dict, extra: list | None = None) -> None:
+    data = json.dumps(obj).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _error(status: int, detail: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+# ---------------------------------------------------------------------------------- app
+
+
+def create_app(settings: Settings) -> FastAPI:
+    roots = Roots(settings.roots)
+    token = read_token(settings.token_file)
+    if settings.staging_dir:
+        folder, why = Path(settings.staging_dir), "configured"
+    else:
+        folder, why = default_staging_dir(settings.budget)
+    folder.mkdir(parents=True, exist_ok=True)
+    budget = settings.budget if settings.budget is not None else shutil.disk_usage(folder).free // 2
+    staging = Staging(folder, budget, settings.lease_ttl_s, settings.budget_stall_s)
+    metrics = Metrics()
+    runner = Runner(settings, roots, staging, metrics)
+    runner.recover()
+    metrics.gauge("ckptd_queue_depth", "handed-off snapshots not yet uploaded", lambda: runner.queue_depth)
+    metrics.gauge("ckptd_jobs_awaiting_commit", "uploaded snapshots waiting for other ranks", lambda: runner.watching)
+    metrics.gauge("ckptd_staged_bytes", "bytes held in staging leases", lambda: staging.staged_bytes)
+    metrics.gauge("ckptd_staging_budget_bytes", "the staging budget", lambda: staging.budget)
+    metrics.gauge("ckptd_leases", "staging leases", lambda: staging.lease_count)
+    log.info("staging in %s (%s), budget %d bytes; serving %s", folder, why, budget, ", ".join(roots.uris))
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        runner.close()
+        staging.close()
+
+    app = FastAPI(
+        title="ckptd",
+        version=__version__,
+        description="Owns every handed-off snapshot from hand-off to commit.",
+        lifespan=lifespan,
+    )
+    app.state.runner, app.state.staging, app.state.metrics = runner, staging, metrics
+    app.add_middleware(Guard, token=token, max_body=settings.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_req: Request, exc: RequestValidationError):
+        errs = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()[:5])
+        return _error(400, f"malformed request: {errs}")
+
+    def root_of(root: str | None) -> str:
+        if root is None:
+            only = roots.only()
+            if only is None:
+                raise RootError(f"this daemon serves several roots; name one with ?root= ({', '.join(roots.uris)})")
+            return only
+        return roots.check(root)
+
+    # ---------------------------------------------------------------------- read-only
+
+    @app.get("/healthz", summary="liveness; never needs a token")
+    def healthz():
+        return {"status": "ok"}
+
+    @app.get("/v1/status", summary="staging, budget, queue")
+    def status():
+        return {
+            "version": __version__,
+            "roots": roots.uris,
+            "staging_dir": str(folder),
+            "budget": staging.budget,
+            "staged_bytes": staging.staged_bytes,
+            "leases": staging.lease_count,
+            "queue_depth": runner.queue_depth,
+            "awaiting_commit": runner.watching,
+        }
+
+    @app.get("/v1/roots", summary="the job roots served")
+    def list_roots():
+        return {"roots": roots.uris}
+
+    @app.post("/v1/roots/check", summary="400 unless the root is served")
+    def check_root(body: RootRequest):
+        try:
+            return {"root": roots.check(body.root)}
+        except RootError as e:
+            return _error(400, str(e))
+
+    @app.get("/v1/checkpoints", summary="every checkpoint of a job root, committed or partial")
+    def list_checkpoints(root: str | None = Query(None, max_length=4096)):
+        try:
+            r = root_of(root)
+            return [i.to_json() for i in catalog.list_checkpoints(runner.store(r))]
+        except RootError as e:
+            return _error(400, str(e))
+        except (CheckpointError, StorageError) as e:
+            return _error(502, str(e))
+
+    @app.get("/v1/checkpoints/{step}", summary="one checkpoint: commit state and, if committed, its tensors")
+    def get_checkpoint(step: int, root: str | None = Query(None, max_length=4096)):
+        try:
+            r = root_of(root)
+            store = runner.store(r)
+            info = next((i for i in catalog.list_checkpoints(store) if i.step == step), None)
+            if info is None:
+                return _error(404, f"{r}: no checkpoint at step {step}")
+            out = info.to_json()
+            if info.committed:
+                m = catalog.load_manifest(store, step)
+                out["tensors"] = [t.to_json() for t in m.tensors.values()]
+            return out
+        except RootError as e:
+            return _error(400, str(e))
+        except CheckpointNotFoundError as e:
+            return _error(404, str(e))
+        except (CheckpointError, StorageError) as e:
+            return _error(502, str(e))
+
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus text format")
+    def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # ---------------------------------------------------------------------- hand-off
+
+    def budget_full(e: BudgetFull) -> JSONResponse:
+        metrics.inc("ckptd_budget_waits_total")
+        return JSONResponse(
+            {"detail": str(e), "staged": e.staged, "budget": e.budget},
+            status_code=429,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    @app.post("/v1/leases", summary="reserve staging memory; 429 while the budget is full")
+    def create_lease(body: LeaseRequest):
+        try:
+            r = roots.check(body.root)
+            return staging.create(r, body.rank, body.bytes, body.want, body.client).info(staging.ttl)
+        except RootError as e:
+            return _error(400, str(e))
+        except BudgetFull as e:
+            return budget_full(e)
+
+    def lease_call(fn, *args):
+        try:
+            return fn(*args).info(staging.ttl)
+        except LeaseGone as e:
+            return _error(404, str(e.args[0]))
+        except LeaseBusy as e:
+            return _error(409, str(e))
+        except BudgetFull as e:
+            return budget_full(e)
+
+    @app.post("/v1/leases/{lease_id}/acquire", summary="start a save in a lease handed back by the daemon")
+    def acquire_lease(lease_id: str):
+        return lease_call(staging.acquire, lease_id)
+
+    @app.post("/v1/leases/{lease_id}/grow", summary="more staging memory for a lease; 429 while full")
+    def grow_lease(lease_id: str, body: GrowRequest):
+        return lease_call(staging.grow, lease_id, body.bytes, body.want)
+
+    @app.post("/v1/leases/{lease_id}/heartbeat", summary="the lease's client is alive")
+    def heartbeat_lease(lease_id: str):
+        return lease_call(staging.heartbeat, lease_id)
+
+    @app.delete("/v1/leases/{lease_id}", status_code=204, summary="the client is done with its lease")
+    def release_lease(lease_id: str):
+        staging.release(lease_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/jobs", summary="hand off one rank's snapshot; from the 200 on the daemon owns it")
+    def submit_job(body: JobRequest):
+        try:
+            return runner.accept(body.model_dump()).status()
+        except BadJob as e:
+            return _error(400, str(e))
+        except LeaseGone as e:
+            return _error(404, str(e.args[0]))
+        except LeaseBusy as e:
+            return _error(409, str(e))
+
+    @app.get("/v1/jobs", summary="recent jobs")
+    def list_jobs(limit: int = Query(100, ge=1, le=4096)):
+        return [j.status() for j in runner.recent(limit)]
+
+    @app.get("/v1/jobs/{job_id}", summary="a job's state: queued, uploading, uploaded, committed, failed, discarded")
+    def get_job(job_id: str):
+        job = runner.get(job_id)
+        if job is None:
+            return _error(404, f"no job {job_id!r}")
+        return job.status()
+
+    return app
