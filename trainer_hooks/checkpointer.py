@@ -50,6 +50,9 @@ class Checkpointer:
     hands each snapshot to a running ``ckptd serve``, which persists and commits it even if this
     process dies right after ``save`` returned. ``keep_last``: retention, applied after each
     commit (never deletes the newest committed checkpoint or one being written).
+    ``incremental``: shards whose content (sha256) has not changed since this process's previous
+    committed save are hard-linked (filesystem) or server-side copied (S3) instead of written
+    again; each checkpoint stays complete and independently readable, and ``gc`` stays correct.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class Checkpointer:
         *,
         process_group=None,
         commit_timeout: float = 1800.0,
+        incremental: bool = False,
     ):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
@@ -81,7 +85,7 @@ class Checkpointer:
         # and stager() -> the Stager whose buffers save() fills (host memory here; shared
         # memory that the daemon can read in daemon mode).
         if daemon is None:
-            self._sink = BackgroundWriter(self.store, self._io, keep_last, commit_timeout)
+            self._sink = BackgroundWriter(self.store, self._io, keep_last, commit_timeout, incremental)
         else:
             from trainer_hooks.daemon_client import DaemonSink
 

@@ -236,3 +236,36 @@ def test_typed_json_roundtrip():
     dec = jsonenc.decode(json.loads(json.dumps(enc)))
     assert dec["t"] == (1, (2, 3)) and dec["b"] == b"x" and math.isnan(dec["n"][0])
     assert dec["d"] == {1: "a", (2, 3): "b"} and dec["$x"] == 1 and dec["dt"] is torch.float16
+
+
+def frozen_finetune_state():
+    torch.manual_seed(0)
+    return {"w": {f"frozen{i}": torch.randn(64, 256) for i in range(9)} | {"head": torch.randn(64, 256)}}
+
+
+def check_incremental(root: str):
+    state = frozen_finetune_state()
+    with Checkpointer(root, incremental=True, keep_last=1) as ck:
+        first = ck.save(1, state).result()
+        state["w"]["head"] += 1  # only 10% of the bytes change
+        second = ck.save(2, state).result()
+        assert second.bytes_written <= 0.15 * first.bytes_written, (first, second)
+        state["w"]["head"] += 1
+        ck.save(3, state).result()  # step 1 and 2 are gone now (keep_last=1): 3 must stand alone
+        got = {"w": {k: torch.zeros_like(v) for k, v in state["w"].items()}}
+        assert ck.restore(got) == 3
+    assert all(torch.equal(state["w"][k], got["w"][k]) for k in state["w"])
+    from ckptd.verify import verify
+
+    store = open_store(root)
+    assert catalog.committed_steps(store) == [3]
+    assert verify(store, 3).ok
+
+
+def test_incremental_saves_skip_unchanged_shards(root):
+    check_incremental(root)
+
+
+@pytest.mark.s3
+def test_incremental_saves_on_s3_use_server_side_copies(s3_bucket):
+    check_incremental(s3_bucket)
