@@ -22,7 +22,8 @@ VOCAB, DIM, HIDDEN, BATCH, SEQ = 37, 16, 24, 12, 5
 
 
 class Tiny(nn.Module):
-    """A GPT-shaped toy whose vocabulary (37) splits unevenly over 2, 3 and 4 ranks."""
+    """A GPT-shaped toy whose vocabulary (37) splits unevenly over 2, 3 and 4 ranks, and whose
+    3-element ``gate`` leaves a rank with an empty FSDP block at 4 ranks."""
 
     def __init__(self):
         super().__init__()
@@ -31,9 +32,11 @@ class Tiny(nn.Module):
         self.fc2 = nn.Linear(HIDDEN, DIM)
         self.norm = nn.LayerNorm(DIM)
         self.out = nn.Linear(DIM, VOCAB, bias=False)
+        self.gate = nn.Parameter(torch.ones(3))
 
     def forward(self, x):
         h = self.emb(x)
+        h = torch.cat([h[..., :3] * self.gate, h[..., 3:]], dim=-1)
         h = h + self.fc2(torch.relu(self.fc1(h)))
         return self.out(self.norm(h))
 
