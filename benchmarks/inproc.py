@@ -88,31 +88,32 @@ def daemon_status() -> str | None:
 
 
 class Daemon:
-    """A ``ckptd serve`` subprocess on a free loopback port."""
+    """A ``ckptd serve`` subprocess on a free loopback port, with its own staging folder."""
 
-    def __init__(self, root: str, log_path: str):
+    def __init__(self, root: str, log_path: str, budget: int):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.dirname(root)
+        self.staging = os.path.join(shm, f"ckptd-bench-{os.getpid()}-{self.port}")
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         code = "import sys; from ckptd.cli.main import main; sys.exit(main())"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, "serve", "--root", root, "--port", str(self.port)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+        args = ["serve", "--root", root, "--port", str(self.port), "--staging-dir", self.staging]
+        args += ["--budget", str(budget), "--log-level", "warning"]
+        self.proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ckptd serve exited with {self.proc.returncode} (log: {log_path})")
+                self.stop()
+                raise RuntimeError(f"ckptd serve exited with {self.proc.returncode}: {_tail(log_path)}")
             try:
                 with urllib.request.urlopen(self.url + "/healthz", timeout=1):
                     return
             except OSError:
                 time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"ckptd serve did not answer /healthz within 60 s (log: {log_path})")
+        raise RuntimeError(f"ckptd serve did not answer /healthz within 60 s: {_tail(log_path)}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -123,9 +124,25 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait(10)
         self.log.close()
+        remove(self.staging)
 
 
-def run(res: Results, size: int, reps: int, bench_dir: str, selected: Callable[[str], bool]) -> None:
+def _tail(path: str, n: int = 600) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:].strip()
+    except OSError:
+        return ""
+
+
+def run(
+    res: Results,
+    size: int,
+    reps: int,
+    bench_dir: str,
+    selected: Callable[[str], bool],
+    profile_prefix: str | None = None,
+) -> None:
     """Build the state once and run every selected single-process system ``reps`` times."""
     from trainer_hooks import Checkpointer
 
@@ -382,7 +399,7 @@ def run(res: Results, size: int, reps: int, bench_dir: str, selected: Callable[[
         why = daemon_status()
         if why is None:
             try:
-                daemon = Daemon(path("daemon_job"), path("daemon.log"))
+                daemon = Daemon(path("daemon_job"), path("daemon.log"), budget=3 * total + (256 << 20))
                 ckpts["daemon"] = Checkpointer(path("daemon_job"), daemon=daemon.url, keep_last=1)
                 systems.append(System("ckptd.daemon", "save", ckptd_save("daemon"), warm=True))
             except Exception as e:  # noqa: BLE001 - any failure of a component still being built
@@ -413,6 +430,8 @@ def run(res: Results, size: int, reps: int, bench_dir: str, selected: Callable[[
                     s.run(rep)
                     collect()
             res.sections[SECTION]["last_rep_done"] = rep
+        if profile_prefix and "local" in ckpts:
+            _profile_ckptd(res, ckpts["local"], state, step, ck_root, profile_prefix)
     finally:
         for ck in ckpts.values():
             with contextlib.suppress(Exception):
@@ -426,6 +445,23 @@ def run(res: Results, size: int, reps: int, bench_dir: str, selected: Callable[[
     res.sections[SECTION]["failures"] = failures
     res.sections[SECTION]["state"] = fmt_bytes(total)
     res.sections[SECTION]["cache_drop"] = drop_cache.method
+
+
+def _profile_ckptd(res: Results, ck, state, step: list, root: str, prefix: str) -> None:
+    """py-spy (or pyinstrument) over ckptd's save (twice: block + commit) and a cold restore."""
+    from benchmarks.profiling import profiled
+
+    profs = res.sections[SECTION].setdefault("profiles", {})
+    drop_cache()
+    with profiled(prefix + "_save", "ckptd in-process save x2 on local disk: save() (MainThread) + commit") as p:
+        for _ in range(2):
+            step[0] += 1
+            ck.save(step[0], state).result()
+    profs["save"] = p
+    drop_cache(root)
+    with profiled(prefix + "_restore", "ckptd in-process restore, cold, local disk") as p:
+        ck.restore(state)
+    profs["restore"] = p
 
 
 def mark_unimplemented(res: Results) -> None:

@@ -25,9 +25,9 @@ Target layouts (``--layout``), for a job of M ranks:
     then an estimate, the restore itself still reads exactly what each rank owns.
 
 Which tensors a layout shards: those the checkpoint saved sharded (their placements name a
-``Shard``). A tensor saved replicated (a buffer, a DDP parameter, a 0-d step counter) is read
-whole by every rank. When nothing was saved sharded (one process, DDP) the planner cannot tell
-parameters from buffers and shards every tensor of one or more dimensions.
+shard: ``S(0)``, ``_S(0, 2)``). A tensor saved replicated (a buffer, a DDP parameter, a 0-d step
+counter) is read whole by every rank. When nothing was saved sharded (one process, DDP) the
+planner cannot tell parameters from buffers and shards every tensor of one or more dimensions.
 
 What *cannot work* (:class:`LayoutError`, ``ckptd reshard`` exits 1):
 
@@ -163,11 +163,20 @@ def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
     return start, min(start + c, n)
 
 
+# A placement that shards, as the save records it (``str`` of torch placements joined by commas):
+# ``S(0)``, ``_S(0, 2)`` (strided), or the ``Shard(dim=0)`` spelling of their repr.
+_SHARD_RE = re.compile(r"(?:^|[,\s(])_?S\(|Shard")
+
+
+def saved_sharded(placements: str) -> bool:
+    return bool(_SHARD_RE.search(placements))
+
+
 def sharded_keys(tensors: Mapping[str, TensorEntry]) -> frozenset[str]:
     """The tensors a target layout splits (see the module docstring)."""
-    saved_sharded = {k for k, e in tensors.items() if "Shard" in e.placements and e.layout.shape}
-    if saved_sharded:
-        return frozenset(saved_sharded)
+    split = {k for k, e in tensors.items() if saved_sharded(e.placements) and e.layout.shape}
+    if split:
+        return frozenset(split)
     return frozenset(k for k, e in tensors.items() if e.layout.shape)
 
 

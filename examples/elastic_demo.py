@@ -59,7 +59,10 @@ PRESETS = {
     "default": {"samples": 12 * 480, "every": 50, "progress": 40},
     "small": {"samples": 12 * 60, "every": 20, "progress": 10},
 }
-TRACK_TOLERANCE = 0.05  # max |elastic - reference| loss per step; the observed gap is ~1e-5
+# Max |elastic - reference| loss per step. Both runs sum the same gradients in a different order
+# (over 4, 3, 2 ranks vs 2), so they start equal to ~1e-6 and drift apart slowly as rounding
+# differences compound (~1e-2 after 480 steps); a lost or wrong restore shows as a jump of ~1.
+TRACK_TOLERANCE = 0.1
 PHASE_TIMEOUT_S = 900
 
 
@@ -127,7 +130,7 @@ def follow(
     """Wait for the ranks, printing progress from rank 0's log; once rank 0 has logged step
     ``stop_at``, send SIGTERM to rank ``signal_rank`` only (as a preemption notice would)."""
     log0 = log_dir / "rank0.jsonl"
-    offset, sent = 0, False
+    offset, sent, first = 0, False, True
     deadline = time.monotonic() + PHASE_TIMEOUT_S
     try:
         while True:
@@ -141,8 +144,10 @@ def follow(
                     rec = json.loads(line)
                     if rec["event"] != "step":
                         continue
-                    if rec["step"] % progress_every == 0:
-                        print(f"  {label}  step {rec['step']:4d}  loss {rec['loss']:.4f}", flush=True)
+                    if first or rec["step"] % progress_every == 0:
+                        note = " (first step of this run)" if first and rec["step"] else ""
+                        print(f"  {label}  step {rec['step']:4d}  loss {rec['loss']:.4f}{note}", flush=True)
+                        first = False
                     if stop_at is not None and not sent and rec["step"] >= stop_at:
                         proc = procs[signal_rank]
                         print(
@@ -200,7 +205,7 @@ def reshard(root: str, to: int, available: bool) -> None:
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(REPO))
     for line in (done.stdout + done.stderr).strip().splitlines():
-        print(f"  {line}")
+        print(f"  {line}".rstrip())
     check(done.returncode == 0, f"ckptd reshard --to {to} failed with exit status {done.returncode}")
     print(f"  ({time.perf_counter() - t0:.1f} s)")
 
@@ -392,7 +397,11 @@ def report(out, root, samples, total, ref_steps, phases, elapsed, has_reshard) -
         + "/".join(f"{GLOBAL_BATCH // ph.world}" for ph in phases)
         + f"): each step trained on the same samples as the reference: {'yes' if same_batches else 'NO'}"
     )
-    print(f"  the elastic curve tracks the reference: max |diff| {max_diff:.2e} over {total} steps")
+    at_resume = ", ".join(f"{_diff(elastic, ref_steps, ph.start):.1e} at step {ph.start}" for ph in phases[1:])
+    print(
+        f"  the elastic curve tracks the reference: max |diff| {max_diff:.1e} over {total} steps "
+        f"(rounding differences of the reduction order); at the resume points {at_resume}"
+    )
     print(f"  exactly once: {len(seen)} of {samples} samples, each trained on once: {'PASS' if once else 'FAIL'}")
     print(f"  steps trained past a saved checkpoint and lost: {lost_steps}")
     print(f"  plot: {png}\n  losses: {out / 'losses.csv'}\n  time: {elapsed:.0f} s")
@@ -417,6 +426,13 @@ def report(out, root, samples, total, ref_steps, phases, elapsed, has_reshard) -
     return 1 if failures else 0
 
 
+def _diff(elastic, ref_steps, step: int) -> float:
+    try:
+        return abs(elastic[step][0]["loss"] - ref_steps[step][0]["loss"])
+    except KeyError:
+        return float("nan")
+
+
 def _fmt(x) -> str:
     return f"{x:9.5f}" if x is not None else "      n/a"
 
@@ -432,7 +448,9 @@ def plot(out: Path, total: int, elastic, ref_steps, phases) -> Path:
     ax.plot(xs, [ref_steps[s][0]["loss"] for s in xs], color="black", lw=2.5, alpha=0.35, label="reference (2 ranks)")
     colors = {4: "tab:blue", 3: "tab:orange", 2: "tab:green"}
     for ph in phases:
-        seg = [s for s in sorted(elastic) if ph.start <= s <= (ph.stop_step if ph.stop_step is not None else total)]
+        # from the step before this phase's first (joins the segments), to the step it saved
+        first = max(ph.start - 1, 0)
+        seg = [s for s in sorted(elastic) if first <= s <= (ph.stop_step if ph.stop_step is not None else total)]
         ax.plot(
             seg,
             [elastic[s][0]["loss"] for s in seg],

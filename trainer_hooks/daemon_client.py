@@ -86,6 +86,8 @@ class _Http:
             self._headers["Authorization"] = f"Bearer {token}"
         self._timeout = timeout
         self._local = threading.local()
+        self._all: list[http.client.HTTPConnection] = []  # every thread's, closed by close()
+        self._lock = threading.Lock()
 
     def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict, dict]:
         """(status, JSON body or {}, headers). Raises DaemonUnreachable. Requests are idempotent
@@ -95,13 +97,14 @@ class _Http:
             conn = getattr(self._local, "conn", None)
             if conn is None:
                 conn = self._local.conn = self._cls(self._host, self._port, timeout=self._timeout)
+                with self._lock:
+                    self._all.append(conn)
             try:
                 conn.request(method, self._base + path, body=data, headers=self._headers)
                 resp = conn.getresponse()
                 raw = resp.read()
             except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                self._local.conn = None
+                self._drop(conn)
                 if attempt:
                     raise DaemonUnreachable(f"cannot reach the ckptd daemon at {self.url}: {e}") from None
                 continue
@@ -112,11 +115,19 @@ class _Http:
             return resp.status, payload if isinstance(payload, dict) else {"items": payload}, dict(resp.headers)
         raise AssertionError("unreachable")
 
+    def _drop(self, conn: http.client.HTTPConnection) -> None:
+        conn.close()
+        self._local.conn = None
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
             conn.close()
-            self._local.conn = None
+        self._local.conn = None
 
 
 def _detail(body: dict) -> str:
@@ -220,7 +231,13 @@ class DaemonStager(Stager):
             body = self._sink.call_waiting(
                 "POST",
                 "/v1/leases",
-                {"root": self._sink.root, "rank": self._sink.rank, "bytes": total, "want": want, "client": self._sink.client_id},
+                {
+                    "root": self._sink.root,
+                    "rank": self._sink.rank,
+                    "bytes": total,
+                    "want": want,
+                    "client": self._sink.client_id,
+                },
             )
             self.lease_id, self._dir = body["lease"], Path(body["dir"])
             self._sink.lease_ttl = float(body.get("ttl_s", 60.0))
@@ -252,9 +269,7 @@ class DaemonStager(Stager):
             self._drop(*k)
         meta_bytes = sum(len(d) for _, d in job.metadata)
         self._meta_bytes = 0
-        self._ensure(self._allocated() + meta_bytes)
-        if self._dir is None:  # a job with no buffers at all still needs a lease for its files
-            self._ensure(max(meta_bytes, 1))
+        self._ensure(self._allocated() + meta_bytes)  # creates the lease if the job has no buffers
         metadata = []
         for i, (key, data) in enumerate(job.metadata):
             name = f"meta_{i:06d}.bin"
@@ -305,9 +320,13 @@ class DaemonSink:
         self.client_id = uuid.uuid4().hex[:16]
         self.lease_ttl = 60.0
         self._http = _Http(self.url, _token())
-        status, body, _ = self.call("POST", "/v1/roots/check", {"root": root_uri})
-        if status != 200:
-            raise CheckpointError(f"ckptd daemon at {self.url} refused job root {root_uri}: {_detail(body)}")
+        try:
+            status, body, _ = self.call("POST", "/v1/roots/check", {"root": root_uri})
+            if status != 200:
+                raise CheckpointError(f"ckptd daemon at {self.url} refused job root {root_uri}: {_detail(body)}")
+        except CheckpointError:
+            self._http.close()
+            raise
         self._stager = DaemonStager(self)
         self._pending: list[_Pending] = []
         self._cv = threading.Condition()
@@ -401,7 +420,9 @@ class DaemonSink:
                     log.info("staging memory granted after waiting %.1f s", time.monotonic() - waited_since)
                 return reply
             if status not in (429, 503):
-                raise CheckpointError(f"ckptd daemon at {self.url}: {method} {path} failed ({status}): {_detail(reply)}")
+                raise CheckpointError(
+                    f"ckptd daemon at {self.url}: {method} {path} failed ({status}): {_detail(reply)}"
+                )
             now = time.monotonic()
             if waited_since is None:
                 waited_since = now

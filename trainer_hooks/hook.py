@@ -30,6 +30,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class CheckpointHook:
+    """Every rank constructs it (on the main thread, where signal handlers can be installed),
+    calls ``resume()`` once, ``after_step(step)`` after every optimizer step with the same
+    ``step`` on every rank, and ``close()`` at the end; ``resume`` and ``after_step`` are
+    collective. ``every_n_steps=N`` saves steps N-1, 2N-1, ... (after the N-th, 2N-th step of
+    the job, counted from step 0), without waiting for the commit. A stop signal is acted on at
+    the next ``after_step``: the time from signal to exit is at most one step plus one commit,
+    which must fit the launcher's grace period (torchrun ``--shutdown-timeout``, 30 s by
+    default; Kubernetes ``terminationGracePeriodSeconds``; Slurm ``--signal=...@SECONDS``).
+    """
+
     def __init__(
         self,
         ckpt: Checkpointer,
@@ -46,6 +56,9 @@ class CheckpointHook:
         self.exit_code = exit_code
         self.signalled: int | None = None
         self.last_saved: int | None = None
+        # Whether after_step makes the per-step all-reduce: decided by the argument alone, so
+        # every rank makes the same collectives even where handlers could not be installed.
+        self._watch = save_on_signal
         self._previous: dict[int, Any] = {}
         if save_on_signal:
             if threading.current_thread() is threading.main_thread():
@@ -68,7 +81,7 @@ class CheckpointHook:
     def stop_requested(self) -> bool:
         """Whether any rank got a stop signal (collective when the job has several ranks)."""
         flag = 1 if self.signalled is not None else 0
-        return bool(self.ckpt.coord.all_max([flag])[0]) if self._previous else bool(flag)
+        return bool(self.ckpt.coord.all_max([flag])[0]) if self._watch else bool(flag)
 
     def after_step(self, step: int) -> None:
         """Call after each optimizer step, on every rank."""
@@ -76,11 +89,13 @@ class CheckpointHook:
         due = self.every_n_steps is not None and (step + 1) % self.every_n_steps == 0
         if stop:
             log.warning("stop requested (signal): saving step %d and exiting", step)
-            if self.last_saved != step:
-                self.ckpt.save(step, self.state)
-            self.ckpt.wait()
-            self.last_saved = step
-            self.close()
+            try:
+                if self.last_saved != step:
+                    self.ckpt.save(step, self.state)
+                self.ckpt.wait()
+                self.last_saved = step
+            finally:
+                self.close()  # the handlers go back even when the save failed
             raise SystemExit(self.exit_code)
         if due:
             self.ckpt.save(step, self.state)
@@ -92,5 +107,7 @@ class CheckpointHook:
             self.ckpt.wait()
         finally:
             for sig, handler in self._previous.items():
-                signal.signal(sig, handler)
+                # None: the previous handler was not installed from Python; the default is the
+                # closest we can put back (signal.signal refuses None)
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
             self._previous.clear()

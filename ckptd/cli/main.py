@@ -33,8 +33,8 @@ COMMANDS: dict[str, str] = {
     "gc": "gc",
     "serve": "serve",
     "reshard": "reshard",
-    # "export": "export",
-    # "import": "import_",
+    "export": "export",
+    "import": "import_",
 }
 
 

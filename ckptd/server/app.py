@@ -76,6 +76,7 @@ class MetadataModel(BaseModel):
 
 
 class JobRequest(BaseModel):
+    job: str | None = Field(None, max_length=64, description="client-chosen id (hex): a retried hand-off is idempotent")
     lease: str = _NAME
     root: str = Field(min_length=1, max_length=4096)
     step: int = Field(ge=0)

@@ -51,6 +51,7 @@ from trainer_hooks.writer import persist
 log = logging.getLogger("ckptd.jobs")
 
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
 MAX_META_BYTES = 1 << 30
 FINAL = ("committed", "failed", "discarded")
 
@@ -185,16 +186,18 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
 
 
 def _map(path: Path, nbytes: int) -> torch.Tensor:
-    """The file's bytes as a uint8 tensor over a shared mapping (no copy). O_NOFOLLOW: a file
+    """The file's bytes as a uint8 tensor over a mapping of it (no copy). O_NOFOLLOW: a file
     swapped for a symlink after validation is refused, never followed."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
             raise CheckpointError(f"staging file {path} changed after hand-off ({st.st_size} bytes, expected {nbytes})")
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # Private and writable (never written): numpy and torch want writable memory, and a
+        # read-only fd is enough, so the daemon needs no write permission on trainers' files.
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
@@ -299,9 +302,18 @@ class Runner:
         """Validate a hand-off, journal it and queue its upload. From the return on, the
         daemon owns the files: the client may die."""
         lease = self.staging.get(req["lease"])
+        job_id = req.get("job")
+        if job_id is not None:
+            if not JOB_ID.match(job_id):
+                raise BadJob(f"invalid job id {job_id!r}")
+            known = self.get(job_id)
+            if known is not None:  # the client retried a hand-off that had gone through
+                if known.lease != lease.id:
+                    raise BadJob(f"job id {job_id} is already taken")
+                return known
         if lease.owner != "client":
             raise LeaseBusy(f"lease {lease.id} already carries job {lease.job}")
-        job = validate(req, lease, self.roots)
+        job = validate(req, lease, self.roots, job_id)
         self.staging.hand_off(lease.id, job.job, job.journal() | {"state": "accepted"})
         self._remember(job)
         self.metrics.inc("ckptd_jobs_accepted_total")

@@ -1,0 +1,197 @@
+"""S3 rows on the loopback moto server: ckptd save/restore against raw boto3 of the same bytes.
+
+The floor the issue names is a boto3 multipart PUT of the state as one object and parallel
+ranged GETs of it (16 MiB parts, 16 threads, like ckptd's S3 defaults). moto serves a large
+multipart object far more slowly than many small ones, so a second raw reference is shown too:
+the same bytes as 16 MiB objects, PUT and GET in parallel. moto is a correctness server on the
+same 2 cores as the client: these figures measure moto, not S3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from benchmarks import state as st
+from benchmarks.common import Timer, collect, rotate
+from benchmarks.results import ERROR, Results
+
+SECTION = "s3"
+PART = 16 << 20
+THREADS = 16
+
+
+@contextlib.contextmanager
+def moto_env():
+    """A moto server and the AWS_* variables pointing at it (restored afterwards)."""
+    from tests.s3server import CREDENTIALS, start_moto_server, stop
+
+    proc, url = start_moto_server()
+    saved = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k in ("NO_PROXY", "no_proxy")}
+    try:
+        for k in [k for k in os.environ if k.startswith("AWS_")]:
+            del os.environ[k]
+        os.environ.update(CREDENTIALS)
+        os.environ.update(
+            AWS_ENDPOINT_URL=url,
+            AWS_EC2_METADATA_DISABLED="true",
+            AWS_CONFIG_FILE=os.devnull,
+            AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        )
+        for k in ("NO_PROXY", "no_proxy"):
+            os.environ[k] = ",".join(filter(None, [saved.get(k), "127.0.0.1", "localhost"]))
+        yield url
+    finally:
+        for k in [k for k in os.environ if k.startswith("AWS_") or k in ("NO_PROXY", "no_proxy")]:
+            del os.environ[k]
+        os.environ.update(saved)
+        stop(proc)
+
+
+def run(res: Results, size: int, reps: int, selected: Callable[[str], bool], profile_prefix: str | None = None):
+    import boto3
+
+    from trainer_hooks import Checkpointer
+
+    def R(id, label, floor=None, unit="s"):  # noqa: N802
+        return res.row(id, SECTION, label, floor=floor, unit=unit)
+
+    R("s3.floor.put", "boto3 multipart PUT of the state as one object (16 MiB parts, 16 threads; floor)")
+    R("s3.floor.get", "boto3 parallel ranged GET of that object into a preallocated buffer (floor)")
+    R("s3.objects.put", "boto3 PUT of the same bytes as 16 MiB objects, 16 threads", floor="s3.floor.put")
+    R("s3.objects.get", "boto3 GET of those objects, 16 threads", floor="s3.floor.get")
+    R("s3.ckptd.save", "ckptd save to S3: until committed", floor="s3.floor.put")
+    R("s3.ckptd.block", "ckptd save to S3: time save() blocks")
+    R("s3.ckptd.restore", "ckptd restore from S3", floor="s3.floor.get")
+    sec = res.sections.setdefault(SECTION, {})
+    try:
+        ctx = moto_env()
+        url = ctx.__enter__()
+    except Exception as e:  # noqa: BLE001 - the server is an external process
+        for r in res.rows.values():
+            if r.section == SECTION:
+                r.status, r.note = ERROR, f"moto server did not start: {e}"
+        return
+    try:
+        _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix)
+    finally:
+        ctx.__exit__(None, None, None)
+        collect()
+
+
+def _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix):  # noqa: N803
+    from botocore.config import Config
+
+    model, optim, dims = st.build_local(size, seed=3)
+    state = {"model": model, "optim": optim}
+    tensors = st.all_tensors(model, optim)
+    total = st.nbytes(tensors)
+    sec.update({"state_bytes": total, "model": st.describe(dims), "endpoint": url, "reps": reps})
+    flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
+    blob = memoryview(flat.numpy())
+    parts = [bytes(blob[o : o + PART]) for o in range(0, total, PART)]  # outside any timing
+    out = bytearray(total)
+    out_mv = memoryview(out)
+    client = boto3.client("s3", config=Config(max_pool_connections=THREADS * 2))
+    bucket = f"ckptd-bench-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    pool = ThreadPoolExecutor(THREADS)
+    ck = Checkpointer(f"s3://{bucket}/job", keep_last=1)
+    step = [0]
+    sent = st.sentinel(model)
+    ref = sent.detach().clone()
+
+    def floor_put(rep: int) -> None:
+        with Timer() as t:
+            up = client.create_multipart_upload(Bucket=bucket, Key="floor.bin")["UploadId"]
+
+            def one(i: int) -> dict:
+                r = client.upload_part(Bucket=bucket, Key="floor.bin", UploadId=up, PartNumber=i + 1, Body=parts[i])
+                return {"PartNumber": i + 1, "ETag": r["ETag"]}
+
+            done = list(pool.map(one, range(len(parts))))
+            client.complete_multipart_upload(
+                Bucket=bucket, Key="floor.bin", UploadId=up, MultipartUpload={"Parts": done}
+            )
+        res.add("s3.floor.put", rep, t.s)
+
+    def floor_get(rep: int) -> None:
+        with Timer() as t:
+
+            def one(off: int) -> None:
+                n = min(PART, total - off)
+                body = client.get_object(Bucket=bucket, Key="floor.bin", Range=f"bytes={off}-{off + n - 1}")["Body"]
+                out_mv[off : off + n] = body.read()
+
+            list(pool.map(one, range(0, total, PART)))
+        res.add("s3.floor.get", rep, t.s)
+
+    def objects_put(rep: int) -> None:
+        with Timer() as t:
+            list(pool.map(lambda i: client.put_object(Bucket=bucket, Key=f"obj/{i}", Body=parts[i]), range(len(parts))))
+        res.add("s3.objects.put", rep, t.s)
+
+    def objects_get(rep: int) -> None:
+        with Timer() as t:
+
+            def one(i: int) -> None:
+                off = i * PART
+                data = client.get_object(Bucket=bucket, Key=f"obj/{i}")["Body"].read()
+                out_mv[off : off + len(data)] = data
+
+            list(pool.map(one, range(len(parts))))
+        res.add("s3.objects.get", rep, t.s)
+
+    def ckptd_save(rep: int) -> None:
+        step[0] += 1
+        t0 = time.perf_counter()
+        fut = ck.save(step[0], state)
+        block = time.perf_counter() - t0
+        fut.result()
+        if rep >= 0:
+            res.add("s3.ckptd.block", rep, block)
+            res.add("s3.ckptd.save", rep, time.perf_counter() - t0)
+
+    def ckptd_restore(rep: int) -> None:
+        with torch.no_grad():
+            sent.zero_()
+        with Timer() as t:
+            ck.restore(state)
+        res.add("s3.ckptd.restore", rep, t.s)
+        if not torch.equal(sent.detach(), ref):
+            res.notes.append("S3: ckptd restore brought back different values")
+
+    try:
+        ckptd_save(-1)  # warm-up: snapshot buffers, connections
+        saves, reads = [floor_put, objects_put, ckptd_save], [floor_get, objects_get, ckptd_restore]
+        for rep in range(reps):
+            for phase in (saves, reads):
+                for f in rotate(phase, rep):
+                    f(rep)
+                    collect()
+        if profile_prefix:
+            from benchmarks.profiling import profiled
+
+            with profiled(profile_prefix + "_save", "ckptd save to S3 (moto), block + commit") as p:
+                ckptd_save(-2)
+            sec.setdefault("profiles", {})["save"] = p
+            with profiled(profile_prefix + "_restore", "ckptd restore from S3 (moto)") as p:
+                ckptd_restore(-2)
+            sec["profiles"]["restore"] = p
+            res.rows["s3.ckptd.restore"].values.pop(-2, None)
+    finally:
+        ck.close()
+        pool.shutdown()
+        with contextlib.suppress(Exception):
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if objs:
+                    client.delete_objects(Bucket=bucket, Delete={"Objects": objs, "Quiet": True})
+            client.delete_bucket(Bucket=bucket)
+        client.close()

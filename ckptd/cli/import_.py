@@ -1,0 +1,33 @@
+"""``ckptd import SRC --format dcp|torch|safetensors|deepspeed-universal URI --step N [--as KEY]``:
+write a checkpoint made by another tool into a job root as a committed ckptd checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+
+from ckptd.cli.common import Progress, add_uri, human_bytes, job_root, step_arg
+from ckptd.interop import IMPORT_FORMATS, import_checkpoint
+
+HELP = "import a DCP folder, torch.save file or safetensors file/folder as a committed checkpoint"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="the checkpoint to import (a file or folder)")
+    p.add_argument("--format", required=True, choices=list(IMPORT_FORMATS), help="the format of SRC")
+    add_uri(p)
+    p.add_argument("--step", type=step_arg, required=True, help="the step to write (must not be committed yet)")
+    p.add_argument(
+        "--as",
+        dest="as_key",
+        default="model",
+        metavar="KEY",
+        help="state key for a flat state dict (torch, safetensors) or for DCP top-level tensors (default: model)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    with job_root(args.uri) as store, Progress(f"importing {args.format}") as progress:
+        res = import_checkpoint(args.src, args.format, store, args.step, args.as_key, progress)
+    kinds = ", ".join(f"{name} ({kind})" for name, kind in res.kinds.items()) or "-"
+    print(f"{res.where}: imported {res.tensors} tensors ({human_bytes(res.bytes)}) from {args.src}; state: {kinds}")
+    return 0

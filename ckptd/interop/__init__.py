@@ -1,0 +1,71 @@
+"""Checkpoints of other tools in and out of ckptd, one tensor at a time.
+
+=======================  ==========================================  ===================================
+format                   ``ckptd import SRC``                        ``ckptd export ... OUT``
+=======================  ==========================================  ===================================
+``dcp``                  a PyTorch DCP folder (any world size;       a DCP folder of the whole state;
+                         Megatron ``torch_dist`` too)                ``dcp.load`` at any world size
+``torch``                a ``torch.save`` file of a state dict       one entry as a flat state dict
+``safetensors``          a file, or a folder with an index           one entry; a file, or HF shards
+``deepspeed-universal``  a DeepSpeed universal checkpoint folder     --
+=======================  ==========================================  ===================================
+
+One module per format, each with ``read(src, as_key) -> (ImportTree, loader)`` and (except
+DeepSpeed) ``write(saved, out, ...) -> ExportResult``; ``common`` holds the rest. Memory stays
+near the largest tensor whatever the checkpoint's size: sources are read lazily, a tensor at a
+time, and exports write each tensor as it is read.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from ckptd.errors import CheckpointError
+
+if TYPE_CHECKING:  # torch is imported only when a command runs, so ``ckptd ls`` starts fast
+    from ckptd.interop.common import ExportResult, ImportResult, Progress
+    from storage_backends import Store
+
+IMPORT_FORMATS = {"dcp": "dcp", "torch": "torchfile", "safetensors": "safetensors", "deepspeed-universal": "deepspeed"}
+EXPORT_FORMATS = {"torch": "torchfile", "safetensors": "safetensors", "dcp": "dcp"}
+
+
+def import_checkpoint(
+    src: str, fmt: str, store: Store, step: int, as_key: str = "model", progress: Progress | None = None
+) -> ImportResult:
+    """Write the checkpoint at ``src`` (format ``fmt``) into ``store`` as committed step ``step``."""
+    from ckptd.interop.common import _no_progress, write_import
+
+    if fmt not in IMPORT_FORMATS:
+        raise CheckpointError(f"unknown import format {fmt!r} (one of {', '.join(IMPORT_FORMATS)})")
+    module = importlib.import_module(f"ckptd.interop.{IMPORT_FORMATS[fmt]}")
+    tree, load = module.read(src, as_key)
+    return write_import(store, step, tree, load, progress or _no_progress)
+
+
+def export_checkpoint(
+    store: Store,
+    step: int | None,
+    fmt: str,
+    out: str,
+    as_key: str = "model",
+    max_shard_bytes: int | None = None,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Write committed checkpoint ``step`` (the latest if None) of ``store`` to ``out``."""
+    from ckptd.interop.common import SavedCheckpoint, _no_progress
+
+    progress = progress or _no_progress
+    if fmt not in EXPORT_FORMATS:
+        raise CheckpointError(f"unknown export format {fmt!r} (one of {', '.join(EXPORT_FORMATS)})")
+    module = importlib.import_module(f"ckptd.interop.{EXPORT_FORMATS[fmt]}")
+    with SavedCheckpoint(store, step) as saved:
+        if fmt == "dcp":
+            return module.write(saved, out, progress=progress)
+        if fmt == "torch":
+            return module.write(saved, out, as_key=as_key, progress=progress)
+        return module.write(saved, out, as_key=as_key, max_shard_bytes=max_shard_bytes, progress=progress)
+
+
+__all__ = ["EXPORT_FORMATS", "IMPORT_FORMATS", "export_checkpoint", "import_checkpoint"]

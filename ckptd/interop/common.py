@@ -1,0 +1,337 @@
+"""What every importer and exporter shares: the state tree with stand-in tensors, the streaming
+write into a committed checkpoint, reading a committed checkpoint back one tensor at a time, and
+handing pages of memory-mapped source files back to the kernel.
+
+Import, in order:
+
+1. the format module reads the source's *metadata* only and builds an :class:`ImportTree`: per
+   top-level name a kind and a tree whose tensors are stand-ins (``meta`` tensors made by
+   :meth:`ImportTree.placeholder`, or the source's own lazily mapped tensors);
+2. :func:`write_import` encodes the tree the way ``trainer_hooks.flatten`` encodes a live state
+   (same array keys, same JSON), so ``Checkpointer.restore`` finds every key;
+3. it pulls ``(item, tensor)`` pairs from the format's loader one at a time and writes each with
+   :class:`ckptd.stream.CheckpointWriter`, which commits after the last one.
+
+Export reads the manifest, decodes each top-level entry with ``meta`` stand-ins for its tensors
+(:class:`SavedCheckpoint`), and the format module asks for each tensor's data only when it writes
+that tensor.
+
+Memory stays near the largest tensor (plus bounded write-behind): nothing holds the whole
+checkpoint. Memory-mapped sources count their touched pages in the process's RSS although the
+kernel could drop them; :func:`release_file_pages` drops them once a tensor is written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptd import catalog, jsonenc
+from ckptd import manifest as mf
+from ckptd.errors import CheckpointError
+from ckptd.layout import Box
+from ckptd.reader import CheckpointReader, ReadRequest
+from ckptd.stream import CheckpointWriter
+from storage_backends import Store
+
+# Encoded shards waiting for their put. The stream writer's default (512 MiB) favours throughput;
+# an import is bounded by its source's read speed, so a smaller write-behind costs little.
+WRITE_BEHIND_BYTES = 64 * 1024 * 1024
+
+Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
+
+
+def _no_progress(done: int, total: int) -> None:
+    pass
+
+
+# ------------------------------------------------------------------------------------ import
+
+
+@dataclass(frozen=True)
+class Item:
+    """One tensor to import: its ckptd array key, what the format's loader needs to fetch it
+    (a DCP key, a file and name, a lazily mapped tensor), and its global shape and dtype."""
+
+    key: str
+    source: Any
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+Loader = Callable[[list[Item]], Iterator[tuple[Item, torch.Tensor]]]
+
+
+@dataclass
+class ImportTree:
+    """Top-level state entries found in a source: ``name -> (kind, tree)``. Tensors in a tree are
+    either :meth:`placeholder` stand-ins (their source recorded here) or real tensors that are
+    their own source (a ``torch.load(mmap=True)`` file)."""
+
+    entries: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # recorded in the manifest's layout
+    _sources: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)
+
+    def placeholder(self, source: Any, shape, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(tuple(shape), dtype=dtype, device="meta")
+        self._sources[id(t)] = (t, source)  # the tensor is kept alive, so its id stays unique
+        return t
+
+    def add(self, name: str, kind: str, tree: Any) -> None:
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"top-level state keys must be non-empty strings, got {name!r}")
+        if name in self.entries:
+            raise CheckpointError(f"key {name!r} appears twice at the top level")
+        self.entries[name] = (kind, tree)
+
+    def encode(self) -> tuple[dict[str, dict], list[Item]]:
+        """The manifest's state tree and the tensors to write, in tree order. Array keys are the
+        ones ``trainer_hooks.flatten`` gives a live state of the same shape: one path component
+        per dict key (an FQN is one component), list indices as components."""
+        from trainer_hooks.flatten import zarr_dtype
+
+        items: list[Item] = []
+        seen: set[str] = set()
+
+        def on_tensor(path: tuple[str, ...], t: torch.Tensor) -> str:
+            key = mf.key_of(path)
+            if key in seen:
+                raise CheckpointError(f"key {key!r} appears twice in the imported state")
+            seen.add(key)
+            zarr_dtype(t.dtype, key)  # an unsupported dtype fails before any data is written
+            _, source = self._sources.get(id(t), (None, t))
+            items.append(Item(key, source, tuple(t.shape), t.dtype))
+            return key
+
+        state = {
+            name: {"kind": kind, "data": jsonenc.encode(tree, on_tensor, (name,))}
+            for name, (kind, tree) in self.entries.items()
+        }
+        return state, items
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    step: int
+    where: str
+    tensors: int
+    bytes: int
+    kinds: dict[str, str]
+
+
+def write_import(
+    store: Store,
+    step: int,
+    tree: ImportTree,
+    load: Loader,
+    progress: Progress = _no_progress,
+) -> ImportResult:
+    """Write ``tree`` as committed checkpoint ``step``, fetching tensors through ``load``.
+
+    The step must not be committed yet (checked before any data is read). A failure leaves a
+    partial folder that nothing restores and the next attempt replaces."""
+    state, items = tree.encode()
+    total_bytes = sum(it.nbytes for it in items)
+    with CheckpointWriter(
+        store, step, layout_info={"imported_from": tree.info}, max_pending_bytes=WRITE_BEHIND_BYTES
+    ) as w:
+        done = 0
+        progress(0, len(items))
+        for it, t in load(items):
+            if tuple(t.shape) != it.shape or t.dtype != it.dtype:
+                raise CheckpointError(
+                    f"{tree.info.get('path', 'source')}: tensor {it.source!r} is {t.dtype} {tuple(t.shape)} "
+                    f"but its metadata says {it.dtype} {it.shape}"
+                )
+            w.write_tensor(it.key, t)
+            done += 1
+            progress(done, len(items))
+        if done != len(items):
+            raise CheckpointError(f"internal error: {len(items) - done} tensors were not loaded")
+        w.set_state(state)
+    return ImportResult(
+        step, catalog.where(store, step), len(items), total_bytes, {n: k for n, (k, _) in tree.entries.items()}
+    )
+
+
+# ------------------------------------------------------------------------------------ export
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    files: list[str]
+    tensors: int
+    skipped: int = 0  # non-tensor values the format cannot hold, left out
+
+
+class SavedCheckpoint:
+    """A committed checkpoint opened for export: its state entries decoded with ``meta``
+    stand-ins for tensors, and :meth:`read` for one tensor's data at a time."""
+
+    def __init__(self, store: Store, step: int | None, threads: int = 8):
+        self.store = store
+        self.manifest = catalog.load_manifest(store, step)
+        self.step = self.manifest.step
+        self.where = catalog.where(store, self.step)
+        self.reader = CheckpointReader(store, mf.step_dir(self.step))
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-export")
+        self._keys: dict[int, tuple[torch.Tensor, str]] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> SavedCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.manifest.state)
+
+    def decode(self, name: str) -> tuple[str, Any]:
+        """``(kind, tree)`` of one top-level entry; tensors are ``meta`` stand-ins."""
+        from trainer_hooks.flatten import torch_dtype
+
+        node = self.manifest.state[name]
+
+        def on_tensor(key: str) -> torch.Tensor:
+            entry = self.manifest.tensors.get(key)
+            if entry is None:
+                raise CheckpointError(f"{self.where}: state refers to array {key!r}, which the manifest lacks")
+            t = torch.empty(entry.layout.shape, dtype=torch_dtype(entry.layout.dtype), device="meta")
+            self._keys[id(t)] = (t, key)
+            return t
+
+        return node["kind"], jsonenc.decode(node["data"], on_tensor)
+
+    def key_of(self, placeholder: torch.Tensor) -> str:
+        return self._keys[id(placeholder)][1]
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` as a fresh CPU tensor (every chunk's crc32c checked)."""
+        from trainer_hooks.flatten import as_numpy, torch_dtype
+
+        entry = self.manifest.tensors[key]
+        out = torch.empty(entry.layout.shape, dtype=torch_dtype(entry.layout.dtype))
+        if out.numel():
+            self.reader.read([ReadRequest(entry, Box.full(entry.layout.shape), as_numpy(out))], self._pool)
+        return out
+
+
+def flat_tensors(saved: SavedCheckpoint, name: str) -> tuple[dict[str, torch.Tensor], int]:
+    """The tensors of entry ``name`` as one flat state dict of stand-ins: an FQN-keyed module or
+    dict keeps its FQNs; deeper paths are joined with ``.`` (``state.fc.weight.exp_avg``), the way
+    ``torch.distributed.checkpoint`` names them. Also returns how many non-tensor values were
+    left out."""
+    if name not in saved.manifest.state:
+        have = ", ".join(repr(n) for n in saved.names) or "none"
+        raise CheckpointError(f"{saved.where}: no state entry {name!r} (entries: {have}); choose one with --as")
+    _, tree = saved.decode(name)
+    out: dict[str, torch.Tensor] = {}
+    skipped = 0
+
+    def walk(prefix: str, x: Any) -> None:
+        nonlocal skipped
+        if isinstance(x, torch.Tensor):
+            flat = prefix or name  # a bare tensor entry keeps the entry's name
+            if flat in out:
+                raise CheckpointError(f"{saved.where}: two tensors of {name!r} flatten to the name {flat!r}")
+            out[flat] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                walk(f"{prefix}.{i}" if prefix else str(i), v)
+        else:
+            skipped += 1
+
+    walk("", tree)
+    return out, skipped
+
+
+# ------------------------------------------------------------------------------------ files
+
+
+def check_output(out: str) -> None:
+    """Exports never overwrite: OUT must not exist, or be an empty folder."""
+    if os.path.isdir(out):
+        if os.listdir(out):
+            raise CheckpointError(f"{out}: folder exists and is not empty; remove it or choose another OUT")
+    elif os.path.lexists(out):
+        raise CheckpointError(f"{out}: exists; remove it or choose another OUT")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{out}: parent folder {parent} does not exist")
+
+
+def partial_path(out: str) -> str:
+    """Where an export is written before it is renamed to ``out``, so that ``out`` never holds a
+    half-written export."""
+    head, tail = os.path.split(os.path.abspath(out))
+    return os.path.join(head, f".{tail}.partial-{os.getpid()}")
+
+
+def publish(tmp: str, out: str) -> None:
+    if os.path.isdir(out):  # the empty folder check_output allowed
+        os.rmdir(out)
+    os.replace(tmp, out)
+
+
+def remove_partial(tmp: str) -> None:
+    import shutil
+
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif os.path.lexists(tmp):
+        os.unlink(tmp)
+
+
+_libc = None
+
+
+def release_file_pages(path: str) -> None:
+    """Drop this process's resident pages of every memory mapping of ``path`` (Linux; a no-op
+    elsewhere).
+
+    ``torch.load(mmap=True)`` and ``safetensors.safe_open`` map the whole file; each page a
+    tensor touches stays resident, and counted in RSS, until the mapping goes. The pages are
+    clean (nothing writes to them) or, for a ``MAP_SHARED`` output mapping, already in the page
+    cache, so ``MADV_DONTNEED`` loses nothing: a later touch faults the same bytes back in from
+    the file."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as f:
+            ranges = []
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].rstrip("\n") == real:
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    ranges.append((lo, hi))
+    except OSError:
+        return
+    if not ranges:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for lo, hi in ranges:
+        _libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED)  # best effort: memory, not correctness

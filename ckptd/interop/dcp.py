@@ -1,0 +1,305 @@
+"""PyTorch Distributed Checkpoint (DCP) folders: import one, or export a checkpoint as one.
+
+**Importing DCP trusts its metadata.** A DCP folder's ``.metadata`` is a pickle, and reading it
+(with torch's own ``FileSystemReader``, the only reader there is) can run code stored in it: only
+import DCP checkpoints you would ``torch.load``. Non-tensor values are read with
+``torch.load(weights_only=True)``; the ckptd checkpoint written holds no pickle.
+
+Layout. ``dcp.save`` flattens a nested state dict into dotted keys
+(``optim.state.layers.0.weight.exp_avg``) and records, in the metadata's ``planner_data``, the
+real path of each (``("optim", "state", "layers.0.weight", "exp_avg")``), so FQNs with dots are
+never split wrongly. The import rebuilds the nested tree from those paths:
+
+* each top-level key stays a top-level state entry (``dcp.save({"model": ..., "optim": ...})``
+  restores into ``{"model": module, "optim": optimizer}``);
+* an entry shaped ``{"state": {fqn: {...}}, "param_groups": [...]}`` (what
+  ``get_optimizer_state_dict`` returns) is kind ``optimizer``; one flattened by
+  ``StateDictOptions(flatten_optimizer_state_dict=True)`` (torchtitan: ``state.<fqn>.exp_avg``,
+  ``param_groups.<fqn>.lr``) is unflattened into that shape, consecutive parameters with equal
+  hyperparameters forming one group;
+* tensors stored at the top level (torchtitan saves its model's FQNs there, beside
+  ``optimizer``, ``lr_scheduler``, ...) are gathered under ``--as`` (default ``model``);
+* everything else is kind ``dict`` (a module's FQN-keyed state dict included: a live module
+  restores from it), with non-tensor values kept as JSON.
+
+Without ``planner_data`` (a custom planner), a key's first dotted component is taken as its
+top-level name and the rest as one FQN.
+
+Reading: tensors are loaded with ``dcp.load`` into full-size CPU tensors, in batches of at most
+``BATCH_BYTES`` (one tensor if larger), without a process group; DCP reassembles each tensor from
+however many ranks' chunks it was saved in.
+
+Export writes the whole state, with its nested structure, through ``dcp.save`` and DCP's own
+``FileSystemWriter``: the state dict handed to it holds ``meta`` stand-ins, and the planner reads
+each tensor from ckptd only when the writer asks for it, so one tensor is in memory at a time.
+The folder loads with ``dcp.load`` at any world size and sharding (RNG states, which ckptd keeps
+per rank beside the state, are not exported).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from ckptd.errors import CheckpointError
+from ckptd.interop.common import (
+    ExportResult,
+    ImportTree,
+    Item,
+    Progress,
+    SavedCheckpoint,
+    _no_progress,
+    check_output,
+    partial_path,
+    publish,
+    remove_partial,
+)
+
+BATCH_BYTES = 32 * 1024 * 1024  # tensors loaded per dcp.load call (fewer calls, bounded memory)
+
+# dcp.save/load warn when no process group is up; running in one process is what we mean.
+_NO_DIST_WARNING = r"torch\.distributed is disabled"
+
+
+class _Reader(FileSystemReader):
+    """FileSystemReader that unpickles ``.metadata`` once, not once per ``dcp.load`` call."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Loads into a flat dict keyed by DCP keys; non-tensor values with ``weights_only=True``."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            self.state_dict[fqn] = torch.load(value, weights_only=True)
+        except Exception as e:  # an UnpicklingError naming the refused global, usually
+            raise CheckpointError(
+                f"value {fqn!r} is not plain data (tensors, numbers, strings, lists, dicts): "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
+
+
+def _load(sd: dict[str, Any], reader: _Reader, src: str) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+            dcp.load(sd, storage_reader=reader, planner=_LoadPlanner(), no_dist=True)
+    except CheckpointError as e:
+        raise CheckpointError(f"{src}: {e}") from None
+    except Exception as e:  # DCP raises bare exceptions (and wraps them in CheckpointException)
+        raise CheckpointError(f"{src}: cannot read DCP data ({_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
+
+
+# ------------------------------------------------------------------------------------ import
+
+
+def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
+    """The tree of a DCP folder and its loader (see the module docstring for the mapping)."""
+    if not os.path.isfile(os.path.join(src, ".metadata")):
+        raise CheckpointError(f"{src}: not a PyTorch DCP checkpoint (no .metadata file)")
+    reader = _Reader(src)
+    try:
+        md = reader.read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{src}: cannot read DCP metadata ({_one_line(e)})") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{src}: .metadata does not hold DCP metadata")
+    paths = _paths(md)
+    tree = ImportTree(info={"format": "dcp", "path": os.path.abspath(src), "dcp_version": md.version})
+
+    byte_keys = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    values: dict[str, Any] = {k: None for k in byte_keys}
+    if byte_keys:
+        _load(values, reader, src)
+
+    root: dict[str, Any] = {}
+    for key, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            leaf = tree.placeholder(key, tuple(meta.size), meta.properties.dtype)
+        else:
+            leaf = values[key]
+        _set_path(root, paths[key], leaf, src)
+
+    top_tensors = {k: v for k, v in root.items() if isinstance(v, torch.Tensor)}
+    if top_tensors:
+        if as_key in root:
+            raise CheckpointError(
+                f"{src}: has tensors at the top level, which go under {as_key!r}, and also an entry "
+                f"{as_key!r}; choose another name with --as"
+            )
+        tree.add(as_key, "dict", top_tensors)
+    for name, value in root.items():
+        if name not in top_tensors:
+            kind, value = _classify(value)
+            tree.add(name, kind, value)
+
+    def load(items: list[Item]) -> Iterator[tuple[Item, torch.Tensor]]:
+        batch: list[Item] = []
+        size = 0
+        for it in items:
+            if batch and size + it.nbytes > BATCH_BYTES:
+                yield from _load_batch(batch, reader, src)
+                batch, size = [], 0
+            batch.append(it)
+            size += it.nbytes
+        if batch:
+            yield from _load_batch(batch, reader, src)
+
+    return tree, load
+
+
+def _load_batch(batch: list[Item], reader: _Reader, src: str) -> Iterator[tuple[Item, torch.Tensor]]:
+    sd: dict[str, Any] = {it.source: torch.empty(it.shape, dtype=it.dtype) for it in batch}
+    _load(sd, reader, src)
+    for it in batch:
+        yield it, sd.pop(it.source)  # dropped here, so the batch's memory goes as it is written
+
+
+def _paths(md: Metadata) -> dict[str, tuple]:
+    mapping = md.planner_data if isinstance(md.planner_data, dict) else {}
+    out = {}
+    for key in md.state_dict_metadata:
+        path = mapping.get(key)
+        if not isinstance(path, tuple | list) or not path:
+            head, dot, rest = key.partition(".")
+            path = (head, rest) if dot else (key,)
+        out[key] = tuple(path)
+    return out
+
+
+def _set_path(root: dict, path: tuple, value: Any, src: str) -> None:
+    """Put ``value`` at ``path`` (str components: dict keys; int components: list indices)."""
+    cur: Any = root
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(cur, list):
+            if not isinstance(part, int):
+                raise CheckpointError(f"{src}: key path {path!r} mixes a list with a dict key")
+            cur.extend([None] * (part + 1 - len(cur)))
+            if last:
+                cur[part] = value
+            else:
+                if cur[part] is None:
+                    cur[part] = [] if isinstance(path[i + 1], int) else {}
+                cur = cur[part]
+        else:
+            part = str(part) if i == 0 else part
+            if last:
+                if part in cur:
+                    raise CheckpointError(f"{src}: key path {path!r} appears twice")
+                cur[part] = value
+            else:
+                cur = cur.setdefault(part, [] if isinstance(path[i + 1], int) else {})
+                if not isinstance(cur, dict | list):
+                    raise CheckpointError(f"{src}: key path {path!r} runs through a value")
+
+
+def _classify(value: Any) -> tuple[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return "tensor", value
+    if not isinstance(value, dict):
+        return "value", value
+    if "state" in value and isinstance(value["state"], dict) and set(value) <= {"state", "param_groups"}:
+        return "optimizer", {"state": value["state"], "param_groups": value.get("param_groups", [])}
+    if value and all(isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in value):
+        return "optimizer", _unflatten_optimizer(value)
+    return "dict", value
+
+
+def _unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"state.<fqn>.<name>": v, "param_groups.<fqn>.<hp>": v}`` (torch's
+    ``flatten_optimizer_state_dict``) -> ``{"state": {fqn: {name: v}}, "param_groups": [...]}``.
+    State names and hyperparameter names hold no dot, so the FQN is everything between."""
+    state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for k, v in flat.items():
+        section, _, rest = k.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        (state if section == "state" else hyper).setdefault(fqn, {})[name] = v
+    groups: list[dict[str, Any]] = []
+    for fqn, hp in hyper.items():
+        if groups and {k: v for k, v in groups[-1].items() if k != "params"} == hp:
+            groups[-1]["params"].append(fqn)
+        else:
+            groups.append({**hp, "params": [fqn]})
+    return {"state": state, "param_groups": groups}
+
+
+# ------------------------------------------------------------------------------------ export
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """Hands DCP's writer each tensor's data when it asks for it, read from ckptd."""
+
+    def __init__(self, saved: SavedCheckpoint, total: int, progress: Progress):
+        super().__init__()
+        self._saved = saved
+        self._total = total
+        self._done = 0
+        self._progress = progress
+
+    def resolve_data(self, write_item):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        stand_in = self.lookup_object(write_item.index)
+        t = self._saved.read(self._saved.key_of(stand_in))
+        chunk = write_item.tensor_data.chunk if write_item.tensor_data is not None else None
+        if chunk is not None and tuple(chunk.sizes) != tuple(t.shape):  # plain tensors: one whole chunk
+            for dim, (off, n) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                t = t.narrow(dim, off, n)
+        self._done += 1
+        self._progress(self._done, self._total)
+        return t
+
+
+def write(saved: SavedCheckpoint, out: str, progress: Progress = _no_progress) -> ExportResult:
+    """Write every state entry of ``saved`` as a DCP folder ``out``; returns the files written."""
+    check_output(out)
+    state = {}
+    for name in saved.names:
+        _, tree = saved.decode(name)
+        state[name] = tree
+    total = len(saved.manifest.tensors)
+    tmp = partial_path(out)
+    try:
+        writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1, sync_files=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+            dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(saved, total, progress), no_dist=True)
+        files = sorted(os.listdir(tmp))
+        publish(tmp, out)
+    except CheckpointError:
+        remove_partial(tmp)
+        raise
+    except Exception as e:
+        remove_partial(tmp)
+        raise CheckpointError(f"{out}: DCP export failed ({_one_line(e)})") from None
+    return ExportResult([os.path.join(out, f) for f in files], total)

@@ -1,0 +1,144 @@
+"""A real ``ckptd serve`` process on a free loopback port, for tests; and the launcher for the
+trainer scenarios of this folder (``daemon_scenarios.py``, run by ``daemon_worker.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from unittest import mock
+
+from tests.distributed import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("daemon_worker.py")
+
+
+class Daemon:
+    """``ckptd serve`` in a subprocess. ``env`` adds ``CKPTD_*`` settings (e.g. the test-only
+    ``CKPTD_FAULT_UPLOAD_DELAY_S``). Stopped by its pid, never by name."""
+
+    def __init__(self, roots: list[str], staging: Path, log: Path, *, token_file: Path | None = None, **env: str):
+        self.roots, self.staging, self.log_path = roots, staging, log
+        self.token_file = token_file
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 90.0, port: int | None = None) -> Daemon:
+        """Start on ``port`` (a restart on the same address), or on a free one."""
+        for _ in range(3):  # the probed port may be taken before the daemon binds it
+            self.port = port or launch.free_port()
+            args = [sys.executable, "-m", "ckptd.cli.main", "serve", "--port", str(self.port)]
+            for r in self.roots:
+                args += ["--root", r]
+            args += ["--staging-dir", str(self.staging)]
+            if self.token_file is not None:
+                args += ["--token-file", str(self.token_file)]
+            env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **self.env}
+            with open(self.log_path, "a") as log:
+                self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                if self.healthy():
+                    return self
+                time.sleep(0.1)
+            if self.proc.poll() is None:
+                self.kill()
+                raise AssertionError(f"daemon did not become healthy:\n{self.logs()}")
+            if "address already in use" not in self.logs().lower():
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.logs()}")
+        raise AssertionError("daemon found no free port")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/healthz", timeout=1) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def logs(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text()[-6000:]
+        return ""
+
+    def get(self, path: str, token: str | None = None) -> tuple[int, object]:
+        req = urllib.request.Request(self.url + path)
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                body = r.read()
+                status = r.status
+        except urllib.error.HTTPError as e:
+            body, status = e.read(), e.code
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, body.decode()
+
+    def metric(self, name: str, token: str | None = None) -> float:
+        status, text = self.get("/metrics", token)
+        assert status == 200, text
+        for line in str(text).splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"no metric {name}")
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def spawn(world: int, scenario: str, args: dict, out: Path, extra_env: dict | None = None) -> list[subprocess.Popen]:
+    """``launch.spawn`` with this folder's worker, so scenarios live in ``daemon_scenarios``."""
+    with mock.patch.object(launch, "WORKER", WORKER):
+        return launch.spawn(world, scenario, args, out, extra_env)
+
+
+def run(world: int, scenario: str, out: Path, timeout: float = 240, extra_env: dict | None = None, **args) -> list[dict]:
+    return launch.wait(spawn(world, scenario, args, out, extra_env), out, scenario, timeout)
+
+
+def wait_for(pred, what: str, timeout: float = 120.0, procs=(), logs=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        for p in procs:
+            assert p.poll() is None, f"a process exited while waiting for {what}:\n{logs()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{logs()}"
+        time.sleep(0.02)
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=30)

@@ -1,0 +1,250 @@
+"""The daemon's HTTP API against a real ``ckptd serve`` process: auth, roots, hand-off validation,
+body limits, metrics, OpenAPI, and the client (``Checkpointer(daemon=...)``) in this process."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from ckptd import catalog
+from ckptd.errors import CheckpointError
+from storage_backends import open_store
+from tests.server.daemon import Daemon, wait_for
+from trainer_hooks import Checkpointer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    base = tmp_path_factory.mktemp("api")
+    token_file = base / "token"
+    token_file.write_text(TOKEN + "\n")
+    root = str(base / "jobs")
+    d = Daemon([root], base / "staging", base / "daemon.log", token_file=token_file, CKPTD_MAX_BODY_BYTES="1048576")
+    with d:
+        yield d, root
+
+
+@pytest.fixture
+def client(served):
+    d, _ = served
+    with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
+        yield c
+
+
+def test_auth(served):
+    d, root = served
+    with httpx.Client(base_url=d.url, timeout=30) as c:
+        assert c.get("/healthz").status_code == 200  # liveness needs no token
+        for path in ("/v1/checkpoints", "/metrics", "/openapi.json", "/v1/status"):
+            assert c.get(path).status_code == 401, path
+            assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+            assert c.get(path, headers={"Authorization": TOKEN}).status_code == 401, path  # no scheme
+            assert c.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200, path
+        r = c.post("/v1/leases", json={"root": root, "rank": 0, "bytes": 1, "client": "x"})
+        assert r.status_code == 401
+        assert r.headers["www-authenticate"] == "Bearer"
+
+
+def test_roots_outside_are_400(served, client):
+    _, root = served
+    assert client.post("/v1/roots/check", json={"root": root}).status_code == 200
+    assert client.post("/v1/roots/check", json={"root": root + "/run-7"}).status_code == 200  # below a served root
+    for bad in ("/elsewhere", root + "-evil", root + "/../etc", "relative/path", "s3://bucket/jobs", "file://host/x"):
+        r = client.post("/v1/roots/check", json={"root": bad})
+        assert r.status_code == 400, bad
+        r = client.post("/v1/leases", json={"root": bad, "rank": 0, "bytes": 8, "client": "x"})
+        assert r.status_code == 400, bad
+        assert client.get("/v1/checkpoints", params={"root": bad}).status_code == 400, bad
+
+
+def _lease(client, root, nbytes=64):
+    r = client.post("/v1/leases", json={"root": root, "rank": 0, "bytes": nbytes, "client": "t"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _job(lease, job_root, **over):
+    job = {
+        "lease": lease["lease"],
+        "root": job_root,
+        "step": 5,
+        "attempt": "a1",
+        "rank": 0,
+        "world_size": 1,
+        "shards": [
+            {
+                "key": "w",
+                "layout": {"shape": [4], "dtype": "float32", "shard_shape": [4], "chunk_shape": [4]},
+                "coord": [0],
+                "file": "w.bin",
+            }
+        ],
+        "metadata": [{"key": "arrays/w/zarr.json", "file": "m.bin"}],
+    }
+    job.update(over)
+    return job
+
+
+def test_handoff_validation(served, client, tmp_path):
+    _, root = served
+    lease = _lease(client, root)
+    folder = lease["dir"]
+    np.arange(4, dtype=np.float32).tofile(os.path.join(folder, "w.bin"))
+    with open(os.path.join(folder, "m.bin"), "wb") as f:
+        f.write(b"{}")
+    secret = tmp_path / "secret.bin"
+    np.zeros(4, dtype=np.float32).tofile(secret)
+    os.symlink(secret, os.path.join(folder, "link.bin"))
+
+    def shard(**kw):
+        s = _job(lease, root)["shards"][0]
+        s.update(kw)
+        return [s]
+
+    bad = {
+        "path escaping the lease": {"shards": shard(file="../w.bin")},
+        "absolute path": {"shards": shard(file=str(secret))},
+        "symlink": {"shards": shard(file="link.bin")},
+        "missing file": {"shards": shard(file="nope.bin")},
+        "key escaping the root": {"shards": shard(key="../../../outside")},
+        "wrong size": {
+            "shards": shard(layout={"shape": [8], "dtype": "float32", "shard_shape": [8], "chunk_shape": [8]})
+        },
+        "coord outside grid": {"shards": shard(coord=[3])},
+        "unknown dtype": {
+            "shards": shard(layout={"shape": [4], "dtype": "object", "shard_shape": [4], "chunk_shape": [4]})
+        },
+        "commit record as metadata": {"metadata": [{"key": "commit.json", "file": "m.bin"}]},
+        "done record as metadata": {"metadata": [{"key": "_done/a1/rank_000000.json", "file": "m.bin"}]},
+        "metadata key escaping": {"metadata": [{"key": "../step_0000000001/commit.json", "file": "m.bin"}]},
+        "root outside": {"root": "/elsewhere"},
+        "rank outside world": {"rank": 3},
+        "bad attempt": {"attempt": "../x"},
+        "malformed": {"step": "five"},
+    }
+    for what, over in bad.items():
+        r = client.post("/v1/jobs", json=_job(lease, root, **over))
+        assert r.status_code == 400, (what, r.text)
+    assert client.post("/v1/jobs", json=_job({"lease": "nope"}, root)).status_code == 404
+    # nothing was written for any of them
+    assert not any(True for _ in open_store(root).list(""))
+
+    # a valid one commits; the same job id again is idempotent; the lease is busy meanwhile
+    job = _job(lease, root, job="ab" * 16)
+    r = client.post("/v1/jobs", json=job)
+    assert r.status_code == 200, r.text
+    assert client.post("/v1/jobs", json=job).json()["job"] == "ab" * 16
+    wait_for(lambda: client.get(f"/v1/jobs/{'ab' * 16}").json()["state"] == "committed", "commit", 30)
+    assert catalog.read_commit(open_store(root), 5)["attempt"] == "a1"
+    assert client.get("/v1/jobs/nope").status_code == 404
+    client.delete(f"/v1/leases/{lease['lease']}")
+
+
+def test_body_limit(served, client):
+    _, root = served
+    big = {"root": root, "rank": 0, "bytes": 1, "client": "x" * 10, "pad": "x" * (2 << 20)}
+    assert client.post("/v1/leases", json=big).status_code == 413
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(40):
+            yield b" " * 65536
+
+    assert client.post("/v1/leases", content=chunks(), headers={"Content-Type": "application/json"}).status_code == 413
+
+
+def test_openapi_and_metrics(served, client):
+    spec = client.get("/openapi.json").json()
+    for path in ("/healthz", "/v1/checkpoints", "/v1/checkpoints/{step}", "/metrics", "/v1/jobs", "/v1/leases"):
+        assert path in spec["paths"], path
+    text = client.get("/metrics").text
+    for name in (
+        "ckptd_bytes_written_total",
+        "ckptd_objects_written_total",
+        "ckptd_handoff_to_commit_seconds_sum",
+        "ckptd_queue_depth",
+        "ckptd_jobs_failed_total",
+        "ckptd_upload_retries_total",
+        "ckptd_staged_bytes",
+    ):
+        assert f"\n{name} " in text, name
+
+
+def _state(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    return {"model": model, "extra": {"bf16": torch.randn(3, 5).bfloat16(), "i": torch.arange(7)}, "meta": {"s": seed}}
+
+
+def test_client_in_process(served, client, monkeypatch):
+    """Checkpointer(daemon=...) from this process: saves commit, the lease is reused across saves,
+    retention runs in the daemon, restore is bitwise; a wrong token or root fails at once."""
+    d, root = served
+    job_root = root + "/client"
+    monkeypatch.setenv("CKPTD_TOKEN", TOKEN)
+    state = _state(0)
+    with Checkpointer(job_root, daemon=d.url, keep_last=2) as ck:
+        for step in (1, 2, 3):
+            res = ck.save(step, state).result()
+            assert res.step == step and res.committed_here
+        leases = client.get("/v1/status").json()["leases"]
+        assert leases >= 1
+        assert ck.staged_bytes > 0
+    assert catalog.committed_steps(open_store(job_root)) == [2, 3]  # keep_last ran in the daemon
+    info = client.get("/v1/checkpoints/3", params={"root": job_root}).json()
+    assert info["committed"] and {t["key"] for t in info["tensors"]} >= {"extra/bf16", "extra/i"}
+    assert client.get("/v1/checkpoints/99", params={"root": job_root}).status_code == 404
+    got = _state(1)
+    with Checkpointer(job_root) as ck:
+        assert ck.restore(got) == 3
+    for (k, a), b in zip(state["model"].state_dict().items(), got["model"].state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert torch.equal(got["extra"]["bf16"], state["extra"]["bf16"]) and got["meta"] == {"s": 0}
+    assert d.metric("ckptd_bytes_written_total", TOKEN) > 0
+
+    monkeypatch.setenv("CKPTD_TOKEN", "wrong")
+    with pytest.raises(CheckpointError, match="401"):
+        Checkpointer(job_root, daemon=d.url)
+    monkeypatch.setenv("CKPTD_TOKEN", TOKEN)
+    with pytest.raises(CheckpointError, match="not served"):
+        Checkpointer(str(d.staging.parent / "other"), daemon=d.url)
+
+
+def test_restart_discards_a_job_whose_files_are_lost(tmp_path, monkeypatch):
+    """Daemon killed mid-upload, a staging file lost meanwhile: the restarted daemon discards the
+    job and says so; the step never commits; the client's future fails; the next save commits."""
+    root = str(tmp_path / "job")
+    staging = tmp_path / "staging"
+    slow = Daemon([root], staging, tmp_path / "d1.log", CKPTD_FAULT_UPLOAD_DELAY_S="1.0")
+    slow.start()
+    monkeypatch.delenv("CKPTD_TOKEN", raising=False)
+    monkeypatch.delenv("CKPTD_TOKEN_FILE", raising=False)
+    try:
+        ck = Checkpointer(root, daemon=slow.url, commit_timeout=120)
+        fut = ck.save(1, _state(0))
+        wait_for(lambda: any(True for _ in open_store(root).list("step_0000000001/arrays/")), "upload to start", 60)
+        slow.kill()
+        files = [p for p in staging.glob("leases/*/*.bin") if not p.name.startswith("meta")]
+        assert files, "staged files survive the crash"
+        files[0].unlink()
+        d2 = Daemon([root], staging, tmp_path / "d2.log").start(port=slow.port)  # restarted in place
+        try:
+            with pytest.raises(CheckpointError, match="discarded"):
+                fut.result(timeout=60)
+            assert "discarding job" in d2.logs()
+            assert catalog.read_commit(open_store(root), 1) is None
+            assert d2.metric("ckptd_jobs_discarded_total") == 1
+            assert ck.save(2, _state(0)).result().committed_here
+            ck.close()
+        finally:
+            d2.stop()
+        assert catalog.committed_steps(open_store(root)) == [2]
+    finally:
+        slow.kill()
