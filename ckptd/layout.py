@@ -173,8 +173,61 @@ def _interval_grid(intervals: set[tuple[int, int]], extent: int) -> int | None:
     return s if intervals == cells else None
 
 
-def plan_writes(
-    key: str,
+@dataclass(frozen=True)
+class Grid:
+    """The key-independent part of a write plan: the zarr layout and, per shard, the ranks that
+    hold all of it (the replicas of its owning block). Computed once per distinct (shape, dtype,
+    sharding) -- O(ranks) -- and shared by every tensor of that signature; picking the writers of
+    one key from it is O(1) per rank (:meth:`shards_of`), so a save never costs O(ranks x tensors).
+    """
+
+    layout: ArrayLayout
+    coords: tuple[tuple[int, ...], ...]  # shard coordinates
+    candidates: tuple[tuple[int, ...], ...]  # per shard: ranks that hold all of its owning block
+    split: bool = False  # a fully replicated tensor split along dim 0: shard i -> ranks[(h + i) % n]
+    # Irregular grids only: per shard, (candidate ranks, box) of every piece its writer lacks.
+    pieces: tuple[tuple[tuple[tuple[int, ...], Box], ...], ...] = ()
+    _mine: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        mine: dict[int, list[int]] = {}
+        if not self.split:
+            for i, ranks in enumerate(self.candidates):
+                for r in ranks:
+                    mine.setdefault(r, []).append(i)
+        self._mine.update({r: tuple(v) for r, v in mine.items()})
+
+    @property
+    def regular(self) -> bool:
+        return not any(self.pieces)
+
+    def writer(self, key: str, i: int) -> int:
+        ranks = self.candidates[i]
+        return ranks[(stable_hash(key) + (i if self.split else 0)) % len(ranks)]
+
+    def shards_of(self, key: str, rank: int) -> list[tuple[int, ...]]:
+        """The shards ``rank`` writes for tensor ``key``."""
+        if self.split:
+            ranks = self.candidates[0]
+            if rank not in ranks:
+                return []
+            i = (ranks.index(rank) - stable_hash(key)) % len(ranks)
+            return [self.coords[i]] if i < len(self.coords) else []
+        return [self.coords[i] for i in self._mine.get(rank, ()) if self.writer(key, i) == rank]
+
+    def meta_writer(self, key: str) -> int:
+        """The rank that writes the array's zarr.json: the writer of its first shard."""
+        return self.writer(key, 0) if self.coords else 0
+
+    def transfers(self, key: str) -> list[Transfer]:
+        out = []
+        for i, pieces in enumerate(self.pieces):
+            dst = self.writer(key, i)
+            out += [Transfer(ranks[stable_hash(key) % len(ranks)], dst, box) for ranks, box in pieces]
+        return out
+
+
+def plan_grid(
     shape: Sequence[int],
     itemsize: int,
     dtype: str,
@@ -183,46 +236,37 @@ def plan_writes(
     target_chunk: int = TARGET_CHUNK_BYTES,
     min_chunk: int = MIN_CHUNK_BYTES,
     split_replicated: int = SPLIT_REPLICATED_BYTES,
-) -> WritePlan:
-    """Plan the write of one tensor. ``blocks[r]`` is the box rank ``r`` holds (its DTensor local
-    block; the full box for a replicated tensor). Deterministic in its inputs."""
+) -> Grid:
+    """The grid of a tensor whose rank ``r`` holds ``blocks[r]`` (its DTensor local block; the
+    full box for a replicated tensor). Deterministic in its inputs."""
     shape = tuple(shape)
     ndim = len(shape)
     if math.prod(shape) == 0:  # empty tensor: metadata only
-        grid = tuple(max(1, n) for n in shape)
-        return WritePlan(ArrayLayout(shape, dtype, grid, grid), {})
+        g = tuple(max(1, n) for n in shape)
+        return Grid(ArrayLayout(shape, dtype, g, g), (), ())
 
     replicas: dict[Box, list[int]] = {}
     for rank, b in enumerate(blocks):
         if not b.empty:
             replicas.setdefault(b, []).append(rank)
     if not replicas:
-        raise ValueError(f"{key}: no rank holds any data of this tensor")
-    h = stable_hash(key)
+        raise ValueError(f"no rank holds any data of this tensor of shape {shape}")
 
     def mk(shard_shape: tuple[int, ...]) -> ArrayLayout:
         return ArrayLayout(
             shape, dtype, shard_shape, choose_chunk_shape(shard_shape, itemsize, target_chunk, min_chunk)
         )
 
-    def pick(box: Box, salt: int = 0) -> int:
-        ranks = replicas[box]
-        return ranks[(h + salt) % len(ranks)]
-
     full = Box.full(shape)
     if list(replicas) == [full]:
-        ranks = replicas[full]
+        ranks = tuple(replicas[full])
         nbytes = math.prod(shape) * itemsize
         if ndim and len(ranks) > 1 and nbytes >= split_replicated and shape[0] > 1:
             s0 = -(-shape[0] // min(len(ranks), shape[0]))
-            shard_shape = (s0, *shape[1:])
-            nsh = -(-shape[0] // s0)
-            writers = {(i, *([0] * (ndim - 1))): ranks[(h + i) % len(ranks)] for i in range(nsh)}
-        else:
-            shard_shape = shape
-            writers = {tuple([0] * ndim): pick(full)}
-        layout = mk(shard_shape)
-        return WritePlan(layout, writers)
+            layout = mk((s0, *shape[1:]))
+            coords = tuple(layout.shard_coords())
+            return Grid(layout, coords, tuple(ranks for _ in coords), split=True)
+        return Grid(mk(shape), (tuple([0] * ndim),), (ranks,))
 
     steps = []
     for d in range(ndim):
@@ -233,9 +277,10 @@ def plan_writes(
     )
     if regular:
         shard_shape = tuple(steps)
-        writers = {tuple(b.start[d] // shard_shape[d] for d in range(ndim)): pick(b) for b in replicas}
-        layout = mk(shard_shape)
-        return WritePlan(layout, writers)
+        items = sorted(
+            (tuple(b.start[d] // shard_shape[d] for d in range(ndim)), tuple(r)) for b, r in replicas.items()
+        )
+        return Grid(mk(shard_shape), tuple(c for c, _ in items), tuple(r for _, r in items))
 
     # Irregular: an even grid over each dimension, and transfers of the rows that a shard's
     # writer lacks from the ranks that hold them.
@@ -243,20 +288,27 @@ def plan_writes(
     for d in range(ndim):
         ivs = {(b.start[d], b.stop[d]) for b in replicas}
         shard_shape.append(steps[d] if steps[d] is not None else -(-shape[d] // len(ivs)))
-    shard_shape = tuple(shard_shape)
-    layout = mk(shard_shape)
+    layout = mk(tuple(shard_shape))
     boxes = sorted(replicas, key=lambda b: b.start)
-    writers: dict[tuple[int, ...], int] = {}
-    transfers: list[Transfer] = []
+    coords, candidates, pieces = [], [], []
     for coord in layout.shard_coords():
         cell = Box(*layout.shard_box(coord))
         owner = next((b for b in boxes if b.contains_point(cell.start)), None)
-        pieces = [(b, p) for b in boxes if (p := b.intersect(cell)) is not None]
-        if owner is None or sum(p.volume for _, p in pieces) != cell.volume:
-            raise ValueError(f"{key}: saving blocks do not tile the tensor of shape {shape}")
-        dst = writers[coord] = pick(owner)
-        transfers += [Transfer(pick(b), dst, p) for b, p in pieces if b != owner]
-    return WritePlan(layout, writers, tuple(transfers))
+        parts = [(b, p) for b in boxes if (p := b.intersect(cell)) is not None]
+        if owner is None or sum(p.volume for _, p in parts) != cell.volume:
+            raise ValueError(f"saving blocks do not tile the tensor of shape {shape}")
+        coords.append(coord)
+        candidates.append(tuple(replicas[owner]))
+        pieces.append(tuple((tuple(replicas[b]), p) for b, p in parts if b != owner))
+    return Grid(layout, tuple(coords), tuple(candidates), pieces=tuple(pieces))
+
+
+def plan_writes(key: str, shape: Sequence[int], itemsize: int, dtype: str, blocks: Sequence[Box], **kw) -> WritePlan:
+    """The whole plan of one tensor (every shard's writer): for tools and tests. A save uses
+    :func:`plan_grid` once per signature and :meth:`Grid.shards_of` per key instead."""
+    grid = plan_grid(shape, itemsize, dtype, blocks, **kw)
+    writers = {c: grid.writer(key, i) for i, c in enumerate(grid.coords)}
+    return WritePlan(grid.layout, writers, tuple(grid.transfers(key)))
 
 
 # ----------------------------------------------------------------------------------- read plans

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout
-from ckptd.layout import Box, WritePlan, plan_writes
+from ckptd.layout import Box, Grid, plan_grid
 from trainer_hooks.flatten import Flat, zarr_dtype
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
 
@@ -81,19 +81,20 @@ class Stager:
 
 
 class Planner:
-    """Caches write plans across saves: the layout of a job rarely changes."""
+    """Caches grids across tensors and saves: one per distinct (sharding, dtype), so planning
+    costs O(ranks) per signature, not per tensor."""
 
     def __init__(self):
-        self._cache: dict[tuple, WritePlan] = {}
+        self._cache: dict[tuple, Grid] = {}
 
-    def plan(self, key: str, t: torch.Tensor, sh: Sharding) -> WritePlan:
+    def plan(self, key: str, t: torch.Tensor, sh: Sharding) -> Grid:
         dtype = zarr_dtype(t.dtype, key)
-        ck = (key, sh.signature, dtype)
-        plan = self._cache.get(ck)
-        if plan is None:
-            plan = plan_writes(key, sh.global_shape, t.element_size(), dtype, sh.blocks())
-            self._cache[ck] = plan
-        return plan
+        ck = (sh.signature, dtype)
+        grid = self._cache.get(ck)
+        if grid is None:
+            grid = plan_grid(sh.global_shape, t.element_size(), dtype, sh.blocks())
+            self._cache[ck] = grid
+        return grid
 
 
 def take(
@@ -112,15 +113,13 @@ def take(
         sh = sharding_of(t)
         plan = planner.plan(key, t, sh)
         entries[key] = mf.TensorEntry(key, plan.layout, sh.placements)
-        writers = plan.writers
-        meta_writer = writers[next(iter(writers))] if writers else 0
-        if meta_writer == rank:
+        if plan.meta_writer(key) == rank:
             job.metadata.append((f"{mf.array_path(key)}/zarr.json", mf.dumps(plan.layout.metadata())))
         local = local_tensor(t).detach()
         on_cuda = local.is_cuda
         cuda_used |= on_cuda
         bufs: dict[tuple[int, ...], tuple[torch.Tensor, Box]] = {}
-        for coord in plan.shards_of(rank):
+        for coord in plan.shards_of(key, rank):
             box = Box(*plan.layout.shard_box(coord))
             buf = stager.buffer(key, coord, box.shape, t.dtype, pin=on_cuda)
             own = box.intersect(sh.local_box)
@@ -128,7 +127,7 @@ def take(
                 _copy(buf[own.relative_to(box)], local[own.relative_to(sh.local_box)], on_cuda, stager)
             bufs[coord] = (buf, box)
             job.shards.append(ShardWrite(key, plan.layout, coord, buf))
-        for tr in plan.transfers:
+        for tr in plan.transfers(key) if not plan.regular else ():
             n_transfers += 1
             if tr.src == rank:
                 piece = local[tr.box.relative_to(sh.local_box)].contiguous().cpu()
