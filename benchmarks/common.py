@@ -212,9 +212,8 @@ def _disk(path: str) -> dict[str, Any]:
     usage = shutil.disk_usage(path)
     name = os.path.basename(dev)
     rot = None
-    with contextlib.suppress(OSError):
-        with open(f"/sys/block/{name}/queue/rotational") as f:
-            rot = f.read().strip() == "1"
+    with contextlib.suppress(OSError), open(f"/sys/block/{name}/queue/rotational") as f:
+        rot = f.read().strip() == "1"
     return {
         "path": path,
         "device": dev,

@@ -464,18 +464,11 @@ def _profile_ckptd(res: Results, ck, state, step: list, root: str, prefix: str) 
     profs["restore"] = p
 
 
-def mark_unimplemented(res: Results) -> None:
-    res.skip(
-        "incremental.save",
-        "incremental",
-        "incremental save, 90% of bytes frozen: bytes written per save",
-        "incremental saves (content-hash dedup, hard links / server-side copy) are not built yet (issue 5, item 3)",
-        NOT_IMPLEMENTED,
-    )
+def mark_gpu(res: Results) -> None:
     res.skip(
         "gpu.block",
         "gpu",
-        "GPU: save stall with D2H into pinned buffers on a side stream",
-        "no GPU on this machine or in CI; the GPU benchmark is not built yet (issue 5, item 4)",
+        "GPU: save stall with D2H copies into pinned buffers on a side stream",
+        "no GPU on this machine or in CI; the GPU rows are not built yet (issue 5, item 4)",
         NOT_IMPLEMENTED,
     )

@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ckptd.layout import Box, plan_reads, plan_writes, read_cost
 from benchmarks.results import Results
+from ckptd.layout import Box, plan_reads, plan_writes, read_cost
 
 SECTION = "planning"
 DIM = 4096

@@ -3,12 +3,13 @@ when it is installed, else pyinstrument (the calling thread only).
 
 ``profiled(prefix)`` wraps a block; it writes ``prefix.txt`` (a readable summary: wall-clock
 samples per thread, then the functions with the most samples, inclusive and self) and, for
-py-spy, ``prefix.collapsed`` (the raw stacks, flamegraph.pl's input).
+py-spy, ``prefix.collapsed.gz`` (the raw stacks, flamegraph.pl's input).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import os
 import re
 import shutil
@@ -56,7 +57,12 @@ def profiled(prefix: str, title: str = "") -> Iterator[dict]:
                 proc.kill()
                 _, err = proc.communicate()
             if os.path.exists(raw):
-                text, top = summarize(open(raw).read(), title, wall)
+                with open(raw) as f:
+                    collapsed = f.read()
+                text, top = summarize(collapsed, title, wall)
+                with gzip.open(raw + ".gz", "wt") as f:  # flamegraph.pl input, compressed
+                    f.write(collapsed)
+                os.unlink(raw)
             else:
                 text, top = f"py-spy wrote nothing: {err[-2000:]}", []
             with open(info["summary"], "w") as f:
@@ -78,7 +84,9 @@ def profiled(prefix: str, title: str = "") -> Iterator[dict]:
         yield info
 
 
-_SHORTEN = re.compile(r"\((?:[^()]*/)?((?:site-packages|ckptd|trainer_hooks|storage_backends|benchmarks|python3\.\d+)/[^()]*)\)")
+_SHORTEN = re.compile(
+    r"\((?:[^()]*/)?((?:site-packages|ckptd|trainer_hooks|storage_backends|benchmarks|python3\.\d+)/[^()]*)\)"
+)
 
 
 def _frame_name(frame: str) -> str:
@@ -119,26 +127,28 @@ def summarize(collapsed: str, title: str = "", wall: float | None = None, n: int
                 own_inclusive[f] += c
         if frames:
             self_[frames[-1]] += c
-    lines = [f"# {title}", f"# py-spy, all threads, idle included; {total} samples"]
+    wall_samples = max(per_thread.values()) if per_thread else 1  # every thread is sampled each tick
+    lines = [f"# {title}", f"# py-spy, all threads, idle included; {total} samples, {wall_samples} per thread"]
+    lines.append("# percentages: samples / samples of one thread = share of the wall time spent there by one thread")
     if wall:
         lines.append(f"# wall time of the profiled block: {wall:.2f} s")
     lines.append("")
-    lines.append("## samples per thread (a thread's samples / total = its share of all threads' time)")
+    lines.append("## samples per thread")
     for t, c in per_thread.most_common(20):
-        lines.append(f"{c:8d}  {100 * c / max(total, 1):5.1f}%  {t}")
+        lines.append(f"{c:8d}  {100 * c / wall_samples:5.1f}%  {t}")
     lines.append("")
     lines.append(f"## top {n} functions of ckptd / trainer_hooks / storage_backends, inclusive")
     top = []
     for f, c in own_inclusive.most_common(n):
-        s = f"{c:8d}  {100 * c / max(total, 1):5.1f}%  {f}"
+        s = f"{c:8d}  {100 * c / wall_samples:5.1f}%  {f}"
         lines.append(s)
         top.append(s.strip())
     lines.append("")
     lines.append(f"## top {n} leaf frames (self time; idle waits included)")
     for f, c in self_.most_common(n):
-        lines.append(f"{c:8d}  {100 * c / max(total, 1):5.1f}%  {f}")
+        lines.append(f"{c:8d}  {100 * c / wall_samples:5.1f}%  {f}")
     lines.append("")
     lines.append(f"## top {n} functions, inclusive")
     for f, c in inclusive.most_common(n):
-        lines.append(f"{c:8d}  {100 * c / max(total, 1):5.1f}%  {f}")
+        lines.append(f"{c:8d}  {100 * c / wall_samples:5.1f}%  {f}")
     return "\n".join(lines) + "\n", top

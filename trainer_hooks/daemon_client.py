@@ -153,10 +153,17 @@ class DaemonStager(Stager):
         self._in_save = False
         self._last_total = 0
         self._counter = 0
+        # Held by the training thread while it stages; the poller takes it without waiting, to
+        # unmap the files of a lease the daemon freed (their memory is only freed once unmapped).
+        self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------- Stager API
 
     def buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
+        with self._lock:
+            return self._buffer(key, coord, shape, dtype)
+
+    def _buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype) -> torch.Tensor:
         if not self._in_save:
             self._begin()
         hit = self._files.get((key, coord))
@@ -189,8 +196,19 @@ class DaemonStager(Stager):
         return sum(t.nbytes for _, t in self._files.values())
 
     def release(self) -> None:
-        self._files.clear()
-        self._in_save = False
+        with self._lock:
+            self._files.clear()
+            self._in_save = False
+
+    def lease_lost(self, lease_id: str) -> None:
+        """The daemon freed ``lease_id`` (not handed back, or reclaimed while idle): unmap its
+        files now rather than at the next save. Skipped while a save is staging."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if self.lease_id == lease_id and not self._in_save:
+                    self._forget_lease()
+            finally:
+                self._lock.release()
 
     # ------------------------------------------------------------------------- internals
 
@@ -212,7 +230,7 @@ class DaemonStager(Stager):
         self._in_save, self._used = True, set()
         if self.lease_id is None:
             return
-        status, body, _ = self._sink.call("POST", f"/v1/leases/{self.lease_id}/acquire")
+        status, body, _ = self._sink.call("POST", f"/v1/leases/{self.lease_id}/acquire", patient=True)
         if status == 200:
             self._granted = body["bytes"]
             return
@@ -247,9 +265,13 @@ class DaemonStager(Stager):
             body = self._sink.call_waiting("POST", f"/v1/leases/{self.lease_id}/grow", {"bytes": need, "want": want})
         self._granted = body["bytes"]
 
-    def finish(self, job: SaveJob) -> tuple[list[dict], list[dict]]:
-        """The job's shard and metadata files, written into the lease; files of tensors this
-        save no longer has are deleted."""
+    def finish(self, job: SaveJob) -> tuple[str, list[dict], list[dict]]:
+        """(lease, the job's shard files, its metadata files), written into the lease; files of
+        tensors this save no longer has are deleted."""
+        with self._lock:
+            return self._finish(job)
+
+    def _finish(self, job: SaveJob) -> tuple[str, list[dict], list[dict]]:
         if not self._in_save:
             self._begin()
         shards = []
@@ -283,13 +305,14 @@ class DaemonStager(Stager):
         self._meta_bytes = meta_bytes
         self._last_total = self._allocated()
         self._in_save = False
-        return shards, metadata
+        return self.lease_id, shards, metadata
 
 
 @dataclass
 class _Pending:
     future: Future
     job: str
+    lease: str
     step: int
     attempt: str
     deadline: float
@@ -301,7 +324,8 @@ class _Pending:
 class DaemonSink:
     """Hands snapshots to a ``ckptd serve`` daemon; see the module docstring."""
 
-    HANDOFF_TIMEOUT_S = 120.0  # how long a hand-off retries while the daemon is unreachable
+    UNREACHABLE_WAIT_S = 60.0  # how long a save waits for an unreachable daemon (a restart)
+    HEARTBEAT_S = 2.0  # also how soon this client unmaps a lease the daemon reclaimed while idle
     FORGOTTEN_S = 10.0  # a job the daemon does not know for this long (and not committed) failed
 
     def __init__(
@@ -346,11 +370,11 @@ class DaemonSink:
         try:
             if job.ready is not None:
                 job.ready.synchronize()  # device-to-host copies have landed in the staging files
-            shards, metadata = self._stager.finish(job)
+            lease, shards, metadata = self._stager.finish(job)
             job_id = uuid.uuid4().hex
             body = {
                 "job": job_id,
-                "lease": self._stager.lease_id,
+                "lease": lease,
                 "root": self.root,
                 "step": job.step,
                 "attempt": job.attempt,
@@ -362,15 +386,7 @@ class DaemonSink:
                 "keep_last": self.keep_last,
                 "commit_timeout": self.commit_timeout,
             }
-            deadline = time.monotonic() + self.HANDOFF_TIMEOUT_S
-            while True:
-                try:
-                    status, reply, _ = self._http.request("POST", "/v1/jobs", body)
-                    break
-                except DaemonUnreachable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.5)
+            status, reply, _ = self.call("POST", "/v1/jobs", body, patient=True)
             if status != 200:
                 raise CheckpointError(f"{where}: the ckptd daemon refused rank {job.rank}'s snapshot: {_detail(reply)}")
         except CheckpointError as e:
@@ -378,7 +394,7 @@ class DaemonSink:
             return fut
         now = time.monotonic()
         with self._cv:
-            self._pending.append(_Pending(fut, job_id, job.step, job.attempt, now + self.commit_timeout, now))
+            self._pending.append(_Pending(fut, job_id, lease, job.step, job.attempt, now + self.commit_timeout, now))
             self._cv.notify()
         return fut
 
@@ -401,8 +417,22 @@ class DaemonSink:
 
     # --------------------------------------------------------------------------- calls
 
-    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict, dict]:
-        status, reply, headers = self._http.request(method, path, body)
+    def call(self, method: str, path: str, body: dict | None = None, patient: bool = False) -> tuple[int, dict, dict]:
+        """One request. ``patient``: while the daemon is unreachable (restarting), retry for up to
+        ``UNREACHABLE_WAIT_S``, logging why the save waits."""
+        deadline = time.monotonic() + self.UNREACHABLE_WAIT_S
+        logged = False
+        while True:
+            try:
+                status, reply, headers = self._http.request(method, path, body)
+                break
+            except DaemonUnreachable as e:
+                if not patient or time.monotonic() > deadline:
+                    raise
+                if not logged:
+                    log.warning("rank %d: save waits for the ckptd daemon: %s", self.rank, e)
+                    logged = True
+                time.sleep(0.5)
         if status == 401:
             raise CheckpointError(
                 f"ckptd daemon at {self.url} refused the request (401): set CKPTD_TOKEN or CKPTD_TOKEN_FILE"
@@ -414,7 +444,7 @@ class DaemonSink:
         waited_since = None
         last_log = 0.0
         while True:
-            status, reply, headers = self.call(method, path, body)
+            status, reply, headers = self.call(method, path, body, patient=True)
             if status == 200:
                 if waited_since is not None:
                     log.info("staging memory granted after waiting %.1f s", time.monotonic() - waited_since)
@@ -458,10 +488,12 @@ class DaemonSink:
                     return
                 pending = list(self._pending)
             now = time.monotonic()
-            if self._stager.lease_id is not None and now >= next_beat:
+            lease = self._stager.lease_id
+            if lease is not None and now >= next_beat:
                 with contextlib.suppress(CheckpointError):
-                    self.call("POST", f"/v1/leases/{self._stager.lease_id}/heartbeat")
-                next_beat = now + self.lease_ttl / 4
+                    if self.call("POST", f"/v1/leases/{lease}/heartbeat")[0] == 404:
+                        self._stager.lease_lost(lease)  # reclaimed for another client's snapshot
+                next_beat = now + min(self.lease_ttl / 4, self.HEARTBEAT_S)
             for p in pending:
                 if self._check(p):
                     with self._cv:
@@ -481,6 +513,8 @@ class DaemonSink:
         if status == 200:
             p.missing_since = None
             state = body.get("state")
+            if body.get("lease_kept") is False:
+                self._stager.lease_lost(p.lease)
             if state == "committed":
                 p.future.set_result(
                     SaveResult(

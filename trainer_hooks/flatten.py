@@ -153,7 +153,6 @@ def apply(state: dict[str, Any], saved_tree: dict[str, dict], loaded: dict[str, 
         if entry is None:
             continue  # validated by the caller: only reachable when not strict
         data = _drop_missing(jsonenc.decode(entry["data"], tensor))
-        kind = entry["kind"]
         if isinstance(v, torch.nn.Module):
             set_model_state_dict(v, data, options=opts)
         elif isinstance(v, torch.optim.Optimizer):
@@ -161,8 +160,8 @@ def apply(state: dict[str, Any], saved_tree: dict[str, dict], loaded: dict[str, 
         elif isinstance(v, torch.Tensor):
             if isinstance(data, torch.Tensor):
                 _copy_into(v, data)
-        elif kind == STATEFUL:
-            v.load_state_dict(data)
+        elif not isinstance(v, dict) and callable(getattr(v, "load_state_dict", None)):
+            v.load_state_dict(data)  # dispatch on the live object: an import may have saved a dict
         elif isinstance(v, dict) and isinstance(data, dict):
             _merge_into(v, data)
         else:

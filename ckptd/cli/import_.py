@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from ckptd.cli.common import Progress, add_uri, human_bytes, job_root, step_arg
+from ckptd.cli.common import Progress, add_uri, human_bytes, job_root, note, step_arg
 from ckptd.interop import IMPORT_FORMATS, import_checkpoint
 
-HELP = "import a DCP folder, torch.save file or safetensors file/folder as a committed checkpoint"
+HELP = "import a DCP folder, torch.save file, safetensors or DeepSpeed universal checkpoint as a committed checkpoint"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     with job_root(args.uri) as store, Progress(f"importing {args.format}") as progress:
         res = import_checkpoint(args.src, args.format, store, args.step, args.as_key, progress)
+    for text in res.notes:
+        note(text)
     kinds = ", ".join(f"{name} ({kind})" for name, kind in res.kinds.items()) or "-"
     print(f"{res.where}: imported {res.tensors} tensors ({human_bytes(res.bytes)}) from {args.src}; state: {kinds}")
     return 0

@@ -45,7 +45,7 @@ from storage_backends import Store
 
 # Encoded shards waiting for their put. The stream writer's default (512 MiB) favours throughput;
 # an import is bounded by its source's read speed, so a smaller write-behind costs little.
-WRITE_BEHIND_BYTES = 64 * 1024 * 1024
+WRITE_BEHIND_BYTES = 32 * 1024 * 1024
 
 Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
 
@@ -130,6 +130,7 @@ class ImportResult:
     tensors: int
     bytes: int
     kinds: dict[str, str]
+    notes: list[str] = field(default_factory=list)  # what was left out, for the user
 
 
 def write_import(
@@ -157,14 +158,15 @@ def write_import(
                     f"but its metadata says {it.dtype} {it.shape}"
                 )
             w.write_tensor(it.key, t)
+            del t
+            trim_heap()
             done += 1
             progress(done, len(items))
         if done != len(items):
             raise CheckpointError(f"internal error: {len(items) - done} tensors were not loaded")
         w.set_state(state)
-    return ImportResult(
-        step, catalog.where(store, step), len(items), total_bytes, {n: k for n, (k, _) in tree.entries.items()}
-    )
+    kinds = {n: k for n, (k, _) in tree.entries.items()}
+    return ImportResult(step, catalog.where(store, step), len(items), total_bytes, kinds, tree.info.get("notes", []))
 
 
 # ------------------------------------------------------------------------------------ export
@@ -305,6 +307,28 @@ def remove_partial(tmp: str) -> None:
 _libc = None
 
 
+def _c():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _libc
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the kernel (glibc; a no-op elsewhere).
+
+    Tensors of a few MiB are allocated and freed one after another here. glibc raises its mmap
+    threshold after such frees (up to 32 MiB), so later ones come from the heap, where freed
+    blocks stay resident and fragmentation lets the heap grow far past one tensor. Trimming after
+    each tensor keeps RSS near the live data."""
+    if not sys.platform.startswith("linux"):
+        return
+    trim = getattr(_c(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def release_file_pages(path: str) -> None:
     """Drop this process's resident pages of every memory mapping of ``path`` (Linux; a no-op
     elsewhere).
@@ -314,7 +338,6 @@ def release_file_pages(path: str) -> None:
     clean (nothing writes to them) or, for a ``MAP_SHARED`` output mapping, already in the page
     cache, so ``MADV_DONTNEED`` loses nothing: a later touch faults the same bytes back in from
     the file."""
-    global _libc
     if not sys.platform.startswith("linux"):
         return
     real = os.path.realpath(path)
@@ -330,8 +353,6 @@ def release_file_pages(path: str) -> None:
         return
     if not ranges:
         return
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc = _c()
     for lo, hi in ranges:
-        _libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED)  # best effort: memory, not correctness
+        libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED)  # best effort: memory, not correctness

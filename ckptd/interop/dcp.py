@@ -31,7 +31,8 @@ however many ranks' chunks it was saved in.
 
 Export writes the whole state, with its nested structure, through ``dcp.save`` and DCP's own
 ``FileSystemWriter``: the state dict handed to it holds ``meta`` stand-ins, and the planner reads
-each tensor from ckptd only when the writer asks for it, so one tensor is in memory at a time.
+each tensor from ckptd only when the writer asks for it, and each tensor goes to a file of its
+own (``__0_<n>.distcp``), so one tensor is in memory at a time.
 The folder loads with ``dcp.load`` at any world size and sharding (RNG states, which ckptd keeps
 per rank beside the state, are not exported).
 """
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -62,9 +64,10 @@ from ckptd.interop.common import (
     partial_path,
     publish,
     remove_partial,
+    trim_heap,
 )
 
-BATCH_BYTES = 32 * 1024 * 1024  # tensors loaded per dcp.load call (fewer calls, bounded memory)
+BATCH_BYTES = 16 * 1024 * 1024  # tensors loaded per dcp.load call (fewer calls, bounded memory)
 
 # dcp.save/load warn when no process group is up; running in one process is what we mean.
 _NO_DIST_WARNING = r"torch\.distributed is disabled"
@@ -97,8 +100,7 @@ class _LoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = torch.load(value, weights_only=True)
         except Exception as e:  # an UnpicklingError naming the refused global, usually
             raise CheckpointError(
-                f"value {fqn!r} is not plain data (tensors, numbers, strings, lists, dicts): "
-                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                f"value {fqn!r} is not plain data (tensors, numbers, strings, lists, dicts): {_one_line(e)}"
             ) from None
 
 
@@ -107,14 +109,26 @@ def _load(sd: dict[str, Any], reader: _Reader, src: str) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
             dcp.load(sd, storage_reader=reader, planner=_LoadPlanner(), no_dist=True)
-    except CheckpointError as e:
-        raise CheckpointError(f"{src}: {e}") from None
-    except Exception as e:  # DCP raises bare exceptions (and wraps them in CheckpointException)
-        raise CheckpointError(f"{src}: cannot read DCP data ({_one_line(e)})") from None
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise _error(e, src, "cannot read DCP data") from None
+
+
+def _error(e: BaseException, where: str, what: str) -> CheckpointError:
+    """One line for a DCP failure. DCP wraps what its planner or storage raised in a
+    ``CheckpointException`` (rank -> (exception, traceback)) whose text is a traceback."""
+    if isinstance(e, CheckpointException) and e.failures:
+        first = next(iter(e.failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    if isinstance(e, CheckpointError):
+        return CheckpointError(f"{where}: {e}")
+    return CheckpointError(f"{where}: {what} ({_one_line(e)})")
 
 
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
+    text = str(e)
+    if "WeightsUnpickler error:" in text:  # skip torch's advice, keep the reason
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
+    text = " ".join(text.split())
     return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
 
 
@@ -227,8 +241,8 @@ def _classify(value: Any) -> tuple[str, Any]:
         return "tensor", value
     if not isinstance(value, dict):
         return "value", value
-    if "state" in value and isinstance(value["state"], dict) and set(value) <= {"state", "param_groups"}:
-        return "optimizer", {"state": value["state"], "param_groups": value.get("param_groups", [])}
+    if set(value) == {"state", "param_groups"} and isinstance(value["state"], dict):
+        return "optimizer", {"state": value["state"], "param_groups": value["param_groups"]}
     if value and all(isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in value):
         return "optimizer", _unflatten_optimizer(value)
     return "dict", value
@@ -270,6 +284,7 @@ class _LazySavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
         stand_in = self.lookup_object(write_item.index)
+        trim_heap()  # the previous tensor is written and dropped by now
         t = self._saved.read(self._saved.key_of(stand_in))
         chunk = write_item.tensor_data.chunk if write_item.tensor_data is not None else None
         if chunk is not None and tuple(chunk.sizes) != tuple(t.shape):  # plain tensors: one whole chunk
@@ -290,16 +305,18 @@ def write(saved: SavedCheckpoint, out: str, progress: Progress = _no_progress) -
     total = len(saved.manifest.tensors)
     tmp = partial_path(out)
     try:
-        writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1, sync_files=True)
+        # One file per item: torch's writer keeps every tensor of a file referenced until the file
+        # is closed (torch 2.13), so one file per rank would hold the whole checkpoint in memory.
+        writer = FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1, sync_files=True)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
             dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(saved, total, progress), no_dist=True)
         files = sorted(os.listdir(tmp))
         publish(tmp, out)
-    except CheckpointError:
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        remove_partial(tmp)
+        raise _error(e, out, "DCP export failed") from None
+    except BaseException:
         remove_partial(tmp)
         raise
-    except Exception as e:
-        remove_partial(tmp)
-        raise CheckpointError(f"{out}: DCP export failed ({_one_line(e)})") from None
     return ExportResult([os.path.join(out, f) for f in files], total)

@@ -43,6 +43,7 @@ from ckptd.interop.common import (
     publish,
     release_file_pages,
     remove_partial,
+    trim_heap,
 )
 
 INDEX = "model.safetensors.index.json"
@@ -211,6 +212,7 @@ def _write_file(path: str, names: list[str], stand_ins, saved: SavedCheckpoint, 
                 data = saved.read(saved.key_of(t))
                 f.write(memoryview(as_numpy(data).reshape(-1).view("u1")))
                 del data
+                trim_heap()
             tick()
         f.flush()
         os.fsync(f.fileno())

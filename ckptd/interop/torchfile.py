@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,36 +39,41 @@ from ckptd.interop.common import (
     publish,
     release_file_pages,
     remove_partial,
+    trim_heap,
 )
 
 
-def _torch_load(path: str, mmap_: bool) -> Any:
+def safe_load(path: str, mmap_: bool = True) -> tuple[Any, bool]:
+    """``torch.load(weights_only=True)`` with its failures as one-line CheckpointErrors; returns
+    the object and whether it is memory-mapped (a legacy-format file is read whole)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap_)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap_), mmap_
     except pickle.UnpicklingError as e:
-        first = str(e).split("\n\n")[0].split("\n")[0]
-        raise CheckpointError(
-            f"{path}: holds objects other than tensors and plain values ({first}); ckptd never "
-            "unpickles arbitrary objects: load it yourself and torch.save its state dict"
-        ) from None
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if refused:
+            raise CheckpointError(
+                f"{path}: holds an object of type {refused.group(1)}, not only tensors and plain values; "
+                "ckptd never unpickles arbitrary objects: load it yourself and torch.save its state dict"
+            ) from None
+        raise CheckpointError(f"{path}: not a readable torch.save file ({_one_line(e)})") from None
+    except (RuntimeError, ValueError, OSError, EOFError) as e:
+        if mmap_ and "mmap can only be used" in str(e):
+            return safe_load(path, mmap_=False)
+        raise CheckpointError(f"{path}: not a readable torch.save file ({_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e)
+    if "WeightsUnpickler error:" in text:  # skip torch's advice, keep the reason
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
+    text = " ".join(text.split())
+    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
 
 
 def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
     if not os.path.isfile(src):
         raise CheckpointError(f"{src}: no such file")
-    mapped = True
-    try:
-        obj = _torch_load(src, mmap_=True)
-    except CheckpointError:
-        raise
-    except (RuntimeError, ValueError, OSError, EOFError) as e:
-        if "mmap" not in str(e):  # not the legacy format: not a torch.save file at all
-            raise CheckpointError(f"{src}: not a readable torch.save file ({_one_line(e)})") from None
-        try:
-            obj = _torch_load(src, mmap_=False)  # legacy format: read whole
-        except (RuntimeError, ValueError, OSError, EOFError) as e2:
-            raise CheckpointError(f"{src}: not a readable torch.save file ({_one_line(e2)})") from None
-        mapped = False
+    obj, mapped = safe_load(src)
     if not isinstance(obj, dict):
         raise CheckpointError(f"{src}: holds a {type(obj).__name__}, not a state dict")
     tree = ImportTree(info={"format": "torch", "path": os.path.abspath(src)})
@@ -80,11 +86,6 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
                 release_file_pages(src)
 
     return tree, load
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
 
 
 def write(saved: SavedCheckpoint, out: str, as_key: str = "model", progress: Progress = _no_progress) -> ExportResult:
@@ -105,6 +106,7 @@ def write(saved: SavedCheckpoint, out: str, as_key: str = "model", progress: Pro
             if t.numel():
                 mapped[name].copy_(saved.read(saved.key_of(t)))
                 release_file_pages(tmp)  # shared mapping: the bytes stay in the page cache
+                trim_heap()
             progress(i + 1, len(stand_ins))
         del mapped
         fd = os.open(tmp, os.O_RDONLY)

@@ -6,7 +6,8 @@ Modules, one job each:
 * ``roots``: which job roots it serves, and the check of a request's root against them;
 * ``staging``: the staging folder in shared memory: leases of buffer files, the memory budget,
   the journal that makes a restart finish (or discard) what a crash interrupted;
-* ``jobs``: validation of a hand-off, the upload through ``trainer_hooks.writer.persist`` (the one
+* ``handoff``: validation of a hand-off request and mapping of its files;
+* ``jobs``: the upload through ``trainer_hooks.writer.persist`` (the one
   commit protocol), commit watching, retries;
 * ``metrics``: Prometheus counters;
 * ``app``: the FastAPI application (routes, auth, body limits).

@@ -23,7 +23,8 @@ from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
-from ckptd.server.jobs import BadJob, Runner
+from ckptd.server.handoff import BadJob
+from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings, default_staging_dir

@@ -52,8 +52,11 @@ def test_elastic_demo_small(tmp_path):
     assert len(rows) == 1 + 60
 
 
-def torchrun(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def torchrun(nproc: int, args: list[str], log: Path, restarts: int = 0) -> subprocess.Popen:
+    # torchrun shares its rendezvous TCPStore with the workers by default, and a restarted group
+    # can read the previous attempt's addresses from it (gloo: "Connection refused";
+    # pytorch/pytorch#135712, #167288): a store per attempt avoids it
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with open(log, "w") as f:
         return subprocess.Popen(
             [
@@ -62,7 +65,7 @@ def torchrun(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
                 "torch.distributed.run",
                 "--standalone",
                 f"--nproc-per-node={nproc}",
-                "--max-restarts=0",
+                f"--max-restarts={restarts}",
                 "--monitor-interval=0.2",
                 str(EXAMPLES / "train_elastic.py"),
                 *args,
@@ -75,53 +78,75 @@ def torchrun(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
 
 
 def records(log_dir: Path) -> list[dict]:
+    if not log_dir.exists():
+        return []
     return [json.loads(line) for f in sorted(log_dir.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
 
 
-@pytest.mark.timeout(400)
-def test_train_elastic_under_torchrun_sigterm_then_resume_at_3(tmp_path):
-    root = str(tmp_path / "job")
-    args = ["--samples", "360", "--seq-len", "16", "--dim", "32", "--layers", "1", "--root", root, "--every", "0"]
-    args += ["--step-delay", "0.05"]
+def wait_for_step(log_dir: Path, step: int, agent: subprocess.Popen, log: Path, timeout: float = 150) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        recs = records(log_dir)
+        if any(r["event"] == "step" and r["step"] >= step for r in recs):
+            return recs
+        assert agent.poll() is None, log.read_text()[-5000:]
+        assert time.monotonic() < deadline, log.read_text()[-5000:]
+        time.sleep(0.05)
 
-    # torchrun with 2 workers; SIGTERM to torchrun itself, as Kubernetes or Slurm would send it:
-    # torchrun forwards it to the workers, which save one agreed step and exit 0
-    a_dir, a_log = tmp_path / "a", tmp_path / "a.log"
-    agent = torchrun(2, [*args, "--log-dir", str(a_dir)], a_log)
-    deadline = time.monotonic() + 150
-    while not any(r["event"] == "step" and r["step"] >= 5 for r in records(a_dir)) if a_dir.exists() else True:
-        assert agent.poll() is None, a_log.read_text()[-5000:]
-        assert time.monotonic() < deadline, a_log.read_text()[-5000:]
-        time.sleep(0.1)
-    agent.send_signal(signal.SIGTERM)
+
+def finish(agent: subprocess.Popen, timeout: float) -> int:
     try:
-        agent.wait(timeout=120)
+        return agent.wait(timeout=timeout)
     finally:
         if agent.poll() is None:
             agent.kill()
+
+
+@pytest.mark.timeout(500)
+def test_train_elastic_under_torchrun_sigterm_then_resume_at_3(tmp_path):
+    root = str(tmp_path / "job")
+    steps = 60
+    args = ["--samples", str(12 * steps), "--seq-len", "16", "--dim", "32", "--layers", "1", "--root", root]
+    args += ["--every", "0", "--step-delay", "0.05"]
+
+    # torchrun with 2 workers; SIGTERM to torchrun itself, as Kubernetes or Slurm would send it:
+    # torchrun forwards it to the workers, which save one agreed step and exit 0 (torchrun
+    # itself then exits 1 with its SignalException)
+    a_dir, a_log = tmp_path / "a", tmp_path / "a.log"
+    agent = torchrun(2, [*args, "--log-dir", str(a_dir)], a_log)
+    wait_for_step(a_dir, 5, agent, a_log)
+    agent.send_signal(signal.SIGTERM)
+    finish(agent, 120)
     a = records(a_dir)
-    stops = {r["rank"]: r["step"] for r in a if r["event"] == "stop"}
-    assert sorted(stops) == [0, 1] and len(set(stops.values())) == 1, a_log.read_text()[-5000:]
-    saved = stops[0]
+    stops = {r["rank"]: r for r in a if r["event"] == "stop"}
+    assert sorted(stops) == [0, 1], a_log.read_text()[-5000:]
+    saved = stops[0]["step"]
+    assert stops[1]["step"] == saved and stops[0]["signalled"] and stops[1]["signalled"]
     store = open_store(root)
     try:
         assert catalog.committed_steps(store) == [saved]
     finally:
         store.close()
 
-    # the same command with 3 workers resumes at the next step and finishes the epoch
+    # the same command with 3 workers resumes at the next step. There, SIGTERM to one worker
+    # only: it exits 0, its peers (not signalled) exit 75, so torchrun restarts the group
+    # (--max-restarts=1), which resumes once more and finishes the epoch
     b_dir, b_log = tmp_path / "b", tmp_path / "b.log"
-    agent = torchrun(3, [*args, "--log-dir", str(b_dir)], b_log)
-    try:
-        assert agent.wait(timeout=240) == 0, b_log.read_text()[-5000:]
-    finally:
-        if agent.poll() is None:
-            agent.kill()
+    agent = torchrun(3, [*args, "--log-dir", str(b_dir)], b_log, restarts=1)
+    b = wait_for_step(b_dir, saved + 6, agent, b_log)
+    pid = next(r["pid"] for r in b if r["event"] == "start" and r["rank"] == 2)
+    os.kill(pid, signal.SIGTERM)
+    assert finish(agent, 240) == 0, b_log.read_text()[-5000:]
     b = records(b_dir)
-    assert {(r["rank"], r["world"], r["step"]) for r in b if r["event"] == "start"} == {
-        (rank, 3, saved + 1) for rank in range(3)
-    }
-    seen = collections.Counter(
-        i for r in a + b if r["event"] == "step" and (r["world"] == 3 or r["step"] <= saved) for i in r["indices"]
-    )
-    assert sorted(seen) == list(range(360)) and set(seen.values()) == {1}
+    stops = {r["rank"]: r for r in b if r["event"] == "stop"}
+    assert sorted(stops) == [0, 1, 2] and len({r["step"] for r in stops.values()}) == 1
+    assert [stops[r]["signalled"] for r in range(3)] == [False, False, True]
+    saved_b = stops[0]["step"]
+    starts = sorted((r["restart"], r["rank"], r["world"], r["step"]) for r in b if r["event"] == "start")
+    assert starts == [(0, rank, 3, saved + 1) for rank in range(3)] + [(1, rank, 3, saved_b + 1) for rank in range(3)]
+    assert {r["step"] for r in b if r["event"] == "done"} == {steps - 1}
+
+    trained = collections.Counter(r["step"] for r in a + b if r["event"] == "step" and r["rank"] == 0)
+    assert sorted(trained) == list(range(steps)) and set(trained.values()) == {1}
+    seen = collections.Counter(i for r in a + b if r["event"] == "step" for i in r["indices"])
+    assert sorted(seen) == list(range(12 * steps)) and set(seen.values()) == {1}

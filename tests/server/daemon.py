@@ -123,7 +123,9 @@ def spawn(world: int, scenario: str, args: dict, out: Path, extra_env: dict | No
         return launch.spawn(world, scenario, args, out, extra_env)
 
 
-def run(world: int, scenario: str, out: Path, timeout: float = 240, extra_env: dict | None = None, **args) -> list[dict]:
+def run(
+    world: int, scenario: str, out: Path, timeout: float = 240, extra_env: dict | None = None, **args
+) -> list[dict]:
     return launch.wait(spawn(world, scenario, args, out, extra_env), out, scenario, timeout)
 
 

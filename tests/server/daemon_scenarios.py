@@ -82,12 +82,12 @@ def save_big(daemon: str, root: str, out: str, wait_for: str | None = None, tag:
     starts only once that file exists (the other trainer's save has returned)."""
     g = torch.Generator().manual_seed(0)
     state = {"w": {"big": torch.randn(256, 256, generator=g), "small": torch.randn(16, generator=g)}}
-    if wait_for is not None:
-        deadline = time.monotonic() + 120
-        while not Path(wait_for).exists():
-            assert time.monotonic() < deadline, "the other trainer never saved"
-            time.sleep(0.02)
     with Checkpointer(root, daemon=daemon) as ck:
+        if wait_for is not None:
+            deadline = time.monotonic() + 120
+            while not Path(wait_for).exists():
+                assert time.monotonic() < deadline, "the other trainer never saved"
+                time.sleep(0.01)
         t0 = time.perf_counter()
         fut = ck.save(1, state)
         blocked = time.perf_counter() - t0

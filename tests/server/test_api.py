@@ -19,6 +19,7 @@ from trainer_hooks import Checkpointer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 TOKEN = "s3cret-token"
+BUDGET = 2 << 20
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,14 @@ def served(tmp_path_factory):
     token_file = base / "token"
     token_file.write_text(TOKEN + "\n")
     root = str(base / "jobs")
-    d = Daemon([root], base / "staging", base / "daemon.log", token_file=token_file, CKPTD_MAX_BODY_BYTES="1048576")
+    d = Daemon(
+        [root],
+        base / "staging",
+        base / "daemon.log",
+        token_file=token_file,
+        CKPTD_MAX_BODY_BYTES="1048576",
+        CKPTD_BUDGET=str(BUDGET),
+    )
     with d:
         yield d, root
 
@@ -194,16 +202,22 @@ def test_client_in_process(served, client, monkeypatch):
         for step in (1, 2, 3):
             res = ck.save(step, state).result()
             assert res.step == step and res.committed_here
-        leases = client.get("/v1/status").json()["leases"]
-        assert leases >= 1
+        assert client.get("/v1/status").json()["leases"] == 1  # one lease, reused by every save
         assert ck.staged_bytes > 0
-    assert catalog.committed_steps(open_store(job_root)) == [2, 3]  # keep_last ran in the daemon
+        # another client needs the whole budget: the idle lease is reclaimed, and this client
+        # unmaps its files soon after (their memory is only freed then), without a save
+        other = client.post("/v1/leases", json={"root": root, "rank": 0, "bytes": BUDGET, "client": "other"})
+        assert other.status_code == 200, other.text
+        wait_for(lambda: ck.staged_bytes == 0, "the client to unmap its reclaimed lease", 10)
+        assert client.delete(f"/v1/leases/{other.json()['lease']}").status_code == 204
+        assert ck.save(4, state).result().committed_here  # a fresh lease
+    assert catalog.committed_steps(open_store(job_root)) == [3, 4]  # keep_last ran in the daemon
     info = client.get("/v1/checkpoints/3", params={"root": job_root}).json()
     assert info["committed"] and {t["key"] for t in info["tensors"]} >= {"extra/bf16", "extra/i"}
     assert client.get("/v1/checkpoints/99", params={"root": job_root}).status_code == 404
     got = _state(1)
     with Checkpointer(job_root) as ck:
-        assert ck.restore(got) == 3
+        assert ck.restore(got) == 4
     for (k, a), b in zip(state["model"].state_dict().items(), got["model"].state_dict().values(), strict=True):
         assert torch.equal(a, b), k
     assert torch.equal(got["extra"]["bf16"], state["extra"]["bf16"]) and got["meta"] == {"s": 0}

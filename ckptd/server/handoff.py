@@ -1,0 +1,207 @@
+"""A hand-off: one rank's part of one checkpoint, described in JSON, its buffers in the files of
+a staging lease. ``validate`` turns a request into a ``Job`` or refuses it (``BadJob``, HTTP 400):
+a root not served, keys escaping the checkpoint folder or reserved for the commit protocol, file
+names that are not plain names inside the lease, symlinks, sizes that do not match the layout.
+``load`` maps the files into the ``SaveJob`` that ``trainer_hooks.writer.persist`` writes.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import stat
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ckptd import manifest as mf
+from ckptd.codec import ArrayLayout, numpy_dtype
+from ckptd.errors import CheckpointError
+from ckptd.server.roots import RootError, Roots
+from ckptd.server.staging import Lease, is_plain_file_name
+from storage_backends.base import InvalidKeyError, check_key
+from trainer_hooks.flatten import torch_dtype
+from trainer_hooks.snapshot import SaveJob, ShardWrite
+
+ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
+MAX_META_BYTES = 1 << 30
+FINAL = ("committed", "failed", "discarded")
+
+
+class BadJob(ValueError):
+    """The hand-off is malformed or names something outside its root or lease: HTTP 400."""
+
+
+@dataclass
+class Job:
+    job: str
+    lease: str
+    root: str
+    step: int
+    attempt: str
+    rank: int
+    world_size: int
+    shards: list[dict]
+    metadata: list[dict]
+    done: dict
+    keep_last: int | None = None
+    commit_timeout: float = 1800.0
+    state: str = "queued"
+    error: str | None = None
+    accepted_at: float = field(default_factory=time.time)
+    uploaded_at: float | None = None
+    committed_at: float | None = None
+    bytes_written: int = 0
+    objects_written: int = 0
+    committed_here: bool = False
+    retries: int = 0
+    upload_seconds: float = 0.0
+    lease_kept: bool | None = None  # after the upload: handed back to the client (True) or freed
+
+    def journal(self) -> dict:
+        return asdict(self)
+
+    def status(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("shards", "metadata", "done")}
+        d["shard_count"] = len(self.shards)
+        d["bytes_staged"] = sum(s["nbytes"] for s in self.shards)
+        if self.committed_at is not None:
+            d["handoff_to_commit_s"] = self.committed_at - self.accepted_at
+        return d
+
+
+def _check_store_key(folder: str, key: str, what: str) -> None:
+    try:
+        check_key(f"{folder}/{key}")
+    except InvalidKeyError:
+        raise BadJob(f"{what} {key!r} escapes the checkpoint folder or is malformed") from None
+
+
+def _file_size(lease: Lease, name: str, what: str) -> int:
+    if not isinstance(name, str) or not is_plain_file_name(name):
+        raise BadJob(f"{what}: file {name!r} must be a plain file name inside the staging lease {lease.dir}")
+    try:
+        st = os.lstat(lease.dir / name)
+    except FileNotFoundError:
+        raise BadJob(f"{what}: staging file {name!r} does not exist in {lease.dir}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadJob(f"{what}: staging file {name!r} is not a regular file")
+    return st.st_size
+
+
+def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -> Job:
+    """A ``Job`` from a hand-off request (already shape-checked by the API model); BadJob if it
+    names a root not served, keys escaping the checkpoint folder, or files outside its lease or
+    of the wrong size."""
+    try:
+        roots.check(req["root"])
+    except RootError as e:
+        raise BadJob(str(e)) from None
+    if req["root"] != lease.root:
+        raise BadJob(f"job root {req['root']!r} differs from the lease's root {lease.root!r}")
+    try:
+        folder = mf.step_dir(req["step"])
+    except CheckpointError as e:
+        raise BadJob(str(e)) from None
+    if not 0 <= req["rank"] < req["world_size"]:
+        raise BadJob(f"rank {req['rank']} is outside world size {req['world_size']}")
+    if not ATTEMPT.match(req["attempt"]):
+        raise BadJob(f"invalid attempt id {req['attempt']!r}")
+    shards = []
+    for s in req["shards"]:
+        lay = s["layout"]
+        try:
+            layout = ArrayLayout(
+                tuple(lay["shape"]), lay["dtype"], tuple(lay["shard_shape"]), tuple(lay["chunk_shape"])
+            )
+            numpy_dtype(layout.dtype)
+        except (ValueError, TypeError, CheckpointError) as e:
+            raise BadJob(f"array {s['key']!r}: invalid layout ({e})") from None
+        coord = tuple(s["coord"])
+        if len(coord) != len(layout.shape) or not all(
+            0 <= c < g for c, g in zip(coord, layout.grid_shape, strict=True)
+        ):
+            raise BadJob(f"array {s['key']!r}: shard {list(coord)} is outside its grid {list(layout.grid_shape)}")
+        _check_store_key(folder, f"{mf.array_path(s['key'])}/{layout.shard_key(coord)}", "array key")
+        start, stop = layout.shard_box(coord)
+        nbytes = math.prod(b - a for a, b in zip(start, stop, strict=True)) * layout.itemsize
+        size = _file_size(lease, s["file"], f"array {s['key']!r} shard {list(coord)}")
+        if size != nbytes:
+            raise BadJob(f"array {s['key']!r} shard {list(coord)}: staging file has {size} bytes, expected {nbytes}")
+        shards.append({"key": s["key"], "layout": lay, "coord": list(coord), "file": s["file"], "nbytes": nbytes})
+    metadata = []
+    for m in req["metadata"]:
+        key = m["key"]
+        _check_store_key(folder, key, "metadata key")
+        if key == mf.COMMIT or key.startswith(f"{mf.DONE}/"):
+            raise BadJob(f"metadata key {key!r} is reserved for the commit protocol")
+        size = _file_size(lease, m["file"], f"metadata {key!r}")
+        if size > MAX_META_BYTES:
+            raise BadJob(f"metadata {key!r} is {size} bytes, more than {MAX_META_BYTES}")
+        metadata.append({"key": key, "file": m["file"], "nbytes": size})
+    return Job(
+        job=job_id or uuid.uuid4().hex,
+        lease=lease.id,
+        root=req["root"],
+        step=req["step"],
+        attempt=req["attempt"],
+        rank=req["rank"],
+        world_size=req["world_size"],
+        shards=shards,
+        metadata=metadata,
+        done=req.get("done") or {},
+        keep_last=req.get("keep_last"),
+        commit_timeout=float(req.get("commit_timeout") or 1800.0),
+    )
+
+
+def _map(path: Path, nbytes: int) -> torch.Tensor:
+    """The file's bytes as a uint8 tensor over a mapping of it (no copy). O_NOFOLLOW: a file
+    swapped for a symlink after validation is refused, never followed."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+            raise CheckpointError(f"staging file {path} changed after hand-off ({st.st_size} bytes, expected {nbytes})")
+        # Private and writable (never written): numpy and torch want writable memory, and a
+        # read-only fd is enough, so the daemon needs no write permission on trainers' files.
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+
+
+def load(job: Job, folder: Path) -> SaveJob:
+    """The ``SaveJob`` that ``persist`` writes, its buffers mapped from the staging files."""
+    out = SaveJob(job.step, job.attempt, job.rank, job.world_size, done=dict(job.done))
+    for s in job.shards:
+        lay = s["layout"]
+        layout = ArrayLayout(tuple(lay["shape"]), lay["dtype"], tuple(lay["shard_shape"]), tuple(lay["chunk_shape"]))
+        start, stop = layout.shard_box(s["coord"])
+        shape = tuple(b - a for a, b in zip(start, stop, strict=True))
+        buf = _map(folder / s["file"], s["nbytes"]).view(torch_dtype(layout.dtype)).view(shape)
+        out.shards.append(ShardWrite(s["key"], layout, tuple(s["coord"]), buf))
+    for m in job.metadata:
+        out.metadata.append((m["key"], (folder / m["file"]).read_bytes()))
+    return out
+
+
+def intact(job: Job, folder: Path) -> str | None:
+    """None if every file of the job is there with its size, else what is wrong."""
+    for f in [*job.shards, *job.metadata]:
+        try:
+            st = os.lstat(folder / f["file"])
+        except OSError:
+            return f"staging file {f['file']} is missing"
+        if not stat.S_ISREG(st.st_mode) or st.st_size != f["nbytes"]:
+            return f"staging file {f['file']} has {st.st_size} bytes, expected {f['nbytes']}"
+    return None

@@ -1,0 +1,162 @@
+"""The Lightning and Hugging Face Trainer callbacks, on the CPU with a model defined here (no
+downloads): a run saves through ckptd every 2 steps and is stopped after step 2 (as a preempted
+job would be); a new run with the callback restores step 2 and finishes, and its weights are
+bitwise those of a run that was never stopped. Saves fall on epoch boundaries with sequential
+data, so the data the resumed run sees is the data the uninterrupted run saw.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckptd import catalog
+from storage_backends import open_store
+
+pytestmark = pytest.mark.timeout(300)
+
+N, BATCH = 8, 4  # two steps per epoch
+
+
+def committed(root: str) -> list[int]:
+    with open_store(root) as store:
+        return catalog.committed_steps(store)
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g)
+
+
+# ------------------------------------------------------------------------------------ Lightning
+
+
+@pytest.mark.filterwarnings(
+    # lightning 2.6 on torch 2.13 calls a deprecated torch pytree API; not about this code
+    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"
+)
+def test_lightning_saves_and_resumes(tmp_path):
+    pl = pytest.importorskip(
+        "lightning.pytorch", reason="the lightning extra is not installed (pip install -e .[lightning])"
+    )
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from trainer_hooks.lightning import CkptdCallback
+
+    class Model(pl.LightningModule):
+        def __init__(self, seed: int):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=0.1)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+    class StopAfter(pl.Callback):
+        def __init__(self, step: int):
+            self.step = step
+
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == self.step:
+                trainer.should_stop = True
+
+    def fit(seed: int, callbacks: list):
+        model = Model(seed)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=6,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        trainer.fit(model, DataLoader(TensorDataset(*data()), batch_size=BATCH))
+        return model, trainer
+
+    reference, _ = fit(0, [])
+    root = str(tmp_path / "job")
+    _, stopped = fit(0, [CkptdCallback(root, every_n_steps=2), StopAfter(2)])
+    assert stopped.global_step == 2 and committed(root) == [2]
+    cb = CkptdCallback(root, every_n_steps=2)
+    resumed, trainer = fit(7, [cb])  # another init: everything must come from the checkpoint
+    assert cb.restored_step == 2 and trainer.global_step == 6 and trainer.current_epoch == 3
+    assert committed(root) == [2, 4, 6]
+    assert torch.equal(resumed.net.weight, reference.net.weight)
+    assert torch.equal(resumed.net.bias, reference.net.bias)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 3  # stepped per epoch: 1 saved + 2
+
+
+# ------------------------------------------------------------------------------------ HF
+
+
+def test_hf_trainer_saves_and_resumes(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e .[hf])")
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (the hf extra)")
+
+    from trainer_hooks.hf import CkptdCallback
+
+    class Net(torch.nn.Module):
+        def __init__(self, seed: int):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.fc = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels=None):
+            out = self.fc(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self):
+            self.x, self.y = data()
+
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    class StopAfter(transformers.TrainerCallback):
+        def __init__(self, step: int):
+            self.step = step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == self.step:
+                control.should_training_stop = True
+
+    def fit(seed: int, callbacks: list, name: str):
+        model = Net(seed)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name),
+            max_steps=6,
+            per_device_train_batch_size=BATCH,
+            learning_rate=0.1,
+            lr_scheduler_type="linear",  # depends on the step: a wrong resume step would show
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            train_sampling_strategy="sequential",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(), callbacks=callbacks)
+        trainer.train()
+        return model, trainer
+
+    reference, _ = fit(0, [], "reference")
+    root = str(tmp_path / "job")
+    _, stopped = fit(0, [CkptdCallback(root, every_n_steps=2), StopAfter(2)], "stopped")
+    assert stopped.state.global_step == 2 and committed(root) == [2]
+    cb = CkptdCallback(root, every_n_steps=2)
+    resumed, trainer = fit(5, [cb], "resumed")  # another init: everything must come from the checkpoint
+    assert cb.restored_step == 2 and trainer.state.global_step == 6
+    assert committed(root) == [2, 4, 6]
+    assert torch.equal(resumed.fc.weight, reference.fc.weight)
+    assert torch.equal(resumed.fc.bias, reference.fc.bias)

@@ -1,0 +1,71 @@
+"""Keeps the benchmark suite from rotting: the planning micro-benchmark and one tiny in-process
+row run end to end, and their output has the structure the report and the JSON rely on. No
+assertion on durations: this machine's timings are noise."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import inproc, planning, report, targets
+from benchmarks.common import MiB, parse_size
+from benchmarks.results import OK, Results
+
+
+def test_parse_size():
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("64MiB") == 64 * MiB
+    assert parse_size("512M") == 512 * MiB
+    assert parse_size("100") == 100
+
+
+def test_planning_microbenchmark_structure():
+    res = Results()
+    sec = planning.run(res, ranks=64, tensors=20, per_key_sample=3, grid_ranks=(16, 64), grid_tensors=(10, 20))
+    res.finalize()
+    for rid in ("planning.reads", "planning.read_cost", "planning.writes_per_signature", "planning.writes_per_key"):
+        row = res.rows[rid]
+        assert row.status == OK
+        assert len(row.values) == 1 and row.median is not None and row.median >= 0
+    assert res.rows["planning.reads"].extra["chunks"] > 0
+    assert {(g["ranks"], g["tensors"]) for g in sec["grid"]} == {(16, 10), (16, 20), (64, 10), (64, 20)}
+    assert set(sec["grid"][0]) == {"ranks", "tensors", "plan_reads_s", "chunks", "plan_writes_per_sig_s"}
+    assert sec["reads_growth_over_ranks"] is not None
+    ts = {t.id: t for t in targets.evaluate(res, None)}
+    assert ts["planning.reads"].value is not None and ts["planning.reads"].verdict in ("PASS", "FAIL")
+
+
+def test_tiny_inprocess_row(tmp_path):
+    res = Results()
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    inproc.run(res, 4 * MiB, 1, str(bench), lambda system: system in ("floor", "ckptd"))
+    res.finalize()
+    sec = res.sections["local"]
+    assert sec["failures"] == []
+    assert 0 < sec["state_bytes"] < 8 * MiB
+    for rid in ("floor.memcpy", "floor.write", "floor.read", "ckptd.block", "ckptd.commit", "ckptd.restore"):
+        row = res.rows[rid]
+        assert row.status == OK, (rid, row.note)
+        assert list(row.values) == [0] and row.min == row.median > 0
+    assert res.rows["ckptd.block"].floor == "floor.memcpy"
+    assert res.rows["ckptd.block"].ratio_floor is not None
+    assert res.rows["ckptd.commit"].ratio_floor is not None
+    assert res.rows["ckptd.restore"].ratio_floor is not None
+    assert res.rows["ckptd.block"].extra["staged_bytes"] > 0
+    assert res.rows["dcp.save"].values == {}  # not selected: no figure, no crash
+    assert res.rows["ckptd.daemon.block"].status != OK  # not selected: says so
+    inproc.mark_gpu(res)
+    ts = {t.id: t for t in targets.evaluate(res, None)}
+    assert ts["save.block.floor"].value is not None
+    assert ts["save.block.dcp"].value is None and ts["save.block.dcp"].verdict == "n/a"
+
+    data = json.loads(json.dumps(res.to_json(), default=str))
+    assert {"meta", "rows", "targets", "sections", "notes"} <= set(data)
+    assert {"id", "median", "min", "ratio_floor", "ratio_dcp", "values", "status"} <= set(data["rows"][0])
+    text = report.table(res)
+    assert "ckptd.block" in text and "targets:" in text
+    md = tmp_path / "RESULTS.md"
+    report.write_markdown(res, str(md), None)
+    body = md.read_text()
+    assert "## Targets" in body and "`ckptd.restore`" in body and report.ANALYSIS_BEGIN in body
+    assert not any(bench.iterdir())  # the row cleans up after itself
