@@ -17,7 +17,7 @@ import time
 import torch
 
 from benchmarks import state as st
-from benchmarks.common import collect, drop_cache, proc_io, remove
+from benchmarks.common import collect, proc_io, remove
 from benchmarks.results import ERROR, Results
 
 SECTION = "incremental"
@@ -37,13 +37,14 @@ def run(res: Results, size: int, saves: int, bench_dir: str) -> None:
     model, optim, dims = st.build_local(size, seed=5)
     state = {"model": model, "optim": optim}
     total = st.nbytes(st.all_tensors(model, optim))
+    # Trainable: parameters from the top of the model down (head, final norm, last blocks...),
+    # skipping any that would take the trainable share (parameter + its AdamW state) past 10%.
     trainable, tb = [], 0
-    for mod in [model.ln_f, *reversed(model.blocks)]:
-        if tb >= 0.09 * total:
-            break
-        for p in mod.parameters():
+    for p in reversed(list(model.parameters())):
+        nb = 3 * p.numel() * p.element_size()
+        if tb + nb <= 0.10 * total:
             trainable.append(p)
-            tb += 3 * p.numel() * p.element_size()
+            tb += nb
     sec = res.sections.setdefault(SECTION, {})
     sec.update({"state_bytes": total, "trainable_bytes": tb, "trainable_fraction": tb / total,
                 "model": st.describe(dims)})  # fmt: skip
@@ -65,7 +66,6 @@ def run(res: Results, size: int, saves: int, bench_dir: str) -> None:
         inc.save(1, state).result()  # the first save writes everything
         for i in range(saves):
             step()
-            drop_cache()
             io0 = proc_io()
             t0 = time.perf_counter()
             out = inc.save(i + 2, state).result()
@@ -75,7 +75,6 @@ def run(res: Results, size: int, saves: int, bench_dir: str) -> None:
             res.add("incremental.commit", i, t)
             reported.append(getattr(out, "bytes_written", None))
             collect()
-            drop_cache()
             t0 = time.perf_counter()
             full.save(i + 2, state).result()
             res.add("incremental.full", i, time.perf_counter() - t0)

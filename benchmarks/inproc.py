@@ -191,7 +191,6 @@ def run(
     def raw_write(rep: int) -> None:
         p = path("raw.bin")
         remove(p)
-        drop_cache()
         with Timer() as t:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -227,7 +226,6 @@ def run(
     def torch_save(rep: int) -> None:
         p = path("torch.pt")
         remove(p)
-        drop_cache()
         with Timer() as t:
             sd = st.dcp_state(model, optim)
             with open(p, "wb") as f:
@@ -258,7 +256,6 @@ def run(
             if name.startswith("dcp_save_"):
                 remove(path(name))
         p = path(f"dcp_save_{rep}")
-        drop_cache()
         with Timer() as t:
             sd = st.dcp_state(model, optim)
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=4))
@@ -307,7 +304,6 @@ def run(
         def go(rep: int) -> None:
             p = path(f"dcp_async_{variant}_{rep}")
             remove(p)
-            drop_cache()
             if opts is not None and variant not in stagers:
                 stagers[variant] = DefaultStager(opts)
             t0 = time.perf_counter()
@@ -347,17 +343,16 @@ def run(
     R("ckptd.restore", "ckptd restore (cold)", floor="floor.read", dcp_ref="dcp.load")
     ck_root = path("ckptd_job")
     ckpts: dict[str, Checkpointer] = {}
-    step = [0]
+    step = {"local": 0, "daemon": 0}
 
     def ckptd_save(which: str) -> Callable[[int], None]:
         prefix = "ckptd" if which == "local" else "ckptd.daemon"
 
         def go(rep: int) -> None:
             ck = ckpts[which]
-            step[0] += 1
-            drop_cache()
+            step[which] += 1
             t0 = time.perf_counter()
-            fut = ck.save(step[0], state)
+            fut = ck.save(step[which], state)
             t_block = time.perf_counter() - t0
             fut.result()
             t_commit = time.perf_counter() - t0
@@ -381,8 +376,8 @@ def run(
         with Timer() as t:
             got = ck.restore(state)
         res.add("ckptd.restore", rep, t.s)
-        if got != step[0]:
-            failures.append(f"ckptd restore returned step {got}, expected {step[0]}")
+        if got != step["local"]:
+            failures.append(f"ckptd restore returned step {got}, expected {step['local']}")
         check("ckptd.restore", sent.detach())
 
     if selected("ckptd"):
@@ -447,16 +442,33 @@ def run(
     res.sections[SECTION]["cache_drop"] = drop_cache.method
 
 
-def _profile_ckptd(res: Results, ck, state, step: list, root: str, prefix: str) -> None:
-    """py-spy (or pyinstrument) over ckptd's save (twice: block + commit) and a cold restore."""
+def _profile_ckptd(res: Results, ck, state, step: dict, root: str, prefix: str) -> None:
+    """Profiles of ckptd's save (pyinstrument over the ``save`` calls alone: exactly what blocks
+    training; py-spy over save + commit, every thread) and of a cold restore."""
     from benchmarks.profiling import profiled
 
     profs = res.sections[SECTION].setdefault("profiles", {})
-    drop_cache()
+    try:
+        from pyinstrument import Profiler
+
+        p = Profiler(interval=0.001)
+        for _ in range(3):
+            step["local"] += 1
+            p.start()
+            fut = ck.save(step["local"], state)
+            p.stop()
+            fut.result()
+        path = prefix + "_save_block.txt"
+        with open(path, "w") as f:
+            f.write("# pyinstrument: 3 x Checkpointer.save() on the training thread (the time save blocks)\n\n")
+            f.write(p.output_text(unicode=False, color=False))
+        profs["save_block"] = {"tool": "pyinstrument", "summary": path, "top": []}
+    except ImportError:
+        pass
     with profiled(prefix + "_save", "ckptd in-process save x2 on local disk: save() (MainThread) + commit") as p:
         for _ in range(2):
-            step[0] += 1
-            ck.save(step[0], state).result()
+            step["local"] += 1
+            ck.save(step["local"], state).result()
     profs["save"] = p
     drop_cache(root)
     with profiled(prefix + "_restore", "ckptd in-process restore, cold, local disk") as p:

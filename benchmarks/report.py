@@ -180,8 +180,10 @@ def write_markdown(res: Results, path: str, chart_path: str | None) -> None:
         "interleaved (A, B, C, then B, C, A ...), and each figure's ratio to its floor and to DCP is taken "
         "*within* the repetition; the tables give the median of those per-repetition ratios, and the median "
         "and min of the times. The disk swings 2-3x between runs; ratios of neighbours cancel most of it.",
-        f"- Cold reads: the page cache is dropped before every read ({m.get('cache_drop')}: "
-        "`sync; echo 3 > /proc/sys/vm/drop_caches`, as root) and before every write.",
+        "- Cold reads: before every read, the files it will read are evicted from the page cache "
+        f"({m.get('cache_drop')}). "
+        "Code pages stay cached (`echo 3` would also evict torch's shared libraries and charge every system "
+        "for re-reading them). Writes start with whatever the cache holds; each write ends with fsync.",
         "- `block` = time until the snapshot is safe to mutate (ckptd: `save` returns; DCP: `async_save` returns, "
         "or `staging_completion` for asynchronous staging); `commit` = until durable/committed.",
         "- Systems that keep buffers across calls (ckptd, DCP with an explicit `DefaultStager`) get one untimed "
@@ -191,8 +193,9 @@ def write_markdown(res: Results, path: str, chart_path: str | None) -> None:
         "method. `read_bytes` (block layer) is in the JSON too, but the ranks share one page cache here, so it "
         "counts bytes that two ranks both read once.",
         f"- S3 rows use {fmt_bytes(m.get('s3_size', 0))} of state, memory rows {fmt_bytes(m.get('mem_size', 0))} "
-        f"over {m.get('mem_saves')} saves, incremental rows min(size, 512 MiB). moto is a correctness server on "
-        "the same 2 cores as the client; its figures measure moto, not S3.",
+        f"over {m.get('mem_saves')} saves (written to `/dev/shm`: the RSS does not depend on the medium, "
+        "and 2 x 50 saves on this disk take minutes), incremental rows min(size, 512 MiB). moto is a correctness "
+        "server on the same 2 cores as the client; its figures measure moto, not S3.",
         "- Pinned memory needs CUDA: on this CPU-only machine `StagingOptions(use_pinned_memory=True)` is "
         "ignored by torch and `FileSystemWriter(cache_staged_state_dict=True)` fails (it pins), so the DCP "
         "options measured are: default, DefaultStager with cached buffers (sync), with shared-memory cached "

@@ -123,8 +123,6 @@ def save(size: int, dir: str, reps: int, out: str) -> dict:
     systems = [raw, ckptd, dcp]
     for rep in range(reps):
         for s in rotate(systems, rep):
-            if rank == 0:
-                drop_cache()
             s(rep)
     ck.close()
     return {
@@ -194,7 +192,7 @@ def restore(size: int, dir: str, reps: int, out: str, dcp_dir: str, raw_sizes: l
             fn, restored = systems[name]
             _barrier()
             if rank == 0:
-                drop_cache()
+                drop_cache(dir)
             _barrier()
             io0 = proc_io()
             t = _timed(fn)
@@ -217,7 +215,7 @@ def restore(size: int, dir: str, reps: int, out: str, dcp_dir: str, raw_sizes: l
 
         _barrier()
         if rank == 0:
-            drop_cache()
+            drop_cache(dir)
         _barrier()
         if rank == 0:
             with profiled(profile, f"ckptd restore at {world} ranks (rank 0), cold") as prof:

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report", default=None, help="markdown report (default benchmarks/RESULTS.md)")
     p.add_argument("--only", default=None, help="comma-separated sections or local systems to run")
     p.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: a temp folder)")
-    p.add_argument("--s3-size", default=None, help="state size for the S3 rows (default: min(size, 512MiB))")
+    p.add_argument("--s3-size", default=None, help="state size for the S3 rows (default: min(size, 256MiB))")
     p.add_argument("--mem-size", default=None, help="state size for the memory rows (default: min(size, 256MiB))")
     p.add_argument("--mem-saves", type=int, default=50, help="consecutive saves in the memory rows (default 50)")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy/pyinstrument profiles")
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.no_profile = not a.profile
     a.size_bytes = parse_size(a.size)
     a.reps = a.reps or (2 if a.quick else 3)
-    a.s3_bytes = parse_size(a.s3_size) if a.s3_size else min(a.size_bytes, 512 * MiB)
+    a.s3_bytes = parse_size(a.s3_size) if a.s3_size else min(a.size_bytes, 256 * MiB)
     a.mem_bytes = parse_size(a.mem_size) if a.mem_size else min(a.size_bytes, 256 * MiB)
     if a.report is None:
         a.report = str(Path(a.out).with_name("RESULTS-quick.md")) if a.quick else str(HERE / "RESULTS.md")

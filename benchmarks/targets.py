@@ -45,9 +45,9 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
     T.append(Target(
         "save.block.floor", "time `save` blocks <= 1.2x the memcpy floor", ratio("ckptd.block"), 1.2, "<=",
         detail=f"best DCP async_save option: {best_dcp[0]} at {best_dcp[1]:.2f}x the floor" if best_dcp else "",
-        profile=prof("local_ckptd_save.txt")))  # fmt: skip
+        profile=prof("local_ckptd_save_block.txt")))  # fmt: skip
     T.append(Target("save.block.dcp", "time `save` blocks <= 0.5x DCP's default async_save (until safe to mutate)",
-                    ratio("ckptd.block", "dcp"), 0.5, "<=", profile=prof("local_ckptd_save.txt")))  # fmt: skip
+                    ratio("ckptd.block", "dcp"), 0.5, "<=", profile=prof("local_ckptd_save_block.txt")))  # fmt: skip
     T.append(Target("save.commit.floor", "time to commit on local disk <= 1.1x the write+fsync floor",
                     ratio("ckptd.commit"), 1.1, "<=", profile=prof("local_ckptd_save.txt")))  # fmt: skip
     T.append(Target("save.commit.dcp", "time to commit faster than dcp.save (ratio < 1)", ratio("ckptd.commit", "dcp"),

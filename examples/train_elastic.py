@@ -21,7 +21,9 @@ Exit status after a stop signal: 0 on a rank that got the signal itself (its lau
 away). Under torchrun, a rank that stopped only because a *peer* got the signal (another node is
 being preempted) exits with 75 instead, so that its torchrun agent counts the group as failed and
 restarts it -- re-forming the job at the new size -- rather than counting it as finished
-(``--max-restarts`` must allow it).
+(``--max-restarts`` must allow it). With restarts, export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+restarted ranks can otherwise read the previous attempt's addresses from torchrun's shared
+store and fail to connect (pytorch/pytorch#135712).
 
 ``--log-dir`` writes one JSON line per step and rank (step, world size, loss, the sample
 indices trained on) to ``rank{R}.jsonl``, plus ``start``/``stop``/``done`` records.

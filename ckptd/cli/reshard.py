@@ -154,5 +154,5 @@ def _print_positions(resumes: list[rs.SamplerResume], world_size: int) -> None:
             print(f"  ... {len(r.ranks) - len(shown)} more ranks (--json lists them all)")
         print(
             f"  {r.dataset_len - r.position} samples left in the epoch; rank r continues at position "
-            f"{r.position} + r of the epoch's order, then every {world_size}th"
+            f"{r.position} + r of the epoch's order, then every {world_size} positions (round-robin)"
         )

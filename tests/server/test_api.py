@@ -236,15 +236,16 @@ def test_restart_discards_a_job_whose_files_are_lost(tmp_path, monkeypatch):
     job and says so; the step never commits; the client's future fails; the next save commits."""
     root = str(tmp_path / "job")
     staging = tmp_path / "staging"
-    slow = Daemon([root], staging, tmp_path / "d1.log", CKPTD_FAULT_UPLOAD_DELAY_S="1.0")
+    slow = Daemon([root], staging, tmp_path / "d1.log", CKPTD_FAULT_UPLOAD_DELAY_S="2.0")
     slow.start()
     monkeypatch.delenv("CKPTD_TOKEN", raising=False)
     monkeypatch.delenv("CKPTD_TOKEN_FILE", raising=False)
     try:
         ck = Checkpointer(root, daemon=slow.url, commit_timeout=120)
         fut = ck.save(1, _state(0))
-        wait_for(lambda: any(True for _ in open_store(root).list("step_0000000001/arrays/")), "upload to start", 60)
-        slow.kill()
+        wait_for(lambda: [j["state"] for j in slow.get("/v1/jobs")[1]] == ["uploading"], "upload to start", 60)
+        slow.kill()  # every put is sleeping its injected second: nothing is committed
+        assert catalog.read_commit(open_store(root), 1) is None
         files = [p for p in staging.glob("leases/*/*.bin") if not p.name.startswith("meta")]
         assert files, "staged files survive the crash"
         files[0].unlink()

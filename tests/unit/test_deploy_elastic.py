@@ -72,6 +72,7 @@ def test_sbatch_parses_and_has_the_stop_requeue_reshard_cycle():
     assert re.fullmatch(r"\d+-\d+", directives["nodes"]), "a node-count range, so a restart may get another size"
     assert "trap on_usr1 USR1" in text and 'scancel --signal=TERM "$SLURM_JOB_ID"' in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text  # torchrun restarts: see the comment there
     assert 'ckptd reshard "$CKPT_ROOT" --to "$NEW_WORLD"' in text
     assert text.index("ckptd reshard") < text.index("srun ")  # reshard before the ranks start
     torchrun, _ = check_torchrun_and_script(text)
