@@ -29,8 +29,16 @@ from dataclasses import dataclass, field
 from ckptd.codec import ArrayLayout
 
 MiB = 1 << 20
-TARGET_CHUNK_BYTES = 4 * MiB
-MIN_CHUNK_BYTES = 1 * MiB
+KiB = 1 << 10
+# Inner chunks. A reader at another world size fetches whole chunks, so at each boundary of its
+# box it reads up to one chunk it does not need: chunks of ~1/32 of the shard keep bytes read /
+# bytes restored near 1.03 even when the new boxes are about the size of the old shards, while
+# reads of adjacent chunks still coalesce into one ranged GET per shard.
+SMALL_SHARD_BYTES = 1 * MiB  # shards up to this size are one chunk
+CHUNKS_PER_SHARD = 32
+MAX_CHUNK_BYTES = 4 * MiB
+MIN_CHUNK_BYTES = 64 * KiB
+TARGET_CHUNK_BYTES = MAX_CHUNK_BYTES  # kept for callers that pass an explicit target
 # A fully replicated tensor at least this large is split along dim 0 so that every replica
 # writes a part (DDP saves then use every rank's disk/network bandwidth).
 SPLIT_REPLICATED_BYTES = 8 * MiB
@@ -99,23 +107,27 @@ def _divisors(n: int) -> list[int]:
 def choose_chunk_shape(
     shard_shape: Sequence[int],
     itemsize: int,
-    target: int = TARGET_CHUNK_BYTES,
+    target: int | None = None,
     floor: int = MIN_CHUNK_BYTES,
 ) -> tuple[int, ...]:
-    """Inner chunk shape for a shard: a few MiB, dividing the shard exactly (tensorstore needs
-    the shard shape to be a multiple of the chunk shape), split along the leading dimensions so
-    that a chunk is a contiguous byte range of the shard's C-order buffer.
+    """Inner chunk shape for a shard: about 1/32 of it (64 KiB..4 MiB, or ``target``), dividing
+    the shard exactly (tensorstore needs the shard shape to be a multiple of the chunk shape),
+    whole rows wherever a row fits in 4 MiB, so that a chunk is a contiguous byte range of the
+    shard's C-order buffer (written and read in place, no copy).
 
     Among the divisors of the leading extent we take the largest whose chunk stays <= target;
     if that is below ``floor`` (a prime extent has only 1 and itself) the smallest >= floor.
     """
     shard_shape = tuple(shard_shape)
-    if math.prod(shard_shape) * itemsize <= target + target // 2 or not shard_shape:
+    total = math.prod(shard_shape) * itemsize
+    if not shard_shape or total <= SMALL_SHARD_BYTES:
         return shard_shape
+    if target is None:
+        target = min(MAX_CHUNK_BYTES, max(floor, total // CHUNKS_PER_SHARD))
     chunk = list(shard_shape)
     for d, n in enumerate(shard_shape):
         row = math.prod(shard_shape[d + 1 :]) * itemsize
-        if row > target:
+        if row > MAX_CHUNK_BYTES:
             chunk[d] = 1
             continue  # one slice along d is still too big: split the next dimension too
         divs = _divisors(n)
@@ -233,7 +245,7 @@ def plan_grid(
     dtype: str,
     blocks: Sequence[Box],
     *,
-    target_chunk: int = TARGET_CHUNK_BYTES,
+    target_chunk: int | None = None,
     min_chunk: int = MIN_CHUNK_BYTES,
     split_replicated: int = SPLIT_REPLICATED_BYTES,
 ) -> Grid:

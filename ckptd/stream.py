@@ -79,7 +79,7 @@ class CheckpointWriter:
             store.delete_prefix(f"{self._folder}/")  # a stale partial attempt
 
     def _put(self, key: str, data, nbytes: int) -> None:
-        self._pending.append((self._pool.submit(self.store.put, f"{self._folder}/{key}", data), nbytes))
+        self._pending.append((self._pool.submit(self.store.put_deferred, f"{self._folder}/{key}", data), nbytes))
         self.bytes += nbytes
         self.objects += 1
         while sum(n for _, n in self._pending) > self._max_pending:
@@ -132,6 +132,7 @@ class CheckpointWriter:
         for key, data in [*mf.group_nodes(self.entries, self.step), (mf.MANIFEST, m.to_bytes())]:
             self._put(key, data, len(data))
         self._drain()
+        self.store.sync()  # everything above is durable before any done record
         for rank in range(self.world_size):  # the done records a commit of this world size needs
             rec = {"rank": rank, "bytes": self.bytes if rank == 0 else 0, "objects": self.objects if rank == 0 else 0}
             self.store.put(mf.done_key(self.step, self.attempt, rank), mf.dumps(rec))

@@ -163,6 +163,15 @@ class Store(abc.ABC):
     def put(self, key: str, data: Data) -> None:
         """Write the object atomically and durably, replacing any previous one."""
 
+    def put_deferred(self, key: str, data: Data) -> None:
+        """Like ``put`` (atomic), but durable only once a later ``sync`` returns. Backends whose
+        puts are durable anyway (S3, memory) just put; the filesystem saves an fsync per file and
+        per folder. The commit protocol writes data this way, then syncs, then commits."""
+        self.put(key, data)
+
+    def sync(self) -> None:  # noqa: B027 - optional hook
+        """Make every earlier ``put_deferred`` of this store durable."""
+
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: Data) -> bool:
         """Write the object only if the key does not exist. True if this call wrote it.

@@ -12,6 +12,7 @@ Objects are never modified in place (a ``put`` replaces the inode), which is wha
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import secrets
@@ -46,6 +47,20 @@ _NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, er
 
 # How often a write retries when concurrent deletes keep pruning the folder it writes into.
 _DIR_RACE_TRIES = 20
+
+
+def _load_syncfs():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syncfs
+    except (OSError, AttributeError):  # not Linux/glibc: fall back to sync(2)
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_syncfs = _load_syncfs()
 
 
 def _is_temp(name: str) -> bool:
@@ -105,6 +120,7 @@ class LocalStore(Store):
         # removed (delete prunes empty ones, or another process does); writers then get ENOENT on
         # the temp file, forget the folder and create it again, so the cache only saves syscalls.
         self._dirs: set[str] = set()
+        self._deferred_dirs: set[str] = set()  # made by put_deferred, durable after the next sync
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -128,8 +144,9 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def _ensure_dir(self, path: str) -> None:
-        """Create ``path`` and its missing parents durably (each new name's parent is fsynced)."""
+    def _ensure_dir(self, path: str, durable: bool = True) -> None:
+        """Create ``path`` and its missing parents durably (each new name's parent is fsynced;
+        with ``durable=False`` that is left to a later ``sync``)."""
         if path in self._dirs:
             return
         missing = []
@@ -151,7 +168,20 @@ class LocalStore(Store):
                     raise FileNotFoundError(errno.ENOENT, "folder vanished", d) from None
                 # Another thread made it and may not have fsynced the parent yet: do it too, so
                 # our put never returns before the folder's name is durable.
-            self._fsync_dir(os.path.dirname(d))
+            if durable:
+                self._fsync_dir(os.path.dirname(d))
+            else:
+                self._deferred_dirs.add(d)
+        if not durable:  # a folder made by a deferred put is not known durable until a sync
+            return
+        if self._deferred_dirs:
+            # Folders a deferred put created above this one: make their names durable now.
+            d = path
+            while d.startswith(self.root + os.sep):
+                if d in self._deferred_dirs:
+                    self._fsync_dir(os.path.dirname(d))
+                    self._deferred_dirs.discard(d)
+                d = os.path.dirname(d)
         self._dirs.add(path)
 
     def _tmp_path(self, path: str) -> str:
@@ -160,12 +190,12 @@ class LocalStore(Store):
         tmp = f".{name[:120]}.tmp.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
         return os.path.join(d, tmp)
 
-    def _make_temp(self, path: str, create: Callable[[str], None]) -> str:
+    def _make_temp(self, path: str, create: Callable[[str], None], durable: bool = True) -> str:
         """A temp file in ``path``'s folder (created durably as needed), filled by ``create``."""
         d = os.path.dirname(path)
         for attempt in range(_DIR_RACE_TRIES):
             try:
-                self._ensure_dir(d)
+                self._ensure_dir(d, durable)
                 tmp = self._tmp_path(path)
                 create(tmp)
                 return tmp
@@ -178,12 +208,13 @@ class LocalStore(Store):
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _fill(views: list[memoryview]) -> Callable[[str], None]:
+    def _fill(views: list[memoryview], durable: bool = True) -> Callable[[str], None]:
         def create(tmp: str) -> None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 _writev_all(fd, views)
-                os.fsync(fd)
+                if durable:
+                    os.fsync(fd)
             except BaseException:
                 os.close(fd)
                 with contextlib.suppress(OSError):
@@ -334,11 +365,33 @@ class LocalStore(Store):
     # -- writes -----------------------------------------------------------------------------------
 
     def put(self, key: str, data: Data) -> None:
+        self._put(key, data, durable=True)
+
+    def put_deferred(self, key: str, data: Data) -> None:
+        """Atomic like ``put`` but not fsynced: durable only once ``sync`` returns. Many small
+        fsyncs (each file, each folder) cost far more than one ``syncfs`` of the filesystem."""
+        self._put(key, data, durable=False)
+
+    def sync(self) -> None:
+        """Make every earlier ``put_deferred`` durable: ``syncfs(2)`` on the root's filesystem
+        (all dirty data and metadata of that filesystem), falling back to ``sync(2)``."""
+        if not os.path.isdir(self.root):
+            return
+        pending = set(self._deferred_dirs)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if _syncfs is None or _syncfs(fd) != 0:
+                os.sync()
+        finally:
+            os.close(fd)
+        self._deferred_dirs -= pending
+
+    def _put(self, key: str, data: Data, durable: bool) -> None:
         path = self._path(key)
         views = as_buffers(data)
         try:
-            tmp = self._make_temp(path, self._fill(views))
-            self._replace(tmp, path)
+            tmp = self._make_temp(path, self._fill(views, durable), durable)
+            self._replace(tmp, path, durable)
         except OSError as e:
             raise self._fail("put", f"{key!r}", e) from None
 
@@ -398,7 +451,7 @@ class LocalStore(Store):
                 os.unlink(tmp)
             raise
 
-    def _replace(self, tmp: str, path: str) -> None:
+    def _replace(self, tmp: str, path: str, durable: bool = True) -> None:
         """Rename the complete temp file over ``path`` and make the new name durable."""
         try:
             os.replace(tmp, path)
@@ -408,8 +461,9 @@ class LocalStore(Store):
             raise
         # ENOENT: a concurrent delete already removed the object and pruned the folder, which is
         # a valid order of the two calls.
-        with contextlib.suppress(FileNotFoundError):
-            self._fsync_dir(os.path.dirname(path))
+        if durable:
+            with contextlib.suppress(FileNotFoundError):
+                self._fsync_dir(os.path.dirname(path))
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -81,6 +81,18 @@ class StoreConformance:
         assert store.get("a/list") == expected
         assert store.head("a/list").size == len(expected)
 
+    def test_put_deferred_then_sync(self, store: Store) -> None:
+        # Visible at once (atomic), durable after sync; a durable put may follow into a folder
+        # that only a deferred put created.
+        store.put_deferred("d/e/f", [b"abc", memoryview(b"def")])
+        assert store.get("d/e/f") == b"abcdef"
+        store.put("d/e/g", b"x")
+        store.sync()
+        store.put_deferred("d/e/f", b"new")
+        store.sync()
+        assert store.get("d/e/f") == b"new" and store.get("d/e/g") == b"x"
+        assert [i.key for i in store.list("d/")] == ["d/e/f", "d/e/g"]
+
     def test_put_copies_caller_buffer(self, store: Store) -> None:
         buf = bytearray(b"original")
         store.put("k", buf)

@@ -65,15 +65,19 @@ def test_tensorstore_reads_what_we_write(tmp_path, shape, dtype, shard, chunk):
 
 
 def test_chunk_shape_divides_shard_and_respects_floor():
-    # 14-row shard of 1 MiB rows: 4 MiB target -> 2 rows (7 does not fit, 2 divides 14)
-    c = choose_chunk_shape((14, 262144), 4)
-    assert c == (2, 262144)
-    # prime extent: only 1 or the whole shard; 1 row is 64 KiB < floor -> whole shard
-    c = choose_chunk_shape((1009, 16384), 4)
-    assert c[0] in (1009,) and 1009 % c[0] == 0
+    # 14 rows of 1 MiB: rows fit the 4 MiB cap, so whole rows, one per chunk (target 448 KiB)
+    assert choose_chunk_shape((14, 262144), 4) == (1, 262144)
+    # 16 MiB shard of 4 KiB rows: ~1/32 of the shard (512 KiB = 128 rows), dividing 4096
+    assert choose_chunk_shape((4096, 1024), 4) == (128, 1024)
+    # an explicit target
+    assert choose_chunk_shape((14, 262144), 4, target=4 << 20) == (2, 262144)
+    # prime extent: only 1 or the whole shard; 1 row is 64 KiB... = floor -> 1 row
+    assert choose_chunk_shape((1009, 16384), 4) == (1, 16384)
+    # prime extent with rows below the floor: the whole shard
+    assert choose_chunk_shape((1009, 1024), 4) == (1009, 1024)
     # small shards stay one chunk
     assert choose_chunk_shape((8, 8), 4) == (8, 8)
-    # rows larger than the target split the next dimension
+    # rows larger than the 4 MiB cap split the next dimension too
     c = choose_chunk_shape((4, 4 * 1024 * 1024), 4)
     assert c[0] == 1 and (4 * 1024 * 1024) % c[1] == 0 and c[1] * 4 <= 4 * 1024 * 1024
 

@@ -261,10 +261,11 @@ def test_aligned_layout_gives_whole_chunks(shape, layout, ws):
             assert padding == 0
 
 
-def test_aligned_layout_of_a_big_tensor_keeps_chunks_of_a_few_mib():
+def test_aligned_layout_of_a_big_tensor_keeps_whole_rows_in_bounded_chunks():
     boxes = rank_boxes((6000, 1024), True, parse_layout("fsdp", 3))
     lay = aligned_layout((6000, 1024), "float32", 4, boxes)  # 7.8 MiB per rank
-    assert lay.shard_shape == (2000, 1024) and lay.chunk_shape == (1000, 1024)
+    assert lay.shard_shape == (2000, 1024) and lay.chunk_shape[1:] == (1024,)
+    assert 2000 % lay.chunk_shape[0] == 0 and 64 << 10 <= lay.chunk_shape[0] * 4096 <= 4 << 20
     _assert_whole_chunks(lay, boxes)
 
 
