@@ -13,6 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, decode_chunk, decode_index
@@ -52,6 +54,8 @@ def _check_shard(store: Store, prefix: str, entry: mf.TensorEntry, coord: tuple[
         raise CorruptChunkError(f"{name}: object of {len(data)} bytes is shorter than its index")
     index = decode_index(layout, bytes(mv[-layout.index_nbytes :]), name)
     body = len(data) - layout.index_nbytes
+    start, stop = layout.shard_box(coord)
+    present = tuple(-(-(b - a) // c) for a, b, c in zip(start, stop, layout.chunk_shape, strict=True))
     for c in _chunk_coords(layout):
         off, n = (int(x) for x in index[c])
         inside = chunk_box(layout, coord, c).volume > 0 and all(
@@ -64,6 +68,11 @@ def _check_shard(store: Store, prefix: str, entry: mf.TensorEntry, coord: tuple[
             continue
         if off + n > body or n != layout.chunk_nbytes + CRC_BYTES:
             raise CorruptChunkError(f"{name} chunk {c}: index entry ({off}, {n}) is out of bounds")
+        if off != int(np.ravel_multi_index(c, present)) * n:
+            raise CorruptChunkError(
+                f"{name} chunk {c}: at offset {off}, not where the format puts it (chunks of a shard "
+                "are stored back to back in C order); the shard was rewritten by another tool"
+            )
         decode_chunk(layout, mv[off : off + n], f"{name} chunk {c}")
     return len(data)
 

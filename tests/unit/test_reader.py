@@ -59,8 +59,33 @@ def test_reads_only_needed_chunks(store):
     reader = CheckpointReader(store, "step_0000000005")
     out = np.empty((8, 6), dtype=np.float32)
     reader.read([ReadRequest(m.tensors["a/sharded"], Box((12, 0), (20, 6)), out)])
-    # two 4-row chunks of 96 bytes (+4 crc each) plus one shard index (3 chunks * 16 + 4)
-    assert reader.stats.bytes_read == 2 * (96 + 4) + 52
+    # two 4-row chunks of 96 bytes (+4 crc each); no shard index: offsets follow from the layout
+    assert reader.stats.bytes_read == 2 * (96 + 4)
+
+
+def reorder_chunks(store, key, n):
+    """Rewrite a 3-chunk shard with its chunks in reverse order and a matching index, as another
+    zarr writer might lay it out."""
+    import struct
+
+    from ckptd.codec import crc_bytes
+
+    data = store.get(key)
+    chunks = [data[i * n : (i + 1) * n] for i in range(3)]
+    index = b"".join(struct.pack("<QQ", (2 - i) * n, n) for i in range(3))
+    store.put(key, b"".join(reversed(chunks)) + index + crc_bytes(index))
+
+
+def test_shards_out_of_canonical_order_fail_verify(store):
+    """The format promises each shard's chunks back to back in C order (readers rely on it to
+    skip the index read); a shard rewritten in another order is reported, not read silently."""
+    from ckptd.verify import verify
+
+    entry = catalog.load_manifest(store).tensors["a/sharded"]
+    assert verify(store, 5).ok
+    reorder_chunks(store, "step_0000000005/arrays/a/sharded/c/1/0", entry.layout.chunk_nbytes + 4)
+    report = verify(store, 5)
+    assert not report.ok and "arrays/a/sharded" in report.errors[0] and "order" in report.errors[0]
 
 
 @pytest.mark.parametrize("whole", [True, False])
