@@ -19,6 +19,7 @@ with ``put_if_absent``, so exactly one commit happens even when ranks (or daemon
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -58,6 +59,7 @@ def done_prefix(step: int, attempt: str) -> str:
     return f"{step_dir(step)}/{DONE}/{attempt}/"
 
 
+@functools.lru_cache(maxsize=65536)  # every save escapes the same keys again
 def escape_component(c: str) -> str:
     """One path component of a state key, safe as a file name and an S3 key part."""
     if c == "":

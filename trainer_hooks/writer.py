@@ -106,15 +106,20 @@ def persist(
     if committed:
         log.info("committed %s (%d ranks)", where, job.world_size)
         if keep_last:
-            try:
-                deleted = catalog.retain(store, keep_last)
-                if deleted:
-                    log.info("retention removed steps %s", deleted)
-            except (CheckpointError, StorageError) as e:  # retention must not fail a save
-                log.warning("retention failed: %s", e)
+            apply_retention(store, keep_last)
     elif wait:
         _wait_commit(store, job, where, commit_timeout)
     return SaveResult(job.step, nbytes, objects, committed, time.perf_counter() - t0)
+
+
+def apply_retention(store: Store, keep_last: int) -> None:
+    """Retention after a commit; its failure never fails the save that triggered it."""
+    try:
+        deleted = catalog.retain(store, keep_last)
+        if deleted:
+            log.info("retention removed steps %s", deleted)
+    except (CheckpointError, StorageError) as e:
+        log.warning("retention failed: %s", e)
 
 
 def _wait_commit(store: Store, job: SaveJob, where: str, timeout: float) -> None:
@@ -198,18 +203,27 @@ class BackgroundWriter:
         return Stager()
 
     def submit(self, job: SaveJob) -> Future:
-        return self._thread.submit(self._persist, job)
+        """The future resolves at the commit; retention runs after it, on the same thread, so it
+        delays neither the caller nor the next save's snapshot (only that save's writes)."""
+        fut: Future = Future()
+        self._thread.submit(self._persist, job, fut)
+        return fut
 
-    def _persist(self, job: SaveJob) -> SaveResult:
+    def _persist(self, job: SaveJob, fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
         try:
-            result = persist(self.store, job, self.io, self.keep_last, self.commit_timeout, dedupe=self.dedupe)
-        except BaseException:
+            result = persist(self.store, job, self.io, None, self.commit_timeout, dedupe=self.dedupe)
+        except BaseException as e:
             if self.dedupe is not None:
                 self.dedupe.failed()
-            raise
+            fut.set_exception(e)
+            return
         if self.dedupe is not None:
             self.dedupe.committed(job.step)
-        return result
+        fut.set_result(result)
+        if result.committed_here and self.keep_last:
+            apply_retention(self.store, self.keep_last)
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
