@@ -227,20 +227,29 @@ def _disk(path: str) -> dict[str, Any]:
 
 
 def machine_info(bench_dir: str) -> dict[str, Any]:
+    from importlib import metadata
+
     import numpy
     import torch
 
     try:
-        import tensorstore
-
-        ts_version = tensorstore.__version__
-    except Exception:  # noqa: BLE001 - informational only
+        ts_version = metadata.version("tensorstore")
+    except metadata.PackageNotFoundError:
         ts_version = None
     try:
         py_spy = subprocess.run(["py-spy", "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         py_spy = None
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        rev = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "ckptd", "trainer_hooks",
+                                "storage_backends"], capture_output=True, text=True)  # fmt: skip
+        code = rev.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+    except OSError:
+        code = None
     return {
+        "code_revision": code,
         "date": now_utc(),
         "cpu_model": _cpu_model(),
         "cores": os.cpu_count(),

@@ -341,12 +341,17 @@ def run(
     R("ckptd.block", "ckptd save: time save() blocks", floor="floor.memcpy", dcp_ref="dcp.async.default.block")
     R("ckptd.commit", "ckptd save: time until committed (fut.result())", floor="floor.write", dcp_ref="dcp.save")
     R("ckptd.restore", "ckptd restore (cold)", floor="floor.read", dcp_ref="dcp.load")
+    R("ckptd.keep1.block", "ckptd save, keep_last=1: time save() blocks", floor="floor.memcpy",
+      dcp_ref="dcp.async.default.block")  # fmt: skip
+    R("ckptd.keep1.commit", "ckptd save, keep_last=1 (retention runs before the future resolves): until committed",
+      floor="floor.write", dcp_ref="dcp.save")  # fmt: skip
     ck_root = path("ckptd_job")
     ckpts: dict[str, Checkpointer] = {}
-    step = {"local": 0, "daemon": 0}
+    step = {"local": 0, "keep1": 0, "daemon": 0}
+    prefixes = {"local": "ckptd", "keep1": "ckptd.keep1", "daemon": "ckptd.daemon"}
 
     def ckptd_save(which: str) -> Callable[[int], None]:
-        prefix = "ckptd" if which == "local" else "ckptd.daemon"
+        prefix = prefixes[which]
 
         def go(rep: int) -> None:
             ck = ckpts[which]
@@ -356,6 +361,8 @@ def run(
             t_block = time.perf_counter() - t0
             fut.result()
             t_commit = time.perf_counter() - t0
+            if which != "keep1":
+                _prune_older(ck, step[which])  # outside the timing: DCP deletes nothing either
             if rep < 0:
                 res.rows[f"{prefix}.block"].extra.update(first_call_s=t_block, first_commit_s=t_commit)
                 return
@@ -381,8 +388,10 @@ def run(
         check("ckptd.restore", sent.detach())
 
     if selected("ckptd"):
-        ckpts["local"] = Checkpointer(ck_root, keep_last=1)
+        ckpts["local"] = Checkpointer(ck_root)
+        ckpts["keep1"] = Checkpointer(path("ckptd_keep1"), keep_last=1)
         systems += [System("ckptd.save", "save", ckptd_save("local"), warm=True)]
+        systems += [System("ckptd.keep1", "save", ckptd_save("keep1"), warm=True)]
         systems += [System("ckptd.restore", "read", ckptd_restore)]
 
     # ckptd through the daemon
@@ -395,7 +404,7 @@ def run(
         if why is None:
             try:
                 daemon = Daemon(path("daemon_job"), path("daemon.log"), budget=3 * total + (256 << 20))
-                ckpts["daemon"] = Checkpointer(path("daemon_job"), daemon=daemon.url, keep_last=1)
+                ckpts["daemon"] = Checkpointer(path("daemon_job"), daemon=daemon.url)
                 systems.append(System("ckptd.daemon", "save", ckptd_save("daemon"), warm=True))
             except Exception as e:  # noqa: BLE001 - any failure of a component still being built
                 why = f"`ckptd serve` did not work: {type(e).__name__}: {e}"
@@ -426,7 +435,7 @@ def run(
                     collect()
             res.sections[SECTION]["last_rep_done"] = rep
         if profile_prefix and "local" in ckpts:
-            _profile_ckptd(res, ckpts["local"], state, step, ck_root, profile_prefix)
+            _profile_ckptd(res, ckpts["local"], ckpts.get("keep1"), state, step, ck_root, profile_prefix)
     finally:
         for ck in ckpts.values():
             with contextlib.suppress(Exception):
@@ -442,7 +451,16 @@ def run(
     res.sections[SECTION]["cache_drop"] = drop_cache.method
 
 
-def _profile_ckptd(res: Results, ck, state, step: dict, root: str, prefix: str) -> None:
+def _prune_older(ck, latest: int) -> None:
+    """Delete this job's checkpoints older than ``latest`` (untimed; keeps the disk from filling)."""
+    from ckptd import catalog
+
+    for s in catalog.steps(ck.store):
+        if s < latest:
+            catalog.delete_checkpoint(ck.store, s)
+
+
+def _profile_ckptd(res: Results, ck, keep1, state, step: dict, root: str, prefix: str) -> None:
     """Profiles of ckptd's save (pyinstrument over the ``save`` calls alone: exactly what blocks
     training; py-spy over save + commit, every thread) and of a cold restore."""
     from benchmarks.profiling import profiled
@@ -470,6 +488,13 @@ def _profile_ckptd(res: Results, ck, state, step: dict, root: str, prefix: str) 
             step["local"] += 1
             ck.save(step["local"], state).result()
     profs["save"] = p
+    _prune_older(ck, step["local"])
+    if keep1 is not None:
+        with profiled(prefix + "_save_keep1", "ckptd save x2, keep_last=1: retention inside the commit") as p:
+            for _ in range(2):
+                step["keep1"] += 1
+                keep1.save(step["keep1"], state).result()
+        profs["save_keep1"] = p
     drop_cache(root)
     with profiled(prefix + "_restore", "ckptd in-process restore, cold, local disk") as p:
         ck.restore(state)

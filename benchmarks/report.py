@@ -173,6 +173,7 @@ def write_markdown(res: Results, path: str, chart_path: str | None) -> None:
         f"| load average at start | {', '.join(f'{x:.2f}' for x in mi.get('loadavg_at_start', []))} "
         "(the machine is shared with other developers) |",
         f"| date | {mi.get('date')} |",
+        f"| code measured | ckptd at {mi.get('code_revision')} |",
         "",
         "## Method",
         "",
@@ -206,7 +207,7 @@ def write_markdown(res: Results, path: str, chart_path: str | None) -> None:
     for t in res.targets:
         val = "-" if t.value is None else f"{t.value:.3f}"
         note = t.detail
-        if t.passed is False and t.profile:
+        if t.profile and (t.passed is False or "s3" in t.id):
             note = (note + "; " if note else "") + f"profile: `{os.path.relpath(t.profile, Path(path).parent)}`"
         out.append(f"| {t.text} | {val} | {t.op} {t.limit} | **{t.verdict}** | {note} |")
     out.append("")
@@ -296,9 +297,9 @@ def _profiles(res: Results, path: str) -> list[str]:
         profs.append(("planning/plan_writes", pl))
     if not profs:
         return out
-    out += ["## Profiles", "", "Summaries under `benchmarks/profiles/` (py-spy: every thread, idle included, so "
-            "percentages are of all threads' samples; the per-thread table in each file says how busy each was). "
-            "Heaviest frames of ckptd's own code:", ""]  # fmt: skip
+    out += ["## Profiles", "", "Summaries under `benchmarks/profiles/` (py-spy: every thread, idle included; a "
+            "percentage is samples / one thread's samples, so 200% means two threads' worth of the block's wall time "
+            "spent there). Heaviest frames of ckptd's own code:", ""]  # fmt: skip
     base = Path(path).parent
     for name, p in profs:
         summ = p.get("summary")

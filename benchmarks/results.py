@@ -102,6 +102,18 @@ class Results:
             return []
         return [r.values[k] / o.values[k] for k in sorted(r.values) if k in o.values and o.values[k] > 0]
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Results:
+        """Rebuild a run from its JSON (to regenerate the report without measuring again)."""
+        res = cls()
+        res.meta, res.sections, res.notes = data["meta"], data["sections"], data["notes"]
+        for d in data["rows"]:
+            d = dict(d)
+            d["values"] = {int(k): v for k, v in d["values"].items()}
+            res.rows[d["id"]] = Row(**d)
+        res.finalize()
+        return res
+
     def to_json(self) -> dict[str, Any]:
         return {
             "meta": self.meta,

@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="1.5GiB", help="state size: fp32 parameters + AdamW state (default 1.5GiB)")
     p.add_argument("--quick", action="store_true", help="a ~64 MiB smoke run (2 repetitions, no profiles)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per row (default 3; 2 with --quick)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per row (default 5; 2 with --quick)")
     p.add_argument("--out", default="results.json", help="JSON output (default results.json)")
     p.add_argument("--report", default=None, help="markdown report (default benchmarks/RESULTS.md)")
     p.add_argument("--only", default=None, help="comma-separated sections or local systems to run")
@@ -41,12 +41,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy/pyinstrument profiles")
     p.add_argument("--profile", action="store_true", help="profile even with --quick")
     p.add_argument("--profiles-dir", default=str(HERE / "profiles"), help="where profile texts go")
+    p.add_argument("--from-json", default=None, help="measure nothing: rebuild the report from this JSON")
     a = p.parse_args(argv)
     if a.quick:
         a.size = "64MiB" if "--size" not in (argv if argv is not None else sys.argv) else a.size
         a.no_profile = not a.profile
     a.size_bytes = parse_size(a.size)
-    a.reps = a.reps or (2 if a.quick else 3)
+    a.reps = a.reps or (2 if a.quick else 5)
     a.s3_bytes = parse_size(a.s3_size) if a.s3_size else min(a.size_bytes, 256 * MiB)
     a.mem_bytes = parse_size(a.mem_size) if a.mem_size else min(a.size_bytes, 256 * MiB)
     if a.report is None:
@@ -137,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import report, targets
 
     a = parse_args(argv)
+    if a.from_json:
+        res = Results.from_json(json.loads(Path(a.from_json).read_text()))
+        targets.evaluate(res, a.profiles_dir)
+        print(report.table(res))
+        chart = report.chart(res, str(Path(a.report).with_suffix(".png")))
+        report.write_markdown(res, a.report, chart)
+        print(f"\nreport: {a.report}")
+        return 0
     if a.size_bytes > 4 * GiB:
         print(f"note: {fmt_bytes(a.size_bytes)} of state is held several times in memory", file=sys.stderr)
     t0 = time.perf_counter()

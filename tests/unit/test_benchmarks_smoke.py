@@ -22,7 +22,7 @@ def test_planning_microbenchmark_structure():
     res = Results()
     sec = planning.run(res, ranks=64, tensors=20, per_key_sample=3, grid_ranks=(16, 64), grid_tensors=(10, 20))
     res.finalize()
-    for rid in ("planning.reads", "planning.read_cost", "planning.writes_per_signature", "planning.writes_per_key"):
+    for rid in ("planning.reads", "planning.read_cost", "planning.writes_per_signature", "planning.save_path"):
         row = res.rows[rid]
         assert row.status == OK
         assert len(row.values) == 1 and row.median is not None and row.median >= 0
