@@ -34,10 +34,8 @@ import argparse
 import collections
 import csv
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -76,40 +74,20 @@ class Phase:
     records: list[dict] = field(default_factory=list)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, train_args: list[str], log_dir: Path) -> list[subprocess.Popen]:
     """Start ``world`` ranks of train_elastic.py the way torchrun would (env://)."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        }
-        with open(log_dir / f"rank{rank}.out", "w") as out:  # the child keeps its own descriptor
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(TRAIN), *train_args, "--log-dir", str(log_dir)],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=str(REPO),
-                )
-            )
-    return procs
+    if str(REPO) not in sys.path:  # as in prepare_root: the demo runs from a checkout, installed or not
+        sys.path.insert(0, str(REPO))
+    from trainer_hooks._local_launch import spawn_ranks
+
+    return spawn_ranks(
+        world,
+        [sys.executable, str(TRAIN), *train_args, "--log-dir", str(log_dir)],
+        lambda rank: log_dir / f"rank{rank}.out",
+        cwd=REPO,
+        pythonpath=REPO,
+        extra_env={"LOCAL_WORLD_SIZE": str(world)},
+    )
 
 
 def read_records(log_dir: Path) -> list[dict]:

@@ -56,6 +56,17 @@ def _run_threads(n: int, fn: Callable[[int], object]) -> list[object]:
     return results
 
 
+def assert_empty_store(store: Store) -> None:
+    """A store whose root does not exist yet (no folder, no bucket) reads as empty: no root,
+    nothing listed, ``get`` raises NotFoundError and ``delete`` does nothing."""
+    assert not store.exists_root()
+    assert list(store.list()) == []
+    assert store.list_dir() == ([], [])
+    with pytest.raises(NotFoundError):
+        store.get("k")
+    store.delete("k")
+
+
 class StoreConformance:
     """The behaviour ``storage_backends.base.Store`` promises, as tests."""
 

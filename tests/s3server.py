@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from trainer_hooks._local_launch import free_port
 
 # What boto3 needs to talk to the server; set by the s3_server fixture for the whole session.
 CREDENTIALS = {
@@ -24,12 +25,6 @@ CREDENTIALS = {
     "AWS_REGION": "us-east-1",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -46,7 +41,7 @@ def start_moto_server(timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
     """Start ``python -m moto.server`` on a free loopback port; returns (process, endpoint URL)
     once it answers HTTP. Its log goes to a temp file, shown if it fails to start."""
     for _ in range(3):  # the free port may be taken between our probe and the server's bind
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         log = tempfile.NamedTemporaryFile(prefix="moto-server-", suffix=".log", delete=False)  # noqa: SIM115
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}

@@ -34,7 +34,7 @@ try:
 except ImportError:  # pragma: no cover - an optional extra
     raise ImportError("trainer_hooks.hf needs transformers: pip install 'ckptd[hf]'") from None
 
-from trainer_hooks.checkpointer import Checkpointer
+from trainer_hooks._callback_common import CheckpointCallbackBase
 
 # TrainerState fields that describe progress (the rest is this run's configuration).
 PROGRESS_FIELDS = (
@@ -72,31 +72,7 @@ def _unwrap(obj):
     return obj
 
 
-class CkptdCallback(TrainerCallback):
-    def __init__(
-        self,
-        root_uri: str,
-        every_n_steps: int = 100,
-        *,
-        daemon: str | None = None,
-        keep_last: int | None = None,
-        extra_state: dict[str, Any] | None = None,
-        restore: bool = True,
-        save_on_train_end: bool = True,
-    ):
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        self.root_uri = root_uri
-        self.every_n_steps = every_n_steps
-        self.daemon = daemon
-        self.keep_last = keep_last
-        self.extra_state = dict(extra_state or {})
-        self.restore = restore
-        self.save_on_train_end = save_on_train_end
-        self.ckpt: Checkpointer | None = None
-        self.restored_step: int | None = None
-        self.last_saved: int | None = None
-
+class CkptdCallback(CheckpointCallbackBase, TrainerCallback):
     def state(self, trainer_state, model, optimizer, lr_scheduler) -> dict[str, Any]:
         """What is saved and restored (the names are the checkpoint's state keys)."""
         state: dict[str, Any] = {"model": model}
@@ -109,28 +85,17 @@ class CkptdCallback(TrainerCallback):
         return state
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        self.ckpt = Checkpointer(self.root_uri, daemon=self.daemon, keep_last=self.keep_last)
-        if self.restore:
-            self.restored_step = self.ckpt.restore(self.state(state, model, optimizer, lr_scheduler))
-            self.last_saved = self.restored_step
+        self._open(lambda: self.state(state, model, optimizer, lr_scheduler))
 
     def _save(self, state, model, optimizer, lr_scheduler) -> None:
-        if self.ckpt is None or state.global_step == self.last_saved:
-            return
-        self.ckpt.save(state.global_step, self.state(state, model, optimizer, lr_scheduler))
-        self.last_saved = state.global_step
+        self._save_step(state.global_step, lambda: self.state(state, model, optimizer, lr_scheduler))
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        if state.global_step > 0 and state.global_step % self.every_n_steps == 0:
+        if self._due(state.global_step):
             self._save(state, model, optimizer, lr_scheduler)
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        if self.ckpt is None:
-            return
         try:
-            if self.save_on_train_end and state.global_step > 0:
-                self._save(state, model, optimizer, lr_scheduler)
-            self.ckpt.wait()
+            self._finish(state.global_step, lambda: self.state(state, model, optimizer, lr_scheduler))
         finally:
-            self.ckpt.close()
-            self.ckpt = None
+            self._close()

@@ -35,38 +35,14 @@ except ImportError:  # pragma: no cover - the older package name
             "trainer_hooks.lightning needs Lightning: pip install 'ckptd[lightning]' (lightning or pytorch_lightning)"
         ) from None
 
-from trainer_hooks.checkpointer import Checkpointer
+from trainer_hooks._callback_common import CheckpointCallbackBase
 
 
 def _named(prefix: str, objs: list) -> dict[str, Any]:
     return {prefix if i == 0 else f"{prefix}_{i}": o for i, o in enumerate(objs)}
 
 
-class CkptdCallback(Callback):
-    def __init__(
-        self,
-        root_uri: str,
-        every_n_steps: int = 100,
-        *,
-        daemon: str | None = None,
-        keep_last: int | None = None,
-        extra_state: dict[str, Any] | None = None,
-        restore: bool = True,
-        save_on_train_end: bool = True,
-    ):
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        self.root_uri = root_uri
-        self.every_n_steps = every_n_steps
-        self.daemon = daemon
-        self.keep_last = keep_last
-        self.extra_state = dict(extra_state or {})
-        self.restore = restore
-        self.save_on_train_end = save_on_train_end
-        self.ckpt: Checkpointer | None = None
-        self.restored_step: int | None = None
-        self.last_saved: int | None = None
-
+class CkptdCallback(CheckpointCallbackBase, Callback):
     def state(self, trainer, pl_module) -> dict[str, Any]:
         """What is saved and restored (the names are the checkpoint's state keys)."""
         state: dict[str, Any] = {"model": pl_module}
@@ -77,30 +53,17 @@ class CkptdCallback(Callback):
         return state
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.ckpt = Checkpointer(self.root_uri, daemon=self.daemon, keep_last=self.keep_last)
-        if self.restore:
-            self.restored_step = self.ckpt.restore(self.state(trainer, pl_module))
-            self.last_saved = self.restored_step
+        self._open(lambda: self.state(trainer, pl_module))
 
     def _save(self, trainer, pl_module) -> None:
-        step = trainer.global_step
-        if self.ckpt is None or step == self.last_saved:
-            return
-        self.ckpt.save(step, self.state(trainer, pl_module))
-        self.last_saved = step
+        self._save_step(trainer.global_step, lambda: self.state(trainer, pl_module))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step > 0 and trainer.global_step % self.every_n_steps == 0:
+        if self._due(trainer.global_step):
             self._save(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.ckpt is None:
-            return
-        if self.save_on_train_end and trainer.global_step > 0:
-            self._save(trainer, pl_module)
-        self.ckpt.wait()
+        self._finish(trainer.global_step, lambda: self.state(trainer, pl_module))
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        if self.ckpt is not None:
-            self.ckpt.close()
-            self.ckpt = None
+        self._close()

@@ -47,24 +47,22 @@ def job_root(uri: str) -> Iterator[Store]:
 # ----------------------------------------------------------------------------------- arguments
 
 
-def step_arg(text: str) -> int:
-    try:
-        step = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid step {text!r}: expected an integer") from None
-    if step < 0:
-        raise argparse.ArgumentTypeError(f"invalid step {step}: steps are >= 0")
-    return step
-
-
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, what: str, least: int, rule: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {n}: must be >= 1")
+        raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: expected an integer") from None
+    if n < least:
+        raise argparse.ArgumentTypeError(f"invalid {what} {n}: {rule}")
     return n
+
+
+def step_arg(text: str) -> int:
+    return _int_at_least(text, "step", 0, "steps are >= 0")
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, "count", 1, "must be >= 1")
 
 
 def add_uri(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ kernel could drop them; :func:`release_file_pages` drops them once a tensor is w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -52,6 +53,15 @@ Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
 
 def _no_progress(done: int, total: int) -> None:
     pass
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's text as one short line for a CLI error (torch's unpickler advice cut)."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:  # skip torch's advice, keep the reason
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
+    text = " ".join(text.split())
+    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
 
 
 # ------------------------------------------------------------------------------------ import
@@ -302,6 +312,20 @@ def remove_partial(tmp: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     elif os.path.lexists(tmp):
         os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def staged_output(out: str) -> Iterator[str]:
+    """Yield the :func:`partial_path` to write an export to; :func:`publish` it as ``out`` when
+    the block ends normally, remove it when the block (or the publish) raises. The caller checks
+    ``out`` with :func:`check_output` first."""
+    tmp = partial_path(out)
+    try:
+        yield tmp
+        publish(tmp, out)
+    except BaseException:
+        remove_partial(tmp)
+        raise
 
 
 _libc = None

@@ -61,9 +61,8 @@ from ckptd.interop.common import (
     SavedCheckpoint,
     _no_progress,
     check_output,
-    partial_path,
-    publish,
-    remove_partial,
+    one_line,
+    staged_output,
     trim_heap,
 )
 
@@ -100,7 +99,7 @@ class _LoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = torch.load(value, weights_only=True)
         except Exception as e:  # an UnpicklingError naming the refused global, usually
             raise CheckpointError(
-                f"value {fqn!r} is not plain data (tensors, numbers, strings, lists, dicts): {_one_line(e)}"
+                f"value {fqn!r} is not plain data (tensors, numbers, strings, lists, dicts): {one_line(e)}"
             ) from None
 
 
@@ -121,15 +120,7 @@ def _error(e: BaseException, where: str, what: str) -> CheckpointError:
         e = first[0] if isinstance(first, tuple) else first
     if isinstance(e, CheckpointError):
         return CheckpointError(f"{where}: {e}")
-    return CheckpointError(f"{where}: {what} ({_one_line(e)})")
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e)
-    if "WeightsUnpickler error:" in text:  # skip torch's advice, keep the reason
-        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
-    text = " ".join(text.split())
-    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
+    return CheckpointError(f"{where}: {what} ({one_line(e)})")
 
 
 # ------------------------------------------------------------------------------------ import
@@ -143,7 +134,7 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
     try:
         md = reader.read_metadata()
     except Exception as e:
-        raise CheckpointError(f"{src}: cannot read DCP metadata ({_one_line(e)})") from None
+        raise CheckpointError(f"{src}: cannot read DCP metadata ({one_line(e)})") from None
     if not isinstance(md, Metadata):
         raise CheckpointError(f"{src}: .metadata does not hold DCP metadata")
     paths = _paths(md)
@@ -303,20 +294,15 @@ def write(saved: SavedCheckpoint, out: str, progress: Progress = _no_progress) -
         _, tree = saved.decode(name)
         state[name] = tree
     total = len(saved.manifest.tensors)
-    tmp = partial_path(out)
     try:
-        # One file per item: torch's writer keeps every tensor of a file referenced until the file
-        # is closed (torch 2.13), so one file per rank would hold the whole checkpoint in memory.
-        writer = FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1, sync_files=True)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-            dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(saved, total, progress), no_dist=True)
-        files = sorted(os.listdir(tmp))
-        publish(tmp, out)
+        with staged_output(out) as tmp:
+            # One file per item: torch's writer keeps every tensor of a file referenced until the file
+            # is closed (torch 2.13), so one file per rank would hold the whole checkpoint in memory.
+            writer = FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1, sync_files=True)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+                dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(saved, total, progress), no_dist=True)
+            files = sorted(os.listdir(tmp))
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        remove_partial(tmp)
         raise _error(e, out, "DCP export failed") from None
-    except BaseException:
-        remove_partial(tmp)
-        raise
     return ExportResult([os.path.join(out, f) for f in files], total)

@@ -39,10 +39,8 @@ from ckptd.interop.common import (
     _no_progress,
     check_output,
     flat_tensors,
-    partial_path,
-    publish,
     release_file_pages,
-    remove_partial,
+    staged_output,
     trim_heap,
 )
 
@@ -247,12 +245,10 @@ def write(
         done += 1
         progress(done, len(names))
 
-    tmp = partial_path(out)
-    try:
+    with staged_output(out) as tmp:
         progress(0, len(names))
         if single_file:
             _write_file(tmp, names, stand_ins, saved, tick)
-            publish(tmp, out)
             return ExportResult([out], len(names), skipped)
         os.mkdir(tmp)
         if len(shards) == 1:
@@ -270,8 +266,4 @@ def write(
                 json.dump(index, f, indent=2, sort_keys=True)
                 f.write("\n")
             files.append(INDEX)
-        publish(tmp, out)
-    except BaseException:
-        remove_partial(tmp)
-        raise
     return ExportResult([os.path.join(out, f) for f in files], len(names), skipped)

@@ -35,10 +35,9 @@ from ckptd.interop.common import (
     _no_progress,
     check_output,
     flat_tensors,
-    partial_path,
-    publish,
+    one_line,
     release_file_pages,
-    remove_partial,
+    staged_output,
     trim_heap,
 )
 
@@ -55,19 +54,11 @@ def safe_load(path: str, mmap_: bool = True) -> tuple[Any, bool]:
                 f"{path}: holds an object of type {refused.group(1)}, not only tensors and plain values; "
                 "ckptd never unpickles arbitrary objects: load it yourself and torch.save its state dict"
             ) from None
-        raise CheckpointError(f"{path}: not a readable torch.save file ({_one_line(e)})") from None
+        raise CheckpointError(f"{path}: not a readable torch.save file ({one_line(e)})") from None
     except (RuntimeError, ValueError, OSError, EOFError) as e:
         if mmap_ and "mmap can only be used" in str(e):
             return safe_load(path, mmap_=False)
-        raise CheckpointError(f"{path}: not a readable torch.save file ({_one_line(e)})") from None
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e)
-    if "WeightsUnpickler error:" in text:  # skip torch's advice, keep the reason
-        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
-    text = " ".join(text.split())
-    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
+        raise CheckpointError(f"{path}: not a readable torch.save file ({one_line(e)})") from None
 
 
 def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
@@ -92,8 +83,7 @@ def write(saved: SavedCheckpoint, out: str, as_key: str = "model", progress: Pro
     """Write entry ``as_key`` of ``saved`` as one ``torch.save`` file ``out``."""
     check_output(out)
     stand_ins, skipped = flat_tensors(saved, as_key)
-    tmp = partial_path(out)
-    try:
+    with staged_output(out) as tmp:
         # Untouched torch.empty tensors cost address space, not memory; skip_data never reads them.
         skeleton = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in stand_ins.items()}
         with torch.serialization.skip_data():
@@ -114,8 +104,4 @@ def write(saved: SavedCheckpoint, out: str, as_key: str = "model", progress: Pro
             os.fsync(fd)
         finally:
             os.close(fd)
-        publish(tmp, out)
-    except BaseException:
-        remove_partial(tmp)
-        raise
     return ExportResult([out], len(stand_ins), skipped)

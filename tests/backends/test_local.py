@@ -10,7 +10,7 @@ import pytest
 
 from storage_backends import LocalStore, NotFoundError, StorageError
 from storage_backends.local import _advance
-from storage_backends.testing import StoreConformance
+from storage_backends.testing import StoreConformance, assert_empty_store
 
 
 class TestLocalStore(StoreConformance):
@@ -23,12 +23,7 @@ class TestLocalStore(StoreConformance):
 
 def test_missing_root_is_an_empty_store(tmp_path: Path) -> None:
     store = LocalStore(str(tmp_path / "not" / "yet"))
-    assert not store.exists_root()
-    assert list(store.list()) == []
-    assert store.list_dir() == ([], [])
-    with pytest.raises(NotFoundError):
-        store.get("k")
-    store.delete("k")
+    assert_empty_store(store)
     store.put("a/k", b"v")
     assert store.exists_root()
     assert (tmp_path / "not" / "yet" / "a" / "k").read_bytes() == b"v"

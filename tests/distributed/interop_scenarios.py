@@ -1,11 +1,8 @@
-"""What each rank does in the interop tests (run by interop_worker.py, launched like launch.py
+"""What each rank does in the interop tests (run by worker.py, launched like launch.py
 launches scenarios.py). Reuses the toy model and helpers of scenarios.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -14,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tests.distributed.scenarios import full_state, make_state, train_step, world
+from tests.distributed.scenarios import compare_with_reference, make_state, save_reference, train_step
 from trainer_hooks import Checkpointer
 
 
@@ -41,10 +38,7 @@ def save_dcp_and_ckptd(layout: str, dcp_dir: str, root: str, out: str, steps: in
     ck = Checkpointer(root)
     ck.save(steps - 1, state).result()
     ck.close()
-    ref = full_state(state)
-    rank, ws = world()
-    if rank == 0:
-        torch.save(ref, Path(out) / f"ref_{layout}_{ws}.pt")
+    save_reference(state, layout, out)
     next_loss = train_step(state, steps, dp_rank, dp_size)
     return {"losses": losses, "next_loss": next_loss, "saved_step": steps - 1}
 
@@ -58,16 +52,7 @@ def load_dcp(layout: str, dcp_dir: str, out: str, ref: str, next_step: int, seed
     set_model_state_dict(state["model"], sd["model"])
     set_optimizer_state_dict(state["model"], state["optim"], sd["optim"])
     state["meta"] = sd["meta"]
-    got = full_state(state)
-    mismatches: list[str] = []
-    if world()[0] == 0:
-        expect = torch.load(Path(out) / ref)
-        if set(expect) != set(got):
-            mismatches.append(f"keys differ: {sorted(set(expect) ^ set(got))}")
-        for k in sorted(set(expect) & set(got)):
-            a, b = expect[k], got[k]
-            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-                mismatches.append(k)
+    mismatches = compare_with_reference(state, out, ref)
     sched_last_epoch = state["sched"].last_epoch
     next_loss = train_step(state, next_step, dp_rank, dp_size)
     return {"mismatches": mismatches, "next_loss": next_loss, "sched_last_epoch": sched_last_epoch, "meta": sd["meta"]}
@@ -86,16 +71,7 @@ def restore_imported(layout: str, root: str, out: str, ref: str, next_step: int,
     step = ck.restore({**state, "sched": sched_state})
     ck.close()
     state["sched"].load_state_dict(sched_state)
-    got = full_state(state)
-    mismatches: list[str] = []
-    if world()[0] == 0:
-        expect = torch.load(Path(out) / ref)
-        if set(expect) != set(got):
-            mismatches.append(f"keys differ: {sorted(set(expect) ^ set(got))}")
-        for k in sorted(set(expect) & set(got)):
-            a, b = expect[k], got[k]
-            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-                mismatches.append(k)
+    mismatches = compare_with_reference(state, out, ref)
     sched_last_epoch = state["sched"].last_epoch
     next_loss = train_step(state, next_step, dp_rank, dp_size)
     return {

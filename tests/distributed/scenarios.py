@@ -146,6 +146,31 @@ def full_state(state) -> dict:
     return out
 
 
+def save_reference(state, layout: str, out: str) -> None:
+    """Record the full state (collective) as ``ref_{layout}_{world size}.pt`` in ``out``; rank 0
+    writes it."""
+    ref = full_state(state)
+    rank, ws = world()
+    if rank == 0:
+        torch.save(ref, Path(out) / f"ref_{layout}_{ws}.pt")
+
+
+def compare_with_reference(state, out: str, ref: str) -> list[str]:
+    """The full state (collective) against the reference ``out/ref``, bitwise: on rank 0 the keys
+    whose dtype, shape or bits differ (and a line if the key sets differ); [] on the others."""
+    got = full_state(state)
+    mismatches: list[str] = []
+    if world()[0] == 0:
+        expect = torch.load(Path(out) / ref)
+        if set(expect) != set(got):
+            mismatches.append(f"keys differ: {sorted(set(expect) ^ set(got))}")
+        for k in sorted(set(expect) & set(got)):
+            a, b = expect[k], got[k]
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+                mismatches.append(k)
+    return mismatches
+
+
 def replicas_disagree(state) -> list[str]:
     """Plain (replicated) tensors must be identical on every rank: the full-state gather above
     only shows rank 0's copy of them."""
@@ -177,10 +202,7 @@ def save(layout: str, roots: list[str], out: str, steps: int = 2, seed: int = 0)
         ck = Checkpointer(root)
         ck.save(saved, state).result()
         ck.close()
-    ref = full_state(state)
-    rank, _ = world()
-    if rank == 0:
-        torch.save(ref, Path(out) / f"ref_{layout}_{world()[1]}.pt")
+    save_reference(state, layout, out)
     next_loss = train_step(state, steps, dp_rank, dp_size)
     return {"losses": losses, "next_loss": next_loss, "saved_step": saved}
 
@@ -191,17 +213,7 @@ def restore(layout: str, root: str, out: str, ref: str, seed: int = 123) -> dict
     ck = Checkpointer(root)
     step = ck.restore(state)
     ck.close()
-    got = full_state(state)
-    rank, _ = world()
-    mismatches: list[str] = []
-    if rank == 0:
-        expect = torch.load(Path(out) / ref)
-        if set(expect) != set(got):
-            mismatches.append(f"keys differ: {sorted(set(expect) ^ set(got))}")
-        for k in sorted(set(expect) & set(got)):
-            a, b = expect[k], got[k]
-            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-                mismatches.append(k)
+    mismatches = compare_with_reference(state, out, ref)
     mismatches += replicas_disagree(state)
     next_loss = train_step(state, step + 1, dp_rank, dp_size)
     return {

@@ -23,8 +23,8 @@ import torch
 
 from ckptd import catalog
 from storage_backends import open_store
-from tests.distributed.launch import free_port
 from trainer_hooks import Checkpointer, CheckpointError, CheckpointHook, ElasticSampler
+from trainer_hooks._local_launch import spawn_ranks, wait_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train_elastic.py"
@@ -169,30 +169,8 @@ TRAIN_ARGS = ["--samples", "360", "--global-batch", "12", "--seq-len", "16", "--
 
 
 def spawn(world: int, args: list[str], log_dir: Path) -> list[subprocess.Popen]:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        with open(log_dir / f"rank{rank}.out", "w") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(TRAIN), *args, "--log-dir", str(log_dir)],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=str(ROOT),
-                )
-            )
-    return procs
+    argv = [sys.executable, str(TRAIN), *args, "--log-dir", str(log_dir)]
+    return spawn_ranks(world, argv, lambda rank: log_dir / f"rank{rank}.out", cwd=ROOT)
 
 
 def records(log_dir: Path) -> list[dict]:
@@ -204,17 +182,10 @@ def outputs(log_dir: Path) -> str:
 
 
 def wait_all(procs: list[subprocess.Popen], log_dir: Path, timeout: float = 180) -> list[int]:
-    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return wait_ranks(procs, timeout)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"ranks did not finish\n{outputs(log_dir)}") from None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [p.returncode for p in procs]
 
 
 def wait_for_step(log_dir: Path, step: int, procs: list[subprocess.Popen], timeout: float = 120) -> None:

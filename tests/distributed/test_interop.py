@@ -10,7 +10,6 @@ Three launches in all (each ~10 s on a small machine).
 from __future__ import annotations
 
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
@@ -19,13 +18,10 @@ from tests.distributed import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-INTEROP_WORKER = Path(__file__).with_name("interop_worker.py")
-
 
 def run_interop(world: int, scenario: str, out: Path, **args) -> list[dict]:
-    """launch.run, with interop_worker.py (which runs interop_scenarios.py) as each rank."""
-    with mock.patch.object(launch, "WORKER", INTEROP_WORKER):
-        return launch.run(world, scenario, out, timeout=300, **args)
+    """launch.run with the scenarios of interop_scenarios.py."""
+    return launch.run(world, scenario, out, timeout=300, scenarios="tests.distributed.interop_scenarios", **args)
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,15 @@ def full_optim(m, o) -> dict:
     return {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
 
 
+def restore_fresh(root: str, optim_key: str, **values) -> tuple[Net, torch.optim.AdamW]:
+    """Restore ``root`` into a fresh Net (other weights) under ``model``, a fresh AdamW (lr 0.5)
+    under ``optim_key`` and ``values`` under their own keys."""
+    m2 = net(4)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    Checkpointer(root).restore({"model": m2, optim_key: o2, **values})
+    return m2, o2
+
+
 def dcp_save(sd: dict, path: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
@@ -192,10 +201,8 @@ def test_dcp_import_restores_model_optimizer_and_values(tmp_path, capsys):
     root = str(tmp_path / "job")
     printed = ok(capsys, "import", tmp_path / "dcp", "--format", "dcp", root, "--step", 5)
     assert "model (dict), optim (optimizer), extra (dict)" in printed
-    m2 = net(4)
-    o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
     extra = {"epoch": 0}
-    Checkpointer(root).restore({"model": m2, "optim": o2, "extra": extra})
+    m2, o2 = restore_fresh(root, "optim", extra=extra)
     assert equal_sd(m2.state_dict(), m.state_dict())
     assert equal_sd(full_optim(m2, o2), full_optim(m, o))
     assert o2.param_groups[0]["lr"] == 1e-2 and o2.param_groups[0]["betas"] == (0.9, 0.999)
@@ -211,10 +218,8 @@ def test_dcp_import_of_a_torchtitan_layout(tmp_path, capsys):
     root = str(tmp_path / "job")
     printed = ok(capsys, "import", tmp_path / "tt", "--format", "dcp", root, "--step", 12)
     assert "model (dict), optimizer (optimizer), train_state (dict)" in printed
-    m2 = net(4)
-    o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
     train_state = {"step": 0}
-    Checkpointer(root).restore({"model": m2, "optimizer": o2, "train_state": train_state})
+    m2, o2 = restore_fresh(root, "optimizer", train_state=train_state)
     assert equal_sd(m2.state_dict(), m.state_dict())
     assert equal_sd(full_optim(m2, o2), full_optim(m, o))
     assert o2.param_groups[0]["lr"] == 1e-2 and train_state == {"step": 12}

@@ -1,5 +1,5 @@
 """A real ``ckptd serve`` process on a free loopback port, for tests; and the launcher for the
-trainer scenarios of this folder (``daemon_scenarios.py``, run by ``daemon_worker.py``)."""
+trainer scenarios of this folder (``daemon_scenarios.py``, run by ``tests/distributed/worker.py``)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from unittest import mock
 
 from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("daemon_worker.py")
+SCENARIOS = "tests.server.daemon_scenarios"
 
 
 class Daemon:
@@ -118,9 +117,8 @@ class Daemon:
 
 
 def spawn(world: int, scenario: str, args: dict, out: Path, extra_env: dict | None = None) -> list[subprocess.Popen]:
-    """``launch.spawn`` with this folder's worker, so scenarios live in ``daemon_scenarios``."""
-    with mock.patch.object(launch, "WORKER", WORKER):
-        return launch.spawn(world, scenario, args, out, extra_env)
+    """``launch.spawn`` with this folder's scenarios (``daemon_scenarios``)."""
+    return launch.spawn(world, scenario, args, out, extra_env, scenarios=SCENARIOS)
 
 
 def run(

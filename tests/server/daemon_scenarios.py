@@ -1,15 +1,18 @@
-"""What each trainer rank does in the daemon tests (run by ``daemon_worker.py``). They reuse the
-model, training step and reference state of ``tests/distributed/scenarios.py``."""
+"""What each trainer rank does in the daemon tests (run by ``tests/distributed/worker.py``). They
+reuse the model, training step and reference state of ``tests/distributed/scenarios.py``."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 import torch
 
-from tests.distributed.scenarios import full_state, make_state, train_step, world
+from tests.distributed.scenarios import full_state, make_state, save_reference, train_step, world
 from trainer_hooks import Checkpointer
+
+LOG_LEVEL = logging.INFO  # the worker logs at this level: the rank logs show the daemon handoffs
 
 
 def _flag(out: str, name: str) -> None:
@@ -20,18 +23,22 @@ def _layout() -> str:
     return "fsdp" if world()[1] > 1 else "single"
 
 
-def save_and_hang(daemons: list[str], root: str, out: str, step: int = 1, seed: int = 0) -> dict:
-    """Train, record the full state as the reference, save through the daemon (rank r uses
-    ``daemons[r % len(daemons)]``: one daemon per node), say that save returned, then wait to be
-    killed with SIGKILL."""
-    rank, ws = world()
+def _train_and_record(out: str, step: int, seed: int) -> dict:
+    """Train steps 0..``step`` and record the full state as the reference; returns the state."""
     layout = _layout()
     state, dp_rank, dp_size = make_state(layout, seed)
     for s in range(step + 1):
         train_step(state, s, dp_rank, dp_size)
-    ref = full_state(state)
-    if rank == 0:
-        torch.save(ref, Path(out) / f"ref_{layout}_{ws}.pt")
+    save_reference(state, layout, out)
+    return state
+
+
+def save_and_hang(daemons: list[str], root: str, out: str, step: int = 1, seed: int = 0) -> dict:
+    """Train, record the full state as the reference, save through the daemon (rank r uses
+    ``daemons[r % len(daemons)]``: one daemon per node), say that save returned, then wait to be
+    killed with SIGKILL."""
+    rank, _ = world()
+    state = _train_and_record(out, step, seed)
     ck = Checkpointer(root, daemon=daemons[rank % len(daemons)])
     ck.save(step, state)
     _flag(out, f"save_returned_{rank}")
@@ -41,14 +48,8 @@ def save_and_hang(daemons: list[str], root: str, out: str, step: int = 1, seed: 
 
 def save_and_wait(daemons: list[str], root: str, out: str, step: int = 1, seed: int = 0) -> dict:
     """Like ``save_and_hang`` but wait for the commit and report what the future says."""
-    rank, ws = world()
-    layout = _layout()
-    state, dp_rank, dp_size = make_state(layout, seed)
-    for s in range(step + 1):
-        train_step(state, s, dp_rank, dp_size)
-    ref = full_state(state)
-    if rank == 0:
-        torch.save(ref, Path(out) / f"ref_{layout}_{ws}.pt")
+    rank, _ = world()
+    state = _train_and_record(out, step, seed)
     with Checkpointer(root, daemon=daemons[rank % len(daemons)]) as ck:
         res = ck.save(step, state).result()
     return {"committed_here": res.committed_here}

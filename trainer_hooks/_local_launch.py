@@ -1,0 +1,92 @@
+"""Start N ranks on this machine as real processes, the way torchrun does (``env://``): each rank
+gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment. For the
+tests, the examples and the benchmarks, which play the launcher; not part of the public API.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+MASTER_ADDR = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((MASTER_ADDR, 0))
+        return s.getsockname()[1]
+
+
+def rank_env(
+    rank: int,
+    world: int,
+    port: int,
+    *,
+    pythonpath: str | Path | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """This process's environment plus what rank ``rank`` of ``world`` needs (one thread each);
+    ``pythonpath`` goes in front of PYTHONPATH; ``extra_env`` comes last and wins."""
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": MASTER_ADDR,
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), os.environ.get("PYTHONPATH")]))
+    env.update(extra_env or {})
+    return env
+
+
+def spawn_ranks(
+    world: int,
+    argv: Sequence[str],
+    log_path: Callable[[int], Path],
+    *,
+    cwd: str | Path,
+    pythonpath: str | Path | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> list[subprocess.Popen]:
+    """Start ``argv`` as ranks 0..world-1 with a fresh MASTER_PORT; rank r's stdout and stderr go
+    to ``log_path(r)`` (its folder is created)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        log = Path(log_path(rank))
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:  # the child keeps its own descriptor
+            procs.append(
+                subprocess.Popen(
+                    list(argv),
+                    env=rank_env(rank, world, port, pythonpath=pythonpath, extra_env=extra_env),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(cwd),
+                )
+            )
+    return procs
+
+
+def wait_ranks(procs: Sequence[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait for every rank, ``timeout`` seconds in all, and return their exit codes. On timeout
+    (or any other exception) the ranks still running are killed and the exception propagates
+    (``subprocess.TimeoutExpired`` for the timeout)."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs]
