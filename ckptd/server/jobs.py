@@ -48,6 +48,11 @@ class _Delayed:
             time.sleep(self._delay)
         return self._store.put(key, data)
 
+    def put_deferred(self, key, data):
+        if f"/{mf.ARRAYS}/" in key:
+            time.sleep(self._delay)
+        return self._store.put_deferred(key, data)
+
     def __getattr__(self, name):
         return getattr(self._store, name)
 
