@@ -38,7 +38,6 @@ SMALL_SHARD_BYTES = 1 * MiB  # shards up to this size are one chunk
 CHUNKS_PER_SHARD = 32
 MAX_CHUNK_BYTES = 4 * MiB
 MIN_CHUNK_BYTES = 64 * KiB
-TARGET_CHUNK_BYTES = MAX_CHUNK_BYTES  # kept for callers that pass an explicit target
 # A fully replicated tensor at least this large is split along dim 0 so that every replica
 # writes a part (DDP saves then use every rank's disk/network bandwidth).
 SPLIT_REPLICATED_BYTES = 8 * MiB
@@ -161,14 +160,6 @@ class WritePlan:
     layout: ArrayLayout
     writers: dict[tuple[int, ...], int]  # shard coordinate -> rank
     transfers: tuple[Transfer, ...] = ()
-    _by_rank: dict[int, list[tuple[int, ...]]] = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self):
-        for coord, rank in self.writers.items():
-            self._by_rank.setdefault(rank, []).append(coord)
-
-    def shards_of(self, rank: int) -> list[tuple[int, ...]]:
-        return self._by_rank.get(rank, [])
 
     @property
     def regular(self) -> bool:

@@ -13,7 +13,6 @@ never a torn write. ``put`` returns only once the object is durable (fsync on a 
 from __future__ import annotations
 
 import abc
-import posixpath
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -237,7 +236,3 @@ class Store(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
-
-
-def join(*parts: str) -> str:
-    return posixpath.join(*[p for p in parts if p])

@@ -9,7 +9,6 @@ case, see ``ckptd.layout``) receive the missing rows from their neighbours here.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -168,7 +167,3 @@ def _exchange(p2p) -> None:
         if kind == "recv":
             buf, where = target
             buf[where].copy_(tensor)
-
-
-def state_bytes(entries: dict[str, mf.TensorEntry]) -> int:
-    return sum(math.prod(e.layout.shape) * e.layout.itemsize for e in entries.values())
