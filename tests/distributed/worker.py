@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -28,10 +29,20 @@ def main() -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = getattr(module, name)(**args)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank is done before any tears its connections down: a peer closing while
+            # gloo's threads still talk to it can abort the process at exit.
+            dist.monitored_barrier(timeout=timedelta(seconds=120))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     Path(args["out"], f"{name}.result{rank}.json").write_text(json.dumps(result))
+    # The result is on disk; skip interpreter teardown, where native library destructors of
+    # torch/gloo have been seen to call std::terminate ("terminate called without an active
+    # exception") after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
