@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -100,10 +101,26 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
     log = StepLog(args.log_dir, rank)
     try:
-        return train(args, rank, world, under_torchrun, log)
+        code = train(args, rank, world, under_torchrun, log)
+        _all_done()
+        return code
+    except SystemExit:
+        _all_done()  # a coordinated stop: every rank saved the same step and leaves now
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _all_done() -> None:
+    """Meet every rank before tearing gloo down: a peer closing its connections while another
+    rank's gloo threads still use them has aborted processes at exit ("terminate called without
+    an active exception"). Bounded, so a dead peer cannot hang the exit."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=60))
+        except RuntimeError as e:
+            print(f"warning: not every rank reached the end together: {e}", file=sys.stderr)
 
 
 def train(args: argparse.Namespace, rank: int, world: int, under_torchrun: bool, log: StepLog) -> int:
