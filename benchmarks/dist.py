@@ -7,59 +7,29 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from trainer_hooks._local_launch import spawn_ranks, wait_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(world: int, scenario: str, out: Path, timeout: float = 900, **args) -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "PYTHONWARNINGS": "ignore",
-        }
-        with open(out / f"{scenario}.w{world}.rank{rank}.log", "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "benchmarks.dist", scenario, json.dumps({**args, "out": str(out)})],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=str(ROOT),
-                )
-            )
-    deadline = time.monotonic() + timeout
+    argv = [sys.executable, "-m", "benchmarks.dist", scenario, json.dumps({**args, "out": str(out)})]
+    procs = spawn_ranks(
+        world,
+        argv,
+        lambda rank: out / f"{scenario}.w{world}.rank{rank}.log",
+        cwd=ROOT,
+        pythonpath=ROOT,
+        extra_env={"PYTHONWARNINGS": "ignore"},
+    )
     try:
-        for p in procs:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
+        codes = wait_ranks(procs, timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{scenario} at {world} ranks timed out\n{_logs(out, scenario, world)}") from None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
     if any(codes):
         raise RuntimeError(f"{scenario} at {world} ranks: exit codes {codes}\n{_logs(out, scenario, world)}")
     return [json.loads((out / f"{scenario}.w{world}.result{r}.json").read_text()) for r in range(world)]
