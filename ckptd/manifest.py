@@ -126,7 +126,7 @@ class Manifest:
         return sum(t.layout.nbytes for t in self.tensors.values())
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
+        head = json.dumps(
             {
                 "format": "ckptd",
                 "format_version": self.format_version,
@@ -135,11 +135,12 @@ class Manifest:
                 "attempt": self.attempt,
                 "created": self.created,
                 "layout": self.layout,
-                "tensors": [t.to_json() for t in self.tensors.values()],
-                "state": self.state,
             },
             separators=(",", ":"),
-        ).encode()
+        )
+        tensors = _tensors_json(tuple(self.tensors.values()))
+        state = json.dumps(self.state, separators=(",", ":"))
+        return f'{head[:-1]},"tensors":{tensors},"state":{state}}}'.encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Manifest:
@@ -178,16 +179,25 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+@functools.lru_cache(maxsize=4)
+def _tensors_json(entries: tuple[TensorEntry, ...]) -> str:
+    """The manifest's tensor list, serialized once per layout (saves repeat it unchanged)."""
+    return json.dumps([t.to_json() for t in entries], separators=(",", ":"))
+
+
 def group_nodes(keys, step: int) -> list[tuple[str, bytes]]:
     """zarr.json of the checkpoint folder and of every intermediate group, so zarr tools can walk
     the hierarchy from the folder down to each array. Keys in the folder, with their bytes."""
-    groups = {""}
+    root = ("zarr.json", group_metadata({"ckptd": {"step": step, "format_version": FORMAT_VERSION}}))
+    return [root, *_inner_groups(tuple(keys))]
+
+
+@functools.lru_cache(maxsize=4)
+def _inner_groups(keys: tuple[str, ...]) -> tuple[tuple[str, bytes], ...]:
+    groups = set()
     for key in keys:
         parts = array_path(key).split("/")
         for i in range(1, len(parts)):
             groups.add("/".join(parts[:i]))
-    out = []
-    for g in sorted(groups):
-        attrs = {"ckptd": {"step": step, "format_version": FORMAT_VERSION}} if g == "" else {}
-        out.append((f"{g}/zarr.json" if g else "zarr.json", group_metadata(attrs)))
-    return out
+    meta = group_metadata()
+    return tuple((f"{g}/zarr.json", meta) for g in sorted(groups))

@@ -171,6 +171,14 @@ class Checkpointer:
         self._wait_inflight()
         self._raise_unreported()
 
+    def wait_idle(self) -> None:
+        """``wait``, then also let background retention of an in-process writer finish (with a
+        daemon, retention is the daemon's). For benchmarks and tests that must not overlap it."""
+        self.wait()
+        idle = getattr(self._sink, "idle", None)
+        if idle is not None:
+            idle()
+
     # --------------------------------------------------------------------------- restore
 
     def restore(self, state: dict[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:

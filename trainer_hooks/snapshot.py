@@ -79,21 +79,58 @@ class Stager:
         self._buffers.clear()
 
 
+@dataclass(frozen=True)
+class _KeyPlan:
+    """What one key's snapshot does on this rank, precomputed once per (key, layout): the
+    manifest entry, this rank's ``zarr.json`` (if it writes it), and per shard the buffer shape
+    and the slices to copy (``None`` when the rank holds none of the shard's rows)."""
+
+    grid: Grid
+    entry: mf.TensorEntry
+    meta: tuple[str, bytes] | None
+    shards: tuple[tuple[tuple[int, ...], Box, tuple | None, tuple | None], ...]
+
+
 class Planner:
     """Caches grids across tensors and saves: one per distinct (sharding, dtype), so planning
-    costs O(ranks) per signature, not per tensor."""
+    costs O(ranks) per signature, not per tensor; and per key the rank's copy plan, so a save
+    of an unchanged layout does no planning at all."""
 
     def __init__(self):
         self._cache: dict[tuple, Grid] = {}
+        self._meta: dict[tuple, bytes] = {}
+        self._keys: dict[tuple, _KeyPlan] = {}
 
-    def plan(self, key: str, t: torch.Tensor, sh: Sharding) -> Grid:
-        dtype = zarr_dtype(t.dtype, key)
+    def _grid(self, sh: Sharding, t: torch.Tensor, dtype: str) -> tuple[Grid, bytes]:
         ck = (sh.signature, dtype)
         grid = self._cache.get(ck)
         if grid is None:
             grid = plan_grid(sh.global_shape, t.element_size(), dtype, sh.blocks())
             self._cache[ck] = grid
-        return grid
+            self._meta[ck] = mf.dumps(grid.layout.metadata())
+        return grid, self._meta[ck]
+
+    def key_plan(self, key: str, t: torch.Tensor, sh: Sharding, rank: int) -> _KeyPlan:
+        dtype = zarr_dtype(t.dtype, key)
+        kk = (key, sh.signature, dtype, rank)
+        kp = self._keys.get(kk)
+        if kp is None:
+            grid, meta = self._grid(sh, t, dtype)
+            shards = []
+            for coord in grid.shards_of(key, rank):
+                box = Box(*grid.layout.shard_box(coord))
+                own = box.intersect(sh.local_box)
+                dst = own.relative_to(box) if own is not None else None
+                src = own.relative_to(sh.local_box) if own is not None else None
+                shards.append((coord, box, dst, src))
+            kp = _KeyPlan(
+                grid,
+                mf.TensorEntry(key, grid.layout, sh.placements),
+                (f"{mf.array_path(key)}/zarr.json", meta) if grid.meta_writer(key) == rank else None,
+                tuple(shards),
+            )
+            self._keys[kk] = kp
+        return kp
 
 
 def take(
@@ -110,20 +147,19 @@ def take(
     cuda_used = False
     for key, t in flat.tensors.items():
         sh = sharding_of(t)
-        plan = planner.plan(key, t, sh)
-        entries[key] = mf.TensorEntry(key, plan.layout, sh.placements)
-        if plan.meta_writer(key) == rank:
-            job.metadata.append((f"{mf.array_path(key)}/zarr.json", mf.dumps(plan.layout.metadata())))
+        kp = planner.key_plan(key, t, sh, rank)
+        plan = kp.grid
+        entries[key] = kp.entry
+        if kp.meta is not None:
+            job.metadata.append(kp.meta)
         local = local_tensor(t).detach()
         on_cuda = local.is_cuda
         cuda_used |= on_cuda
         bufs: dict[tuple[int, ...], tuple[torch.Tensor, Box]] = {}
-        for coord in plan.shards_of(key, rank):
-            box = Box(*plan.layout.shard_box(coord))
+        for coord, box, dst, src in kp.shards:
             buf = stager.buffer(key, coord, box.shape, t.dtype, pin=on_cuda)
-            own = box.intersect(sh.local_box)
-            if own is not None:
-                _copy(buf[own.relative_to(box)], local[own.relative_to(sh.local_box)], on_cuda, stager)
+            if dst is not None:
+                _copy(buf[dst], local[src], on_cuda, stager)
             bufs[coord] = (buf, box)
             job.shards.append(ShardWrite(key, plan.layout, coord, buf))
         for tr in plan.transfers(key) if not plan.regular else ():

@@ -229,5 +229,9 @@ class BackgroundWriter:
         if result.committed_here and self.keep_last:
             apply_retention(self.store, self.keep_last)
 
+    def idle(self) -> None:
+        """Block until the writer thread has nothing left to do (retention included)."""
+        self._thread.submit(lambda: None).result()
+
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)

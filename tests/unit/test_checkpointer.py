@@ -192,7 +192,8 @@ def test_buffers_are_reused_and_retention_keeps_newest(root):
             step(state)
             ck.save(s, state)
             assert ck.staged_bytes == size  # allocated once, reused
-        ck.wait()
+        ck.wait_idle()  # commits and the retention that runs after them
+        assert catalog.committed_steps(open_store(root)) == [4, 5]
     assert catalog.committed_steps(open_store(root)) == [4, 5]
 
 
