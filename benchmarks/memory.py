@@ -3,10 +3,11 @@
 Each system runs in a fresh process (``python -m benchmarks.memory SYSTEM JSON``) so that no
 other row's allocations pollute its RSS. The baseline is the RSS once the model and optimizer
 state exist and the saving library is imported and its saver constructed (a start-up cost that
-does not depend on the state, recorded as ``setup``); then, for every save, the RSS when ``save`` returns, when it is committed, and the
-peak in between (a thread samples /proc/self/statm every 2 ms). The figure is the peak RSS above
-the baseline divided by the state's bytes (target <= 1x), and its growth between the second and
-the last save (target: flat).
+does not depend on the state, recorded as ``setup``); then, for every save, the RSS when
+``save`` returns, when it is committed, and the peak in between (a thread samples
+/proc/self/statm every 2 ms). The figure is the peak RSS above the baseline divided by the
+state's bytes (target <= 1x), and its growth between the second and the last save (target:
+flat).
 """
 
 from __future__ import annotations

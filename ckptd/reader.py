@@ -81,8 +81,10 @@ class CheckpointReader:
         Our encoder lays a shard's chunks out back to back in C order, so their offsets follow
         from the layout: the fast path reads the chunks without first fetching the shard index
         (one small random read per shard saved -- a seek each on a disk, a request on S3). Every
-        chunk's crc32c is checked either way; if a chunk fails on the fast path (say the shard
-        was rewritten by another zarr tool), the index is fetched and the read retried from it.
+        chunk's crc32c is checked either way; if a chunk fails on the fast path (a short or
+        corrupt shard), the index is fetched and the read retried from it. A shard whose equal
+        sized chunks were permuted by another writer passes every crc on the fast path: that is
+        why committed checkpoints are immutable, and ``ckptd verify`` checks the order.
         """
         entry, layout = req.entry, req.entry.layout
         if not layout.sharded:
@@ -144,44 +146,50 @@ class CheckpointReader:
         mv = memoryview(blob)
         for off, n, c in group:
             chunk = decode_chunk(layout, mv[off - start : off - start + n], self._name(req.entry, shard, c))
-            cbox = chunk_box(layout, shard, c)
-            inter = cbox.intersect(req.want)
-            if inter is None:
-                continue
-            src = chunk[tuple(slice(a - o, b - o) for a, b, o in zip(inter.start, inter.stop, cbox.start, strict=True))]
-            req.out[inter.relative_to(req.want)] = src
+            _place(req, chunk, chunk_box(layout, shard, c))
 
     def _read_direct(self, req: ReadRequest, shard, key: str, group, start: int) -> bool:
-        """Zero-copy path: when every chunk of the range is wanted whole and lands on a contiguous
-        stretch of ``req.out``, read straight into ``req.out`` (``preadv`` on a filesystem) with
-        the checksums into a side buffer, then check each chunk's crc32c where it landed."""
+        """One scatter read (``preadv`` on a filesystem) per coalesced range: every chunk wanted
+        whole that lands on a contiguous stretch of ``req.out`` is read straight into it (its
+        checksum into a side buffer); the others (the partly wanted chunks at the edges of the
+        box, chunks clipped by the array's edge) into scratch buffers, from which their wanted
+        part is copied after the crc32c check. False when the spans are malformed, for the
+        checked path to report."""
         layout = req.entry.layout
+        n_chunk = layout.chunk_nbytes + CRC_BYTES
         views: list[memoryview] = []
-        targets = []
+        direct, staged = [], []
         crcs = bytearray(CRC_BYTES * len(group))
         pos = start
         for i, (off, n, c) in enumerate(group):
-            if n != layout.chunk_nbytes + CRC_BYTES:
-                return False  # let the checked path report the malformed entry
-            cbox = chunk_box(layout, shard, c)
-            if cbox.shape != layout.chunk_shape or cbox.intersect(req.want) != cbox:
-                return False
-            where = cbox.relative_to(req.want)
-            dst = req.out[where] if where else req.out  # out[()] of a 0-d array is a copy, not a view
-            if not dst.flags.c_contiguous:
+            if n != n_chunk or off < pos:
                 return False
             if off > pos:
-                views.append(memoryview(bytearray(off - pos)))  # a gap between chunks: dropped
-            body = memoryview(dst.reshape(-1).view(np.uint8))
-            crc = memoryview(crcs)[i * CRC_BYTES : (i + 1) * CRC_BYTES]
-            views += [body, crc]
-            targets.append((body, crc, c))
+                views.append(memoryview(np.empty(off - pos, np.uint8)))  # a gap between chunks: dropped
+            cbox = chunk_box(layout, shard, c)
+            dst = None
+            if cbox.shape == layout.chunk_shape and cbox.intersect(req.want) == cbox:
+                where = cbox.relative_to(req.want)
+                dst = req.out[where] if where else req.out  # out[()] of a 0-d array is a copy, not a view
+                if not dst.flags.c_contiguous:
+                    dst = None
+            if dst is not None:
+                body = memoryview(dst.reshape(-1).view(np.uint8))
+                crc = memoryview(crcs)[i * CRC_BYTES : (i + 1) * CRC_BYTES]
+                views += [body, crc]
+                direct.append((body, crc, c))
+            else:
+                scratch = memoryview(np.empty(n_chunk, np.uint8))
+                views.append(scratch)
+                staged.append((scratch, c, cbox))
             pos = off + n
         self.store.get_range_into(key, start, views)
         self._count(pos - start)
-        for body, crc, c in targets:
+        for body, crc, c in direct:
             if crc32c(body) != struct.unpack("<I", crc)[0]:
                 raise CorruptChunkError(f"{self._name(req.entry, shard, c)}: crc32c mismatch (corrupt chunk)")
+        for scratch, c, cbox in staged:
+            _place(req, decode_chunk(layout, scratch, self._name(req.entry, shard, c)), cbox)
         return True
 
     def read(self, requests: Iterable[ReadRequest], pool: ThreadPoolExecutor | None = None) -> None:
@@ -210,3 +218,11 @@ class CheckpointReader:
         out = np.empty(layout.shape, dtype=layout.np_dtype)
         self.read([ReadRequest(entry, Box.full(layout.shape), out)])
         return out
+
+
+def _place(req: ReadRequest, chunk: np.ndarray, cbox: Box) -> None:
+    """Copy the part of a decoded chunk (global box ``cbox``) that ``req`` wants into its output."""
+    inter = cbox.intersect(req.want)
+    if inter is not None:
+        src = chunk[tuple(slice(a - o, b - o) for a, b, o in zip(inter.start, inter.stop, cbox.start, strict=True))]
+        req.out[inter.relative_to(req.want)] = src

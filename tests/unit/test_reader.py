@@ -100,3 +100,15 @@ def test_flipped_byte_is_caught(store, whole):
     out = np.empty(box.shape, dtype=np.float32)
     with pytest.raises(CorruptChunkError, match=r"arrays/a/sharded.*c/1/0.*crc32c"):
         reader.read([ReadRequest(m.tensors["a/sharded"], box, out)])
+
+
+def test_partly_wanted_edge_chunks_share_the_one_read_of_their_shard(store):
+    """A box that cuts a chunk at its edge still reads each shard's touched chunks in one
+    request: whole chunks land straight in the output, the cut one goes through a scratch buffer."""
+    m = catalog.load_manifest(store)
+    reader = CheckpointReader(store, "step_0000000005")
+    box = Box((13, 0), (24, 6))  # shard 1 holds rows 12..23: chunk 0 partly, chunks 1 and 2 whole
+    out = np.empty(box.shape, dtype=np.float32)
+    reader.read([ReadRequest(m.tensors["a/sharded"], box, out)])
+    np.testing.assert_array_equal(out, ARRAYS["a/sharded"][0][13:24])
+    assert (reader.stats.requests, reader.stats.bytes_read) == (1, 3 * (96 + 4))
