@@ -9,6 +9,7 @@ its behaviour so a torch upgrade that changes it fails loudly instead of writing
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -65,22 +66,44 @@ def sharding_of(t: torch.Tensor) -> Sharding:
         sig = ("replicated", shape, ws)
         return Sharding(shape, Box.full(shape), sig, "replicated" if ws > 1 else "")
     mesh = t.device_mesh
-    shape = tuple(t.shape)
-    ranks = tuple(mesh.mesh.flatten().tolist())
-    sig = ("dtensor", shape, tuple(mesh.mesh.shape), ranks, tuple(t.placements), ws)
+    ranks, mesh_shape, coord = _mesh_info(mesh)
+    return _dtensor_sharding(
+        tuple(t.shape), mesh_shape, ranks, coord, tuple(t.placements), ws, tuple(t.to_local().shape)
+    )
+
+
+# Per device mesh (a job has a handful, alive for the whole run): its ranks in mesh order, its
+# shape and this rank's coordinate. Reading them off the mesh costs a tensor flatten + tolist per
+# call, which every save and restore would otherwise pay per tensor.
+# Held by weak reference: a mesh that dies frees its entry's slot for a new mesh at its id.
+_MESHES: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
+def _mesh_info(mesh) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...] | None]:
+    hit = _MESHES.get(id(mesh))
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
     coord = mesh.get_coordinate()
+    info = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), None if coord is None else tuple(coord))
+    _MESHES[id(mesh)] = (weakref.ref(mesh), info)
+    return info
+
+
+@lru_cache(maxsize=65536)
+def _dtensor_sharding(shape, mesh_shape, ranks, coord, placements, ws, local_shape) -> Sharding:
+    sig = ("dtensor", shape, mesh_shape, ranks, placements, ws)
     if coord is None:
         box = Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
     else:
-        box = _box(shape, tuple(mesh.mesh.shape), tuple(coord), tuple(t.placements))
-        if tuple(box.shape) != tuple(t.to_local().shape):
+        box = _box(shape, mesh_shape, coord, placements)
+        if tuple(box.shape) != local_shape:
             raise CheckpointError(
-                f"DTensor local shape {tuple(t.to_local().shape)} differs from the computed block "
-                f"{box.shape} for placements {t.placements}: unsupported layout"
+                f"DTensor local shape {local_shape} differs from the computed block "
+                f"{box.shape} for placements {placements}: unsupported layout"
             )
-    if any(type(p).__name__ == "_StridedShard" for p in t.placements):
+    if any(type(p).__name__ == "_StridedShard" for p in placements):
         _check_tiling(sig)
-    return Sharding(shape, box, sig, ",".join(str(p) for p in t.placements))
+    return Sharding(shape, box, sig, ",".join(str(p) for p in placements))
 
 
 def _box(shape, mesh_shape, coord, placements) -> Box:
