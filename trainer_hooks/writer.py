@@ -38,6 +38,9 @@ class SaveResult:
     objects_written: int
     committed_here: bool  # this rank wrote the commit record
     seconds: float  # from the start of persisting to commit
+    # where those seconds went on this rank (None through a daemon): writing its objects, making
+    # them durable (one sync), and its done record + commit attempt + waiting for the commit
+    phases: dict[str, float] | None = None
 
 
 def persist(
@@ -93,10 +96,12 @@ def persist(
     if err is not None:
         raise CheckpointError(f"{where}: rank {job.rank} failed to write its data: {err}") from err
     objects = len(futures)
+    t_written = time.perf_counter()
     try:
         store.sync()
     except (StorageError, OSError) as e:
         raise CheckpointError(f"{where}: rank {job.rank} failed to make its data durable: {e}") from e
+    t_synced = time.perf_counter()
     record = {"rank": job.rank, "bytes": nbytes, "objects": objects, "time": time.time(), **job.done}
     try:
         store.put(mf.done_key(job.step, job.attempt, job.rank), mf.dumps(record))
@@ -109,7 +114,9 @@ def persist(
             apply_retention(store, keep_last)
     elif wait:
         _wait_commit(store, job, where, commit_timeout)
-    return SaveResult(job.step, nbytes, objects, committed, time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    phases = {"write": t_written - t0, "sync": t_synced - t_written, "commit": t1 - t_synced}
+    return SaveResult(job.step, nbytes, objects, committed, t1 - t0, phases)
 
 
 def apply_retention(store: Store, keep_last: int) -> None:
