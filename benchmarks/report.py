@@ -272,14 +272,21 @@ def _section_extras(res: Results, sec: str) -> list[str]:
     if sec == "incremental" and info.get("trainable_fraction") is not None:
         out += [f"Trainable (changing) fraction of the state's bytes: {info['trainable_fraction']:.1%}.", ""]
     if sec == "memory" and info.get("curves"):
-        out += ["| system | baseline RSS | state | peak above baseline / state (max) | growth save 2 -> last |",
-                "|---|---|---|---|---|"]  # fmt: skip
+        out += ["| system | baseline RSS | of which library set-up | state | staged buffers / state "
+                "| peak above baseline / state (max) | peak above baseline - state | growth save 2 -> last |",
+                "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for name, c in info["curves"].items():
             s, base = c["state_bytes"], c["baseline_rss"]
-            peak = max((p - base) / s for p in c["peaks"])
+            top = max(c["peaks"]) - base
             growth = (c["after_commit"][-1] - c["after_commit"][1]) / s if len(c["after_commit"]) > 1 else 0
-            out.append(f"| {name} | {fmt_bytes(base)} | {fmt_bytes(s)} | {peak:.3f}x | {growth:+.3f}x |")
-        out.append("")
+            setup = fmt_bytes(c["setup_rss"]) if c.get("setup_rss") is not None else "-"
+            staged = f"{c['staged_bytes'] / s:.3f}x" if c.get("staged_bytes") else "-"
+            out.append(
+                f"| {name} | {fmt_bytes(base)} | {setup} | {fmt_bytes(s)} | {staged} | {top / s:.3f}x "
+                f"| {fmt_bytes(top - s)} | {growth:+.3f}x |"
+            )
+        out += ["", "The baseline is taken after the library is imported and its saver constructed; the "
+                "set-up column is what that cost on top of the model and optimizer.", ""]  # fmt: skip
     if info.get("traceback"):
         out += ["```", info["traceback"][-1500:], "```", ""]
     return out
