@@ -41,6 +41,11 @@ MIN_CHUNK_BYTES = 64 * KiB
 # A fully replicated tensor at least this large is split along dim 0 so that every replica
 # writes a part (DDP saves then use every rank's disk/network bandwidth).
 SPLIT_REPLICATED_BYTES = 8 * MiB
+# A sharded tensor at most this large (biases, norms and their optimizer state) is one shard,
+# written by one rank that receives the other ranks' blocks during the snapshot: otherwise an
+# N-way FSDP save writes N objects of a few bytes per such tensor (4096 per bias at 4096 ranks),
+# and every reader opens all of them.
+GATHER_SMALL_BYTES = 256 * KiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +194,12 @@ class Grid:
     candidates: tuple[tuple[int, ...], ...]  # per shard: ranks that hold all of its owning block
     split: bool = False  # a fully replicated tensor split along dim 0: shard i -> ranks[(h + i) % n]
     # Irregular grids only: per shard, (candidate ranks, box) of every piece its writer lacks.
+    # Gathered grids (one shard, any rank may write it): every distinct block, with its replicas;
+    # the writer receives those it does not hold.
     pieces: tuple[tuple[tuple[tuple[int, ...], Box], ...], ...] = ()
+    gather: bool = False
     _mine: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _block_of: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # gather: rank -> piece
 
     def __post_init__(self):
         mine: dict[int, list[int]] = {}
@@ -199,6 +208,8 @@ class Grid:
                 for r in ranks:
                     mine.setdefault(r, []).append(i)
         self._mine.update({r: tuple(v) for r, v in mine.items()})
+        if self.gather:
+            self._block_of.update({r: i for i, (ranks, _) in enumerate(self.pieces[0]) for r in ranks})
 
     @property
     def regular(self) -> bool:
@@ -223,11 +234,43 @@ class Grid:
         return self.writer(key, 0) if self.coords else 0
 
     def transfers(self, key: str) -> list[Transfer]:
+        """Every transfer of tensor ``key``, in an order all ranks agree on. O(ranks) for a
+        gathered grid: for tools and tests; a save uses :meth:`transfers_of`."""
         out = []
         for i, pieces in enumerate(self.pieces):
             dst = self.writer(key, i)
-            out += [Transfer(ranks[stable_hash(key) % len(ranks)], dst, box) for ranks, box in pieces]
+            out += [
+                Transfer(ranks[stable_hash(key) % len(ranks)], dst, box)
+                for ranks, box in pieces
+                if not (self.gather and dst in ranks)
+            ]
         return out
+
+    def transfers_of(self, key: str, rank: int) -> list[tuple[int, Transfer]]:
+        """The transfers of ``key`` that ``rank`` sends or receives, each with its index in
+        :meth:`transfers` (both ends derive the same message tag from it). For a gathered grid
+        this is O(1) on a sender and O(distinct blocks) on the one writer, so a save of many
+        small tensors at many ranks never costs O(ranks x tensors) on any rank."""
+        if not self.gather:
+            return [(j, t) for j, t in enumerate(self.transfers(key)) if rank in (t.src, t.dst)]
+        dst = self.writer(key, 0)
+        h = stable_hash(key)
+        out, j = [], 0
+        if rank == dst:
+            for ranks, box in self.pieces[0]:
+                if dst not in ranks:
+                    out.append((j, Transfer(ranks[h % len(ranks)], dst, box)))
+                    j += 1
+            return out
+        i = self._block_of.get(rank)
+        if i is None:
+            return []
+        ranks, box = self.pieces[0][i]
+        if dst in ranks or ranks[h % len(ranks)] != rank:
+            return []  # the writer holds this block itself, or another replica sends it
+        # its index among the pieces the writer receives: the pieces before it, less the writer's
+        j = i - (1 if self._block_of.get(dst, len(self.pieces[0])) < i else 0)
+        return [(j, Transfer(rank, dst, box))]
 
 
 def plan_grid(
@@ -239,6 +282,7 @@ def plan_grid(
     target_chunk: int | None = None,
     min_chunk: int = MIN_CHUNK_BYTES,
     split_replicated: int = SPLIT_REPLICATED_BYTES,
+    gather_small: int = GATHER_SMALL_BYTES,
 ) -> Grid:
     """The grid of a tensor whose rank ``r`` holds ``blocks[r]`` (its DTensor local block; the
     full box for a replicated tensor). Deterministic in its inputs."""
@@ -270,6 +314,12 @@ def plan_grid(
             coords = tuple(layout.shard_coords())
             return Grid(layout, coords, tuple(ranks for _ in coords), split=True)
         return Grid(mk(shape), (tuple([0] * ndim),), (ranks,))
+
+    if math.prod(shape) * itemsize <= gather_small and len(replicas) > 1:
+        boxes = sorted(replicas, key=lambda b: b.start)
+        holders = tuple(sorted(r for b in boxes for r in replicas[b]))
+        pieces = tuple((tuple(replicas[b]), b) for b in boxes)
+        return Grid(mk(shape), (tuple([0] * ndim),), (holders,), pieces=(pieces,), gather=True)
 
     steps = []
     for d in range(ndim):

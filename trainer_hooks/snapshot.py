@@ -9,6 +9,7 @@ case, see ``ckptd.layout``) receive the missing rows from their neighbours here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout
-from ckptd.layout import Box, Grid, plan_grid
+from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
 from trainer_hooks.flatten import Flat, zarr_dtype
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
 
@@ -100,12 +101,14 @@ class Planner:
         self._cache: dict[tuple, Grid] = {}
         self._meta: dict[tuple, bytes] = {}
         self._keys: dict[tuple, _KeyPlan] = {}
+        # Sharded tensors up to this size are gathered into one shard (``ckptd.layout``).
+        self.gather_small = int(os.environ.get("CKPTD_GATHER_SMALL_BYTES") or GATHER_SMALL_BYTES)
 
     def _grid(self, sh: Sharding, t: torch.Tensor, dtype: str) -> tuple[Grid, bytes]:
         ck = (sh.signature, dtype)
         grid = self._cache.get(ck)
         if grid is None:
-            grid = plan_grid(sh.global_shape, t.element_size(), dtype, sh.blocks())
+            grid = plan_grid(sh.global_shape, t.element_size(), dtype, sh.blocks(), gather_small=self.gather_small)
             self._cache[ck] = grid
             self._meta[ck] = mf.dumps(grid.layout.metadata())
         return grid, self._meta[ck]
@@ -140,12 +143,13 @@ def take(
     some tensor needs boundary rows from another rank (irregular 2-D layouts)."""
     job = SaveJob(step, attempt, rank, world_size)
     entries: dict[str, mf.TensorEntry] = {}
-    # (tag, "send"|"recv", peer, tensor, where to put received rows). Tags number the transfers
-    # of all tensors in state order, which every rank walks identically, so both ends agree.
+    # (tag, "send"|"recv", peer, tensor, where to put received rows). A tag is the key's index in
+    # state order (which every rank walks identically) times a stride, plus the transfer's index
+    # within the key (which both ends compute alike): unique, and agreed on without messages.
     p2p: list[tuple[int, str, int, torch.Tensor, tuple | None]] = []
-    n_transfers = 0
+    stride = 4 * world_size + 4
     cuda_used = False
-    for key, t in flat.tensors.items():
+    for n, (key, t) in enumerate(flat.tensors.items()):
         sh = sharding_of(t)
         kp = planner.key_plan(key, t, sh, rank)
         plan = kp.grid
@@ -162,16 +166,18 @@ def take(
                 _copy(buf[dst], local[src], on_cuda, stager)
             bufs[coord] = (buf, box)
             job.shards.append(ShardWrite(key, plan.layout, coord, buf))
-        for tr in plan.transfers(key) if not plan.regular else ():
-            n_transfers += 1
+        if plan.regular:
+            continue
+        # Pieces travel on the tensor's own device (NCCL for CUDA tensors, gloo for CPU ones).
+        for j, tr in plan.transfers_of(key, rank):
+            tag = n * stride + j
             if tr.src == rank:
-                piece = local[tr.box.relative_to(sh.local_box)].contiguous().cpu()
-                p2p.append((n_transfers, "send", tr.dst, piece, None))
+                p2p.append((tag, "send", tr.dst, local[tr.box.relative_to(sh.local_box)].contiguous(), None))
             if tr.dst == rank:
                 coord = tuple(a // s for a, s in zip(tr.box.start, plan.layout.shard_shape, strict=True))
                 buf, box = bufs[coord]
-                tmp = torch.empty(tr.box.shape, dtype=t.dtype)
-                p2p.append((n_transfers, "recv", tr.src, tmp, (buf, tr.box.relative_to(box))))
+                tmp = torch.empty(tr.box.shape, dtype=t.dtype, device=local.device)
+                p2p.append((tag, "recv", tr.src, tmp, (buf, tr.box.relative_to(box))))
     if cuda_used:
         ev = torch.cuda.Event()
         ev.record(stager.stream())

@@ -77,3 +77,23 @@ def test_restore_is_bitwise_and_training_continues(saved, workdir, backend, src,
         # another world size reduces in another order: equal up to float rounding
         assert r0["next_loss"] == pytest.approx(s["result"]["next_loss"], rel=1e-5)
     assert len({r["next_loss"] for r in res}) == 1  # every rank agrees
+
+
+def test_fsdp_save_shards_weights_and_gathers_small_tensors(saved):
+    """At 4 FSDP ranks the weights are one shard per rank (the ranks' blocks), while tensors at
+    or under the gather size (CKPTD_GATHER_SMALL_BYTES, 128 B in these workers) are one object
+    written by one rank that received the other blocks: fewer, not tinier, objects."""
+    from ckptd import catalog
+    from ckptd.manifest import step_dir
+    from storage_backends import open_store
+
+    store = open_store(saved("fsdp", 4)["roots"]["file"])
+    m = catalog.load_manifest(store)
+    emb, bias = m.tensors["model/emb.weight"].layout, m.tensors["model/fc1.bias"].layout
+    assert emb.shape == (37, 16) and emb.shard_shape == (10, 16)  # torch.chunk: 10/10/10/7
+    assert bias.shard_shape == bias.shape == (24,)
+    emb_objects = [k for k in store.list(f"{step_dir(m.step)}/arrays/model/emb.weight/") if "/c/" in k.key]
+    bias_objects = [k for k in store.list(f"{step_dir(m.step)}/arrays/model/fc1.bias/") if "/c/" in k.key]
+    assert len(emb_objects) == 4 and len(bias_objects) == 1
+    exp_avg = m.tensors["optim/state/fc1.bias/exp_avg"].layout
+    assert exp_avg.shard_shape == exp_avg.shape

@@ -85,3 +85,32 @@ def test_planning_cost_is_per_signature_not_per_tensor():
     grid = plan_grid((ranks * 10, 64), 4, "float32", fsdp((ranks * 10, 64), ranks))
     assert len(grid._mine[7]) == 1  # rank 7 is a candidate for one shard only
     assert [grid.shards_of(f"layers.{i}.w", 7) for i in range(3)] == [[(7, 0)]] * 3
+
+
+@pytest.mark.parametrize("name,shape,blocks", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_each_rank_derives_its_own_transfers_with_the_indices_both_ends_agree_on(name, shape, blocks):
+    grid = plan_grid(shape, 4, "float32", blocks)
+    for key in [f"optim/state/l{i}.bias/exp_avg" for i in range(12)]:
+        every = list(enumerate(grid.transfers(key)))
+        for r in range(len(blocks)):
+            assert grid.transfers_of(key, r) == [(j, t) for j, t in every if r in (t.src, t.dst)]
+
+
+def test_small_sharded_tensors_are_one_shard_gathered_by_one_rank():
+    """An FSDP-sharded bias is one object written by one rank (which receives the other blocks),
+    not one tiny object per rank; the writer moves from key to key."""
+    blocks = fsdp((1000,), 4)
+    grid = plan_grid((1000,), 4, "float32", blocks)
+    assert grid.gather and grid.layout.shard_shape == (1000,) and grid.coords == ((0,),)
+    writers = set()
+    for i in range(40):
+        plan = plan_writes(f"model/l{i}.bias", (1000,), 4, "float32", blocks)
+        (w,) = plan.writers.values()
+        writers.add(w)
+        assert sorted(t.src for t in plan.transfers) == sorted(set(range(4)) - {w})
+        assert all(t.dst == w and t.box == blocks[t.src] for t in plan.transfers)
+    assert len(writers) > 1
+    hsdp_grid = plan_grid((10, 2), 4, "float32", hsdp((10, 2), 2, 3))
+    assert len(hsdp_grid.transfers("k")) == 2  # 3 distinct blocks, the writer holds one
+    big = plan_grid((4096, 64), 4, "float32", fsdp((4096, 64), 4))  # 1 MiB: sharded as saved
+    assert not big.gather and len(big.coords) == 4
