@@ -24,6 +24,7 @@ import math
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c as _crc32c
 import ml_dtypes
@@ -68,6 +69,27 @@ def crc32c(data) -> int:
 
 def crc_bytes(data) -> bytes:
     return struct.pack("<I", _crc32c.crc32c(data))
+
+
+def inline_value(dtype: str, value) -> Any:
+    """``value`` (a Python scalar read from a 0-d tensor) as the JSON ``fill_value`` that stores
+    it exactly, or None if it has no exact form there (NaN, whose bits JSON would not keep, and
+    complex numbers): such a scalar keeps its chunk object."""
+    if dtype == "bool":
+        return bool(value)
+    if dtype.startswith(("int", "uint")):
+        return int(value)
+    if dtype.startswith(("float", "bfloat")):
+        v = float(value)
+        if math.isnan(v):
+            return None
+        return v if math.isfinite(v) else ("Infinity" if v > 0 else "-Infinity")
+    return None
+
+
+def parse_inline(value) -> Any:
+    """The Python value of an ``inline_value``."""
+    return {"Infinity": math.inf, "-Infinity": -math.inf}.get(value, value) if isinstance(value, str) else value
 
 
 def _fill_value(dtype: str):
@@ -140,8 +162,9 @@ class ArrayLayout:
         stop = tuple(min(b + s, n) for b, s, n in zip(start, self.shard_shape, self.shape, strict=True))
         return start, stop
 
-    def metadata(self, attributes: dict | None = None) -> dict:
-        """The array's ``zarr.json``."""
+    def metadata(self, attributes: dict | None = None, fill_value: Any = None) -> dict:
+        """The array's ``zarr.json``. ``fill_value`` (a JSON scalar) replaces the dtype's zero:
+        a 0-d array saved without a chunk object carries its value there."""
         inner = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
         if self.sharded:
             codecs = [
@@ -164,7 +187,7 @@ class ArrayLayout:
             "data_type": self.dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.shard_shape)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-            "fill_value": _fill_value(self.dtype),
+            "fill_value": _fill_value(self.dtype) if fill_value is None else fill_value,
             "codecs": codecs,
             "attributes": attributes or {},
         }

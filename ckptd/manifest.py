@@ -87,6 +87,9 @@ class TensorEntry:
     key: str
     layout: ArrayLayout
     placements: str = ""  # how it was sharded at save, for humans (``ckptd show``)
+    # A 0-d array saved without a chunk object: its value (``codec.inline_value``), which is also
+    # the ``fill_value`` of its zarr.json, so zarr readers see the same number.
+    value: Any = None
 
     @property
     def path(self) -> str:
@@ -102,12 +105,13 @@ class TensorEntry:
             "chunk_shape": list(self.layout.chunk_shape),
             "nbytes": self.layout.nbytes,
             "placements": self.placements,
+            **({} if self.value is None else {"value": self.value}),
         }
 
     @classmethod
     def from_json(cls, d: dict) -> TensorEntry:
         layout = ArrayLayout(tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["chunk_shape"]))
-        return cls(d["key"], layout, d.get("placements", ""))
+        return cls(d["key"], layout, d.get("placements", ""), d.get("value"))
 
 
 @dataclass
@@ -179,10 +183,15 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-@functools.lru_cache(maxsize=4)
 def _tensors_json(entries: tuple[TensorEntry, ...]) -> str:
-    """The manifest's tensor list, serialized once per layout (saves repeat it unchanged)."""
-    return json.dumps([t.to_json() for t in entries], separators=(",", ":"))
+    """The manifest's tensor list; each entry is serialized once (saves repeat them unchanged,
+    except the values of inline scalars)."""
+    return f"[{','.join(_entry_json(t) for t in entries)}]"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _entry_json(entry: TensorEntry) -> str:
+    return json.dumps(entry.to_json(), separators=(",", ":"))
 
 
 def group_nodes(keys, step: int) -> list[tuple[str, bytes]]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, crc32c, decode_chunk, decode_index
+from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, crc32c, decode_chunk, decode_index, parse_inline
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import Box, ShardRead, chunk_box, plan_reads
 from ckptd.manifest import TensorEntry
@@ -198,6 +198,9 @@ class CheckpointReader:
         for req in requests:
             if req.out.shape != req.want.shape:
                 raise CheckpointError(f"{req.entry.key}: output shape {req.out.shape} != wanted {req.want.shape}")
+            if req.entry.value is not None:  # an inline scalar: no chunk object to read
+                req.out[...] = parse_inline(req.entry.value)
+                continue
             tasks.extend((req, sr) for sr in plan_reads(req.entry.layout, req.want))
         if pool is None:
             for req, sr in tasks:

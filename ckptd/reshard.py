@@ -318,7 +318,7 @@ def rank_cost(tensors: Mapping[str, TensorEntry], sharded: Iterable[str], target
     nbytes = objects = needed = 0
     for key, e in tensors.items():
         box = rank_box(e.layout.shape, key in sharded, target, rank)
-        b, o = read_cost(e.layout, box)
+        b, o = (0, 0) if e.value is not None else read_cost(e.layout, box)  # inline scalars: no object
         nbytes += b
         objects += o
         needed += box.volume * e.layout.itemsize

@@ -102,12 +102,17 @@ def verify(
             meta = json.loads(store.get(f"{prefix}/{entry.path}/zarr.json"))
             if ArrayLayout.from_metadata(meta) != entry.layout:
                 report.errors.append(f"{where}: array {entry.path!r}: zarr.json disagrees with the manifest")
+            elif entry.value is not None and meta.get("fill_value") != entry.value:
+                report.errors.append(
+                    f"{where}: array {entry.path!r}: fill_value {meta.get('fill_value')!r} of zarr.json is not "
+                    f"the saved value {entry.value!r}"
+                )
         except NotFoundError:
             report.errors.append(f"{where}: array {entry.path!r}: zarr.json is missing")
         except (ValueError, CheckpointError) as e:
             report.errors.append(f"{where}: array {entry.path!r}: bad zarr.json ({e})")
-        if entry.layout.nbytes == 0:
-            continue
+        if entry.layout.nbytes == 0 or entry.value is not None:
+            continue  # no data, or an inline scalar (its value is in zarr.json and the manifest)
         tasks += [(entry, c) for c in entry.layout.shard_coords()]
     if report.errors and not keep_going:
         return report

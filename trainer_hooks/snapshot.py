@@ -9,6 +9,7 @@ case, see ``ckptd.layout``) receive the missing rows from their neighbours here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout
+from ckptd.codec import ArrayLayout, inline_value
 from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
 from trainer_hooks.flatten import Flat, zarr_dtype
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
@@ -153,11 +154,21 @@ def take(
         sh = sharding_of(t)
         kp = planner.key_plan(key, t, sh, rank)
         plan = kp.grid
+        local = local_tensor(t).detach()
+        on_cuda = local.is_cuda
+        if not sh.global_shape and not on_cuda:
+            # A CPU scalar (an optimizer's step count) goes into its zarr.json's fill_value and
+            # the manifest instead of a chunk object of a few bytes: one object, not two. Rank 0
+            # (manifest) and the writer (zarr.json) each decide from their own replica's value.
+            value = inline_value(plan.layout.dtype, local.item())
+            if value is not None:
+                entries[key] = dataclasses.replace(kp.entry, value=value)
+                if kp.meta is not None:
+                    job.metadata.append((kp.meta[0], mf.dumps(plan.layout.metadata(fill_value=value))))
+                continue
         entries[key] = kp.entry
         if kp.meta is not None:
             job.metadata.append(kp.meta)
-        local = local_tensor(t).detach()
-        on_cuda = local.is_cuda
         cuda_used |= on_cuda
         bufs: dict[tuple[int, ...], tuple[torch.Tensor, Box]] = {}
         for coord, box, dst, src in kp.shards:
