@@ -373,6 +373,9 @@ def run(
             res.rows[f"{prefix}.block"].extra.setdefault("reported_last_save_blocked_s", []).append(
                 ck.last_save_blocked_s
             )
+            res.rows[f"{prefix}.block"].extra.setdefault("phases", []).append(
+                {k: round(v, 4) for k, v in getattr(ck, "last_save_phases", {}).items()}
+            )
             res.rows[f"{prefix}.block"].extra["staged_bytes"] = ck.staged_bytes
 
         return go

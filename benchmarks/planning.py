@@ -80,8 +80,8 @@ def _save_path(sh: list[tuple[int, ...]], ranks: int, rank: int, sample: int) ->
                 g = grids[s] = _layout.plan_grid(s, 4, "float32", fsdp_blocks(s, ranks))
             key = f"model/layers.{i}.w"
             n += len(g.shards_of(key, rank)) + (g.meta_writer(key) == rank)
-            if not g.regular:
-                g.transfers(key)
+            if not g.regular:  # what take() asks: this rank's transfers only (older layouts: all)
+                g.transfers_of(key, rank) if hasattr(g, "transfers_of") else g.transfers(key)
         return time.perf_counter() - t0, "plan_grid per signature + Grid.shards_of per key"
     part = sh[:sample]
     t0 = time.perf_counter()

@@ -81,6 +81,7 @@ class Checkpointer:
         self._unreported: list[tuple[int, BaseException]] = []
         self._closed = False
         self.last_save_blocked_s = 0.0
+        self.last_save_phases: dict[str, float] = {}
         # Where snapshots go. A sink has submit(job) -> Future (resolved at commit), shutdown(),
         # and stager() -> the Stager whose buffers save() fills (host memory here; shared
         # memory that the daemon can read in daemon mode).
@@ -106,9 +107,13 @@ class Checkpointer:
         mf.step_dir(step)  # validates the step
         self._wait_inflight()
         self._raise_unreported()
+        t_wait = time.perf_counter()
         attempt = self._begin(step)
+        t_begin = time.perf_counter()
         flat = flatten(state)
+        t_flat = time.perf_counter()
         job, entries = take(flat, step, attempt, self.rank, self.world_size, self._stager, self._planner)
+        t_snap = time.perf_counter()
         job.done["rng"] = _encode_rng()
         if self.rank == 0:
             m = mf.Manifest(
@@ -123,7 +128,15 @@ class Checkpointer:
             job.metadata.append((mf.MANIFEST, m.to_bytes()))
         fut = _SaveFuture.chain(self._sink.submit(job), step)
         self._inflight = (step, fut)
-        self.last_save_blocked_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.last_save_blocked_s = t1 - t0
+        self.last_save_phases = {
+            "wait_previous": t_wait - t0,  # the previous save's commit
+            "begin": t_begin - t_wait,  # agreeing on the step and attempt
+            "flatten": t_flat - t_begin,  # get_model/optimizer_state_dict
+            "snapshot": t_snap - t_flat,  # the copies into the reusable buffers
+            "describe": t1 - t_snap,  # RNG, manifest, handing the job to the writer
+        }
         return fut
 
     def _begin(self, step: int) -> str:
