@@ -192,6 +192,9 @@ def test_buffers_are_reused_and_retention_keeps_newest(root):
             step(state)
             ck.save(s, state)
             assert ck.staged_bytes == size  # allocated once, reused
+            phases = ck.last_save_phases
+            assert set(phases) == {"wait_previous", "begin", "flatten", "snapshot", "describe"}
+            assert sum(phases.values()) == pytest.approx(ck.last_save_blocked_s, abs=1e-3)
         ck.wait_idle()  # commits and the retention that runs after them
         assert catalog.committed_steps(open_store(root)) == [4, 5]
     assert catalog.committed_steps(open_store(root)) == [4, 5]
