@@ -184,14 +184,17 @@ def dumps(obj: Any) -> bytes:
 
 
 def _tensors_json(entries: tuple[TensorEntry, ...]) -> str:
-    """The manifest's tensor list; each entry is serialized once (saves repeat them unchanged,
-    except the values of inline scalars)."""
-    return f"[{','.join(_entry_json(t) for t in entries)}]"
+    """The manifest's tensor list. Saves repeat entries unchanged, so each is serialized once;
+    inline scalars change value from save to save and are not cached (the cache stays bounded
+    by the state's structure)."""
+    return "[" + ",".join(_entry_json(t) if t.value is None else _dumps_entry(t) for t in entries) + "]"
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _entry_json(entry: TensorEntry) -> str:
+def _dumps_entry(entry: TensorEntry) -> str:
     return json.dumps(entry.to_json(), separators=(",", ":"))
+
+
+_entry_json = functools.lru_cache(maxsize=1 << 16)(_dumps_entry)
 
 
 def group_nodes(keys, step: int) -> list[tuple[str, bytes]]:

@@ -3,8 +3,10 @@
 This is the only part of a save that blocks training. For each tensor, the rank copies exactly
 the shards it will write (its own block for FSDP/TP; its share of a replicated tensor) into
 buffers that are allocated once and reused by every later save (pinned, and filled on a side
-CUDA stream, when the tensor is on a GPU). Shards whose rows straddle ranks (the irregular 2-D
-case, see ``ckptd.layout``) receive the missing rows from their neighbours here.
+CUDA stream, when the tensor is on a GPU). A small sharded tensor's one shard (see
+``ckptd.layout``) receives the other ranks' blocks here, and so do shards whose rows straddle
+ranks (the irregular 2-D case) from their neighbours. CPU scalars are not copied: their value
+goes into the manifest and their ``zarr.json``.
 """
 
 from __future__ import annotations
@@ -140,8 +142,9 @@ class Planner:
 def take(
     flat: Flat, step: int, attempt: str, rank: int, world_size: int, stager: Stager, planner: Planner
 ) -> tuple[SaveJob, dict[str, mf.TensorEntry]]:
-    """Copy this rank's shards into host buffers and describe the writes. Collective only when
-    some tensor needs boundary rows from another rank (irregular 2-D layouts)."""
+    """Copy this rank's shards into host buffers and describe the writes. Collective (point to
+    point) when a tensor is gathered into one shard (sharded tensors of at most
+    ``Planner.gather_small`` bytes) or needs boundary rows from another rank (irregular 2-D)."""
     job = SaveJob(step, attempt, rank, world_size)
     entries: dict[str, mf.TensorEntry] = {}
     # (tag, "send"|"recv", peer, tensor, where to put received rows). A tag is the key's index in
