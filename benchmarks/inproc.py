@@ -183,10 +183,12 @@ def run(
 
     # ---------------------------------------------------------------------------- floors
     def memcpy(rep: int) -> None:
+        f0 = _faults()
         with Timer() as t:
             for b, x in zip(bufs, tensors, strict=True):
                 b.copy_(x)
         res.add("floor.memcpy", rep, t.s)
+        res.rows["floor.memcpy"].extra.setdefault("page_faults", []).append(_faults() - f0)
 
     def raw_write(rep: int) -> None:
         p = path("raw.bin")
@@ -356,9 +358,11 @@ def run(
         def go(rep: int) -> None:
             ck = ckpts[which]
             step[which] += 1
+            f0 = _faults()
             t0 = time.perf_counter()
             fut = ck.save(step[which], state)
             t_block = time.perf_counter() - t0
+            faults = _faults() - f0
             fut.result()
             t_commit = time.perf_counter() - t0
             if which != "keep1":
@@ -373,6 +377,7 @@ def run(
             res.rows[f"{prefix}.block"].extra.setdefault("reported_last_save_blocked_s", []).append(
                 ck.last_save_blocked_s
             )
+            res.rows[f"{prefix}.block"].extra.setdefault("page_faults", []).append(faults)
             res.rows[f"{prefix}.block"].extra.setdefault("phases", []).append(
                 {k: round(v, 4) for k, v in getattr(ck, "last_save_phases", {}).items()}
             )
@@ -454,6 +459,15 @@ def run(
     res.sections[SECTION]["failures"] = failures
     res.sections[SECTION]["state"] = fmt_bytes(total)
     res.sections[SECTION]["cache_drop"] = drop_cache.method
+
+
+def _faults() -> int:
+    """Page faults (minor + major) of this process so far: a copy into buffers that stay mapped
+    takes none."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt + r.ru_majflt
 
 
 def _prune_older(ck, latest: int) -> None:
