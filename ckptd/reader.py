@@ -1,9 +1,11 @@
 """Read sub-boxes of a checkpoint's arrays, checking every chunk's crc32c.
 
-A read fetches each touched shard's index (one small ranged GET from the end of the object),
-then the touched inner chunks, coalescing chunks that are adjacent in the object into one ranged
-GET, and copies the wanted part of each chunk into the caller's preallocated array. Bytes read
-per bytes wanted stays near 1 whenever inner chunks are small against the wanted box.
+A read computes where each touched inner chunk sits in its shard object (our encoder stores them
+back to back in C order; the shard index is read only if a chunk fails its check), coalesces
+chunks that are adjacent in the object into one ranged read, and scatters it: whole chunks land
+straight in the caller's preallocated array, edge chunks in scratch buffers whose wanted part is
+copied. Inline scalars are read from the manifest. Bytes read per bytes wanted stays near 1
+whenever inner chunks are small against the wanted box.
 
 Thread safety: a ``CheckpointReader`` may be used from many threads; it holds no mutable state
 except a statistics counter guarded by a lock.
@@ -126,13 +128,13 @@ class CheckpointReader:
                 groups.append([span])
         ranges = [(g[0][0], g[-1][0] + g[-1][1] - g[0][0]) for g in groups]
         try:
-            slow = []
+            malformed = []  # spans a shard index gave that the scatter read refuses: checked path
             for g, (start, length) in zip(groups, ranges, strict=True):
-                if not self._read_direct(req, shard, key, g, start):
-                    slow.append((g, start, length))
-            if slow:
-                blobs = self.store.get_ranges(key, [(start, length) for _, start, length in slow])
-                for (g, start, _), blob in zip(slow, blobs, strict=True):
+                if not self._read_scatter(req, shard, key, g, start):
+                    malformed.append((g, start, length))
+            if malformed:
+                blobs = self.store.get_ranges(key, [(start, length) for _, start, length in malformed])
+                for (g, start, _), blob in zip(malformed, blobs, strict=True):
                     self._count(len(blob))
                     self._copy_chunks(req, shard, g, start, blob)
         except NotFoundError:
@@ -148,7 +150,7 @@ class CheckpointReader:
             chunk = decode_chunk(layout, mv[off - start : off - start + n], self._name(req.entry, shard, c))
             _place(req, chunk, chunk_box(layout, shard, c))
 
-    def _read_direct(self, req: ReadRequest, shard, key: str, group, start: int) -> bool:
+    def _read_scatter(self, req: ReadRequest, shard, key: str, group, start: int) -> bool:
         """One scatter read (``preadv`` on a filesystem) per coalesced range: every chunk wanted
         whole that lands on a contiguous stretch of ``req.out`` is read straight into it (its
         checksum into a side buffer); the others (the partly wanted chunks at the edges of the
