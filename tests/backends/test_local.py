@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -9,6 +11,14 @@ import numpy as np
 import pytest
 
 from storage_backends import LocalStore, NotFoundError, StorageError
+from storage_backends._direct import (
+    DIRECT_BUFFER_BYTES,
+    DIRECT_MIN_BYTES,
+    BouncePool,
+    DirectUnsupported,
+    open_direct,
+    write_direct,
+)
 from storage_backends.local import _advance
 from storage_backends.testing import StoreConformance, assert_empty_store
 
@@ -150,3 +160,123 @@ def test_concurrent_put_if_absent_across_store_instances(tmp_path: Path) -> None
     for t in threads:
         t.join()
     assert won.count(True) == 1
+
+
+# -- direct I/O (O_DIRECT) writes of large objects ----------------------------------------------
+
+
+class CountingPool(BouncePool):
+    """A bounce pool that counts its loans: shows that an object went through O_DIRECT."""
+
+    def __init__(self, size: int = DIRECT_BUFFER_BYTES, count: int = 2):
+        super().__init__(size, count)
+        self.loans = 0
+
+    def lend(self):
+        self.loans += 1
+        return super().lend()
+
+
+def _pieces(total: int, seed: int) -> list[bytes]:
+    """``total`` random bytes cut at odd places, so bounce-buffer and block boundaries fall
+    inside views."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, total, dtype=np.uint8).tobytes()
+    cuts = sorted({0, total, *rng.integers(0, total, 5).tolist(), min(total, 4093), min(total, 4)})
+    return [data[a:b] for a, b in zip(cuts, cuts[1:], strict=False)] + [b""]
+
+
+@pytest.mark.parametrize("size", [DIRECT_MIN_BYTES, DIRECT_MIN_BYTES + 1, 3 * DIRECT_MIN_BYTES + 4095, 5 << 20])
+def test_large_objects_go_direct_and_read_back_exactly(tmp_path: Path, size: int) -> None:
+    store = LocalStore(str(tmp_path / "root"), direct_io=True)
+    store._bounce = pool = CountingPool(size=64 << 10)  # many bounce refills per object
+    pieces = _pieces(size, size)
+    want = b"".join(pieces)
+    store.put("a/put", pieces)
+    store.put_deferred("a/deferred", pieces)
+    store.sync()
+    assert store.put_if_absent("a/once", pieces) is True
+    assert pool.loans == 3
+    for key in ("a/put", "a/deferred", "a/once"):
+        assert os.path.getsize(tmp_path / "root" / key) == size  # the padded last block is cut off
+        assert store.get(key) == want
+    assert sorted(os.listdir(tmp_path / "root" / "a")) == ["deferred", "once", "put"]
+
+
+def test_small_objects_and_disabled_direct_io_use_the_page_cache(tmp_path: Path, monkeypatch) -> None:
+    store = LocalStore(str(tmp_path / "a"), direct_io=True)
+    store._bounce = pool = CountingPool()
+    store.put("small", b"x" * (DIRECT_MIN_BYTES - 1))
+    assert pool.loans == 0
+    monkeypatch.setenv("CKPTD_DIRECT_IO", "0")
+    off = LocalStore(str(tmp_path / "b"))
+    off._bounce = pool = CountingPool()
+    off.put("big", b"y" * (2 * DIRECT_MIN_BYTES))
+    assert pool.loans == 0 and off.get("big") == b"y" * (2 * DIRECT_MIN_BYTES)
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path: Path, monkeypatch) -> None:
+    """EINVAL from open(O_DIRECT) (a filesystem without direct I/O): the object is written
+    buffered, and so are later ones, with nothing left behind."""
+    import storage_backends.local as local_mod
+
+    calls = []
+
+    def refuse(path: str) -> int:
+        calls.append(path)
+        raise DirectUnsupported(errno.EINVAL, "O_DIRECT refused: Invalid argument")
+
+    monkeypatch.setattr(local_mod, "open_direct", refuse)
+    store = LocalStore(str(tmp_path), direct_io=True)
+    data = os.urandom(2 * DIRECT_MIN_BYTES + 3)
+    store.put_deferred("k/one", data)
+    store.put("k/two", data)
+    store.sync()
+    assert len(calls) == 1 and store._direct is False
+    assert store.get("k/one") == data and store.get("k/two") == data
+    assert sorted(os.listdir(tmp_path / "k")) == ["one", "two"]
+
+
+def test_a_direct_write_refused_midway_is_rewritten_buffered(tmp_path: Path, monkeypatch) -> None:
+    """An aligned direct write that fails with EINVAL after part of the object went out (a
+    filesystem with a larger alignment): the temp file is dropped and the object rewritten."""
+    import storage_backends.local as local_mod
+
+    real = local_mod.write_direct
+
+    def half_then_refuse(fd, views, pool):
+        os.pwrite(fd, mmap.mmap(-1, 4096), 0)  # page-aligned: a real direct write
+        raise DirectUnsupported(errno.EINVAL, "O_DIRECT write refused: Invalid argument")
+
+    monkeypatch.setattr(local_mod, "write_direct", half_then_refuse)
+    store = LocalStore(str(tmp_path), direct_io=True)
+    data = os.urandom(DIRECT_MIN_BYTES + 77)
+    store.put("k", data)
+    assert store._direct is False and store.get("k") == data
+    assert os.listdir(tmp_path) == ["k"]
+    monkeypatch.setattr(local_mod, "write_direct", real)
+
+
+def test_write_direct_pads_and_truncates(tmp_path: Path) -> None:
+    pool = BouncePool(8192, 1)
+    for size in (0, 1, 4095, 4096, 8192, 8193, 3 * 8192 + 5):
+        p = str(tmp_path / f"f{size}")
+        views = [memoryview(x) for x in _pieces(size, size)] if size else [memoryview(b"")]
+        fd = open_direct(p)
+        try:
+            assert write_direct(fd, views, pool) == size
+        finally:
+            os.close(fd)
+        with open(p, "rb") as f:
+            assert f.read() == b"".join(bytes(v) for v in views)
+
+
+def test_bounce_pool_bounds_its_buffers() -> None:
+    pool = BouncePool(4096, 2)
+    seen = set()
+    for _ in range(5):
+        with pool.lend() as a, pool.lend() as b:
+            seen |= {id(a), id(b)}
+    assert len(seen) == 2  # reused, never more than two
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        BouncePool(1000, 1)

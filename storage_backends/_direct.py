@@ -1,0 +1,127 @@
+"""Direct I/O (``O_DIRECT``) writes of large objects, past the page cache.
+
+A buffered write copies the bytes into the page cache; the kernel then has to find pages for
+them (reclaiming others when the cache is full, as it is on a machine that has been writing
+checkpoints for a while), write them back on ``syncfs`` and keep them cached afterwards. For a
+checkpoint that nobody on this host reads again soon, all of that is overhead, and its cost
+swings with whatever else the page cache is doing. DeepSpeed's FastPersist makes the same
+choice. Here a large object goes to the disk from a small page-aligned bounce buffer (the
+source views, slices of snapshot buffers, have arbitrary addresses and the shard format puts a
+4-byte checksum after each chunk, so they cannot be handed to the kernel as they are); the last
+block is padded and the file truncated to its size. The padding lies past the end of the file
+and is never visible.
+
+Bounce buffers come from a small shared pool (``DIRECT_BUFFERS`` of ``DIRECT_BUFFER_BYTES``),
+allocated on first use and kept: the host memory it adds is bounded and does not grow with the
+checkpoint. Durability is unchanged: the caller still fsyncs the file, or syncfs's the
+filesystem, which also covers the file's size and the device's cache.
+
+A filesystem that refuses ``O_DIRECT`` (``EINVAL`` on open or on an aligned write) makes the
+caller fall back to buffered writes, for good on that store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
+DIRECT_MIN_BYTES = 1 << 20  # smaller objects go through the page cache
+DIRECT_BUFFER_BYTES = 1 << 20
+DIRECT_BUFFERS = 4
+
+
+class DirectUnsupported(OSError):
+    """The filesystem refused O_DIRECT: write this object (and later ones) buffered."""
+
+
+class BouncePool:
+    """At most ``count`` page-aligned buffers of ``size`` bytes, lent one per writing thread."""
+
+    def __init__(self, size: int = DIRECT_BUFFER_BYTES, count: int = DIRECT_BUFFERS):
+        if size % ALIGN:
+            raise ValueError(f"bounce buffer size must be a multiple of {ALIGN}, got {size}")
+        self.size = size
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._slots = threading.BoundedSemaphore(count)
+
+    @contextlib.contextmanager
+    def lend(self) -> Iterator[mmap.mmap]:
+        self._slots.acquire()
+        try:
+            try:
+                buf = self._free.get_nowait()
+            except queue.Empty:
+                buf = mmap.mmap(-1, self.size)  # anonymous maps are page-aligned
+            try:
+                yield buf
+            finally:
+                self._free.put(buf)
+        finally:
+            self._slots.release()
+
+
+def open_direct(path: str) -> int:
+    """Create ``path`` (exclusively) for direct writes; DirectUnsupported if the filesystem
+    has no O_DIRECT."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)
+    if not getattr(os, "O_DIRECT", 0):
+        raise DirectUnsupported(errno.EINVAL, "O_DIRECT is not available on this platform")
+    try:
+        return os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise DirectUnsupported(e.errno, f"O_DIRECT refused: {e.strerror}") from None
+        raise
+
+
+def write_direct(fd: int, views: list[memoryview], pool: BouncePool) -> int:
+    """Write the concatenation of ``views`` at the start of ``fd`` (opened by ``open_direct``)
+    through a bounce buffer, then truncate the file to the data's size; returns that size."""
+    total = sum(v.nbytes for v in views)
+    pos = 0
+    with pool.lend() as buf:
+        bounce = np.frombuffer(buf, dtype=np.uint8)
+        fill = 0
+        for v in views:
+            src = np.frombuffer(v, dtype=np.uint8) if v.nbytes else None
+            off = 0
+            while off < v.nbytes:
+                n = min(v.nbytes - off, pool.size - fill)
+                bounce[fill : fill + n] = src[off : off + n]  # numpy copies without the GIL
+                fill += n
+                off += n
+                if fill == pool.size:
+                    pos += _write_block(fd, buf, fill, pos)
+                    fill = 0
+        if fill:
+            pos += _write_block(fd, buf, -(-fill // ALIGN) * ALIGN, pos)
+    os.ftruncate(fd, total)
+    return total
+
+
+def _write_block(fd: int, buf: mmap.mmap, n: int, pos: int) -> int:
+    mv = memoryview(buf)[:n]
+    try:
+        done = 0
+        while done < n:
+            k = os.pwrite(fd, mv[done:], pos + done)
+            if k <= 0 or k % ALIGN:
+                # A short direct write leaves an unaligned position no further direct write can
+                # continue from; the caller rewrites the object buffered.
+                raise DirectUnsupported(errno.EIO, f"short direct write ({k} of {n - done} bytes)")
+            done += k
+    except OSError as e:
+        if e.errno == errno.EINVAL and not isinstance(e, DirectUnsupported):
+            raise DirectUnsupported(e.errno, f"O_DIRECT write refused: {e.strerror}") from None
+        raise
+    finally:
+        mv.release()
+    return n
