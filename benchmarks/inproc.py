@@ -38,7 +38,7 @@ import torch
 
 from benchmarks import state as st
 from benchmarks.common import Timer, collect, drop_cache, fmt_bytes, fsync_dir, remove, rotate
-from benchmarks.results import NOT_IMPLEMENTED, SKIPPED, Results
+from benchmarks.results import SKIPPED, Results
 
 SECTION = "local"
 
@@ -518,13 +518,3 @@ def _profile_ckptd(res: Results, ck, keep1, state, step: dict, root: str, prefix
     with profiled(prefix + "_restore", "ckptd in-process restore, cold, local disk") as p:
         ck.restore(state)
     profs["restore"] = p
-
-
-def mark_gpu(res: Results) -> None:
-    res.skip(
-        "gpu.block",
-        "gpu",
-        "GPU: save stall with D2H copies into pinned buffers on a side stream",
-        "no GPU on this machine or in CI; the GPU rows are not built yet (issue 5, item 4)",
-        NOT_IMPLEMENTED,
-    )

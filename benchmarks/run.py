@@ -22,7 +22,7 @@ from benchmarks.common import GiB, MiB, drop_cache, fmt_bytes, machine_info, par
 from benchmarks.results import ERROR, Results
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("planning", "local", "incremental", "reshard", "s3", "memory")
+SECTIONS = ("planning", "local", "incremental", "reshard", "s3", "memory", "gpu")
 LOCAL_SYSTEMS = ("floor", "torch", "dcp", "ckptd", "daemon")
 
 
@@ -77,7 +77,7 @@ def local_selected(a: argparse.Namespace):
 
 
 def run(a: argparse.Namespace) -> Results:
-    from benchmarks import incremental, inproc, memory, planning, reshard, s3
+    from benchmarks import gpu, incremental, inproc, memory, planning, reshard, s3
 
     res = Results()
     bench_dir = a.dir or tempfile.mkdtemp(prefix="ckptd-bench-")
@@ -123,7 +123,9 @@ def run(a: argparse.Namespace) -> Results:
     section("reshard", lambda: reshard.run(res, a.size_bytes, a.reps, bench_dir, p("reshard_ckptd")))
     section("s3", lambda: s3.run(res, a.s3_bytes, a.reps, lambda _: True, p("s3_ckptd")))
     section("memory", lambda: memory.run(res, a.mem_bytes, a.mem_saves, bench_dir))
-    inproc.mark_gpu(res)
+    section("gpu", lambda: gpu.run(res, a.size_bytes, a.reps, bench_dir))
+    if not want(a, "gpu"):
+        gpu.mark_skipped(res, "not selected (--only)")
     res.meta["cache_drop"] = drop_cache.method or "none needed"
     res.meta["cache_drop_errors"] = drop_cache.errors[:3]
     if not a.dir:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import inproc, planning, report, targets
+from benchmarks import gpu, inproc, planning, report, targets
 from benchmarks.common import MiB, parse_size
 from benchmarks.results import OK, Results
 
@@ -54,7 +54,6 @@ def test_tiny_inprocess_row(tmp_path):
     assert res.rows["ckptd.block"].extra["staged_bytes"] > 0
     assert res.rows["dcp.save"].values == {}  # not selected: no figure, no crash
     assert res.rows["ckptd.daemon.block"].status != OK  # not selected: says so
-    inproc.mark_gpu(res)
     ts = {t.id: t for t in targets.evaluate(res, None)}
     assert ts["save.block.floor"].value is not None
     assert ts["save.block.dcp"].value is None and ts["save.block.dcp"].verdict == "n/a"
@@ -69,3 +68,26 @@ def test_tiny_inprocess_row(tmp_path):
     body = md.read_text()
     assert "## Targets" in body and "`ckptd.restore`" in body and report.ANALYSIS_BEGIN in body
     assert not any(bench.iterdir())  # the row cleans up after itself
+
+
+def test_gpu_rows_run_on_cpu_tensors_and_skip_without_cuda(tmp_path):
+    """The GPU harness on CPU tensors (no pinning, no streams): every ckptd and DCP row gets a
+    figure and the scratch folder is left clean. Without CUDA, the default says why it is empty."""
+    res = Results()
+    gpu.run(res, 4 * MiB, 1, str(tmp_path), device="cpu")
+    res.finalize()
+    for rid in ("gpu.floor.d2h", "gpu.ckptd.block", "gpu.ckptd.stall", "gpu.ckptd.commit", "gpu.dcp.default.block"):
+        row = res.rows[rid]
+        assert row.status == OK and list(row.values) == [0] and row.median > 0, (rid, row.note)
+    assert res.rows["gpu.ckptd.stall"].ratio_floor is not None
+    assert res.rows["gpu.ckptd.block"].ratio_dcp is not None
+    assert res.rows["gpu.dcp.pinned.block"].status != OK  # pinned staging needs CUDA
+    assert res.sections["gpu"]["device"] == "cpu"
+    assert not list(tmp_path.iterdir())
+    import torch
+
+    if not torch.cuda.is_available():
+        empty = Results()
+        gpu.run(empty, 4 * MiB, 1, str(tmp_path))
+        assert {r.status for r in empty.rows.values()} == {"skipped"}
+        assert "no CUDA device" in empty.rows["gpu.ckptd.stall"].note
