@@ -194,16 +194,22 @@ class Checkpointer:
 
     # --------------------------------------------------------------------------- restore
 
-    def restore(self, state: dict[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
+    def restore(
+        self, state: dict[str, Any], step: int | None = None, *, strict: bool = True, in_place: bool = False
+    ) -> int | None:
         """Restore ``state`` in place from ``step`` (the latest committed if None). Collective.
 
         Returns the restored step, or None if the job root has no committed checkpoint. On any
         error every rank raises ``CheckpointError`` and ``state`` is left as it was.
         ``strict=False`` skips keys present on only one side instead of failing.
+        ``in_place=True`` reads straight into the state's tensors: no second copy of the state in
+        memory and no new buffers to fault in, but a read that fails midway (I/O error, corrupt
+        chunk) leaves tensors partly overwritten, as ``dcp.load`` does. Mismatched keys, shapes
+        and dtypes are still refused before anything is read.
         """
         self._check_open()
         self.wait()
-        return restore_state(self.store, self.coord, state, step, strict, self._io)
+        return restore_state(self.store, self.coord, state, step, strict, self._io, in_place=in_place)
 
     def latest_step(self) -> int | None:
         try:

@@ -11,7 +11,8 @@ Steps, on every rank (collective):
    buffers, checking every chunk's crc32c;
 5. all ranks agree that every read succeeded, and only then is anything written into ``state``
    (``set_model_state_dict``/``set_optimizer_state_dict``/``load_state_dict``) -- so a failed
-   restore leaves ``state`` untouched everywhere;
+   restore leaves ``state`` untouched everywhere (``in_place=True`` trades that for half the
+   memory: step 4 reads into the state's own tensors);
 6. RNG: the rank's own state at the same world size, else reseeded from the saved one.
 """
 
@@ -140,7 +141,13 @@ def restore_state(
     strict: bool,
     pool: ThreadPoolExecutor,
     restore_rng: bool = True,
+    in_place: bool = False,
 ) -> int | None:
+    """``in_place``: read straight into the state's CPU tensors instead of fresh buffers (no
+    second copy of the state in memory, no page faults on new buffers); tensors on a GPU go
+    through a host buffer each and are copied into place. The state is still checked against the
+    manifest before any byte is read, but a read that fails midway (an I/O error, a corrupt
+    chunk) leaves the state partly overwritten, as ``dcp.load`` does."""
     asked = step
     step = _pick_step(store, coord, step)
     if step is None:
@@ -160,12 +167,22 @@ def restore_state(
         for k in keys:
             t = flat.tensors[k]
             sh = sharding_of(t)
-            out = torch.empty(sh.local_box.shape, dtype=t.dtype)
+            live = local_tensor(t).detach()
+            if in_place and live.device.type == "cpu" and live.is_contiguous():
+                out = live  # read straight into the state's own tensor
+            else:
+                out = torch.empty(sh.local_box.shape, dtype=t.dtype)
             outs[k] = out
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
         reader.read(requests, pool)
         for k in keys:
             t = flat.tensors[k]
+            if in_place:
+                live, out = local_tensor(t).detach(), outs.pop(k)
+                if out is not live:
+                    live.copy_(out)  # a GPU (or strided) tensor, from its host scratch buffer
+                loaded[k] = t  # apply() copies it onto itself: torch skips a copy between aliases
+                continue
             data = outs[k].to(local_tensor(t).device)
             if is_dtensor(t):
                 from torch.distributed.tensor import DTensor
@@ -184,6 +201,8 @@ def restore_state(
     failure = coord.agree(None if err is None else (type(err).__name__, str(err)))
     if failure is not None:
         cls, msg = failure
+        if in_place and cls in ("CheckpointError", "CorruptChunkError"):
+            msg += " (restore with in_place=True: tensors of the state may be partly overwritten)"
         raise _ERRORS.get(cls, CheckpointError)(msg) from err
     apply(state, m.state, loaded, strict)
     if restore_rng:

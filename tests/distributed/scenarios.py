@@ -207,11 +207,11 @@ def save(layout: str, roots: list[str], out: str, steps: int = 2, seed: int = 0)
     return {"losses": losses, "next_loss": next_loss, "saved_step": saved}
 
 
-def restore(layout: str, root: str, out: str, ref: str, seed: int = 123) -> dict:
+def restore(layout: str, root: str, out: str, ref: str, seed: int = 123, in_place: bool = False) -> dict:
     """Restore into a differently initialised state; compare with ``ref`` bitwise; one step."""
     state, dp_rank, dp_size = make_state(layout, seed)
     ck = Checkpointer(root)
-    step = ck.restore(state)
+    step = ck.restore(state, in_place=in_place)
     ck.close()
     mismatches = compare_with_reference(state, out, ref)
     mismatches += replicas_disagree(state)

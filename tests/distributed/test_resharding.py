@@ -79,6 +79,22 @@ def test_restore_is_bitwise_and_training_continues(saved, workdir, backend, src,
     assert len({r["next_loss"] for r in res}) == 1  # every rank agrees
 
 
+IN_PLACE_CASES = [("fsdp", 4, "fsdp", 3), ("tp", 2, "2d", 4), ("2d", 4, "single", 1)]
+
+
+@pytest.mark.parametrize(
+    "src,src_ws,dst,dst_ws", IN_PLACE_CASES, ids=[f"{a}{b}-to-{c}{d}" for a, b, c, d in IN_PLACE_CASES]
+)
+def test_in_place_restore_is_bitwise_across_world_sizes(saved, workdir, src, src_ws, dst, dst_ws):
+    """``restore(in_place=True)`` reads into the live DTensors' local shards: same values."""
+    s = saved(src, src_ws)
+    res = launch.run(dst_ws, "restore", workdir, layout=dst, root=s["roots"]["file"], ref=s["ref"], in_place=True)
+    assert res[0]["step"] == s["result"]["saved_step"]
+    assert res[0]["mismatches"] == [], f"tensors differ after restore: {res[0]['mismatches']}"
+    assert res[0]["next_loss"] == pytest.approx(s["result"]["next_loss"], rel=1e-5)
+    assert len({r["next_loss"] for r in res}) == 1
+
+
 def test_fsdp_save_shards_weights_and_gathers_small_tensors(saved):
     """At 4 FSDP ranks the weights are one shard per rank (the ranks' blocks), while tensors at
     or under the gather size (CKPTD_GATHER_SMALL_BYTES, 128 B in these workers) are one object

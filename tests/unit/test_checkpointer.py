@@ -273,3 +273,52 @@ def test_incremental_saves_skip_unchanged_shards(root):
 @pytest.mark.s3
 def test_incremental_saves_on_s3_use_server_side_copies(s3_bucket):
     check_incremental(s3_bucket)
+
+
+def test_in_place_restore_reads_into_the_state_tensors(root):
+    """``in_place=True``: the same values as a default restore, read into the model's and the
+    optimizer's own storage (no second copy); mismatches are still refused before any read."""
+    state = make()
+    step(state)
+    step(state)
+    with Checkpointer(root) as ck:
+        ck.save(2, state).result()
+        other = make(seed=5)
+        step(other)
+        ptrs = {k: v.data_ptr() for k, v in other["model"].state_dict().items()}
+        exp_ptrs = {id(p): s["exp_avg"].data_ptr() for p, s in other["optim"].state.items()}
+        assert ck.restore(other, in_place=True) == 2
+        for k, v in other["model"].state_dict().items():
+            assert torch.equal(v, state["model"].state_dict()[k])
+            assert v.data_ptr() == ptrs[k]  # the same storage, overwritten
+        assert {id(p): s["exp_avg"].data_ptr() for p, s in other["optim"].state.items()} == exp_ptrs
+        a, b = state["optim"].state_dict(), other["optim"].state_dict()
+        assert a["param_groups"] == b["param_groups"]
+        for i, s in a["state"].items():
+            for k, v in s.items():
+                assert torch.equal(v, b["state"][i][k])
+        assert other["sched"].state_dict() == state["sched"].state_dict()
+        for s_ in (state, other):  # training goes on identically from the restored state
+            torch.manual_seed(123)
+            s_["optim"].zero_grad()  # gradients are not state
+            step(s_)
+        assert all(torch.equal(v, snapshot(state)[k]) for k, v in snapshot(other).items())
+        wrong = make(seed=3, hidden=9)
+        before = snapshot(wrong)
+        with pytest.raises(StateMismatchError, match=r"'model/0.weight'.*\(8, 4\).*\(9, 4\)"):
+            ck.restore(wrong, in_place=True)
+        assert all(torch.equal(v, snapshot(wrong)[k]) for k, v in before.items())
+
+
+def test_in_place_restore_of_a_corrupt_chunk_says_the_state_may_be_overwritten(root):
+    state = make()
+    with Checkpointer(root) as ck:
+        ck.save(1, state).result()
+    chunk = os.path.join(root, "step_0000000001", "arrays", "model", "2.weight", "c", "0", "0")
+    with open(chunk, "r+b") as f:
+        f.seek(3)
+        b = f.read(1)
+        f.seek(3)
+        f.write(bytes([b[0] ^ 1]))
+    with Checkpointer(root) as ck, pytest.raises(CorruptChunkError, match=r"crc32c.*in_place=True.*partly overwritten"):
+        ck.restore(make(seed=9), in_place=True)
