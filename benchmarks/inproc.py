@@ -17,7 +17,7 @@ What each time measures:
   return for synchronous staging; ``staging_completion`` for asynchronous staging), ``commit``
   until the upload future resolves;
 * ``ckptd.*``: ``block`` is ``Checkpointer.save``'s return, ``commit`` is ``fut.result()``,
-  ``restore`` is ``Checkpointer.restore`` (cold).
+  ``restore`` is ``Checkpointer.restore`` (cold), ``restore_inplace`` the same with ``in_place=True``.
 """
 
 from __future__ import annotations
@@ -343,6 +343,8 @@ def run(
     R("ckptd.block", "ckptd save: time save() blocks", floor="floor.memcpy", dcp_ref="dcp.async.default.block")
     R("ckptd.commit", "ckptd save: time until committed (fut.result())", floor="floor.write", dcp_ref="dcp.save")
     R("ckptd.restore", "ckptd restore (cold)", floor="floor.read", dcp_ref="dcp.load")
+    R("ckptd.restore_inplace", "ckptd restore(in_place=True) (cold): DCP's semantics", floor="floor.read",
+      dcp_ref="dcp.load")  # fmt: skip
     R("ckptd.keep1.block", "ckptd save, keep_last=1: time save() blocks", floor="floor.memcpy",
       dcp_ref="dcp.async.default.block")  # fmt: skip
     R("ckptd.keep1.commit", "ckptd save, keep_last=1 (retention runs before the future resolves): until committed",
@@ -385,24 +387,30 @@ def run(
 
         return go
 
-    def ckptd_restore(rep: int) -> None:
-        ck = ckpts["local"]
-        with torch.no_grad():
-            sent.zero_()
-        drop_cache(ck_root)
-        with Timer() as t:
-            got = ck.restore(state)
-        res.add("ckptd.restore", rep, t.s)
-        if got != step["local"]:
-            failures.append(f"ckptd restore returned step {got}, expected {step['local']}")
-        check("ckptd.restore", sent.detach())
+    def ckptd_restore(in_place: bool) -> Callable[[int], None]:
+        rid = "ckptd.restore_inplace" if in_place else "ckptd.restore"
+
+        def go(rep: int) -> None:
+            ck = ckpts["local"]
+            with torch.no_grad():
+                sent.zero_()
+            drop_cache(ck_root)
+            with Timer() as t:
+                got = ck.restore(state, in_place=in_place)
+            res.add(rid, rep, t.s)
+            if got != step["local"]:
+                failures.append(f"{rid} returned step {got}, expected {step['local']}")
+            check(rid, sent.detach())
+
+        return go
 
     if selected("ckptd"):
         ckpts["local"] = Checkpointer(ck_root)
         ckpts["keep1"] = Checkpointer(path("ckptd_keep1"), keep_last=1)
         systems += [System("ckptd.save", "save", ckptd_save("local"), warm=True)]
         systems += [System("ckptd.keep1", "save", ckptd_save("keep1"), warm=True)]
-        systems += [System("ckptd.restore", "read", ckptd_restore)]
+        systems += [System("ckptd.restore", "read", ckptd_restore(False))]
+        systems += [System("ckptd.restore_inplace", "read", ckptd_restore(True))]
 
     # ckptd through the daemon
     R("ckptd.daemon.block", "ckptd via `ckptd serve`: time save() blocks", floor="floor.memcpy",

@@ -55,6 +55,8 @@ def run(res: Results, size: int, reps: int, bench_dir: str, profile_prefix: str 
         R(f"{base}.raw", f"raw cold read at {m} ranks (each reads 1/{m} of the bytes; floor)")
         R(f"{base}.dcp", f"dcp.load at {m} ranks (cold) + set_state_dict", floor=f"{base}.raw")
         R(f"{base}.ckptd", f"ckptd restore at {m} ranks (cold)", floor=f"{base}.raw", dcp_ref=f"{base}.dcp")
+        R(f"{base}.ckptd_inplace", f"ckptd restore(in_place=True) at {m} ranks (cold): DCP's semantics",
+          floor=f"{base}.raw", dcp_ref=f"{base}.dcp")  # fmt: skip
         for s in ("raw", "dcp", "ckptd"):
             R(f"{base}.bytes.{s}", f"{s}: bytes read / bytes restored at {m} ranks (rchar)", unit="x")
         prof = f"{profile_prefix}_restore{m}" if profile_prefix else ""
@@ -75,10 +77,12 @@ def run(res: Results, size: int, reps: int, bench_dir: str, profile_prefix: str 
                 if r.id.startswith(base):
                     r.status, r.note = ERROR, str(e)[:2000]
             continue
-        for s in ("raw", "dcp", "ckptd"):
+        for s in ("raw", "dcp", "ckptd", "ckptd_inplace"):
             for rep in range(reps):
                 per_rank = [g["rows"][s][rep] for g in got]
                 res.add(f"{base}.{s}", rep, per_rank[0]["time"])
+                if s == "ckptd_inplace":
+                    continue
                 restored = sum(p["restored"] for p in per_rank)
                 res.add(f"{base}.bytes.{s}", rep, sum(p["rchar"] for p in per_rank) / restored)
                 # read_bytes: what the disk delivered; ranks share one page cache here, so bytes two

@@ -184,12 +184,20 @@ def restore(size: int, dir: str, reps: int, out: str, dcp_dir: str, raw_sizes: l
     def ckptd() -> None:
         ck.restore(state)
 
+    def ckptd_inplace() -> None:
+        ck.restore(state, in_place=True)
+
     def dcp() -> None:
         sd = st.dcp_state(model, optim)
         dcp_load(sd, storage_reader=FileSystemReader(dcp_dir))
         st.dcp_apply(model, optim, sd)
 
-    systems = {"raw": (raw, hi - lo), "ckptd": (ckptd, local), "dcp": (dcp, local)}
+    systems = {
+        "raw": (raw, hi - lo),
+        "ckptd": (ckptd, local),
+        "ckptd_inplace": (ckptd_inplace, local),
+        "dcp": (dcp, local),
+    }
     rows: dict[str, list] = {k: [] for k in systems}
     checks: dict[str, float] = {}
     for fn, _ in systems.values():  # warm-up: imports, first-use allocations

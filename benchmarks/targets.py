@@ -53,11 +53,15 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
     T.append(Target("save.commit.dcp", "time to commit faster than dcp.save (ratio < 1)", ratio("ckptd.commit", "dcp"),
                     1.0, "<", profile=prof("local_ckptd_save.txt")))  # fmt: skip
     for m in (3, 2):
+        ip = f"reshard.restore{m}.ckptd_inplace"
+        ip_floor, ip_dcp = _inv(ratio(ip)), ratio(ip, "dcp")
         T.append(Target(f"restore{m}.floor", f"restore at {m} ranks (saved at 4) >= 0.9x the raw read floor "
                         f"(floor time / restore time)", _inv(ratio(f"reshard.restore{m}.ckptd")), 0.9, ">=",
+                        detail=f"restore(in_place=True): {ip_floor:.2f}x" if ip_floor else "",
                         profile=prof(f"reshard_ckptd_restore{m}.txt")))  # fmt: skip
         T.append(Target(f"restore{m}.dcp", f"restore at {m} ranks faster than dcp.load at {m} ranks (ratio < 1)",
                         ratio(f"reshard.restore{m}.ckptd", "dcp"), 1.0, "<",
+                        detail=f"restore(in_place=True), dcp.load's semantics: {ip_dcp:.2f}x" if ip_dcp else "",
                         profile=prof(f"reshard_ckptd_restore{m}.txt")))  # fmt: skip
     T.append(Target("restore3.bytes", "bytes read / bytes restored <= 1.05 restoring at 3 ranks what 4 saved",
                     med("reshard.restore3.bytes.ckptd"), 1.05, "<=",
