@@ -183,12 +183,12 @@ def run(
 
     # ---------------------------------------------------------------------------- floors
     def memcpy(rep: int) -> None:
-        f0 = _faults()
+        u0 = _usage()
         with Timer() as t:
             for b, x in zip(bufs, tensors, strict=True):
                 b.copy_(x)
         res.add("floor.memcpy", rep, t.s)
-        res.rows["floor.memcpy"].extra.setdefault("page_faults", []).append(_faults() - f0)
+        _record_usage(res.rows["floor.memcpy"], u0)
 
     def raw_write(rep: int) -> None:
         p = path("raw.bin")
@@ -360,11 +360,11 @@ def run(
         def go(rep: int) -> None:
             ck = ckpts[which]
             step[which] += 1
-            f0 = _faults()
+            u0 = _usage()
             t0 = time.perf_counter()
             fut = ck.save(step[which], state)
             t_block = time.perf_counter() - t0
-            faults = _faults() - f0
+            u1 = _usage()
             fut.result()
             t_commit = time.perf_counter() - t0
             if which != "keep1":
@@ -379,7 +379,7 @@ def run(
             res.rows[f"{prefix}.block"].extra.setdefault("reported_last_save_blocked_s", []).append(
                 ck.last_save_blocked_s
             )
-            res.rows[f"{prefix}.block"].extra.setdefault("page_faults", []).append(faults)
+            _record_usage(res.rows[f"{prefix}.block"], u0, u1)
             res.rows[f"{prefix}.block"].extra.setdefault("phases", []).append(
                 {k: round(v, 4) for k, v in getattr(ck, "last_save_phases", {}).items()}
             )
@@ -469,13 +469,22 @@ def run(
     res.sections[SECTION]["cache_drop"] = drop_cache.method
 
 
-def _faults() -> int:
-    """Page faults (minor + major) of this process so far: a copy into buffers that stay mapped
-    takes none."""
+def _usage() -> tuple[int, float, int]:
+    """This process's page faults (minor + major), CPU seconds (every thread) and involuntary
+    context switches so far. Around a copy: faults mean unmapped buffers, CPU well under 2x the
+    wall time of a 2-thread copy means it waited, and involuntary switches that it was preempted
+    (other tenants of the machine, kernel threads)."""
     import resource
 
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_minflt + r.ru_majflt
+    return r.ru_minflt + r.ru_majflt, r.ru_utime + r.ru_stime, r.ru_nivcsw
+
+
+def _record_usage(row, u0: tuple[int, float, int], u1: tuple[int, float, int] | None = None) -> None:
+    u1 = u1 or _usage()
+    row.extra.setdefault("page_faults", []).append(u1[0] - u0[0])
+    row.extra.setdefault("cpu_s", []).append(round(u1[1] - u0[1], 4))
+    row.extra.setdefault("involuntary_switches", []).append(u1[2] - u0[2])
 
 
 def _prune_older(ck, latest: int) -> None:
