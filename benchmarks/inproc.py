@@ -469,22 +469,51 @@ def run(
     res.sections[SECTION]["cache_drop"] = drop_cache.method
 
 
-def _usage() -> tuple[int, float, int]:
-    """This process's page faults (minor + major), CPU seconds (every thread) and involuntary
-    context switches so far. Around a copy: faults mean unmapped buffers, CPU well under 2x the
-    wall time of a 2-thread copy means it waited, and involuntary switches that it was preempted
-    (other tenants of the machine, kernel threads)."""
+def _usage() -> tuple[int, float, int, dict[int, int], int]:
+    """This process's page faults (minor + major), CPU seconds (every thread), involuntary
+    context switches and per-thread CPU ticks so far. Around a copy: faults mean unmapped
+    buffers, CPU well under 2x the wall time of a 2-thread copy means it waited, involuntary
+    switches that it was preempted, the per-thread ticks say which threads were busy, and the
+    machine's steal time whether the hypervisor ran someone else on our CPUs."""
     import resource
 
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_minflt + r.ru_majflt, r.ru_utime + r.ru_stime, r.ru_nivcsw
+    return r.ru_minflt + r.ru_majflt, r.ru_utime + r.ru_stime, r.ru_nivcsw, _thread_ticks(), _steal_ticks()
 
 
-def _record_usage(row, u0: tuple[int, float, int], u1: tuple[int, float, int] | None = None) -> None:
+def _steal_ticks() -> int:
+    """Machine-wide CPU time stolen by the hypervisor (``/proc/stat``), in clock ticks."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _thread_ticks() -> dict[int, int]:
+    out = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+                out[int(tid)] = int(fields[11]) + int(fields[12])  # utime + stime (fields 14, 15)
+    return out
+
+
+def _record_usage(row, u0, u1=None) -> None:
+    import threading
+
     u1 = u1 or _usage()
     row.extra.setdefault("page_faults", []).append(u1[0] - u0[0])
     row.extra.setdefault("cpu_s", []).append(round(u1[1] - u0[1], 4))
     row.extra.setdefault("involuntary_switches", []).append(u1[2] - u0[2])
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    hz = os.sysconf("SC_CLK_TCK")
+    row.extra.setdefault("steal_s", []).append(round((u1[4] - u0[4]) / hz, 3))
+    busy = sorted(((t - u0[3].get(tid, 0), tid) for tid, t in u1[3].items()), reverse=True)[:3]
+    row.extra.setdefault("busiest_threads", []).append(
+        {names.get(tid, f"tid {tid} (no Python thread)"): round(d / hz, 3) for d, tid in busy if d > 0}
+    )
 
 
 def _prune_older(ck, latest: int) -> None:
