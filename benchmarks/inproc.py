@@ -365,7 +365,7 @@ def run(
             fut = ck.save(step[which], state)
             t_block = time.perf_counter() - t0
             u1 = _usage()
-            fut.result()
+            result = fut.result()
             t_commit = time.perf_counter() - t0
             if which != "keep1":
                 _prune_older(ck, step[which])  # outside the timing: DCP deletes nothing either
@@ -376,6 +376,10 @@ def run(
                 return
             res.add(f"{prefix}.block", rep, t_block)
             res.add(f"{prefix}.commit", rep, t_commit)
+            if getattr(result, "phases", None):  # the in-process writer's write / sync / commit split
+                res.rows[f"{prefix}.commit"].extra.setdefault("phases", []).append(
+                    {k: round(v, 4) for k, v in result.phases.items()}
+                )
             res.rows[f"{prefix}.block"].extra.setdefault("reported_last_save_blocked_s", []).append(
                 ck.last_save_blocked_s
             )
