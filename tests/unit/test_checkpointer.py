@@ -151,16 +151,21 @@ def test_mismatches_name_key_and_leave_state_untouched(root):
         assert torch.equal(fewer["model"][0].weight, state["model"][0].weight)
 
 
-def test_corrupt_chunk_raises_and_leaves_state_untouched(root):
-    state = make()
-    with Checkpointer(root) as ck:
-        ck.save(1, state).result()
+def flip_a_bit_of_a_chunk(root):
+    """Corrupt step 1's first chunk of ``model/2.weight`` on disk: one bit of its data."""
     chunk = os.path.join(root, "step_0000000001", "arrays", "model", "2.weight", "c", "0", "0")
     with open(chunk, "r+b") as f:
         f.seek(3)
         b = f.read(1)
         f.seek(3)
         f.write(bytes([b[0] ^ 1]))
+
+
+def test_corrupt_chunk_raises_and_leaves_state_untouched(root):
+    state = make()
+    with Checkpointer(root) as ck:
+        ck.save(1, state).result()
+    flip_a_bit_of_a_chunk(root)
     other = make(seed=9)
     before = snapshot(other)
     with Checkpointer(root) as ck, pytest.raises(CorruptChunkError, match=r"arrays/model/2.weight.*crc32c"):
@@ -314,11 +319,6 @@ def test_in_place_restore_of_a_corrupt_chunk_says_the_state_may_be_overwritten(r
     state = make()
     with Checkpointer(root) as ck:
         ck.save(1, state).result()
-    chunk = os.path.join(root, "step_0000000001", "arrays", "model", "2.weight", "c", "0", "0")
-    with open(chunk, "r+b") as f:
-        f.seek(3)
-        b = f.read(1)
-        f.seek(3)
-        f.write(bytes([b[0] ^ 1]))
+    flip_a_bit_of_a_chunk(root)
     with Checkpointer(root) as ck, pytest.raises(CorruptChunkError, match=r"crc32c.*in_place=True.*partly overwritten"):
         ck.restore(make(seed=9), in_place=True)
