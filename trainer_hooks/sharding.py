@@ -62,14 +62,18 @@ def world() -> tuple[int, int]:
 def sharding_of(t: torch.Tensor) -> Sharding:
     rank, ws = world()
     if not is_dtensor(t):
-        shape = tuple(t.shape)
-        sig = ("replicated", shape, ws)
-        return Sharding(shape, Box.full(shape), sig, "replicated" if ws > 1 else "")
+        return _plain_sharding(tuple(t.shape), ws)
     mesh = t.device_mesh
     ranks, mesh_shape, coord = _mesh_info(mesh)
     return _dtensor_sharding(
         tuple(t.shape), mesh_shape, ranks, coord, tuple(t.placements), ws, tuple(t.to_local().shape)
     )
+
+
+@lru_cache(maxsize=65536)
+def _plain_sharding(shape: tuple[int, ...], ws: int) -> Sharding:
+    """A plain tensor is whole on every rank. Cached: every save and restore asks per tensor."""
+    return Sharding(shape, Box.full(shape), ("replicated", shape, ws), "replicated" if ws > 1 else "")
 
 
 # Per device mesh (a job has a handful, alive for the whole run): its ranks in mesh order, its

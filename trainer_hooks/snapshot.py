@@ -104,6 +104,7 @@ class Planner:
         self._cache: dict[tuple, Grid] = {}
         self._meta: dict[tuple, bytes] = {}
         self._keys: dict[tuple, _KeyPlan] = {}
+        self._inline: dict[tuple, bytes] = {}
         # Sharded tensors up to this size are gathered into one shard (``ckptd.layout``).
         self.gather_small = int(os.environ.get("CKPTD_GATHER_SMALL_BYTES") or GATHER_SMALL_BYTES)
 
@@ -115,6 +116,18 @@ class Planner:
             self._cache[ck] = grid
             self._meta[ck] = mf.dumps(grid.layout.metadata())
         return grid, self._meta[ck]
+
+    def inline_meta(self, layout: ArrayLayout, value) -> bytes:
+        """The ``zarr.json`` of an inline scalar holding ``value``. The step counts of one
+        optimizer all hold the same value, so one encoding serves them all; only the latest
+        values are kept."""
+        k = (layout, repr(value))  # repr: -0.0 and 0.0 are equal keys but different bytes
+        b = self._inline.get(k)
+        if b is None:
+            if len(self._inline) > 4096:
+                self._inline.clear()
+            b = self._inline[k] = mf.dumps(layout.metadata(fill_value=value))
+        return b
 
     def key_plan(self, key: str, t: torch.Tensor, sh: Sharding, rank: int) -> _KeyPlan:
         dtype = zarr_dtype(t.dtype, key)
@@ -167,7 +180,7 @@ def take(
             if value is not None:
                 entries[key] = dataclasses.replace(kp.entry, value=value)
                 if kp.meta is not None:
-                    job.metadata.append((kp.meta[0], mf.dumps(plan.layout.metadata(fill_value=value))))
+                    job.metadata.append((kp.meta[0], planner.inline_meta(plan.layout, value)))
                 continue
         entries[key] = kp.entry
         if kp.meta is not None:
