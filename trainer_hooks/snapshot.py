@@ -66,9 +66,14 @@ class Stager:
     def buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
         buf = self._buffers.get((key, coord))
         if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
-            buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            buf = self._alloc(shape, dtype, pin)
             self._buffers[(key, coord)] = buf
         return buf
+
+    @staticmethod
+    def _alloc(shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
+        # Pinned (page-locked) host memory is what lets a D2H copy run asynchronously.
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
     @property
     def nbytes(self) -> int:
