@@ -58,6 +58,15 @@ def collect() -> None:
     gc.collect()
 
 
+def dcp_staged(response):
+    """Wait until a ``dcp.async_save`` snapshot is safe to mutate; return the upload's future.
+    With asynchronous staging that is ``staging_completion``; otherwise the call's return."""
+    if hasattr(response, "staging_completion"):
+        response.staging_completion.result()
+        return response.upload_completion
+    return response
+
+
 def rotate(items: list, k: int) -> list:
     """The interleaving order of repetition ``k``: A,B,C then B,C,A then C,A,B ..."""
     if not items:

@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from benchmarks import state as st
-from benchmarks.common import Timer, collect, fmt_bytes, remove, rotate
+from benchmarks.common import Timer, collect, dcp_staged, fmt_bytes, remove, rotate
 from benchmarks.results import SKIPPED, Results
 
 SECTION = "gpu"
@@ -145,9 +145,7 @@ def run(res: Results, size: int, reps: int, bench_dir: str, device: str | None =
                 r = dcp.async_save(sd, checkpoint_id=p)
             else:
                 r = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=4), async_stager=stager)
-            if hasattr(r, "staging_completion"):
-                r.staging_completion.result()
-                r = r.upload_completion
+            r = dcp_staged(r)
             sync()
             t_safe = time.perf_counter() - t0
             r.result()

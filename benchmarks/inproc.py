@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks import state as st
-from benchmarks.common import Timer, collect, drop_cache, fmt_bytes, fsync_dir, remove, rotate
+from benchmarks.common import Timer, collect, dcp_staged, drop_cache, fmt_bytes, fsync_dir, remove, rotate
 from benchmarks.results import SKIPPED, Results
 
 SECTION = "local"
@@ -315,11 +315,7 @@ def run(
             else:
                 w = dcp.FileSystemWriter(p, thread_count=4)
                 r = dcp.async_save(sd, storage_writer=w, async_stager=stagers[variant])
-            if hasattr(r, "staging_completion"):
-                r.staging_completion.result()
-                upload = r.upload_completion
-            else:
-                upload = r
+            upload = dcp_staged(r)
             t_safe = time.perf_counter() - t0
             upload.result()
             t_commit = time.perf_counter() - t0

@@ -71,11 +71,10 @@ class BouncePool:
 def open_direct(path: str) -> int:
     """Create ``path`` (exclusively) for direct writes; DirectUnsupported if the filesystem
     has no O_DIRECT."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)
-    if not getattr(os, "O_DIRECT", 0):
+    if not hasattr(os, "O_DIRECT"):
         raise DirectUnsupported(errno.EINVAL, "O_DIRECT is not available on this platform")
     try:
-        return os.open(path, flags, 0o644)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
     except OSError as e:
         if e.errno == errno.EINVAL:
             raise DirectUnsupported(e.errno, f"O_DIRECT refused: {e.strerror}") from None

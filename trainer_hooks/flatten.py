@@ -81,11 +81,19 @@ class Flat:
     tree: dict[str, dict] = field(default_factory=dict)
 
 
-def _model_of(optim: torch.optim.Optimizer, state: dict, name: str) -> torch.nn.Module:
+def _trained_model(optim: torch.optim.Optimizer, state: dict) -> torch.nn.Module | None:
+    """The first module of ``state`` that has a parameter ``optim`` trains, or None."""
     ids = {id(p) for g in optim.param_groups for p in g["params"]}
     for v in state.values():
         if isinstance(v, torch.nn.Module) and any(id(p) in ids for p in v.parameters()):
             return v
+    return None
+
+
+def _model_of(optim: torch.optim.Optimizer, state: dict, name: str) -> torch.nn.Module:
+    model = _trained_model(optim, state)
+    if model is not None:
+        return model
     raise CheckpointError(
         f"key {name!r}: optimizer's parameters belong to no torch.nn.Module in the state; "
         "put the model in the same state dict"
@@ -96,15 +104,9 @@ def _paired_state_dicts(state: dict[str, Any]) -> dict[int, dict]:
     """For a model that exactly one optimizer of the state trains: both state dicts from one
     ``get_state_dict`` call (id of the model / optimizer -> its state dict). The helper's set-up
     (FQN maps over every parameter) then runs once instead of twice per save."""
-    optims = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
-    if not optims:
-        return {}
-    models = [v for v in state.values() if isinstance(v, torch.nn.Module)]
     owner: dict[int, list] = {}
-    for o in optims:
-        ids = {id(p) for g in o.param_groups for p in g["params"]}
-        m = next((m for m in models if any(id(p) in ids for p in m.parameters())), None)
-        if m is not None:
+    for o in state.values():
+        if isinstance(o, torch.optim.Optimizer) and (m := _trained_model(o, state)) is not None:
             owner.setdefault(id(m), [m]).append(o)
     out: dict[int, dict] = {}
     for m, *opts in owner.values():

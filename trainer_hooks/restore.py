@@ -172,18 +172,18 @@ def restore_state(
                 out = live  # read straight into the state's own tensor
             else:
                 out = torch.empty(sh.local_box.shape, dtype=t.dtype)
-            outs[k] = out
+            outs[k] = (live, out)
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
         reader.read(requests, pool)
         for k in keys:
             t = flat.tensors[k]
+            live, out = outs.pop(k)
             if in_place:
-                live, out = local_tensor(t).detach(), outs.pop(k)
                 if out is not live:
                     live.copy_(out)  # a GPU (or strided) tensor, from its host scratch buffer
                 loaded[k] = t  # apply() copies it onto itself: torch skips a copy between aliases
                 continue
-            data = outs[k].to(local_tensor(t).device)
+            data = out.to(live.device)
             if is_dtensor(t):
                 from torch.distributed.tensor import DTensor
 
