@@ -5,11 +5,13 @@ them (reclaiming others when the cache is full, as it is on a machine that has b
 checkpoints for a while), write them back on ``syncfs`` and keep them cached afterwards. For a
 checkpoint that nobody on this host reads again soon, all of that is overhead, and its cost
 swings with whatever else the page cache is doing. DeepSpeed's FastPersist makes the same
-choice. Here a large object goes to the disk from a small page-aligned bounce buffer (the
-source views, slices of snapshot buffers, have arbitrary addresses and the shard format puts a
-4-byte checksum after each chunk, so they cannot be handed to the kernel as they are); the last
-block is padded and the file truncated to its size. The padding lies past the end of the file
-and is never visible.
+choice. The kernel takes a direct write only from an aligned address, at an aligned file
+offset, in whole blocks. A source region that starts page-aligned at an aligned file position
+(a snapshot's object image, see ``trainer_hooks.snapshot``) goes to the disk straight from the
+caller's memory: no copy, and only a few percent of a core for 1.5 GiB. Everything else (views
+with arbitrary addresses; a shard's chunks interleaved with their 4-byte checksums) goes
+through a small page-aligned bounce buffer. The last block is padded and the file truncated to
+its size; the padding lies past the end of the file and is never visible.
 
 Bounce buffers come from a small shared pool (``DIRECT_BUFFERS`` of ``DIRECT_BUFFER_BYTES``),
 allocated on first use and kept: the host memory it adds is bounded and does not grow with the
@@ -82,32 +84,43 @@ def open_direct(path: str) -> int:
 
 
 def write_direct(fd: int, views: list[memoryview], pool: BouncePool) -> int:
-    """Write the concatenation of ``views`` at the start of ``fd`` (opened by ``open_direct``)
-    through a bounce buffer, then truncate the file to the data's size; returns that size."""
+    """Write the concatenation of ``views`` at the start of ``fd`` (opened by ``open_direct``),
+    then truncate the file to the data's size; returns that size. Aligned stretches of a view
+    that begin at an aligned file position are written from the view itself, the rest through a
+    bounce buffer."""
     total = sum(v.nbytes for v in views)
-    pos = 0
+    pos = 0  # file offset of the bounce buffer's first byte
     with pool.lend() as buf:
         bounce = np.frombuffer(buf, dtype=np.uint8)
         fill = 0
         for v in views:
-            src = np.frombuffer(v, dtype=np.uint8) if v.nbytes else None
+            if not v.nbytes:
+                continue
+            src = np.frombuffer(v, dtype=np.uint8)
+            addr = src.ctypes.data
             off = 0
             while off < v.nbytes:
+                whole = (v.nbytes - off) // ALIGN * ALIGN
+                if fill == 0 and whole and (addr + off) % ALIGN == 0:
+                    pos += _write_block(fd, memoryview(src[off : off + whole]), pos)  # zero-copy
+                    off += whole
+                    continue
                 n = min(v.nbytes - off, pool.size - fill)
                 bounce[fill : fill + n] = src[off : off + n]  # numpy copies without the GIL
                 fill += n
                 off += n
                 if fill == pool.size:
-                    pos += _write_block(fd, buf, fill, pos)
+                    pos += _write_block(fd, memoryview(buf)[:fill], pos)
                     fill = 0
         if fill:
-            pos += _write_block(fd, buf, -(-fill // ALIGN) * ALIGN, pos)
+            pos += _write_block(fd, memoryview(buf)[: -(-fill // ALIGN) * ALIGN], pos)
     os.ftruncate(fd, total)
     return total
 
 
-def _write_block(fd: int, buf: mmap.mmap, n: int, pos: int) -> int:
-    mv = memoryview(buf)[:n]
+def _write_block(fd: int, mv: memoryview, pos: int) -> int:
+    """Write all of ``mv`` (aligned address and length) at ``pos``; returns its length."""
+    n = mv.nbytes
     try:
         done = 0
         while done < n:

@@ -268,6 +268,38 @@ def test_write_direct_pads_and_truncates(tmp_path: Path) -> None:
             assert f.read() == b"".join(bytes(v) for v in views)
 
 
+def test_write_direct_sends_aligned_regions_from_the_source(tmp_path: Path, monkeypatch) -> None:
+    """A page-aligned source (an object image) goes to the disk from its own memory; only its
+    unaligned tail, and views after it, pass through the bounce buffer. The file is exact."""
+    import storage_backends._direct as direct_mod
+
+    sources = []
+    real_pwrite = os.pwrite
+
+    def spy(fd, data, pos):  # forwards to the real syscall, noting where the bytes came from
+        sources.append((np.frombuffer(data, np.uint8).ctypes.data, len(data), pos))
+        return real_pwrite(fd, data, pos)
+
+    monkeypatch.setattr(direct_mod.os, "pwrite", spy)
+    image = mmap.mmap(-1, 5 * 4096 + 100)  # page-aligned, like a snapshot's object image
+    image[:] = os.urandom(len(image))
+    base = np.frombuffer(image, np.uint8).ctypes.data
+    tail = os.urandom(333)
+    pool = BouncePool(8192, 1)
+    bounce_addr = []
+    with pool.lend() as b:
+        bounce_addr.append(np.frombuffer(b, np.uint8).ctypes.data)
+    fd = open_direct(str(tmp_path / "f"))
+    try:
+        assert write_direct(fd, [memoryview(image), memoryview(tail)], pool) == len(image) + len(tail)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == bytes(image) + tail
+    assert sources[0] == (base, 5 * 4096, 0)  # straight from the image
+    assert all(addr == bounce_addr[0] for addr, _, _ in sources[1:])  # the rest bounced
+    assert sum(n for _, n, _ in sources[1:]) == 4096  # 100 + 333 bytes, padded to one block
+
+
 def test_bounce_pool_bounds_its_buffers() -> None:
     pool = BouncePool(4096, 2)
     seen = set()
