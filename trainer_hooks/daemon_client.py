@@ -138,7 +138,10 @@ class DaemonStager(Stager):
     """Snapshot buffers as files of a staging lease, mapped as tensors and reused across saves.
 
     ``pin`` is ignored: the buffers are shared-memory mappings, which CUDA copies into
-    synchronously (the copy is correct, only not overlapped)."""
+    synchronously (the copy is correct, only not overlapped). No object images: the daemon
+    encodes the shards it receives."""
+
+    images = False
 
     def __init__(self, sink: DaemonSink):
         super().__init__()

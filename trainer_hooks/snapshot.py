@@ -3,15 +3,19 @@
 This is the only part of a save that blocks training. For each tensor, the rank copies exactly
 the shards it will write (its own block for FSDP/TP; its share of a replicated tensor) into
 buffers that are allocated once and reused by every later save (pinned, and filled on a side
-CUDA stream, when the tensor is on a GPU). A small sharded tensor's one shard (see
-``ckptd.layout``) receives the other ranks' blocks here, and so do shards whose rows straddle
-ranks (the irregular 2-D case) from their neighbours. CPU scalars are not copied: their value
-goes into the manifest and their ``zarr.json``.
+CUDA stream, when the tensor is on a GPU). A CPU shard whose chunks are whole rows is copied
+straight into an *object image* (``ckptd.codec.image_chunks``): a page-aligned buffer laid out
+as the shard's object, so that the writer sends it to the disk without encoding or copying it.
+A small sharded tensor's one shard (see ``ckptd.layout``) receives the other ranks' blocks
+here, and so do shards whose rows straddle ranks (the irregular 2-D case) from their
+neighbours. CPU scalars are not copied: their value goes into the manifest and their
+``zarr.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 from dataclasses import dataclass, field
 
@@ -19,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, inline_value
+from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, init_image, inline_value
 from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
 from trainer_hooks.flatten import Flat, zarr_dtype
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
@@ -31,6 +35,13 @@ class ShardWrite:
     layout: ArrayLayout
     coord: tuple[int, ...]
     buffer: torch.Tensor  # host copy of the shard's data clipped to the array
+    # With an object image: ``buffer`` is a (chunks, *chunk_shape) view into ``image`` (uint8,
+    # the whole object; the writer fills in the checksums), and ``chunks`` its first extent.
+    image: torch.Tensor | None = None
+
+    @property
+    def chunks(self) -> int:
+        return self.buffer.shape[0]
 
     @property
     def object_key(self) -> str:
@@ -59,16 +70,51 @@ class Stager:
     """Reusable host buffers, one per (array key, shard). Not thread-safe: the training thread
     owns it, and a new save only starts after the previous one is persisted."""
 
+    images = True  # stage eligible CPU shards as object images (a subclass may not)
+
     def __init__(self):
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._images: dict[
+            tuple[str, tuple[int, ...]], tuple[ArrayLayout, torch.dtype, torch.Tensor, torch.Tensor]
+        ] = {}
         self._stream = None
 
     def buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
         buf = self._buffers.get((key, coord))
         if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+            self._images.pop((key, coord), None)
             buf = self._alloc(shape, dtype, pin)
             self._buffers[(key, coord)] = buf
         return buf
+
+    def image(
+        self, key: str, coord: tuple[int, ...], layout: ArrayLayout, dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(chunked view, image)`` for shard ``coord`` of ``key``, or None when it cannot be
+        staged as an object image (``image_chunks``)."""
+        hit = self._images.get((key, coord))
+        if hit is not None and hit[0] == layout and hit[1] == dtype:
+            return hit[2], hit[3]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        chunks = image_chunks(layout, coord, itemsize)
+        if chunks is None:
+            return None
+        self._buffers.pop((key, coord), None)
+        image = self._alloc_image(image_nbytes(layout, chunks))
+        init_image(layout, image.numpy(), chunks)
+        stride = (layout.chunk_nbytes + 4) // itemsize  # a chunk's elements, then its crc slot
+        data = image[: chunks * stride * itemsize].view(dtype)
+        inner = [1]
+        for n in reversed(layout.chunk_shape[1:]):
+            inner.insert(0, inner[0] * n)
+        view = data.as_strided((chunks, *layout.chunk_shape), (stride, *inner))
+        self._images[(key, coord)] = (layout, dtype, view, image)
+        return view, image
+
+    @staticmethod
+    def _alloc_image(nbytes: int) -> torch.Tensor:
+        # An anonymous map is page-aligned, as a direct write needs; the tensor keeps it alive.
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
     @staticmethod
     def _alloc(shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
@@ -77,7 +123,7 @@ class Stager:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values())
+        return sum(b.nbytes for b in self._buffers.values()) + sum(i[3].nbytes for i in self._images.values())
 
     def stream(self):
         if self._stream is None:
@@ -86,6 +132,7 @@ class Stager:
 
     def release(self) -> None:
         self._buffers.clear()
+        self._images.clear()
 
 
 @dataclass(frozen=True)
@@ -97,7 +144,7 @@ class _KeyPlan:
     grid: Grid
     entry: mf.TensorEntry
     meta: tuple[str, bytes] | None
-    shards: tuple[tuple[tuple[int, ...], Box, tuple | None, tuple | None], ...]
+    shards: tuple[tuple[tuple[int, ...], Box, tuple | None, tuple | None, bool], ...]
 
 
 class Planner:
@@ -146,7 +193,7 @@ class Planner:
                 own = box.intersect(sh.local_box)
                 dst = own.relative_to(box) if own is not None else None
                 src = own.relative_to(sh.local_box) if own is not None else None
-                shards.append((coord, box, dst, src))
+                shards.append((coord, box, dst, src, own == box))
             kp = _KeyPlan(
                 grid,
                 mf.TensorEntry(key, grid.layout, sh.placements),
@@ -192,7 +239,15 @@ def take(
             job.metadata.append(kp.meta)
         cuda_used |= on_cuda
         bufs: dict[tuple[int, ...], tuple[torch.Tensor, Box]] = {}
-        for coord, box, dst, src in kp.shards:
+        for coord, box, dst, src, whole in kp.shards:
+            staged = None
+            if whole and plan.regular and not on_cuda and stager.images:
+                staged = stager.image(key, coord, plan.layout, t.dtype)
+            if staged is not None:  # the rows land in their chunks' places in the object image
+                buf, image = staged
+                buf.copy_(local[src].unflatten(0, (buf.shape[0], buf.shape[1])))
+                job.shards.append(ShardWrite(key, plan.layout, coord, buf, image))
+                continue
             buf = stager.buffer(key, coord, box.shape, t.dtype, pin=on_cuda)
             if dst is not None:
                 _copy(buf[dst], local[src], on_cuda, stager)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.codec import encode_shard
+from ckptd.codec import encode_shard, seal_image
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError, Store
 from storage_backends.base import data_size
@@ -75,8 +75,15 @@ def persist(
         return len(data)
 
     def put_shard(sw) -> int:
-        data = as_numpy(sw.buffer)
         key = f"{folder}/{sw.object_key}"
+        if sw.image is not None:  # staged as the object itself: checksum it in place, send it whole
+            image = sw.image.numpy()
+            seal_image(sw.layout, image, sw.chunks)
+            if dedupe is not None and dedupe.try_reuse(store, sw.object_key, dedupe.digest(sw, image), key):
+                return 0
+            store.put_deferred(key, [memoryview(image)])
+            return image.nbytes
+        data = as_numpy(sw.buffer)
         if dedupe is not None:
             digest = dedupe.digest(sw, data)
             if dedupe.try_reuse(store, sw.object_key, digest, key):

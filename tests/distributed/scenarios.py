@@ -102,6 +102,9 @@ def make_state(layout: str, seed: int):
         "scalar": torch.tensor(float(seed)),
         "empty": torch.empty(0, 3),
         "f16": torch.randn(2, 2, generator=g).half(),
+        # 6 MiB: over 1 MiB, so it is chunked and staged as an object image (by the one rank
+        # that writes a replicated tensor); everything else here takes the plain buffer path
+        "big": torch.randn(1537, 1024, generator=g),
     }
     state = {"model": model, "optim": optim, "sched": sched, "extra": extra, "meta": {"seed": seed}}
     return state, dp_rank, dp_size
