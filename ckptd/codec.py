@@ -261,21 +261,25 @@ def encode_shard(layout: ArrayLayout, coord: Sequence[int], block: np.ndarray) -
 # A shard whose inner chunks are whole rows (so each chunk is a contiguous byte range of the
 # shard) and which the array's edge does not clip can be staged as an *object image*: one buffer
 # holding exactly the bytes ``encode_shard`` would produce, the data of chunk ``k`` at
-# ``k * (chunk_nbytes + 4)`` with its checksum slot after it, then the index. The snapshot
-# copies the tensor's rows straight into their places (a strided view of the image), the writer
-# fills the checksums in place and hands the store one contiguous, page-aligned buffer that a
-# direct write sends to the disk without copying it (``storage_backends._direct``).
+# ``k * (chunk_nbytes + 4)`` with its checksum slot after it, then the index (plain layouts:
+# one chunk and its checksum, no index). The snapshot copies the tensor's rows straight into
+# their places (a strided view of the image), the writer fills the checksums in place and
+# hands the store one contiguous, page-aligned buffer that a direct write sends to the disk
+# without copying it (``storage_backends._direct``).
 
 
 def image_chunks(layout: ArrayLayout, coord: Sequence[int], itemsize: int) -> int | None:
     """The number of chunks of shard ``coord``'s object image, or None when the shard cannot
-    be staged as one: not sharded, clipped by the array's edge (edge chunks are padded copies),
-    chunks that are not whole rows, or a chunk stride that is not a whole number of elements."""
-    if not layout.sharded or not layout.shape:
+    be staged as one: a 0-d array, a shard clipped by the array's edge (edge chunks are padded
+    copies), chunks that are not whole rows, or (several chunks) a chunk stride that is not a
+    whole number of elements."""
+    if not layout.shape:
         return None
     start, stop = layout.shard_box(coord)
     if tuple(b - a for a, b in zip(start, stop, strict=True)) != tuple(layout.shard_shape):
         return None
+    if not layout.sharded:
+        return 1
     if tuple(layout.chunk_shape[1:]) != tuple(layout.shard_shape[1:]):
         return None
     if (layout.chunk_nbytes + CRC_BYTES) % itemsize:
@@ -284,11 +288,13 @@ def image_chunks(layout: ArrayLayout, coord: Sequence[int], itemsize: int) -> in
 
 
 def image_nbytes(layout: ArrayLayout, chunks: int) -> int:
-    return chunks * (layout.chunk_nbytes + CRC_BYTES) + layout.index_nbytes
+    return chunks * (layout.chunk_nbytes + CRC_BYTES) + (layout.index_nbytes if layout.sharded else 0)
 
 
 def init_image(layout: ArrayLayout, image: np.ndarray, chunks: int) -> None:
     """Write the index (which depends on the layout only) at the end of a fresh image."""
+    if not layout.sharded:
+        return
     stride = layout.chunk_nbytes + CRC_BYTES
     index = np.empty((chunks, 2), dtype="<u8")
     index[:, 0] = np.arange(chunks, dtype="<u8") * stride

@@ -3,9 +3,10 @@
 This is the only part of a save that blocks training. For each tensor, the rank copies exactly
 the shards it will write (its own block for FSDP/TP; its share of a replicated tensor) into
 buffers that are allocated once and reused by every later save (pinned, and filled on a side
-CUDA stream, when the tensor is on a GPU). A CPU shard whose chunks are whole rows is copied
-straight into an *object image* (``ckptd.codec.image_chunks``): a page-aligned buffer laid out
-as the shard's object, so that the writer sends it to the disk without encoding or copying it.
+CUDA stream, when the tensor is on a GPU). A CPU shard of 1 MiB or more whose chunks are whole
+rows is copied straight into an *object image* (``ckptd.codec.image_chunks``): a page-aligned
+buffer laid out as the shard's object, so that the writer sends it to the disk without
+encoding or copying it.
 A small sharded tensor's one shard (see ``ckptd.layout``) receives the other ranks' blocks
 here, and so do shards whose rows straddle ranks (the irregular 2-D case) from their
 neighbours. CPU scalars are not copied: their value goes into the manifest and their
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, init_image, inline_value
 from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
+from storage_backends._direct import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat, zarr_dtype
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
 
@@ -95,26 +97,21 @@ class Stager:
         hit = self._images.get((key, coord))
         if hit is not None and hit[0] == layout and hit[1] == dtype:
             return hit[2], hit[3]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        chunks = image_chunks(layout, coord, itemsize)
+        chunks = staged_image_chunks(layout, coord, dtype)
         if chunks is None:
             return None
         self._buffers.pop((key, coord), None)
         image = self._alloc_image(image_nbytes(layout, chunks))
         init_image(layout, image.numpy(), chunks)
-        stride = (layout.chunk_nbytes + 4) // itemsize  # a chunk's elements, then its crc slot
-        data = image[: chunks * stride * itemsize].view(dtype)
-        inner = [1]
-        for n in reversed(layout.chunk_shape[1:]):
-            inner.insert(0, inner[0] * n)
-        view = data.as_strided((chunks, *layout.chunk_shape), (stride, *inner))
+        view = image_view(image, layout, chunks, dtype)
         self._images[(key, coord)] = (layout, dtype, view, image)
         return view, image
 
     @staticmethod
     def _alloc_image(nbytes: int) -> torch.Tensor:
         # An anonymous map is page-aligned, as a direct write needs; the tensor keeps it alive.
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        # Private: not shared with processes forked later (data loader workers).
+        return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
 
     @staticmethod
     def _alloc(shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
@@ -133,6 +130,28 @@ class Stager:
     def release(self) -> None:
         self._buffers.clear()
         self._images.clear()
+
+
+def staged_image_chunks(layout: ArrayLayout, coord: tuple[int, ...], dtype) -> int | None:
+    """The chunk count of the object image to stage shard ``coord`` in, or None for a plain
+    buffer: the shard cannot be an image, or its object is under 1 MiB (written through the page
+    cache, where an image gains nothing)."""
+    chunks = image_chunks(layout, coord, torch.empty((), dtype=dtype).element_size())
+    if chunks is None or image_nbytes(layout, chunks) < DIRECT_MIN_BYTES:
+        return None
+    return chunks
+
+
+def image_view(image: torch.Tensor, layout: ArrayLayout, chunks: int, dtype) -> torch.Tensor:
+    """The (chunks, *chunk_shape) view of an object image's data: chunk ``k`` starts at
+    ``k * (chunk_nbytes + 4)`` bytes, its crc slot after it (``ckptd.codec.image_chunks``)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    stride = (layout.chunk_nbytes + 4) // itemsize  # whole elements whenever chunks > 1
+    data = image[: (chunks - 1) * stride * itemsize + layout.chunk_nbytes].view(dtype)
+    inner = [1]
+    for n in reversed(layout.chunk_shape[1:]):
+        inner.insert(0, inner[0] * n)
+    return data.as_strided((chunks, *layout.chunk_shape), (stride, *inner))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,10 @@ ELIGIBLE = [
     ((12, 3, 5), "bfloat16", (6, 3, 5), (1, 3, 5)),  # chunk of 30 bytes + crc: 17 elements
     ((32, 7), "uint8", (16, 7), (4, 7)),
     ((6, 4), "float64", (6, 4), (3, 4)),  # 96 + 4 bytes: not a whole number of 8-byte elements
+    ((10, 6), "float32", (10, 6), (10, 6)),  # plain: one chunk and its crc, no index
+    ((7,), "float64", (7,), (7,)),  # plain: any element size
 ]
+NOT_AN_IMAGE = {((6, 4), "float64", (6, 4), (3, 4))}
 
 
 def _image_of(layout: ArrayLayout, coord, block: np.ndarray) -> bytes | None:
@@ -56,7 +59,7 @@ def test_an_image_is_byte_for_byte_the_encoded_shard(shape, dtype, shard, chunk)
         start, stop = layout.shard_box(coord)
         block = data[tuple(slice(a, b) for a, b in zip(start, stop, strict=True))]
         got = _image_of(layout, coord, block)
-        if dtype == "float64":
+        if (shape, dtype, shard, chunk) in NOT_AN_IMAGE:
             assert got is None
             continue
         assert got == b"".join(bytes(b) for b in encode_shard(layout, coord, block))
@@ -70,8 +73,11 @@ def test_shards_that_cannot_be_images():
     assert image_chunks(columns, (0, 1), 4) == 4
     tiles = ArrayLayout((8, 8), "float32", (8, 4), (2, 2))  # a chunk is not whole rows of the shard
     assert image_chunks(tiles, (0, 1), 4) is None
-    plain = ArrayLayout((8, 8), "float32", (8, 8), (8, 8))  # one chunk, not sharded
-    assert image_chunks(plain, (0, 0), 4) is None
+    plain = ArrayLayout((8, 8), "float32", (8, 8), (8, 8))  # one chunk: data and crc
+    assert image_chunks(plain, (0, 0), 4) == 1
+    clipped_plain = ArrayLayout((7, 8), "float32", (4, 8), (4, 8))  # the last chunk is padded
+    assert image_chunks(clipped_plain, (1, 0), 4) is None
+    assert image_chunks(ArrayLayout((), "float32", (), ()), (), 4) is None
 
 
 class Net(torch.nn.Module):
@@ -79,6 +85,7 @@ class Net(torch.nn.Module):
         super().__init__()
         self.seq = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 8))
         self.emb = torch.nn.Embedding(4096, 256).to(torch.bfloat16)
+        self.square = torch.nn.Linear(512, 512)  # exactly 1 MiB: one chunk, not sharded
 
 
 def big_state(seed=0):
@@ -91,7 +98,11 @@ def big_state(seed=0):
 
 def train(state):
     m = state["model"]
-    loss = m.seq(torch.randn(4, 512)).pow(2).mean() + m.emb(torch.arange(8)).float().pow(2).mean()
+    loss = (
+        m.seq(torch.randn(4, 512)).pow(2).mean()
+        + m.square(torch.randn(2, 512)).pow(2).mean()
+        + m.emb(torch.arange(8)).float().pow(2).mean()
+    )
     loss.backward()
     state["optim"].step()
     state["optim"].zero_grad()
@@ -121,7 +132,9 @@ def test_a_save_stages_images_and_writes_the_encoded_objects(tmp_path, spy_take)
     job = spy_take[0]
     images = [sw for sw in job.shards if sw.image is not None]
     keys = {sw.key for sw in images}
-    assert {"model/seq.0.weight", "optim/state/seq.0.weight/exp_avg", "model/emb.weight"} <= keys
+    assert {"model/seq.0.weight", "optim/state/seq.0.weight/exp_avg", "model/emb.weight", "model/square.weight"} <= keys
+    assert not next(sw for sw in images if sw.key == "model/square.weight").layout.sharded
+    assert "model/seq.0.bias" not in keys  # 4 KiB: written through the page cache, no image
     store = open_store(root)
     for sw in images:
         assert sw.image.data_ptr() % 4096 == 0  # page-aligned: a direct write takes it as it is
