@@ -45,9 +45,10 @@ import torch
 
 from ckptd import catalog
 from ckptd import manifest as mf
+from ckptd.codec import ArrayLayout, image_nbytes, init_image
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError, open_store
-from trainer_hooks.snapshot import SaveJob, Stager
+from trainer_hooks.snapshot import SaveJob, Stager, image_view, staged_image_chunks
 from trainer_hooks.writer import SaveResult
 
 log = logging.getLogger("ckptd.daemon_client")
@@ -138,10 +139,9 @@ class DaemonStager(Stager):
     """Snapshot buffers as files of a staging lease, mapped as tensors and reused across saves.
 
     ``pin`` is ignored: the buffers are shared-memory mappings, which CUDA copies into
-    synchronously (the copy is correct, only not overlapped). No object images: the daemon
-    encodes the shards it receives."""
-
-    images = False
+    synchronously (the copy is correct, only not overlapped). Object images are files of the
+    lease too: the daemon checks their size against the layout, rewrites the index, fills in the
+    checksums in its private mapping and writes the file's pages as they are."""
 
     def __init__(self, sink: DaemonSink):
         super().__init__()
@@ -150,6 +150,8 @@ class DaemonStager(Stager):
         self._dir: Path | None = None
         self._granted = 0
         self._files: dict[tuple[str, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
+        # object images among them: (key, coord) -> (layout, dtype, chunked view of the file)
+        self._views: dict[tuple[str, tuple[int, ...]], tuple[ArrayLayout, torch.dtype, torch.Tensor]] = {}
         self._meta_names: list[str] = []
         self._meta_bytes = 0
         self._used: set[str] = set()
@@ -170,29 +172,65 @@ class DaemonStager(Stager):
         if not self._in_save:
             self._begin()
         hit = self._files.get((key, coord))
-        if hit is not None and tuple(hit[1].shape) == tuple(shape) and hit[1].dtype == dtype:
+        if (
+            hit is not None
+            and (key, coord) not in self._views
+            and tuple(hit[1].shape) == tuple(shape)
+            and hit[1].dtype == dtype
+        ):
             self._used.add(hit[0])
             return hit[1]
         if hit is not None:
             self._drop(key, coord)
         numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        self._ensure(self._allocated() + nbytes)
-        name = f"{self._counter:08d}.bin"
-        self._counter += 1
-        path = self._dir / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
+        name = self._new_file(numel * torch.empty((), dtype=dtype).element_size())
         if numel:
-            buf = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+            buf = torch.from_file(str(self._dir / name), shared=True, size=numel, dtype=dtype).view(shape)
         else:
             buf = torch.empty(shape, dtype=dtype)
         self._files[(key, coord)] = (name, buf)
         self._used.add(name)
         return buf
+
+    def image(
+        self, key: str, coord: tuple[int, ...], layout: ArrayLayout, dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._lock:
+            return self._image(key, coord, layout, dtype)
+
+    def _image(self, key: str, coord: tuple[int, ...], layout: ArrayLayout, dtype):
+        chunks = staged_image_chunks(layout, coord, dtype)
+        if chunks is None:
+            return None
+        if not self._in_save:
+            self._begin()
+        hit, seen = self._files.get((key, coord)), self._views.get((key, coord))
+        if hit is not None and seen is not None and seen[0] == layout and seen[1] == dtype:
+            self._used.add(hit[0])
+            return seen[2], hit[1]
+        if hit is not None:
+            self._drop(key, coord)
+        nbytes = image_nbytes(layout, chunks)
+        name = self._new_file(nbytes)
+        image = torch.from_file(str(self._dir / name), shared=True, size=nbytes, dtype=torch.uint8)
+        init_image(layout, image.numpy(), chunks)
+        view = image_view(image, layout, chunks, dtype)
+        self._files[(key, coord)] = (name, image)
+        self._views[(key, coord)] = (layout, dtype, view)
+        self._used.add(name)
+        return view, image
+
+    def _new_file(self, nbytes: int) -> str:
+        """A new file of ``nbytes`` in the lease (grown first if needed); its name."""
+        self._ensure(self._allocated() + nbytes)
+        name = f"{self._counter:08d}.bin"
+        self._counter += 1
+        fd = os.open(self._dir / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        return name
 
     @property
     def nbytes(self) -> int:
@@ -201,6 +239,7 @@ class DaemonStager(Stager):
     def release(self) -> None:
         with self._lock:
             self._files.clear()
+            self._views.clear()
             self._in_save = False
 
     def lease_lost(self, lease_id: str) -> None:
@@ -220,12 +259,14 @@ class DaemonStager(Stager):
 
     def _drop(self, key: str, coord: tuple[int, ...]) -> None:
         name, _ = self._files.pop((key, coord))
+        self._views.pop((key, coord), None)
         with contextlib.suppress(OSError):
             os.unlink(self._dir / name)
 
     def _forget_lease(self) -> None:
         """The lease is gone or stays with the daemon: never touch its files again."""
         self._files.clear()
+        self._views.clear()
         self._meta_names, self._meta_bytes = [], 0
         self.lease_id, self._dir, self._granted = None, None, 0
 
@@ -280,7 +321,7 @@ class DaemonStager(Stager):
         shards = []
         for sw in job.shards:
             hit = self._files.get((sw.key, sw.coord))
-            if hit is None or hit[1] is not sw.buffer:
+            if hit is None or hit[1] is not (sw.buffer if sw.image is None else sw.image):
                 raise CheckpointError(f"array {sw.key!r}: snapshot buffer is not in the staging lease")
             lay = sw.layout
             layout = {
@@ -289,7 +330,10 @@ class DaemonStager(Stager):
                 "shard_shape": list(lay.shard_shape),
                 "chunk_shape": list(lay.chunk_shape),
             }
-            shards.append({"key": sw.key, "layout": layout, "coord": list(sw.coord), "file": hit[0]})
+            shard = {"key": sw.key, "layout": layout, "coord": list(sw.coord), "file": hit[0]}
+            if sw.image is not None:
+                shard["image"] = True
+            shards.append(shard)
         for k in [k for k, (name, _) in self._files.items() if name not in self._used]:
             self._drop(*k)
         meta_bytes = sum(len(d) for _, d in job.metadata)

@@ -69,6 +69,7 @@ class ShardModel(BaseModel):
     layout: LayoutModel
     coord: list[int] = Field(max_length=64)
     file: str = _NAME
+    image: bool = Field(False, description="the file is the shard's object image (trainer_hooks.snapshot)")
 
 
 class MetadataModel(BaseModel):

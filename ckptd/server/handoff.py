@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, numpy_dtype
+from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, init_image, numpy_dtype
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Lease, is_plain_file_name
 from storage_backends.base import InvalidKeyError, check_key
 from trainer_hooks.flatten import torch_dtype
-from trainer_hooks.snapshot import SaveJob, ShardWrite
+from trainer_hooks.snapshot import SaveJob, ShardWrite, image_view
 
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
@@ -132,10 +132,18 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
         _check_store_key(folder, f"{mf.array_path(s['key'])}/{layout.shard_key(coord)}", "array key")
         start, stop = layout.shard_box(coord)
         nbytes = math.prod(b - a for a, b in zip(start, stop, strict=True)) * layout.itemsize
+        if s.get("image"):
+            chunks = image_chunks(layout, coord, layout.itemsize)
+            if chunks is None:
+                raise BadJob(f"array {s['key']!r} shard {list(coord)}: this layout has no object image")
+            nbytes = image_nbytes(layout, chunks)
         size = _file_size(lease, s["file"], f"array {s['key']!r} shard {list(coord)}")
         if size != nbytes:
             raise BadJob(f"array {s['key']!r} shard {list(coord)}: staging file has {size} bytes, expected {nbytes}")
-        shards.append({"key": s["key"], "layout": lay, "coord": list(coord), "file": s["file"], "nbytes": nbytes})
+        shard = {"key": s["key"], "layout": lay, "coord": list(coord), "file": s["file"], "nbytes": nbytes}
+        if s.get("image"):
+            shard["image"] = True
+        shards.append(shard)
     metadata = []
     for m in req["metadata"]:
         key = m["key"]
@@ -186,10 +194,20 @@ def load(job: Job, folder: Path) -> SaveJob:
     for s in job.shards:
         lay = s["layout"]
         layout = ArrayLayout(tuple(lay["shape"]), lay["dtype"], tuple(lay["shard_shape"]), tuple(lay["chunk_shape"]))
-        start, stop = layout.shard_box(s["coord"])
+        coord = tuple(s["coord"])
+        mapped = _map(folder / s["file"], s["nbytes"])
+        if s.get("image"):
+            # The trainer laid the data out; the index and the checksums are ours to write (in
+            # this private mapping), so a trainer cannot make us commit a mismatched object.
+            chunks = image_chunks(layout, coord, layout.itemsize)
+            init_image(layout, mapped.numpy(), chunks)
+            view = image_view(mapped, layout, chunks, torch_dtype(layout.dtype))
+            out.shards.append(ShardWrite(s["key"], layout, coord, view, mapped))
+            continue
+        start, stop = layout.shard_box(coord)
         shape = tuple(b - a for a, b in zip(start, stop, strict=True))
-        buf = _map(folder / s["file"], s["nbytes"]).view(torch_dtype(layout.dtype)).view(shape)
-        out.shards.append(ShardWrite(s["key"], layout, tuple(s["coord"]), buf))
+        buf = mapped.view(torch_dtype(layout.dtype)).view(shape)
+        out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
         out.metadata.append((m["key"], (folder / m["file"]).read_bytes()))
     return out

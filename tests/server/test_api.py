@@ -263,3 +263,89 @@ def test_restart_discards_a_job_whose_files_are_lost(tmp_path, monkeypatch):
         assert catalog.committed_steps(open_store(root)) == [2]
     finally:
         slow.kill()
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory):
+    """A daemon with room for a few MiB of snapshots (object images are 1 MiB or more)."""
+    base = tmp_path_factory.mktemp("images")
+    root = str(base / "jobs")
+    with Daemon([root], base / "staging", base / "daemon.log", CKPTD_BUDGET=str(64 << 20)) as d:
+        yield d, root
+
+
+def test_object_images_through_the_daemon(roomy, monkeypatch, tmp_path):
+    """Shards of 1 MiB or more are staged as object images in the lease's files; the daemon
+    writes them as the encoded objects (byte for byte), across saves that reuse the files."""
+    from ckptd import manifest as mf
+    from ckptd.codec import encode_shard
+    from ckptd.verify import verify
+
+    d, root = roomy
+    job_root = root + "/images"
+    monkeypatch.delenv("CKPTD_TOKEN", raising=False)
+    torch.manual_seed(0)
+    state = {"w": torch.randn(1000, 1024), "e": torch.randn(2048, 300).bfloat16(), "b": torch.randn(7)}
+    with Checkpointer(job_root, daemon=d.url) as ck:
+        ck.save(1, state).result()
+        state["w"] += 1
+        ck.save(2, state).result()
+        staged = ck._stager
+        assert {k for k, _ in staged._views} == {"w", "e"}  # "b" is 28 bytes: a plain buffer
+        for k, (name, image) in staged._files.items():
+            if k in staged._views:  # the lease file is the image: data, crc slots and index
+                assert os.path.getsize(staged._dir / name) == image.nbytes > state[k[0]].nbytes
+    store = open_store(job_root)
+    m = catalog.load_manifest(store, 2)
+    for key in ("w", "e"):
+        layout = m.tensors[key].layout
+        block = state[key].view(torch.int16).numpy() if key == "e" else state[key].numpy()
+        for coord in layout.shard_coords():
+            start, stop = layout.shard_box(coord)
+            want = b"".join(bytes(b) for b in encode_shard(layout, coord, block[start[0] : stop[0]]))
+            assert store.get(f"{mf.step_dir(2)}/{mf.array_path(key)}/{layout.shard_key(coord)}") == want
+    assert verify(store, 2).ok
+    got = {"w": torch.zeros(1000, 1024), "e": torch.zeros(2048, 300).bfloat16(), "b": torch.zeros(7)}
+    with Checkpointer(job_root) as ck:
+        assert ck.restore(got) == 2
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_the_daemon_writes_its_own_index_and_checksums_into_an_image(roomy, tmp_path):
+    """A hand-off's image file carries the trainer's data; whatever its index and checksum slots
+    hold, the object the daemon commits is the encoded data. An image on a layout that has none,
+    or of the wrong size, is refused."""
+    from ckptd import manifest as mf
+    from ckptd.codec import ArrayLayout, encode_shard, image_nbytes
+
+    d, root = roomy
+    job_root = root + "/handmade"
+    layout = ArrayLayout((512, 1024), "float32", (512, 1024), (16, 1024))  # 2 MiB in 32 chunks
+    data = np.random.default_rng(0).random((512, 1024), dtype=np.float32)
+    with httpx.Client(base_url=d.url, timeout=30) as c:
+        lease = _lease(c, job_root, nbytes=image_nbytes(layout, 32) + 4096)
+        image = np.frombuffer(os.urandom(image_nbytes(layout, 32)), np.uint8).copy()  # garbage slots
+        stride = layout.chunk_nbytes + 4
+        raw = data.reshape(-1).view(np.uint8)
+        for k in range(32):
+            image[k * stride : k * stride + layout.chunk_nbytes] = raw[
+                k * layout.chunk_nbytes : (k + 1) * layout.chunk_nbytes
+            ]
+        image.tofile(os.path.join(lease["dir"], "w.bin"))
+        with open(os.path.join(lease["dir"], "m.bin"), "wb") as f:
+            f.write(b"{}")
+        lay = {"shape": [512, 1024], "dtype": "float32", "shard_shape": [512, 1024], "chunk_shape": [16, 1024]}
+        shard = {"key": "w", "layout": lay, "coord": [0, 0], "file": "w.bin", "image": True}
+        tiles = {**lay, "chunk_shape": [16, 512]}  # chunks are not whole rows: no image
+        for why, s in {
+            "has no object image": {**shard, "layout": tiles},
+            "staging file has": {**shard, "layout": {**lay, "shape": [256, 1024], "shard_shape": [256, 1024]}},
+        }.items():
+            r = c.post("/v1/jobs", json=_job(lease, job_root, shards=[s]))
+            assert r.status_code == 400 and why in r.text, r.text
+        r = c.post("/v1/jobs", json=_job(lease, job_root, shards=[shard], job="cd" * 16))
+        assert r.status_code == 200, r.text
+        wait_for(lambda: c.get(f"/v1/jobs/{'cd' * 16}").json()["state"] == "committed", "commit", 30)
+        c.delete(f"/v1/leases/{lease['lease']}")
+    want = b"".join(bytes(b) for b in encode_shard(layout, (0, 0), data))
+    assert open_store(job_root).get(f"{mf.step_dir(5)}/{mf.array_path('w')}/{layout.shard_key((0, 0))}") == want
