@@ -258,10 +258,12 @@ def run(
             if name.startswith("dcp_save_"):
                 remove(path(name))
         p = path(f"dcp_save_{rep}")
+        u0 = _usage()
         with Timer() as t:
             sd = st.dcp_state(model, optim)
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=4))
         res.add("dcp.save", rep, t.s)
+        _record_cpu(res.rows["dcp.save"], u0)
 
     def dcp_load(rep: int) -> None:
         p = path(f"dcp_save_{rep}")
@@ -308,6 +310,7 @@ def run(
             remove(p)
             if opts is not None and variant not in stagers:
                 stagers[variant] = DefaultStager(opts)
+            u0 = _usage()
             t0 = time.perf_counter()
             sd = st.dcp_state(model, optim)
             if opts is None:
@@ -325,6 +328,7 @@ def run(
                 return
             res.add(f"dcp.async.{variant}.block", rep, t_safe)
             res.add(f"dcp.async.{variant}.commit", rep, t_commit)
+            _record_cpu(res.rows[f"dcp.async.{variant}.commit"], u0)
 
         return go
 
@@ -363,6 +367,7 @@ def run(
             u1 = _usage()
             result = fut.result()
             t_commit = time.perf_counter() - t0
+            u_commit = _usage()
             if which != "keep1":
                 _prune_older(ck, step[which])  # outside the timing: DCP deletes nothing either
             else:
@@ -372,6 +377,7 @@ def run(
                 return
             res.add(f"{prefix}.block", rep, t_block)
             res.add(f"{prefix}.commit", rep, t_commit)
+            _record_cpu(res.rows[f"{prefix}.commit"], u0, u_commit)
             if getattr(result, "phases", None):  # the in-process writer's write / sync / commit split
                 res.rows[f"{prefix}.commit"].extra.setdefault("phases", []).append(
                     {k: round(v, 4) for k, v in result.phases.items()}
@@ -498,6 +504,12 @@ def _thread_ticks() -> dict[int, int]:
                 fields = f.read().rsplit(")", 1)[1].split()
                 out[int(tid)] = int(fields[11]) + int(fields[12])  # utime + stime (fields 14, 15)
     return out
+
+
+def _record_cpu(row, u0, u1=None) -> None:
+    """CPU seconds this process (every thread) spent from the call to durable: what a save
+    takes from training besides its wall time (a daemon's CPU is not in it)."""
+    row.extra.setdefault("cpu_s", []).append(round((u1 or _usage())[1] - u0[1], 4))
 
 
 def _record_usage(row, u0, u1=None) -> None:

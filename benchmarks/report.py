@@ -7,6 +7,7 @@ markers: regenerating the report keeps it (it says which run it was written for)
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 
 from benchmarks.common import fmt_bytes
@@ -265,6 +266,20 @@ def _section_extras(res: Results, sec: str) -> list[str]:
                 f"ckptd's first save (allocates its snapshot buffers: page faults) blocked "
                 f"{blk.extra['first_call_s']:.2f} s and committed in {blk.extra.get('first_commit_s', 0):.2f} s; "
                 f"staged bytes {fmt_bytes(blk.extra.get('staged_bytes', 0))}.",
+                "",
+            ]
+    if sec == "local":
+        cpu = {
+            rid: statistics.median(res.rows[rid].extra["cpu_s"])
+            for rid in ("ckptd.commit", "dcp.save", "dcp.async.default.commit", "dcp.async.sync_cached.commit")
+            if rid in res.rows and res.rows[rid].extra.get("cpu_s")
+        }
+        if cpu:
+            out += [
+                "CPU seconds of the saving process from the call until durable (median; every thread; "
+                "what a save takes from training besides its wall time): "
+                + ", ".join(f"`{rid}` {v:.2f} s" for rid, v in cpu.items())
+                + ".",
                 "",
             ]
     if sec == "reshard" and info.get("checks"):
