@@ -373,6 +373,7 @@ class DaemonSink:
 
     UNREACHABLE_WAIT_S = 60.0  # how long a save waits for an unreachable daemon (a restart)
     HEARTBEAT_S = 2.0  # also how soon this client unmaps a lease the daemon reclaimed while idle
+    LONG_POLL_S = 1.0  # how long the daemon may hold a job status request (< HEARTBEAT_S)
     FORGOTTEN_S = 10.0  # a job the daemon does not know for this long (and not committed) failed
 
     def __init__(
@@ -541,22 +542,31 @@ class DaemonSink:
                     if self.call("POST", f"/v1/leases/{lease}/heartbeat")[0] == 404:
                         self._stager.lease_lost(lease)  # reclaimed for another client's snapshot
                 next_beat = now + min(self.lease_ttl / 4, self.HEARTBEAT_S)
-            for p in pending:
-                if self._check(p):
+            # The oldest job (the next to commit) is long-polled: the daemon answers the moment
+            # it is final, or after LONG_POLL_S (within the heartbeat period); the others are
+            # checked in passing.
+            held = False
+            for i, p in enumerate(pending):
+                t0 = time.monotonic()
+                if self._check(p, wait=self.LONG_POLL_S if i == 0 else 0.0):
                     with self._cv:
                         self._pending.remove(p)
-            if pending:
+                    held = True
+                elif i == 0:
+                    held = time.monotonic() - t0 >= self.LONG_POLL_S / 2
+            if pending and not held:  # a daemon without long polls, or unreachable: back off
                 time.sleep(delay)
                 delay = min(delay * 1.5, 0.2)
 
-    def _check(self, p: _Pending) -> bool:
-        """Resolve ``p`` if its outcome is known. True when done."""
+    def _check(self, p: _Pending, wait: float = 0.0) -> bool:
+        """Resolve ``p`` if its outcome is known (waiting up to ``wait`` s for it in the daemon).
+        True when done."""
         where = f"{self.root.rstrip('/')}/{mf.step_dir(p.step)}"
-        now = time.monotonic()
         try:
-            status, body, _ = self.call("GET", f"/v1/jobs/{quote(p.job)}")
+            status, body, _ = self.call("GET", f"/v1/jobs/{quote(p.job)}" + (f"?wait={wait:g}" if wait else ""))
         except CheckpointError:
             status, body = None, {}
+        now = time.monotonic()
         if status == 200:
             p.missing_since = None
             state = body.get("state")

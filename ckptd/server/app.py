@@ -9,10 +9,12 @@ lease, job or step; 409 a lease the daemon is still uploading from; 413 a body o
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import shutil
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
-from ckptd.server.handoff import BadJob
+from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
 from ckptd.server.roots import RootError, Roots
@@ -339,10 +341,18 @@ def create_app(settings: Settings) -> FastAPI:
         return [j.status() for j in runner.recent(limit)]
 
     @app.get("/v1/jobs/{job_id}", summary="a job's state: queued, uploading, uploaded, committed, failed, discarded")
-    def get_job(job_id: str):
+    async def get_job(
+        job_id: str,
+        wait: float = Query(
+            0.0, ge=0, le=60, description="long poll: answer as soon as the job is final, or after this many seconds"
+        ),
+    ):
         job = runner.get(job_id)
         if job is None:
             return _error(404, f"no job {job_id!r}")
+        deadline = time.monotonic() + wait
+        while job.state not in FINAL and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # the upload runs on a thread: a state change is seen in 5 ms
         return job.status()
 
     return app

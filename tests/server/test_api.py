@@ -349,3 +349,23 @@ def test_the_daemon_writes_its_own_index_and_checksums_into_an_image(roomy, tmp_
         c.delete(f"/v1/leases/{lease['lease']}")
     want = b"".join(bytes(b) for b in encode_shard(layout, (0, 0), data))
     assert open_store(job_root).get(f"{mf.step_dir(5)}/{mf.array_path('w')}/{layout.shard_key((0, 0))}") == want
+
+
+def test_job_status_long_poll_answers_when_the_job_is_final(tmp_path):
+    """``GET /v1/jobs/{id}?wait=S`` holds the answer until the job is final (the client's poller
+    learns of a commit at once instead of on its next poll); without ``wait`` it answers now."""
+    root = str(tmp_path / "jobs")
+    with (
+        Daemon([root], tmp_path / "staging", tmp_path / "daemon.log", CKPTD_FAULT_UPLOAD_DELAY_S="1.5") as d,
+        httpx.Client(base_url=d.url, timeout=60) as c,
+    ):
+        lease = _lease(c, root)
+        np.arange(4, dtype=np.float32).tofile(os.path.join(lease["dir"], "w.bin"))
+        with open(os.path.join(lease["dir"], "m.bin"), "wb") as f:
+            f.write(b"{}")
+        job = "ef" * 16
+        assert c.post("/v1/jobs", json=_job(lease, root, job=job)).status_code == 200
+        assert c.get(f"/v1/jobs/{job}").json()["state"] in ("queued", "uploading")  # the put sleeps 1.5 s
+        assert c.get(f"/v1/jobs/{job}", params={"wait": 30}).json()["state"] == "committed"
+        assert c.get(f"/v1/jobs/{job}", params={"wait": 61}).status_code == 400
+        assert c.get("/v1/jobs/nope", params={"wait": 5}).status_code == 404
