@@ -211,3 +211,21 @@ def test_bf16_image_round_trips_through_tensorstore(tmp_path):
     got = arr.result().read().result()
     assert got.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(got, as_numpy(t))
+
+
+def test_non_contiguous_and_offset_tensors_are_staged_by_value(tmp_path, spy_take):
+    """A transposed tensor and a view at an offset into a larger buffer are copied into their
+    images element by element in C order, like any other tensor."""
+    torch.manual_seed(5)
+    base = torch.randn(3 * 512 * 1024 + 7)
+    state = {
+        "transposed": torch.randn(1024, 512).t(),  # 512 x 1024, strides (1, 512)
+        "offset": base[7:].view(3 * 512, 1024),  # storage offset 7
+    }
+    assert not state["transposed"].is_contiguous() and state["offset"].storage_offset() == 7
+    with Checkpointer(str(tmp_path / "job")) as ck:
+        ck.save(1, state).result()
+        got = {k: torch.zeros(v.shape) for k, v in state.items()}
+        assert ck.restore(got) == 1
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    assert {sw.key for sw in spy_take[0].shards if sw.image is not None} == {"transposed", "offset"}
