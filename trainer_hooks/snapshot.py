@@ -6,11 +6,10 @@ buffers that are allocated once and reused by every later save (pinned, and fill
 CUDA stream, when the tensor is on a GPU). A CPU shard of 1 MiB or more whose chunks are whole
 rows is copied straight into an *object image* (``ckptd.codec.image_chunks``): a page-aligned
 buffer laid out as the shard's object, so that the writer sends it to the disk without
-encoding or copying it.
-A small sharded tensor's one shard (see ``ckptd.layout``) receives the other ranks' blocks
-here, and so do shards whose rows straddle ranks (the irregular 2-D case) from their
-neighbours. CPU scalars are not copied: their value goes into the manifest and their
-``zarr.json``.
+encoding or copying it. A small sharded tensor's one shard (see ``ckptd.layout``) receives the
+other ranks' blocks here, and so do shards whose rows straddle ranks (the irregular 2-D case)
+from their neighbours. CPU scalars are not copied: their value goes into the manifest and
+their ``zarr.json``.
 """
 
 from __future__ import annotations
