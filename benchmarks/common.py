@@ -58,6 +58,36 @@ def collect() -> None:
     gc.collect()
 
 
+def busy_ticks() -> int:
+    """Machine-wide non-idle CPU time (``/proc/stat``: user, nice, system, irq, softirq), ticks."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:8]]
+        return v[0] + v[1] + v[2] + v[5] + v[6]
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def settle(max_wait: float = 5.0, window: float = 0.2, busy: float = 0.1) -> float:
+    """Flush the filesystems (``sync``: dirty pages, and the journal commit that issues the
+    discards of deleted files on a ``discard`` mount), then wait until the machine has been quiet
+    for ``window`` seconds (under ``busy`` of its CPUs busy, this process included), at most
+    ``max_wait``; return the seconds waited.
+
+    What one system leaves behind (a deleted 1.5 GiB folder's discards, writeback, a background
+    thread finishing) must not run on the two cores while the next system is timed: the timed
+    systems follow one another in a fixed cycle, so that work would always land on the same
+    neighbour. Applied before every system alike."""
+    hz, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    t0 = time.monotonic()
+    os.sync()
+    while True:
+        b0 = busy_ticks()
+        time.sleep(window)
+        if (busy_ticks() - b0) / hz < busy * window * ncpu or time.monotonic() - t0 >= max_wait:
+            return time.monotonic() - t0
+
+
 def dcp_staged(response):
     """Wait until a ``dcp.async_save`` snapshot is safe to mutate; return the upload's future.
     With asynchronous staging that is ``staging_completion``; otherwise the call's return."""

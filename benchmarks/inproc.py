@@ -23,6 +23,7 @@ What each time measures:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import socket
@@ -37,7 +38,18 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks import state as st
-from benchmarks.common import Timer, collect, dcp_staged, drop_cache, fmt_bytes, fsync_dir, remove, rotate
+from benchmarks.common import (
+    Timer,
+    busy_ticks,
+    collect,
+    dcp_staged,
+    drop_cache,
+    fmt_bytes,
+    fsync_dir,
+    remove,
+    rotate,
+    settle,
+)
 from benchmarks.results import SKIPPED, Results
 
 SECTION = "local"
@@ -452,9 +464,11 @@ def run(
                 collect()
         saves = [s for s in systems if s.phase == "save"]
         reads = [s for s in systems if s.phase == "read"]
+        waits = res.sections[SECTION].setdefault("settle_s", {})
         for rep in range(reps):
             for phase in (saves, reads):
                 for s in rotate(phase, rep):
+                    waits.setdefault(s.name, []).append(round(settle(), 2))
                     s.run(rep)
                     collect()
             res.sections[SECTION]["last_rep_done"] = rep
@@ -475,7 +489,7 @@ def run(
     res.sections[SECTION]["cache_drop"] = drop_cache.method
 
 
-def _usage() -> tuple[int, float, int, dict[int, int], int]:
+def _usage() -> tuple[int, float, int, dict[int, int], int, int, int]:
     """This process's page faults (minor + major), CPU seconds (every thread), involuntary
     context switches and per-thread CPU ticks so far. Around a copy: faults mean unmapped
     buffers, CPU well under 2x the wall time of a 2-thread copy means it waited, involuntary
@@ -484,7 +498,36 @@ def _usage() -> tuple[int, float, int, dict[int, int], int]:
     import resource
 
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_minflt + r.ru_majflt, r.ru_utime + r.ru_stime, r.ru_nivcsw, _thread_ticks(), _steal_ticks()
+    return (
+        r.ru_minflt + r.ru_majflt,
+        r.ru_utime + r.ru_stime,
+        r.ru_nivcsw,
+        _thread_ticks(),
+        _steal_ticks(),
+        busy_ticks(),
+        _kswapd_ticks(),
+    )
+
+
+def _kswapd_ticks() -> int:
+    """CPU time of the kernel's page reclaim threads (kswapd*), ticks."""
+    total = 0
+    for pid in _kswapd_pids():
+        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total
+
+
+@functools.cache
+def _kswapd_pids() -> tuple[int, ...]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
+                if f.read().startswith("kswapd"):
+                    out.append(int(pid))
+    return tuple(out)
 
 
 def _steal_ticks() -> int:
@@ -522,6 +565,10 @@ def _record_usage(row, u0, u1=None) -> None:
     names = {t.native_id: t.name for t in threading.enumerate()}
     hz = os.sysconf("SC_CLK_TCK")
     row.extra.setdefault("steal_s", []).append(round((u1[4] - u0[4]) / hz, 3))
+    # CPU that ran on this machine outside this process meanwhile (a 2-core VM: it competes with
+    # the copy's two threads), and how much of it was page reclaim (kswapd)
+    row.extra.setdefault("outside_cpu_s", []).append(round((u1[5] - u0[5]) / hz - (u1[1] - u0[1]), 3))
+    row.extra.setdefault("kswapd_s", []).append(round((u1[6] - u0[6]) / hz, 3))
     busy = sorted(((t - u0[3].get(tid, 0), tid) for tid, t in u1[3].items()), reverse=True)[:3]
     row.extra.setdefault("busiest_threads", []).append(
         {names.get(tid, f"tid {tid} (no Python thread)"): round(d / hz, 3) for d, tid in busy if d > 0}

@@ -186,6 +186,11 @@ def write_markdown(res: Results, path: str, chart_path: str | None) -> None:
         f"({m.get('cache_drop')}). "
         "Code pages stay cached (`echo 3` would also evict torch's shared libraries and charge every system "
         "for re-reading them). Writes start with whatever the cache holds; each write ends with fsync.",
+        "- Single-process rows: before every system the harness runs `sync` (so the previous system's dirty pages "
+        "and its deleted files' discards are not flushed during the next one) and waits until the machine has "
+        "been under 10% busy for 0.2 s (`settle_s` in the JSON). Around every timed block it records the "
+        "process's CPU seconds, page faults and busiest threads, and the CPU that ran *outside* the process "
+        "(`outside_cpu_s`, of which `kswapd_s` is page reclaim).",
         "- `block` = time until the snapshot is safe to mutate (ckptd: `save` returns; DCP: `async_save` returns, "
         "or `staging_completion` for asynchronous staging); `commit` = until durable/committed.",
         "- Systems that keep buffers across calls (ckptd, DCP with an explicit `DefaultStager`) get one untimed "
