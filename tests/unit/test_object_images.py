@@ -229,3 +229,20 @@ def test_non_contiguous_and_offset_tensors_are_staged_by_value(tmp_path, spy_tak
         assert ck.restore(got) == 1
     assert all(torch.equal(got[k], state[k]) for k in state)
     assert {sw.key for sw in spy_take[0].shards if sw.image is not None} == {"transposed", "offset"}
+
+
+def test_a_tensor_that_changes_shape_gets_a_new_image(tmp_path, spy_take):
+    """A key whose shape changes between saves (a resized embedding) is staged in a new image of
+    the new layout; the old one is dropped, and each checkpoint holds its own values."""
+    torch.manual_seed(6)
+    small, big = torch.randn(512, 1024), torch.randn(768, 1024)
+    with Checkpointer(str(tmp_path / "job")) as ck:
+        ck.save(1, {"emb": small}).result()
+        first = ck.staged_bytes
+        ck.save(2, {"emb": big}).result()
+        assert ck.staged_bytes > first and len(ck._stager._images) == 1
+        for step, want in ((1, small), (2, big)):
+            got = {"emb": torch.zeros(want.shape)}
+            assert ck.restore(got, step=step) == step and torch.equal(got["emb"], want)
+    images = [[sw.image for sw in j.shards if sw.image is not None] for j in spy_take]
+    assert len(images[0]) == len(images[1]) == 1 and images[0][0].data_ptr() != images[1][0].data_ptr()
