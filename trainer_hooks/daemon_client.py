@@ -396,16 +396,25 @@ class DaemonSink:
             status, body, _ = self.call("POST", "/v1/roots/check", {"root": root_uri})
             if status != 200:
                 raise CheckpointError(f"ckptd daemon at {self.url} refused job root {root_uri}: {_detail(body)}")
+            features = self._features()
         except CheckpointError:
             self._http.close()
             raise
         self._stager = DaemonStager(self)
+        # An older daemon takes plain shard files only, and answers job polls at once.
+        self._stager.images = "image_handoff" in features
+        self.long_poll = "job_long_poll" in features
         self._pending: list[_Pending] = []
         self._cv = threading.Condition()
         self._stop = False
         self._store = None
         self._thread = threading.Thread(target=self._poll_loop, name="ckptd-daemon-poll", daemon=True)
         self._thread.start()
+
+    def _features(self) -> set[str]:
+        """What the daemon supports beyond the first API (``features`` of ``/v1/status``)."""
+        status, body, _ = self.call("GET", "/v1/status")
+        return set(body.get("features") or ()) if status == 200 and isinstance(body, dict) else set()
 
     # -------------------------------------------------------------------------- sink API
 
@@ -548,11 +557,11 @@ class DaemonSink:
             held = False
             for i, p in enumerate(pending):
                 t0 = time.monotonic()
-                if self._check(p, wait=self.LONG_POLL_S if i == 0 else 0.0):
+                if self._check(p, wait=self.LONG_POLL_S if i == 0 and self.long_poll else 0.0):
                     with self._cv:
                         self._pending.remove(p)
                     held = True
-                elif i == 0:
+                elif i == 0 and self.long_poll:
                     held = time.monotonic() - t0 >= self.LONG_POLL_S / 2
             if pending and not held:  # a daemon without long polls, or unreachable: back off
                 time.sleep(delay)

@@ -55,6 +55,11 @@ class GrowRequest(BaseModel):
     want: int = Field(0, ge=0)
 
 
+# ``image_handoff``: shard files may be object images ("image": true); ``job_long_poll``:
+# GET /v1/jobs/{id} takes ``wait``.
+FEATURES = ("image_handoff", "job_long_poll")
+
+
 class RootRequest(BaseModel):
     root: str = Field(min_length=1, max_length=4096)
 
@@ -224,6 +229,8 @@ def create_app(settings: Settings) -> FastAPI:
     def status():
         return {
             "version": __version__,
+            # what this daemon accepts beyond the first API: clients check before using them
+            "features": list(FEATURES),
             "roots": roots.uris,
             "staging_dir": str(folder),
             "budget": staging.budget,

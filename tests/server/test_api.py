@@ -369,3 +369,25 @@ def test_job_status_long_poll_answers_when_the_job_is_final(tmp_path):
         assert c.get(f"/v1/jobs/{job}", params={"wait": 30}).json()["state"] == "committed"
         assert c.get(f"/v1/jobs/{job}", params={"wait": 61}).status_code == 400
         assert c.get("/v1/jobs/nope", params={"wait": 5}).status_code == 404
+
+
+def test_a_client_uses_only_what_the_daemon_advertises(roomy, monkeypatch):
+    """``/v1/status`` lists the daemon's features. A client facing a daemon without them (an
+    older ``ckptd serve``: here its answer is withheld from the client) stages plain shard files
+    and polls without ``wait``; its saves still commit and restore."""
+    from trainer_hooks import daemon_client
+
+    d, root = roomy
+    with httpx.Client(base_url=d.url, timeout=30) as c:
+        assert {"image_handoff", "job_long_poll"} <= set(c.get("/v1/status").json()["features"])
+    monkeypatch.setattr(daemon_client.DaemonSink, "_features", lambda self: set())
+    torch.manual_seed(1)
+    state = {"w": torch.randn(1000, 1024)}
+    job_root = root + "/old-daemon"
+    with Checkpointer(job_root, daemon=d.url) as ck:
+        assert ck.save(1, state).result().committed_here
+        assert not ck._stager._views and ck._stager.images is False and ck._sink.long_poll is False
+    got = {"w": torch.zeros(1000, 1024)}
+    with Checkpointer(job_root) as ck:
+        assert ck.restore(got) == 1
+    assert torch.equal(got["w"], state["w"])
