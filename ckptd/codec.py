@@ -162,6 +162,11 @@ class ArrayLayout:
         stop = tuple(min(b + s, n) for b, s, n in zip(start, self.shard_shape, self.shape, strict=True))
         return start, stop
 
+    def shard_extent(self, coord: Sequence[int]) -> tuple[int, ...]:
+        """The shape of a shard clipped to the array."""
+        start, stop = self.shard_box(coord)
+        return tuple(b - a for a, b in zip(start, stop, strict=True))
+
     def metadata(self, attributes: dict | None = None, fill_value: Any = None) -> dict:
         """The array's ``zarr.json``. ``fill_value`` (a JSON scalar) replaces the dtype's zero:
         a 0-d array saved without a chunk object carries its value there."""
@@ -227,8 +232,7 @@ def encode_shard(layout: ArrayLayout, coord: Sequence[int], block: np.ndarray) -
     are whole and contiguous in ``block`` are passed through as views (no copy); only chunks at
     the array's edge are padded copies.
     """
-    start, stop = layout.shard_box(coord)
-    expect = tuple(b - a for a, b in zip(start, stop, strict=True))
+    expect = layout.shard_extent(coord)
     if block.shape != expect:
         raise ValueError(f"shard {tuple(coord)} needs a block of shape {expect}, got {block.shape}")
     if not layout.sharded:
@@ -275,8 +279,7 @@ def image_chunks(layout: ArrayLayout, coord: Sequence[int], itemsize: int) -> in
     whole number of elements."""
     if not layout.shape:
         return None
-    start, stop = layout.shard_box(coord)
-    if tuple(b - a for a, b in zip(start, stop, strict=True)) != tuple(layout.shard_shape):
+    if layout.shard_extent(coord) != tuple(layout.shard_shape):
         return None
     if not layout.sharded:
         return 1

@@ -45,10 +45,10 @@ import torch
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, image_nbytes, init_image
+from ckptd.codec import ArrayLayout, image_nbytes
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError, open_store
-from trainer_hooks.snapshot import SaveJob, Stager, image_view, staged_image_chunks
+from trainer_hooks.snapshot import SaveJob, Stager, format_image, staged_image_chunks
 from trainer_hooks.writer import SaveResult
 
 log = logging.getLogger("ckptd.daemon_client")
@@ -213,8 +213,7 @@ class DaemonStager(Stager):
         nbytes = image_nbytes(layout, chunks)
         name = self._new_file(nbytes)
         image = torch.from_file(str(self._dir / name), shared=True, size=nbytes, dtype=torch.uint8)
-        init_image(layout, image.numpy(), chunks)
-        view = image_view(image, layout, chunks, dtype)
+        view = format_image(image, layout, chunks, dtype)
         self._files[(key, coord)] = (name, image)
         self._views[(key, coord)] = (layout, dtype, view)
         self._used.add(name)

@@ -135,10 +135,8 @@ def flatten(state: dict[str, Any]) -> Flat:
         if isinstance(v, torch.nn.Module):
             kind, data = MODULE, paired[id(v)] if id(v) in paired else get_model_state_dict(v)
         elif isinstance(v, torch.optim.Optimizer):
-            data = paired.get(id(v))
-            if data is None:
-                data = get_optimizer_state_dict(_model_of(v, state, name), v)
             kind = OPTIMIZER
+            data = paired[id(v)] if id(v) in paired else get_optimizer_state_dict(_model_of(v, state, name), v)
         elif isinstance(v, torch.Tensor):
             kind, data = TENSOR, v
         elif callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):

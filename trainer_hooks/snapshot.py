@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, init_image, inline_value
+from ckptd.codec import CRC_BYTES, ArrayLayout, image_chunks, image_nbytes, init_image, inline_value
 from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
 from storage_backends._direct import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat, zarr_dtype
@@ -101,8 +101,7 @@ class Stager:
             return None
         self._buffers.pop((key, coord), None)
         image = self._alloc_image(image_nbytes(layout, chunks))
-        init_image(layout, image.numpy(), chunks)
-        view = image_view(image, layout, chunks, dtype)
+        view = format_image(image, layout, chunks, dtype)
         self._images[(key, coord)] = (layout, dtype, view, image)
         return view, image
 
@@ -135,17 +134,19 @@ def staged_image_chunks(layout: ArrayLayout, coord: tuple[int, ...], dtype) -> i
     """The chunk count of the object image to stage shard ``coord`` in, or None for a plain
     buffer: the shard cannot be an image, or its object is under 1 MiB (written through the page
     cache, where an image gains nothing)."""
-    chunks = image_chunks(layout, coord, torch.empty((), dtype=dtype).element_size())
+    chunks = image_chunks(layout, coord, dtype.itemsize)
     if chunks is None or image_nbytes(layout, chunks) < DIRECT_MIN_BYTES:
         return None
     return chunks
 
 
-def image_view(image: torch.Tensor, layout: ArrayLayout, chunks: int, dtype) -> torch.Tensor:
-    """The (chunks, *chunk_shape) view of an object image's data: chunk ``k`` starts at
-    ``k * (chunk_nbytes + 4)`` bytes, its crc slot after it (``ckptd.codec.image_chunks``)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    stride = (layout.chunk_nbytes + 4) // itemsize  # whole elements whenever chunks > 1
+def format_image(image: torch.Tensor, layout: ArrayLayout, chunks: int, dtype) -> torch.Tensor:
+    """Write the index into a fresh object image (uint8, ``image_nbytes`` long) and return the
+    (chunks, *chunk_shape) view of its data: chunk ``k`` starts at ``k * (chunk_nbytes + 4)``
+    bytes, its crc slot after it (``ckptd.codec.image_chunks``)."""
+    init_image(layout, image.numpy(), chunks)
+    itemsize = dtype.itemsize
+    stride = (layout.chunk_nbytes + CRC_BYTES) // itemsize  # whole elements whenever chunks > 1
     data = image[: (chunks - 1) * stride * itemsize + layout.chunk_nbytes].view(dtype)
     inner = [1]
     for n in reversed(layout.chunk_shape[1:]):

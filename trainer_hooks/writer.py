@@ -77,18 +77,15 @@ def persist(
     def put_shard(sw) -> int:
         key = f"{folder}/{sw.object_key}"
         if sw.image is not None:  # staged as the object itself: checksum it in place, send it whole
-            image = sw.image.numpy()
-            seal_image(sw.layout, image, sw.chunks)
-            if dedupe is not None and dedupe.try_reuse(store, sw.object_key, dedupe.digest(sw, image), key):
-                return 0
-            store.put_deferred(key, [memoryview(image)])
-            return image.nbytes
-        data = as_numpy(sw.buffer)
+            data = sw.image.numpy()
+            seal_image(sw.layout, data, sw.chunks)
+        else:
+            data = as_numpy(sw.buffer)
         if dedupe is not None:
             digest = dedupe.digest(sw, data)
             if dedupe.try_reuse(store, sw.object_key, digest, key):
                 return 0  # unchanged since the last commit: linked/copied, no bytes written
-        bufs = encode_shard(sw.layout, sw.coord, data)
+        bufs = [memoryview(data)] if sw.image is not None else encode_shard(sw.layout, sw.coord, data)
         store.put_deferred(key, bufs)
         return data_size(bufs)
 

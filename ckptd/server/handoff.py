@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, init_image, numpy_dtype
+from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, numpy_dtype
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Lease, is_plain_file_name
 from storage_backends.base import InvalidKeyError, check_key
 from trainer_hooks.flatten import torch_dtype
-from trainer_hooks.snapshot import SaveJob, ShardWrite, image_view
+from trainer_hooks.snapshot import SaveJob, ShardWrite, format_image
 
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
@@ -130,9 +130,9 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
         ):
             raise BadJob(f"array {s['key']!r}: shard {list(coord)} is outside its grid {list(layout.grid_shape)}")
         _check_store_key(folder, f"{mf.array_path(s['key'])}/{layout.shard_key(coord)}", "array key")
-        start, stop = layout.shard_box(coord)
-        nbytes = math.prod(b - a for a, b in zip(start, stop, strict=True)) * layout.itemsize
-        if s.get("image"):
+        nbytes = math.prod(layout.shard_extent(coord)) * layout.itemsize
+        image = bool(s.get("image"))
+        if image:
             chunks = image_chunks(layout, coord, layout.itemsize)
             if chunks is None:
                 raise BadJob(f"array {s['key']!r} shard {list(coord)}: this layout has no object image")
@@ -141,7 +141,7 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
         if size != nbytes:
             raise BadJob(f"array {s['key']!r} shard {list(coord)}: staging file has {size} bytes, expected {nbytes}")
         shard = {"key": s["key"], "layout": lay, "coord": list(coord), "file": s["file"], "nbytes": nbytes}
-        if s.get("image"):
+        if image:
             shard["image"] = True
         shards.append(shard)
     metadata = []
@@ -200,13 +200,10 @@ def load(job: Job, folder: Path) -> SaveJob:
             # The trainer laid the data out; the index and the checksums are ours to write (in
             # this private mapping), so a trainer cannot make us commit a mismatched object.
             chunks = image_chunks(layout, coord, layout.itemsize)
-            init_image(layout, mapped.numpy(), chunks)
-            view = image_view(mapped, layout, chunks, torch_dtype(layout.dtype))
+            view = format_image(mapped, layout, chunks, torch_dtype(layout.dtype))
             out.shards.append(ShardWrite(s["key"], layout, coord, view, mapped))
             continue
-        start, stop = layout.shard_box(coord)
-        shape = tuple(b - a for a, b in zip(start, stop, strict=True))
-        buf = mapped.view(torch_dtype(layout.dtype)).view(shape)
+        buf = mapped.view(torch_dtype(layout.dtype)).view(layout.shard_extent(coord))
         out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
         out.metadata.append((m["key"], (folder / m["file"]).read_bytes()))
