@@ -58,14 +58,26 @@ def collect() -> None:
     gc.collect()
 
 
-def busy_ticks() -> int:
-    """Machine-wide non-idle CPU time (``/proc/stat``: user, nice, system, irq, softirq), ticks."""
+def _cpu_line() -> list[int]:
+    """The machine-wide ``cpu`` line of ``/proc/stat`` (user, nice, system, idle, iowait, irq,
+    softirq, steal, ...), in clock ticks; zeros if unreadable."""
     try:
         with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:8]]
-        return v[0] + v[1] + v[2] + v[5] + v[6]
-    except (OSError, ValueError, IndexError):
-        return 0
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return v if len(v) == 8 else [0] * 8
+    except (OSError, ValueError):
+        return [0] * 8
+
+
+def busy_ticks() -> int:
+    """Machine-wide non-idle CPU time (user, nice, system, irq, softirq), ticks."""
+    v = _cpu_line()
+    return v[0] + v[1] + v[2] + v[5] + v[6]
+
+
+def steal_ticks() -> int:
+    """Machine-wide CPU time stolen by the hypervisor, ticks."""
+    return _cpu_line()[7]
 
 
 def settle(max_wait: float = 5.0, window: float = 0.2, busy: float = 0.1) -> float:

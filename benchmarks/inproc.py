@@ -49,6 +49,7 @@ from benchmarks.common import (
     remove,
     rotate,
     settle,
+    steal_ticks,
 )
 from benchmarks.results import SKIPPED, Results
 
@@ -503,20 +504,23 @@ def _usage() -> tuple[int, float, int, dict[int, int], int, int, int]:
         r.ru_utime + r.ru_stime,
         r.ru_nivcsw,
         _thread_ticks(),
-        _steal_ticks(),
+        steal_ticks(),
         busy_ticks(),
         _kswapd_ticks(),
     )
 
 
+def _stat_ticks(path: str) -> int | None:
+    """utime + stime (fields 14, 15) of a ``/proc/.../stat`` file, ticks; None if unreadable."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    return None
+
+
 def _kswapd_ticks() -> int:
     """CPU time of the kernel's page reclaim threads (kswapd*), ticks."""
-    total = 0
-    for pid in _kswapd_pids():
-        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-    return total
+    return sum(_stat_ticks(f"/proc/{pid}/stat") or 0 for pid in _kswapd_pids())
 
 
 @functools.cache
@@ -530,22 +534,13 @@ def _kswapd_pids() -> tuple[int, ...]:
     return tuple(out)
 
 
-def _steal_ticks() -> int:
-    """Machine-wide CPU time stolen by the hypervisor (``/proc/stat``), in clock ticks."""
-    try:
-        with open("/proc/stat") as f:
-            return int(f.readline().split()[8])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _thread_ticks() -> dict[int, int]:
     out = {}
     with contextlib.suppress(OSError):
         for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-                out[int(tid)] = int(fields[11]) + int(fields[12])  # utime + stime (fields 14, 15)
+            ticks = _stat_ticks(f"/proc/self/task/{tid}/stat")
+            if ticks is not None:
+                out[int(tid)] = ticks
     return out
 
 
@@ -560,7 +555,7 @@ def _record_usage(row, u0, u1=None) -> None:
 
     u1 = u1 or _usage()
     row.extra.setdefault("page_faults", []).append(u1[0] - u0[0])
-    row.extra.setdefault("cpu_s", []).append(round(u1[1] - u0[1], 4))
+    _record_cpu(row, u0, u1)
     row.extra.setdefault("involuntary_switches", []).append(u1[2] - u0[2])
     names = {t.native_id: t.name for t in threading.enumerate()}
     hz = os.sysconf("SC_CLK_TCK")
