@@ -10,8 +10,14 @@ botocore itself does not read ``AWS_REGION``, so we pass it.
 
 One botocore client and one thread pool per store, both thread-safe and shared by every call:
 large objects are uploaded as multipart uploads whose parts go up in parallel, and read back as
-parallel ranged GETs. Tuning: ``CKPTD_S3_PART_SIZE`` and ``CKPTD_S3_MULTIPART_THRESHOLD`` (bytes,
-or with a K/M/G suffix, binary) and ``CKPTD_S3_WORKERS``, or the constructor's arguments.
+parallel ranged GETs. Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
+``CKPTD_S3_MULTIPART_THRESHOLD`` (default two parts) (bytes, or with a K/M/G suffix, binary) and
+``CKPTD_S3_WORKERS``, or the constructor's arguments.
+
+Integrity: every PUT carries botocore's CRC32 of its body (unless
+``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``), which S3 checks, and every chunk its crc32c.
+With that checksum on, the payload is not SHA-256 signed over http either (botocore already
+skips it over https), which saves a hash of every byte on MinIO/Ceph endpoints without TLS.
 
 Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``).
 
@@ -169,10 +175,12 @@ class S3Store(Store):
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"S3 part size {part_size} is below S3's minimum of {MIN_PART_SIZE} bytes")
         self.part_size = part_size
+        # Up to two parts' worth goes as one PUT: an object a little over one part would
+        # otherwise become four requests (create, two parts, complete) for one part of data.
         self.multipart_threshold = (
             multipart_threshold
             if multipart_threshold is not None
-            else env_size("CKPTD_S3_MULTIPART_THRESHOLD", part_size)
+            else env_size("CKPTD_S3_MULTIPART_THRESHOLD", 2 * part_size)
         )
         workers = max_workers or int(os.environ.get("CKPTD_S3_WORKERS") or DEFAULT_WORKERS)
 
