@@ -80,6 +80,20 @@ def steal_ticks() -> int:
     return _cpu_line()[7]
 
 
+def proc_ticks() -> dict[int, tuple[str, int]]:
+    """CPU ticks (utime + stime, all threads) of every other process on the machine, kernel
+    threads included, by pid: ``{pid: (comm, ticks)}``. About 1 ms for ~60 processes."""
+    out = {}
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != me:
+            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+                fields = rest.split()
+                out[int(pid)] = (head.split("(", 1)[1], int(fields[11]) + int(fields[12]))
+    return out
+
+
 def settle(max_wait: float = 5.0, window: float = 0.2, busy: float = 0.1) -> float:
     """Flush the filesystems (``sync``: dirty pages, and the journal commit that issues the
     discards of deleted files on a ``discard`` mount), then wait until the machine has been quiet

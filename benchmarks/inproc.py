@@ -46,6 +46,7 @@ from benchmarks.common import (
     drop_cache,
     fmt_bytes,
     fsync_dir,
+    proc_ticks,
     remove,
     rotate,
     settle,
@@ -490,7 +491,7 @@ def run(
     res.sections[SECTION]["cache_drop"] = drop_cache.method
 
 
-def _usage() -> tuple[int, float, int, dict[int, int], int, int, int]:
+def _usage() -> tuple[int, float, int, dict[int, int], int, int, int, dict[int, tuple[str, int]]]:
     """This process's page faults (minor + major), CPU seconds (every thread), involuntary
     context switches and per-thread CPU ticks so far. Around a copy: faults mean unmapped
     buffers, CPU well under 2x the wall time of a 2-thread copy means it waited, involuntary
@@ -507,6 +508,7 @@ def _usage() -> tuple[int, float, int, dict[int, int], int, int, int]:
         steal_ticks(),
         busy_ticks(),
         _kswapd_ticks(),
+        proc_ticks(),
     )
 
 
@@ -564,6 +566,9 @@ def _record_usage(row, u0, u1=None) -> None:
     # the copy's two threads), and how much of it was page reclaim (kswapd)
     row.extra.setdefault("outside_cpu_s", []).append(round((u1[5] - u0[5]) / hz - (u1[1] - u0[1]), 3))
     row.extra.setdefault("kswapd_s", []).append(round((u1[6] - u0[6]) / hz, 3))
+    # ... and which processes ran it (kernel threads included: kworker, kdamond, jbd2, a daemon)
+    others = sorted(((t - u0[7].get(pid, (comm, 0))[1], comm) for pid, (comm, t) in u1[7].items()), reverse=True)
+    row.extra.setdefault("outside_top", []).append({comm: round(d / hz, 3) for d, comm in others[:3] if d > 0})
     busy = sorted(((t - u0[3].get(tid, 0), tid) for tid, t in u1[3].items()), reverse=True)[:3]
     row.extra.setdefault("busiest_threads", []).append(
         {names.get(tid, f"tid {tid} (no Python thread)"): round(d / hz, 3) for d, tid in busy if d > 0}
