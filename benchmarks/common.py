@@ -124,11 +124,16 @@ def dcp_staged(response):
 
 
 def rotate(items: list, k: int) -> list:
-    """The interleaving order of repetition ``k``: A,B,C then B,C,A then C,A,B ..."""
+    """The interleaving order of repetition ``k``: A,B,C,D then D,C,B,A then B,C,D,A then
+    C,B,A,D ...: the order shifts by one every two repetitions and runs backwards in odd ones,
+    so each system is timed after different neighbours. In a plain rotation (A,B,C then B,C,A)
+    C always follows B, and whatever B leaves behind (gigabytes freed, files deleted, the VM
+    handing memory back to its host) always lands on C."""
     if not items:
         return items
-    k %= len(items)
-    return items[k:] + items[:k]
+    seq = items if k % 2 == 0 else items[::-1]
+    j = (k // 2) % len(seq)
+    return seq[j:] + seq[:j]
 
 
 # ------------------------------------------------------------------------------ page cache

@@ -179,7 +179,8 @@ def write_markdown(res: Results, path: str, chart_path: str | None) -> None:
         "## Method",
         "",
         "- Every system gets the same synthetic state (sizes below). Inside each repetition the systems run "
-        "interleaved (A, B, C, then B, C, A ...), and each figure's ratio to its floor and to DCP is taken "
+        "interleaved (A, B, C, D, then D, C, B, A, then B, C, D, A ...: each system follows different "
+        "neighbours), and each figure's ratio to its floor and to DCP is taken "
         "*within* the repetition; the tables give the median of those per-repetition ratios, and the median "
         "and min of the times. The disk swings 2-3x between runs; ratios of neighbours cancel most of it.",
         "- Cold reads: before every read, the files it will read are evicted from the page cache "
