@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import gpu, inproc, planning, report, targets
-from benchmarks.common import MiB, parse_size
+from benchmarks.common import MiB, parse_size, rotate
 from benchmarks.results import OK, Results
 
 
@@ -91,3 +91,12 @@ def test_gpu_rows_run_on_cpu_tensors_and_skip_without_cuda(tmp_path):
         gpu.run(empty, 4 * MiB, 1, str(tmp_path))
         assert {r.status for r in empty.rows.values()} == {"skipped"}
         assert "no CUDA device" in empty.rows["gpu.ckptd.stall"].note
+
+
+def test_interleaving_gives_each_system_different_neighbours():
+    items = list("ABCDE")
+    orders = [rotate(items, k) for k in range(4)]
+    assert all(sorted(o) == items for o in orders)
+    before = {x: {o[o.index(x) - 1] for o in orders if o.index(x) > 0} for x in items}
+    assert all(len(b) >= 2 for b in before.values()), before  # a plain rotation gives one each
+    assert {o[0] for o in orders} == {"A", "E", "B", "D"}
