@@ -196,13 +196,30 @@ def run(
     systems: list[System] = []
 
     # ---------------------------------------------------------------------------- floors
-    def memcpy(rep: int) -> None:
+    def memcpy(rep: int, row: str = "floor.memcpy", dst: list[torch.Tensor] = bufs) -> None:
         u0 = _usage()
         with Timer() as t:
-            for b, x in zip(bufs, tensors, strict=True):
+            for b, x in zip(dst, tensors, strict=True):
                 b.copy_(x)
-        res.add("floor.memcpy", rep, t.s)
-        _record_usage(res.rows["floor.memcpy"], u0)
+        res.add(row, rep, t.s)
+        _record_usage(res.rows[row], u0)
+
+    # The same copy into buffers allocated where ckptd's snapshot buffers are: after the other
+    # systems' first calls (DCP's fresh staging copies among them). Not a target's floor: it tells
+    # whether a slow snapshot is ckptd's copy or the memory it was given (on this VM, memory
+    # allocated after gigabytes were freed has faulted in 4x slower, and copies into it stayed
+    # slow).
+    late: list[torch.Tensor] = []
+
+    def memcpy_late(rep: int) -> None:
+        if not late:
+            late.extend(torch.empty_like(t) for t in tensors)
+            with Timer() as t:
+                for b, x in zip(late, tensors, strict=True):
+                    b.copy_(x)
+            res.rows["floor.memcpy_late"].extra["first_call_s"] = t.s
+        if rep >= 0:
+            memcpy(rep, "floor.memcpy_late", late)
 
     def raw_write(rep: int) -> None:
         p = path("raw.bin")
@@ -457,6 +474,11 @@ def run(
         for k in ("block", "commit"):
             res.rows[f"ckptd.daemon.{k}"].status = SKIPPED
             res.rows[f"ckptd.daemon.{k}"].note = "not selected (--only)"
+
+    if selected("floor"):
+        R("floor.memcpy_late", "the memcpy floor into buffers allocated after every system's first call "
+          "(where ckptd's buffers are allocated; a diagnostic, no target)")  # fmt: skip
+        systems.append(System("floor.memcpy_late", "save", memcpy_late, warm=True))
 
     # ------------------------------------------------------------------------------ run
     try:
