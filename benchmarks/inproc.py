@@ -23,7 +23,6 @@ What each time measures:
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 import socket
@@ -50,6 +49,7 @@ from benchmarks.common import (
     remove,
     rotate,
     settle,
+    stat_ticks,
     steal_ticks,
 )
 from benchmarks.results import SKIPPED, Results
@@ -196,28 +196,28 @@ def run(
     systems: list[System] = []
 
     # ---------------------------------------------------------------------------- floors
-    def memcpy(rep: int, row: str = "floor.memcpy", dst: list[torch.Tensor] = bufs) -> None:
-        u0 = _usage()
+    def copy_into(dst: list[torch.Tensor]) -> float:
         with Timer() as t:
             for b, x in zip(dst, tensors, strict=True):
                 b.copy_(x)
-        res.add(row, rep, t.s)
+        return t.s
+
+    def memcpy(rep: int, row: str = "floor.memcpy", dst: list[torch.Tensor] = bufs) -> None:
+        u0 = _usage()
+        res.add(row, rep, copy_into(dst))
         _record_usage(res.rows[row], u0)
 
     # The same copy into buffers allocated where ckptd's snapshot buffers are: after the other
     # systems' first calls (DCP's fresh staging copies among them). Not a target's floor: it tells
     # whether a slow snapshot is ckptd's copy or the memory it was given (on this VM, memory
-    # allocated after gigabytes were freed has faulted in 4x slower, and copies into it stayed
-    # slow).
+    # allocated after gigabytes were freed has faulted in about 5x slower, and copies into it
+    # stayed slow).
     late: list[torch.Tensor] = []
 
     def memcpy_late(rep: int) -> None:
         if not late:
             late.extend(torch.empty_like(t) for t in tensors)
-            with Timer() as t:
-                for b, x in zip(late, tensors, strict=True):
-                    b.copy_(x)
-            res.rows["floor.memcpy_late"].extra["first_call_s"] = t.s
+            res.rows["floor.memcpy_late"].extra["first_call_s"] = copy_into(late)
         if rep >= 0:
             memcpy(rep, "floor.memcpy_late", late)
 
@@ -513,7 +513,7 @@ def run(
     res.sections[SECTION]["cache_drop"] = drop_cache.method
 
 
-def _usage() -> tuple[int, float, int, dict[int, int], int, int, int, dict[int, tuple[str, int]]]:
+def _usage() -> tuple[int, float, int, dict[int, int], int, int, dict[int, tuple[str, int]]]:
     """This process's page faults (minor + major), CPU seconds (every thread), involuntary
     context switches and per-thread CPU ticks so far. Around a copy: faults mean unmapped
     buffers, CPU well under 2x the wall time of a 2-thread copy means it waited, involuntary
@@ -529,42 +529,17 @@ def _usage() -> tuple[int, float, int, dict[int, int], int, int, int, dict[int, 
         _thread_ticks(),
         steal_ticks(),
         busy_ticks(),
-        _kswapd_ticks(),
         proc_ticks(),
     )
-
-
-def _stat_ticks(path: str) -> int | None:
-    """utime + stime (fields 14, 15) of a ``/proc/.../stat`` file, ticks; None if unreadable."""
-    with contextlib.suppress(OSError, ValueError, IndexError), open(path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    return None
-
-
-def _kswapd_ticks() -> int:
-    """CPU time of the kernel's page reclaim threads (kswapd*), ticks."""
-    return sum(_stat_ticks(f"/proc/{pid}/stat") or 0 for pid in _kswapd_pids())
-
-
-@functools.cache
-def _kswapd_pids() -> tuple[int, ...]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
-                if f.read().startswith("kswapd"):
-                    out.append(int(pid))
-    return tuple(out)
 
 
 def _thread_ticks() -> dict[int, int]:
     out = {}
     with contextlib.suppress(OSError):
         for tid in os.listdir("/proc/self/task"):
-            ticks = _stat_ticks(f"/proc/self/task/{tid}/stat")
-            if ticks is not None:
-                out[int(tid)] = ticks
+            got = stat_ticks(f"/proc/self/task/{tid}/stat")
+            if got is not None:
+                out[int(tid)] = got[1]
     return out
 
 
@@ -587,9 +562,10 @@ def _record_usage(row, u0, u1=None) -> None:
     # CPU that ran on this machine outside this process meanwhile (a 2-core VM: it competes with
     # the copy's two threads), and how much of it was page reclaim (kswapd)
     row.extra.setdefault("outside_cpu_s", []).append(round((u1[5] - u0[5]) / hz - (u1[1] - u0[1]), 3))
-    row.extra.setdefault("kswapd_s", []).append(round((u1[6] - u0[6]) / hz, 3))
     # ... and which processes ran it (kernel threads included: kworker, kdamond, jbd2, a daemon)
-    others = sorted(((t - u0[7].get(pid, (comm, 0))[1], comm) for pid, (comm, t) in u1[7].items()), reverse=True)
+    others = sorted(((t - u0[6].get(pid, (comm, 0))[1], comm) for pid, (comm, t) in u1[6].items()), reverse=True)
+    kswapd = sum(d for d, comm in others if comm.startswith("kswapd"))
+    row.extra.setdefault("kswapd_s", []).append(round(kswapd / hz, 3))
     row.extra.setdefault("outside_top", []).append({comm: round(d / hz, 3) for d, comm in others[:3] if d > 0})
     busy = sorted(((t - u0[3].get(tid, 0), tid) for tid, t in u1[3].items()), reverse=True)[:3]
     row.extra.setdefault("busiest_threads", []).append(
