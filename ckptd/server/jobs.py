@@ -32,6 +32,7 @@ from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings
 from ckptd.server.staging import Lease, LeaseBusy, Staging
 from storage_backends import StorageError, Store, open_store
+from storage_backends.base import data_size
 from trainer_hooks.writer import persist
 
 log = logging.getLogger("ckptd.jobs")
@@ -52,6 +53,29 @@ class _Delayed:
         if f"/{mf.ARRAYS}/" in key:
             time.sleep(self._delay)
         return self._store.put_deferred(key, data)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+class _Counted:
+    """Counts the bytes of every put into ``job.bytes_uploaded``, for the status page's progress."""
+
+    def __init__(self, store: Store, job: Job):
+        self._store, self._job = store, job
+        self._lock = threading.Lock()  # puts run on the io pool: ``+=`` alone would lose updates
+
+    def put(self, key, data):
+        self._store.put(key, data)
+        self._add(data)
+
+    def put_deferred(self, key, data):
+        self._store.put_deferred(key, data)
+        self._add(data)
+
+    def _add(self, data) -> None:
+        with self._lock:
+            self._job.bytes_uploaded += data_size(data)
 
     def __getattr__(self, name):
         return getattr(self._store, name)
@@ -126,6 +150,7 @@ class Runner:
         if lease.owner != "client":
             raise LeaseBusy(f"lease {lease.id} already carries job {lease.job}")
         job = validate(req, lease, self.roots, job_id)
+        job.staged_s = max(0.0, job.accepted_at - lease.started_at)
         self.staging.hand_off(lease.id, job.job, job.journal() | {"state": "accepted"})
         self._remember(job)
         self.metrics.inc("ckptd_jobs_accepted_total")
@@ -255,7 +280,8 @@ class Runner:
     def _upload(self, job: Job) -> None:
         lease = self.staging.get(job.lease)
         job.state = "uploading"
-        store: Any = self.store(job.root)
+        job.upload_started_at, job.bytes_uploaded = time.time(), 0
+        store: Any = _Counted(self.store(job.root), job)
         if self.settings.fault_upload_delay_s > 0:
             store = _Delayed(store, self.settings.fault_upload_delay_s)
         commit = catalog.read_commit(store, job.step)
@@ -266,6 +292,7 @@ class Runner:
             if result is not None or self._stop.is_set():
                 break
             t0 = time.perf_counter()
+            job.bytes_uploaded = 0  # a retry puts everything again
             try:
                 save_job = load(job, lease.dir)
                 try:
