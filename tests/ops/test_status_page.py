@@ -113,7 +113,9 @@ def test_status_page_in_a_browser(tmp_path, browser):
 
                 def in_flight():
                     jobs = [j for j in c.get("/v1/jobs").json() if j["step"] == 4 and j["root"] == run]
-                    return bool(jobs) and jobs[0]["state"] == "uploading" and jobs[0]["bytes_uploaded"] > jobs[0]["bytes_total"] // 4
+                    if not jobs or jobs[0]["state"] != "uploading":
+                        return False
+                    return jobs[0]["bytes_uploaded"] > jobs[0]["bytes_total"] // 4  # a quarter: a bar to see
 
                 logs = lambda: d.logs() + (tmp_path / "saver.log").read_text()  # noqa: E731
                 wait_for(lambda: (flags / "handed_off").exists(), "the hand-off of step 4", 180, [saver], logs)
