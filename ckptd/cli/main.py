@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "reshard": "reshard",
     "export": "export",
     "import": "import_",
+    "diff": "diff",
 }
 
 

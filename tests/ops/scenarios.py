@@ -12,9 +12,9 @@ from tests.distributed.scenarios import build, world
 from trainer_hooks import Checkpointer
 
 
-def save_fsdp(roots: list[str], out: str, step: int = 1, seed: int = 0, bump: str = "", note: str = "a") -> dict:
-    """Save to every root. ``bump``: a loose tensor to change by one ulp-ish amount (+1e-3 at
-    its first element), so a diff finds exactly that; ``note`` lands in the JSON state."""
+def save_fsdp(roots: list[str], out: str, step: int = 1, seed: int = 0, changed_at: int = 0) -> dict:
+    """Save ``step`` to every root. With ``changed_at``, then save that step too, changed in three
+    known ways: ``extra/big[0, 0]`` += 1e-3, a new tensor ``extra/new``, ``meta/note`` "a" -> "b"."""
     model, _, _ = build("fsdp", seed)
     g = torch.Generator().manual_seed(seed)
     extra = {
@@ -22,12 +22,15 @@ def save_fsdp(roots: list[str], out: str, step: int = 1, seed: int = 0, bump: st
         "i64": torch.arange(10, dtype=torch.int64),
         "big": torch.randn(300, 64, generator=g),
     }
-    if bump:
-        extra[bump].view(-1)[0] += 1e-3 if extra[bump].is_floating_point() else 1
-    state = {"model": model, "extra": extra, "meta": {"seed": seed, "note": note, "lr": [0.1, 0.01]}}
+    state = {"model": model, "extra": extra, "meta": {"seed": seed, "note": "a", "lr": [0.1, 0.01]}}
     for root in roots:
         ck = Checkpointer(root)
         ck.save(step, state).result()
+        if changed_at:
+            extra["big"][0, 0] += 1e-3
+            extra["new"] = torch.ones(4)
+            state["meta"]["note"] = "b"
+            ck.save(changed_at, state).result()
         ck.close()
     rank, ws = world()
     return {"rank": rank, "world_size": ws}
