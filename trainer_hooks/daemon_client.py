@@ -46,10 +46,10 @@ import torch
 from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, image_nbytes
+from ckptd.commit import SaveResult
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError, open_store
 from trainer_hooks.snapshot import SaveJob, Stager, format_image, staged_image_chunks
-from trainer_hooks.writer import SaveResult
 
 log = logging.getLogger("ckptd.daemon_client")
 
