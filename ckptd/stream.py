@@ -24,6 +24,7 @@ import numpy as np
 from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
+from ckptd.dtypes import as_numpy, zarr_name
 from ckptd.errors import CheckpointError
 from ckptd.layout import Box, choose_chunk_shape
 from storage_backends import Store
@@ -106,7 +107,7 @@ class CheckpointWriter:
     def write_tensor(self, key: str, array, layout: ArrayLayout | None = None, placements: str = "") -> None:
         """Write a whole tensor (numpy array or CPU torch tensor)."""
         arr = _as_numpy(array)
-        dtype = _zarr_name(arr.dtype)
+        dtype = zarr_name(arr.dtype)
         layout = layout or default_layout(arr.shape, dtype, arr.dtype.itemsize)
         self.declare(key, layout, placements)
         for coord in layout.shard_coords() if arr.size else ():
@@ -158,18 +159,7 @@ class CheckpointWriter:
 def _as_numpy(array) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array
-    from trainer_hooks.flatten import as_numpy
-
     t = array.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     return as_numpy(t.contiguous())
-
-
-def _zarr_name(dtype: np.dtype) -> str:
-    from ckptd.codec import _DTYPES
-
-    for name, dt in _DTYPES.items():
-        if dt == dtype:
-            return name
-    raise CheckpointError(f"unsupported dtype {dtype}")

@@ -33,6 +33,7 @@ from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import flatten
 from trainer_hooks.restore import restore_state
+from trainer_hooks.sink import Sink
 from trainer_hooks.snapshot import Planner, take
 from trainer_hooks.writer import BackgroundWriter
 
@@ -82,13 +83,13 @@ class Checkpointer:
         self._closed = False
         self.last_save_blocked_s = 0.0
         self.last_save_phases: dict[str, float] = {}
-        # Where snapshots go. A sink has submit(job) -> Future (resolved at commit), shutdown(),
-        # and stager() -> the Stager whose buffers save() fills (host memory here; shared
-        # memory that the daemon can read in daemon mode).
+        # Where snapshots go (the ``sink.Sink`` contract): this process's writer thread, or the
+        # daemon, whose stager's buffers are shared memory it can read.
+        self._sink: Sink
         if daemon is None:
             self._sink = BackgroundWriter(self.store, self._io, keep_last, commit_timeout, incremental)
         else:
-            from trainer_hooks.daemon_client import DaemonSink
+            from trainer_hooks.daemon_sink import DaemonSink
 
             self._sink = DaemonSink(daemon, root_uri, self.rank, self.world_size, keep_last, commit_timeout)
         self._stager = self._sink.stager()
@@ -182,9 +183,7 @@ class Checkpointer:
         """``wait``, then also let background retention of an in-process writer finish (with a
         daemon, retention is the daemon's). For benchmarks and tests that must not overlap it."""
         self.wait()
-        idle = getattr(self._sink, "idle", None)
-        if idle is not None:
-            idle()
+        self._sink.idle()
 
     # --------------------------------------------------------------------------- restore
 

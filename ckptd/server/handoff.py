@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, numpy_dtype
+from ckptd.codec import ArrayLayout, image_chunks, image_nbytes
+from ckptd.dtypes import numpy_dtype, torch_dtype
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Lease, is_plain_file_name
 from storage_backends.base import InvalidKeyError, check_key
-from trainer_hooks.flatten import torch_dtype
 from trainer_hooks.snapshot import SaveJob, ShardWrite, format_image
 
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
