@@ -424,12 +424,12 @@ def _chart(saves: list[dict]) -> str:
 # --------------------------------------------------------------------------------- routes
 
 
-@router.get("/", include_in_schema=False)
+@router.get("/", summary="the status page (a shell without data: served without a token)")
 def index() -> HTMLResponse:
     return HTMLResponse(_static("status.html"), headers=_HEADERS)
 
 
-@router.get("/static/{name}", include_in_schema=False)
+@router.get("/static/{name}", summary="the status page's script and style")
 def static(name: str) -> Response:
     if name not in _STATIC:
         return JSONResponse({"detail": f"no static file {name!r}"}, status_code=404)
