@@ -155,6 +155,8 @@ class Runner:
         self.staging.hand_off(lease.id, job.job, job.journal() | {"state": "accepted"})
         self._remember(job)
         self.metrics.inc("ckptd_jobs_accepted_total")
+        self.metrics.inc("ckptd_save_staging_seconds_sum", job.staged_s)
+        self.metrics.inc("ckptd_save_staging_seconds_count")
         log.info("accepted job %s: %s step %d rank %d/%d", job.job, job.root, job.step, job.rank, job.world_size)
         self._enqueue(job)
         return job
@@ -347,6 +349,7 @@ class Runner:
             self.metrics.inc("ckptd_jobs_committed_total")
             self.metrics.inc("ckptd_handoff_to_commit_seconds_sum", job.committed_at - job.accepted_at)
             self.metrics.inc("ckptd_handoff_to_commit_seconds_count")
+            self.metrics.set_last("ckptd_last_commit_timestamp_seconds", job.committed_at)
             log.info(
                 "job %s: %s step %d committed, %.3f s after hand-off",
                 job.job,
