@@ -67,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
         shape = shape_str(t.shape_a if t.shape_a is not None else t.shape_b)
         if t.status == "mismatch":
             shape = f"{shape_str(t.shape_a)} vs {shape_str(t.shape_b)}"
-        dtype = t.dtype_a if t.dtype_b in (None, t.dtype_a) else f"{t.dtype_a} vs {t.dtype_b}"
-        dtype = dtype or t.dtype_b
+        if t.dtype_a is None or t.dtype_b is None or t.dtype_a == t.dtype_b:
+            dtype = t.dtype_a or t.dtype_b
+        else:
+            dtype = f"{t.dtype_a} vs {t.dtype_b}"
         rows.append([t.key, t.status, shape, dtype, t.different, _num(t.max_abs_diff), _num(t.max_ulps)])
     if rows:
         print_table(["KEY", "STATUS", "SHAPE", "DTYPE", "DIFFERENT", "MAX_ABS_DIFF", "MAX_ULPS"], rows)

@@ -82,6 +82,7 @@ def test_differences_are_reported(roots):
     assert r.stdout.splitlines()[-1].startswith("DIFFERENT: ")
     assert "extra/big" in r.stdout and "extra/new" in r.stdout and "state meta/data/note" in r.stdout
     assert "model/fc1.weight" not in r.stdout  # equal rows only with --all
+    assert "None" not in r.stdout
 
 
 @pytest.mark.timeout(300)

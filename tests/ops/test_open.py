@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,22 @@ def test_read_without_torch(saved, where):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["torch_imported"] is False
     assert "extra/bf16" in out["checked"] and "model/fc1.weight" in out["checked"]
+
+
+@pytest.mark.timeout(300)
+def test_docs_example_runs_without_torch(saved, tmp_path):
+    """The notebook example of docs/operations-ui.md, on the 3-rank checkpoint on S3."""
+    _, remote, _ = saved
+    doc = (launch.ROOT / "docs" / "operations-ui.md").read_text()
+    code = doc.split("<!-- example: open_array", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    code, n = re.subn(r'^uri = "[^"]*"', f"uri = {remote!r}", code, flags=re.M)
+    assert n == 1
+    script = tmp_path / "example.py"
+    script.write_text(code + "\nimport sys\nassert 'torch' not in sys.modules, 'torch was imported'\n")
+    env = {**os.environ, "PYTHONPATH": f"{launch.ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.startswith("(24, 16) float32\n"), r.stdout
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
