@@ -84,3 +84,29 @@ def test_hundreds_of_steps_page_and_cache(tmp_path):
         (root / mf.step_dir(299)).rmdir()
         rows = c.get("/v1/overview").json()["roots"][0]["checkpoints"]
         assert [(x["step"], x["world_size"]) for x in rows[:3]] == [(301, 7), (300, 2), (298, 2)]
+
+
+def test_verify_marks_rows_and_moves_the_newest_good_step(tmp_path):
+    import torch
+
+    from trainer_hooks import Checkpointer
+
+    root = tmp_path / "jobs"
+    with Checkpointer(str(root)) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.arange(64, dtype=torch.float32) + step}).result()
+    shard = next(p for p in (root / mf.step_dir(2) / "arrays").rglob("*") if p.is_file() and p.name != "zarr.json")
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with _client(tmp_path, root) as c:
+        assert c.get("/v1/overview").json()["roots"][0]["newest_good_step"] == 2
+        r = c.post("/v1/page/verify", params={"root": str(root), "step": 1})
+        assert r.status_code == 200 and r.json()["ok"] is True
+        r = c.post("/v1/page/verify", params={"root": str(root), "step": 2})
+        assert r.status_code == 200 and r.json()["ok"] is False and "crc32c" in r.json()["errors"][0]
+        doc = c.get("/v1/overview").json()["roots"][0]
+        assert [(x["step"], x["state"]) for x in doc["checkpoints"]] == [(2, "corrupt"), (1, "verified")]
+        assert doc["newest_good_step"] == 1
+        assert c.post("/v1/page/verify", params={"root": str(root), "step": 9}).status_code == 404
+        assert c.post("/v1/page/verify", params={"root": "/elsewhere", "step": 1}).status_code == 400
