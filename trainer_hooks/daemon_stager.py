@@ -25,8 +25,9 @@ import torch
 
 from ckptd.codec import ArrayLayout, image_nbytes
 from ckptd.errors import CheckpointError
+from ckptd.savejob import SaveJob, format_image
 from trainer_hooks.daemon_client import DaemonClient, detail
-from trainer_hooks.snapshot import SaveJob, Stager, format_image, staged_image_chunks
+from trainer_hooks.snapshot import Stager, staged_image_chunks
 
 __all__ = ["DaemonStager"]
 

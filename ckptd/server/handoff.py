@@ -24,10 +24,10 @@ from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, image_chunks, image_nbytes
 from ckptd.dtypes import numpy_dtype, torch_dtype
 from ckptd.errors import CheckpointError
+from ckptd.savejob import SaveJob, ShardWrite, format_image
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Lease, is_plain_file_name
 from storage_backends.base import InvalidKeyError, check_key
-from trainer_hooks.snapshot import SaveJob, ShardWrite, format_image
 
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
