@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ckptd import catalog
+from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from storage_backends import StorageError, Store, open_store
@@ -125,8 +125,7 @@ class Checkpointer:
                 attempt=attempt,
                 layout={"world_size": self.world_size},
             )
-            job.metadata += mf.group_nodes(entries, step)
-            job.metadata.append((mf.MANIFEST, m.to_bytes()))
+            job.metadata += commit.manifest_objects(m)
         fut = _SaveFuture.chain(self._sink.submit(job), step)
         self._inflight = (step, fut)
         t1 = time.perf_counter()
@@ -149,14 +148,9 @@ class Checkpointer:
         attempt = uuid.uuid4().hex[:12]
         if self.rank == 0:
             try:
-                if self.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
-                    where = catalog.where(self.store, step)
-                    err = f"{where}: step {step} is already committed; refusing to overwrite"
-                elif any(True for _ in self.store.list(f"{mf.step_dir(step)}/")):
-                    log.warning("removing stale partial checkpoint %s", catalog.where(self.store, step))
-                    self.store.delete_prefix(f"{mf.step_dir(step)}/")
-            except StorageError as e:
-                err = f"{catalog.where(self.store, step)}: {e}"
+                commit.begin(self.store, step)
+            except CheckpointError as e:
+                err = str(e)
         lo_hi = self.coord.all_max([step, -step])
         if lo_hi[0] != -lo_hi[1]:
             err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"

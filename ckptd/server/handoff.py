@@ -2,7 +2,7 @@
 a staging lease. ``validate`` turns a request into a ``Job`` or refuses it (``BadJob``, HTTP 400):
 a root not served, keys escaping the checkpoint folder or reserved for the commit protocol, file
 names that are not plain names inside the lease, symlinks, sizes that do not match the layout.
-``load`` maps the files into the ``SaveJob`` that ``trainer_hooks.writer.persist`` writes.
+``load`` maps the files into the ``SaveJob`` that ``ckptd.commit.persist`` writes.
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ def load(job: Job, folder: Path) -> SaveJob:
             view = format_image(mapped, layout, chunks, torch_dtype(layout.dtype))
             out.shards.append(ShardWrite(s["key"], layout, coord, view, mapped))
             continue
-        buf = mapped.view(torch_dtype(layout.dtype)).view(layout.shard_extent(coord))
+        # A numpy view (bfloat16 through ml_dtypes), which is what ``commit.persist`` writes.
+        buf = mapped.numpy().view(numpy_dtype(layout.dtype)).reshape(layout.shard_extent(coord))
         out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
         out.metadata.append((m["key"], (folder / m["file"]).read_bytes()))
