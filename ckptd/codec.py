@@ -170,6 +170,28 @@ class ArrayLayout:
             "attributes": attributes or {},
         }
 
+    def to_json(self) -> dict:
+        """The layout as JSON: a manifest's tensor rows and a daemon hand-off's shards carry it."""
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "shard_shape": list(self.shard_shape),
+            "chunk_shape": list(self.chunk_shape),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> ArrayLayout:
+        """The reverse of ``to_json`` (other keys of ``d`` are ignored). Raises what the
+        constructor raises (ValueError) or KeyError/TypeError for a malformed ``d``."""
+        return cls(tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["chunk_shape"]))
+
+    @classmethod
+    def empty(cls, shape: Sequence[int], dtype: str) -> ArrayLayout:
+        """The layout of an array with no elements: metadata only, one chunk that stands for
+        no data (a zero extent gets a chunk extent of 1, which zarr requires)."""
+        grid = tuple(max(1, n) for n in shape)
+        return cls(tuple(shape), dtype, grid, grid)
+
     @classmethod
     def from_metadata(cls, meta: dict) -> ArrayLayout:
         """Parse a ``zarr.json`` that this module wrote (or one of the same form)."""

@@ -289,8 +289,7 @@ def plan_grid(
     shape = tuple(shape)
     ndim = len(shape)
     if math.prod(shape) == 0:  # empty tensor: metadata only
-        g = tuple(max(1, n) for n in shape)
-        return Grid(ArrayLayout(shape, dtype, g, g), (), ())
+        return Grid(ArrayLayout.empty(shape, dtype), (), ())
 
     replicas: dict[Box, list[int]] = {}
     for rank, b in enumerate(blocks):

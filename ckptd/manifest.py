@@ -99,10 +99,7 @@ class TensorEntry:
         return {
             "key": self.key,
             "path": self.path,
-            "shape": list(self.layout.shape),
-            "dtype": self.layout.dtype,
-            "shard_shape": list(self.layout.shard_shape),
-            "chunk_shape": list(self.layout.chunk_shape),
+            **self.layout.to_json(),
             "nbytes": self.layout.nbytes,
             "placements": self.placements,
             **({} if self.value is None else {"value": self.value}),
@@ -110,8 +107,7 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, d: dict) -> TensorEntry:
-        layout = ArrayLayout(tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["chunk_shape"]))
-        return cls(d["key"], layout, d.get("placements", ""), d.get("value"))
+        return cls(d["key"], ArrayLayout.from_json(d), d.get("placements", ""), d.get("value"))
 
 
 @dataclass

@@ -367,8 +367,7 @@ def aligned_layout(shape: Sequence[int], dtype: str, itemsize: int, blocks: Sequ
     shard (:func:`ckptd.layout.choose_chunk_shape`), so a rank reads whole chunks only."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
-        grid = tuple(max(1, n) for n in shape)
-        return ArrayLayout(shape, dtype, grid, grid)
+        return ArrayLayout.empty(shape, dtype)
     distinct = {b for b in blocks if not b.empty}
     if not distinct or distinct == {Box.full(shape)}:
         return _fallback_replicated(shape, dtype, itemsize)

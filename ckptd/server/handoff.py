@@ -118,9 +118,7 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
     for s in req["shards"]:
         lay = s["layout"]
         try:
-            layout = ArrayLayout(
-                tuple(lay["shape"]), lay["dtype"], tuple(lay["shard_shape"]), tuple(lay["chunk_shape"])
-            )
+            layout = ArrayLayout.from_json(lay)
             numpy_dtype(layout.dtype)
         except (ValueError, TypeError, CheckpointError) as e:
             raise BadJob(f"array {s['key']!r}: invalid layout ({e})") from None
@@ -192,8 +190,7 @@ def load(job: Job, folder: Path) -> SaveJob:
     """The ``SaveJob`` that ``persist`` writes, its buffers mapped from the staging files."""
     out = SaveJob(job.step, job.attempt, job.rank, job.world_size, done=dict(job.done))
     for s in job.shards:
-        lay = s["layout"]
-        layout = ArrayLayout(tuple(lay["shape"]), lay["dtype"], tuple(lay["shard_shape"]), tuple(lay["chunk_shape"]))
+        layout = ArrayLayout.from_json(s["layout"])
         coord = tuple(s["coord"])
         mapped = _map(folder / s["file"], s["nbytes"])
         if s.get("image"):
