@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer_hooks._local_launch import spawn_ranks, wait_ranks
+from tests.local_launch import spawn_ranks, wait_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer_hooks._local_launch import free_port, spawn_ranks, wait_ranks
+from tests.local_launch import free_port, spawn_ranks, wait_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")

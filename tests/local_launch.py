@@ -1,6 +1,7 @@
 """Start N ranks on this machine as real processes, the way torchrun does (``env://``): each rank
 gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment. For the
-tests, the examples and the benchmarks, which play the launcher; not part of the public API.
+tests, the benchmarks and ``examples/elastic_demo.py``, which play the launcher from a checkout;
+not shipped (training jobs use torchrun or their scheduler's launcher).
 """
 
 from __future__ import annotations
