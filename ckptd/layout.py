@@ -1,4 +1,6 @@
-"""Pure resharding math: which rank writes which shard, and which chunks a reader needs.
+"""Write and read planning for one array: which rank writes which shard (and its inner chunk
+shape), and which chunks a reader of a box needs. ``ckptd.reshard`` builds on it for whole
+target layouts of a job.
 
 Nothing here touches torch.distributed or storage; inputs are global shapes and boxes, outputs
 are frozen dataclasses. Every rank runs the same functions on the same inputs and gets the same
@@ -171,7 +173,7 @@ class WritePlan:
         return not self.transfers
 
 
-def _interval_grid(intervals: set[tuple[int, int]], extent: int) -> int | None:
+def interval_grid(intervals: set[tuple[int, int]], extent: int) -> int | None:
     """The step ``s`` if the non-empty intervals are exactly the cells of the grid with step s
     covering [0, extent), else None."""
     if not intervals:
@@ -323,7 +325,7 @@ def plan_grid(
     steps = []
     for d in range(ndim):
         ivs = {(b.start[d], b.stop[d]) for b in replicas}
-        steps.append(_interval_grid(ivs, shape[d]))
+        steps.append(interval_grid(ivs, shape[d]))
     regular = all(s is not None for s in steps) and len(replicas) == math.prod(
         -(-n // s) for n, s in zip(shape, steps, strict=True)
     )

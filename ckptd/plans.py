@@ -31,7 +31,8 @@ from typing import Any
 
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
-from ckptd.reshard import ReadPlan, SamplerResume, TargetLayout
+from ckptd.reshard import ReadPlan, TargetLayout
+from ckptd.sampler_math import SamplerResume
 from storage_backends import NotFoundError, StorageError, Store, open_store
 
 log = logging.getLogger("ckptd.plans")

@@ -27,7 +27,7 @@ from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, inline_value
 from ckptd.dtypes import zarr_dtype
 from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
 from ckptd.savejob import SaveJob, ShardWrite, format_image
-from storage_backends._direct import DIRECT_MIN_BYTES
+from storage_backends import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
 

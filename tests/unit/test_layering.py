@@ -8,7 +8,9 @@
 * nothing under ``ckptd`` imports ``trainer_hooks``;
 * ckptd's core (every module but ``ckptd.server`` and ``ckptd.cli``) imports neither of those
   two edges; ``ckptd.server`` does not import ``ckptd.cli``;
-* ``trainer_hooks`` uses ckptd's core only (the daemon is reached over HTTP, never imported).
+* ``trainer_hooks`` uses ckptd's core only (the daemon is reached over HTTP, never imported);
+* no private name (``_x``, or anything in a ``_x`` module) is imported from another package:
+  what a package shares is public.
 
 Every ``import`` statement counts, wherever it is: at module level, inside a function (a lazy
 import is still a dependency), under ``if TYPE_CHECKING``.
@@ -74,6 +76,13 @@ ALLOWED = {
 }
 
 
+def private_across(importer: str, target: str) -> bool:
+    """``target`` is private to a package other than ``importer``'s."""
+    if target.split(".")[0] not in PACKAGES or target.split(".")[0] == importer.split(".")[0]:
+        return False
+    return any(p.startswith("_") and not p.startswith("__") for p in target.split("."))
+
+
 def violations() -> list[str]:
     out = []
     for pkg in PACKAGES:
@@ -84,6 +93,8 @@ def violations() -> list[str]:
                 there = layer(target)
                 if there is not None and there not in ALLOWED[here]:
                     out.append(f"{path.relative_to(REPO)}:{line}: {here} imports {target} ({there})")
+                if private_across(mod, target):
+                    out.append(f"{path.relative_to(REPO)}:{line}: {mod} imports {target}, private to its package")
     return out
 
 
@@ -139,3 +150,12 @@ def test_the_parser_sees_lazy_relative_and_type_checking_imports():
 )
 def test_the_contract(importer, target, ok):
     assert (layer(target) in ALLOWED[layer(importer)]) is ok
+
+
+def test_private_names_stay_in_their_package():
+    assert private_across("trainer_hooks.snapshot", "storage_backends._direct.DIRECT_MIN_BYTES")
+    assert private_across("ckptd.stream", "trainer_hooks.flatten._copy_into")
+    assert not private_across("storage_backends.local", "storage_backends._direct.open_direct")
+    assert not private_across("trainer_hooks.hf", "trainer_hooks._callback_common.hook_for")
+    assert not private_across("ckptd.reshard", "ckptd.layout.interval_grid")
+    assert not private_across("trainer_hooks.writer", "__future__.annotations")
