@@ -32,6 +32,23 @@ import numpy as np
 from ckptd.dtypes import numpy_dtype
 from ckptd.errors import CheckpointError, CorruptChunkError
 
+__all__ = [
+    "ArrayLayout",
+    "CRC_BYTES",
+    "EMPTY",
+    "crc32c",
+    "crc_bytes",
+    "decode_chunk",
+    "decode_index",
+    "encode_shard",
+    "image_chunks",
+    "image_nbytes",
+    "init_image",
+    "inline_value",
+    "parse_inline",
+    "seal_image",
+]
+
 EMPTY = 2**64 - 1
 CRC_BYTES = 4
 

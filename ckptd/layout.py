@@ -30,6 +30,28 @@ from dataclasses import dataclass, field
 
 from ckptd.codec import ArrayLayout
 
+__all__ = [
+    "Box",
+    "CHUNKS_PER_SHARD",
+    "GATHER_SMALL_BYTES",
+    "Grid",
+    "MAX_CHUNK_BYTES",
+    "MIN_CHUNK_BYTES",
+    "SMALL_SHARD_BYTES",
+    "SPLIT_REPLICATED_BYTES",
+    "ShardRead",
+    "Transfer",
+    "WritePlan",
+    "choose_chunk_shape",
+    "chunk_box",
+    "interval_grid",
+    "plan_grid",
+    "plan_reads",
+    "plan_writes",
+    "read_cost",
+    "stable_hash",
+]
+
 MiB = 1 << 20
 KiB = 1 << 10
 # Inner chunks. A reader at another world size fetches whole chunks, so at each boundary of its

@@ -31,6 +31,29 @@ from ckptd import FORMAT_VERSION
 from ckptd.codec import ArrayLayout
 from ckptd.errors import CheckpointError
 
+__all__ = [
+    "ARRAYS",
+    "COMMIT",
+    "DONE",
+    "GROUP",
+    "MANIFEST",
+    "Manifest",
+    "PLANS",
+    "STEP_RE",
+    "TensorEntry",
+    "array_path",
+    "done_key",
+    "done_prefix",
+    "dumps",
+    "escape_component",
+    "group_metadata",
+    "group_nodes",
+    "key_of",
+    "parse_step_dir",
+    "step_dir",
+    "unescape_component",
+]
+
 STEP_RE = re.compile(r"^step_(\d{10,})$")
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"

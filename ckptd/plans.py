@@ -35,6 +35,19 @@ from ckptd.reshard import ReadPlan, TargetLayout
 from ckptd.sampler_math import SamplerResume
 from storage_backends import NotFoundError, StorageError, Store, open_store
 
+__all__ = [
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
+    "RECHUNKED",
+    "make_record",
+    "plan_key",
+    "planned_source",
+    "read_plan",
+    "rechunked_root",
+    "sub_uri",
+    "write_plan",
+]
+
 log = logging.getLogger("ckptd.plans")
 
 PLAN_FORMAT = "ckptd-reshard-plan"

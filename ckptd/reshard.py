@@ -56,6 +56,26 @@ from ckptd.errors import CheckpointError
 from ckptd.layout import Box, choose_chunk_shape, chunk_box, interval_grid, plan_reads, read_cost
 from ckptd.manifest import TensorEntry
 
+__all__ = [
+    "LayoutError",
+    "LayoutSyntaxError",
+    "MAX_OBJECTS_PER_BLOCK",
+    "RankCost",
+    "ReadPlan",
+    "TargetLayout",
+    "aligned_layout",
+    "parse_layout",
+    "plan_reads_for",
+    "rank_box",
+    "rank_boxes",
+    "rank_cost",
+    "saved_sharded",
+    "sharded_keys",
+    "strided_mismatch",
+    "validate",
+    "whole_chunks",
+]
+
 # A rechunked tensor whose ranks' blocks tile no regular grid gets the grid of the blocks'
 # common divisor if that makes at most this many objects per block (else an even grid: ranks
 # then read parts of the chunks at their boundaries).

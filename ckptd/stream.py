@@ -29,6 +29,8 @@ from ckptd.errors import CheckpointError
 from ckptd.layout import Box, choose_chunk_shape
 from storage_backends import Store
 
+__all__ = ["CheckpointWriter", "MAX_SHARD_BYTES", "default_layout"]
+
 MAX_SHARD_BYTES = 256 * 1024 * 1024  # bigger tensors are split along dim 0 into several objects
 
 

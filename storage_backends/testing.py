@@ -25,6 +25,8 @@ import pytest
 
 from storage_backends.base import InvalidKeyError, NotFoundError, ObjectInfo, StorageError, Store
 
+__all__ = ["DelayedStore", "INVALID_KEYS", "StoreConformance", "assert_empty_store"]
+
 MiB = 1 << 20
 
 INVALID_KEYS = ["", "/abs", "../x", "a/../b", "a//b", "a/./b", "./a", "a/", ".", "..", "a\\b", "a\x00b"]

@@ -31,6 +31,8 @@ from storage_backends import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
 
+__all__ = ["Planner", "Stager", "staged_image_chunks", "take"]
+
 
 class Stager:
     """Reusable host buffers, one per (array key, shard). Not thread-safe: the training thread

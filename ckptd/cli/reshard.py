@@ -29,6 +29,8 @@ from ckptd.cli.common import (
 )
 from ckptd.sampler_math import SamplerResume, remap_data_position
 
+__all__ = ["HELP", "MAX_ROWS", "add_arguments", "run"]
+
 HELP = "prepare a checkpoint for a restart at M ranks: validate, plan each rank's reads, record the plan"
 
 MAX_ROWS = 32  # ranks shown in the table; --json has them all

@@ -29,6 +29,8 @@ from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Lease, is_plain_file_name
 from storage_backends.base import InvalidKeyError, check_key
 
+__all__ = ["ATTEMPT", "BadJob", "FINAL", "JOB_ID", "Job", "MAX_META_BYTES", "intact", "load", "validate"]
+
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
 MAX_META_BYTES = 1 << 30

@@ -35,6 +35,8 @@ from ckptd.server.settings import Settings
 from ckptd.server.staging import Lease, LeaseBusy, Staging
 from storage_backends import StorageError, Store, open_store
 
+__all__ = ["Runner"]
+
 log = logging.getLogger("ckptd.jobs")
 
 
