@@ -18,7 +18,7 @@ rank (a "writer part" below is one rank's share of the step)::
                                              # result is reported (never delays the save)
 
 ``begin`` runs once per step (on rank 0 before any rank writes); ``persist`` once per rank.
-A ``part`` is duck-typed (``trainer_hooks.snapshot.SaveJob`` is one): ``step``, ``attempt``,
+A ``part`` is duck-typed (``ckptd.savejob.SaveJob`` is one): ``step``, ``attempt``,
 ``rank``, ``world_size``, ``metadata`` (``[(key in the folder, bytes)]``), ``shards`` (objects
 with ``layout``, ``coord``, ``object_key``, ``buffer``, ``image``, ``chunks``), ``done`` (extra
 fields of the done record) and ``ready`` (an event with ``synchronize()`` or None). Turning a

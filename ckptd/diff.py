@@ -30,6 +30,8 @@ from ckptd.layout import Box
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import Store
 
+__all__ = ["BLOCK_BYTES", "DiffReport", "TensorDiff", "diff"]
+
 BLOCK_BYTES = 64 << 20
 _INT_OF = {2: np.int16, 4: np.int32, 8: np.int64}
 

@@ -22,6 +22,8 @@ from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError, open_store
 
+__all__ = ["kvstore_spec", "open_array", "open_group"]
+
 
 def _location(uri: str) -> tuple[str, str, str]:
     """(``file`` or ``s3``, bucket or "", absolute path or key prefix without a trailing slash)."""

@@ -22,6 +22,8 @@ from ckptd.cli.common import (
     step_arg,
 )
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "compare two checkpoints value by value (any layouts); exit 0 all equal, 1 differ"
 
 

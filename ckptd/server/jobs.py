@@ -36,27 +36,9 @@ from ckptd.server.staging import Lease, LeaseBusy, Staging
 from storage_backends import StorageError, Store, open_store
 from storage_backends.base import data_size
 
+__all__ = ["Runner"]
+
 log = logging.getLogger("ckptd.jobs")
-
-
-class _Delayed:
-    """Test-only fault injection (``CKPTD_FAULT_UPLOAD_DELAY_S``): every shard put sleeps first."""
-
-    def __init__(self, store: Store, delay: float):
-        self._store, self._delay = store, delay
-
-    def put(self, key, data):
-        if f"/{mf.ARRAYS}/" in key:
-            time.sleep(self._delay)
-        return self._store.put(key, data)
-
-    def put_deferred(self, key, data):
-        if f"/{mf.ARRAYS}/" in key:
-            time.sleep(self._delay)
-        return self._store.put_deferred(key, data)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
 
 
 class _Counted:
@@ -285,8 +267,10 @@ class Runner:
         job.state = "uploading"
         job.upload_started_at, job.bytes_uploaded = time.time(), 0
         store: Any = _Counted(self.store(job.root), job)
-        if self.settings.fault_upload_delay_s > 0:
-            store = _Delayed(store, self.settings.fault_upload_delay_s)
+        if self.settings.fault_upload_delay_s > 0:  # test-only fault injection: slow shard puts
+            from storage_backends.testing import DelayedStore
+
+            store = DelayedStore(store, self.settings.fault_upload_delay_s, only=f"/{mf.ARRAYS}/")
         commit = catalog.read_commit(store, job.step)
         result, err = None, None
         if commit is not None and commit.get("attempt") == job.attempt:

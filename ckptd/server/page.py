@@ -38,6 +38,8 @@ from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.server.roots import RootError
 from storage_backends import NotFoundError, StorageError, Store
 
+__all__ = ["CSP", "PUBLIC_PATHS", "Overview", "render", "router"]
+
 router = APIRouter()
 
 # Served without a token: they carry no data (the Guard lets these paths through).
@@ -222,8 +224,7 @@ def _overview(request: Request) -> Overview:
     with _LOCK:
         ov = getattr(state, "overview", None)
         if ov is None:
-            daemon = getattr(state, "daemon", None)
-            ov = state.overview = Overview(daemon.runner if daemon is not None else state.runner)
+            ov = state.overview = Overview(state.daemon.runner)
         return ov
 
 
