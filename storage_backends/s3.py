@@ -483,7 +483,6 @@ class S3Store(Store):
         # opens a second upload; the first one's id never reaches us. Count the tries, and after
         # one that was retried abort the other uploads of this key begun since.
         tries = 0
-        started = time.time()
 
         def create(**kwargs: Any) -> dict:
             nonlocal tries
@@ -502,11 +501,11 @@ class S3Store(Store):
             )
         except BaseException:
             if tries:
-                self._abort_strays(key, started, keep=None)
+                self._abort_strays(key, keep=None)
             raise
         upload_id = resp["UploadId"]
         if tries > 1 or resp.get("ResponseMetadata", {}).get("RetryAttempts", 0):
-            self._abort_strays(key, started, keep=upload_id)
+            self._abort_strays(key, keep=upload_id)
         part_size = self._part_size_for(size)
         ends = _cumulative(views)
 
@@ -604,19 +603,16 @@ class S3Store(Store):
             return False  # completed or aborted meanwhile
         return True
 
-    def _abort_strays(self, key: str, since: float, keep: str | None) -> None:
-        """Best effort: abort the uploads of exactly ``key`` begun after ``since`` (less a
-        minute of clock skew) other than ``keep``. Only one writer writes a key of a checkpoint
-        attempt, so those are this call's own lost-response orphans."""
+    def _abort_strays(self, key: str, keep: str | None) -> None:
+        """Best effort: abort every incomplete upload of exactly ``key`` but ``keep``. One writer
+        writes a key of a step (writers of one root are fenced), so the others are this call's
+        lost-response orphans or those of a killed earlier attempt at the same step. (No time
+        filter: S3's ``Initiated`` comes from the server's clock, and moto answers a fixed date.)"""
         full = self._full(key)
         try:
             for up in list(self._uploads(key)):
-                initiated = up.get("Initiated")
-                if up.get("Key") != full or up.get("UploadId") == keep:
-                    continue
-                if initiated is not None and initiated.timestamp() < since - 60:
-                    continue
-                self._abort(full, up["UploadId"])
+                if up.get("Key") == full and up.get("UploadId") != keep:
+                    self._abort(full, up["UploadId"])
         except StorageError:
             pass  # gc's abort_stale_uploads catches what this misses
 

@@ -1,10 +1,11 @@
 """``ckptd verify URI [--step N | --all]``: re-read every chunk of a checkpoint and check its crc32c.
 
-Each verdict is recorded beside the checkpoint (``_verify.json``, see ``ckptd.verify``), which is
-what ``ckptd ls`` shows, what ``gc`` keeps (the newest step that passed) and what
-``restore(fallback=True)`` skips (steps recorded bad). ``--all`` checks every committed step,
-newest first, and goes on past bad ones. A root where the verdict cannot be written (read-only
-credentials) is still checked; the command says the verdict was not recorded.
+``--all`` checks every committed step, newest first, goes on past bad ones, and records each
+verdict beside its checkpoint (``_verify.json``, see ``ckptd.verify``): what ``ckptd ls`` shows,
+what ``gc`` keeps (the newest step that passed) and what ``restore(fallback=True)`` skips (steps
+recorded bad). One step is only checked, unless ``--record``: a plain ``verify`` writes nothing.
+A root where the verdict cannot be written (read-only credentials) is still checked; the command
+says the verdict was not recorded.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--all", action="store_true", help="verify every committed step (newest first) and record each verdict"
     )
+    p.add_argument("--record", action="store_true", help="record the verdict of one step (--all always does)")
     add_json(p)
     p.add_argument("--keep-going", action="store_true", help="check everything and report every bad array")
     p.add_argument("--threads", type=int, default=8, help="parallel reads (default 8)")
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             todo = [catalog.resolve_step(store, args.step)]
         for step in todo:
             report = _check(store, step, args, progress)
-            results.append((report, _record(store, report)))
+            results.append((report, _record(store, report) if args.all or args.record else False))
         uri = store.uri
     if args.json:
         out = [_as_json(r, rec) for r, rec in results]
