@@ -152,9 +152,12 @@ class Checkpointer:
                 if self.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
                     where = catalog.where(self.store, step)
                     err = f"{where}: step {step} is already committed; refusing to overwrite"
-                elif any(True for _ in self.store.list(f"{mf.step_dir(step)}/")):
-                    log.warning("removing stale partial checkpoint %s", catalog.where(self.store, step))
-                    self.store.delete_prefix(f"{mf.step_dir(step)}/")
+                else:
+                    # purge, not a listing: a killed save may have left only temp files, which
+                    # no listing shows and which would otherwise stay inside the new commit
+                    files, _ = self.store.purge(f"{mf.step_dir(step)}/")
+                    if files:
+                        log.warning("removed stale partial checkpoint %s", catalog.where(self.store, step))
             except StorageError as e:
                 err = f"{catalog.where(self.store, step)}: {e}"
         lo_hi = self.coord.all_max([step, -step])
