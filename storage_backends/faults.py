@@ -8,6 +8,7 @@ client goes through it; per request it forwards, or injects one fault:
 ==========  ===========================================================================
 ``500``     answers 500 InternalError without forwarding
 ``503``     answers 503 SlowDown without forwarding (S3's throttling answer)
+``403``     answers 403 AccessDenied without forwarding (not retried: the call fails at once)
 ``reset``   closes the connection without forwarding (a connection cut before the request)
 ``cut``     forwards, then sends half of the response and closes (cut mid-response)
 ``lost``    forwards (the request takes effect upstream), then drops the response and closes:
@@ -53,6 +54,7 @@ KINDS = ("500", "503", "reset", "cut", "lost", "delay")
 _ERROR_BODY = {
     "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
     "503": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+    "403": (403, "Forbidden", "AccessDenied", "Access Denied"),  # not retried: fails the call at once
 }
 
 
