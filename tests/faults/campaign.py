@@ -168,6 +168,39 @@ class Campaign:
         self.counts["kills: gc" if killed else "gc finished before its kill"] += 1
         self.check(root)
 
+    def daemon_kill(self, root: Root, staging: Path, log: Path) -> None:
+        """A trainer handing snapshots to a ``ckptd serve`` daemon; the daemon (and the
+        trainer) SIGKILLed at a random moment; a new daemon on the same staging folder resumes
+        what was journalled, then stops. Uploads are slowed a little so kills land mid-upload."""
+        from tests.server.daemon import Daemon
+
+        d = Daemon([root.uri], staging, log, CKPTD_FAULT_UPLOAD_DELAY_S="0.05", **_daemon_env(root))
+        d.start()
+        try:
+            p, prog = self.trainer(root, 50, daemon=d.url)
+            deadline = time.monotonic() + 120
+            while not _progress(prog) and p.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(self.rng.uniform(0.2, 2.0))
+            d.kill()
+            kill(p)
+            self.counts["kills: daemon"] += 1
+            lines = _progress(prog)
+            self._account(root, [x for x in lines if not x.startswith("fail")])  # a killed daemon fails the save
+            self.counts["saves failed when their daemon was killed"] += sum(x.startswith("fail") for x in lines)
+            d.start()  # the restart resumes or discards what the dead one had accepted
+            settle = time.monotonic() + 120
+            while time.monotonic() < settle:
+                status, jobs = d.get("/v1/jobs?limit=4096")
+                if status == 200 and all(j["state"] in ("committed", "failed", "discarded") for j in jobs):
+                    break
+                time.sleep(0.1)
+            else:
+                raise InvariantError(f"the restarted daemon never settled:\n{d.logs()}")
+        finally:
+            d.stop()
+        self.check(root)
+
     # ------------------------------------------------------------------ invariants
 
     def check(self, root: Root, *, gc: bool = True) -> int | None:
@@ -233,6 +266,11 @@ class Campaign:
         leftovers = _leftovers(store, root.uri, committed)
         if leftovers:
             raise InvariantError(f"{root.uri}: left behind after gc: {leftovers[:5]}")
+
+
+def _daemon_env(root: Root) -> dict:
+    """What a daemon process needs to reach ``root``: the proxy's endpoint, S3 tuning."""
+    return {k: v for k, v in root.env.items() if k.startswith(("AWS_", "CKPTD_S3_"))}
 
 
 @contextlib.contextmanager
