@@ -74,11 +74,7 @@ def test_campaign_s3_faults_and_kills(tmp_path, s3_root):
     proxy.set_plan(FaultPlan(rate=0.50, kinds=kinds, seed=SEED + 1, delay_s=0.1, stall_s=1.0))
     camp.run_trainer(root, 2, keep_last=2)
     camp.check(root)
-    assert at_10 > 0 and proxy.faults() > at_10, (
-        dict(proxy.counters),
-        dict(camp.counts),
-        [p.read_text() for p in sorted((tmp_path / "work").glob("progress-*"))],
-    )
+    assert at_10 > 0 and proxy.faults() > at_10, dict(proxy.counters)
     assert camp.counts["kills: trainer"] == 4
     # every save either committed or failed with one clear error (the campaign checks each); the
     # runs to completion, at 10% and at 50%, committed (botocore's and ckptd's retries absorb it)
