@@ -36,10 +36,8 @@ def test_campaign_trainer_and_gc_kills_on_a_local_root(tmp_path):
     newest = camp.check(root)
     assert newest is not None and newest >= 1
     _assert_nothing_but(Path(root.uri), newest)
-    assert (
-        camp.counts["kills: trainer"] == 18
-        and camp.counts["kills: gc"] + camp.counts["gc finished before its kill"] == 3
-    )
+    gc_runs = camp.counts["kills: gc"] + camp.counts["gc finished before its kill"]
+    assert camp.counts["kills: trainer"] == 24 and gc_runs == 3
     assert camp.counts["kills: gc"] >= 1
 
 
@@ -66,19 +64,19 @@ def test_campaign_s3_faults_and_kills(tmp_path, s3_root):
     camp = Campaign(tmp_path / "work", seed=SEED)
     kinds = (*KINDS, "stall")
     proxy.set_plan(FaultPlan(rate=0.10, kinds=kinds, seed=SEED, delay_s=0.1, stall_s=1.0))
-    for _ in range(4):
-        camp.trainer_kill(root, keep_last=2, window=(0.3, 3.0))
-    camp.run_trainer(root, 2)
+    for _ in range(3):
+        camp.trainer_kill(root, keep_last=2, window=(0.3, 2.0))
+    camp.run_trainer(root, 1)
     camp.check(root)
     at_10 = proxy.faults()
     proxy.set_plan(FaultPlan(rate=0.50, kinds=kinds, seed=SEED + 1, delay_s=0.1, stall_s=1.0))
-    camp.run_trainer(root, 2, keep_last=2)
+    camp.run_trainer(root, 1, keep_last=2)
     camp.check(root)
     assert at_10 > 0 and proxy.faults() > at_10, dict(proxy.counters)
-    assert camp.counts["kills: trainer"] == 4
+    assert camp.counts["kills: trainer"] == 3
     # every save either committed or failed with one clear error (the campaign checks each); the
     # runs to completion, at 10% and at 50%, committed (botocore's and ckptd's retries absorb it)
-    assert camp.counts["saves committed"] >= 4
+    assert camp.counts["saves committed"] >= 2
 
 
 def test_campaign_daemon_kills(tmp_path):
@@ -131,16 +129,23 @@ def test_campaign_disk_full_at_random_points(tmp_path):
     reason="two writers on one root need the writer fencing of issue 14 item 1 (branch protocol), not merged here",
 )
 def test_campaign_two_writers_on_one_root_are_refused_never_mixed(tmp_path):
+    """Two jobs started by mistake on one root save the same steps at the same time, three
+    times over: a second writer must be refused with an error of its own (not just "already
+    committed"), and every committed step must be one job's, whole (checked after each round).
+    Without fencing both write, and steps mix."""
     camp = Campaign(tmp_path / "work", seed=SEED)
-    root = Root(str(tmp_path / "job"), {})
-    a, prog_a = camp.trainer(root, 6)
-    b, prog_b = camp.trainer(Root(root.uri, {}), 6)
-    a.join(300)
-    b.join(300)
-    lines = prog_a.read_text().splitlines() + prog_b.read_text().splitlines()
-    camp.check(root)
-    refused = [x for x in lines if x.startswith("fail") and "writer" in x.lower()]
-    assert refused, "the second writer was never refused"
+    uri = str(tmp_path / "job")
+    fails: list[str] = []
+    for first in (1, 5, 9):
+        jobs = [camp.trainer(Root(uri, {}, next_step=first), 4) for _ in range(2)]
+        for p, _ in jobs:
+            p.join(300)
+            assert p.exitcode == 0
+        for _, prog in jobs:
+            fails += [x for x in prog.read_text().splitlines() if x.startswith("fail")]
+        camp.check(Root(uri, {}), gc=False)
+    refused = [x for x in fails if "already committed" not in x]
+    assert refused, f"the second writer was never refused: {fails}"
 
 
 def _assert_nothing_but(root: Path, newest: int) -> None:
