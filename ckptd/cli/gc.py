@@ -28,6 +28,8 @@ from ckptd.cli.common import (
     print_json,
 )
 
+__all__ = ["HELP", "add_arguments", "duration", "run"]
+
 HELP = "keep the newest K committed checkpoints; delete older ones, stale partial ones and stale uploads"
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -30,6 +30,8 @@ from ckptd.cli.common import (
 )
 from ckptd.errors import CheckpointError
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "re-read every chunk of a checkpoint and check it; exit 1 naming the first bad one"
 
 

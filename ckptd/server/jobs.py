@@ -1,10 +1,11 @@
 """Handed-off snapshots: upload them with the one commit protocol, watch their commits.
 
 A job (``handoff.Job``) is one rank's part of one checkpoint, its buffers in files of a staging
-lease. The daemon maps those files and calls
-``trainer_hooks.writer.persist`` -- the same code, hence the same order of writes, as the
-in-process writer: shards and metadata, then the rank's done record, then ``try_commit``
-(``put_if_absent`` of the commit record, so two daemons racing on one step commit it once).
+lease. The daemon maps those files and calls ``ckptd.commit.persist`` -- the same code, hence the
+same order of writes, as the in-process writer: shards and metadata, then the rank's done
+record, then ``try_commit`` (``put_if_absent`` of the commit record, so two daemons racing on
+one step commit it once); the worker that wrote the commit then applies retention
+(``commit.after_commit``), after the job is reported committed.
 
 States: ``queued`` -> ``uploading`` -> ``uploaded`` (this rank's data and done record are durable;
 other ranks still to finish) -> ``committed``; or ``failed``; or ``discarded`` (at restart, when
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd import catalog
+from ckptd import commit as protocol
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
 from ckptd.server.handoff import FINAL, JOB_ID, BadJob, Job, intact, load, validate
@@ -32,29 +34,10 @@ from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings
 from ckptd.server.staging import Lease, LeaseBusy, Staging
 from storage_backends import StorageError, Store, open_store
-from trainer_hooks.writer import persist
+
+__all__ = ["Runner"]
 
 log = logging.getLogger("ckptd.jobs")
-
-
-class _Delayed:
-    """Test-only fault injection (``CKPTD_FAULT_UPLOAD_DELAY_S``): every shard put sleeps first."""
-
-    def __init__(self, store: Store, delay: float):
-        self._store, self._delay = store, delay
-
-    def put(self, key, data):
-        if f"/{mf.ARRAYS}/" in key:
-            time.sleep(self._delay)
-        return self._store.put(key, data)
-
-    def put_deferred(self, key, data):
-        if f"/{mf.ARRAYS}/" in key:
-            time.sleep(self._delay)
-        return self._store.put_deferred(key, data)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
 
 
 # -------------------------------------------------------------------------------- runner
@@ -259,8 +242,10 @@ class Runner:
         lease = self.staging.get(job.lease)
         job.state = "uploading"
         store: Any = self.store(job.root)
-        if self.settings.fault_upload_delay_s > 0:
-            store = _Delayed(store, self.settings.fault_upload_delay_s)
+        if self.settings.fault_upload_delay_s > 0:  # test-only fault injection: slow shard puts
+            from storage_backends.testing import DelayedStore
+
+            store = DelayedStore(store, self.settings.fault_upload_delay_s, only=f"/{mf.ARRAYS}/")
         commit = catalog.read_commit(store, job.step)
         result, err = None, None
         if commit is not None and commit.get("attempt") == job.attempt:
@@ -272,7 +257,7 @@ class Runner:
             try:
                 save_job = load(job, lease.dir)
                 try:
-                    result = persist(store, save_job, self._io, job.keep_last, job.commit_timeout, wait=False)
+                    result = protocol.persist(store, save_job, self._io, commit_timeout=job.commit_timeout, wait=False)
                 finally:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
@@ -308,6 +293,8 @@ class Runner:
         job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "uploaded"})
         if result == "already" or result.committed_here:
             self._finish(job, "committed")
+            if result != "already":
+                protocol.after_commit(store, result, job.keep_last)
         else:
             job.state = "uploaded"
             with self._lock:

@@ -40,6 +40,20 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+__all__ = [
+    "BudgetFull",
+    "FILE_NAME",
+    "JOB_FILE",
+    "LEASE_FILE",
+    "Lease",
+    "LeaseBusy",
+    "LeaseGone",
+    "Staging",
+    "folder_bytes",
+    "is_plain_file_name",
+    "write_json_atomic",
+]
+
 log = logging.getLogger("ckptd.staging")
 
 LEASE_FILE = "lease.json"
