@@ -64,6 +64,9 @@ class Runner:
         self._running = 0
         self._thread = threading.Thread(target=self._loop, name="ckptd-watch", daemon=True)
         self._thread.start()
+        # Its own thread: a slow listing of a big bucket must not delay commit watching.
+        self._housekeeper = threading.Thread(target=self._housekeeping, name="ckptd-housekeeping", daemon=True)
+        self._housekeeper.start()
 
     # ----------------------------------------------------------------------------- public
 
@@ -343,6 +346,22 @@ class Runner:
                     else:
                         waited = time.time() - (job.uploaded_at or job.accepted_at)
                         self._watching[job_id] = now + min(0.01 + waited / 10, 0.5)
+
+    def _housekeeping(self) -> None:
+        """Abort the incomplete multipart uploads under every served root that are older than
+        ``abort_uploads_older_than_s`` (those of killed writers, and the orphans a lost
+        CreateMultipartUpload response leaves), every ``housekeeping_interval_s``. The first
+        sweep runs one interval after start."""
+        while not self._stop.wait(self.settings.housekeeping_interval_s):
+            for root in self.roots.uris:
+                try:
+                    aborted = self.store(root).abort_stale_uploads(self.settings.abort_uploads_older_than_s)
+                except (StorageError, ValueError) as e:
+                    log.warning("housekeeping of %s failed: %s", root, e)
+                    continue
+                if aborted:
+                    self.metrics.inc("ckptd_uploads_aborted_total", len(aborted))
+                    log.info("housekeeping of %s: aborted %d incomplete uploads", root, len(aborted))
 
     def _check_commit(self, job: Job) -> bool:
         commit = catalog.read_commit(self.store(job.root), job.step)
