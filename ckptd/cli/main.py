@@ -39,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "reshard": "reshard",
     "export": "export",
     "import": "import_",
+    "diff": "diff",
 }
 
 
