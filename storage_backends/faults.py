@@ -418,3 +418,6 @@ class FailingStore(Store):
 
     def close(self) -> None:
         self._store.close()
+
+
+__all__ = ["KINDS", "FailingStore", "FaultPlan", "FaultProxy", "Request", "Rule", "tmpfs_mount"]
