@@ -30,3 +30,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"restored {where} from {_q.FOLDER}/{rec['id']}/ (committed again)")
     return 0
+
+
+__all__ = ["HELP", "add_arguments", "run"]
