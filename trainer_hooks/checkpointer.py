@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,10 +50,24 @@ class Checkpointer:
     ``daemon``: None persists from a background thread of this process; ``"http://host:port"``
     hands each snapshot to a running ``ckptd serve``, which persists and commits it even if this
     process dies right after ``save`` returned. ``keep_last``: retention, applied after each
-    commit (never deletes the newest committed checkpoint or one being written).
+    commit by this job (rank 0's background thread; never deletes the newest committed
+    checkpoint or one being written).
     ``incremental``: shards whose content (sha256) has not changed since this process's previous
     committed save are hard-linked (filesystem) or server-side copied (S3) instead of written
     again; each checkpoint stays complete and independently readable, and ``gc`` stays correct.
+    ``process_group``: the group whose ranks save and restore together (default: the whole
+    world); its collectives run on a gloo group (a new one when the group is NCCL).
+    ``commit_timeout``: seconds a rank waits, after its own data is durable, for the other
+    ranks to finish and the commit record to appear; past it the save's future fails naming
+    how many ranks finished.
+    ``save_timeout``: seconds one save may take in the background, from the snapshot to the
+    commit (in-process writer only; the daemon has its own bounds). A save whose storage does
+    not answer fails its future with "storage did not answer" within this bound and is
+    abandoned (it never commits afterwards); ``save`` itself never talks to storage.
+    ``job_id``: this job's writer identity, which claims every step it saves so that a second
+    job writing the same root is refused instead of mixed (``ckptd.commit``). Default:
+    ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID`` when set (the same across restarts of the job,
+    so a restarted job takes over its own unfinished step), else a uuid agreed across ranks.
     """
 
     def __init__(
@@ -64,6 +79,8 @@ class Checkpointer:
         process_group=None,
         commit_timeout: float = 1800.0,
         incremental: bool = False,
+        save_timeout: float = 1800.0,
+        job_id: str | None = None,
     ):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
@@ -72,9 +89,14 @@ class Checkpointer:
         except (StorageError, ValueError) as e:
             raise CheckpointError(str(e)) from None
         self.root_uri = root_uri
+        self.daemon = daemon
         self.keep_last = keep_last
+        if not save_timeout > 0:
+            raise CheckpointError(f"save_timeout must be > 0, got {save_timeout}")
         self.coord = Coordinator(process_group)
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
+        self.job_id = commit.check_writer(self.coord.broadcast(job_id or _default_job_id()))
+        self._committed_steps: set[int] = set()  # saved and committed by this Checkpointer
         self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
         self._planner = Planner()
         self._inflight: tuple[int, Future] | None = None
@@ -86,11 +108,20 @@ class Checkpointer:
         # and stager() -> the Stager whose buffers save() fills (host memory here; shared
         # memory that the daemon can read in daemon mode).
         if daemon is None:
-            self._sink = BackgroundWriter(self.store, self._io, keep_last, commit_timeout, incremental)
+            self._sink = BackgroundWriter(
+                self.store,
+                self._io,
+                keep_last,
+                commit_timeout,
+                incremental,
+                writer=self.job_id,
+                save_timeout=save_timeout,
+            )
         else:
             from trainer_hooks.daemon_client import DaemonSink
 
             self._sink = DaemonSink(daemon, root_uri, self.rank, self.world_size, keep_last, commit_timeout)
+            self._sink.writer = self.job_id
         self._stager = self._sink.stager()
 
     # ------------------------------------------------------------------------------ save
@@ -106,7 +137,6 @@ class Checkpointer:
         t0 = time.perf_counter()
         mf.step_dir(step)  # validates the step
         self._wait_inflight()
-        self._raise_unreported()
         t_wait = time.perf_counter()
         attempt = self._begin(step)
         t_begin = time.perf_counter()
@@ -126,6 +156,10 @@ class Checkpointer:
             )
             job.metadata += commit.manifest_objects(m)
         fut = _SaveFuture.chain(self._sink.submit(job), step)
+        if self.daemon is not None and self.keep_last and self.rank == 0:
+            # Retention is the job's, not a per-request daemon setting: rank 0 applies it after
+            # each commit, on the thread that resolves the future (never the training thread).
+            fut.add_done_callback(self._retain_after)
         self._inflight = (step, fut)
         t1 = time.perf_counter()
         self.last_save_blocked_s = t1 - t0
@@ -139,24 +173,32 @@ class Checkpointer:
         return fut
 
     def _begin(self, step: int) -> str:
-        """Agree on the step and a fresh attempt id; clear a stale partial folder of this step.
+        """Agree on the step, on earlier failures and on a fresh attempt id. Collective, and
+        no storage call: claiming the step (and refusing it if committed, or written by another
+        job) is the background writer's first act, so a stalled store never blocks training.
 
-        Done records are per attempt, so leftovers of a crashed earlier attempt at the same step
-        can never complete this one's commit."""
+        Every rank raises the same error: an earlier save that failed on any rank (its future
+        not looked at), or a step this Checkpointer already committed."""
         err = None
         attempt = uuid.uuid4().hex[:12]
-        if self.rank == 0:
-            try:
-                commit.begin(self.store, step)
-            except CheckpointError as e:
-                err = str(e)
+        cause = None
+        if self._unreported:
+            earlier, cause = self._unreported[0]
+            self._unreported.clear()
+            err = f"an earlier save (step {earlier}) failed: {cause}"
+        elif step in self._committed_steps:
+            err = f"{catalog.where(self.store, step)}: step {step} is already committed; refusing to overwrite"
         lo_hi = self.coord.all_max([step, -step])
         if lo_hi[0] != -lo_hi[1]:
             err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"
         msg = self.coord.agree(err)
         if msg is not None:
-            raise CheckpointError(msg)
+            raise CheckpointError(msg) from cause
         return self.coord.broadcast(attempt)
+
+    def _retain_after(self, fut: Future) -> None:
+        if Future.exception(fut) is None:  # the base method: does not mark it as observed
+            commit.apply_retention(self.store, self.keep_last)
 
     def _raise_unreported(self) -> None:
         if self._unreported:
@@ -170,7 +212,9 @@ class Checkpointer:
             step, fut = inflight
             futures_wait([fut])
             exc = Future.exception(fut)  # the base method: does not mark it as observed
-            if exc is not None and not fut.observed:
+            if exc is None:
+                self._committed_steps.add(step)
+            elif not fut.observed:
                 self._unreported.append((step, exc))
 
     def wait(self) -> None:
@@ -270,6 +314,16 @@ class _SaveFuture(Future):
     def exception(self, timeout=None):
         self.observed = True
         return super().exception(timeout)
+
+
+def _default_job_id() -> str:
+    """The job's id from its launcher (the same on every rank and across restarts of the job),
+    else a new uuid (rank 0's is broadcast)."""
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(name, "").strip()
+        if value and value.lower() != "none":
+            return re.sub(r"[^A-Za-z0-9_.:@-]", "_", f"{name.split('_')[0].lower()}-{value}")[:128]
+    return uuid.uuid4().hex
 
 
 def _encode_rng() -> Any:

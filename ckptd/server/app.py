@@ -3,8 +3,8 @@ staging folder before the first request, so a daemon that cannot start says so a
 
 Errors are JSON ``{"detail": "..."}``: 400 a malformed request, a root not served, keys or paths
 escaping the job root or the staging lease; 401 a missing or wrong bearer token; 404 unknown
-lease, job or step; 409 a lease the daemon is still uploading from; 413 a body over the limit;
-429 (with ``Retry-After``) the staging budget is full -- the client waits and asks again.
+lease, job or step; 409 a lease the daemon is still uploading from, or a step already committed;
+413 a body over the limit; 429 (with ``Retry-After``) the staging budget is full -- the client waits and asks again.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
+from ckptd.commit import AlreadyCommitted
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
@@ -88,14 +89,14 @@ class JobRequest(BaseModel):
     job: str | None = Field(None, max_length=64, description="client-chosen id (hex): a retried hand-off is idempotent")
     lease: str = _NAME
     root: str = Field(min_length=1, max_length=4096)
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=10**10 - 1)
     attempt: str = _NAME
+    writer: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:@-]{1,128}$", description="the job id claiming the step")
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1)
     shards: list[ShardModel]
     metadata: list[MetadataModel] = []
     done: dict = {}
-    keep_last: int | None = Field(None, ge=1)
     commit_timeout: float = Field(1800.0, gt=0, le=7 * 86400)
 
 
@@ -338,6 +339,8 @@ def create_app(settings: Settings) -> FastAPI:
             return runner.accept(body.model_dump()).status()
         except BadJob as e:
             return _error(400, str(e))
+        except AlreadyCommitted as e:
+            return _error(409, str(e))
         except LeaseGone as e:
             return _error(404, str(e.args[0]))
         except LeaseBusy as e:

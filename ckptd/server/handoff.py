@@ -22,6 +22,7 @@ import torch
 
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, numpy_dtype
+from ckptd.commit import CLAIMS
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Lease, is_plain_file_name
@@ -51,7 +52,7 @@ class Job:
     shards: list[dict]
     metadata: list[dict]
     done: dict
-    keep_last: int | None = None
+    writer: str | None = None  # the job id that claims the step (None: the attempt id)
     commit_timeout: float = 1800.0
     state: str = "queued"
     error: str | None = None
@@ -148,7 +149,7 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
     for m in req["metadata"]:
         key = m["key"]
         _check_store_key(folder, key, "metadata key")
-        if key == mf.COMMIT or key.startswith(f"{mf.DONE}/"):
+        if key == mf.COMMIT or key.startswith((f"{mf.DONE}/", f"{CLAIMS}/")):
             raise BadJob(f"metadata key {key!r} is reserved for the commit protocol")
         size = _file_size(lease, m["file"], f"metadata {key!r}")
         if size > MAX_META_BYTES:
@@ -165,7 +166,7 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
         shards=shards,
         metadata=metadata,
         done=req.get("done") or {},
-        keep_last=req.get("keep_last"),
+        writer=req.get("writer"),
         commit_timeout=float(req.get("commit_timeout") or 1800.0),
     )
 
