@@ -17,6 +17,7 @@ Parameters may change the moment ``save`` returns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -122,6 +123,11 @@ class Checkpointer:
 
             self._sink = DaemonSink(daemon, root_uri, self.rank, self.world_size, keep_last, commit_timeout)
             self._sink.writer = self.job_id
+        self._retention = (
+            ThreadPoolExecutor(1, thread_name_prefix="ckptd-retention")
+            if daemon is not None and keep_last and self.rank == 0
+            else None
+        )
         self._stager = self._sink.stager()
 
     # ------------------------------------------------------------------------------ save
@@ -156,9 +162,9 @@ class Checkpointer:
             )
             job.metadata += commit.manifest_objects(m)
         fut = _SaveFuture.chain(self._sink.submit(job), step)
-        if self.daemon is not None and self.keep_last and self.rank == 0:
+        if self._retention is not None:
             # Retention is the job's, not a per-request daemon setting: rank 0 applies it after
-            # each commit, on the thread that resolves the future (never the training thread).
+            # each commit, on a thread of its own (never the training thread).
             fut.add_done_callback(self._retain_after)
         self._inflight = (step, fut)
         t1 = time.perf_counter()
@@ -198,7 +204,8 @@ class Checkpointer:
 
     def _retain_after(self, fut: Future) -> None:
         if Future.exception(fut) is None:  # the base method: does not mark it as observed
-            commit.apply_retention(self.store, self.keep_last)
+            with contextlib.suppress(RuntimeError):  # closing: the next job's commit retains
+                self._retention.submit(commit.apply_retention, self.store, self.keep_last)
 
     def _raise_unreported(self) -> None:
         if self._unreported:
@@ -223,12 +230,14 @@ class Checkpointer:
         self._raise_unreported()
 
     def wait_idle(self) -> None:
-        """``wait``, then also let background retention of an in-process writer finish (with a
-        daemon, retention is the daemon's). For benchmarks and tests that must not overlap it."""
+        """``wait``, then also let background retention finish (the in-process writer's, or rank
+        0's after a daemon commit). For benchmarks and tests that must not overlap it."""
         self.wait()
         idle = getattr(self._sink, "idle", None)
         if idle is not None:
             idle()
+        if self._retention is not None:
+            self._retention.submit(lambda: None).result()
 
     # --------------------------------------------------------------------------- restore
 
@@ -266,6 +275,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._sink.shutdown()
+            if self._retention is not None:
+                self._retention.shutdown(wait=True)
             self._io.shutdown(wait=True)
             self._stager.release()
             self.store.close()

@@ -73,13 +73,13 @@ class BackgroundWriter:
         # The caller submits only after the collective of save(), which every rank reaches
         # after its previous save ended: no rank of this job still writes the failed steps.
         failed, self._failed = [s for s in self._failed if s != job.step], []
-        if failed:
-            commit.reclaim(self.store, failed, self.writer)
         abort = threading.Event()
         box: dict = {}
 
-        def run() -> None:
+        def run() -> None:  # everything that talks to storage, under the save's deadline
             try:
+                if failed:
+                    commit.reclaim(self.store, failed, self.writer)
                 box["result"] = commit.persist(
                     self.store,
                     job,
