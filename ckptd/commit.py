@@ -30,7 +30,8 @@ claim. A rank that finds the newest claim naming:
 
 * its own attempt: proceeds (another rank of the attempt made the claim);
 * another attempt of its *own writer* (the same job restarted after preemption, or a save of
-  this step that failed): takes the step over by creating claim ``n+1``;
+  this step that failed): takes the step over by creating claim ``n+1`` -- unless its own
+  attempt already held an older claim (it was superseded: it never takes the step back);
 * another writer, whose step folder has seen no write for ``CKPTD_STALE_ATTEMPT_S`` seconds
   (default 900, i.e. the other job is dead): takes it over the same way, with a warning;
 * another writer, recently active: refuses with :class:`StepClaimed`, naming that job, and
@@ -180,6 +181,11 @@ def begin(store: Store, step: int, attempt: str, writer: str) -> None:
             n, rec = cs[-1]
             if rec.get("attempt") == attempt:
                 return
+            if any(r.get("attempt") == attempt for _, r in cs):  # e.g. resumed after a daemon restart
+                raise StepClaimed(
+                    f"{where}: attempt {attempt} was superseded by attempt {rec.get('attempt')!r} of job "
+                    f"{rec.get('writer')!r}; it never takes the step back"
+                )
             other = rec.get("writer") or "an unknown writer"
             if rec.get("writer") != writer:
                 idle = _idle_seconds(store, step)

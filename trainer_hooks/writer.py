@@ -55,6 +55,7 @@ class BackgroundWriter:
         self._stuck = 0  # saves abandoned at their deadline whose thread has not returned yet
         self._lock = threading.Lock()
         self._failed: list[int] = []  # steps whose save failed: reclaimed at the next save
+        self._abandoned: list[tuple[int, threading.Thread]] = []  # saves past their deadline
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-writer")
 
     def stager(self) -> Stager:
@@ -73,6 +74,16 @@ class BackgroundWriter:
         # The caller submits only after the collective of save(), which every rank reaches
         # after its previous save ended: no rank of this job still writes the failed steps.
         failed, self._failed = [s for s in self._failed if s != job.step], []
+        self._abandoned = [(s, t) for s, t in self._abandoned if t.is_alive()]
+        if any(s == job.step for s, _ in self._abandoned):
+            # Its late puts could land over this attempt's: refuse rather than risk a mix.
+            fut.set_exception(
+                CheckpointError(
+                    f"{catalog.where(self.store, job.step)}: an abandoned save of step {job.step} is still "
+                    "inside a storage call; save a later step"
+                )
+            )
+            return
         abort = threading.Event()
         box: dict = {}
 
@@ -105,6 +116,7 @@ class BackgroundWriter:
                 abort.set()
                 self._stuck += 1
         if abort.is_set():
+            self._abandoned.append((job.step, t))
             box["error"] = CheckpointError(
                 f"{catalog.where(self.store, job.step)}: save did not finish within {self.save_timeout:g} s "
                 "(save_timeout): storage did not answer; the step is abandoned and will not commit"

@@ -19,7 +19,7 @@ from storage_backends import open_store
 from trainer_hooks import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 6
+STEPS = 4
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

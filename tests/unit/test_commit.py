@@ -172,3 +172,11 @@ def test_step_bound():
     assert mf.step_dir(10**10 - 1) == "step_9999999999"
     with pytest.raises(CheckpointError, match="at most 9999999999"):
         mf.step_dir(10**10)
+
+
+def test_a_superseded_attempt_never_takes_the_step_back(store):
+    commit.begin(store, 8, "a1", "job-a")
+    commit.begin(store, 8, "a2", "job-a")  # the job's retry supersedes a1
+    with pytest.raises(commit.StepClaimed, match="superseded by attempt 'a2'"):
+        commit.begin(store, 8, "a1", "job-a")  # a1 resumed late (a daemon restart)
+    assert commit.owner(store, 8)["attempt"] == "a2"
