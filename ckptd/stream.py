@@ -25,9 +25,12 @@ import numpy as np
 from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
+from ckptd.dtypes import as_numpy, zarr_name
 from ckptd.errors import CheckpointError
 from ckptd.layout import Box, choose_chunk_shape
 from storage_backends import Store
+
+__all__ = ["CheckpointWriter", "MAX_SHARD_BYTES", "default_layout"]
 
 MAX_SHARD_BYTES = 256 * 1024 * 1024  # bigger tensors are split along dim 0 into several objects
 
@@ -37,8 +40,7 @@ def default_layout(shape: tuple[int, ...], dtype: str, itemsize: int) -> ArrayLa
     MiB so readers at any world size fetch little more than they need."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
-        grid = tuple(max(1, n) for n in shape)
-        return ArrayLayout(shape, dtype, grid, grid)
+        return ArrayLayout.empty(shape, dtype)
     nbytes = math.prod(shape) * itemsize
     shard = shape
     if shape and nbytes > MAX_SHARD_BYTES and shape[0] > 1:
@@ -117,7 +119,7 @@ class CheckpointWriter:
     def write_tensor(self, key: str, array, layout: ArrayLayout | None = None, placements: str = "") -> None:
         """Write a whole tensor (numpy array or CPU torch tensor)."""
         arr = _as_numpy(array)
-        dtype = _zarr_name(arr.dtype)
+        dtype = zarr_name(arr.dtype)
         layout = layout or default_layout(arr.shape, dtype, arr.dtype.itemsize)
         self.declare(key, layout, placements)
         for coord in layout.shard_coords() if arr.size else ():
@@ -181,18 +183,7 @@ class CheckpointWriter:
 def _as_numpy(array) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array
-    from trainer_hooks.flatten import as_numpy
-
     t = array.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     return as_numpy(t.contiguous())
-
-
-def _zarr_name(dtype: np.dtype) -> str:
-    from ckptd.codec import _DTYPES
-
-    for name, dt in _DTYPES.items():
-        if dt == dtype:
-            return name
-    raise CheckpointError(f"unsupported dtype {dtype}")

@@ -22,9 +22,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckptd import catalog, commit
 from ckptd.errors import CheckpointError
+from ckptd.savejob import SaveJob
 from storage_backends import Store
 from trainer_hooks.flatten import as_numpy
-from trainer_hooks.snapshot import SaveJob, Stager
+from trainer_hooks.snapshot import Stager
+
+__all__ = ["BackgroundWriter"]
 
 log = logging.getLogger("ckptd.writer")
 

@@ -12,7 +12,7 @@ Modules, one job each:
 * ``metrics``: Prometheus counters;
 * ``app``: the FastAPI application (routes, auth, body limits).
 
-The hand-off protocol, as the trainer side (``trainer_hooks.daemon_client``) runs it, per rank:
+The hand-off protocol, as the trainer side (``trainer_hooks.daemon_sink``) runs it, per rank:
 
 1. ``POST /v1/leases`` (or ``/acquire`` on the lease of the previous save): the daemon grants
    staging memory under its budget (429 + ``Retry-After`` when full) and names a folder;
