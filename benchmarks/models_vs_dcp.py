@@ -37,6 +37,13 @@ SCENARIOS = "benchmarks.models_vs_dcp"
 
 
 def _err(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt | SystemExit):
+        raise e
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: per rank, the error
+    if failures:
+        rank, f = sorted(failures.items())[0]
+        inner = f[0] if isinstance(f, tuple) else getattr(f, "exc", f)  # (exception, frames)
+        return f"{type(e).__name__} (rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0][:300]})"
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
 
 
@@ -79,7 +86,7 @@ def restore_both(root: str, out: str, archs: list[str], ref_ws: int, compiled: b
             with Checkpointer(f"{root}/ckptd/{arch}") as ck:
                 ck.restore(state)
             res[arch]["ckptd"] = ms.compare(arch, state, out, ref_ws)
-        except Exception as e:  # noqa: BLE001 - reported, not raised: this script compares
+        except BaseException as e:  # noqa: BLE001 - reported: this script compares (DCP's error is a BaseException)
             res[arch]["ckptd"] = [_err(e)]
         state = ms.make(arch, seed=7, compiled=compiled)
         try:
@@ -87,7 +94,7 @@ def restore_both(root: str, out: str, archs: list[str], ref_ws: int, compiled: b
             dcp.load(sd, checkpoint_id=f"{root}/dcp/{arch}")
             _dcp_apply(state, sd)
             res[arch]["dcp"] = ms.compare(arch, state, out, ref_ws)
-        except Exception as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001
             res[arch]["dcp"] = [_err(e)]
     return res
 
@@ -100,14 +107,14 @@ def one_process_cases(root: str, out: str) -> dict:
         with Checkpointer(f"{root}/ckptd/cnn") as ck:
             ck.restore({"model": model})
         res["subset ckptd"] = "ok"
-    except Exception as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001
         res["subset ckptd"] = _err(e)
     try:
         msd, _ = get_state_dict(model, [])
         dcp.load({"model": msd}, checkpoint_id=f"{root}/dcp/cnn")
         set_state_dict(model, [], model_state_dict=msd, optim_state_dict={})
         res["subset dcp"] = "ok"
-    except Exception as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001
         res["subset dcp"] = _err(e)
 
     state = ms.make("cnn", seed=0)
@@ -128,7 +135,7 @@ def one_process_cases(root: str, out: str) -> dict:
                 dcp.load(sd, checkpoint_id=f"{root}/apply/dcp")
                 _dcp_apply(new, sd)
             outcome = "no error"
-        except Exception as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001
             outcome = _err(e)
         changed = [k for k, v in new["model"].state_dict().items() if not torch.equal(v, before[k])]
         res[f"apply error {system}"] = f"{outcome}; model tensors changed by the failed restore: {len(changed)}"
