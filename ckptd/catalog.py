@@ -1,4 +1,4 @@
-"""The checkpoints of a job root: listing, opening, committing and retention.
+"""The checkpoints of a job root: listing, opening and retention (committing is ``ckptd.commit``).
 
 Readers go through here so that nothing ever opens a checkpoint without its commit record.
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from dataclasses import dataclass
 
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
@@ -16,8 +15,6 @@ from ckptd.manifest import (
     DONE,
     MANIFEST,
     Manifest,
-    done_prefix,
-    dumps,
     parse_step_dir,
     step_dir,
 )
@@ -86,10 +83,15 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
                 CheckpointInfo(s, True, commit.get("world_size"), commit.get("bytes"), commit.get("time"), step_dir(s))
             )
             continue
-        ws = None
-        with contextlib.suppress(NotFoundError, ValueError):
-            ws = json.loads(store.get(f"{step_dir(s)}/{MANIFEST}")).get("world_size")
         objs = list(store.list(f"{step_dir(s)}/"))
+        if not objs:
+            # A folder with no object in it (what a writer killed before its first put finished
+            # leaves: temp files, empty folders) is no checkpoint, not even a partial one; the
+            # next save of that step or ``gc`` removes it.
+            continue
+        ws = None
+        with contextlib.suppress(NotFoundError, ValueError, AttributeError):
+            ws = json.loads(store.get(f"{step_dir(s)}/{MANIFEST}")).get("world_size")
         out.append(
             CheckpointInfo(
                 s,
@@ -134,39 +136,18 @@ def load_manifest(store: Store, step: int | None = None) -> Manifest:
     return m
 
 
-def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: dict | None = None) -> bool:
-    """Write the commit record if every rank of ``attempt`` has written its done record.
-
-    Called by each rank (or daemon) after its own done record is durable. Returns True for the
-    one caller whose ``put_if_absent`` created the record. Listing after our own done record is
-    written guarantees the last finisher sees them all (object stores list what was written).
-    """
-    dones = list(store.list(done_prefix(step, attempt)))
-    if len(dones) < world_size:
-        return False
-    total = 0
-    objects = 0
-    for d in dones:
-        rec = json.loads(store.get(d.key))
-        total += rec.get("bytes", 0)
-        objects += rec.get("objects", 0)
-    record = {
-        "step": step,
-        "attempt": attempt,
-        "world_size": world_size,
-        "bytes": total,
-        "objects": objects,
-        "time": time.time(),
-        **(extra or {}),
-    }
-    return store.put_if_absent(f"{step_dir(step)}/{COMMIT}", dumps(record))
-
-
-def delete_checkpoint(store: Store, step: int) -> int:
-    """Delete one checkpoint folder. The commit record goes first, so a half-deleted checkpoint
-    reads as partial, never as a committed checkpoint with holes."""
-    store.delete(f"{step_dir(step)}/{COMMIT}")
-    return store.delete_prefix(f"{step_dir(step)}/")
+def delete_checkpoint(store: Store, step: int) -> tuple[int, int]:
+    """Delete one checkpoint folder, with whatever a killed writer left in it (temp files,
+    empty folders); returns (files, bytes) removed. The commit record goes first, so a
+    half-deleted checkpoint reads as partial, never as a committed checkpoint with holes."""
+    key = f"{step_dir(step)}/{COMMIT}"
+    try:
+        size = store.head(key).size
+    except NotFoundError:
+        size = None
+    store.delete(key)
+    files, nbytes = store.purge(f"{step_dir(step)}/")
+    return (files + 1, nbytes + size) if size is not None else (files, nbytes)
 
 
 def select_for_deletion(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -174,8 +155,9 @@ def select_for_deletion(store: Store, keep_last: int, protect: set[int] | frozen
 
     Keeps the newest ``keep_last`` committed checkpoints; selects older committed ones, and
     partial ones older than the newest commit (they can no longer complete: one save is in
-    flight per job and a newer one committed). Never selects the newest committed step, a step in
-    ``protect`` (being written), or any step newer than the newest commit."""
+    flight per job and a newer one committed). Never selects the newest committed step, the newest
+    step ``ckptd verify`` passed (see ``newest_verified``), a step in ``protect`` (being
+    written), or any step newer than the newest commit."""
     if keep_last < 1:
         raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
     all_steps = steps(store)
@@ -183,8 +165,26 @@ def select_for_deletion(store: Store, keep_last: int, protect: set[int] | frozen
     if not committed:
         return []
     keep = set(committed[-keep_last:]) | set(protect)
+    verified = newest_verified(store, committed)
+    if verified is not None:
+        keep.add(verified)
     newest = committed[-1]
     return [s for s in all_steps if s < newest and s not in keep]
+
+
+def newest_verified(store: Store, committed: list[int]) -> int | None:
+    """The newest of ``committed`` whose ``ckptd verify`` record says it passed, or None.
+
+    Retention keeps it whatever ``keep_last`` says: when newer checkpoints turn out corrupt it
+    is the one to fall back to, and it must not be deleted in favour of a newer bad one. Costs
+    one GET per committed step newer than it (retention keeps those few)."""
+    from ckptd.verify import read_record  # verify reads checkpoints through this module
+
+    for s in reversed(committed):
+        rec = read_record(store, s)
+        if rec is not None and rec["ok"]:
+            return s
+    return None
 
 
 def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -207,5 +207,4 @@ __all__ = [
     "retain",
     "select_for_deletion",
     "steps",
-    "try_commit",
 ]

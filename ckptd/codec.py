@@ -27,40 +27,30 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c as _crc32c
-import ml_dtypes
 import numpy as np
 
+from ckptd.dtypes import numpy_dtype
 from ckptd.errors import CheckpointError, CorruptChunkError
+
+__all__ = [
+    "ArrayLayout",
+    "CRC_BYTES",
+    "EMPTY",
+    "crc32c",
+    "crc_bytes",
+    "decode_chunk",
+    "decode_index",
+    "encode_shard",
+    "image_chunks",
+    "image_nbytes",
+    "init_image",
+    "inline_value",
+    "parse_inline",
+    "seal_image",
+]
 
 EMPTY = 2**64 - 1
 CRC_BYTES = 4
-
-# zarr v3 data_type name -> numpy dtype. bfloat16 is the zarr v3 extension name that tensorstore
-# reads; numpy knows it through ml_dtypes.
-_DTYPES: dict[str, np.dtype] = {
-    "bool": np.dtype(np.bool_),
-    "int8": np.dtype(np.int8),
-    "int16": np.dtype(np.int16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16),
-    "uint32": np.dtype(np.uint32),
-    "uint64": np.dtype(np.uint64),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "complex64": np.dtype(np.complex64),
-    "complex128": np.dtype(np.complex128),
-}
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise CheckpointError(f"unsupported zarr data type {name!r}") from None
 
 
 def crc32c(data) -> int:
@@ -196,6 +186,28 @@ class ArrayLayout:
             "codecs": codecs,
             "attributes": attributes or {},
         }
+
+    def to_json(self) -> dict:
+        """The layout as JSON: a manifest's tensor rows and a daemon hand-off's shards carry it."""
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "shard_shape": list(self.shard_shape),
+            "chunk_shape": list(self.chunk_shape),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> ArrayLayout:
+        """The reverse of ``to_json`` (other keys of ``d`` are ignored). Raises what the
+        constructor raises (ValueError) or KeyError/TypeError for a malformed ``d``."""
+        return cls(tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["chunk_shape"]))
+
+    @classmethod
+    def empty(cls, shape: Sequence[int], dtype: str) -> ArrayLayout:
+        """The layout of an array with no elements: metadata only, one chunk that stands for
+        no data (a zero extent gets a chunk extent of 1, which zarr requires)."""
+        grid = tuple(max(1, n) for n in shape)
+        return cls(tuple(shape), dtype, grid, grid)
 
     @classmethod
     def from_metadata(cls, meta: dict) -> ArrayLayout:

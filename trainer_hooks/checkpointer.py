@@ -25,14 +25,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ckptd import catalog
+from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from storage_backends import StorageError, Store, open_store
 from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import flatten
-from trainer_hooks.restore import restore_state
+from trainer_hooks.restore import restore_fallback, restore_state
+from trainer_hooks.sink import Sink
 from trainer_hooks.snapshot import Planner, take
 from trainer_hooks.writer import BackgroundWriter
 
@@ -53,6 +54,14 @@ class Checkpointer:
     ``incremental``: shards whose content (sha256) has not changed since this process's previous
     committed save are hard-linked (filesystem) or server-side copied (S3) instead of written
     again; each checkpoint stays complete and independently readable, and ``gc`` stays correct.
+    ``process_group``: the group the small collectives of ``save``/``restore`` run on (they
+    exchange CPU objects, so a gloo group); it must span every rank of the job, since ranks and
+    the world size are the default group's. None: the default group when it is gloo, else a new
+    gloo group made here (which makes the constructor collective). ``commit_timeout``: seconds a
+    save waits, after this rank's data and done record are durable, for the other ranks and the
+    commit record; past it the save's future fails with ``CheckpointError`` (the checkpoint stays
+    partial, and a later commit by the others still completes it). With a daemon, the daemon
+    waits that long and the client gives up after it too.
     """
 
     def __init__(
@@ -82,13 +91,14 @@ class Checkpointer:
         self._closed = False
         self.last_save_blocked_s = 0.0
         self.last_save_phases: dict[str, float] = {}
-        # Where snapshots go. A sink has submit(job) -> Future (resolved at commit), shutdown(),
-        # and stager() -> the Stager whose buffers save() fills (host memory here; shared
-        # memory that the daemon can read in daemon mode).
+        self.last_restore_skipped: list[tuple[int, str]] = []  # (step, why): restore(fallback=True)
+        # Where snapshots go (the ``sink.Sink`` contract): this process's writer thread, or the
+        # daemon, whose stager's buffers are shared memory it can read.
+        self._sink: Sink
         if daemon is None:
             self._sink = BackgroundWriter(self.store, self._io, keep_last, commit_timeout, incremental)
         else:
-            from trainer_hooks.daemon_client import DaemonSink
+            from trainer_hooks.daemon_sink import DaemonSink
 
             self._sink = DaemonSink(daemon, root_uri, self.rank, self.world_size, keep_last, commit_timeout)
         self._stager = self._sink.stager()
@@ -124,8 +134,7 @@ class Checkpointer:
                 attempt=attempt,
                 layout={"world_size": self.world_size},
             )
-            job.metadata += mf.group_nodes(entries, step)
-            job.metadata.append((mf.MANIFEST, m.to_bytes()))
+            job.metadata += commit.manifest_objects(m)
         fut = _SaveFuture.chain(self._sink.submit(job), step)
         self._inflight = (step, fut)
         t1 = time.perf_counter()
@@ -148,14 +157,9 @@ class Checkpointer:
         attempt = uuid.uuid4().hex[:12]
         if self.rank == 0:
             try:
-                if self.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
-                    where = catalog.where(self.store, step)
-                    err = f"{where}: step {step} is already committed; refusing to overwrite"
-                elif any(True for _ in self.store.list(f"{mf.step_dir(step)}/")):
-                    log.warning("removing stale partial checkpoint %s", catalog.where(self.store, step))
-                    self.store.delete_prefix(f"{mf.step_dir(step)}/")
-            except StorageError as e:
-                err = f"{catalog.where(self.store, step)}: {e}"
+                commit.begin(self.store, step)
+            except CheckpointError as e:
+                err = str(e)
         lo_hi = self.coord.all_max([step, -step])
         if lo_hi[0] != -lo_hi[1]:
             err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"
@@ -188,14 +192,18 @@ class Checkpointer:
         """``wait``, then also let background retention of an in-process writer finish (with a
         daemon, retention is the daemon's). For benchmarks and tests that must not overlap it."""
         self.wait()
-        idle = getattr(self._sink, "idle", None)
-        if idle is not None:
-            idle()
+        self._sink.idle()
 
     # --------------------------------------------------------------------------- restore
 
     def restore(
-        self, state: dict[str, Any], step: int | None = None, *, strict: bool = True, in_place: bool = False
+        self,
+        state: dict[str, Any],
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        in_place: bool = False,
+        fallback: bool = False,
     ) -> int | None:
         """Restore ``state`` in place from ``step`` (the latest committed if None). Collective.
 
@@ -209,9 +217,21 @@ class Checkpointer:
         memory and no new buffers to fault in, but a read that fails midway (I/O error, corrupt
         chunk) leaves tensors partly overwritten, as ``dcp.load`` does. Mismatched keys, shapes
         and dtypes are still refused before anything is read.
+        ``fallback=True`` (with ``step=None``): the newest committed step that restores cleanly,
+        skipping newer ones that ``ckptd verify`` recorded bad or whose manifest or chunks fail
+        their checks; each skip is logged, and ``last_restore_skipped`` lists (step, why).
+        Raises, naming each step and why, when there are committed steps but none restores.
         """
         self._check_open()
         self.wait()
+        if fallback:
+            if step is not None:
+                raise CheckpointError("restore: fallback=True picks the step itself; do not pass step")
+            got, self.last_restore_skipped = restore_fallback(
+                self.store, self.coord, state, strict, self._io, in_place=in_place
+            )
+            return got
+        self.last_restore_skipped = []
         return restore_state(self.store, self.coord, state, step, strict, self._io, in_place=in_place)
 
     def latest_step(self) -> int | None:
