@@ -257,7 +257,10 @@ class Checkpointer:
 
         Returns the restored step, or None if the job root has no committed checkpoint. On any
         error every rank raises ``CheckpointError`` and ``state`` is left as it was.
-        ``strict=False`` skips keys present on only one side instead of failing.
+        Entries of the checkpoint that ``state`` lacks are not restored (``{"model": m}`` from a
+        full training checkpoint); inside each entry given, ``strict=False`` skips keys present
+        on only one side instead of failing. A parameter the saved optimizer kept no state for
+        (never reached by the loss) gets none after the restore either.
         ``in_place=True`` reads straight into the state's tensors: no second copy of the state in
         memory and no new buffers to fault in, but a read that fails midway (I/O error, corrupt
         chunk) leaves tensors partly overwritten, as ``dcp.load`` does. Mismatched keys, shapes
