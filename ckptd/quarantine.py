@@ -118,6 +118,3 @@ def unquarantine(store: Store, step: int, qid: str | None = None) -> dict:
     except StorageError as e:
         raise CheckpointError(f"{where}: unquarantine failed: {e}") from None
     return rec
-
-
-__all__ = ["FOLDER", "RECORD", "list_quarantined", "quarantine", "unquarantine"]

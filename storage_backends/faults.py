@@ -420,6 +420,3 @@ class FailingStore(Store):
 
     def close(self) -> None:
         self._store.close()
-
-
-__all__ = ["KINDS", "FailingStore", "FaultPlan", "FaultProxy", "Request", "Rule", "tmpfs_mount"]

@@ -69,6 +69,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"quarantined {where}: moved to {uri}/{_q.FOLDER}/{rec['id']}/ ({rec['objects']} objects)")
     return 0
-
-
-__all__ = ["HELP", "add_arguments", "run"]

@@ -32,6 +32,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"restored {where} from {_q.FOLDER}/{rec['id']}/ (committed again)")
     return 0
-
-
-__all__ = ["HELP", "add_arguments", "run"]
