@@ -33,6 +33,8 @@ COMMANDS: dict[str, str] = {
     "show": "show",
     "verify": "verify",
     "gc": "gc",
+    "quarantine": "quarantine",
+    "unquarantine": "unquarantine",
     "serve": "serve",
     "reshard": "reshard",
     "export": "export",

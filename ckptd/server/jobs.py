@@ -88,6 +88,9 @@ class Runner:
         self._running = 0
         self._thread = threading.Thread(target=self._loop, name="ckptd-watch", daemon=True)
         self._thread.start()
+        # Its own thread: a slow listing of a big bucket must not delay commit watching.
+        self._housekeeper = threading.Thread(target=self._housekeeping, name="ckptd-housekeeping", daemon=True)
+        self._housekeeper.start()
 
     # ----------------------------------------------------------------------------- public
 
@@ -133,6 +136,7 @@ class Runner:
         if lease.owner != "client":
             raise LeaseBusy(f"lease {lease.id} already carries job {lease.job}")
         job = validate(req, lease, self.roots, job_id)
+        self._refuse_committed(job)
         job.staged_s = max(0.0, job.accepted_at - lease.started_at)
         self.staging.hand_off(lease.id, job.job, job.journal() | {"state": "accepted"})
         self._remember(job)
@@ -142,6 +146,19 @@ class Runner:
         log.info("accepted job %s: %s step %d rank %d/%d", job.job, job.root, job.step, job.rank, job.world_size)
         self._enqueue(job)
         return job
+
+    def _refuse_committed(self, job: Job) -> None:
+        """A committed checkpoint is immutable: refuse a hand-off for its step (HTTP 409) before
+        the daemon takes the files or writes a byte. (The upload's claim checks again.)"""
+        try:
+            committed = self.store(job.root).exists(f"{mf.step_dir(job.step)}/{mf.COMMIT}")
+        except StorageError as e:
+            raise BadJob(f"{job.root}: cannot check step {job.step} ({e})") from None
+        if committed:
+            raise protocol.AlreadyCommitted(
+                f"{catalog.where(self.store(job.root), job.step)}: step {job.step} is already committed; "
+                "refusing the hand-off"
+            )
 
     def recover(self) -> None:
         """Resume or discard what a previous daemon journalled in the staging folder."""
@@ -283,7 +300,9 @@ class Runner:
             try:
                 save_job = load(job, lease.dir)
                 try:
-                    result = protocol.persist(store, save_job, self._io, commit_timeout=job.commit_timeout, wait=False)
+                    result = protocol.persist(
+                        store, save_job, self._io, writer=job.writer, commit_timeout=job.commit_timeout, wait=False
+                    )
                 finally:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
@@ -320,7 +339,7 @@ class Runner:
         if result == "already" or result.committed_here:
             self._finish(job, "committed")
             if result != "already":
-                protocol.after_commit(store, result, job.keep_last)
+                protocol.after_commit(store, result, self.settings.keep_last)
         else:
             job.state = "uploaded"
             with self._lock:
@@ -373,6 +392,22 @@ class Runner:
                     else:
                         waited = time.time() - (job.uploaded_at or job.accepted_at)
                         self._watching[job_id] = now + min(0.01 + waited / 10, 0.5)
+
+    def _housekeeping(self) -> None:
+        """Abort the incomplete multipart uploads under every served root that are older than
+        ``abort_uploads_older_than_s`` (those of killed writers, and the orphans a lost
+        CreateMultipartUpload response leaves), every ``housekeeping_interval_s``. The first
+        sweep runs one interval after start."""
+        while not self._stop.wait(self.settings.housekeeping_interval_s):
+            for root in self.roots.uris:
+                try:
+                    aborted = self.store(root).abort_stale_uploads(self.settings.abort_uploads_older_than_s)
+                except (StorageError, ValueError) as e:
+                    log.warning("housekeeping of %s failed: %s", root, e)
+                    continue
+                if aborted:
+                    self.metrics.inc("ckptd_uploads_aborted_total", len(aborted))
+                    log.info("housekeeping of %s: aborted %d incomplete uploads", root, len(aborted))
 
     def _check_commit(self, job: Job) -> bool:
         commit = catalog.read_commit(self.store(job.root), job.step)

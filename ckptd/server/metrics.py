@@ -24,6 +24,7 @@ _HELP = {
     "ckptd_budget_waits_total": ("counter", "staging requests refused (429) because the budget was full"),
     "ckptd_handoff_to_commit_seconds_sum": ("counter", "seconds from hand-off to commit, summed over jobs"),
     "ckptd_handoff_to_commit_seconds_count": ("counter", "jobs counted in the sum above"),
+    "ckptd_uploads_aborted_total": ("counter", "stale incomplete multipart uploads aborted by housekeeping"),
     "ckptd_save_staging_seconds_sum": (
         "counter",
         "seconds from a lease's acquire to its hand-off (what save blocked on, as the daemon sees it), summed",

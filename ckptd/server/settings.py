@@ -41,12 +41,21 @@ class Settings(BaseSettings):
     budget: int | None = Field(None, description="bytes of staged snapshots; default half the staging filesystem")
     upload_workers: int = Field(2, ge=1, description="jobs uploaded at once")
     io_threads: int = Field(16, ge=1, description="puts in flight at once, over all jobs")
+    keep_last: int | None = Field(
+        None, ge=1, description="retention the daemon applies after each commit it writes (default: none)"
+    )
     upload_retries: int = Field(2, ge=0, description="re-runs of a failed upload before the job fails")
     lease_ttl_s: float = Field(60.0, gt=0, description="an idle lease whose client stopped heartbeating is freed")
     budget_stall_s: float = Field(
         30.0, gt=0, description="a wait for memory that sees no progress this long is granted"
     )
     max_body_bytes: int = Field(16 * 2**20, ge=1024)
+    housekeeping_interval_s: float = Field(
+        3600.0, gt=0, description="how often incomplete S3 multipart uploads under the served roots are swept"
+    )
+    abort_uploads_older_than_s: float = Field(
+        86400.0, ge=0, description="the sweep aborts incomplete uploads begun longer ago than this"
+    )
     log_level: str = "info"
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.
