@@ -53,6 +53,17 @@ def steps(store: Store) -> list[int]:
     return sorted(s for d in dirs if (s := parse_step_dir(d)) is not None)
 
 
+def ignored_names(store: Store) -> list[str]:
+    """Folders of the job root that look like checkpoints (``step_...``) but are not named
+    ``step_`` + exactly ten ASCII digits: nothing lists, restores or deletes them; ``ls`` names
+    them so an operator sees them."""
+    try:
+        _, dirs = store.list_dir("")
+    except StorageError as e:
+        raise CheckpointError(f"{store.uri}: cannot list job root ({e})") from None
+    return [d for d in dirs if d.lower().startswith("step") and parse_step_dir(d) is None]
+
+
 def read_commit(store: Store, step: int) -> dict | None:
     try:
         data = store.get(f"{step_dir(step)}/{COMMIT}")
@@ -200,6 +211,7 @@ __all__ = [
     "DONE",
     "committed_steps",
     "delete_checkpoint",
+    "ignored_names",
     "latest_step",
     "list_checkpoints",
     "load_manifest",

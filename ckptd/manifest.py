@@ -31,7 +31,9 @@ from ckptd import FORMAT_VERSION
 from ckptd.codec import ArrayLayout
 from ckptd.errors import CheckpointError
 
-STEP_RE = re.compile(r"^step_(\d{10,})$")
+# Exactly ten ASCII digits: ``\d`` would also take Unicode digits, and a longer name would sort
+# and parse as another step than the folder it names (retention deleted real steps that way).
+STEP_RE = re.compile(r"step_([0-9]{10})", re.ASCII)
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"
 GROUP = "zarr.json"
@@ -47,7 +49,8 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = STEP_RE.match(name.rstrip("/"))
+    """The step a folder name stands for, or None for any other name (those are ignored)."""
+    m = STEP_RE.fullmatch(name.removesuffix("/"))
     return int(m.group(1)) if m else None
 
 
