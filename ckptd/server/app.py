@@ -29,7 +29,7 @@ from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
 from ckptd.server.roots import RootError, Roots
-from ckptd.server.settings import Settings, default_staging_dir
+from ckptd.server.settings import Settings, default_staging_dir, group_id
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from storage_backends import StorageError
 
@@ -180,7 +180,7 @@ def create_app(settings: Settings) -> FastAPI:
         folder, why = default_staging_dir(settings.budget)
     folder.mkdir(parents=True, exist_ok=True)
     budget = settings.budget if settings.budget is not None else shutil.disk_usage(folder).free // 2
-    staging = Staging(folder, budget, settings.lease_ttl_s, settings.budget_stall_s)
+    staging = Staging(folder, budget, settings.lease_ttl_s, settings.budget_stall_s, group_id(settings.staging_group))
     metrics = Metrics()
     runner = Runner(settings, roots, staging, metrics)
     runner.recover()

@@ -24,7 +24,7 @@ from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, numpy_dtype
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import RootError, Roots
-from ckptd.server.staging import Lease, is_plain_file_name
+from ckptd.server.staging import Lease, is_plain_file_name, read_staged
 from storage_backends.base import InvalidKeyError, check_key
 from trainer_hooks.flatten import torch_dtype
 from trainer_hooks.snapshot import SaveJob, ShardWrite, format_image
@@ -175,7 +175,7 @@ def _map(path: Path, nbytes: int) -> torch.Tensor:
     swapped for a symlink after validation is refused, never followed."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
@@ -206,7 +206,7 @@ def load(job: Job, folder: Path) -> SaveJob:
         buf = mapped.view(torch_dtype(layout.dtype)).view(layout.shard_extent(coord))
         out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
-        out.metadata.append((m["key"], (folder / m["file"]).read_bytes()))
+        out.metadata.append((m["key"], read_staged(folder / m["file"], m["nbytes"])))
     return out
 
 
