@@ -365,3 +365,83 @@ class StoreConformance:
     def test_uri_and_repr(self, store: Store) -> None:
         assert isinstance(store.uri, str) and store.uri
         assert repr(store) == f"{type(store).__name__}({store.uri!r})"
+
+
+class FilesystemConformance:
+    """Extra cases for stores over a filesystem (``store.root`` is the folder): nothing below the
+    root is followed through a symbolic link, and only regular files are objects. Mix it into a
+    filesystem backend's test class next to ``StoreConformance``; the fixtures ``store`` and
+    ``tmp_path`` must be available. The data outside the root is checked with raw access."""
+
+    @pytest.fixture
+    def outside(self, tmp_path):
+        out = tmp_path / "outside-the-root"
+        (out / "sub").mkdir(parents=True)
+        (out / "obj").write_bytes(b"outside")
+        (out / "sub" / "deep").write_bytes(b"outside deep")
+        return out
+
+    @staticmethod
+    def _outside_intact(outside) -> None:
+        assert sorted(p.relative_to(outside).as_posix() for p in outside.rglob("*")) == ["obj", "sub", "sub/deep"]
+        assert (outside / "obj").read_bytes() == b"outside"
+        assert (outside / "sub" / "deep").read_bytes() == b"outside deep"
+
+    def test_linked_folder_is_not_followed(self, store: Store, outside) -> None:
+        import os
+
+        store.put("real/x", b"1")
+        os.symlink(outside, os.path.join(store.root, "link"))  # type: ignore[attr-defined]
+        assert [i.key for i in store.list("")] == ["real/x"]
+        assert store.list_dir("") == ([], ["real"])
+        assert store.list_dir("link/") == ([], [])
+        for key in ("link/obj", "link/sub/deep"):
+            with pytest.raises(NotFoundError):
+                store.get(key)
+            with pytest.raises(NotFoundError):
+                store.get_range(key, 0, 1)
+            assert not store.exists(key)
+        for write in (
+            lambda: store.put("link/obj", b"overwritten"),
+            lambda: store.put("link/new", b"new"),
+            lambda: store.put_deferred("link/sub/new", b"new"),
+            lambda: store.put_if_absent("link/new2", b"new"),
+            lambda: store.copy("real/x", "link/new3"),
+        ):
+            with pytest.raises(StorageError):
+                write()
+        store.delete("link/obj")
+        store.delete("link/sub/deep")
+        assert store.delete_prefix("link/") == 0
+        assert store.delete_prefix("") == 1  # real/x only
+        self._outside_intact(outside)
+
+    def test_linked_file_is_not_an_object(self, store: Store, outside) -> None:
+        import os
+
+        store.put("d/real", b"1")
+        os.symlink(outside / "obj", os.path.join(store.root, "d", "alias"))  # type: ignore[attr-defined]
+        assert [i.key for i in store.list("d/")] == ["d/real"]
+        assert store.list_dir("d/") == (["real"], [])
+        with pytest.raises(NotFoundError):
+            store.get("d/alias")
+        with pytest.raises(NotFoundError):
+            store.copy("d/alias", "d/copy")
+        assert store.put_if_absent("d/alias", b"x") is False  # the name is taken; the target untouched
+        store.put("d/alias", b"replaced")  # replaces the link itself, atomically
+        assert store.get("d/alias") == b"replaced"
+        self._outside_intact(outside)
+
+    def test_special_files_are_not_objects(self, store: Store) -> None:
+        import os
+
+        store.put("s/real", b"1")
+        os.mkfifo(os.path.join(store.root, "s", "fifo"))  # type: ignore[attr-defined]
+        os.symlink("/dev/zero", os.path.join(store.root, "s", "zero"))  # type: ignore[attr-defined]
+        for key in ("s/fifo", "s/zero"):
+            with pytest.raises(NotFoundError):  # at once: neither blocks nor reads forever
+                store.get(key)
+            with pytest.raises(NotFoundError):
+                store.get_range_into(key, 0, [bytearray(8)])
+            assert not store.exists(key)
+        assert [i.key for i in store.list("s/")] == ["s/real"]
