@@ -8,7 +8,7 @@ inside the array is present with the right size and passes its crc32c. Shards ar
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,12 +36,19 @@ class VerifyReport:
         return not self.errors
 
 
+def _max_object_bytes(layout: ArrayLayout) -> int:
+    """The largest a shard (or plain chunk) object of this layout can be: read no more."""
+    if not layout.sharded:
+        return layout.chunk_nbytes + CRC_BYTES
+    return math.prod(layout.chunks_per_shard) * (layout.chunk_nbytes + CRC_BYTES) + layout.index_nbytes
+
+
 def _check_shard(store: Store, prefix: str, entry: mf.TensorEntry, coord: tuple[int, ...], where: str) -> int:
     layout: ArrayLayout = entry.layout
     key = f"{prefix}/{entry.path}/{layout.shard_key(coord)}"
     name = f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}"
     try:
-        data = store.get(key)
+        data = store.get(key, limit=_max_object_bytes(layout))
     except NotFoundError:
         raise CorruptChunkError(f"{name}: shard object is missing") from None
     except StorageError as e:
@@ -99,7 +106,9 @@ def verify(
     for entry in m.tensors.values():
         report.arrays += 1
         try:
-            meta = json.loads(store.get(f"{prefix}/{entry.path}/zarr.json"))
+            meta = mf.read_json(store, f"{prefix}/{entry.path}/zarr.json", where, "zarr.json")
+            if not isinstance(meta, dict):
+                raise CheckpointError("not a JSON object")
             if ArrayLayout.from_metadata(meta) != entry.layout:
                 report.errors.append(f"{where}: array {entry.path!r}: zarr.json disagrees with the manifest")
             elif entry.value is not None and meta.get("fill_value") != entry.value:

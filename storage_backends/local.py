@@ -39,6 +39,7 @@ from storage_backends.base import (
     as_writable_buffers,
     check_dir_prefix,
     check_key,
+    check_limit,
     check_prefix,
     resolve_range,
 )
@@ -319,8 +320,9 @@ class LocalStore(Store):
 
     # -- reads ------------------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int | None = None) -> bytes:
         with self._open(key, "get") as (fd, size):
+            check_limit(self.uri, key, size, limit)
             try:
                 data = os.pread(fd, size, 0) if size else b""
                 if 0 < len(data) < size:

@@ -18,7 +18,6 @@ Steps, on every rank (collective):
 
 from __future__ import annotations
 
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,7 +28,7 @@ from ckptd import catalog, jsonenc, plans
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
 from ckptd.reader import CheckpointReader, ReadRequest
-from storage_backends import NotFoundError, StorageError, Store, open_store
+from storage_backends import StorageError, Store, open_store
 from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import apply, as_numpy, flatten, zarr_dtype
@@ -111,6 +110,14 @@ def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
         missing_names = sorted(set(flat.tree) - set(m.state))
         if missing_names:
             raise StateMismatchError(f"{where}: key {missing_names[0]!r} is in the state but not in the checkpoint")
+    if strict:
+        # A ``$tensor`` reference the manifest's tensor table lacks would be silently skipped.
+        for name in flat.tree:
+            dangling = [r for r in jsonenc.tensor_refs(m.state.get(name)) if r not in m.tensors]
+            if dangling:
+                raise CheckpointError(
+                    f"{where}: key {name!r} refers to tensor {dangling[0]!r}, which the checkpoint does not hold"
+                )
     for name, node in flat.tree.items():
         saved_node = m.state.get(name)
         if saved_node is not None and saved_node["kind"] not in _COMPATIBLE[node["kind"]]:
@@ -195,6 +202,8 @@ def restore_state(
         err = e
     except StorageError as e:
         err = CheckpointError(f"{where}: {e}")
+    except _MALFORMED as e:  # a tampered manifest the checks above did not foresee
+        err = CheckpointError(f"{where}: malformed checkpoint ({type(e).__name__}: {e})")
     finally:
         if src is not store:
             src.close()
@@ -204,12 +213,18 @@ def restore_state(
         if in_place and cls in ("CheckpointError", "CorruptChunkError"):
             msg += " (restore with in_place=True: tensors of the state may be partly overwritten)"
         raise _ERRORS.get(cls, CheckpointError)(msg) from err
-    apply(state, m.state, loaded, strict)
+    try:
+        apply(state, m.state, loaded, strict)
+    except _MALFORMED as e:
+        raise CheckpointError(f"{where}: malformed checkpoint state ({type(e).__name__}: {e})") from None
     if restore_rng:
         _restore_rng(store, saved, coord)
     log.info("restored %s at world size %d (saved at %d)", where, coord.world_size, saved.world_size)
     return step
 
+
+# What a hostile manifest can make Python raise past the explicit checks; mapped to CheckpointError.
+_MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
 
 _ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError)}
 
@@ -217,13 +232,13 @@ _ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, Cor
 def _restore_rng(store: Store, m: mf.Manifest, coord: Coordinator) -> None:
     src = coord.rank if coord.rank < m.world_size else 0
     try:
-        rec = json.loads(store.get(mf.done_key(m.step, m.attempt, src)))
-    except (NotFoundError, StorageError, ValueError) as e:
+        rec = mf.read_json(store, mf.done_key(m.step, m.attempt, src), catalog.where(store, m.step), "done record")
+        if not isinstance(rec, dict) or "rng" not in rec:
+            return
+        saved = jsonenc.decode(rec["rng"])
+    except (StorageError, CheckpointError, *_MALFORMED) as e:
         log.warning("no RNG state restored: %s", e)
         return
-    if "rng" not in rec:
-        return
-    saved = jsonenc.decode(rec["rng"])
     if coord.world_size == m.world_size or coord.rank < m.world_size:
         rng.restore(saved)
     else:
