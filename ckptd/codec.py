@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c as _crc32c
-import ml_dtypes
 import numpy as np
 
+from ckptd.dtypes import NUMPY, numpy_dtype
 from ckptd.errors import CheckpointError, CorruptChunkError
 
 EMPTY = 2**64 - 1
@@ -43,33 +43,6 @@ MAX_NDIM = 32
 MAX_ARRAY_BYTES = 1 << 39  # 512 GiB in one tensor
 MAX_SMALL_GRID = 1 << 16  # any layout may have this many chunks ...
 MIN_AVG_CHUNK_BYTES = 1024  # ... more only if they average at least this size
-
-# zarr v3 data_type name -> numpy dtype. bfloat16 is the zarr v3 extension name that tensorstore
-# reads; numpy knows it through ml_dtypes.
-_DTYPES: dict[str, np.dtype] = {
-    "bool": np.dtype(np.bool_),
-    "int8": np.dtype(np.int8),
-    "int16": np.dtype(np.int16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16),
-    "uint32": np.dtype(np.uint32),
-    "uint64": np.dtype(np.uint64),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "complex64": np.dtype(np.complex64),
-    "complex128": np.dtype(np.complex128),
-}
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise CheckpointError(f"unsupported zarr data type {name!r}") from None
 
 
 def crc32c(data) -> int:
@@ -140,7 +113,7 @@ class ArrayLayout:
     def check_bounds(self) -> None:
         """ValueError if the layout declares more than any real tensor needs (see the bounds
         above): computed from the declared numbers only, allocating nothing."""
-        itemsize = _DTYPES[self.dtype].itemsize if self.dtype in _DTYPES else 1
+        itemsize = NUMPY[self.dtype].itemsize if self.dtype in NUMPY else 1
         nbytes = math.prod(self.shape) * itemsize
         if nbytes > MAX_ARRAY_BYTES:
             raise ValueError(f"shape {list(self.shape)} is {nbytes} bytes, more than {MAX_ARRAY_BYTES}")
