@@ -211,3 +211,29 @@ def test_staged_files_are_read_without_following_links(tmp_path):
         read_staged(tmp_path / "fifo")  # must not hang
     with pytest.raises(StagingFileError):
         read_staged(tmp_path / "ok", 4)
+
+
+def test_client_never_writes_through_a_link_in_its_lease(tmp_path):
+    """The trainer side: a link planted where the client writes a staged file (here the
+    metadata file it rewrites at every save) is replaced, never written through."""
+    from tests.security.conftest import small_state
+    from trainer_hooks import Checkpointer
+
+    root = str(tmp_path / "jobs")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    with Daemon([root], tmp_path / "stg", tmp_path / "d.log") as d:
+        ckpt = Checkpointer(root, daemon=d.url)
+        try:
+            ckpt.save(1, small_state(1)).result()
+            staged = sorted((tmp_path / "stg" / "leases").glob("*/meta_*.bin"))
+            assert staged, "the client staged no metadata file"
+            for f in (tmp_path / "stg" / "leases").glob("*/*.bin"):
+                assert stat.S_IMODE(f.stat().st_mode) & 0o007 == 0, f  # nothing for other users
+            for f in staged:
+                f.unlink()
+                os.symlink(victim, f)
+            ckpt.save(2, small_state(2)).result()
+        finally:
+            ckpt.close()
+    assert victim.read_text() == "keep me"
