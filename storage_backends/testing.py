@@ -279,6 +279,19 @@ class StoreConformance:
         assert store.list_dir("ckpt/step-1/") == (["commit"], ["data"])
         assert store.list_dir("missing/") == ([], [])
 
+    def test_get_limit(self, store: Store) -> None:
+        """``get(key, limit=)`` refuses a larger object (before reading it) and returns one at
+        the limit: metadata readers rely on it against huge or endless objects."""
+        data = _payload(1000)
+        store.put("lim/obj", data)
+        assert store.get("lim/obj", limit=1000) == data
+        with pytest.raises(StorageError):
+            store.get("lim/obj", limit=999)
+        with pytest.raises(NotFoundError):
+            store.get("lim/missing", limit=10)
+        store.put("lim/empty", b"")
+        assert store.get("lim/empty", limit=0) == b""
+
     def test_head_exists(self, store: Store) -> None:
         store.put("h/k", b"12345")
         info = store.head("h/k")
