@@ -18,7 +18,7 @@ rank (a "writer part" below is one rank's share of the step)::
                                              # result is reported (never delays the save)
 
 ``begin`` runs once per step (on rank 0 before any rank writes); ``persist`` once per rank.
-A ``part`` is duck-typed (``trainer_hooks.snapshot.SaveJob`` is one): ``step``, ``attempt``,
+A ``part`` is duck-typed (``ckptd.savejob.SaveJob`` is one): ``step``, ``attempt``,
 ``rank``, ``world_size``, ``metadata`` (``[(key in the folder, bytes)]``), ``shards`` (objects
 with ``layout``, ``coord``, ``object_key``, ``buffer``, ``image``, ``chunks``), ``done`` (extra
 fields of the done record) and ``ready`` (an event with ``synchronize()`` or None). Turning a
@@ -192,7 +192,7 @@ def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: di
     objects = 0
     for d in dones:
         rec = mf.read_json(store, d.key, catalog.where(store, step), "done record")
-        if not isinstance(rec, dict) or not mf._is_int(rec.get("bytes", 0)) or not mf._is_int(rec.get("objects", 0)):
+        if not isinstance(rec, dict) or not mf.is_count(rec.get("bytes", 0)) or not mf.is_count(rec.get("objects", 0)):
             raise CheckpointError(f"{catalog.where(store, step)}: malformed done record {d.key}")
         total += rec.get("bytes", 0)
         objects += rec.get("objects", 0)

@@ -31,6 +31,34 @@ from ckptd import FORMAT_VERSION
 from ckptd.codec import ArrayLayout
 from ckptd.errors import CheckpointError
 
+__all__ = [
+    "ARRAYS",
+    "COMMIT",
+    "DONE",
+    "GROUP",
+    "MANIFEST",
+    "MAX_MANIFEST_BYTES",
+    "MAX_RECORD_BYTES",
+    "Manifest",
+    "PLANS",
+    "STEP_RE",
+    "TensorEntry",
+    "array_path",
+    "done_key",
+    "done_prefix",
+    "dumps",
+    "escape_component",
+    "group_metadata",
+    "group_nodes",
+    "is_count",
+    "key_of",
+    "loads",
+    "parse_step_dir",
+    "read_json",
+    "step_dir",
+    "unescape_component",
+]
+
 # Exactly ten ASCII digits: ``\d`` would also take Unicode digits, and a longer name would sort
 # and parse as another step than the folder it names (retention deleted real steps that way).
 STEP_RE = re.compile(r"step_([0-9]{10})", re.ASCII)
@@ -106,10 +134,7 @@ class TensorEntry:
         return {
             "key": self.key,
             "path": self.path,
-            "shape": list(self.layout.shape),
-            "dtype": self.layout.dtype,
-            "shard_shape": list(self.layout.shard_shape),
-            "chunk_shape": list(self.layout.chunk_shape),
+            **self.layout.to_json(),
             "nbytes": self.layout.nbytes,
             "placements": self.placements,
             **({} if self.value is None else {"value": self.value}),
@@ -117,8 +142,7 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, d: dict) -> TensorEntry:
-        layout = ArrayLayout(tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["chunk_shape"]))
-        return cls(d["key"], layout, d.get("placements", ""), d.get("value"))
+        return cls(d["key"], ArrayLayout.from_json(d), d.get("placements", ""), d.get("value"))
 
 
 @dataclass
@@ -188,11 +212,11 @@ class Manifest:
 
 def _bad_fields(d: dict) -> str | None:
     """What is wrong with the types of a manifest's fields, or None."""
-    if not _is_int(d.get("format_version"), 0):
+    if not is_count(d.get("format_version"), 0):
         return "format_version must be a non-negative integer"
-    if not _is_int(d.get("step"), 0, 10**10 - 1):
+    if not is_count(d.get("step"), 0, 10**10 - 1):
         return "step must be an integer of at most 10 digits"
-    if not _is_int(d.get("world_size"), 1, 1 << 24):
+    if not is_count(d.get("world_size"), 1, 1 << 24):
         return "world_size must be a positive integer"
     if not isinstance(d.get("attempt", ""), str) or not isinstance(d.get("layout", {}), dict):
         return "attempt must be a string and layout an object"
@@ -239,7 +263,7 @@ def read_json(store, key: str, where: str, what: str = "record", limit: int = MA
     return loads(data, where, what)
 
 
-def _is_int(x: Any, least: int = 0, most: int | None = None) -> bool:
+def is_count(x: Any, least: int = 0, most: int | None = None) -> bool:
     return type(x) is int and x >= least and (most is None or x <= most)
 
 

@@ -22,6 +22,8 @@ from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import chunk_box
 from storage_backends import NotFoundError, StorageError, Store
 
+__all__ = ["VerifyReport", "verify"]
+
 
 @dataclass
 class VerifyReport:

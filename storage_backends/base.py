@@ -16,6 +16,23 @@ import abc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+__all__ = [
+    "Data",
+    "InvalidKeyError",
+    "NotFoundError",
+    "ObjectInfo",
+    "StorageError",
+    "Store",
+    "as_buffers",
+    "as_writable_buffers",
+    "check_dir_prefix",
+    "check_key",
+    "check_limit",
+    "check_prefix",
+    "data_size",
+    "resolve_range",
+]
+
 # What ``put`` accepts: one bytes-like object, or a sequence of them that is written as their
 # concatenation (scatter-gather), so a shard made of many chunk views and their checksums never
 # has to be joined into one buffer in memory first.

@@ -44,6 +44,8 @@ from storage_backends.base import (
     resolve_range,
 )
 
+__all__ = ["LinkRefused", "LocalStore"]
+
 try:
     _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 except (AttributeError, ValueError, OSError):

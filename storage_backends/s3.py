@@ -69,6 +69,8 @@ from storage_backends.base import (
     resolve_range,
 )
 
+__all__ = ["DEFAULT_PART_SIZE", "DEFAULT_WORKERS", "MAX_PARTS", "MIN_PART_SIZE", "S3Store"]
+
 MiB = 1 << 20
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_WORKERS = 16

@@ -54,6 +54,14 @@ class Checkpointer:
     ``incremental``: shards whose content (sha256) has not changed since this process's previous
     committed save are hard-linked (filesystem) or server-side copied (S3) instead of written
     again; each checkpoint stays complete and independently readable, and ``gc`` stays correct.
+    ``process_group``: the group the small collectives of ``save``/``restore`` run on (they
+    exchange CPU objects, so a gloo group); it must span every rank of the job, since ranks and
+    the world size are the default group's. None: the default group when it is gloo, else a new
+    gloo group made here (which makes the constructor collective). ``commit_timeout``: seconds a
+    save waits, after this rank's data and done record are durable, for the other ranks and the
+    commit record; past it the save's future fails with ``CheckpointError`` (the checkpoint stays
+    partial, and a later commit by the others still completes it). With a daemon, the daemon
+    waits that long and the client gives up after it too.
     """
 
     def __init__(

@@ -24,6 +24,8 @@ from typing import Any
 
 from trainer_hooks.checkpointer import Checkpointer
 
+__all__ = ["CheckpointHook", "STOP_SIGNALS"]
+
 log = logging.getLogger("ckptd.hook")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -35,6 +35,8 @@ from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import apply, flatten
 from trainer_hooks.sharding import is_dtensor, local_tensor, sharding_of
 
+__all__ = ["restore_state", "validate"]
+
 log = logging.getLogger("ckptd.restore")
 
 

@@ -8,6 +8,8 @@ from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.cli.common import Progress, add_json, add_uri, job_root, note, positive_int, print_json
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "keep the newest K committed checkpoints; delete older ones and stale partial ones"
 
 

@@ -7,6 +7,8 @@ import argparse
 from ckptd import catalog
 from ckptd.cli.common import add_json, add_uri, human_bytes, iso_time, job_root, note, print_json, print_table
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "list the checkpoints of a job root (step, committed/partial, world size, bytes, time)"
 
 

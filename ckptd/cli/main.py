@@ -25,6 +25,8 @@ from ckptd.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageErr
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError
 
+__all__ = ["COMMANDS", "build_parser", "main"]
+
 UNEXPECTED = (RecursionError, TypeError, AttributeError, OverflowError, KeyError, IndexError, ZeroDivisionError)
 
 # subcommand -> module under ckptd.cli (a module cannot be named ``import``: use ``import_``).

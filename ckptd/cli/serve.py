@@ -21,6 +21,8 @@ import stat
 from ckptd.cli.common import UsageError, positive_int
 from ckptd.errors import CheckpointError
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "run the daemon that uploads and commits snapshots handed off by trainers"
 
 

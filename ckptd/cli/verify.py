@@ -19,6 +19,8 @@ from ckptd.cli.common import (
     print_json,
 )
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "re-read every chunk of a checkpoint and check it; exit 1 naming the first bad one"
 
 

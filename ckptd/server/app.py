@@ -41,6 +41,25 @@ from ckptd.server.settings import Settings, default_staging_dir, group_id
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from storage_backends import StorageError
 
+__all__ = [
+    "Daemon",
+    "ERRORS",
+    "FEATURES",
+    "GrowRequest",
+    "Guard",
+    "HANDLERS",
+    "JobRequest",
+    "LayoutModel",
+    "LeaseRequest",
+    "MetadataModel",
+    "RETRY_AFTER_S",
+    "ROUTERS",
+    "RootRequest",
+    "ShardModel",
+    "create_app",
+    "read_token",
+]
+
 log = logging.getLogger("ckptd.server")
 
 RETRY_AFTER_S = 1

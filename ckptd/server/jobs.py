@@ -35,27 +35,9 @@ from ckptd.server.settings import Settings
 from ckptd.server.staging import Lease, LeaseBusy, Staging
 from storage_backends import StorageError, Store, open_store
 
+__all__ = ["Runner"]
+
 log = logging.getLogger("ckptd.jobs")
-
-
-class _Delayed:
-    """Test-only fault injection (``CKPTD_FAULT_UPLOAD_DELAY_S``): every shard put sleeps first."""
-
-    def __init__(self, store: Store, delay: float):
-        self._store, self._delay = store, delay
-
-    def put(self, key, data):
-        if f"/{mf.ARRAYS}/" in key:
-            time.sleep(self._delay)
-        return self._store.put(key, data)
-
-    def put_deferred(self, key, data):
-        if f"/{mf.ARRAYS}/" in key:
-            time.sleep(self._delay)
-        return self._store.put_deferred(key, data)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
 
 
 # -------------------------------------------------------------------------------- runner
@@ -257,8 +239,10 @@ class Runner:
         lease = self.staging.get(job.lease)
         job.state = "uploading"
         store: Any = self.store(job.root)
-        if self.settings.fault_upload_delay_s > 0:
-            store = _Delayed(store, self.settings.fault_upload_delay_s)
+        if self.settings.fault_upload_delay_s > 0:  # test-only fault injection: slow shard puts
+            from storage_backends.testing import DelayedStore
+
+            store = DelayedStore(store, self.settings.fault_upload_delay_s, only=f"/{mf.ARRAYS}/")
         commit = catalog.read_commit(store, job.step)
         result, err = None, None
         if commit is not None and commit.get("attempt") == job.attempt:

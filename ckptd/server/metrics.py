@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+__all__ = ["Metrics"]
+
 _HELP = {
     "ckptd_jobs_accepted_total": ("counter", "snapshots handed off to this daemon"),
     "ckptd_jobs_committed_total": ("counter", "handed-off snapshots whose checkpoint committed"),

@@ -50,6 +50,24 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+__all__ = [
+    "BudgetFull",
+    "FILE_NAME",
+    "JOB_FILE",
+    "LEASE_FILE",
+    "Lease",
+    "LeaseBusy",
+    "LeaseGone",
+    "Staging",
+    "StagingError",
+    "StagingFileError",
+    "folder_bytes",
+    "is_plain_file_name",
+    "open_private_dir",
+    "read_staged",
+    "write_json_atomic",
+]
+
 log = logging.getLogger("ckptd.staging")
 
 LEASE_FILE = "lease.json"
