@@ -74,9 +74,11 @@ def begin(store: Store, step: int) -> None:
     try:
         if store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
             raise CheckpointError(f"{where}: step {step} is already committed; refusing to overwrite")
-        if any(True for _ in store.list(f"{mf.step_dir(step)}/")):
-            log.warning("removing stale partial checkpoint %s", where)
-            store.delete_prefix(f"{mf.step_dir(step)}/")
+        # purge, not a listing: a killed save may have left only temp files, which no listing
+        # shows and which would otherwise stay inside the new commit
+        files, _ = store.purge(f"{mf.step_dir(step)}/")
+        if files:
+            log.warning("removed stale partial checkpoint %s", where)
     except StorageError as e:
         raise CheckpointError(f"{where}: {e}") from e
 

@@ -213,6 +213,23 @@ class Store(abc.ABC):
             n += 1
         return n
 
+    def purge(self, prefix: str) -> tuple[int, int]:
+        """Like ``delete_prefix``, and also remove what a backend keeps beside its objects under
+        ``prefix`` (a filesystem's temp files of interrupted writes and empty folders). Returns
+        (files, bytes) really removed, counted as they go, for ``ckptd gc`` to report."""
+        n = nbytes = 0
+        for info in list(self.list(prefix)):
+            self.delete(info.key)
+            n += 1
+            nbytes += info.size
+        return n, nbytes
+
+    def abort_stale_uploads(self, older_than: float) -> list[str]:
+        """Abort the incomplete uploads (S3 multipart uploads) under the root that started more
+        than ``older_than`` seconds ago; returns their keys. Their parts are stored and billed
+        but no listing shows them. Backends without such uploads have none."""
+        return []
+
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (a plain string prefix, recursive),

@@ -620,7 +620,19 @@ class LocalStore(Store):
         self._prune(folders)
 
     def delete_prefix(self, prefix: str) -> int:
-        n = 0
+        """Every object under ``prefix``, and the temp files of interrupted writes and the
+        folders it leaves empty (see ``purge``); returns the files removed."""
+        return self.purge(prefix)[0]
+
+    def purge(self, prefix: str) -> tuple[int, int]:
+        """Objects first (the listing readers use), then what a killed writer left that no
+        listing shows: ``.*.tmp.*`` files and empty folders. Returns (files, bytes) removed.
+        Every name is removed from its parent's descriptor and no link is followed (a link is
+        neither an object nor a folder of this store); only temp files (by name) and empty
+        folders are removed beyond the listed objects, so anything else left there keeps its
+        folder."""
+        check_prefix(prefix)
+        n = nbytes = 0
         dirs: set[tuple[str, ...]] = set()
         for info in list(self.list(prefix)):
             *folders, _ = info.key.split("/")
@@ -634,7 +646,18 @@ class LocalStore(Store):
                     continue
                 raise self._fail("delete", f"{info.key!r}", e) from None
             n += 1
+            nbytes += info.size
             dirs.add(tuple(folders))
+        folder, _, name_prefix = prefix.rpartition("/")
+        top = tuple(folder.split("/")) if folder else ()
+        try:
+            m, mbytes, emptied = self._purge_leftovers(top, name_prefix)
+        except OSError as e:
+            raise self._fail("delete", f"{prefix!r}", e) from None
+        n, nbytes = n + m, nbytes + mbytes
+        dirs |= emptied
+        if folder and not name_prefix:
+            dirs.add(top)  # the prefix names a folder: remove it too once empty
         # One fsync per folder instead of one per file; deepest folders first so pruning works.
         for d in sorted(dirs, key=len, reverse=True):
             with contextlib.suppress(OSError):
@@ -644,4 +667,74 @@ class LocalStore(Store):
                 finally:
                     os.close(fd)
             self._prune(d)
-        return n
+        return n, nbytes
+
+    def _purge_leftovers(self, top: tuple[str, ...], name_prefix: str) -> tuple[int, int, set[tuple[str, ...]]]:
+        """Remove temp files named for keys under ``top``/``name_prefix`` and the empty folders
+        there, walking by descriptors; returns (files, bytes, folders touched)."""
+        counts = [0, 0]
+        touched: set[tuple[str, ...]] = set()
+
+        def unlink_temp(dfd: int, name: str, where: tuple[str, ...]) -> None:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    return
+                os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                return
+            counts[0] += 1
+            counts[1] += st.st_size if stat.S_ISREG(st.st_mode) else 0
+            touched.add(where)
+
+        def tree(dfd: int, where: tuple[str, ...]) -> None:
+            """Temp files and empty sub-folders of the folder ``dfd`` (links never entered)."""
+            with os.scandir(dfd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            for name, is_dir in entries:
+                if not is_dir:
+                    if _is_temp(name):
+                        unlink_temp(dfd, name, where)
+                    continue
+                try:
+                    child = os.open(name, _DIR_OPEN, dir_fd=dfd)
+                except OSError:
+                    continue  # gone, or replaced by a link: not ours to enter
+                try:
+                    tree(child, (*where, name))
+                finally:
+                    os.close(child)
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=dfd)  # fails unless empty: then something else lives there
+                    touched.add(where)
+
+        try:
+            fd = self._dir_fd(top)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError | NotADirectoryError) or e.errno == errno.ELOOP:
+                return 0, 0, touched
+            raise
+        try:
+            with os.scandir(fd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            for name, is_dir in entries:
+                if _is_temp(name):
+                    if name[1:].startswith(name_prefix):  # ".{name}.tmp..." of a key under the prefix
+                        unlink_temp(fd, name, top)
+                    continue
+                if not name.startswith(name_prefix) or not is_dir:
+                    continue
+                try:
+                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
+                except OSError:
+                    continue
+                try:
+                    tree(child, (*top, name))
+                finally:
+                    os.close(child)
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=fd)
+                    touched.add(top)
+        finally:
+            os.close(fd)
+        return counts[0], counts[1], touched

@@ -35,10 +35,13 @@ COMMANDS: dict[str, str] = {
     "show": "show",
     "verify": "verify",
     "gc": "gc",
+    "quarantine": "quarantine",
+    "unquarantine": "unquarantine",
     "serve": "serve",
     "reshard": "reshard",
     "export": "export",
     "import": "import_",
+    "diff": "diff",
 }
 
 

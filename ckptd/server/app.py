@@ -36,6 +36,8 @@ from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
+from ckptd.server.page import PUBLIC_PATHS
+from ckptd.server.page import router as page
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings, default_staging_dir, group_id
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
@@ -130,7 +132,8 @@ class JobRequest(BaseModel):
 
 
 class Guard:
-    """Bearer-token check (every path but ``/healthz``, constant-time compare) and a body
+    """Bearer-token check (every path but ``/healthz`` and the status page's data-free shell,
+    ``page.PUBLIC_PATHS``; constant-time compare) and a body
     size limit (``Content-Length`` checked up front; chunked bodies counted as they arrive)."""
 
     def __init__(self, app, token: str | None, max_body: int):
@@ -142,7 +145,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.token is not None and scope["path"] != "/healthz":
+        if self.token is not None and scope["path"] != "/healthz" and scope["path"] not in PUBLIC_PATHS:
             auth = headers.get(b"authorization", b"")
             scheme, _, given = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
@@ -392,7 +395,7 @@ async def get_job(
 
 
 # Every group of routes the daemon serves, in this order.
-ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs)
+ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page)
 
 
 # ---------------------------------------------------------------------------------- app

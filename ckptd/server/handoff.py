@@ -66,6 +66,11 @@ class Job:
     retries: int = 0
     upload_seconds: float = 0.0
     lease_kept: bool | None = None  # after the upload: handed back to the client (True) or freed
+    # For the status page: seconds from the lease's acquire to this hand-off (what the trainer's
+    # ``save`` spent staging, as the daemon sees it); bytes put so far; when the upload began.
+    staged_s: float | None = None
+    bytes_uploaded: int = 0
+    upload_started_at: float | None = None
 
     def journal(self) -> dict:
         return asdict(self)
@@ -74,6 +79,7 @@ class Job:
         d = {k: v for k, v in asdict(self).items() if k not in ("shards", "metadata", "done")}
         d["shard_count"] = len(self.shards)
         d["bytes_staged"] = sum(s["nbytes"] for s in self.shards)
+        d["bytes_total"] = d["bytes_staged"] + sum(m["nbytes"] for m in self.metadata)
         if self.committed_at is not None:
             d["handoff_to_commit_s"] = self.committed_at - self.accepted_at
         return d

@@ -105,6 +105,7 @@ class Lease:
     touched: float = field(default_factory=time.monotonic)
     release_after_job: bool = False
     job: str | None = None
+    started_at: float = field(default_factory=time.time)  # the save in it began (create or acquire)
 
     def info(self, ttl: float) -> dict:
         return {
@@ -371,6 +372,7 @@ class Staging:
                 raise LeaseBusy(f"lease {lease_id} is still being uploaded (job {lease.job})")
             lease.active = True
             lease.touched = time.monotonic()
+            lease.started_at = time.time()
             return lease
 
     def grow(self, lease_id: str, need: int, want: int) -> Lease:
