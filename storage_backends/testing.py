@@ -417,11 +417,19 @@ class FilesystemConformance:
         (out / "sub").mkdir(parents=True)
         (out / "obj").write_bytes(b"outside")
         (out / "sub" / "deep").write_bytes(b"outside deep")
+        (out / "sub" / ".deep.tmp.1.2.ab").write_bytes(b"looks like a temp file")  # purge must not touch
+        (out / "empty").mkdir()
         return out
 
     @staticmethod
     def _outside_intact(outside) -> None:
-        assert sorted(p.relative_to(outside).as_posix() for p in outside.rglob("*")) == ["obj", "sub", "sub/deep"]
+        assert sorted(p.relative_to(outside).as_posix() for p in outside.rglob("*")) == [
+            "empty",
+            "obj",
+            "sub",
+            "sub/.deep.tmp.1.2.ab",
+            "sub/deep",
+        ]
         assert (outside / "obj").read_bytes() == b"outside"
         assert (outside / "sub" / "deep").read_bytes() == b"outside deep"
 
@@ -451,6 +459,10 @@ class FilesystemConformance:
         store.delete("link/obj")
         store.delete("link/sub/deep")
         assert store.delete_prefix("link/") == 0
+        os.symlink(outside, os.path.join(store.root, "real", "inner-link"))  # type: ignore[attr-defined]
+        if hasattr(store, "purge"):  # a purge of leftovers never enters a link either
+            assert store.purge("link/") == (0, 0)
+            assert store.purge("real/inner") == (0, 0)
         assert store.delete_prefix("") == 1  # real/x only
         self._outside_intact(outside)
 
