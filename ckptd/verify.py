@@ -1,6 +1,8 @@
 """Re-read every chunk of a committed checkpoint and check it.
 
-Checks, per array: ``zarr.json`` exists and matches the manifest; every shard object of the grid
+Checks that the commit record, the manifest, the step's newest claim and the done records all
+name one attempt (``ckptd.commit.check_consistency``: a step mixed by two writers fails). Then,
+per array: ``zarr.json`` exists and matches the manifest; every shard object of the grid
 exists; each shard index passes its crc32c and points inside the object; every chunk that lies
 inside the array is present with the right size and passes its crc32c. Shards are read whole
 (one GET each) and in parallel. Stops at the first bad array unless ``keep_going``.
@@ -8,7 +10,6 @@ inside the array is present with the right size and passes its crc32c. Shards ar
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ckptd import catalog
+from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, decode_chunk, decode_index
 from ckptd.errors import CheckpointError, CorruptChunkError
@@ -106,6 +107,10 @@ def verify(
     prefix = mf.step_dir(m.step)
     where = catalog.where(store, m.step)
     report = VerifyReport(m.step)
+    try:
+        report.errors += commit.check_consistency(store, m.step, m)
+    except (StorageError, CheckpointError) as e:
+        report.errors.append(f"{where}: cannot check the commit records ({e})")
     tasks = []
     for entry in m.tensors.values():
         report.arrays += 1
@@ -197,7 +202,7 @@ def read_record(store: Store, step: int, commit: dict | None = None) -> dict | N
     record is unreadable or belongs to another commit). ``commit``: the commit record if the
     caller already read it."""
     try:
-        rec = json.loads(store.get(record_key(step)))
+        rec = mf.read_json(store, record_key(step), catalog.where(store, step), "verify record")
         commit = commit if commit is not None else catalog.read_commit(store, step)
     except (NotFoundError, StorageError, ValueError, CheckpointError):
         return None

@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--budget", metavar="SIZE", help="memory for staged snapshots, e.g. 8GiB (default: half the free space)"
     )
     p.add_argument("--upload-workers", type=positive_int, metavar="N", help="jobs uploaded at once (default 2)")
+    p.add_argument(
+        "--keep-last",
+        type=positive_int,
+        metavar="K",
+        help="retention after each commit the daemon writes (default: none; trainers cannot override it)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
 
 
@@ -70,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         "staging_group": args.staging_group,
         "staging_dir": args.staging_dir,
         "upload_workers": args.upload_workers,
+        "keep_last": args.keep_last,
         "log_level": args.log_level,
     }
     try:
