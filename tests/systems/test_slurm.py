@@ -61,7 +61,7 @@ def _steps(log_dir: Path) -> list[dict]:
 def _wait_all_ranks_at(log_dir: Path, step: int, world: int, cluster: SlurmCluster, job: int, timeout=300.0):
     deadline = time.monotonic() + timeout
     while True:
-        done = {r["rank"] for r in _steps(log_dir) if r["event"] == "step" and r["step"] == step and r["world"] == world}
+        done = {r["rank"] for r in _steps(log_dir) if (r["event"], r["step"], r["world"]) == ("step", step, world)}
         if len(done) == world:
             return
         info = cluster.job(job)
@@ -200,3 +200,35 @@ def _runtime_s(text: str) -> int:
     days, _, hms = text.rpartition("-")
     h, m, s = (int(x) for x in hms.split(":"))
     return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def test_plain_scancel_saves_and_the_job_stays_cancelled(cluster, tmp_path):
+    """``scancel JOBID`` signals the batch shell too: the ranks save the step they are at, and
+    the recipe must not requeue (Slurm accepts a requeue of a job being cancelled)."""
+    _OUT_DIR[:] = [tmp_path]
+    logs, hold = tmp_path / "logs", tmp_path / "hold"
+    hold.write_text("2")
+    job = cluster.sbatch(
+        ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=30", f"--chdir={REPO}"]
+        + [f"--output={tmp_path}/slurm-%j.out", str(SBATCH)],
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        CKPT_ROOT=str(tmp_path / "root"),
+        TRAIN="tests/systems/exact_train.py",
+        GLOBAL_BATCH=str(GLOBAL_BATCH),
+        RDZV_PORT=str(launch.free_port()),
+        SHUTDOWN_TIMEOUT="60",
+        EXACT_SAMPLES=str(SAMPLES),
+        EXACT_LOG_DIR=str(logs),
+        EXACT_HOLD_FILE=str(hold),
+    )
+    _wait_all_ranks_at(logs, 2, 2, cluster, job)
+    cluster.run(["scancel", str(job)])
+    info = cluster.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED", "PENDING"}, timeout=120)
+    # wait for the batch script to have finished deciding (its last line), then look again
+    deadline = time.monotonic() + 120
+    while "cancelled: not requeueing" not in _out(job) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    info = cluster.job(job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, _out(job))
+    assert "cancelled: not requeueing (latest committed step 2)" in _out(job)
