@@ -1,4 +1,4 @@
-"""The checkpoints of a job root: listing, opening, committing and retention.
+"""The checkpoints of a job root: listing, opening and retention (committing is ``ckptd.commit``).
 
 Readers go through here so that nothing ever opens a checkpoint without its commit record.
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from dataclasses import dataclass
 
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
@@ -16,8 +15,6 @@ from ckptd.manifest import (
     DONE,
     MANIFEST,
     Manifest,
-    done_prefix,
-    dumps,
     parse_step_dir,
     step_dir,
 )
@@ -134,34 +131,6 @@ def load_manifest(store: Store, step: int | None = None) -> Manifest:
     return m
 
 
-def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: dict | None = None) -> bool:
-    """Write the commit record if every rank of ``attempt`` has written its done record.
-
-    Called by each rank (or daemon) after its own done record is durable. Returns True for the
-    one caller whose ``put_if_absent`` created the record. Listing after our own done record is
-    written guarantees the last finisher sees them all (object stores list what was written).
-    """
-    dones = list(store.list(done_prefix(step, attempt)))
-    if len(dones) < world_size:
-        return False
-    total = 0
-    objects = 0
-    for d in dones:
-        rec = json.loads(store.get(d.key))
-        total += rec.get("bytes", 0)
-        objects += rec.get("objects", 0)
-    record = {
-        "step": step,
-        "attempt": attempt,
-        "world_size": world_size,
-        "bytes": total,
-        "objects": objects,
-        "time": time.time(),
-        **(extra or {}),
-    }
-    return store.put_if_absent(f"{step_dir(step)}/{COMMIT}", dumps(record))
-
-
 def delete_checkpoint(store: Store, step: int) -> int:
     """Delete one checkpoint folder. The commit record goes first, so a half-deleted checkpoint
     reads as partial, never as a committed checkpoint with holes."""
@@ -207,5 +176,4 @@ __all__ = [
     "retain",
     "select_for_deletion",
     "steps",
-    "try_commit",
 ]
