@@ -14,7 +14,7 @@ position restored bitwise, and every sample of the epoch trained on once.
 Command line (the flags of ``examples/train_elastic.py`` that the deploy recipes pass, so a
 recipe runs it with ``TRAIN=tests/systems/exact_train.py``)::
 
-    exact_train.py --root ROOT [--global-batch 12] [--every 10] [--samples 480]
+    exact_train.py --root ROOT [--daemon URL] [--global-batch 12] [--every 10] [--samples 480]
                    [--log-dir DIR] [--final PATH] [--step-delay S]
 
 Rank and world size come from RANK/WORLD_SIZE (torchrun, or the Slurm task variables when
@@ -144,6 +144,7 @@ def _hold(step: int, hook: CheckpointHook) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True)
+    p.add_argument("--daemon", default=os.environ.get("CKPTD_DAEMON") or None, help="ckptd serve URL")
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--samples", type=int, default=int(os.environ.get("EXACT_SAMPLES", "480")))
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     model, optim = build()
     sampler = ElasticSampler(args.samples, shuffle=True, seed=0)
     state = {"model": model, "optim": optim, "sampler": sampler}
-    ckpt = Checkpointer(args.root)
+    ckpt = Checkpointer(args.root, daemon=args.daemon)
     hook = CheckpointHook(ckpt, state, every_n_steps=args.every or None, save_on_signal=True)
     try:
         step = hook.resume()
