@@ -38,8 +38,8 @@ def roots(tmp_path_factory):
     and at step 2 with three known changes (``scenarios.save_fsdp``)."""
     base = tmp_path_factory.mktemp("diff")
     root4, root3 = str(base / "r4"), str(base / "r3")
-    launch.run(4, "save_fsdp", base / "out4", scenarios="tests.ops.scenarios", roots=[root4])
-    launch.run(3, "save_fsdp", base / "out3", scenarios="tests.ops.scenarios", roots=[root3], changed_at=2)
+    launch.run(4, "save_fsdp", base / "out4", scenarios="tests.ops.scenarios", roots=[root4], timeout=600)
+    launch.run(3, "save_fsdp", base / "out3", scenarios="tests.ops.scenarios", roots=[root3], changed_at=2, timeout=600)
     return root4, root3
 
 
@@ -48,7 +48,7 @@ def _shard_rows(root: str, key: str) -> int:
     return next(t["shard_shape"][0] for t in doc["tensors"] if t["key"] == key)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_same_state_across_layouts_is_equal(roots):
     root4, root3 = roots
     # the two sides really are laid out differently
@@ -64,7 +64,7 @@ def test_same_state_across_layouts_is_equal(roots):
     assert {t["key"] for t in doc["tensors"]} >= {"model/fc1.weight", "extra/bf16", "extra/i64"}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_differences_are_reported(roots):
     _, root3 = roots
     r = ckptd("diff", root3, root3, "--step-a", "1", "--json")  # step b: the latest (2)
@@ -85,7 +85,7 @@ def test_differences_are_reported(roots):
     assert "None" not in r.stdout
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 def test_bad_usage_and_failures(roots, tmp_path):
     root4, root3 = roots
     for args in ([root4], [root4, root3, "--step-a", "-1"], ["bogus://x", root3], [root4, root3, "--block-mib", "0"]):
@@ -105,7 +105,7 @@ def test_bad_usage_and_failures(roots, tmp_path):
     assert r.returncode == 1 and "crc32c" in r.stderr and "extra" in r.stderr, r.stderr
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 def test_progress_only_on_a_terminal(roots):
     root4, root3 = roots
     master, slave = pty.openpty()

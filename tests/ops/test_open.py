@@ -36,7 +36,7 @@ def saved(tmp_path_factory, s3_server):
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name=CREDENTIALS["AWS_REGION"])
     s3.create_bucket(Bucket=bucket)
     local, remote = str(base / "job"), f"s3://{bucket}/team/job"
-    launch.run(3, "save_fsdp", base / "out", scenarios="tests.ops.scenarios", roots=[local, remote])
+    launch.run(3, "save_fsdp", base / "out", scenarios="tests.ops.scenarios", roots=[local, remote], timeout=600)
     refs = base / "refs"
     refs.mkdir()
     model, _, _ = build("single", 0)
@@ -57,7 +57,7 @@ def saved(tmp_path_factory, s3_server):
     s3.close()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_read_without_torch(saved, where):
     local, remote, refs = saved
@@ -76,7 +76,7 @@ def test_read_without_torch(saved, where):
     assert "extra/bf16" in out["checked"] and "model/fc1.weight" in out["checked"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 def test_docs_example_runs_without_torch(saved, tmp_path):
     """The notebook example of docs/operations-ui.md, on the 3-rank checkpoint on S3."""
     _, remote, _ = saved
@@ -92,6 +92,7 @@ def test_docs_example_runs_without_torch(saved, tmp_path):
     assert r.stdout.startswith("(24, 16) float32\n"), r.stdout
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_only_committed_steps_open(saved, where):
     local, remote, _ = saved
