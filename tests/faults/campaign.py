@@ -152,9 +152,8 @@ class Campaign:
         """What the kill interrupted, as the root shows it: a save's writes (a partial newest
         step holding objects), or a moment with no partial step (between a commit and the next
         save's first write, or in retention)."""
-        with _direct_env(root):
-            with open_store(root.uri) as store:
-                infos = catalog.list_checkpoints(store)
+        with _direct_env(root), open_store(root.uri) as store:
+            infos = catalog.list_checkpoints(store)
         if infos and not infos[-1].committed:
             return "left a partial step (mid-write)"
         return "left no partial step (at or after a commit, retention)"
