@@ -34,10 +34,34 @@ from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings
 from ckptd.server.staging import Lease, LeaseBusy, Staging
 from storage_backends import StorageError, Store, open_store
+from storage_backends.base import data_size
 
 __all__ = ["Runner"]
 
 log = logging.getLogger("ckptd.jobs")
+
+
+class _Counted:
+    """Counts the bytes of every put into ``job.bytes_uploaded``, for the status page's progress."""
+
+    def __init__(self, store: Store, job: Job):
+        self._store, self._job = store, job
+        self._lock = threading.Lock()  # puts run on the io pool: ``+=`` alone would lose updates
+
+    def put(self, key, data):
+        self._store.put(key, data)
+        self._add(data)
+
+    def put_deferred(self, key, data):
+        self._store.put_deferred(key, data)
+        self._add(data)
+
+    def _add(self, data) -> None:
+        with self._lock:
+            self._job.bytes_uploaded += data_size(data)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
 
 
 # -------------------------------------------------------------------------------- runner
@@ -112,12 +136,29 @@ class Runner:
         if lease.owner != "client":
             raise LeaseBusy(f"lease {lease.id} already carries job {lease.job}")
         job = validate(req, lease, self.roots, job_id)
+        self._refuse_committed(job)
+        job.staged_s = max(0.0, job.accepted_at - lease.started_at)
         self.staging.hand_off(lease.id, job.job, job.journal() | {"state": "accepted"})
         self._remember(job)
         self.metrics.inc("ckptd_jobs_accepted_total")
+        self.metrics.inc("ckptd_save_staging_seconds_sum", job.staged_s)
+        self.metrics.inc("ckptd_save_staging_seconds_count")
         log.info("accepted job %s: %s step %d rank %d/%d", job.job, job.root, job.step, job.rank, job.world_size)
         self._enqueue(job)
         return job
+
+    def _refuse_committed(self, job: Job) -> None:
+        """A committed checkpoint is immutable: refuse a hand-off for its step (HTTP 409) before
+        the daemon takes the files or writes a byte. (The upload's claim checks again.)"""
+        try:
+            committed = self.store(job.root).exists(f"{mf.step_dir(job.step)}/{mf.COMMIT}")
+        except StorageError as e:
+            raise BadJob(f"{job.root}: cannot check step {job.step} ({e})") from None
+        if committed:
+            raise protocol.AlreadyCommitted(
+                f"{catalog.where(self.store(job.root), job.step)}: step {job.step} is already committed; "
+                "refusing the hand-off"
+            )
 
     def recover(self) -> None:
         """Resume or discard what a previous daemon journalled in the staging folder."""
@@ -241,7 +282,8 @@ class Runner:
     def _upload(self, job: Job) -> None:
         lease = self.staging.get(job.lease)
         job.state = "uploading"
-        store: Any = self.store(job.root)
+        job.upload_started_at, job.bytes_uploaded = time.time(), 0
+        store: Any = _Counted(self.store(job.root), job)
         if self.settings.fault_upload_delay_s > 0:  # test-only fault injection: slow shard puts
             from storage_backends.testing import DelayedStore
 
@@ -254,10 +296,13 @@ class Runner:
             if result is not None or self._stop.is_set():
                 break
             t0 = time.perf_counter()
+            job.bytes_uploaded = 0  # a retry puts everything again
             try:
                 save_job = load(job, lease.dir)
                 try:
-                    result = protocol.persist(store, save_job, self._io, commit_timeout=job.commit_timeout, wait=False)
+                    result = protocol.persist(
+                        store, save_job, self._io, writer=job.writer, commit_timeout=job.commit_timeout, wait=False
+                    )
                 finally:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
@@ -294,7 +339,7 @@ class Runner:
         if result == "already" or result.committed_here:
             self._finish(job, "committed")
             if result != "already":
-                protocol.after_commit(store, result, job.keep_last)
+                protocol.after_commit(store, result, self.settings.keep_last)
         else:
             job.state = "uploaded"
             with self._lock:
@@ -307,6 +352,7 @@ class Runner:
             self.metrics.inc("ckptd_jobs_committed_total")
             self.metrics.inc("ckptd_handoff_to_commit_seconds_sum", job.committed_at - job.accepted_at)
             self.metrics.inc("ckptd_handoff_to_commit_seconds_count")
+            self.metrics.set_last("ckptd_last_commit_timestamp_seconds", job.committed_at)
             log.info(
                 "job %s: %s step %d committed, %.3f s after hand-off",
                 job.job,
