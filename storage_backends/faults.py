@@ -49,6 +49,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from storage_backends.base import Data, StorageError, Store
 
+__all__ = ["FailingStore", "FaultPlan", "FaultProxy", "KINDS", "Request", "Rule", "tmpfs_mount"]
+
 KINDS = ("500", "503", "reset", "cut", "lost", "delay")
 
 _ERROR_BODY = {
@@ -392,8 +394,8 @@ class FailingStore(Store):
         return getattr(self._store, name)
 
     # the abstract verbs, delegated
-    def get(self, key: str) -> bytes:
-        return self._store.get(key)
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        return self._store.get(key, limit=limit)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self._store.get_range(key, start, length)

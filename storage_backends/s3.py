@@ -52,6 +52,7 @@ from storage_backends._s3_calls import (
     NoSuchUpload,
     PreconditionFailed,
     Truncated,
+    env_number,
     env_size,
     new_client,
 )
@@ -65,6 +66,7 @@ from storage_backends.base import (
     as_writable_buffers,
     check_dir_prefix,
     check_key,
+    check_limit,
     check_prefix,
     resolve_range,
 )
@@ -129,6 +131,9 @@ def _stream_into(body: Any, views: list[memoryview]) -> int:
     return got
 
 
+_MAX_GET_BYTES = int(os.environ.get("CKPTD_S3_MAX_GET_BYTES", str(64 << 30)))
+
+
 def _total_size(resp: dict) -> int | None:
     """The object's size from a ranged response's ``Content-Range: bytes a-b/total``."""
     m = re.search(r"/(\d+)\s*$", resp.get("ContentRange") or "")
@@ -157,14 +162,29 @@ class S3Store(Store):
         part_size: int | None = None,
         multipart_threshold: int | None = None,
         max_workers: int | None = None,
-        max_attempts: int = 8,
-        retries: int = 4,
+        max_attempts: int | None = None,
+        retries: int | None = None,
         backoff: float = 0.2,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
     ) -> None:
         """``max_attempts`` is botocore's per-call attempts; ``retries`` our extra tries around
-        those, sleeping up to ``backoff * 2**n`` seconds (full jitter, capped at 10 s)."""
+        those, sleeping up to ``backoff * 2**n`` seconds (full jitter, capped at 10 s).
+
+        Every call has a deadline: ``connect_timeout`` to connect and ``read_timeout`` for each
+        wait on the server, per attempt; so a call to an endpoint that stops answering fails
+        after about ``max_attempts * (retries + 1) * read_timeout`` seconds. Unset, they come
+        from ``CKPTD_S3_CONNECT_TIMEOUT`` (10), ``CKPTD_S3_READ_TIMEOUT`` (60),
+        ``CKPTD_S3_MAX_ATTEMPTS`` (8) and ``CKPTD_S3_RETRIES`` (4). A save as a whole is also
+        bounded by ``Checkpointer(save_timeout=...)``."""
+        if max_attempts is None:
+            max_attempts = int(env_number("CKPTD_S3_MAX_ATTEMPTS", 8))
+        if retries is None:
+            retries = int(env_number("CKPTD_S3_RETRIES", 4))
+        if connect_timeout is None:
+            connect_timeout = env_number("CKPTD_S3_CONNECT_TIMEOUT", 10.0)
+        if read_timeout is None:
+            read_timeout = env_number("CKPTD_S3_READ_TIMEOUT", 60.0)
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
         prefix = prefix.strip("/")
@@ -265,23 +285,32 @@ class S3Store(Store):
         except InvalidRange:  # 416: the range starts at or past the end
             raise StorageError(outside) from None
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int | None = None) -> bytes:
         """A large object is fetched as parallel ranged GETs into one buffer, then copied once
-        into ``bytes``; ``get_range_into`` fills the caller's buffers without that copy."""
+        into ``bytes``; ``get_range_into`` fills the caller's buffers without that copy. The size
+        the server reports is checked against ``limit`` (and ``CKPTD_S3_MAX_GET_BYTES``, 64 GiB by
+        default) before that buffer is allocated, and the first GET asks for at most one part."""
         for _ in range(3):
             try:
-                return self._get_whole(key)
+                return self._get_whole(key, limit)
             except _Changed:
                 continue
         raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
 
-    def _get_whole(self, key: str) -> bytes:
+    def _get_whole(self, key: str, limit: int | None = None) -> bytes:
         # The first piece also tells the size (Content-Range), so a small object costs one GET.
+        first_len = self.part_size if limit is None else max(1, min(self.part_size, limit + 1))
         try:
-            first, resp = self._get_first(key, f"bytes=0-{self.part_size - 1}")
+            first, resp = self._get_first(key, f"bytes=0-{first_len - 1}")
         except InvalidRange:  # a ranged GET of an empty object is a 416
-            return self._get_first(key, None)[0]
+            return self._get_first(key, None, 0)[0]  # an empty object: at most 0 bytes expected
+        if len(first) > first_len:  # a server ignoring the Range: never trust its size
+            raise StorageError(
+                f"{self._where(key)}: GetObject returned {len(first)} bytes for a {first_len}-byte range"
+            )
         total = _total_size(resp) or len(first)
+        check_limit(self.uri, key, total, limit)
+        check_limit(self.uri, key, total, _MAX_GET_BYTES)
         if total <= len(first):
             return first
         buf = bytearray(total)
@@ -299,13 +328,19 @@ class S3Store(Store):
             raise _Changed() from None
         return bytes(buf)
 
-    def _get_first(self, key: str, rng: str | None) -> tuple[bytes, dict]:
+    def _get_first(self, key: str, rng: str | None, most: int | None = None) -> tuple[bytes, dict]:
+        """One GET; reads at most ``most`` bytes (the range's length) + 1 of the body, so a
+        server that sends more than asked cannot make us buffer it."""
         extra = {"Range": rng} if rng else {}
+        if most is None:
+            most = int(rng.rsplit("-", 1)[1]) + 1 if rng else 0
 
         def attempt() -> tuple[bytes, dict]:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **extra)
             with contextlib.closing(resp["Body"]) as body:
-                data = body.read()
+                data = body.read(most + 1)
+            if len(data) > most:
+                raise StorageError(f"{self._where(key)}: GetObject sent more than the {most} bytes asked for")
             if len(data) != resp["ContentLength"]:
                 raise Truncated("response body ended early")
             return data, resp
