@@ -1,0 +1,401 @@
+"""The commit protocol at 64 ... 8192 ranks on a simulated S3 (``python -m benchmarks.scale``).
+
+Every simulated rank is a thread of a :class:`~storage_backends.simulated.VirtualClock`, and it
+runs the real code a rank runs after its snapshot: ``persist`` (its data, its done record, the
+commit attempt, waiting for the commit), ``latest_step``, ``load_manifest`` and the done-record
+read of a restore, against a :class:`~storage_backends.simulated.SimulatedStore` (log-normal
+latency, LIST pages of 1000 keys, SlowDown above 3500 PUT/s and 5500 GET/s per prefix, every
+request counted). Only the clock is replaced: the modules under test read ``time`` through
+:func:`virtual_time`, so their polling sleeps and deadlines run in simulated seconds. Figures
+are in simulated seconds; wall time is only what the simulation costs.
+
+The finish times of the ranks are skewed as a real job's are: every rank uploads for
+``write_s`` x (1 + N(0, ``skew``)) seconds, and 1% of them straggle by an extra exponential
+``straggle_s``. "Commit latency" is from the moment the last rank's data is durable (its last
+data PUT answered) to the moment ``commit.json`` is; "all ranks know" is to the moment the last
+rank's ``persist`` returned (it polls for the commit).
+
+Figures, each against N: commit latency; requests per save by verb; the peak requests in one
+second on one prefix; SlowDowns; restore-planning requests and time at M = N ranks; and
+``latest_step()`` requests and time against the number of steps in the root.
+Writes ``benchmarks/scale_results.json`` (merged by ``--label``) and, with ``--plot``, the
+chart ``benchmarks/SCALE.png`` comparing the labels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import time as _real_time
+from concurrent.futures import Future
+from pathlib import Path
+
+from ckptd import catalog
+from ckptd import manifest as mf
+from storage_backends.simulated import GET_CLASS, PUT_CLASS, SimulatedStore, VirtualClock
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "scale_results.json"
+SIZES = (64, 256, 1024, 4096, 8192)
+STEPS = (10, 100, 1000, 10000)
+
+
+class _VirtualTime:
+    """What the protocol modules see as their ``time`` module during a simulation."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self._clock = clock
+
+    def time(self) -> float:
+        return 1.7e9 + self._clock.time()
+
+    def monotonic(self) -> float:
+        return self._clock.time()
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self._clock.sleep(seconds)
+
+    def __getattr__(self, name):
+        return getattr(_real_time, name)
+
+
+def _protocol_modules() -> list:
+    """The modules whose clock the simulation replaces: the ones the save and commit run."""
+    import trainer_hooks.writer as writer
+
+    mods = [catalog, writer]
+    with contextlib.suppress(ImportError):
+        import ckptd.commit as commit  # the protocol's home once it moved there
+
+        mods.append(commit)
+    return mods
+
+
+@contextlib.contextmanager
+def virtual_time(clock: VirtualClock):
+    saved = [(m, m.time) for m in _protocol_modules() if hasattr(m, "time")]
+    for m, _ in saved:
+        m.time = _VirtualTime(clock)
+    try:
+        yield
+    finally:
+        for m, t in saved:
+            m.time = t
+
+
+class InlinePool:
+    """An executor that runs each task at once in the caller (a simulated rank's thread)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            f.set_exception(e)
+        return f
+
+
+def _persist(store, job, keep_last):
+    """One rank's real persist: data, done record, commit attempt, wait, retention."""
+    from trainer_hooks.writer import persist
+
+    return persist(store, job, InlinePool(), keep_last, 3600.0)
+
+
+def _job(step: int, attempt: str, rank: int, world: int, objects: int):
+    from trainer_hooks.snapshot import SaveJob
+
+    # Each rank's shards live in folders of their own (zarr chunk keys c/<rank>/...), as a
+    # dim-0 sharded tensor's do; rank 0 also writes the manifest and the group nodes.
+    meta = [(f"arrays/t{j}/c/{rank}/0", b"s" * 64) for j in range(objects)]
+    if rank == 0:
+        m = mf.Manifest(step=step, world_size=world, tensors={}, state={}, attempt=attempt)
+        meta += [("zarr.json", mf.group_metadata()), (mf.MANIFEST, m.to_bytes())]
+    return SaveJob(step=step, attempt=attempt, rank=rank, world_size=world, metadata=meta)
+
+
+def finish_times(n: int, rng: random.Random, write_s: float, skew: float, straggle_s: float) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = write_s * max(0.5, 1.0 + rng.gauss(0.0, skew))
+        if rng.random() < 0.01:
+            t += rng.expovariate(1.0 / straggle_s)
+        out.append(t)
+    return out
+
+
+def new_store(clock: VirtualClock, args, seed: int, **kw) -> SimulatedStore:
+    return SimulatedStore(clock, latency=args.latency, sigma=args.sigma, seed=seed, **kw)
+
+
+def _commit_previous(store: SimulatedStore, steps, world: int) -> None:
+    """Committed checkpoints written before the measured save (uncounted setup, no time)."""
+    clock = VirtualClock()
+    setup = SimulatedStore(clock, inner=store.inner, put_limit=10**9, get_limit=10**9)
+    with virtual_time(clock):
+        for s in steps:
+            for r in range(world):
+                clock.spawn(lambda s=s, r=r: _persist(setup, _job(s, f"a{s}", r, world, 1), None))
+            clock.run()
+
+
+def simulate_save(n: int, args, seed: int = 0) -> dict:
+    """One save of ``n`` ranks on a root that already holds ``args.previous`` checkpoints."""
+    rng = random.Random(seed)
+    clock = VirtualClock()
+    store = new_store(clock, args, seed)
+    step = 1000
+    prev = list(range(step - 100 * args.previous, step, 100))
+    if prev:
+        _commit_previous(store, prev, min(n, 4))
+        store.reindex()
+    times = finish_times(n, rng, args.write_s, args.skew, args.straggle_s)
+    returned = [0.0] * n
+    durable = [0.0] * n
+    committers: list[int] = []
+
+    def rank(r: int) -> None:
+        clock.sleep(times[r])  # the bulk of its upload, whose requests are not the subject
+        res = _persist(store, _job(step, "a", r, n, args.objects), args.keep_last)
+        returned[r] = clock.time()
+        if res.committed_here:
+            committers.append(r)
+
+    # The rank's data is durable when its last data PUT is answered: record those times.
+    orig_put = store.put_deferred
+
+    def put_deferred(key, data):
+        orig_put(key, data)
+        if "/arrays/" in key:
+            r = int(key.split("/c/")[1].split("/")[0])
+            durable[r] = max(durable[r], clock.time())
+
+    store.put_deferred = put_deferred  # type: ignore[method-assign]
+    commit_key = f"{mf.step_dir(step)}/{mf.COMMIT}"
+    commit_at: list[float] = []
+    orig_pia = store.put_if_absent
+
+    def put_if_absent(key, data):
+        won = orig_pia(key, data)
+        if won and key == commit_key:
+            commit_at.append(clock.time())
+        return won
+
+    store.put_if_absent = put_if_absent  # type: ignore[method-assign]
+    wall = _real_time.perf_counter()
+    with virtual_time(clock):
+        for r in range(n):
+            clock.spawn(lambda r=r: rank(r), name=f"rank{r}")
+        clock.run(timeout=args.wall_timeout)
+    wall = _real_time.perf_counter() - wall
+    commit = catalog.read_commit(store.inner, step)
+    assert commit is not None and commit["world_size"] == n, "the save did not commit"
+    assert len(committers) == 1, f"{len(committers)} ranks think they committed"
+    t_durable = max(durable)
+    t_commit = commit_at[0]
+    st = store.stats
+    verbs = {v: st.requests[v] for v in ("PUT", "GET", "HEAD", "LIST", "DELETE", "COPY")}
+    peak_put, peak_put_prefix = st.peak_rate(PUT_CLASS)
+    peak_get, peak_get_prefix = st.peak_rate(GET_CLASS)
+    return {
+        "n": n,
+        "commit_latency_s": t_commit - t_durable,
+        "all_know_s": max(returned) - t_durable,
+        "requests": verbs,
+        "requests_total": st.total(),
+        "requests_per_rank": st.total() / n,
+        "peak_put_per_s": peak_put,
+        "peak_put_prefix": peak_put_prefix,
+        "peak_get_per_s": peak_get,
+        "peak_get_prefix": peak_get_prefix,
+        "slowdowns": st.slowdowns,
+        "skew_s": max(times) - min(times),
+        "wall_s": wall,
+    }
+
+
+def simulate_latest(steps: int, args, seed: int = 0) -> dict:
+    """``latest_step()`` on a root of ``steps`` committed checkpoints (one rank)."""
+    clock = VirtualClock()
+    store = new_store(clock, args, seed)
+    _commit_previous(store, range(0, steps * 10, 10), 1)
+    store.reindex()
+    got: list = []
+
+    def one() -> None:
+        t0 = clock.time()
+        got.append((catalog.latest_step(store), clock.time() - t0))
+
+    with virtual_time(clock):
+        clock.spawn(one)
+        clock.run(timeout=args.wall_timeout)
+    latest, seconds = got[0]
+    assert latest == (steps - 1) * 10, latest
+    return {"steps": steps, "requests": store.stats.total(), "seconds": seconds}
+
+
+def simulate_restore(m: int, args, seed: int = 0) -> dict:
+    """The discovery and planning reads of a restore at ``m`` ranks: rank 0 picks the latest
+    step (and looks for a reshard plan), then every rank reads the manifest and its RNG record,
+    as ``trainer_hooks.restore`` does (the broadcast between them is instantaneous here)."""
+    from ckptd import plans
+
+    clock = VirtualClock()
+    store = new_store(clock, args, seed)
+    _commit_previous(store, [100, 200], min(m, 64))
+    store.reindex()
+    picked: list = []
+    finished = [0.0] * m
+
+    def rank(r: int) -> None:
+        if r == 0:
+            s = catalog.latest_step(store)
+            plans.planned_source(store, s, m)
+            picked.append(s)
+        else:
+            while not picked:  # the broadcast: wait for rank 0's answer
+                clock.sleep(0.001)
+        manifest = catalog.load_manifest(store, picked[0])
+        _read_done(store, manifest, r % manifest.world_size)
+        finished[r] = clock.time()
+
+    with virtual_time(clock):
+        for r in range(m):
+            clock.spawn(lambda r=r: rank(r))
+        clock.run(timeout=args.wall_timeout)
+    st = store.stats
+    return {
+        "m": m,
+        "requests": st.total(),
+        "requests_per_rank": st.total() / m,
+        "seconds": max(finished),
+        "slowdowns": st.slowdowns,
+        "peak_get_per_s": st.peak_rate(GET_CLASS)[0],
+    }
+
+
+def _read_done(store, manifest, rank: int) -> None:
+    """The done record a restoring rank reads for its RNG state."""
+    reader = getattr(catalog, "read_done_record", None)
+    if reader is not None:
+        reader(store, manifest.step, manifest.attempt, rank)
+    else:
+        store.get(mf.done_key(manifest.step, manifest.attempt, rank))
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    styles = {"before": ("tab:red", "--", "o"), "after": ("tab:blue", "-", "s")}
+    for label, res in results.items():
+        color, ls, marker = styles.get(label, ("tab:gray", ":", "^"))
+        kw = {"color": color, "linestyle": ls, "marker": marker, "label": label}
+        saves = res.get("save", [])
+        ns = [s["n"] for s in saves]
+        ax = axes[0][0]
+        lat = [s["commit_latency_s"] for s in saves]
+        ax.plot(ns, lat, **kw)
+        ax.plot(ns, [s["all_know_s"] for s in saves], **{**kw, "alpha": 0.4, "label": f"{label}: all ranks know"})
+        ax = axes[0][1]
+        ax.plot(ns, [s["requests_per_rank"] for s in saves], **kw)
+        ax = axes[0][2]
+        ax.plot(ns, [s["peak_put_per_s"] for s in saves], **{**kw, "label": f"{label}: PUT"})
+        ax.plot(ns, [s["peak_get_per_s"] for s in saves], **{**kw, "alpha": 0.4, "label": f"{label}: GET+HEAD+LIST"})
+        ax = axes[1][0]
+        ax.plot(ns, [max(s["slowdowns"], 0.5) for s in saves], **kw)
+        rest = res.get("restore", [])
+        ax = axes[1][1]
+        ax.plot([r["m"] for r in rest], [r["requests_per_rank"] for r in rest], **kw)
+        ax.plot([r["m"] for r in rest], [r["seconds"] for r in rest], **{**kw, "alpha": 0.4, "label": f"{label}: s"})
+        lat_steps = res.get("latest", [])
+        ax = axes[1][2]
+        ax.plot([x["steps"] for x in lat_steps], [x["requests"] for x in lat_steps], **kw)
+    titles = [
+        ("commit latency after the last rank is durable (s)", "log"),
+        ("requests per save / N", "log"),
+        ("peak requests/s on one prefix", "log"),
+        ("SlowDowns per save (0 drawn at 0.5)", "log"),
+        ("restore planning at M ranks: requests/rank, seconds", "log"),
+        ("latest_step(): requests vs steps in the root", "log"),
+    ]
+    for ax, (title, yscale) in zip(axes.flat, titles, strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale(yscale)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].axhline(1.0, color="k", lw=0.8, ls=":")
+    axes[0][2].axhline(3500, color="k", lw=0.8, ls=":")
+    axes[0][2].axhline(5500, color="k", lw=0.8, ls="-.")
+    for ax in axes[1][:2]:
+        ax.set_xlabel("ranks N (M)")
+    axes[0][0].set_xlabel("ranks N")
+    axes[1][2].set_xlabel("committed steps in the root")
+    axes[1][2].set_xscale("log", base=10)
+    fig.suptitle("ckptd commit protocol on simulated S3 (20 ms median request, LIST 1000/page, 3500/5500 per prefix)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    p.add_argument("--steps", default=",".join(map(str, STEPS)))
+    p.add_argument("--latency", type=float, default=0.02, help="median seconds per request")
+    p.add_argument("--sigma", type=float, default=0.3, help="log-normal shape of the latency")
+    p.add_argument("--write-s", dest="write_s", type=float, default=10.0, help="mean upload time per rank")
+    p.add_argument("--skew", type=float, default=0.03, help="relative spread of the upload times")
+    p.add_argument("--straggle-s", dest="straggle_s", type=float, default=1.0)
+    p.add_argument("--objects", type=int, default=2, help="data objects per rank")
+    p.add_argument("--previous", type=int, default=3, help="checkpoints in the root before the save")
+    p.add_argument("--keep-last", dest="keep_last", type=int, default=3)
+    p.add_argument("--label", default="after")
+    p.add_argument("--only", choices=["save", "latest", "restore"], action="append")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--plot", type=Path, nargs="?", const=HERE / "SCALE.png")
+    p.add_argument("--wall-timeout", dest="wall_timeout", type=float, default=3600.0)
+    args = p.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    steps = [int(x) for x in args.steps.split(",") if x]
+    only = set(args.only or ["save", "latest", "restore"])
+    allres = json.loads(args.out.read_text()) if args.out.exists() else {}
+    res = allres.setdefault(args.label, {})
+    if "save" in only:
+        res["save"] = []
+        for n in sizes:
+            r = simulate_save(n, args)
+            res["save"].append(r)
+            print(json.dumps(r), flush=True)
+    if "latest" in only:
+        res["latest"] = []
+        for s in steps:
+            r = simulate_latest(s, args)
+            res["latest"].append(r)
+            print(json.dumps(r), flush=True)
+    if "restore" in only:
+        res["restore"] = []
+        for m in sizes:
+            r = simulate_restore(m, args)
+            res["restore"].append(r)
+            print(json.dumps(r), flush=True)
+    res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "only")}
+    args.out.write_text(json.dumps(allres, indent=1, default=str) + "\n")
+    if args.plot:
+        plot(allres, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
