@@ -159,9 +159,16 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
     durable = [0.0] * n
     committers: list[int] = []
 
+    failures: list[str] = []
+
     def rank(r: int) -> None:
         clock.sleep(times[r])  # the bulk of its upload, whose requests are not the subject
-        res = _persist(store, _job(step, "a", r, n, args.objects), args.keep_last)
+        try:
+            res = _persist(store, _job(step, "a", r, n, args.objects), args.keep_last)
+        except Exception as e:  # noqa: BLE001 - a rank's save failing is a result to report
+            failures.append(f"rank {r}: {type(e).__name__}: {e}")
+            returned[r] = clock.time()
+            return
         returned[r] = clock.time()
         if res.committed_here:
             committers.append(r)
@@ -194,17 +201,20 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         clock.run(timeout=args.wall_timeout)
     wall = _real_time.perf_counter() - wall
     commit = catalog.read_commit(store.inner, step)
-    assert commit is not None and commit["world_size"] == n, "the save did not commit"
-    assert len(committers) == 1, f"{len(committers)} ranks think they committed"
+    assert commit is None or commit["world_size"] == n, commit
+    assert len(committers) <= 1, f"{len(committers)} ranks think they committed"
     t_durable = max(durable)
-    t_commit = commit_at[0]
+    t_commit = commit_at[0] if commit_at else None
     st = store.stats
     verbs = {v: st.requests[v] for v in ("PUT", "GET", "HEAD", "LIST", "DELETE", "COPY")}
     peak_put, peak_put_prefix = st.peak_rate(PUT_CLASS)
     peak_get, peak_get_prefix = st.peak_rate(GET_CLASS)
     return {
         "n": n,
-        "commit_latency_s": t_commit - t_durable,
+        "committed": commit is not None,
+        "failed_ranks": len(failures),
+        "first_failure": failures[0] if failures else None,
+        "commit_latency_s": None if t_commit is None else t_commit - t_durable,
         "all_know_s": max(returned) - t_durable,
         "requests": verbs,
         "requests_total": st.total(),

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import random
 import time
 from dataclasses import dataclass
 
+from ckptd import donetree, latest
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.manifest import (
     COMMIT,
@@ -22,6 +25,8 @@ from ckptd.manifest import (
     step_dir,
 )
 from storage_backends import NotFoundError, StorageError, Store
+
+log = logging.getLogger("ckptd.catalog")
 
 
 @dataclass(frozen=True)
@@ -69,8 +74,15 @@ def committed_steps(store: Store) -> list[int]:
 
 
 def latest_step(store: Store) -> int | None:
-    """The newest committed step; scans from the newest folder down, so it costs one listing and
-    usually one existence check."""
+    """The newest committed step: from the chain of ``ckptd.latest`` (about 3 requests whatever
+    the number of steps), else by listing the root (:func:`latest_step_by_listing`)."""
+    answered, step = latest.latest_from_chain(store)
+    return step if answered else latest_step_by_listing(store)
+
+
+def latest_step_by_listing(store: Store) -> int | None:
+    """The newest committed step by listing every step folder (one request per 1000 steps on
+    S3), then checking from the newest down, so usually one existence check."""
     for s in reversed(steps(store)):
         if store.exists(f"{step_dir(s)}/{COMMIT}"):
             return s
@@ -159,7 +171,75 @@ def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: di
         "time": time.time(),
         **(extra or {}),
     }
-    return store.put_if_absent(f"{step_dir(step)}/{COMMIT}", dumps(record))
+    return commit_step(store, step, record)
+
+
+# -- the scalable commit (issue 17): done records in a tree, the latest-step chain ----------------
+
+
+def commit_step(store: Store, step: int, record: dict) -> bool:
+    """Create ``commit.json`` once (``put_if_absent``); True for the one caller that created it.
+
+    Every commit goes through here: it links ``step`` into the chain of ``ckptd.latest`` first,
+    so that ``latest_step`` can trust the chain, and moves the chain's hint after a commit."""
+    on_chain = False
+    try:
+        on_chain = latest.link(store, step, latest_step_by_listing)
+    except ValueError as e:  # a malformed chain: readers fall back to listing when they meet it
+        log.warning("%s: not linking step %d into the latest-step chain: %s", store.uri, step, e)
+    won = store.put_if_absent(f"{step_dir(step)}/{COMMIT}", dumps(record))
+    if won and on_chain:
+        try:
+            latest.set_hint(store, step)
+        except StorageError as e:  # only costs later readers a longer walk
+            log.warning("%s: could not move the latest-step hint to %d: %s", store.uri, step, e)
+    return won
+
+
+def finish_rank(
+    store: Store, step: int, attempt: str, rank: int, world_size: int, record: dict, extra: dict | None = None
+) -> bool:
+    """Rank's part of the commit, once all its data is durable: write its done record (``record``
+    with at least ``bytes`` and ``objects``), then climb the done tree (``ckptd.donetree``); the
+    rank that completes the tree writes ``commit.json``. True for the one caller that did."""
+    donetree.write_done(store, step, attempt, rank, record)
+
+    def commit(nbytes: int, objects: int) -> bool:
+        rec = {
+            "step": step,
+            "attempt": attempt,
+            "world_size": world_size,
+            "bytes": nbytes,
+            "objects": objects,
+            "time": time.time(),
+            "done_layout": "tree",
+            **(extra or {}),
+        }
+        return commit_step(store, step, rec)
+
+    return donetree.climb(store, step, attempt, rank, world_size, commit)
+
+
+read_done_record = donetree.read_done_record
+
+POLLS_PER_SECOND = 2000  # all ranks of a job together, on the one commit.json (S3: 5500/prefix)
+
+
+def commit_poll_delays(world_size: int, rank: int):
+    """The pauses of one rank polling for ``commit.json``: up to 64 ranks, 5 ms doubling to
+    50 ms; above, every pause is drawn from [0.5, 1.5) x ``world_size / POLLS_PER_SECOND`` (at
+    most 8 s), so that ranks finishing together do not poll in step and the sum over all ranks
+    stays near ``POLLS_PER_SECOND`` from the first poll on (a doubling start would let
+    thousands of ranks poll at 200/s each for their first pauses)."""
+    if world_size <= 64:
+        delay = 0.005
+        while True:
+            yield delay
+            delay = min(delay * 2, 0.05)
+    mean = min(8.0, world_size / POLLS_PER_SECOND)
+    rng = random.Random(rank * 7919 + world_size)
+    while True:
+        yield mean * (0.5 + rng.random())
 
 
 def delete_checkpoint(store: Store, step: int) -> int:
@@ -199,8 +279,13 @@ __all__ = [
     "CheckpointInfo",
     "DONE",
     "committed_steps",
+    "commit_poll_delays",
+    "commit_step",
     "delete_checkpoint",
+    "finish_rank",
     "latest_step",
+    "latest_step_by_listing",
+    "read_done_record",
     "list_checkpoints",
     "load_manifest",
     "resolve_step",

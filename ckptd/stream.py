@@ -133,10 +133,11 @@ class CheckpointWriter:
             self._put(key, data, len(data))
         self._drain()
         self.store.sync()  # everything above is durable before any done record
+        committed = False
         for rank in range(self.world_size):  # the done records a commit of this world size needs
             rec = {"rank": rank, "bytes": self.bytes if rank == 0 else 0, "objects": self.objects if rank == 0 else 0}
-            self.store.put(mf.done_key(self.step, self.attempt, rank), mf.dumps(rec))
-        if not catalog.try_commit(self.store, self.step, self.attempt, self.world_size, extra):
+            committed = catalog.finish_rank(self.store, self.step, self.attempt, rank, self.world_size, rec, extra)
+        if not committed:
             raise CheckpointError(f"{catalog.where(self.store, self.step)}: commit lost a race with another writer")
         self._committed = True
 

@@ -18,7 +18,6 @@ Steps, on every rank (collective):
 
 from __future__ import annotations
 
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -217,7 +216,7 @@ _ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, Cor
 def _restore_rng(store: Store, m: mf.Manifest, coord: Coordinator) -> None:
     src = coord.rank if coord.rank < m.world_size else 0
     try:
-        rec = json.loads(store.get(mf.done_key(m.step, m.attempt, src)))
+        rec = catalog.read_done_record(store, m.step, m.attempt, src)
     except (NotFoundError, StorageError, ValueError) as e:
         log.warning("no RNG state restored: %s", e)
         return

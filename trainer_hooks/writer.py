@@ -4,8 +4,8 @@ Order of writes for one rank (the commit protocol, the same in-process and in th
 
 1. shards and metadata (array ``zarr.json``; on rank 0 also groups and ``manifest.json``),
    in parallel on an I/O pool; each put is durable when it returns;
-2. this rank's done record ``_done/<attempt>/rank_N.json`` (bytes, objects, RNG state);
-3. ``try_commit``: the rank that sees every done record writes ``commit.json`` once;
+2. this rank's done record (bytes, objects, RNG state) in the done tree (``ckptd.donetree``);
+3. ``finish_rank`` climbs the tree: the rank that completes it writes ``commit.json`` once;
 4. the other ranks poll for ``commit.json`` so that their future, too, resolves only when the
    checkpoint is committed (and fails if it never is, naming how many ranks finished).
 """
@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptd import catalog
+from ckptd import catalog, donetree
 from ckptd import manifest as mf
 from ckptd.codec import encode_shard, seal_image
 from ckptd.errors import CheckpointError
@@ -108,8 +108,7 @@ def persist(
     t_synced = time.perf_counter()
     record = {"rank": job.rank, "bytes": nbytes, "objects": objects, "time": time.time(), **job.done}
     try:
-        store.put(mf.done_key(job.step, job.attempt, job.rank), mf.dumps(record))
-        committed = catalog.try_commit(store, job.step, job.attempt, job.world_size)
+        committed = catalog.finish_rank(store, job.step, job.attempt, job.rank, job.world_size, record)
     except StorageError as e:
         raise CheckpointError(f"{where}: rank {job.rank} failed to record completion: {e}") from e
     if committed:
@@ -134,23 +133,20 @@ def apply_retention(store: Store, keep_last: int) -> None:
 
 
 def _wait_commit(store: Store, job: SaveJob, where: str, timeout: float) -> None:
-    """Poll for the commit record. The poll interval grows with the world size so that all
-    ranks together stay near 2000 existence checks per second (an S3 prefix serves ~5500):
-    50 ms at small sizes, about 2 s at 4096 ranks."""
+    """Poll for the commit record, at the pace of ``catalog.commit_poll_delays`` (all ranks
+    together near 2000 existence checks per second; an S3 prefix serves ~5500)."""
     deadline = time.monotonic() + timeout
-    cap = min(2.0, max(0.05, job.world_size / 2000))
-    delay = 0.005
+    delays = catalog.commit_poll_delays(job.world_size, job.rank)
     commit = f"{mf.step_dir(job.step)}/{mf.COMMIT}"
     while True:
         if store.exists(commit):
             return
         if time.monotonic() > deadline:
-            n = sum(1 for _ in store.list(mf.done_prefix(job.step, job.attempt)))
+            n = donetree.count_done(store, job.step, job.attempt)
             raise CheckpointError(
                 f"{where}: not committed after {timeout:.0f} s: {n} of {job.world_size} ranks finished"
             )
-        time.sleep(delay)
-        delay = min(delay * 2, cap)
+        time.sleep(next(delays))
 
 
 class Dedupe:

@@ -1,0 +1,135 @@
+"""Done records aggregated in a tree, so that committing N ranks costs O(N) requests and a
+latency of O(log N) round trips, with no folder hotter than ``FANOUT`` ranks.
+
+Each rank, once its data is durable, writes its done record, then climbs::
+
+    _done/<attempt>/t1/<g>/r<rank>.<bytes>.<objects>.json    rank's done record (RNG state ...)
+    _done/<attempt>/t2/<h>/n<g>.<bytes>.<objects>.json        group g of t1 is complete
+    ...
+    commit.json                                               the root is complete
+
+Node ``(l, i)`` (level l >= 1) covers ranks ``[i * F**l, (i + 1) * F**l)``; its children (nodes
+of level l - 1, ranks at level 0) live in the folder ``t<l>/<i>/``. A child's totals (bytes and
+objects written) are in its *name*, so a LIST of one folder (at most ``FANOUT`` keys: one page)
+tells whether the node is complete and what it sums to, with no GET. The root is level
+``L = levels(N)``, the smallest L with ``F**L >= N``; its completion is the commit.
+
+The climb of a rank: list the folder of its node; if every child is there, write the node with
+``put_if_absent`` into its parent's folder and list that one; and so on up to the root, where
+``commit.json`` is written with ``put_if_absent``. A rank that finds a folder incomplete stops:
+the child still missing will be written later by a rank that lists after writing it (object
+stores and filesystems list what was written before), and that rank carries the climb on. A
+node exists only after every child was seen, so ``commit.json`` exists only after every rank's
+done record did: never partial. Several ranks may complete the same node; ``put_if_absent``
+keeps one, all of them climb on (the loser's climb is redundant, never wrong), and one
+``put_if_absent`` creates ``commit.json``: exactly once. Children are counted by id, not by key,
+so a rank that wrote its record twice is counted once.
+
+At N = 4096 (F = 64) the last rank's path to the commit is 5 requests (done record, LIST, node,
+LIST, commit); a save costs about 2N + 2N/F requests in the tree. Checkpoints committed before
+this layout keep ``_done/<attempt>/rank_<r>.json`` and their readers find them there
+(:func:`read_done_record`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ckptd.manifest import DONE, done_key, step_dir
+from storage_backends import Store
+
+FANOUT = 64
+
+
+def levels(world_size: int) -> int:
+    """The root's level: the smallest L >= 1 with FANOUT**L >= world_size."""
+    lvl, span = 1, FANOUT
+    while span < world_size:
+        lvl, span = lvl + 1, span * FANOUT
+    return lvl
+
+
+def _count(world_size: int, level: int) -> int:
+    """How many nodes level ``level`` has (ranks at level 0)."""
+    return -(-world_size // FANOUT**level)
+
+
+def folder(step: int, attempt: str, level: int, index: int) -> str:
+    """The folder of node (level, index)'s children."""
+    return f"{step_dir(step)}/{DONE}/{attempt}/t{level}/{index:06d}/"
+
+
+def rank_key(step: int, attempt: str, rank: int, nbytes: int, objects: int) -> str:
+    return f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}.{nbytes}.{objects}.json"
+
+
+def node_key(step: int, attempt: str, level: int, index: int, nbytes: int, objects: int) -> str:
+    return f"{folder(step, attempt, level + 1, index // FANOUT)}n{index:06d}.{nbytes}.{objects}.json"
+
+
+def _parse(name: str) -> tuple[int, int, int] | None:
+    """(child id, bytes, objects) from a child's name; None for anything else."""
+    parts = name.split(".")
+    if len(parts) < 3 or len(parts[0]) < 2 or parts[0][0] not in "rn":
+        return None
+    try:
+        ids, nbytes, objects = int(parts[0][1:]), int(parts[1]), int(parts[2])
+    except ValueError:
+        return None
+    return (ids, nbytes, objects) if min(ids, nbytes, objects) >= 0 else None
+
+
+def write_done(store: Store, step: int, attempt: str, rank: int, record: dict) -> None:
+    """Write rank's done record (after all its data is durable). ``record`` holds at least
+    ``bytes`` and ``objects``; the rest (RNG state) is for restores."""
+    key = rank_key(step, attempt, rank, int(record.get("bytes", 0)), int(record.get("objects", 0)))
+    store.put(key, json.dumps(record, separators=(",", ":")).encode())
+
+
+def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, commit) -> bool:
+    """Carry rank's completion up the tree (after ``write_done``). ``commit(bytes, objects)``
+    creates the commit record with ``put_if_absent`` and returns whether this call created it;
+    it runs only when the whole tree is complete. Returns what ``commit`` returned, or False
+    when the tree is not complete yet (another rank will complete it)."""
+    top = levels(world_size)
+    level, index = 1, rank // FANOUT
+    while True:
+        below = _count(world_size, level - 1)
+        lo, hi = index * FANOUT, min((index + 1) * FANOUT, below)
+        where = folder(step, attempt, level, index)
+        kids: dict[int, tuple[int, int]] = {}
+        for info in store.list(where):
+            parsed = _parse(info.key[len(where) :])
+            if parsed is not None and lo <= parsed[0] < hi:
+                kids.setdefault(parsed[0], parsed[1:])
+        if len(kids) < hi - lo:
+            return False
+        nbytes = sum(b for b, _ in kids.values())
+        objects = sum(o for _, o in kids.values())
+        if level == top:
+            return commit(nbytes, objects)
+        node = {"bytes": nbytes, "objects": objects}
+        store.put_if_absent(node_key(step, attempt, level, index, nbytes, objects), json.dumps(node).encode())
+        level, index = level + 1, index // FANOUT
+
+
+def count_done(store: Store, step: int, attempt: str) -> int:
+    """How many ranks of ``attempt`` wrote a done record (either layout); for error messages."""
+    prefix = f"{step_dir(step)}/{DONE}/{attempt}/"
+    n = 0
+    for info in store.list(prefix):
+        name = info.key[len(prefix) :]
+        if name.startswith("rank_") or (name.startswith("t1/") and "/r" in name):
+            n += 1
+    return n
+
+
+def read_done_record(store: Store, step: int, attempt: str, rank: int) -> dict:
+    """Rank's done record in either layout. Raises NotFoundError, or ValueError if malformed."""
+    prefix = f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}."
+    for info in store.list(prefix):
+        return json.loads(store.get(info.key))
+    return json.loads(store.get(done_key(step, attempt, rank)))
+
+
+__all__ = ["FANOUT", "climb", "count_done", "levels", "read_done_record", "write_done"]
