@@ -242,7 +242,9 @@ class SimulatedStore(Store):
         self.uri = f"sim+{self.inner.uri}"
         self.stats = Stats()
         self._lock = threading.Lock()
-        self._keys: list[str] = sorted(i.key for i in self.inner.list())  # sorted index for paging
+        self._keys: list[str] = []  # sorted index for paging
+        self._infos: dict[str, ObjectInfo] = {}
+        self.reindex()
         self._tokens: dict[str, int] = {}  # key -> writer token of its conditional put
         self._token = itertools.count(1)
         self._accepted: dict[tuple[str, str], collections.deque] = {}
@@ -264,7 +266,9 @@ class SimulatedStore(Store):
     def reindex(self) -> None:
         """Rebuild the listing index after writing to ``inner`` directly (uncounted setup)."""
         with self._lock:
-            self._keys = sorted(i.key for i in self.inner.list())
+            infos = list(self.inner.list())
+            self._keys = [i.key for i in infos]
+            self._infos = {i.key: i for i in infos}
 
     def _draw_latency(self, nbytes: int) -> float:
         if self.latency <= 0:
@@ -348,11 +352,13 @@ class SimulatedStore(Store):
         return True
 
     def _index_add(self, key: str) -> None:
+        self._infos[key] = self.inner.head(key)
         i = bisect.bisect_left(self._keys, key)
         if i == len(self._keys) or self._keys[i] != key:
             self._keys.insert(i, key)
 
     def _index_remove(self, key: str) -> None:
+        self._infos.pop(key, None)
         i = bisect.bisect_left(self._keys, key)
         if i < len(self._keys) and self._keys[i] == key:
             del self._keys[i]
@@ -446,8 +452,7 @@ class SimulatedStore(Store):
                     last = prefix + folder + "/\uffff"  # skip the whole folder, as S3 does
                     i = bisect.bisect_right(self._keys, last)
                     continue
-                info = self.inner.head(k)
-                objects.append(info)
+                objects.append(self._infos[k])
                 last = k
                 i += 1
             more = i < len(self._keys) and self._keys[i].startswith(prefix)
