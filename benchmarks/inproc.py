@@ -90,7 +90,7 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 def daemon_status() -> str | None:
     """None if ``ckptd serve`` and the trainer's daemon client are importable, else why not."""
     missing = []
-    for m in ("ckptd.server", "trainer_hooks.daemon_client"):
+    for m in ("ckptd.server", "trainer_hooks.daemon_sink"):
         try:
             if importlib.util.find_spec(m) is None:
                 missing.append(m)

@@ -66,14 +66,9 @@ class _VirtualTime:
 
 def _protocol_modules() -> list:
     """The modules whose clock the simulation replaces: the ones the save and commit run."""
-    import trainer_hooks.writer as writer
+    from ckptd import commit
 
-    mods = [catalog, writer]
-    with contextlib.suppress(ImportError):
-        import ckptd.commit as commit  # the protocol's home once it moved there
-
-        mods.append(commit)
-    return mods
+    return [catalog, commit]
 
 
 @contextlib.contextmanager
@@ -101,10 +96,13 @@ class InlinePool:
 
 
 def _persist(store, job, keep_last):
-    """One rank's real persist: data, done record, commit attempt, wait, retention."""
-    from trainer_hooks.writer import persist
+    """One rank's real save protocol (``ckptd.commit``): data, done record, commit, wait for
+    the commit, then retention by the committing rank."""
+    from ckptd import commit
 
-    return persist(store, job, InlinePool(), keep_last, 3600.0)
+    result = commit.persist(store, job, InlinePool(), commit_timeout=3600.0)
+    commit.after_commit(store, result, keep_last)
+    return result
 
 
 def _job(step: int, attempt: str, rank: int, world: int, objects: int):

@@ -1,4 +1,4 @@
-"""The checkpoints of a job root: listing, opening, committing and retention.
+"""The checkpoints of a job root: listing, opening and retention (committing is ``ckptd.commit``).
 
 Readers go through here so that nothing ever opens a checkpoint without its commit record.
 """
@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
-import random
-import time
 from dataclasses import dataclass
 
 from ckptd import donetree, latest
@@ -19,14 +16,10 @@ from ckptd.manifest import (
     DONE,
     MANIFEST,
     Manifest,
-    done_prefix,
-    dumps,
     parse_step_dir,
     step_dir,
 )
 from storage_backends import NotFoundError, StorageError, Store
-
-log = logging.getLogger("ckptd.catalog")
 
 
 @dataclass(frozen=True)
@@ -74,8 +67,8 @@ def committed_steps(store: Store) -> list[int]:
 
 
 def latest_step(store: Store) -> int | None:
-    """The newest committed step: from the chain of ``ckptd.latest`` (about 3 requests whatever
-    the number of steps), else by listing the root (:func:`latest_step_by_listing`)."""
+    """The newest committed step: from the chain of ``ckptd.latest`` (3 requests whatever the
+    number of steps), else by listing the root (:func:`latest_step_by_listing`)."""
     answered, step = latest.latest_from_chain(store)
     return step if answered else latest_step_by_listing(store)
 
@@ -146,102 +139,6 @@ def load_manifest(store: Store, step: int | None = None) -> Manifest:
     return m
 
 
-def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: dict | None = None) -> bool:
-    """Write the commit record if every rank of ``attempt`` has written its done record.
-
-    Called by each rank (or daemon) after its own done record is durable. Returns True for the
-    one caller whose ``put_if_absent`` created the record. Listing after our own done record is
-    written guarantees the last finisher sees them all (object stores list what was written).
-    """
-    dones = list(store.list(done_prefix(step, attempt)))
-    if len(dones) < world_size:
-        return False
-    total = 0
-    objects = 0
-    for d in dones:
-        rec = json.loads(store.get(d.key))
-        total += rec.get("bytes", 0)
-        objects += rec.get("objects", 0)
-    record = {
-        "step": step,
-        "attempt": attempt,
-        "world_size": world_size,
-        "bytes": total,
-        "objects": objects,
-        "time": time.time(),
-        **(extra or {}),
-    }
-    return commit_step(store, step, record)
-
-
-# -- the scalable commit (issue 17): done records in a tree, the latest-step chain ----------------
-
-
-def commit_step(store: Store, step: int, record: dict) -> bool:
-    """Create ``commit.json`` once (``put_if_absent``); True for the one caller that created it.
-
-    Every commit goes through here: it links ``step`` into the chain of ``ckptd.latest`` first,
-    so that ``latest_step`` can trust the chain, and moves the chain's hint after a commit."""
-    on_chain = False
-    try:
-        on_chain = latest.link(store, step, latest_step_by_listing)
-    except ValueError as e:  # a malformed chain: readers fall back to listing when they meet it
-        log.warning("%s: not linking step %d into the latest-step chain: %s", store.uri, step, e)
-    won = store.put_if_absent(f"{step_dir(step)}/{COMMIT}", dumps(record))
-    if won and on_chain:
-        try:
-            latest.set_hint(store, step)
-        except StorageError as e:  # only costs later readers a longer walk
-            log.warning("%s: could not move the latest-step hint to %d: %s", store.uri, step, e)
-    return won
-
-
-def finish_rank(
-    store: Store, step: int, attempt: str, rank: int, world_size: int, record: dict, extra: dict | None = None
-) -> bool:
-    """Rank's part of the commit, once all its data is durable: write its done record (``record``
-    with at least ``bytes`` and ``objects``), then climb the done tree (``ckptd.donetree``); the
-    rank that completes the tree writes ``commit.json``. True for the one caller that did."""
-    donetree.write_done(store, step, attempt, rank, record)
-
-    def commit(nbytes: int, objects: int) -> bool:
-        rec = {
-            "step": step,
-            "attempt": attempt,
-            "world_size": world_size,
-            "bytes": nbytes,
-            "objects": objects,
-            "time": time.time(),
-            "done_layout": "tree",
-            **(extra or {}),
-        }
-        return commit_step(store, step, rec)
-
-    return donetree.climb(store, step, attempt, rank, world_size, commit)
-
-
-read_done_record = donetree.read_done_record
-
-POLLS_PER_SECOND = 2000  # all ranks of a job together, on the one commit.json (S3: 5500/prefix)
-
-
-def commit_poll_delays(world_size: int, rank: int):
-    """The pauses of one rank polling for ``commit.json``: up to 64 ranks, 5 ms doubling to
-    50 ms; above, every pause is drawn from [0.5, 1.5) x ``world_size / POLLS_PER_SECOND`` (at
-    most 8 s), so that ranks finishing together do not poll in step and the sum over all ranks
-    stays near ``POLLS_PER_SECOND`` from the first poll on (a doubling start would let
-    thousands of ranks poll at 200/s each for their first pauses)."""
-    if world_size <= 64:
-        delay = 0.005
-        while True:
-            yield delay
-            delay = min(delay * 2, 0.05)
-    mean = min(8.0, world_size / POLLS_PER_SECOND)
-    rng = random.Random(rank * 7919 + world_size)
-    while True:
-        yield mean * (0.5 + rng.random())
-
-
 def delete_checkpoint(store: Store, step: int) -> int:
     """Delete one checkpoint folder. The commit record goes first, so a half-deleted checkpoint
     reads as partial, never as a committed checkpoint with holes."""
@@ -275,14 +172,15 @@ def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = fr
     return doomed
 
 
+# Rank's done record, in the done tree or (checkpoints older than it) the flat layout.
+read_done_record = donetree.read_done_record
+
+
 __all__ = [
     "CheckpointInfo",
     "DONE",
     "committed_steps",
-    "commit_poll_delays",
-    "commit_step",
     "delete_checkpoint",
-    "finish_rank",
     "latest_step",
     "latest_step_by_listing",
     "read_done_record",
@@ -292,5 +190,4 @@ __all__ = [
     "retain",
     "select_for_deletion",
     "steps",
-    "try_commit",
 ]

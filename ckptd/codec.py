@@ -27,40 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import crc32c as _crc32c
-import ml_dtypes
 import numpy as np
 
+from ckptd.dtypes import numpy_dtype
 from ckptd.errors import CheckpointError, CorruptChunkError
 
 EMPTY = 2**64 - 1
 CRC_BYTES = 4
-
-# zarr v3 data_type name -> numpy dtype. bfloat16 is the zarr v3 extension name that tensorstore
-# reads; numpy knows it through ml_dtypes.
-_DTYPES: dict[str, np.dtype] = {
-    "bool": np.dtype(np.bool_),
-    "int8": np.dtype(np.int8),
-    "int16": np.dtype(np.int16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16),
-    "uint32": np.dtype(np.uint32),
-    "uint64": np.dtype(np.uint64),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "complex64": np.dtype(np.complex64),
-    "complex128": np.dtype(np.complex128),
-}
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise CheckpointError(f"unsupported zarr data type {name!r}") from None
 
 
 def crc32c(data) -> int:

@@ -2,8 +2,9 @@
 
 For tools that produce checkpoints outside a training job -- ``ckptd import``, ``ckptd reshard
 --rechunk`` -- with memory bounded by the largest shard, not the whole checkpoint. It follows the
-same format and commit protocol as the trainer hooks (data, manifest, done record, then one
-``commit.json`` written with put_if_absent), as a world of one writer::
+same format and commit protocol (:mod:`ckptd.commit`: ``begin``, data, manifest, done records,
+then one ``commit.json`` written with put_if_absent) as the trainer hooks, as a world of one
+writer::
 
     with CheckpointWriter(store, step=100) as w:
         w.write_tensor("model/fc.weight", array)          # numpy or torch (CPU)
@@ -20,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ckptd import catalog
+from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
+from ckptd.dtypes import as_numpy, zarr_name
 from ckptd.errors import CheckpointError
 from ckptd.layout import Box, choose_chunk_shape
 from storage_backends import Store
@@ -73,10 +75,7 @@ class CheckpointWriter:
         self._pending: list[tuple[Future, int]] = []
         self._max_pending = max_pending_bytes
         self._committed = False
-        if store.exists(f"{self._folder}/{mf.COMMIT}"):
-            raise CheckpointError(f"{catalog.where(store, step)}: step {step} is already committed")
-        if any(True for _ in store.list(f"{self._folder}/")):
-            store.delete_prefix(f"{self._folder}/")  # a stale partial attempt
+        commit.begin(store, step)
 
     def _put(self, key: str, data, nbytes: int) -> None:
         self._pending.append((self._pool.submit(self.store.put_deferred, f"{self._folder}/{key}", data), nbytes))
@@ -108,7 +107,7 @@ class CheckpointWriter:
     def write_tensor(self, key: str, array, layout: ArrayLayout | None = None, placements: str = "") -> None:
         """Write a whole tensor (numpy array or CPU torch tensor)."""
         arr = _as_numpy(array)
-        dtype = _zarr_name(arr.dtype)
+        dtype = zarr_name(arr.dtype)
         layout = layout or default_layout(arr.shape, dtype, arr.dtype.itemsize)
         self.declare(key, layout, placements)
         for coord in layout.shard_coords() if arr.size else ():
@@ -129,14 +128,14 @@ class CheckpointWriter:
             attempt=self.attempt,
             layout=self.layout_info,
         )
-        for key, data in [*mf.group_nodes(self.entries, self.step), (mf.MANIFEST, m.to_bytes())]:
+        for key, data in commit.manifest_objects(m):
             self._put(key, data, len(data))
         self._drain()
         self.store.sync()  # everything above is durable before any done record
         committed = False
         for rank in range(self.world_size):  # the done records a commit of this world size needs
             rec = {"rank": rank, "bytes": self.bytes if rank == 0 else 0, "objects": self.objects if rank == 0 else 0}
-            committed = catalog.finish_rank(self.store, self.step, self.attempt, rank, self.world_size, rec, extra)
+            committed = commit.finish_rank(self.store, self.step, self.attempt, rank, self.world_size, rec, extra)
         if not committed:
             raise CheckpointError(f"{catalog.where(self.store, self.step)}: commit lost a race with another writer")
         self._committed = True
@@ -161,18 +160,7 @@ class CheckpointWriter:
 def _as_numpy(array) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array
-    from trainer_hooks.flatten import as_numpy
-
     t = array.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     return as_numpy(t.contiguous())
-
-
-def _zarr_name(dtype: np.dtype) -> str:
-    from ckptd.codec import _DTYPES
-
-    for name, dt in _DTYPES.items():
-        if dt == dtype:
-            return name
-    raise CheckpointError(f"unsupported dtype {dtype}")

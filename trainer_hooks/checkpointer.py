@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ckptd import catalog
+from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from storage_backends import StorageError, Store, open_store
@@ -33,6 +33,7 @@ from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import flatten
 from trainer_hooks.restore import restore_state
+from trainer_hooks.sink import Sink
 from trainer_hooks.snapshot import Planner, take
 from trainer_hooks.writer import BackgroundWriter
 
@@ -82,13 +83,13 @@ class Checkpointer:
         self._closed = False
         self.last_save_blocked_s = 0.0
         self.last_save_phases: dict[str, float] = {}
-        # Where snapshots go. A sink has submit(job) -> Future (resolved at commit), shutdown(),
-        # and stager() -> the Stager whose buffers save() fills (host memory here; shared
-        # memory that the daemon can read in daemon mode).
+        # Where snapshots go (the ``sink.Sink`` contract): this process's writer thread, or the
+        # daemon, whose stager's buffers are shared memory it can read.
+        self._sink: Sink
         if daemon is None:
             self._sink = BackgroundWriter(self.store, self._io, keep_last, commit_timeout, incremental)
         else:
-            from trainer_hooks.daemon_client import DaemonSink
+            from trainer_hooks.daemon_sink import DaemonSink
 
             self._sink = DaemonSink(daemon, root_uri, self.rank, self.world_size, keep_last, commit_timeout)
         self._stager = self._sink.stager()
@@ -124,8 +125,7 @@ class Checkpointer:
                 attempt=attempt,
                 layout={"world_size": self.world_size},
             )
-            job.metadata += mf.group_nodes(entries, step)
-            job.metadata.append((mf.MANIFEST, m.to_bytes()))
+            job.metadata += commit.manifest_objects(m)
         fut = _SaveFuture.chain(self._sink.submit(job), step)
         self._inflight = (step, fut)
         t1 = time.perf_counter()
@@ -148,14 +148,9 @@ class Checkpointer:
         attempt = uuid.uuid4().hex[:12]
         if self.rank == 0:
             try:
-                if self.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
-                    where = catalog.where(self.store, step)
-                    err = f"{where}: step {step} is already committed; refusing to overwrite"
-                elif any(True for _ in self.store.list(f"{mf.step_dir(step)}/")):
-                    log.warning("removing stale partial checkpoint %s", catalog.where(self.store, step))
-                    self.store.delete_prefix(f"{mf.step_dir(step)}/")
-            except StorageError as e:
-                err = f"{catalog.where(self.store, step)}: {e}"
+                commit.begin(self.store, step)
+            except CheckpointError as e:
+                err = str(e)
         lo_hi = self.coord.all_max([step, -step])
         if lo_hi[0] != -lo_hi[1]:
             err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"
@@ -188,9 +183,7 @@ class Checkpointer:
         """``wait``, then also let background retention of an in-process writer finish (with a
         daemon, retention is the daemon's). For benchmarks and tests that must not overlap it."""
         self.wait()
-        idle = getattr(self._sink, "idle", None)
-        if idle is not None:
-            idle()
+        self._sink.idle()
 
     # --------------------------------------------------------------------------- restore
 

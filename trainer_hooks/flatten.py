@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
-import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -25,8 +23,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptd import jsonenc
+from ckptd.dtypes import as_numpy, zarr_dtype
 from ckptd.errors import CheckpointError
 from ckptd.manifest import key_of
+
+# as_numpy: re-exported for callers that imported it from here (it lives in ckptd.dtypes)
+__all__ = ["Flat", "apply", "as_numpy", "flatten"]
 
 MODULE, OPTIMIZER, STATEFUL, TENSOR, DICT, VALUE = (
     "module",
@@ -36,40 +38,6 @@ MODULE, OPTIMIZER, STATEFUL, TENSOR, DICT, VALUE = (
     "dict",
     "value",
 )
-
-_TORCH_TO_ZARR = {
-    torch.bool: "bool",
-    torch.int8: "int8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.uint8: "uint8",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.complex64: "complex64",
-    torch.complex128: "complex128",
-}
-_ZARR_TO_TORCH = {v: k for k, v in _TORCH_TO_ZARR.items()}
-
-
-def zarr_dtype(dtype: torch.dtype, key: str = "") -> str:
-    try:
-        return _TORCH_TO_ZARR[dtype]
-    except KeyError:
-        raise CheckpointError(f"key {key!r}: tensors of dtype {dtype} cannot be stored") from None
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _ZARR_TO_TORCH[name]
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view of a contiguous CPU tensor (bfloat16 through ml_dtypes)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
 
 
 @dataclass

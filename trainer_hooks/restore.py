@@ -26,12 +26,13 @@ import torch
 
 from ckptd import catalog, jsonenc, plans
 from ckptd import manifest as mf
+from ckptd.dtypes import as_numpy, zarr_dtype
 from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import NotFoundError, StorageError, Store, open_store
 from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
-from trainer_hooks.flatten import apply, as_numpy, flatten, zarr_dtype
+from trainer_hooks.flatten import apply, flatten
 from trainer_hooks.sharding import is_dtensor, local_tensor, sharding_of
 
 log = logging.getLogger("ckptd.restore")

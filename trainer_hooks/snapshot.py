@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from ckptd import manifest as mf
 from ckptd.codec import CRC_BYTES, ArrayLayout, image_chunks, image_nbytes, init_image, inline_value
+from ckptd.dtypes import zarr_dtype
 from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
 from storage_backends._direct import DIRECT_MIN_BYTES
-from trainer_hooks.flatten import Flat, zarr_dtype
+from trainer_hooks.flatten import Flat
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
 
 

@@ -38,6 +38,7 @@ import torch
 
 from ckptd import catalog, jsonenc
 from ckptd import manifest as mf
+from ckptd.dtypes import as_numpy, torch_dtype, zarr_dtype
 from ckptd.errors import CheckpointError
 from ckptd.layout import Box
 from ckptd.reader import CheckpointReader, ReadRequest
@@ -111,8 +112,6 @@ class ImportTree:
         """The manifest's state tree and the tensors to write, in tree order. Array keys are the
         ones ``trainer_hooks.flatten`` gives a live state of the same shape: one path component
         per dict key (an FQN is one component), list indices as components."""
-        from trainer_hooks.flatten import zarr_dtype
-
         items: list[Item] = []
         seen: set[str] = set()
 
@@ -217,8 +216,6 @@ class SavedCheckpoint:
 
     def decode(self, name: str) -> tuple[str, Any]:
         """``(kind, tree)`` of one top-level entry; tensors are ``meta`` stand-ins."""
-        from trainer_hooks.flatten import torch_dtype
-
         node = self.manifest.state[name]
 
         def on_tensor(key: str) -> torch.Tensor:
@@ -236,8 +233,6 @@ class SavedCheckpoint:
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` as a fresh CPU tensor (every chunk's crc32c checked)."""
-        from trainer_hooks.flatten import as_numpy, torch_dtype
-
         entry = self.manifest.tensors[key]
         out = torch.empty(entry.layout.shape, dtype=torch_dtype(entry.layout.dtype))
         if out.numel():

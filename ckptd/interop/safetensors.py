@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ckptd.dtypes import as_numpy
 from ckptd.errors import CheckpointError
 from ckptd.interop.common import (
     ExportResult,
@@ -198,8 +199,6 @@ def _header(names: list[str], stand_ins: dict[str, torch.Tensor]) -> bytes:
 
 
 def _write_file(path: str, names: list[str], stand_ins, saved: SavedCheckpoint, tick) -> None:
-    from trainer_hooks.flatten import as_numpy
-
     header = _header(names, stand_ins)
     with open(path, "wb") as f:
         f.write(len(header).to_bytes(8, "little"))

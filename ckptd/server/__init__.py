@@ -7,12 +7,12 @@ Modules, one job each:
 * ``staging``: the staging folder in shared memory: leases of buffer files, the memory budget,
   the journal that makes a restart finish (or discard) what a crash interrupted;
 * ``handoff``: validation of a hand-off request and mapping of its files;
-* ``jobs``: the upload through ``trainer_hooks.writer.persist`` (the one
+* ``jobs``: the upload through ``ckptd.commit.persist`` (the one
   commit protocol), commit watching, retries;
 * ``metrics``: Prometheus counters;
 * ``app``: the FastAPI application (routes, auth, body limits).
 
-The hand-off protocol, as the trainer side (``trainer_hooks.daemon_client``) runs it, per rank:
+The hand-off protocol, as the trainer side (``trainer_hooks.daemon_sink``) runs it, per rank:
 
 1. ``POST /v1/leases`` (or ``/acquire`` on the lease of the previous save): the daemon grants
    staging memory under its budget (429 + ``Retry-After`` when full) and names a folder;

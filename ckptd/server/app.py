@@ -4,7 +4,13 @@ staging folder before the first request, so a daemon that cannot start says so a
 Errors are JSON ``{"detail": "..."}``: 400 a malformed request, a root not served, keys or paths
 escaping the job root or the staging lease; 401 a missing or wrong bearer token; 404 unknown
 lease, job or step; 409 a lease the daemon is still uploading from; 413 a body over the limit;
-429 (with ``Retry-After``) the staging budget is full -- the client waits and asks again.
+429 (with ``Retry-After``) the staging budget is full -- the client waits and asks again; 502 the
+job root's storage failed or holds something unreadable.
+
+Routes live on the ``APIRouter``s listed in ``ROUTERS`` and reach the daemon's parts through the
+``Daemon`` dependency; a new group of routes is a router plus one entry there. Routes raise the
+error types of the layers below and ``ERRORS`` (one table) turns them into status codes, so no
+route catches an error only to translate it.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import logging
 import shutil
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
@@ -168,6 +176,205 @@ def read_token(path: str | None) -> str | None:
     return token
 
 
+# ------------------------------------------------------------------------- daemon parts
+
+
+@dataclass(frozen=True)
+class Daemon:
+    """The parts every route uses, built once by ``create_app`` and kept on ``app.state.daemon``."""
+
+    roots: Roots
+    runner: Runner
+    staging: Staging
+    metrics: Metrics
+    staging_dir: Path
+
+    def root_of(self, root: str | None) -> str:
+        """The job root a request names, or the only one served when it names none."""
+        if root is None:
+            only = self.roots.only()
+            if only is None:
+                raise RootError(
+                    f"this daemon serves several roots; name one with ?root= ({', '.join(self.roots.uris)})"
+                )
+            return only
+        return self.roots.check(root)
+
+
+def _daemon(request: Request) -> Daemon:
+    return request.app.state.daemon
+
+
+Parts = Annotated[Daemon, Depends(_daemon)]
+
+
+# ------------------------------------------------------------------------------- errors
+
+# Error type -> HTTP status, looked up along the raised exception's MRO (so a subclass listed
+# here wins over its base: CheckpointNotFoundError is 404, any other CheckpointError 502).
+ERRORS: dict[type[Exception], int] = {
+    RootError: 400,  # a root not served, or not a valid root
+    BadJob: 400,  # a hand-off that fails validation
+    CheckpointNotFoundError: 404,
+    LeaseGone: 404,
+    LeaseBusy: 409,  # the daemon still uploads from that lease
+    CheckpointError: 502,  # the job root holds something unreadable
+    StorageError: 502,  # the job root's storage failed
+}
+
+
+async def _mapped_error(_req: Request, exc: Exception) -> JSONResponse:
+    status = next(ERRORS[t] for t in type(exc).__mro__ if t in ERRORS)
+    # KeyError's str() quotes its message; the message is its first argument
+    detail = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return _error(status, detail)
+
+
+async def _budget_full(req: Request, exc: BudgetFull) -> JSONResponse:
+    req.app.state.daemon.metrics.inc("ckptd_budget_waits_total")
+    return JSONResponse(
+        {"detail": str(exc), "staged": exc.staged, "budget": exc.budget},
+        status_code=429,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def _bad_request(_req: Request, exc: RequestValidationError) -> JSONResponse:
+    errs = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()[:5])
+    return _error(400, f"malformed request: {errs}")
+
+
+HANDLERS = {RequestValidationError: _bad_request, BudgetFull: _budget_full, **dict.fromkeys(ERRORS, _mapped_error)}
+
+
+# ---------------------------------------------------------------------- read-only routes
+
+read_only = APIRouter()
+
+
+@read_only.get("/healthz", summary="liveness; never needs a token")
+def healthz():
+    return {"status": "ok"}
+
+
+@read_only.get("/v1/status", summary="staging, budget, queue")
+def status(d: Parts):
+    return {
+        "version": __version__,
+        # what this daemon accepts beyond the first API: clients check before using them
+        "features": list(FEATURES),
+        "roots": d.roots.uris,
+        "staging_dir": str(d.staging_dir),
+        "budget": d.staging.budget,
+        "staged_bytes": d.staging.staged_bytes,
+        "leases": d.staging.lease_count,
+        "queue_depth": d.runner.queue_depth,
+        "awaiting_commit": d.runner.watching,
+    }
+
+
+@read_only.get("/v1/roots", summary="the job roots served")
+def list_roots(d: Parts):
+    return {"roots": d.roots.uris}
+
+
+@read_only.post("/v1/roots/check", summary="400 unless the root is served")
+def check_root(body: RootRequest, d: Parts):
+    return {"root": d.roots.check(body.root)}
+
+
+@read_only.get("/v1/checkpoints", summary="every checkpoint of a job root, committed or partial")
+def list_checkpoints(d: Parts, root: str | None = Query(None, max_length=4096)):
+    return [i.to_json() for i in catalog.list_checkpoints(d.runner.store(d.root_of(root)))]
+
+
+@read_only.get("/v1/checkpoints/{step}", summary="one checkpoint: commit state and, if committed, its tensors")
+def get_checkpoint(step: int, d: Parts, root: str | None = Query(None, max_length=4096)):
+    r = d.root_of(root)
+    store = d.runner.store(r)
+    info = next((i for i in catalog.list_checkpoints(store) if i.step == step), None)
+    if info is None:
+        return _error(404, f"{r}: no checkpoint at step {step}")
+    out = info.to_json()
+    if info.committed:
+        m = catalog.load_manifest(store, step)
+        out["tensors"] = [t.to_json() for t in m.tensors.values()]
+    return out
+
+
+@read_only.get("/metrics", response_class=PlainTextResponse, summary="Prometheus text format")
+def prometheus(d: Parts):
+    return PlainTextResponse(d.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+# ------------------------------------------------------------------------ staging leases
+
+leases = APIRouter()
+
+
+@leases.post("/v1/leases", summary="reserve staging memory; 429 while the budget is full")
+def create_lease(body: LeaseRequest, d: Parts):
+    r = d.roots.check(body.root)
+    return d.staging.create(r, body.rank, body.bytes, body.want, body.client).info(d.staging.ttl)
+
+
+@leases.post("/v1/leases/{lease_id}/acquire", summary="start a save in a lease handed back by the daemon")
+def acquire_lease(lease_id: str, d: Parts):
+    return d.staging.acquire(lease_id).info(d.staging.ttl)
+
+
+@leases.post("/v1/leases/{lease_id}/grow", summary="more staging memory for a lease; 429 while full")
+def grow_lease(lease_id: str, body: GrowRequest, d: Parts):
+    return d.staging.grow(lease_id, body.bytes, body.want).info(d.staging.ttl)
+
+
+@leases.post("/v1/leases/{lease_id}/heartbeat", summary="the lease's client is alive")
+def heartbeat_lease(lease_id: str, d: Parts):
+    return d.staging.heartbeat(lease_id).info(d.staging.ttl)
+
+
+@leases.delete("/v1/leases/{lease_id}", status_code=204, summary="the client is done with its lease")
+def release_lease(lease_id: str, d: Parts):
+    d.staging.release(lease_id)
+    return Response(status_code=204)
+
+
+# ------------------------------------------------------------------------------ hand-off
+
+jobs = APIRouter()
+
+
+@jobs.post("/v1/jobs", summary="hand off one rank's snapshot; from the 200 on the daemon owns it")
+def submit_job(body: JobRequest, d: Parts):
+    return d.runner.accept(body.model_dump()).status()
+
+
+@jobs.get("/v1/jobs", summary="recent jobs")
+def list_jobs(d: Parts, limit: int = Query(100, ge=1, le=4096)):
+    return [j.status() for j in d.runner.recent(limit)]
+
+
+@jobs.get("/v1/jobs/{job_id}", summary="a job's state: queued, uploading, uploaded, committed, failed, discarded")
+async def get_job(
+    job_id: str,
+    d: Parts,
+    wait: float = Query(
+        0.0, ge=0, le=60, description="long poll: answer as soon as the job is final, or after this many seconds"
+    ),
+):
+    job = d.runner.get(job_id)
+    if job is None:
+        return _error(404, f"no job {job_id!r}")
+    deadline = time.monotonic() + wait
+    while job.state not in FINAL and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)  # the upload runs on a thread: a state change is seen in 5 ms
+    return job.status()
+
+
+# Every group of routes the daemon serves, in this order.
+ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs)
+
+
 # ---------------------------------------------------------------------------------- app
 
 
@@ -203,163 +410,10 @@ def create_app(settings: Settings) -> FastAPI:
         description="Owns every handed-off snapshot from hand-off to commit.",
         lifespan=lifespan,
     )
-    app.state.runner, app.state.staging, app.state.metrics = runner, staging, metrics
+    app.state.daemon = Daemon(roots, runner, staging, metrics, folder)
     app.add_middleware(Guard, token=token, max_body=settings.max_body_bytes)
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(_req: Request, exc: RequestValidationError):
-        errs = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()[:5])
-        return _error(400, f"malformed request: {errs}")
-
-    def root_of(root: str | None) -> str:
-        if root is None:
-            only = roots.only()
-            if only is None:
-                raise RootError(f"this daemon serves several roots; name one with ?root= ({', '.join(roots.uris)})")
-            return only
-        return roots.check(root)
-
-    # ---------------------------------------------------------------------- read-only
-
-    @app.get("/healthz", summary="liveness; never needs a token")
-    def healthz():
-        return {"status": "ok"}
-
-    @app.get("/v1/status", summary="staging, budget, queue")
-    def status():
-        return {
-            "version": __version__,
-            # what this daemon accepts beyond the first API: clients check before using them
-            "features": list(FEATURES),
-            "roots": roots.uris,
-            "staging_dir": str(folder),
-            "budget": staging.budget,
-            "staged_bytes": staging.staged_bytes,
-            "leases": staging.lease_count,
-            "queue_depth": runner.queue_depth,
-            "awaiting_commit": runner.watching,
-        }
-
-    @app.get("/v1/roots", summary="the job roots served")
-    def list_roots():
-        return {"roots": roots.uris}
-
-    @app.post("/v1/roots/check", summary="400 unless the root is served")
-    def check_root(body: RootRequest):
-        try:
-            return {"root": roots.check(body.root)}
-        except RootError as e:
-            return _error(400, str(e))
-
-    @app.get("/v1/checkpoints", summary="every checkpoint of a job root, committed or partial")
-    def list_checkpoints(root: str | None = Query(None, max_length=4096)):
-        try:
-            r = root_of(root)
-            return [i.to_json() for i in catalog.list_checkpoints(runner.store(r))]
-        except RootError as e:
-            return _error(400, str(e))
-        except (CheckpointError, StorageError) as e:
-            return _error(502, str(e))
-
-    @app.get("/v1/checkpoints/{step}", summary="one checkpoint: commit state and, if committed, its tensors")
-    def get_checkpoint(step: int, root: str | None = Query(None, max_length=4096)):
-        try:
-            r = root_of(root)
-            store = runner.store(r)
-            info = next((i for i in catalog.list_checkpoints(store) if i.step == step), None)
-            if info is None:
-                return _error(404, f"{r}: no checkpoint at step {step}")
-            out = info.to_json()
-            if info.committed:
-                m = catalog.load_manifest(store, step)
-                out["tensors"] = [t.to_json() for t in m.tensors.values()]
-            return out
-        except RootError as e:
-            return _error(400, str(e))
-        except CheckpointNotFoundError as e:
-            return _error(404, str(e))
-        except (CheckpointError, StorageError) as e:
-            return _error(502, str(e))
-
-    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus text format")
-    def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    # ---------------------------------------------------------------------- hand-off
-
-    def budget_full(e: BudgetFull) -> JSONResponse:
-        metrics.inc("ckptd_budget_waits_total")
-        return JSONResponse(
-            {"detail": str(e), "staged": e.staged, "budget": e.budget},
-            status_code=429,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-
-    @app.post("/v1/leases", summary="reserve staging memory; 429 while the budget is full")
-    def create_lease(body: LeaseRequest):
-        try:
-            r = roots.check(body.root)
-            return staging.create(r, body.rank, body.bytes, body.want, body.client).info(staging.ttl)
-        except RootError as e:
-            return _error(400, str(e))
-        except BudgetFull as e:
-            return budget_full(e)
-
-    def lease_call(fn, *args):
-        try:
-            return fn(*args).info(staging.ttl)
-        except LeaseGone as e:
-            return _error(404, str(e.args[0]))
-        except LeaseBusy as e:
-            return _error(409, str(e))
-        except BudgetFull as e:
-            return budget_full(e)
-
-    @app.post("/v1/leases/{lease_id}/acquire", summary="start a save in a lease handed back by the daemon")
-    def acquire_lease(lease_id: str):
-        return lease_call(staging.acquire, lease_id)
-
-    @app.post("/v1/leases/{lease_id}/grow", summary="more staging memory for a lease; 429 while full")
-    def grow_lease(lease_id: str, body: GrowRequest):
-        return lease_call(staging.grow, lease_id, body.bytes, body.want)
-
-    @app.post("/v1/leases/{lease_id}/heartbeat", summary="the lease's client is alive")
-    def heartbeat_lease(lease_id: str):
-        return lease_call(staging.heartbeat, lease_id)
-
-    @app.delete("/v1/leases/{lease_id}", status_code=204, summary="the client is done with its lease")
-    def release_lease(lease_id: str):
-        staging.release(lease_id)
-        return Response(status_code=204)
-
-    @app.post("/v1/jobs", summary="hand off one rank's snapshot; from the 200 on the daemon owns it")
-    def submit_job(body: JobRequest):
-        try:
-            return runner.accept(body.model_dump()).status()
-        except BadJob as e:
-            return _error(400, str(e))
-        except LeaseGone as e:
-            return _error(404, str(e.args[0]))
-        except LeaseBusy as e:
-            return _error(409, str(e))
-
-    @app.get("/v1/jobs", summary="recent jobs")
-    def list_jobs(limit: int = Query(100, ge=1, le=4096)):
-        return [j.status() for j in runner.recent(limit)]
-
-    @app.get("/v1/jobs/{job_id}", summary="a job's state: queued, uploading, uploaded, committed, failed, discarded")
-    async def get_job(
-        job_id: str,
-        wait: float = Query(
-            0.0, ge=0, le=60, description="long poll: answer as soon as the job is final, or after this many seconds"
-        ),
-    ):
-        job = runner.get(job_id)
-        if job is None:
-            return _error(404, f"no job {job_id!r}")
-        deadline = time.monotonic() + wait
-        while job.state not in FINAL and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)  # the upload runs on a thread: a state change is seen in 5 ms
-        return job.status()
-
+    for exc_type, handler in HANDLERS.items():
+        app.add_exception_handler(exc_type, handler)
+    for router in ROUTERS:
+        app.include_router(router)
     return app

@@ -2,7 +2,7 @@
 a staging lease. ``validate`` turns a request into a ``Job`` or refuses it (``BadJob``, HTTP 400):
 a root not served, keys escaping the checkpoint folder or reserved for the commit protocol, file
 names that are not plain names inside the lease, symlinks, sizes that do not match the layout.
-``load`` maps the files into the ``SaveJob`` that ``trainer_hooks.writer.persist`` writes.
+``load`` maps the files into the ``SaveJob`` that ``ckptd.commit.persist`` writes.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, numpy_dtype
+from ckptd.codec import ArrayLayout, image_chunks, image_nbytes
+from ckptd.dtypes import numpy_dtype, torch_dtype
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Lease, is_plain_file_name
 from storage_backends.base import InvalidKeyError, check_key
-from trainer_hooks.flatten import torch_dtype
 from trainer_hooks.snapshot import SaveJob, ShardWrite, format_image
 
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -203,7 +203,8 @@ def load(job: Job, folder: Path) -> SaveJob:
             view = format_image(mapped, layout, chunks, torch_dtype(layout.dtype))
             out.shards.append(ShardWrite(s["key"], layout, coord, view, mapped))
             continue
-        buf = mapped.view(torch_dtype(layout.dtype)).view(layout.shard_extent(coord))
+        # A numpy view (bfloat16 through ml_dtypes), which is what ``commit.persist`` writes.
+        buf = mapped.numpy().view(numpy_dtype(layout.dtype)).reshape(layout.shard_extent(coord))
         out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
         out.metadata.append((m["key"], (folder / m["file"]).read_bytes()))

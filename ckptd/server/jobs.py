@@ -1,10 +1,11 @@
 """Handed-off snapshots: upload them with the one commit protocol, watch their commits.
 
 A job (``handoff.Job``) is one rank's part of one checkpoint, its buffers in files of a staging
-lease. The daemon maps those files and calls
-``trainer_hooks.writer.persist`` -- the same code, hence the same order of writes, as the
-in-process writer: shards and metadata, then the rank's done record, then ``try_commit``
-(``put_if_absent`` of the commit record, so two daemons racing on one step commit it once).
+lease. The daemon maps those files and calls ``ckptd.commit.persist`` -- the same code, hence the
+same order of writes, as the in-process writer: shards and metadata, then the rank's done
+record, then ``try_commit`` (``put_if_absent`` of the commit record, so two daemons racing on
+one step commit it once); the worker that wrote the commit then applies retention
+(``commit.after_commit``), after the job is reported committed.
 
 States: ``queued`` -> ``uploading`` -> ``uploaded`` (this rank's data and done record are durable;
 other ranks still to finish) -> ``committed``; or ``failed``; or ``discarded`` (at restart, when
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd import catalog
+from ckptd import commit as protocol
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
 from ckptd.server.handoff import FINAL, JOB_ID, BadJob, Job, intact, load, validate
@@ -32,7 +34,6 @@ from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings
 from ckptd.server.staging import Lease, LeaseBusy, Staging
 from storage_backends import StorageError, Store, open_store
-from trainer_hooks.writer import persist
 
 log = logging.getLogger("ckptd.jobs")
 
@@ -269,7 +270,7 @@ class Runner:
             try:
                 save_job = load(job, lease.dir)
                 try:
-                    result = persist(store, save_job, self._io, job.keep_last, job.commit_timeout, wait=False)
+                    result = protocol.persist(store, save_job, self._io, commit_timeout=job.commit_timeout, wait=False)
                 finally:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
@@ -305,6 +306,8 @@ class Runner:
         job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "uploaded"})
         if result == "already" or result.committed_here:
             self._finish(job, "committed")
+            if result != "already":
+                protocol.after_commit(store, result, job.keep_last)
         else:
             job.state = "uploaded"
             with self._lock:

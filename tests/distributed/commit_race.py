@@ -4,10 +4,10 @@ one save (or commits steps) on a filesystem root, released together with the oth
 ``python -m tests.distributed.commit_race ROOT MODE PROC NPROCS WORLD OUT``
 
 - ``finish``: ranks PROC, PROC + NPROCS, ... of a WORLD-rank save of step 5, each through the
-  real ``catalog.finish_rank``, 4 at a time; writes the ranks it committed for to OUT. With
+  real ``commit.finish_rank``, 4 at a time; writes the ranks it committed for to OUT. With
   ``hold`` as 7th argument the process finishes all but its last rank, writes OUT, and then waits
   to be killed (it never finishes its last rank).
-- ``steps``: commits steps PROC + 1 + k * NPROCS for k < WORLD through ``catalog.commit_step``.
+- ``steps``: commits steps PROC + 1 + k * NPROCS for k < WORLD through ``commit.commit_step``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckptd import catalog
+from ckptd import catalog, commit
 from storage_backends import open_store
 
 
@@ -29,14 +29,14 @@ def main(root: str, mode: str, proc: int, nprocs: int, world: int, out: str, hol
         time.sleep(0.001)
     if mode == "steps":
         mine = [proc + 1 + k * nprocs for k in range(world)]
-        won = [s for s in mine if catalog.commit_step(store, s, {"step": s})]
+        won = [s for s in mine if commit.commit_step(store, s, {"step": s})]
         Path(out).write_text(json.dumps(won))
         return
     ranks = list(range(proc, world, nprocs))
     last = ranks.pop() if hold else None
 
     def finish(r: int) -> bool:
-        return catalog.finish_rank(store, 5, "att", r, world, {"rank": r, "bytes": r, "objects": 1})
+        return commit.finish_rank(store, 5, "att", r, world, {"rank": r, "bytes": r, "objects": 1})
 
     with ThreadPoolExecutor(4) as pool:
         won = [r for r, ok in zip(ranks, pool.map(finish, ranks), strict=True) if ok]

@@ -375,12 +375,12 @@ def test_a_client_uses_only_what_the_daemon_advertises(roomy, monkeypatch):
     """``/v1/status`` lists the daemon's features. A client facing a daemon without them (an
     older ``ckptd serve``: here its answer is withheld from the client) stages plain shard files
     and polls without ``wait``; its saves still commit and restore."""
-    from trainer_hooks import daemon_client
+    from trainer_hooks import daemon_sink
 
     d, root = roomy
     with httpx.Client(base_url=d.url, timeout=30) as c:
         assert {"image_handoff", "job_long_poll"} <= set(c.get("/v1/status").json()["features"])
-    monkeypatch.setattr(daemon_client.DaemonSink, "_features", lambda self: set())
+    monkeypatch.setattr(daemon_sink.DaemonSink, "_features", lambda self: set())
     torch.manual_seed(1)
     state = {"w": torch.randn(1000, 1024)}
     job_root = root + "/old-daemon"

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from ckptd.commit import persist
 from storage_backends import open_store
 from trainer_hooks.flatten import flatten
 from trainer_hooks.snapshot import Planner, Stager, take
-from trainer_hooks.writer import persist
 
 log: list[tuple] = []
 

@@ -16,11 +16,11 @@ import torch
 
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard, image_chunks, image_nbytes, init_image, seal_image
+from ckptd.dtypes import as_numpy
 from ckptd.verify import verify
 from storage_backends import open_store
 from trainer_hooks import Checkpointer
 from trainer_hooks import checkpointer as checkpointer_mod
-from trainer_hooks.flatten import as_numpy
 
 ELIGIBLE = [
     # shape, dtype, shard, chunk

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from ckptd import catalog, donetree, latest
+from ckptd import catalog, commit, donetree, latest
 from ckptd import manifest as mf
 from storage_backends import MemoryStore
 from storage_backends.simulated import SimulatedStore, VirtualClock
@@ -30,7 +30,7 @@ def _finish_all(
         record = {"rank": r, "bytes": 1000 + r, "objects": 2}
         if r in twice:  # a rank whose done record is written twice (a retried save of it)
             donetree.write_done(store, 7, "a", r, {**record, "bytes": 1})
-        if catalog.finish_rank(store, 7, "a", r, n, record):
+        if commit.finish_rank(store, 7, "a", r, n, record):
             winners.append(r)
 
     for r in range(n):
@@ -103,7 +103,7 @@ def _commit_old_style(store, step: int) -> None:
 
 
 def _commit(store, step: int) -> bool:
-    return catalog.commit_step(store, step, {"step": step})
+    return commit.commit_step(store, step, {"step": step})
 
 
 def test_a_root_without_chain_is_listed_and_the_first_commit_seeds_it_past_old_steps():

@@ -1,0 +1,252 @@
+"""The daemon mode's ``Stager``: snapshot buffers as files of a staging lease in shared memory.
+
+The first buffer of a save acquires the rank's staging lease (a folder the daemon grants, in
+``/dev/shm`` by default) or creates one; buffers are files in it, mapped as tensors, so the
+snapshot copy *is* the copy into shared memory. The same files are reused by the next save once
+the daemon hands the lease back (no new pages to fault in). When the daemon's memory budget is
+full it answers 429 and the save waits, saying why in the log. ``finish`` writes the job's
+metadata objects into the lease too and returns the file list that ``daemon_sink`` hands off.
+
+Trainer and daemon must see the same staging folder (same node; in containers, the same host
+``/dev/shm`` mount). Concurrency: the training thread calls ``buffer``/``image``/``finish``;
+the sink's poller thread may call ``lease_lost``. Nothing writes into the lease's files while
+the daemon owns it (between the hand-off and the next save's acquire).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from ckptd.codec import ArrayLayout, image_nbytes
+from ckptd.errors import CheckpointError
+from trainer_hooks.daemon_client import DaemonClient, detail
+from trainer_hooks.snapshot import SaveJob, Stager, format_image, staged_image_chunks
+
+__all__ = ["DaemonStager"]
+
+
+class DaemonStager(Stager):
+    """Snapshot buffers as files of a staging lease, mapped as tensors and reused across saves.
+
+    ``pin`` is ignored: the buffers are shared-memory mappings, which CUDA copies into
+    synchronously (the copy is correct, only not overlapped). Object images are files of the
+    lease too: the daemon checks their size against the layout, rewrites the index, fills in the
+    checksums in its private mapping and writes the file's pages as they are."""
+
+    def __init__(self, client: DaemonClient, root: str, rank: int, client_id: str):
+        super().__init__()
+        self._client = client
+        self._root, self._rank, self._client_id = root, rank, client_id
+        self.lease_ttl = 60.0  # as the daemon granted it: the sink heartbeats well within it
+        self.lease_id: str | None = None
+        self._dir: Path | None = None
+        self._granted = 0
+        self._files: dict[tuple[str, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
+        # object images among them: (key, coord) -> (layout, dtype, chunked view of the file)
+        self._views: dict[tuple[str, tuple[int, ...]], tuple[ArrayLayout, torch.dtype, torch.Tensor]] = {}
+        self._meta_names: list[str] = []
+        self._meta_bytes = 0
+        self._used: set[str] = set()
+        self._in_save = False
+        self._last_total = 0
+        self._counter = 0
+        # Held by the training thread while it stages; the poller takes it without waiting, to
+        # unmap the files of a lease the daemon freed (their memory is only freed once unmapped).
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------- Stager API
+
+    def buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
+        with self._lock:
+            return self._buffer(key, coord, shape, dtype)
+
+    def _buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype) -> torch.Tensor:
+        if not self._in_save:
+            self._begin()
+        hit = self._files.get((key, coord))
+        if (
+            hit is not None
+            and (key, coord) not in self._views
+            and tuple(hit[1].shape) == tuple(shape)
+            and hit[1].dtype == dtype
+        ):
+            self._used.add(hit[0])
+            return hit[1]
+        if hit is not None:
+            self._drop(key, coord)
+        numel = math.prod(shape)
+        name = self._new_file(numel * torch.empty((), dtype=dtype).element_size())
+        if numel:
+            buf = torch.from_file(str(self._dir / name), shared=True, size=numel, dtype=dtype).view(shape)
+        else:
+            buf = torch.empty(shape, dtype=dtype)
+        self._files[(key, coord)] = (name, buf)
+        self._used.add(name)
+        return buf
+
+    def image(
+        self, key: str, coord: tuple[int, ...], layout: ArrayLayout, dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._lock:
+            return self._image(key, coord, layout, dtype)
+
+    def _image(self, key: str, coord: tuple[int, ...], layout: ArrayLayout, dtype):
+        chunks = staged_image_chunks(layout, coord, dtype)
+        if chunks is None:
+            return None
+        if not self._in_save:
+            self._begin()
+        hit, seen = self._files.get((key, coord)), self._views.get((key, coord))
+        if hit is not None and seen is not None and seen[0] == layout and seen[1] == dtype:
+            self._used.add(hit[0])
+            return seen[2], hit[1]
+        if hit is not None:
+            self._drop(key, coord)
+        nbytes = image_nbytes(layout, chunks)
+        name = self._new_file(nbytes)
+        image = torch.from_file(str(self._dir / name), shared=True, size=nbytes, dtype=torch.uint8)
+        view = format_image(image, layout, chunks, dtype)
+        self._files[(key, coord)] = (name, image)
+        self._views[(key, coord)] = (layout, dtype, view)
+        self._used.add(name)
+        return view, image
+
+    def _new_file(self, nbytes: int) -> str:
+        """A new file of ``nbytes`` in the lease (grown first if needed); its name."""
+        self._ensure(self._allocated() + nbytes)
+        name = f"{self._counter:08d}.bin"
+        self._counter += 1
+        fd = os.open(self._dir / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        return name
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, t in self._files.values())
+
+    def release(self) -> None:
+        with self._lock:
+            self._files.clear()
+            self._views.clear()
+            self._in_save = False
+
+    def lease_lost(self, lease_id: str) -> None:
+        """The daemon freed ``lease_id`` (not handed back, or reclaimed while idle): unmap its
+        files now rather than at the next save. Skipped while a save is staging."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if self.lease_id == lease_id and not self._in_save:
+                    self._forget_lease()
+            finally:
+                self._lock.release()
+
+    # ------------------------------------------------------------------------- internals
+
+    def _allocated(self) -> int:
+        return sum(t.nbytes for _, t in self._files.values()) + self._meta_bytes
+
+    def _drop(self, key: str, coord: tuple[int, ...]) -> None:
+        name, _ = self._files.pop((key, coord))
+        self._views.pop((key, coord), None)
+        with contextlib.suppress(OSError):
+            os.unlink(self._dir / name)
+
+    def _forget_lease(self) -> None:
+        """The lease is gone or stays with the daemon: never touch its files again."""
+        self._files.clear()
+        self._views.clear()
+        self._meta_names, self._meta_bytes = [], 0
+        self.lease_id, self._dir, self._granted = None, None, 0
+
+    def _begin(self) -> None:
+        self._in_save, self._used = True, set()
+        if self.lease_id is None:
+            return
+        status, body, _ = self._client.call("POST", f"/v1/leases/{self.lease_id}/acquire", patient=True)
+        if status == 200:
+            self._granted = body["bytes"]
+            return
+        if status == 409:  # an earlier job still reads it (that save failed or timed out here)
+            self._client.call("DELETE", f"/v1/leases/{self.lease_id}")
+        elif status != 404:
+            raise CheckpointError(f"ckptd daemon at {self._client.url}: cannot reuse staging lease: {detail(body)}")
+        self._forget_lease()
+
+    def _ensure(self, total: int) -> None:
+        """Make the lease hold ``total`` bytes, waiting while the daemon's budget is full."""
+        if self.lease_id is not None and total <= self._granted:
+            return
+        if self.lease_id is None:
+            want = max(total, self._last_total)
+            body = self._client.call_waiting(
+                "POST",
+                "/v1/leases",
+                {
+                    "root": self._root,
+                    "rank": self._rank,
+                    "bytes": total,
+                    "want": want,
+                    "client": self._client_id,
+                },
+            )
+            self.lease_id, self._dir = body["lease"], Path(body["dir"])
+            self.lease_ttl = float(body.get("ttl_s", 60.0))
+        else:
+            need = total - self._granted
+            want = max(need, self._last_total - self._granted, self._granted)  # geometric growth
+            body = self._client.call_waiting("POST", f"/v1/leases/{self.lease_id}/grow", {"bytes": need, "want": want})
+        self._granted = body["bytes"]
+
+    def finish(self, job: SaveJob) -> tuple[str, list[dict], list[dict]]:
+        """(lease, the job's shard files, its metadata files), written into the lease; files of
+        tensors this save no longer has are deleted."""
+        with self._lock:
+            return self._finish(job)
+
+    def _finish(self, job: SaveJob) -> tuple[str, list[dict], list[dict]]:
+        if not self._in_save:
+            self._begin()
+        shards = []
+        for sw in job.shards:
+            hit = self._files.get((sw.key, sw.coord))
+            if hit is None or hit[1] is not (sw.buffer if sw.image is None else sw.image):
+                raise CheckpointError(f"array {sw.key!r}: snapshot buffer is not in the staging lease")
+            lay = sw.layout
+            layout = {
+                "shape": list(lay.shape),
+                "dtype": lay.dtype,
+                "shard_shape": list(lay.shard_shape),
+                "chunk_shape": list(lay.chunk_shape),
+            }
+            shard = {"key": sw.key, "layout": layout, "coord": list(sw.coord), "file": hit[0]}
+            if sw.image is not None:
+                shard["image"] = True
+            shards.append(shard)
+        for k in [k for k, (name, _) in self._files.items() if name not in self._used]:
+            self._drop(*k)
+        meta_bytes = sum(len(d) for _, d in job.metadata)
+        self._meta_bytes = 0
+        self._ensure(self._allocated() + meta_bytes)  # creates the lease if the job has no buffers
+        metadata = []
+        for i, (key, data) in enumerate(job.metadata):
+            name = f"meta_{i:06d}.bin"
+            with open(self._dir / name, "wb") as f:
+                f.write(data)
+            metadata.append({"key": key, "file": name})
+        for name in self._meta_names[len(job.metadata) :]:
+            with contextlib.suppress(OSError):
+                os.unlink(self._dir / name)
+        self._meta_names = [m["file"] for m in metadata]
+        self._meta_bytes = meta_bytes
+        self._last_total = self._allocated()
+        self._in_save = False
+        return self.lease_id, shards, metadata
