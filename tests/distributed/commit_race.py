@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckptd import catalog, commit
+from ckptd import commit
 from storage_backends import open_store
 
 
