@@ -284,6 +284,8 @@ def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout:
     deadline = time.monotonic() + timeout
     delays = poll_delays(world_size, rank)
     commit = f"{mf.step_dir(step)}/{mf.COMMIT}"
+    if world_size > 64:  # it has just found the done tree incomplete: no commit yet, and
+        time.sleep(next(delays))  # thousands of ranks finishing together must not HEAD at once
     while True:
         if store.exists(commit):
             return
