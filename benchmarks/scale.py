@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import random
 import sys
 import time as _real_time
@@ -247,29 +248,51 @@ def simulate_latest(steps: int, args, seed: int = 0) -> dict:
     return {"steps": steps, "requests": store.stats.total(), "seconds": seconds}
 
 
+class SimCoordinator:
+    """``trainer_hooks.coord.Coordinator`` for simulated ranks: a broadcast is instantaneous
+    (the process group is not the subject); the ranks other than ``src`` wait in simulated time
+    until ``src`` has contributed."""
+
+    def __init__(self, clock: VirtualClock, slots: dict, rank: int, world_size: int) -> None:
+        self.clock, self.slots, self.rank, self.world_size = clock, slots, rank, world_size
+        self.enabled = world_size > 1
+        self.calls = 0
+
+    def broadcast(self, obj, src: int = 0):
+        self.calls += 1
+        key = ("broadcast", self.calls)
+        if self.rank == src:
+            self.slots[key] = obj
+            return obj
+        while key not in self.slots:
+            self.clock.sleep(0.001)
+        return self.slots[key]
+
+
 def simulate_restore(m: int, args, seed: int = 0) -> dict:
-    """The discovery and planning reads of a restore at ``m`` ranks: rank 0 picks the latest
-    step (and looks for a reshard plan), then every rank reads the manifest and its RNG record,
-    as ``trainer_hooks.restore`` does (the broadcast between them is instantaneous here)."""
-    from ckptd import plans
+    """The discovery and planning reads of a restore at ``m`` ranks, through the real functions
+    of ``trainer_hooks.restore``: rank 0 picks the latest step and looks for a reshard plan, the
+    manifest is read (by every rank, or by rank 0 and broadcast where restore does that), and
+    every rank reads its done record for its RNG state."""
+    from trainer_hooks import restore
 
     clock = VirtualClock()
     store = new_store(clock, args, seed)
     _commit_previous(store, [100, 200], min(m, 64))
+    _done_records(store.inner, 200, "a200", m)  # as if step 200 had been saved by m ranks
     store.reindex()
-    picked: list = []
     finished = [0.0] * m
+    slots: dict = {}
 
     def rank(r: int) -> None:
-        if r == 0:
-            s = catalog.latest_step(store)
-            plans.planned_source(store, s, m)
-            picked.append(s)
-        else:
-            while not picked:  # the broadcast: wait for rank 0's answer
-                clock.sleep(0.001)
-        manifest = catalog.load_manifest(store, picked[0])
-        _read_done(store, manifest, r % manifest.world_size)
+        coord = SimCoordinator(clock, slots, r, m)
+        step = restore._pick_step(store, coord, None)
+        src = restore._planned_store(store, coord, step)
+        if hasattr(restore, "_load_manifest"):
+            manifest = restore._load_manifest(src, coord, step)
+        else:  # before: every rank read it
+            manifest = catalog.load_manifest(src, step)
+        _read_done(store, manifest, r)
         finished[r] = clock.time()
 
     with virtual_time(clock):
@@ -285,6 +308,20 @@ def simulate_restore(m: int, args, seed: int = 0) -> dict:
         "slowdowns": st.slowdowns,
         "peak_get_per_s": st.peak_rate(GET_CLASS)[0],
     }
+
+
+def _done_records(inner, step: int, attempt: str, m: int) -> None:
+    """The done records of ``m`` ranks in the layout of the code under test (uncounted)."""
+    try:
+        from ckptd import donetree
+    except ImportError:  # before the done tree: flat records
+        donetree = None
+    for r in range(m):
+        rec = {"rank": r, "bytes": 0, "objects": 0}
+        if donetree is not None:
+            donetree.write_done(inner, step, attempt, r, rec)
+        else:
+            inner.put(mf.done_key(step, attempt, r), mf.dumps(rec))
 
 
 def _read_done(store, manifest, rank: int) -> None:
@@ -313,7 +350,7 @@ def plot(results: dict, path: Path) -> None:
         saves = res.get("save", [])
         ns = [s["n"] for s in saves]
         ax = axes[0][0]
-        lat = [s["commit_latency_s"] for s in saves]
+        lat = [math.nan if s["commit_latency_s"] is None else s["commit_latency_s"] for s in saves]
         ax.plot(ns, lat, **kw)
         ax.plot(ns, [s["all_know_s"] for s in saves], **{**kw, "alpha": 0.4, "label": f"{label}: all ranks know"})
         ax = axes[0][1]
@@ -357,6 +394,40 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def table(results: dict) -> str:
+    """Markdown tables of every label's figures, for SCALE.md."""
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    out = [
+        "| N | label | committed | failed ranks | commit latency s | all ranks know s | requests/save "
+        "| per rank | PUT | GET | HEAD | LIST | peak PUT/s (prefix) | peak GET/s (prefix) | SlowDowns |",
+        "|" + "---|" * 15,
+    ]
+    rows = [(s["n"], label, s) for label, res in results.items() for s in res.get("save", [])]
+    for n, label, s in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
+        q = s["requests"]
+        out.append(
+            f"| {n} | {label} | {s['committed']} | {s['failed_ranks']} | {f(s['commit_latency_s'])} "
+            f"| {f(s['all_know_s'])} | {s['requests_total']} | {s['requests_per_rank']:.1f} | {q['PUT']} | {q['GET']} "
+            f"| {q['HEAD']} | {q['LIST']} | {s['peak_put_per_s']} (`{s['peak_put_prefix']}`) "
+            f"| {s['peak_get_per_s']} (`{s['peak_get_prefix']}`) | {s['slowdowns']} |"
+        )
+    out += ["", "| steps in the root | label | latest_step() requests | seconds |", "|---|---|---|---|"]
+    rows = [(x["steps"], label, x) for label, res in results.items() for x in res.get("latest", [])]
+    for n, label, x in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
+        out.append(f"| {n} | {label} | {x['requests']} | {x['seconds']:.3f} |")
+    out += ["", "| M | label | requests | per rank | seconds | peak GET/s | SlowDowns |", "|" + "---|" * 7]
+    rows = [(x["m"], label, x) for label, res in results.items() for x in res.get("restore", [])]
+    for m, label, x in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
+        out.append(
+            f"| {m} | {label} | {x['requests']} | {x['requests_per_rank']:.2f} | {x['seconds']:.3f} "
+            f"| {x['peak_get_per_s']} | {x['slowdowns']} |"
+        )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES)))
@@ -373,12 +444,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["save", "latest", "restore"], action="append")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--plot", type=Path, nargs="?", const=HERE / "SCALE.png")
+    p.add_argument("--table", action="store_true", help="print the markdown tables of --out and stop")
     p.add_argument("--wall-timeout", dest="wall_timeout", type=float, default=3600.0)
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
     steps = [int(x) for x in args.steps.split(",") if x]
     only = set(args.only or ["save", "latest", "restore"])
     allres = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if args.table:
+        print(table(allres))
+        if args.plot:
+            plot(allres, args.plot)
+        return 0
     res = allres.setdefault(args.label, {})
     if "save" in only:
         res["save"] = []

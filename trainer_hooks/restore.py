@@ -51,6 +51,27 @@ def _pick_step(store: Store, coord: Coordinator, step: int | None) -> int | None
     return choice
 
 
+def _load_manifest(store: Store, coord: Coordinator, step: int) -> mf.Manifest:
+    """Rank 0 reads and checks the manifest of ``step`` and broadcasts it; every rank gets it.
+
+    One GET per restore instead of two requests per rank on the checkpoint's prefix: at 4096
+    ranks and more that burst is over what S3 serves on one prefix (5500 GET/s) and restores met
+    SlowDowns in ``benchmarks.scale``. Rank 0's error is raised on every rank."""
+    got: Any = None
+    err: Exception | None = None
+    if coord.rank == 0:
+        try:
+            got = catalog.load_manifest(store, step)
+        except (CheckpointError, StorageError) as e:
+            err, got = e, ("error", str(e))
+    got = coord.broadcast(got)
+    if err is not None:
+        raise err
+    if isinstance(got, tuple):
+        raise CheckpointError(got[1])
+    return got
+
+
 def _planned_store(store: Store, coord: Coordinator, step: int) -> Store:
     """Where to read ``step`` from when the caller asked for no particular step: the rechunked
     copy that ``ckptd reshard --rechunk --to M`` recorded for this world size, else ``store``.
@@ -158,8 +179,8 @@ def restore_state(
     loaded: dict[str, torch.Tensor] = {}
     m = saved = None
     try:
-        m = catalog.load_manifest(src, step)
-        saved = m if src is store else catalog.load_manifest(store, step)  # its done records hold the RNG
+        m = _load_manifest(src, coord, step)
+        saved = m if src is store else _load_manifest(store, coord, step)  # its done records hold the RNG
         flat = flatten(state)
         keys = validate(m, flat, where, strict)
         reader = CheckpointReader(src, mf.step_dir(step))
