@@ -129,7 +129,8 @@ def finish_times(n: int, rng: random.Random, write_s: float, skew: float, stragg
 
 
 def new_store(clock: VirtualClock, args, seed: int, **kw) -> SimulatedStore:
-    return SimulatedStore(clock, latency=args.latency, sigma=args.sigma, seed=seed, **kw)
+    faults = {"error_rate": getattr(args, "error_rate", 0.0), "lost_rate": getattr(args, "lost_rate", 0.0)}
+    return SimulatedStore(clock, latency=args.latency, sigma=args.sigma, seed=seed, **faults, **kw)
 
 
 def _commit_previous(store: SimulatedStore, steps, world: int) -> None:
@@ -202,6 +203,8 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
     commit = catalog.read_commit(store.inner, step)
     assert commit is None or commit["world_size"] == n, commit
     assert len(committers) <= 1, f"{len(committers)} ranks think they committed"
+    if commit is not None:  # never partial: every rank's done record exists
+        assert commit["objects"] == n * args.objects + 2, commit  # + rank 0's manifest and group
     t_durable = max(durable)
     t_commit = commit_at[0] if commit_at else None
     st = store.stats
@@ -440,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--objects", type=int, default=2, help="data objects per rank")
     p.add_argument("--previous", type=int, default=3, help="checkpoints in the root before the save")
     p.add_argument("--keep-last", dest="keep_last", type=int, default=3)
+    p.add_argument("--error-rate", dest="error_rate", type=float, default=0.0, help="injected 500s per request")
+    p.add_argument("--lost-rate", dest="lost_rate", type=float, default=0.0, help="lost responses per request")
     p.add_argument("--label", default="after")
     p.add_argument("--only", choices=["save", "latest", "restore"], action="append")
     p.add_argument("--out", type=Path, default=RESULTS)
