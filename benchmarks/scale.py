@@ -286,16 +286,20 @@ def simulate_restore(m: int, args, seed: int = 0) -> dict:
     store.reindex()
     finished = [0.0] * m
     slots: dict = {}
+    failures: list[str] = []
 
     def rank(r: int) -> None:
         coord = SimCoordinator(clock, slots, r, m)
         step = restore._pick_step(store, coord, None)
         src = restore._planned_store(store, coord, step)
-        if hasattr(restore, "_load_manifest"):
-            manifest = restore._load_manifest(src, coord, step)
-        else:  # before: every rank read it
-            manifest = catalog.load_manifest(src, step)
-        _read_done(store, manifest, r)
+        try:
+            if hasattr(restore, "_load_manifest"):
+                manifest = restore._load_manifest(src, coord, step)
+            else:  # before: every rank read it
+                manifest = catalog.load_manifest(src, step)
+            _read_done(store, manifest, r)
+        except Exception as e:  # noqa: BLE001 - a rank's failure is a result to report
+            failures.append(f"rank {r}: {type(e).__name__}: {e}")
         finished[r] = clock.time()
 
     with virtual_time(clock):
@@ -305,6 +309,8 @@ def simulate_restore(m: int, args, seed: int = 0) -> dict:
     st = store.stats
     return {
         "m": m,
+        "failed_ranks": len(failures),
+        "first_failure": failures[0] if failures else None,
         "requests": st.total(),
         "requests_per_rank": st.total() / m,
         "seconds": max(finished),
@@ -421,11 +427,13 @@ def table(results: dict) -> str:
     rows = [(x["steps"], label, x) for label, res in results.items() for x in res.get("latest", [])]
     for n, label, x in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
         out.append(f"| {n} | {label} | {x['requests']} | {x['seconds']:.3f} |")
-    out += ["", "| M | label | requests | per rank | seconds | peak GET/s | SlowDowns |", "|" + "---|" * 7]
+    head = "| M | label | failed ranks | requests | per rank | seconds | peak GET/s | SlowDowns |"
+    out += ["", head, "|" + "---|" * 8]
     rows = [(x["m"], label, x) for label, res in results.items() for x in res.get("restore", [])]
     for m, label, x in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
         out.append(
-            f"| {m} | {label} | {x['requests']} | {x['requests_per_rank']:.2f} | {x['seconds']:.3f} "
+            f"| {m} | {label} | {x.get('failed_ranks', 0)} | {x['requests']} | {x['requests_per_rank']:.2f} "
+            f"| {x['seconds']:.3f} "
             f"| {x['peak_get_per_s']} | {x['slowdowns']} |"
         )
     return "\n".join(out)
