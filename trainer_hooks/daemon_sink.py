@@ -29,12 +29,12 @@ from urllib.parse import quote
 
 from ckptd import catalog
 from ckptd import manifest as mf
+from ckptd.commit import SaveResult
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError, open_store
 from trainer_hooks.daemon_client import DaemonClient, detail
 from trainer_hooks.daemon_stager import DaemonStager
 from trainer_hooks.snapshot import SaveJob, Stager
-from ckptd.commit import SaveResult
 
 __all__ = ["DaemonSink"]
 
