@@ -353,8 +353,9 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     styles = {"before": ("tab:red", "--", "o"), "after": ("tab:blue", "-", "s")}
+    others = iter([("tab:green", ":", "^"), ("tab:purple", ":", "v"), ("tab:gray", ":", "D"), ("tab:olive", ":", "x")])
     for label, res in results.items():
-        color, ls, marker = styles.get(label, ("tab:gray", ":", "^"))
+        color, ls, marker = styles.get(label) or next(others, ("tab:gray", ":", "^"))
         kw = {"color": color, "linestyle": ls, "marker": marker, "label": label}
         saves = res.get("save", [])
         ns = [s["n"] for s in saves]
