@@ -36,33 +36,12 @@ from pathlib import Path
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from storage_backends.simulated import GET_CLASS, PUT_CLASS, SimulatedStore, VirtualClock
+from storage_backends.simulated import GET_CLASS, PUT_CLASS, SimulatedStore, VirtualClock, VirtualTime
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "scale_results.json"
 SIZES = (64, 256, 1024, 4096, 8192)
 STEPS = (10, 100, 1000, 10000)
-
-
-class _VirtualTime:
-    """What the protocol modules see as their ``time`` module during a simulation."""
-
-    def __init__(self, clock: VirtualClock) -> None:
-        self._clock = clock
-
-    def time(self) -> float:
-        return 1.7e9 + self._clock.time()
-
-    def monotonic(self) -> float:
-        return self._clock.time()
-
-    perf_counter = monotonic
-
-    def sleep(self, seconds: float) -> None:
-        self._clock.sleep(seconds)
-
-    def __getattr__(self, name):
-        return getattr(_real_time, name)
 
 
 def _protocol_modules() -> list:
@@ -76,7 +55,7 @@ def _protocol_modules() -> list:
 def virtual_time(clock: VirtualClock):
     saved = [(m, m.time) for m in _protocol_modules() if hasattr(m, "time")]
     for m, _ in saved:
-        m.time = _VirtualTime(clock)
+        m.time = VirtualTime(clock)
     try:
         yield
     finally:

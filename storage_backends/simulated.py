@@ -170,6 +170,29 @@ class VirtualClock:
         return self.now
 
 
+class VirtualTime:
+    """A stand-in for the ``time`` module that reads and sleeps on a :class:`VirtualClock`;
+    a simulation puts it in place of the ``time`` of the modules it runs (``mod.time = ...``),
+    so their polling pauses and deadlines pass in simulated seconds."""
+
+    def __init__(self, clock: VirtualClock, epoch: float = 1.7e9) -> None:
+        self._clock, self._epoch = clock, epoch
+
+    def time(self) -> float:
+        return self._epoch + self._clock.time()
+
+    def monotonic(self) -> float:
+        return self._clock.time()
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self._clock.sleep(seconds)
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
 @dataclass
 class Stats:
     """What the store served. ``requests`` counts tries (a retried request counts each try)."""

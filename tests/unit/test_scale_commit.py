@@ -13,7 +13,7 @@ import pytest
 from ckptd import catalog, commit, donetree, latest
 from ckptd import manifest as mf
 from storage_backends import MemoryStore
-from storage_backends.simulated import SimulatedStore, VirtualClock
+from storage_backends.simulated import SimulatedStore, VirtualClock, VirtualTime
 
 
 def _finish_all(
@@ -177,3 +177,26 @@ def test_latest_step_costs_three_requests_whatever_the_steps_kept():
     store.stats.reset()
     assert catalog.latest_step(store) == 2999
     assert store.stats.total() == 3
+
+
+def test_a_thousand_waiting_ranks_poll_under_the_prefix_rate(monkeypatch):
+    # 1024 ranks finish within 0.1 s and wait 3 s for the commit. Polling from 5 ms doubling
+    # (the pace before) HEADs commit.json ~15,000 times in the first 0.3 s: SlowDown, and with
+    # no retries left a rank's save fails. Paced polling stays near 2000/s from the first poll.
+    clock = VirtualClock()
+    store = SimulatedStore(clock, latency=0.02, sigma=0.3, attempts=1, seed=1)
+    monkeypatch.setattr(commit, "time", VirtualTime(clock))
+    n, failed = 1024, []
+
+    def rank(r: int) -> None:
+        try:
+            commit.wait_commit(store, 9, "a", n, timeout=60.0, rank=r)
+        except Exception as e:  # noqa: BLE001 - counted
+            failed.append(e)
+
+    for r in range(n):
+        clock.spawn(lambda r=r: rank(r), at=r * 1e-4)
+    clock.spawn(lambda: store.put(f"{mf.step_dir(9)}/{mf.COMMIT}", b"{}"), at=3.0)
+    clock.run(timeout=300)
+    assert failed == [] and store.stats.slowdowns == 0
+    assert store.stats.peak[("GET", mf.step_dir(9))] <= 3500
