@@ -338,24 +338,24 @@ def plot(results: dict, path: Path) -> None:
         kw = {"color": color, "linestyle": ls, "marker": marker, "label": label}
         saves = res.get("save", [])
         ns = [s["n"] for s in saves]
-        ax = axes[0][0]
-        lat = [math.nan if s["commit_latency_s"] is None else s["commit_latency_s"] for s in saves]
-        ax.plot(ns, lat, **kw)
-        ax.plot(ns, [s["all_know_s"] for s in saves], **{**kw, "alpha": 0.4, "label": f"{label}: all ranks know"})
-        ax = axes[0][1]
-        ax.plot(ns, [s["requests_per_rank"] for s in saves], **kw)
-        ax = axes[0][2]
-        ax.plot(ns, [s["peak_put_per_s"] for s in saves], **{**kw, "label": f"{label}: PUT"})
-        ax.plot(ns, [s["peak_get_per_s"] for s in saves], **{**kw, "alpha": 0.4, "label": f"{label}: GET+HEAD+LIST"})
-        ax = axes[1][0]
-        ax.plot(ns, [max(s["slowdowns"], 0.5) for s in saves], **kw)
+        if saves:
+            lat = [math.nan if s["commit_latency_s"] is None else s["commit_latency_s"] for s in saves]
+            axes[0][0].plot(ns, lat, **kw)
+            know = [s["all_know_s"] for s in saves]
+            axes[0][0].plot(ns, know, **{**kw, "alpha": 0.4, "label": f"{label}: all ranks know"})
+            axes[0][1].plot(ns, [s["requests_per_rank"] for s in saves], **kw)
+            axes[0][2].plot(ns, [s["peak_put_per_s"] for s in saves], **{**kw, "label": f"{label}: PUT"})
+            gets = [s["peak_get_per_s"] for s in saves]
+            axes[0][2].plot(ns, gets, **{**kw, "alpha": 0.4, "label": f"{label}: GET+HEAD+LIST"})
+            axes[1][0].plot(ns, [max(s["slowdowns"], 0.5) for s in saves], **kw)
         rest = res.get("restore", [])
-        ax = axes[1][1]
-        ax.plot([r["m"] for r in rest], [r["requests_per_rank"] for r in rest], **kw)
-        ax.plot([r["m"] for r in rest], [r["seconds"] for r in rest], **{**kw, "alpha": 0.4, "label": f"{label}: s"})
+        if rest:
+            ms = [r["m"] for r in rest]
+            axes[1][1].plot(ms, [r["requests_per_rank"] for r in rest], **kw)
+            axes[1][1].plot(ms, [r["seconds"] for r in rest], **{**kw, "alpha": 0.4, "label": f"{label}: s"})
         lat_steps = res.get("latest", [])
-        ax = axes[1][2]
-        ax.plot([x["steps"] for x in lat_steps], [x["requests"] for x in lat_steps], **kw)
+        if lat_steps:
+            axes[1][2].plot([x["steps"] for x in lat_steps], [x["requests"] for x in lat_steps], **kw)
     titles = [
         ("commit latency after the last rank is durable (s)", "log"),
         ("requests per save / N", "log"),
