@@ -233,9 +233,23 @@ def finish_rank(
             "done_layout": "tree",
             **(extra or {}),
         }
-        return commit_step(store, step, rec)
+        won = commit_step(store, step, rec)
+        if won:
+            _write_notices(store, step, attempt, world_size)
+        return won
 
     return donetree.climb(store, step, attempt, rank, world_size, commit)
+
+
+def _write_notices(store: Store, step: int, attempt: str, world_size: int) -> None:
+    """After the commit: the notices waiting ranks poll above 1024 ranks. A failure only slows
+    the waiters down (they also check ``commit.json``), so it never fails the committed save."""
+    for key in donetree.notice_keys(step, attempt, world_size):
+        try:
+            store.put(key, b"{}")
+        except StorageError as e:
+            log.warning("%s: could not write commit notice %s: %s", store.uri, key, e)
+            return
 
 
 def commit_step(store: Store, step: int, record: dict) -> bool:
@@ -278,16 +292,24 @@ def poll_delays(world_size: int, rank: int):
 
 
 def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout: float, rank: int = 0) -> None:
-    """Poll for the commit record of ``step``; CheckpointError after ``timeout`` seconds, naming
-    how many ranks finished. Paced by :func:`poll_delays`: all ranks together stay near
-    ``POLLS_PER_SECOND`` existence checks (an S3 prefix serves ~5500)."""
+    """Poll for the commit record of ``step`` (above 1024 ranks, for the commit notice of this
+    rank's group: ``donetree.notice_keys``); CheckpointError after ``timeout`` seconds, naming
+    how many ranks finished. Paced by :func:`poll_delays`: the ranks polling one key together
+    stay near ``POLLS_PER_SECOND`` existence checks (an S3 prefix serves ~5500)."""
     deadline = time.monotonic() + timeout
-    delays = poll_delays(world_size, rank)
     commit = f"{mf.step_dir(step)}/{mf.COMMIT}"
+    notices = donetree.notice_keys(step, attempt, world_size)
+    # Above 1024 ranks a rank polls its group's notice, paced for the group; every 8th poll is
+    # of commit.json itself (in case the committer died before the notices): that stays near
+    # POLLS_PER_SECOND / 8 x N / NOTICE_GROUP on commit.json's prefix (2000/s at 8192 ranks).
+    notice = notices[min(rank // donetree.NOTICE_GROUP, len(notices) - 1)] if notices else None
+    delays = poll_delays(donetree.NOTICE_GROUP if notice else world_size, rank)
     if world_size > 64:  # it has just found the done tree incomplete: no commit yet, and
         time.sleep(next(delays))  # thousands of ranks finishing together must not HEAD at once
+    polls = 0
     while True:
-        if store.exists(commit):
+        polls += 1
+        if store.exists(commit if notice is None or polls % 8 == 0 else notice):
             return
         if time.monotonic() > deadline:
             n = donetree.count_done(store, step, attempt)

@@ -25,6 +25,13 @@ keeps one, all of them climb on (the loser's climb is redundant, never wrong), a
 ``put_if_absent`` creates ``commit.json``: exactly once. Children are counted by id, not by key,
 so a rank that wrote its record twice is counted once.
 
+Above ``NOTICE_GROUP`` ranks the committer also writes a few notices after ``commit.json``
+(:func:`notice_keys`) that the waiting ranks poll instead, ``NOTICE_GROUP`` ranks per notice,
+each on its own prefix: they learn of the commit about as fast at 8192 ranks as at 1024, where a
+single ``commit.json`` polled by everyone within S3's rate would take seconds. A waiting rank
+still checks ``commit.json`` itself every few polls, in case the committer died before writing
+the notices.
+
 At N = 4096 (F = 64) the last rank's path to the commit is 5 requests (done record, LIST, node,
 LIST, commit); a save costs about 2N + 2N/F requests in the tree. Checkpoints committed before
 this layout keep ``_done/<attempt>/rank_<r>.json`` and their readers find them there
@@ -113,6 +120,20 @@ def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, com
         level, index = level + 1, index // FANOUT
 
 
+NOTICE_GROUP = 1024  # ranks polling one commit notice
+
+
+def notice_keys(step: int, attempt: str, world_size: int) -> list[str]:
+    """Copies of the news "committed", one per ``NOTICE_GROUP`` ranks, each in a folder (an S3
+    prefix) of its own; none up to ``NOTICE_GROUP`` ranks, where polling ``commit.json`` is
+    fast enough. The committer writes them right after ``commit.json`` (so a notice implies
+    the commit); rank r polls ``notice_keys(...)[r // NOTICE_GROUP]``."""
+    k = -(-world_size // NOTICE_GROUP)
+    if k < 2:
+        return []
+    return [f"{step_dir(step)}/{DONE}/{attempt}/c{i:04d}/committed.json" for i in range(k)]
+
+
 def count_done(store: Store, step: int, attempt: str) -> int:
     """How many ranks of ``attempt`` wrote a done record (either layout); for error messages."""
     prefix = f"{step_dir(step)}/{DONE}/{attempt}/"
@@ -132,4 +153,4 @@ def read_done_record(store: Store, step: int, attempt: str, rank: int) -> dict:
     return json.loads(store.get(done_key(step, attempt, rank)))
 
 
-__all__ = ["FANOUT", "climb", "count_done", "levels", "read_done_record", "write_done"]
+__all__ = ["FANOUT", "NOTICE_GROUP", "climb", "count_done", "levels", "notice_keys", "read_done_record", "write_done"]

@@ -13,6 +13,9 @@
         _done/<attempt>/t2/000000/n000001.<bytes>.<objects>.json
                                ranks 64-127 all finished (only above 64 ranks)
         commit.json            written last, once, with put_if_absent: the checkpoint exists
+        _done/<attempt>/c0000/committed.json, c0001/...
+                               above 1024 ranks, notices written after commit.json, one per
+                               1024 ranks, that the waiting ranks poll (``donetree.notice_keys``)
       _latest/first.json, _latest/after_<step>.json, _latest/hint.json
                                the chain latest_step walks (``ckptd.latest``)
 

@@ -200,3 +200,43 @@ def test_a_thousand_waiting_ranks_poll_under_the_prefix_rate(monkeypatch):
     clock.run(timeout=300)
     assert failed == [] and store.stats.slowdowns == 0
     assert store.stats.peak[("GET", mf.step_dir(9))] <= 3500
+
+
+@pytest.mark.parametrize("notices", [True, False])
+def test_above_1024_ranks_waiters_poll_notices_and_fall_back_to_the_commit_record(monkeypatch, notices):
+    # The committer writes commit.json, then one notice per 1024 ranks; the waiting ranks poll
+    # their notice. When the committer dies between the two (notices=False), they still learn
+    # of the commit from commit.json, which every rank checks every few polls.
+    clock = VirtualClock()
+    store = SimulatedStore(clock, latency=0.02, sigma=0.3, attempts=1, seed=2)
+    monkeypatch.setattr(commit, "time", VirtualTime(clock))
+    n, returned, failed = 2048, [], []
+    keys = donetree.notice_keys(9, "a", n)
+    assert len(keys) == 2 and len({k.rsplit("/", 1)[0] for k in keys}) == 2  # two prefixes
+
+    def rank(r: int) -> None:
+        try:
+            commit.wait_commit(store, 9, "a", n, timeout=120.0, rank=r)
+            returned.append(r)
+        except Exception as e:  # noqa: BLE001 - counted
+            failed.append(e)
+
+    def committer() -> None:
+        store.put(f"{mf.step_dir(9)}/{mf.COMMIT}", b"{}")
+        if notices:
+            for k in keys:
+                store.put(k, b"{}")
+
+    for r in range(n):
+        clock.spawn(lambda r=r: rank(r), at=r * 1e-4)
+    clock.spawn(committer, at=3.0)
+    clock.run(timeout=300)
+    assert failed == [] and len(returned) == n and store.stats.slowdowns == 0
+    notice_polls = sum(v for (verb, p), v in store.stats.by_prefix.items() if verb == "HEAD" and "/c000" in p)
+    assert notice_polls > 0
+
+
+def test_a_committed_save_of_more_than_1024_ranks_writes_its_notices():
+    store, winners = _finish_all(1100, seed=6)
+    assert len(winners) == 1
+    assert all(store.inner.exists(k) for k in donetree.notice_keys(7, "a", 1100))
