@@ -390,11 +390,13 @@ __all__ = [
     "SaveResult",
     "after_commit",
     "apply_retention",
+    "POLLS_PER_SECOND",
     "begin",
     "commit_step",
     "finish_rank",
     "manifest_objects",
     "persist",
+    "poll_delays",
     "try_commit",
     "wait_commit",
 ]

@@ -128,3 +128,6 @@ def latest_from_chain(store: Store) -> tuple[bool, int | None]:
     if store.exists(f"{step_dir(cur)}/{COMMIT}"):
         return True, cur
     return False, None
+
+
+__all__ = ["FIRST", "HINT", "LATEST", "MAX_WALK", "latest_from_chain", "link", "link_key", "set_hint"]

@@ -516,3 +516,16 @@ class SimulatedStore(Store):
 
     def close(self) -> None:
         self.inner.close()
+
+
+__all__ = [
+    "GET_CLASS",
+    "PUT_CLASS",
+    "SimulatedStore",
+    "SimulationStalled",
+    "SlowDownError",
+    "Stats",
+    "VirtualClock",
+    "VirtualTime",
+    "folder_of",
+]
