@@ -7,41 +7,26 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from trainer_hooks._local_launch import spawn_ranks, wait_ranks
+from tests.local_launch import spawn_ranks, wait_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(world: int, scenario: str, out: Path, timeout: float = 900, **args) -> list[dict]:
     argv = [sys.executable, "-m", "benchmarks.dist", scenario, json.dumps({**args, "out": str(out)})]
-    procs = spawn_ranks(
-        world,
-        argv,
-        lambda rank: out / f"{scenario}.w{world}.rank{rank}.log",
-        cwd=ROOT,
-        pythonpath=ROOT,
-        extra_env={"PYTHONWARNINGS": "ignore"},
-    )
+
+    def log(rank: int) -> Path:
+        return out / f"{scenario}.w{world}.rank{rank}.log"
+
+    procs = spawn_ranks(world, argv, log, cwd=ROOT, pythonpath=ROOT, extra_env={"PYTHONWARNINGS": "ignore"})
     try:
-        codes = wait_ranks(procs, timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{scenario} at {world} ranks timed out\n{_logs(out, scenario, world)}") from None
-    if any(codes):
-        raise RuntimeError(f"{scenario} at {world} ranks: exit codes {codes}\n{_logs(out, scenario, world)}")
+        wait_ok(procs, timeout, log, f"{scenario} at {world} ranks")
+    except AssertionError as e:  # a benchmark section reports a RuntimeError
+        raise RuntimeError(str(e)) from None
     return [json.loads((out / f"{scenario}.w{world}.result{r}.json").read_text()) for r in range(world)]
-
-
-def _logs(out: Path, scenario: str, world: int) -> str:
-    parts = []
-    for r in range(world):
-        f = out / f"{scenario}.w{world}.rank{r}.log"
-        if f.exists():
-            parts.append(f"--- rank {r} ---\n" + f.read_text()[-3000:])
-    return "\n".join(parts)
 
 
 def main() -> None:

@@ -14,6 +14,21 @@ from ckptd.errors import (
 __version__ = "0.1.0"
 FORMAT_VERSION = 1
 
+
+def open_array(uri: str, key: str, step: int | None = None):
+    """A read-only tensorstore handle on one array of a committed checkpoint (``ckptd.open``)."""
+    from ckptd.open import open_array as _open_array
+
+    return _open_array(uri, key, step)
+
+
+def open_group(uri: str, step: int | None = None):
+    """A committed checkpoint as a read-only zarr-python group (``ckptd.open``)."""
+    from ckptd.open import open_group as _open_group
+
+    return _open_group(uri, step)
+
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -21,4 +36,6 @@ __all__ = [
     "FORMAT_VERSION",
     "StateMismatchError",
     "__version__",
+    "open_array",
+    "open_group",
 ]

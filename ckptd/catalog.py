@@ -91,10 +91,15 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
                 CheckpointInfo(s, True, commit.get("world_size"), commit.get("bytes"), commit.get("time"), step_dir(s))
             )
             continue
-        ws = None
-        with contextlib.suppress(NotFoundError, ValueError):
-            ws = json.loads(store.get(f"{step_dir(s)}/{MANIFEST}")).get("world_size")
         objs = list(store.list(f"{step_dir(s)}/"))
+        if not objs:
+            # A folder with no object in it (what a writer killed before its first put finished
+            # leaves: temp files, empty folders) is no checkpoint, not even a partial one; the
+            # next save of that step or ``gc`` removes it.
+            continue
+        ws = None
+        with contextlib.suppress(NotFoundError, ValueError, AttributeError):
+            ws = json.loads(store.get(f"{step_dir(s)}/{MANIFEST}")).get("world_size")
         out.append(
             CheckpointInfo(
                 s,
@@ -139,11 +144,18 @@ def load_manifest(store: Store, step: int | None = None) -> Manifest:
     return m
 
 
-def delete_checkpoint(store: Store, step: int) -> int:
-    """Delete one checkpoint folder. The commit record goes first, so a half-deleted checkpoint
-    reads as partial, never as a committed checkpoint with holes."""
-    store.delete(f"{step_dir(step)}/{COMMIT}")
-    return store.delete_prefix(f"{step_dir(step)}/")
+def delete_checkpoint(store: Store, step: int) -> tuple[int, int]:
+    """Delete one checkpoint folder, with whatever a killed writer left in it (temp files,
+    empty folders); returns (files, bytes) removed. The commit record goes first, so a
+    half-deleted checkpoint reads as partial, never as a committed checkpoint with holes."""
+    key = f"{step_dir(step)}/{COMMIT}"
+    try:
+        size = store.head(key).size
+    except NotFoundError:
+        size = None
+    store.delete(key)
+    files, nbytes = store.purge(f"{step_dir(step)}/")
+    return (files + 1, nbytes + size) if size is not None else (files, nbytes)
 
 
 def select_for_deletion(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -151,8 +163,9 @@ def select_for_deletion(store: Store, keep_last: int, protect: set[int] | frozen
 
     Keeps the newest ``keep_last`` committed checkpoints; selects older committed ones, and
     partial ones older than the newest commit (they can no longer complete: one save is in
-    flight per job and a newer one committed). Never selects the newest committed step, a step in
-    ``protect`` (being written), or any step newer than the newest commit."""
+    flight per job and a newer one committed). Never selects the newest committed step, the newest
+    step ``ckptd verify`` passed (see ``newest_verified``), a step in ``protect`` (being
+    written), or any step newer than the newest commit."""
     if keep_last < 1:
         raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
     all_steps = steps(store)
@@ -160,8 +173,26 @@ def select_for_deletion(store: Store, keep_last: int, protect: set[int] | frozen
     if not committed:
         return []
     keep = set(committed[-keep_last:]) | set(protect)
+    verified = newest_verified(store, committed)
+    if verified is not None:
+        keep.add(verified)
     newest = committed[-1]
     return [s for s in all_steps if s < newest and s not in keep]
+
+
+def newest_verified(store: Store, committed: list[int]) -> int | None:
+    """The newest of ``committed`` whose ``ckptd verify`` record says it passed, or None.
+
+    Retention keeps it whatever ``keep_last`` says: when newer checkpoints turn out corrupt it
+    is the one to fall back to, and it must not be deleted in favour of a newer bad one. Costs
+    one GET per committed step newer than it (retention keeps those few)."""
+    from ckptd.verify import read_record  # verify reads checkpoints through this module
+
+    for s in reversed(committed):
+        rec = read_record(store, s)
+        if rec is not None and rec["ok"]:
+            return s
+    return None
 
 
 def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:

@@ -32,6 +32,23 @@ import numpy as np
 from ckptd.dtypes import numpy_dtype
 from ckptd.errors import CheckpointError, CorruptChunkError
 
+__all__ = [
+    "ArrayLayout",
+    "CRC_BYTES",
+    "EMPTY",
+    "crc32c",
+    "crc_bytes",
+    "decode_chunk",
+    "decode_index",
+    "encode_shard",
+    "image_chunks",
+    "image_nbytes",
+    "init_image",
+    "inline_value",
+    "parse_inline",
+    "seal_image",
+]
+
 EMPTY = 2**64 - 1
 CRC_BYTES = 4
 
@@ -169,6 +186,28 @@ class ArrayLayout:
             "codecs": codecs,
             "attributes": attributes or {},
         }
+
+    def to_json(self) -> dict:
+        """The layout as JSON: a manifest's tensor rows and a daemon hand-off's shards carry it."""
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "shard_shape": list(self.shard_shape),
+            "chunk_shape": list(self.chunk_shape),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> ArrayLayout:
+        """The reverse of ``to_json`` (other keys of ``d`` are ignored). Raises what the
+        constructor raises (ValueError) or KeyError/TypeError for a malformed ``d``."""
+        return cls(tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["chunk_shape"]))
+
+    @classmethod
+    def empty(cls, shape: Sequence[int], dtype: str) -> ArrayLayout:
+        """The layout of an array with no elements: metadata only, one chunk that stands for
+        no data (a zero extent gets a chunk extent of 1, which zarr requires)."""
+        grid = tuple(max(1, n) for n in shape)
+        return cls(tuple(shape), dtype, grid, grid)
 
     @classmethod
     def from_metadata(cls, meta: dict) -> ArrayLayout:

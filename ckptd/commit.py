@@ -18,7 +18,7 @@ rank (a "writer part" below is one rank's share of the step)::
                                              # result is reported (never delays the save)
 
 ``begin`` runs once per step (on rank 0 before any rank writes); ``persist`` once per rank.
-A ``part`` is duck-typed (``trainer_hooks.snapshot.SaveJob`` is one): ``step``, ``attempt``,
+A ``part`` is duck-typed (``ckptd.savejob.SaveJob`` is one): ``step``, ``attempt``,
 ``rank``, ``world_size``, ``metadata`` (``[(key in the folder, bytes)]``), ``shards`` (objects
 with ``layout``, ``coord``, ``object_key``, ``buffer``, ``image``, ``chunks``), ``done`` (extra
 fields of the done record) and ``ready`` (an event with ``synchronize()`` or None). Turning a
@@ -76,9 +76,11 @@ def begin(store: Store, step: int) -> None:
     try:
         if store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
             raise CheckpointError(f"{where}: step {step} is already committed; refusing to overwrite")
-        if any(True for _ in store.list(f"{mf.step_dir(step)}/")):
-            log.warning("removing stale partial checkpoint %s", where)
-            store.delete_prefix(f"{mf.step_dir(step)}/")
+        # purge, not a listing: a killed save may have left only temp files, which no listing
+        # shows and which would otherwise stay inside the new commit
+        files, _ = store.purge(f"{mf.step_dir(step)}/")
+        if files:
+            log.warning("removed stale partial checkpoint %s", where)
     except StorageError as e:
         raise CheckpointError(f"{where}: {e}") from e
 

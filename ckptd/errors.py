@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "CorruptChunkError", "StateMismatchError"]
+
 
 class CheckpointError(Exception):
     """A checkpoint could not be saved, found, read or applied.

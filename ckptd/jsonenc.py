@@ -31,6 +31,8 @@ import numpy as np
 
 from ckptd.errors import CheckpointError
 
+__all__ = ["decode", "encode", "tensor_refs"]
+
 _SMALL_ARRAY = 1 << 20  # numpy arrays inline up to 1 MiB (RNG states are ~2.5 KiB)
 
 

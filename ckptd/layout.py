@@ -1,4 +1,6 @@
-"""Pure resharding math: which rank writes which shard, and which chunks a reader needs.
+"""Write and read planning for one array: which rank writes which shard (and its inner chunk
+shape), and which chunks a reader of a box needs. ``ckptd.reshard`` builds on it for whole
+target layouts of a job.
 
 Nothing here touches torch.distributed or storage; inputs are global shapes and boxes, outputs
 are frozen dataclasses. Every rank runs the same functions on the same inputs and gets the same
@@ -27,6 +29,28 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ckptd.codec import ArrayLayout
+
+__all__ = [
+    "Box",
+    "CHUNKS_PER_SHARD",
+    "GATHER_SMALL_BYTES",
+    "Grid",
+    "MAX_CHUNK_BYTES",
+    "MIN_CHUNK_BYTES",
+    "SMALL_SHARD_BYTES",
+    "SPLIT_REPLICATED_BYTES",
+    "ShardRead",
+    "Transfer",
+    "WritePlan",
+    "choose_chunk_shape",
+    "chunk_box",
+    "interval_grid",
+    "plan_grid",
+    "plan_reads",
+    "plan_writes",
+    "read_cost",
+    "stable_hash",
+]
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -171,7 +195,7 @@ class WritePlan:
         return not self.transfers
 
 
-def _interval_grid(intervals: set[tuple[int, int]], extent: int) -> int | None:
+def interval_grid(intervals: set[tuple[int, int]], extent: int) -> int | None:
     """The step ``s`` if the non-empty intervals are exactly the cells of the grid with step s
     covering [0, extent), else None."""
     if not intervals:
@@ -289,8 +313,7 @@ def plan_grid(
     shape = tuple(shape)
     ndim = len(shape)
     if math.prod(shape) == 0:  # empty tensor: metadata only
-        g = tuple(max(1, n) for n in shape)
-        return Grid(ArrayLayout(shape, dtype, g, g), (), ())
+        return Grid(ArrayLayout.empty(shape, dtype), (), ())
 
     replicas: dict[Box, list[int]] = {}
     for rank, b in enumerate(blocks):
@@ -324,7 +347,7 @@ def plan_grid(
     steps = []
     for d in range(ndim):
         ivs = {(b.start[d], b.stop[d]) for b in replicas}
-        steps.append(_interval_grid(ivs, shape[d]))
+        steps.append(interval_grid(ivs, shape[d]))
     regular = all(s is not None for s in steps) and len(replicas) == math.prod(
         -(-n // s) for n, s in zip(shape, steps, strict=True)
     )

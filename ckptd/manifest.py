@@ -46,6 +46,29 @@ from ckptd import FORMAT_VERSION
 from ckptd.codec import ArrayLayout
 from ckptd.errors import CheckpointError
 
+__all__ = [
+    "ARRAYS",
+    "COMMIT",
+    "DONE",
+    "GROUP",
+    "MANIFEST",
+    "Manifest",
+    "PLANS",
+    "STEP_RE",
+    "TensorEntry",
+    "array_path",
+    "done_key",
+    "done_prefix",
+    "dumps",
+    "escape_component",
+    "group_metadata",
+    "group_nodes",
+    "key_of",
+    "parse_step_dir",
+    "step_dir",
+    "unescape_component",
+]
+
 STEP_RE = re.compile(r"^step_(\d{10,})$")
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"
@@ -114,10 +137,7 @@ class TensorEntry:
         return {
             "key": self.key,
             "path": self.path,
-            "shape": list(self.layout.shape),
-            "dtype": self.layout.dtype,
-            "shard_shape": list(self.layout.shard_shape),
-            "chunk_shape": list(self.layout.chunk_shape),
+            **self.layout.to_json(),
             "nbytes": self.layout.nbytes,
             "placements": self.placements,
             **({} if self.value is None else {"value": self.value}),
@@ -125,8 +145,7 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, d: dict) -> TensorEntry:
-        layout = ArrayLayout(tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), tuple(d["chunk_shape"]))
-        return cls(d["key"], layout, d.get("placements", ""), d.get("value"))
+        return cls(d["key"], ArrayLayout.from_json(d), d.get("placements", ""), d.get("value"))
 
 
 @dataclass

@@ -31,8 +31,22 @@ from typing import Any
 
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
-from ckptd.reshard import ReadPlan, SamplerResume, TargetLayout
+from ckptd.reshard import ReadPlan, TargetLayout
+from ckptd.sampler_math import SamplerResume
 from storage_backends import NotFoundError, StorageError, Store, open_store
+
+__all__ = [
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
+    "RECHUNKED",
+    "make_record",
+    "plan_key",
+    "planned_source",
+    "read_plan",
+    "rechunked_root",
+    "sub_uri",
+    "write_plan",
+]
 
 log = logging.getLogger("ckptd.plans")
 

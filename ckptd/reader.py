@@ -27,6 +27,8 @@ from ckptd.layout import Box, ShardRead, chunk_box, plan_reads
 from ckptd.manifest import TensorEntry
 from storage_backends import NotFoundError, StorageError, Store
 
+__all__ = ["COALESCE_GAP", "CheckpointReader", "ReadRequest", "ReadStats"]
+
 # Chunks closer than this in the object are fetched by one GET (the gap is read and dropped).
 COALESCE_GAP = 64 * 1024
 

@@ -32,6 +32,8 @@ from ckptd.stream import CheckpointWriter
 from ckptd.verify import verify
 from storage_backends import StorageError, Store, open_store
 
+__all__ = ["Rechunked", "find", "rechunk"]
+
 
 @dataclass(frozen=True)
 class Rechunked:

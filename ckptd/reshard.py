@@ -1,5 +1,7 @@
-"""Pure planning for ``ckptd reshard``: the layout a job will restore with, what each rank reads,
-whether the layout can work, and where the data position resumes.
+"""Target layouts: the layout a job of M ranks will restore with (``ckptd reshard --layout``),
+whether it can work, what each rank reads, and the array layouts a rechunk writes for it. Where
+the data position resumes is ``ckptd.sampler_math``; the per-array write and read planning this
+builds on is ``ckptd.layout``.
 
 Nothing here touches storage or torch.distributed; inputs are a manifest's tensor table (global
 shapes, saved layouts) and a :class:`TargetLayout`, outputs are frozen dataclasses. The plan is
@@ -48,12 +50,31 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from ckptd.codec import ArrayLayout
 from ckptd.errors import CheckpointError
-from ckptd.layout import Box, _interval_grid, choose_chunk_shape, chunk_box, plan_reads, read_cost
+from ckptd.layout import Box, choose_chunk_shape, chunk_box, interval_grid, plan_reads, read_cost
 from ckptd.manifest import TensorEntry
+
+__all__ = [
+    "LayoutError",
+    "LayoutSyntaxError",
+    "MAX_OBJECTS_PER_BLOCK",
+    "RankCost",
+    "ReadPlan",
+    "TargetLayout",
+    "aligned_layout",
+    "parse_layout",
+    "plan_reads_for",
+    "rank_box",
+    "rank_boxes",
+    "rank_cost",
+    "saved_sharded",
+    "sharded_keys",
+    "strided_mismatch",
+    "validate",
+    "whole_chunks",
+]
 
 # A rechunked tensor whose ranks' blocks tile no regular grid gets the grid of the blocks'
 # common divisor if that makes at most this many objects per block (else an even grid: ranks
@@ -367,15 +388,14 @@ def aligned_layout(shape: Sequence[int], dtype: str, itemsize: int, blocks: Sequ
     shard (:func:`ckptd.layout.choose_chunk_shape`), so a rank reads whole chunks only."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
-        grid = tuple(max(1, n) for n in shape)
-        return ArrayLayout(shape, dtype, grid, grid)
+        return ArrayLayout.empty(shape, dtype)
     distinct = {b for b in blocks if not b.empty}
     if not distinct or distinct == {Box.full(shape)}:
         return _fallback_replicated(shape, dtype, itemsize)
     shard = []
     for d, n in enumerate(shape):
         ivs = {(b.start[d], b.stop[d]) for b in distinct}
-        step = _interval_grid(ivs, n)
+        step = interval_grid(ivs, n)
         if step is None:
             g = 0
             for a, b in ivs:
@@ -385,81 +405,3 @@ def aligned_layout(shape: Sequence[int], dtype: str, itemsize: int, blocks: Sequ
         shard.append(step)
     shard = tuple(shard)
     return ArrayLayout(shape, dtype, shard, choose_chunk_shape(shard, itemsize))
-
-
-# ---------------------------------------------------------------------------- data position
-
-# The keys of ``trainer_hooks.sampler.ElasticSampler.state_dict()`` (kept here so this module
-# needs no torch).
-SAMPLER_KEYS = frozenset({"version", "epoch", "position", "seed", "shuffle", "drop_last", "dataset_len"})
-
-
-@dataclass(frozen=True, slots=True)
-class SamplerResume:
-    """Where one saved ``ElasticSampler`` state resumes at M ranks. ``ranks[r]`` is
-    ``(global position of rank r's first index, indices rank r has left this epoch)``."""
-
-    key: str
-    epoch: int
-    position: int
-    dataset_len: int
-    shuffle: bool
-    drop_last: bool
-    ranks: tuple[tuple[int, int], ...]
-
-    @property
-    def finished(self) -> bool:
-        return self.position >= self.dataset_len
-
-    def to_json(self) -> dict:
-        return {
-            "key": self.key,
-            "epoch": self.epoch,
-            "position": self.position,
-            "dataset_len": self.dataset_len,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-            "epoch_finished": self.finished,
-            "ranks": [{"rank": r, "resumes_at": p, "samples_left": n} for r, (p, n) in enumerate(self.ranks)],
-        }
-
-
-def sampler_resume(key: str, state: Mapping[str, Any], world_size: int) -> SamplerResume:
-    """The ElasticSampler's dealing at ``world_size``: rank r yields ``order[P + r]``,
-    ``order[P + r + M]``, ...; without ``drop_last`` the lower ranks get one more of an uneven
-    rest, with it every rank gets ``floor(rest / M)``. Uses the saved ``drop_last``; a sampler
-    built with another keeps its own."""
-    n, p = int(state["dataset_len"]), min(int(state["position"]), int(state["dataset_len"]))
-    rest = n - p
-    ranks = []
-    for r in range(world_size):
-        left = rest // world_size if state["drop_last"] else max(0, (rest - r + world_size - 1) // world_size)
-        ranks.append((p + r if left else n, left))
-    return SamplerResume(key, int(state["epoch"]), p, n, bool(state["shuffle"]), bool(state["drop_last"]), tuple(ranks))
-
-
-def find_samplers(tree: Mapping[str, Any]) -> list[tuple[str, dict]]:
-    """ElasticSampler states in a manifest's state tree: ``(path, state)`` for every dict that
-    has the sampler's keys with int/bool values. Usually a top-level entry of kind
-    ``stateful``; nested plain dicts are found too."""
-    out: list[tuple[str, dict]] = []
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, dict):
-            if set(node) >= SAMPLER_KEYS and all(isinstance(node[k], int) for k in SAMPLER_KEYS):
-                out.append((path, dict(node)))
-                return
-            for k, v in node.items():
-                walk(v, f"{path}/{k}" if path else str(k))
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, f"{path}/{i}")
-
-    for name, entry in tree.items():
-        if isinstance(entry, dict) and entry.get("kind") in ("stateful", "dict", "value"):
-            walk(entry.get("data"), name)
-    return out
-
-
-def remap_data_position(tree: Mapping[str, Any], world_size: int) -> list[SamplerResume]:
-    return [sampler_resume(path, state, world_size) for path, state in find_samplers(tree)]

@@ -29,6 +29,8 @@ from ckptd.errors import CheckpointError
 from ckptd.layout import Box, choose_chunk_shape
 from storage_backends import Store
 
+__all__ = ["CheckpointWriter", "MAX_SHARD_BYTES", "default_layout"]
+
 MAX_SHARD_BYTES = 256 * 1024 * 1024  # bigger tensors are split along dim 0 into several objects
 
 
@@ -37,8 +39,7 @@ def default_layout(shape: tuple[int, ...], dtype: str, itemsize: int) -> ArrayLa
     MiB so readers at any world size fetch little more than they need."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
-        grid = tuple(max(1, n) for n in shape)
-        return ArrayLayout(shape, dtype, grid, grid)
+        return ArrayLayout.empty(shape, dtype)
     nbytes = math.prod(shape) * itemsize
     shard = shape
     if shape and nbytes > MAX_SHARD_BYTES and shape[0] > 1:

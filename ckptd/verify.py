@@ -9,6 +9,7 @@ inside the array is present with the right size and passes its crc32c. Shards ar
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, decode_chunk, decode_inde
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import chunk_box
 from storage_backends import NotFoundError, StorageError, Store
+
+__all__ = ["VerifyReport", "verify"]
 
 
 @dataclass
@@ -136,3 +139,66 @@ def verify(
             # only for the few being read instead of re-reading the whole checkpoint.
             pool.shutdown(wait=False, cancel_futures=True)
     return report
+
+
+# -------------------------------------------------------------------------- verification records
+#
+# ``ckptd verify`` leaves its verdict beside the checkpoint it checked, in ``_verify.json`` of
+# the step folder, written after the commit and never part of it: the commit record counts the
+# bytes of the done records, readers and ``verify`` go through the manifest, so nothing reads
+# this file but ``ls``, ``gc`` and ``restore(fallback=True)``. It names the commit's attempt and
+# time, so a record left by an earlier checkpoint of the same step number (quarantined, then
+# saved again) never vouches for the new one.
+
+RECORD = "_verify.json"
+MAX_RECORD_ERRORS = 5
+
+
+def record_key(step: int) -> str:
+    return f"{mf.step_dir(step)}/{RECORD}"
+
+
+def write_record(store: Store, report: VerifyReport) -> dict:
+    """Record ``report`` for its step; returns the record. Raises CheckpointError when the step
+    is no longer committed (quarantined or deleted meanwhile): a verdict needs its commit."""
+    commit = catalog.read_commit(store, report.step)
+    if commit is None:
+        raise CheckpointError(f"{catalog.where(store, report.step)}: no longer committed; verdict not recorded")
+    rec = {
+        "step": report.step,
+        "ok": report.ok,
+        "attempt": commit.get("attempt"),
+        "commit_time": commit.get("time"),
+        "time": time.time(),
+        "arrays": report.arrays,
+        "objects": report.objects,
+        "bytes": report.bytes,
+        "errors": report.errors[:MAX_RECORD_ERRORS],
+    }
+    try:
+        store.put(record_key(report.step), mf.dumps(rec))
+    except StorageError as e:
+        raise CheckpointError(f"{catalog.where(store, report.step)}: cannot record the verdict ({e})") from None
+    return rec
+
+
+def read_record(store: Store, step: int, commit: dict | None = None) -> dict | None:
+    """The verdict recorded for ``step``'s current commit, or None (never verified, or the
+    record is unreadable or belongs to another commit). ``commit``: the commit record if the
+    caller already read it."""
+    try:
+        rec = json.loads(store.get(record_key(step)))
+        commit = commit if commit is not None else catalog.read_commit(store, step)
+    except (NotFoundError, StorageError, ValueError, CheckpointError):
+        return None
+    if not isinstance(rec, dict) or commit is None or not isinstance(rec.get("ok"), bool):
+        return None
+    if rec.get("attempt") != commit.get("attempt") or rec.get("commit_time") != commit.get("time"):
+        return None
+    return rec
+
+
+def status(store: Store, step: int, commit: dict | None = None) -> str:
+    """``ok``, ``bad`` or ``unverified``: what ``ckptd ls`` shows in its VERIFIED column."""
+    rec = read_record(store, step, commit)
+    return "unverified" if rec is None else "ok" if rec["ok"] else "bad"

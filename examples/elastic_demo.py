@@ -78,7 +78,7 @@ def launch(world: int, train_args: list[str], log_dir: Path) -> list[subprocess.
     """Start ``world`` ranks of train_elastic.py the way torchrun would (env://)."""
     if str(REPO) not in sys.path:  # as in prepare_root: the demo runs from a checkout, installed or not
         sys.path.insert(0, str(REPO))
-    from trainer_hooks._local_launch import spawn_ranks
+    from tests.local_launch import spawn_ranks
 
     return spawn_ranks(
         world,

@@ -4,6 +4,7 @@
 ``open_store("s3://bucket/prefix")``.
 """
 
+from storage_backends._direct import DIRECT_MIN_BYTES  # the local store writes objects this large with O_DIRECT
 from storage_backends.base import (
     Data,
     InvalidKeyError,
@@ -20,6 +21,7 @@ from storage_backends.registry import UnknownSchemeError, open_store, register_s
 # s3:// URI is opened.
 
 __all__ = [
+    "DIRECT_MIN_BYTES",
     "Data",
     "InvalidKeyError",
     "LocalStore",

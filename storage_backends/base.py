@@ -16,6 +16,22 @@ import abc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+__all__ = [
+    "Data",
+    "InvalidKeyError",
+    "NotFoundError",
+    "ObjectInfo",
+    "StorageError",
+    "Store",
+    "as_buffers",
+    "as_writable_buffers",
+    "check_dir_prefix",
+    "check_key",
+    "check_prefix",
+    "data_size",
+    "resolve_range",
+]
+
 # What ``put`` accepts: one bytes-like object, or a sequence of them that is written as their
 # concatenation (scatter-gather), so a shard made of many chunk views and their checksums never
 # has to be joined into one buffer in memory first.
@@ -187,6 +203,23 @@ class Store(abc.ABC):
             self.delete(info.key)
             n += 1
         return n
+
+    def purge(self, prefix: str) -> tuple[int, int]:
+        """Like ``delete_prefix``, and also remove what a backend keeps beside its objects under
+        ``prefix`` (a filesystem's temp files of interrupted writes and empty folders). Returns
+        (files, bytes) really removed, counted as they go, for ``ckptd gc`` to report."""
+        n = nbytes = 0
+        for info in list(self.list(prefix)):
+            self.delete(info.key)
+            n += 1
+            nbytes += info.size
+        return n, nbytes
+
+    def abort_stale_uploads(self, older_than: float) -> list[str]:
+        """Abort the incomplete uploads (S3 multipart uploads) under the root that started more
+        than ``older_than`` seconds ago; returns their keys. Their parts are stored and billed
+        but no listing shows them. Backends without such uploads have none."""
+        return []
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:

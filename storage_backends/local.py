@@ -43,6 +43,8 @@ from storage_backends.base import (
     resolve_range,
 )
 
+__all__ = ["LocalStore"]
+
 try:
     _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 except (AttributeError, ValueError, OSError):
@@ -524,7 +526,17 @@ class LocalStore(Store):
         self._prune(d)
 
     def delete_prefix(self, prefix: str) -> int:
-        n = 0
+        """Every object under ``prefix``, and the temp files of interrupted writes and the
+        folders it leaves empty (see ``purge``); returns the files removed."""
+        return self.purge(prefix)[0]
+
+    def purge(self, prefix: str) -> tuple[int, int]:
+        """Objects first (the listing readers use), then what a killed writer left that no
+        listing shows: ``.*.tmp.*`` files and empty folders. Symlinks and other non-regular
+        entries are never followed; only temp files (by name) and empty folders are removed
+        beyond the listed objects, so anything else left there keeps its folder."""
+        check_prefix(prefix)
+        n = nbytes = 0
         dirs: set[str] = set()
         for info in list(self.list(prefix)):
             path = os.path.join(self.root, *info.key.split("/"))
@@ -535,10 +547,68 @@ class LocalStore(Store):
             except OSError as e:
                 raise self._fail("delete", f"{info.key!r}", e) from None
             n += 1
+            nbytes += info.size
             dirs.add(os.path.dirname(path))
+        folder, _, name_prefix = prefix.rpartition("/")
+        top = os.path.join(self.root, *folder.split("/")) if folder else self.root
+        try:
+            m, mbytes, emptied = self._purge_leftovers(top, name_prefix)
+        except OSError as e:
+            raise self._fail("delete", f"{prefix!r}", e) from None
+        n, nbytes = n + m, nbytes + mbytes
+        dirs |= emptied
+        if folder and not name_prefix:
+            dirs.add(top)  # the prefix names a folder: remove it too once empty
         # One fsync per folder instead of one per file; deepest folders first so pruning works.
         for d in sorted(dirs, key=len, reverse=True):
             with contextlib.suppress(FileNotFoundError):
                 self._fsync_dir(d)
             self._prune(d)
-        return n
+        return n, nbytes
+
+    def _purge_leftovers(self, top: str, name_prefix: str) -> tuple[int, int, set[str]]:
+        """Remove temp files named for keys under ``top``/``name_prefix`` and the empty folders
+        there; returns (files, bytes, folders touched)."""
+        n = nbytes = 0
+        touched: set[str] = set()
+
+        def unlink_temp(path: str) -> None:
+            nonlocal n, nbytes
+            try:
+                st = os.lstat(path)
+                if stat.S_ISDIR(st.st_mode):
+                    return
+                os.unlink(path)
+            except FileNotFoundError:
+                return
+            n += 1
+            nbytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
+            touched.add(os.path.dirname(path))
+
+        try:
+            entries = list(os.scandir(top))
+        except (FileNotFoundError, NotADirectoryError):
+            return 0, 0, touched
+        for e in entries:
+            if _is_temp(e.name):
+                if e.name[1:].startswith(name_prefix):  # ".{name}.tmp..." of a key under the prefix
+                    unlink_temp(e.path)
+                continue
+            if not e.name.startswith(name_prefix) or not e.is_dir(follow_symlinks=False):
+                continue
+            for d, subdirs, files in os.walk(e.path, topdown=False, followlinks=False):
+                for f in files:
+                    if _is_temp(f):
+                        unlink_temp(os.path.join(d, f))
+                for sd in subdirs:  # symlinks to folders show up here too: never followed
+                    p = os.path.join(d, sd)
+                    with contextlib.suppress(OSError):
+                        if stat.S_ISDIR(os.lstat(p).st_mode):
+                            os.rmdir(p)  # fails unless empty: then something else lives there
+                            self._dirs.discard(p)
+                            touched.add(d)
+            with contextlib.suppress(OSError):
+                os.rmdir(e.path)
+                self._dirs.discard(e.path)
+                touched.add(top)
+        return n, nbytes, touched

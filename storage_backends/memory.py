@@ -24,6 +24,8 @@ from storage_backends.base import (
     resolve_range,
 )
 
+__all__ = ["MemoryStore", "reset"]
+
 
 class _Namespace:
     """The shared state behind every MemoryStore of one name."""

@@ -15,6 +15,8 @@ from urllib.parse import unquote, urlsplit
 
 from storage_backends.base import StorageError, Store
 
+__all__ = ["StoreFactory", "UnknownSchemeError", "open_store", "register_scheme", "supported_schemes"]
+
 # A factory gets the whole URI and returns an open store.
 StoreFactory = Callable[[str], Store]
 

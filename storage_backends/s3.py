@@ -38,6 +38,7 @@ import os
 import re
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -67,6 +68,8 @@ from storage_backends.base import (
     check_prefix,
     resolve_range,
 )
+
+__all__ = ["DEFAULT_PART_SIZE", "DEFAULT_WORKERS", "MAX_PARTS", "MIN_PART_SIZE", "S3Store"]
 
 MiB = 1 << 20
 DEFAULT_PART_SIZE = 16 * MiB
@@ -478,15 +481,33 @@ class S3Store(Store):
         # (AWS_REQUEST_CHECKSUM_CALCULATION); the upload must then announce it too, and the
         # parts' checksums go into CompleteMultipartUpload (copied from each part's response).
         checksum = self._client.meta.config.request_checksum_calculation != "when_required"
-        upload_id = self._call(
-            "CreateMultipartUpload",
-            key,
-            self._client.create_multipart_upload,
-            Bucket=self.bucket,
-            Key=full,
-            Metadata=meta,
-            **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
-        )["UploadId"]
+        # A CreateMultipartUpload whose response is lost and then retried (by botocore or by us)
+        # opens a second upload; the first one's id never reaches us. Count the tries, and after
+        # one that was retried abort the other uploads of this key begun since.
+        tries = 0
+
+        def create(**kwargs: Any) -> dict:
+            nonlocal tries
+            tries += 1
+            return self._client.create_multipart_upload(**kwargs)
+
+        try:
+            resp = self._call(
+                "CreateMultipartUpload",
+                key,
+                create,
+                Bucket=self.bucket,
+                Key=full,
+                Metadata=meta,
+                **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
+            )
+        except BaseException:
+            if tries:
+                self._abort_strays(key, keep=None)
+            raise
+        upload_id = resp["UploadId"]
+        if tries > 1 or resp.get("ResponseMetadata", {}).get("RetryAttempts", 0):
+            self._abort_strays(key, keep=upload_id)
         part_size = self._part_size_for(size)
         ends = _cumulative(views)
 
@@ -550,6 +571,64 @@ class S3Store(Store):
                 )
             raise
 
+    def _uploads(self, key_prefix: str) -> Iterator[dict]:
+        """Incomplete multipart uploads whose key starts with ``key_prefix`` (relative)."""
+        markers: dict[str, str] = {}
+        while True:
+            try:
+                page = self._call(
+                    "ListMultipartUploads",
+                    key_prefix,
+                    self._client.list_multipart_uploads,
+                    Bucket=self.bucket,
+                    Prefix=self._prefix + key_prefix,
+                    **markers,
+                )
+            except NoSuchBucket:
+                return
+            yield from page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return
+            markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    def _abort(self, full_key: str, upload_id: str) -> bool:
+        try:
+            self._call(
+                "AbortMultipartUpload",
+                full_key[len(self._prefix) :],
+                self._client.abort_multipart_upload,
+                Bucket=self.bucket,
+                Key=full_key,
+                UploadId=upload_id,
+            )
+        except NoSuchUpload:
+            return False  # completed or aborted meanwhile
+        return True
+
+    def _abort_strays(self, key: str, keep: str | None) -> None:
+        """Best effort: abort every incomplete upload of exactly ``key`` but ``keep``. One writer
+        writes a key of a step (writers of one root are fenced), so the others are this call's
+        lost-response orphans or those of a killed earlier attempt at the same step. (No time
+        filter: S3's ``Initiated`` comes from the server's clock, and moto answers a fixed date.)"""
+        full = self._full(key)
+        try:
+            for up in list(self._uploads(key)):
+                if up.get("Key") == full and up.get("UploadId") != keep:
+                    self._abort(full, up["UploadId"])
+        except StorageError:
+            pass  # gc's abort_stale_uploads catches what this misses
+
+    def abort_stale_uploads(self, older_than: float) -> list[str]:
+        cutoff = time.time() - older_than
+        aborted = []
+        for up in list(self._uploads("")):
+            initiated = up.get("Initiated")
+            if initiated is not None and initiated.timestamp() > cutoff:
+                continue
+            if self._abort(up["Key"], up["UploadId"]):
+                aborted.append(up["Key"][len(self._prefix) :])
+        return aborted
+
     def copy(self, src_key: str, dst_key: str) -> None:
         # Server-side CopyObject works up to 5 GiB; larger objects would need a multipart copy
         # (UploadPartCopy), which checkpoints' chunk-sized objects never need.
@@ -568,8 +647,15 @@ class S3Store(Store):
             self._call("DeleteObject", key, self._client.delete_object, Bucket=self.bucket, Key=full)
 
     def delete_prefix(self, prefix: str) -> int:
+        return self.purge(prefix)[0]
+
+    def purge(self, prefix: str) -> tuple[int, int]:
+        """Objects under ``prefix`` (S3 has no temp files or folders to leave behind; the
+        incomplete multipart uploads of killed writers are ``abort_uploads``'s)."""
         check_prefix(prefix)
-        keys = [info.key for info in self._list(prefix)]
+        infos = list(self._list(prefix))
+        keys = [info.key for info in infos]
+        sizes = {info.key: info.size for info in infos}
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = keys[i : i + 1000]
             resp = self._call(
@@ -586,7 +672,7 @@ class S3Store(Store):
                     f"s3://{self.bucket}/{e.get('Key')}: DeleteObjects failed: {e.get('Code')}: "
                     f"{e.get('Message')} ({len(errors)} of {len(batch)} keys failed)"
                 )
-        return len(keys)
+        return len(keys), sum(sizes.values())
 
     def close(self) -> None:
         with self._close_lock:

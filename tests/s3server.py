@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
-from trainer_hooks._local_launch import free_port
+from tests.local_launch import free_port
 
 # What boto3 needs to talk to the server; set by the s3_server fixture for the whole session.
 CREDENTIALS = {

@@ -32,7 +32,7 @@ from storage_backends import StorageError, Store, open_store
 from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import flatten
-from trainer_hooks.restore import restore_state
+from trainer_hooks.restore import restore_fallback, restore_state
 from trainer_hooks.sink import Sink
 from trainer_hooks.snapshot import Planner, take
 from trainer_hooks.writer import BackgroundWriter
@@ -54,6 +54,14 @@ class Checkpointer:
     ``incremental``: shards whose content (sha256) has not changed since this process's previous
     committed save are hard-linked (filesystem) or server-side copied (S3) instead of written
     again; each checkpoint stays complete and independently readable, and ``gc`` stays correct.
+    ``process_group``: the group the small collectives of ``save``/``restore`` run on (they
+    exchange CPU objects, so a gloo group); it must span every rank of the job, since ranks and
+    the world size are the default group's. None: the default group when it is gloo, else a new
+    gloo group made here (which makes the constructor collective). ``commit_timeout``: seconds a
+    save waits, after this rank's data and done record are durable, for the other ranks and the
+    commit record; past it the save's future fails with ``CheckpointError`` (the checkpoint stays
+    partial, and a later commit by the others still completes it). With a daemon, the daemon
+    waits that long and the client gives up after it too.
     """
 
     def __init__(
@@ -83,6 +91,7 @@ class Checkpointer:
         self._closed = False
         self.last_save_blocked_s = 0.0
         self.last_save_phases: dict[str, float] = {}
+        self.last_restore_skipped: list[tuple[int, str]] = []  # (step, why): restore(fallback=True)
         # Where snapshots go (the ``sink.Sink`` contract): this process's writer thread, or the
         # daemon, whose stager's buffers are shared memory it can read.
         self._sink: Sink
@@ -188,7 +197,13 @@ class Checkpointer:
     # --------------------------------------------------------------------------- restore
 
     def restore(
-        self, state: dict[str, Any], step: int | None = None, *, strict: bool = True, in_place: bool = False
+        self,
+        state: dict[str, Any],
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        in_place: bool = False,
+        fallback: bool = False,
     ) -> int | None:
         """Restore ``state`` in place from ``step`` (the latest committed if None). Collective.
 
@@ -199,9 +214,21 @@ class Checkpointer:
         memory and no new buffers to fault in, but a read that fails midway (I/O error, corrupt
         chunk) leaves tensors partly overwritten, as ``dcp.load`` does. Mismatched keys, shapes
         and dtypes are still refused before anything is read.
+        ``fallback=True`` (with ``step=None``): the newest committed step that restores cleanly,
+        skipping newer ones that ``ckptd verify`` recorded bad or whose manifest or chunks fail
+        their checks; each skip is logged, and ``last_restore_skipped`` lists (step, why).
+        Raises, naming each step and why, when there are committed steps but none restores.
         """
         self._check_open()
         self.wait()
+        if fallback:
+            if step is not None:
+                raise CheckpointError("restore: fallback=True picks the step itself; do not pass step")
+            got, self.last_restore_skipped = restore_fallback(
+                self.store, self.coord, state, strict, self._io, in_place=in_place
+            )
+            return got
+        self.last_restore_skipped = []
         return restore_state(self.store, self.coord, state, step, strict, self._io, in_place=in_place)
 
     def latest_step(self) -> int | None:

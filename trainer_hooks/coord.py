@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+__all__ = ["Coordinator"]
+
 
 class Coordinator:
     def __init__(self, group=None):

@@ -31,10 +31,11 @@ from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.commit import SaveResult
 from ckptd.errors import CheckpointError
+from ckptd.savejob import SaveJob
 from storage_backends import StorageError, open_store
 from trainer_hooks.daemon_client import DaemonClient, detail
 from trainer_hooks.daemon_stager import DaemonStager
-from trainer_hooks.snapshot import SaveJob, Stager
+from trainer_hooks.snapshot import Stager
 
 __all__ = ["DaemonSink"]
 

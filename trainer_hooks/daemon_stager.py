@@ -25,8 +25,9 @@ import torch
 
 from ckptd.codec import ArrayLayout, image_nbytes
 from ckptd.errors import CheckpointError
+from ckptd.savejob import SaveJob, format_image
 from trainer_hooks.daemon_client import DaemonClient, detail
-from trainer_hooks.snapshot import SaveJob, Stager, format_image, staged_image_chunks
+from trainer_hooks.snapshot import Stager, staged_image_chunks
 
 __all__ = ["DaemonStager"]
 
@@ -220,14 +221,7 @@ class DaemonStager(Stager):
             hit = self._files.get((sw.key, sw.coord))
             if hit is None or hit[1] is not (sw.buffer if sw.image is None else sw.image):
                 raise CheckpointError(f"array {sw.key!r}: snapshot buffer is not in the staging lease")
-            lay = sw.layout
-            layout = {
-                "shape": list(lay.shape),
-                "dtype": lay.dtype,
-                "shard_shape": list(lay.shard_shape),
-                "chunk_shape": list(lay.chunk_shape),
-            }
-            shard = {"key": sw.key, "layout": layout, "coord": list(sw.coord), "file": hit[0]}
+            shard = {"key": sw.key, "layout": sw.layout.to_json(), "coord": list(sw.coord), "file": hit[0]}
             if sw.image is not None:
                 shard["image"] = True
             shards.append(shard)

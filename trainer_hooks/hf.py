@@ -36,6 +36,8 @@ except ImportError:  # pragma: no cover - an optional extra
 
 from trainer_hooks._callback_common import CheckpointCallbackBase
 
+__all__ = ["CkptdCallback", "PROGRESS_FIELDS", "TrainerStateAdapter"]
+
 # TrainerState fields that describe progress (the rest is this run's configuration).
 PROGRESS_FIELDS = (
     "global_step",

@@ -24,6 +24,8 @@ from typing import Any
 
 from trainer_hooks.checkpointer import Checkpointer
 
+__all__ = ["CheckpointHook", "STOP_SIGNALS"]
+
 log = logging.getLogger("ckptd.hook")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -47,6 +49,7 @@ class CheckpointHook:
         every_n_steps: int | None = 100,
         save_on_signal: bool = True,
         exit_code: int = 0,
+        fallback: bool = False,
     ):
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
@@ -54,6 +57,7 @@ class CheckpointHook:
         self.state = state
         self.every_n_steps = every_n_steps
         self.exit_code = exit_code
+        self.fallback = fallback
         self.signalled: int | None = None
         self.last_saved: int | None = None
         # Whether after_step makes the per-step all-reduce: decided by the argument alone, so
@@ -71,8 +75,13 @@ class CheckpointHook:
         self.signalled = signum
 
     def resume(self) -> int:
-        """Restore the latest committed checkpoint if there is one; the step to start from."""
-        step = self.ckpt.restore(self.state)
+        """Restore the latest committed checkpoint if there is one; the step to start from.
+
+        With ``fallback=True`` a corrupt latest checkpoint does not stop the job: it resumes
+        from the newest one that restores (``Checkpointer.restore(fallback=True)``). The bad
+        steps after it stay committed, and a save refuses to overwrite a committed step:
+        retire them first (``ckptd quarantine``), or the job fails when it reaches them."""
+        step = self.ckpt.restore(self.state, fallback=self.fallback)
         if step is None:
             return 0
         self.last_saved = step

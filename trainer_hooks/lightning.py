@@ -37,6 +37,8 @@ except ImportError:  # pragma: no cover - the older package name
 
 from trainer_hooks._callback_common import CheckpointCallbackBase
 
+__all__ = ["CkptdCallback"]
+
 
 def _named(prefix: str, objs: list) -> dict[str, Any]:
     return {prefix if i == 0 else f"{prefix}_{i}": o for i, o in enumerate(objs)}

@@ -35,6 +35,8 @@ from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import apply, flatten
 from trainer_hooks.sharding import is_dtensor, local_tensor, sharding_of
 
+__all__ = ["restore_state", "validate"]
+
 log = logging.getLogger("ckptd.restore")
 
 
@@ -173,11 +175,27 @@ def restore_state(
     step = _pick_step(store, coord, step)
     if step is None:
         return None
-    src = store if asked is not None else _planned_store(store, coord, step)
+    return _restore_step(store, coord, state, step, strict, pool, restore_rng, in_place, planned=asked is None)
+
+
+def _restore_step(
+    store: Store,
+    coord: Coordinator,
+    state: dict[str, Any],
+    step: int,
+    strict: bool,
+    pool: ThreadPoolExecutor,
+    restore_rng: bool,
+    in_place: bool,
+    planned: bool,
+) -> int:
+    """Restore committed ``step`` (read from its reshard plan's copy when ``planned``)."""
+    src = _planned_store(store, coord, step) if planned else store
     where = catalog.where(src, step)
     err: CheckpointError | None = None
     loaded: dict[str, torch.Tensor] = {}
     m = saved = None
+    reading = False  # whether this rank began to read chunks (into the state, with in_place)
     try:
         m = _load_manifest(src, coord, step)
         saved = m if src is store else _load_manifest(store, coord, step)  # its done records hold the RNG
@@ -195,6 +213,7 @@ def restore_state(
                 out = torch.empty(sh.local_box.shape, dtype=t.dtype)
             outs[k] = (live, out)
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
+        reading = True
         reader.read(requests, pool)
         for k in keys:
             t = flat.tensors[k]
@@ -222,14 +241,81 @@ def restore_state(
     failure = coord.agree(None if err is None else (type(err).__name__, str(err)))
     if failure is not None:
         cls, msg = failure
-        if in_place and cls in ("CheckpointError", "CorruptChunkError"):
-            msg += " (restore with in_place=True: tensors of the state may be partly overwritten)"
+        if in_place:
+            # Only a failure after reads began can have touched the state; every rank learns
+            # whether any rank had begun (one more collective, on the failure path only).
+            touched = bool(coord.all_max([1 if reading else 0])[0])
+            if touched:
+                msg += " (restore with in_place=True: tensors of the state may be partly overwritten)"
+            else:
+                msg += " (nothing was read: the state is unchanged)"
         raise _ERRORS.get(cls, CheckpointError)(msg) from err
     apply(state, m.state, loaded, strict)
     if restore_rng:
         _restore_rng(store, saved, coord)
     log.info("restored %s at world size %d (saved at %d)", where, coord.world_size, saved.world_size)
     return step
+
+
+def restore_fallback(
+    store: Store,
+    coord: Coordinator,
+    state: dict[str, Any],
+    strict: bool,
+    pool: ThreadPoolExecutor,
+    restore_rng: bool = True,
+    in_place: bool = False,
+) -> tuple[int | None, list[tuple[int, str]]]:
+    """The newest committed step that restores cleanly, and the newer steps skipped with why.
+
+    Rank 0 lists the committed steps, newest first, and drops those ``ckptd verify`` recorded
+    as bad; every rank then tries them in that order. A try that fails because the checkpoint
+    is broken (its manifest does not load, a chunk fails its crc32c or is missing, storage
+    errors reading it) moves on to the next older step; a mismatch between the state and the
+    checkpoint (keys, shapes, dtypes) is the caller's and is raised at once, as it would be for
+    every step. Without ``in_place`` a failed try leaves ``state`` untouched; with it, the next
+    try overwrites whatever the failed one wrote. Returns (None, []) when the root has no
+    committed step; raises CheckpointError naming every skipped step when none restores (storage
+    that is down must not make a job start again from step 0).
+    """
+    from ckptd import verify as _verify  # verdicts of ``ckptd verify``
+
+    order: Any = None
+    if coord.rank == 0:
+        try:
+            order = []
+            for s in reversed(catalog.committed_steps(store)):
+                rec = _verify.read_record(store, s)
+                order.append((s, None if rec is None or rec["ok"] else "; ".join(rec["errors"][:1]) or "recorded bad"))
+        except (CheckpointError, StorageError) as e:
+            order = ("error", str(e))
+    order = coord.broadcast(order)
+    if isinstance(order, tuple):
+        raise CheckpointError(order[1])
+    skipped: list[tuple[int, str]] = []
+    newest = order[0][0] if order else None
+    for step, bad in order:
+        if bad is not None:
+            skipped.append((step, f"ckptd verify recorded it bad: {bad}"))
+            log.warning("restore: skipping step %d: ckptd verify recorded it bad (%s)", step, bad)
+            continue
+        try:
+            got = _restore_step(store, coord, state, step, strict, pool, restore_rng, in_place, planned=step == newest)
+        except StateMismatchError:
+            raise
+        except CheckpointError as e:
+            skipped.append((step, str(e)))
+            log.warning("restore: skipping step %d: %s", step, e)
+            continue
+        if skipped:
+            log.warning("restored step %d after skipping newer steps %s", got, ", ".join(str(s) for s, _ in skipped))
+        return got, skipped
+    if skipped:  # never start a job from scratch because its checkpoints could not be read
+        raise CheckpointError(
+            f"{store.uri}: no committed checkpoint restores; skipped "
+            + "; ".join(f"step {s}: {why}" for s, why in skipped)
+        )
+    return None, skipped
 
 
 _ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError)}

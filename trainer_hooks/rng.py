@@ -13,6 +13,8 @@ import zlib
 import numpy as np
 import torch
 
+__all__ = ["capture", "reseed", "restore"]
+
 
 def capture() -> dict:
     state = {

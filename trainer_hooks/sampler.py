@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
+from ckptd.sampler_math import STATE_KEYS, STATE_VERSION, position_after, share
+
 __all__ = ["ElasticSampler", "StatefulLoader"]
 
-_STATE_VERSION = 1
-_STATE_KEYS = ("version", "epoch", "position", "seed", "shuffle", "drop_last", "dataset_len")
+_STATE_VERSION = STATE_VERSION
+_STATE_KEYS = STATE_KEYS
 
 
 @dataclass
@@ -231,19 +233,12 @@ class ElasticSampler(Sampler[int]):
 
     def _share(self, start: int) -> int:
         """Indices this rank gets of order[start:]."""
-        rest, world = self._dataset_len - start, self._num_replicas
-        if self._drop_last:
-            return rest // world
-        return (rest - self._rank + world - 1) // world
+        return share(self._dataset_len, start, self._rank, self._num_replicas, self._drop_last)
 
     def _position_of(self, pass_: _Pass) -> int:
         if pass_.finished:
             return self._dataset_len
-        rest, world = self._dataset_len - pass_.start, self._num_replicas
-        if self._drop_last and pass_.consumed >= rest // world:
-            # every rank has had its equal share; the tail is dropped for this epoch
-            return self._dataset_len
-        return min(pass_.start + pass_.consumed * world, self._dataset_len)
+        return position_after(self._dataset_len, pass_.start, pass_.consumed, self._num_replicas, self._drop_last)
 
     def _next_start(self) -> int:
         return 0 if self._pass.finished else self._position_of(self._pass)

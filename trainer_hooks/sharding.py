@@ -26,6 +26,8 @@ except ImportError:  # pragma: no cover - torch >= 2.6 has both
     DTensor = None
     _compute_local_shape_and_global_offset = None
 
+__all__ = ["Sharding", "is_dtensor", "local_tensor", "sharding_of", "world"]
+
 
 def is_dtensor(t: torch.Tensor) -> bool:
     return DTensor is not None and isinstance(t, DTensor)

@@ -20,7 +20,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
-from trainer_hooks.snapshot import SaveJob, Stager
+from ckptd.savejob import SaveJob
+from trainer_hooks.snapshot import Stager
 
 __all__ = ["Sink"]
 

@@ -17,55 +17,21 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ckptd import manifest as mf
-from ckptd.codec import CRC_BYTES, ArrayLayout, image_chunks, image_nbytes, init_image, inline_value
+from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, inline_value
 from ckptd.dtypes import zarr_dtype
 from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
-from storage_backends._direct import DIRECT_MIN_BYTES
+from ckptd.savejob import SaveJob, ShardWrite, format_image
+from storage_backends import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
 
-
-@dataclass
-class ShardWrite:
-    key: str
-    layout: ArrayLayout
-    coord: tuple[int, ...]
-    buffer: torch.Tensor  # host copy of the shard's data clipped to the array
-    # With an object image: ``buffer`` is a (chunks, *chunk_shape) view into ``image`` (uint8,
-    # the whole object; the writer fills in the checksums), and ``chunks`` its first extent.
-    image: torch.Tensor | None = None
-
-    @property
-    def chunks(self) -> int:
-        return self.buffer.shape[0]
-
-    @property
-    def object_key(self) -> str:
-        return f"{mf.array_path(self.key)}/{self.layout.shard_key(self.coord)}"
-
-
-@dataclass
-class SaveJob:
-    """Everything a writer needs to persist one rank's part of one checkpoint."""
-
-    step: int
-    attempt: str
-    rank: int
-    world_size: int
-    shards: list[ShardWrite] = field(default_factory=list)
-    metadata: list[tuple[str, bytes]] = field(default_factory=list)  # (key in folder, bytes)
-    done: dict = field(default_factory=dict)  # extra fields of this rank's done record
-    ready: object = None  # a CUDA event to wait for before reading the buffers, or None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.buffer.nbytes for s in self.shards)
+__all__ = ["Planner", "Stager", "staged_image_chunks", "take"]
 
 
 class Stager:
@@ -139,20 +105,6 @@ def staged_image_chunks(layout: ArrayLayout, coord: tuple[int, ...], dtype) -> i
     if chunks is None or image_nbytes(layout, chunks) < DIRECT_MIN_BYTES:
         return None
     return chunks
-
-
-def format_image(image: torch.Tensor, layout: ArrayLayout, chunks: int, dtype) -> torch.Tensor:
-    """Write the index into a fresh object image (uint8, ``image_nbytes`` long) and return the
-    (chunks, *chunk_shape) view of its data: chunk ``k`` starts at ``k * (chunk_nbytes + 4)``
-    bytes, its crc slot after it (``ckptd.codec.image_chunks``)."""
-    init_image(layout, image.numpy(), chunks)
-    itemsize = dtype.itemsize
-    stride = (layout.chunk_nbytes + CRC_BYTES) // itemsize  # whole elements whenever chunks > 1
-    data = image[: (chunks - 1) * stride * itemsize + layout.chunk_nbytes].view(dtype)
-    inner = [1]
-    for n in reversed(layout.chunk_shape[1:]):
-        inner.insert(0, inner[0] * n)
-    return data.as_strided((chunks, *layout.chunk_shape), (stride, *inner))
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,12 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckptd import commit
+from ckptd.savejob import SaveJob
 from storage_backends import Store
 from trainer_hooks.flatten import as_numpy
-from trainer_hooks.snapshot import SaveJob, Stager
+from trainer_hooks.snapshot import Stager
+
+__all__ = ["BackgroundWriter"]
 
 
 class BackgroundWriter:

@@ -18,6 +18,29 @@ from typing import Any, TextIO
 
 from storage_backends import StorageError, Store, open_store
 
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "PREFIX",
+    "Progress",
+    "UsageError",
+    "add_json",
+    "add_step",
+    "add_uri",
+    "error",
+    "human_bytes",
+    "iso_time",
+    "job_root",
+    "note",
+    "positive_int",
+    "print_json",
+    "print_table",
+    "shape_str",
+    "step_arg",
+]
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2

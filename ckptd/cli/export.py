@@ -8,6 +8,8 @@ import argparse
 from ckptd.cli.common import Progress, UsageError, add_step, add_uri, job_root, note
 from ckptd.interop import EXPORT_FORMATS, export_checkpoint
 
+__all__ = ["HELP", "add_arguments", "parse_size", "run"]
+
 HELP = "export a checkpoint as a torch.save file, safetensors (optionally sharded) or a DCP folder"
 
 

@@ -1,33 +1,82 @@
-"""``ckptd gc URI --keep-last K``: delete old checkpoints by the same policy the trainer uses."""
+"""``ckptd gc URI --keep-last K``: delete old checkpoints by the same policy the trainer uses.
+
+What it deletes: committed checkpoints older than the newest K (never the newest one ``ckptd
+verify`` passed), and partial ones older than the newest commit, each with everything a killed
+writer left in its folder (temp files, empty folders); then the incomplete S3 multipart uploads
+under the root older than ``--abort-uploads-older-than``. A partial folder newer than the newest
+commit is left alone: it may be a save in flight. What it prints is counted from what was
+removed, and a step whose folder is still there afterwards is reported and fails the command.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.cli.common import Progress, add_json, add_uri, job_root, note, positive_int, print_json
+from ckptd.cli.common import (
+    EXIT_FAILED,
+    Progress,
+    add_json,
+    add_uri,
+    error,
+    human_bytes,
+    job_root,
+    note,
+    positive_int,
+    print_json,
+)
 
-HELP = "keep the newest K committed checkpoints; delete older ones and stale partial ones"
+__all__ = ["HELP", "add_arguments", "duration", "run"]
+
+HELP = "keep the newest K committed checkpoints; delete older ones, stale partial ones and stale uploads"
+
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``24h``, ``7d`` -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: expected e.g. 0, 90s, 15m, 24h, 7d")
+    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_uri(p)
     p.add_argument("--keep-last", type=positive_int, required=True, metavar="K", help="committed checkpoints to keep")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
+    p.add_argument(
+        "--abort-uploads-older-than",
+        type=duration,
+        default=duration("24h"),
+        metavar="AGE",
+        help="abort incomplete S3 multipart uploads under the root begun longer ago than this "
+        "(default 24h; 0: all, only when no save is running)",
+    )
     add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    removed: dict[int, tuple[int, int]] = {}
+    left: list[str] = []
+    aborted: list[str] = []
     with job_root(args.uri) as store:
-        doomed = catalog.select_for_deletion(store, args.keep_last) if store.exists_root() else []
-        if not args.dry_run:
+        exists = store.exists_root()
+        doomed = catalog.select_for_deletion(store, args.keep_last) if exists else []
+        if not args.dry_run and exists:
             with Progress("deleting") as progress:
                 for i, step in enumerate(doomed):
-                    catalog.delete_checkpoint(store, step)
+                    removed[step] = catalog.delete_checkpoint(store, step)
                     progress(i + 1, len(doomed))
-        kept = [s for s in catalog.steps(store) if s not in doomed] if store.exists_root() else []
+            remaining = set(catalog.steps(store))
+            left = [mf.step_dir(s) for s in doomed if s in remaining]
+            aborted = store.abort_stale_uploads(args.abort_uploads_older_than)
+        kept = [s for s in catalog.steps(store) if s not in doomed] if exists else []
         uri = store.uri
+    files = sum(n for n, _ in removed.values())
+    nbytes = sum(b for _, b in removed.values())
     if args.json:
         print_json(
             {
@@ -35,13 +84,24 @@ def run(args: argparse.Namespace) -> int:
                 "keep_last": args.keep_last,
                 "deleted": doomed,
                 "deleted_paths": [mf.step_dir(s) for s in doomed],
+                "deleted_objects": files,
+                "deleted_bytes": nbytes,
+                "left_behind": left,
+                "aborted_uploads": aborted,
                 "kept": kept,
             }
         )
-        return 0
-    verb = "would delete" if args.dry_run else "deleted"
-    for step in doomed:
-        print(f"{verb} {mf.step_dir(step)}")
-    if not doomed:
-        note(f"nothing to delete in {uri}")
-    return 0
+    else:
+        for step in doomed:
+            if args.dry_run:
+                print(f"would delete {mf.step_dir(step)}")
+            elif mf.step_dir(step) not in left:
+                n, b = removed[step]
+                print(f"deleted {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
+        for key in aborted:
+            print(f"aborted incomplete upload {key}")
+        if not doomed and not aborted:
+            note(f"nothing to delete in {uri}")
+    for path in left:
+        error(f"{uri.rstrip('/')}/{path}: still there after deleting (something else is in that folder)")
+    return EXIT_FAILED if left else 0

@@ -8,6 +8,8 @@ import argparse
 from ckptd.cli.common import Progress, add_uri, human_bytes, job_root, note, step_arg
 from ckptd.interop import IMPORT_FORMATS, import_checkpoint
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "import a DCP folder, torch.save file, safetensors or DeepSpeed universal checkpoint as a committed checkpoint"
 
 

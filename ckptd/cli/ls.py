@@ -1,11 +1,19 @@
-"""``ckptd ls URI``: one row per checkpoint of a job root, committed or partial."""
+"""``ckptd ls URI``: one row per checkpoint of a job root, committed or partial.
+
+The VERIFIED column (``verified`` in ``--json``) is the verdict ``ckptd verify`` recorded for the
+step's current commit: ``ok``, ``bad`` or ``unverified`` (never checked, or checked before it
+was saved again); ``-`` for partial steps. A step folder holding no object at all (a writer
+killed before its first write landed) is no checkpoint and is not listed; ``gc`` removes it."""
 
 from __future__ import annotations
 
 import argparse
 
 from ckptd import catalog
+from ckptd import verify as _verify
 from ckptd.cli.common import add_json, add_uri, human_bytes, iso_time, job_root, note, print_json, print_table
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "list the checkpoints of a job root (step, committed/partial, world size, bytes, time)"
 
@@ -19,9 +27,10 @@ def run(args: argparse.Namespace) -> int:
     with job_root(args.uri) as store:
         # A root that does not exist yet (no folder, no bucket) holds no checkpoints: not an error.
         infos = catalog.list_checkpoints(store) if store.exists_root() else []
+        verified = {i.step: _verify.status(store, i.step) if i.committed else None for i in infos}
         uri = store.uri
     if args.json:
-        print_json([i.to_json() for i in infos])
+        print_json([i.to_json() | {"verified": verified[i.step]} for i in infos])
         return 0
     if not infos:
         note(f"no checkpoints in {uri}")
@@ -33,9 +42,10 @@ def run(args: argparse.Namespace) -> int:
             "-" if i.world_size is None else i.world_size,
             human_bytes(i.bytes),
             iso_time(i.time),
+            verified[i.step] or "-",
             i.path,
         )
         for i in infos
     ]
-    print_table(["STEP", "STATUS", "WORLD", "BYTES", "TIME (UTC)", "PATH"], rows)
+    print_table(["STEP", "STATUS", "WORLD", "BYTES", "TIME (UTC)", "VERIFIED", "PATH"], rows)
     return 0

@@ -25,16 +25,21 @@ from ckptd.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageErr
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError
 
+__all__ = ["COMMANDS", "build_parser", "main"]
+
 # subcommand -> module under ckptd.cli (a module cannot be named ``import``: use ``import_``).
 COMMANDS: dict[str, str] = {
     "ls": "ls",
     "show": "show",
     "verify": "verify",
     "gc": "gc",
+    "quarantine": "quarantine",
+    "unquarantine": "unquarantine",
     "serve": "serve",
     "reshard": "reshard",
     "export": "export",
     "import": "import_",
+    "diff": "diff",
 }
 
 

@@ -27,6 +27,9 @@ from ckptd.cli.common import (
     print_json,
     print_table,
 )
+from ckptd.sampler_math import SamplerResume, remap_data_position
+
+__all__ = ["HELP", "MAX_ROWS", "add_arguments", "run"]
 
 HELP = "prepare a checkpoint for a restart at M ranks: validate, plan each rank's reads, record the plan"
 
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         m = catalog.load_manifest(store, args.step)
         where = catalog.where(store, m.step)
         plan = rs.plan_reads_for(m.tensors, target, where)  # LayoutError: exit 1 with the reason
-        resumes = rs.remap_data_position(m.state, target.world_size)
+        resumes = remap_data_position(m.state, target.world_size)
         if args.rechunk:
             with Progress("rechunking") as progress:
                 copy = _rechunk.rechunk(store, m, target, progress=progress)
@@ -137,7 +140,7 @@ def _print_reads(plan: rs.ReadPlan) -> None:
     )
 
 
-def _print_positions(resumes: list[rs.SamplerResume], world_size: int) -> None:
+def _print_positions(resumes: list[SamplerResume], world_size: int) -> None:
     if not resumes:
         print("data position: no ElasticSampler state in the checkpoint; nothing to remap")
         return

@@ -12,6 +12,8 @@ import logging
 
 from ckptd.cli.common import UsageError, positive_int
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "run the daemon that uploads and commits snapshots handed off by trainers"
 
 

@@ -18,6 +18,8 @@ from ckptd.cli.common import (
     shape_str,
 )
 
+__all__ = ["HELP", "add_arguments", "run", "state_summary"]
+
 HELP = "show every tensor of a checkpoint: key, global shape, dtype, chunking, bytes, array path"
 
 

@@ -45,6 +45,27 @@ from ckptd.reader import CheckpointReader, ReadRequest
 from ckptd.stream import CheckpointWriter
 from storage_backends import Store
 
+__all__ = [
+    "ExportResult",
+    "ImportResult",
+    "ImportTree",
+    "Item",
+    "Loader",
+    "Progress",
+    "SavedCheckpoint",
+    "WRITE_BEHIND_BYTES",
+    "check_output",
+    "flat_tensors",
+    "one_line",
+    "partial_path",
+    "publish",
+    "release_file_pages",
+    "remove_partial",
+    "staged_output",
+    "trim_heap",
+    "write_import",
+]
+
 # Encoded shards waiting for their put. The stream writer's default (512 MiB) favours throughput;
 # an import is bounded by its source's read speed, so a smaller write-behind costs little.
 WRITE_BEHIND_BYTES = 32 * 1024 * 1024

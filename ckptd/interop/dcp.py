@@ -66,6 +66,8 @@ from ckptd.interop.common import (
     trim_heap,
 )
 
+__all__ = ["BATCH_BYTES", "read", "write"]
+
 BATCH_BYTES = 16 * 1024 * 1024  # tensors loaded per dcp.load call (fewer calls, bounded memory)
 
 # dcp.save/load warn when no process group is up; running in one process is what we mean.

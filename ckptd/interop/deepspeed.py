@@ -36,6 +36,8 @@ from ckptd.errors import CheckpointError
 from ckptd.interop.common import ImportTree, Item, release_file_pages
 from ckptd.interop.torchfile import safe_load
 
+__all__ = ["FP32", "OPTIMIZER_STATE", "PARAM", "STEP", "read"]
+
 FP32 = "fp32.pt"
 STEP = "step.pt"
 OPTIMIZER_STATE = "optimizer_state.pt"

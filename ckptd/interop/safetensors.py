@@ -45,6 +45,8 @@ from ckptd.interop.common import (
     trim_heap,
 )
 
+__all__ = ["INDEX", "SINGLE", "read", "shard", "write"]
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 

@@ -41,6 +41,8 @@ from ckptd.interop.common import (
     trim_heap,
 )
 
+__all__ = ["read", "safe_load", "write"]
+
 
 def safe_load(path: str, mmap_: bool = True) -> tuple[Any, bool]:
     """``torch.load(weights_only=True)`` with its failures as one-line CheckpointErrors; returns

@@ -36,10 +36,31 @@ from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
+from ckptd.server.page import PUBLIC_PATHS
+from ckptd.server.page import router as page
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings, default_staging_dir
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from storage_backends import StorageError
+
+__all__ = [
+    "Daemon",
+    "ERRORS",
+    "FEATURES",
+    "GrowRequest",
+    "Guard",
+    "HANDLERS",
+    "JobRequest",
+    "LayoutModel",
+    "LeaseRequest",
+    "MetadataModel",
+    "RETRY_AFTER_S",
+    "ROUTERS",
+    "RootRequest",
+    "ShardModel",
+    "create_app",
+    "read_token",
+]
 
 log = logging.getLogger("ckptd.server")
 
@@ -111,7 +132,8 @@ class JobRequest(BaseModel):
 
 
 class Guard:
-    """Bearer-token check (every path but ``/healthz``, constant-time compare) and a body
+    """Bearer-token check (every path but ``/healthz`` and the status page's data-free shell,
+    ``page.PUBLIC_PATHS``; constant-time compare) and a body
     size limit (``Content-Length`` checked up front; chunked bodies counted as they arrive)."""
 
     def __init__(self, app, token: str | None, max_body: int):
@@ -123,7 +145,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.token is not None and scope["path"] != "/healthz":
+        if self.token is not None and scope["path"] != "/healthz" and scope["path"] not in PUBLIC_PATHS:
             auth = headers.get(b"authorization", b"")
             scheme, _, given = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
@@ -372,7 +394,7 @@ async def get_job(
 
 
 # Every group of routes the daemon serves, in this order.
-ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs)
+ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page)
 
 
 # ---------------------------------------------------------------------------------- app

@@ -24,10 +24,12 @@ from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, image_chunks, image_nbytes
 from ckptd.dtypes import numpy_dtype, torch_dtype
 from ckptd.errors import CheckpointError
+from ckptd.savejob import SaveJob, ShardWrite, format_image
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Lease, is_plain_file_name
 from storage_backends.base import InvalidKeyError, check_key
-from trainer_hooks.snapshot import SaveJob, ShardWrite, format_image
+
+__all__ = ["ATTEMPT", "BadJob", "FINAL", "JOB_ID", "Job", "MAX_META_BYTES", "intact", "load", "validate"]
 
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
@@ -64,6 +66,11 @@ class Job:
     retries: int = 0
     upload_seconds: float = 0.0
     lease_kept: bool | None = None  # after the upload: handed back to the client (True) or freed
+    # For the status page: seconds from the lease's acquire to this hand-off (what the trainer's
+    # ``save`` spent staging, as the daemon sees it); bytes put so far; when the upload began.
+    staged_s: float | None = None
+    bytes_uploaded: int = 0
+    upload_started_at: float | None = None
 
     def journal(self) -> dict:
         return asdict(self)
@@ -72,6 +79,7 @@ class Job:
         d = {k: v for k, v in asdict(self).items() if k not in ("shards", "metadata", "done")}
         d["shard_count"] = len(self.shards)
         d["bytes_staged"] = sum(s["nbytes"] for s in self.shards)
+        d["bytes_total"] = d["bytes_staged"] + sum(m["nbytes"] for m in self.metadata)
         if self.committed_at is not None:
             d["handoff_to_commit_s"] = self.committed_at - self.accepted_at
         return d
@@ -118,9 +126,7 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
     for s in req["shards"]:
         lay = s["layout"]
         try:
-            layout = ArrayLayout(
-                tuple(lay["shape"]), lay["dtype"], tuple(lay["shard_shape"]), tuple(lay["chunk_shape"])
-            )
+            layout = ArrayLayout.from_json(lay)
             numpy_dtype(layout.dtype)
         except (ValueError, TypeError, CheckpointError) as e:
             raise BadJob(f"array {s['key']!r}: invalid layout ({e})") from None
@@ -192,8 +198,7 @@ def load(job: Job, folder: Path) -> SaveJob:
     """The ``SaveJob`` that ``persist`` writes, its buffers mapped from the staging files."""
     out = SaveJob(job.step, job.attempt, job.rank, job.world_size, done=dict(job.done))
     for s in job.shards:
-        lay = s["layout"]
-        layout = ArrayLayout(tuple(lay["shape"]), lay["dtype"], tuple(lay["shard_shape"]), tuple(lay["chunk_shape"]))
+        layout = ArrayLayout.from_json(s["layout"])
         coord = tuple(s["coord"])
         mapped = _map(folder / s["file"], s["nbytes"])
         if s.get("image"):

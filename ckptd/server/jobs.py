@@ -34,25 +34,31 @@ from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings
 from ckptd.server.staging import Lease, LeaseBusy, Staging
 from storage_backends import StorageError, Store, open_store
+from storage_backends.base import data_size
+
+__all__ = ["Runner"]
 
 log = logging.getLogger("ckptd.jobs")
 
 
-class _Delayed:
-    """Test-only fault injection (``CKPTD_FAULT_UPLOAD_DELAY_S``): every shard put sleeps first."""
+class _Counted:
+    """Counts the bytes of every put into ``job.bytes_uploaded``, for the status page's progress."""
 
-    def __init__(self, store: Store, delay: float):
-        self._store, self._delay = store, delay
+    def __init__(self, store: Store, job: Job):
+        self._store, self._job = store, job
+        self._lock = threading.Lock()  # puts run on the io pool: ``+=`` alone would lose updates
 
     def put(self, key, data):
-        if f"/{mf.ARRAYS}/" in key:
-            time.sleep(self._delay)
-        return self._store.put(key, data)
+        self._store.put(key, data)
+        self._add(data)
 
     def put_deferred(self, key, data):
-        if f"/{mf.ARRAYS}/" in key:
-            time.sleep(self._delay)
-        return self._store.put_deferred(key, data)
+        self._store.put_deferred(key, data)
+        self._add(data)
+
+    def _add(self, data) -> None:
+        with self._lock:
+            self._job.bytes_uploaded += data_size(data)
 
     def __getattr__(self, name):
         return getattr(self._store, name)
@@ -82,6 +88,9 @@ class Runner:
         self._running = 0
         self._thread = threading.Thread(target=self._loop, name="ckptd-watch", daemon=True)
         self._thread.start()
+        # Its own thread: a slow listing of a big bucket must not delay commit watching.
+        self._housekeeper = threading.Thread(target=self._housekeeping, name="ckptd-housekeeping", daemon=True)
+        self._housekeeper.start()
 
     # ----------------------------------------------------------------------------- public
 
@@ -127,9 +136,12 @@ class Runner:
         if lease.owner != "client":
             raise LeaseBusy(f"lease {lease.id} already carries job {lease.job}")
         job = validate(req, lease, self.roots, job_id)
+        job.staged_s = max(0.0, job.accepted_at - lease.started_at)
         self.staging.hand_off(lease.id, job.job, job.journal() | {"state": "accepted"})
         self._remember(job)
         self.metrics.inc("ckptd_jobs_accepted_total")
+        self.metrics.inc("ckptd_save_staging_seconds_sum", job.staged_s)
+        self.metrics.inc("ckptd_save_staging_seconds_count")
         log.info("accepted job %s: %s step %d rank %d/%d", job.job, job.root, job.step, job.rank, job.world_size)
         self._enqueue(job)
         return job
@@ -256,9 +268,12 @@ class Runner:
     def _upload(self, job: Job) -> None:
         lease = self.staging.get(job.lease)
         job.state = "uploading"
-        store: Any = self.store(job.root)
-        if self.settings.fault_upload_delay_s > 0:
-            store = _Delayed(store, self.settings.fault_upload_delay_s)
+        job.upload_started_at, job.bytes_uploaded = time.time(), 0
+        store: Any = _Counted(self.store(job.root), job)
+        if self.settings.fault_upload_delay_s > 0:  # test-only fault injection: slow shard puts
+            from storage_backends.testing import DelayedStore
+
+            store = DelayedStore(store, self.settings.fault_upload_delay_s, only=f"/{mf.ARRAYS}/")
         commit = catalog.read_commit(store, job.step)
         result, err = None, None
         if commit is not None and commit.get("attempt") == job.attempt:
@@ -267,6 +282,7 @@ class Runner:
             if result is not None or self._stop.is_set():
                 break
             t0 = time.perf_counter()
+            job.bytes_uploaded = 0  # a retry puts everything again
             try:
                 save_job = load(job, lease.dir)
                 try:
@@ -320,6 +336,7 @@ class Runner:
             self.metrics.inc("ckptd_jobs_committed_total")
             self.metrics.inc("ckptd_handoff_to_commit_seconds_sum", job.committed_at - job.accepted_at)
             self.metrics.inc("ckptd_handoff_to_commit_seconds_count")
+            self.metrics.set_last("ckptd_last_commit_timestamp_seconds", job.committed_at)
             log.info(
                 "job %s: %s step %d committed, %.3f s after hand-off",
                 job.job,
@@ -359,6 +376,22 @@ class Runner:
                     else:
                         waited = time.time() - (job.uploaded_at or job.accepted_at)
                         self._watching[job_id] = now + min(0.01 + waited / 10, 0.5)
+
+    def _housekeeping(self) -> None:
+        """Abort the incomplete multipart uploads under every served root that are older than
+        ``abort_uploads_older_than_s`` (those of killed writers, and the orphans a lost
+        CreateMultipartUpload response leaves), every ``housekeeping_interval_s``. The first
+        sweep runs one interval after start."""
+        while not self._stop.wait(self.settings.housekeeping_interval_s):
+            for root in self.roots.uris:
+                try:
+                    aborted = self.store(root).abort_stale_uploads(self.settings.abort_uploads_older_than_s)
+                except (StorageError, ValueError) as e:
+                    log.warning("housekeeping of %s failed: %s", root, e)
+                    continue
+                if aborted:
+                    self.metrics.inc("ckptd_uploads_aborted_total", len(aborted))
+                    log.info("housekeeping of %s: aborted %d incomplete uploads", root, len(aborted))
 
     def _check_commit(self, job: Job) -> bool:
         commit = catalog.read_commit(self.store(job.root), job.step)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+__all__ = ["Metrics"]
+
 _HELP = {
     "ckptd_jobs_accepted_total": ("counter", "snapshots handed off to this daemon"),
     "ckptd_jobs_committed_total": ("counter", "handed-off snapshots whose checkpoint committed"),
@@ -22,6 +24,14 @@ _HELP = {
     "ckptd_budget_waits_total": ("counter", "staging requests refused (429) because the budget was full"),
     "ckptd_handoff_to_commit_seconds_sum": ("counter", "seconds from hand-off to commit, summed over jobs"),
     "ckptd_handoff_to_commit_seconds_count": ("counter", "jobs counted in the sum above"),
+    "ckptd_uploads_aborted_total": ("counter", "stale incomplete multipart uploads aborted by housekeeping"),
+    "ckptd_save_staging_seconds_sum": (
+        "counter",
+        "seconds from a lease's acquire to its hand-off (what save blocked on, as the daemon sees it), summed",
+    ),
+    "ckptd_save_staging_seconds_count": ("counter", "hand-offs counted in the sum above"),
+    "ckptd_last_commit_timestamp_seconds": ("gauge", "unix time of the last commit a job of this daemon saw; 0: none"),
+    "ckptd_upload_throughput_bytes_per_second": ("gauge", "the last upload's bytes per second; 0: none yet"),
 }
 
 
@@ -37,9 +47,14 @@ class Metrics:
             self._c[name] += value
 
     def set_last(self, name: str, value: float) -> None:
-        """A gauge that holds the latest observation (e.g. the last upload's throughput)."""
+        """A gauge that holds the latest observation (e.g. the last upload's throughput). Gauges
+        declared in ``_HELP`` are rendered from the start (0 until set), so dashboards and
+        alerts always find them."""
         with self._lock:
-            self._last[name] = value
+            if name in _HELP:
+                self._c[name] = value
+            else:
+                self._last[name] = value
 
     def gauge(self, name: str, help_text: str, fn: Callable[[], float]) -> None:
         self._gauges[name] = (help_text, fn)

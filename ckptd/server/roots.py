@@ -11,6 +11,8 @@ import os
 import re
 from urllib.parse import unquote, urlsplit
 
+__all__ = ["RootError", "Roots", "normalize"]
+
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+__all__ = ["Settings", "default_staging_dir", "parse_size"]
+
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B?|B)?\s*", re.IGNORECASE)
 
 
@@ -45,6 +47,12 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a wait for memory that sees no progress this long is granted"
     )
     max_body_bytes: int = Field(16 * 2**20, ge=1024)
+    housekeeping_interval_s: float = Field(
+        3600.0, gt=0, description="how often incomplete S3 multipart uploads under the served roots are swept"
+    )
+    abort_uploads_older_than_s: float = Field(
+        86400.0, ge=0, description="the sweep aborts incomplete uploads begun longer ago than this"
+    )
     log_level: str = "info"
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.

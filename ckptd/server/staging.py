@@ -40,6 +40,20 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+__all__ = [
+    "BudgetFull",
+    "FILE_NAME",
+    "JOB_FILE",
+    "LEASE_FILE",
+    "Lease",
+    "LeaseBusy",
+    "LeaseGone",
+    "Staging",
+    "folder_bytes",
+    "is_plain_file_name",
+    "write_json_atomic",
+]
+
 log = logging.getLogger("ckptd.staging")
 
 LEASE_FILE = "lease.json"
@@ -74,6 +88,7 @@ class Lease:
     touched: float = field(default_factory=time.monotonic)
     release_after_job: bool = False
     job: str | None = None
+    started_at: float = field(default_factory=time.time)  # the save in it began (create or acquire)
 
     def info(self, ttl: float) -> dict:
         return {
@@ -233,6 +248,7 @@ class Staging:
                 raise LeaseBusy(f"lease {lease_id} is still being uploaded (job {lease.job})")
             lease.active = True
             lease.touched = time.monotonic()
+            lease.started_at = time.time()
             return lease
 
     def grow(self, lease_id: str, need: int, want: int) -> Lease:

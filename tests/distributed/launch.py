@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer_hooks._local_launch import free_port, spawn_ranks, wait_ranks
+from tests.local_launch import free_port, log_tails, spawn_ranks, wait_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
@@ -43,22 +43,12 @@ def spawn(
 
 
 def wait(procs: list[subprocess.Popen], out: Path, scenario: str, timeout: float = 240) -> list[dict]:
-    try:
-        codes = wait_ranks(procs, timeout)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"{scenario}: timed out\n{logs(out, scenario, len(procs))}") from None
-    if any(codes):
-        raise AssertionError(f"{scenario}: exit codes {codes}\n{logs(out, scenario, len(procs))}")
+    wait_ok(procs, timeout, lambda r: out / f"{scenario}.rank{r}.log", scenario)
     return [json.loads((out / f"{scenario}.result{r}.json").read_text()) for r in range(len(procs))]
 
 
 def logs(out: Path, scenario: str, world: int) -> str:
-    parts = []
-    for r in range(world):
-        f = out / f"{scenario}.rank{r}.log"
-        if f.exists():
-            parts.append(f"--- rank {r} ---\n" + f.read_text()[-4000:])
-    return "\n".join(parts)
+    return log_tails(lambda r: out / f"{scenario}.rank{r}.log", world)
 
 
 def run(

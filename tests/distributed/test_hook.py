@@ -23,8 +23,8 @@ import torch
 
 from ckptd import catalog
 from storage_backends import open_store
+from tests.local_launch import spawn_ranks, wait_ranks
 from trainer_hooks import Checkpointer, CheckpointError, CheckpointHook, ElasticSampler
-from trainer_hooks._local_launch import spawn_ranks, wait_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train_elastic.py"

@@ -56,4 +56,4 @@ def test_every_route_comes_from_a_router(tmp_path):
     app = create_app(Settings(roots=[str(tmp_path)], staging_dir=str(tmp_path / "staging"), budget=1 << 20))
     ours = {(r.path, m.lower()) for router in ROUTERS for r in router.routes for m in r.methods}
     served = {(path, m) for path, ops in app.openapi()["paths"].items() for m in ops}
-    assert served == ours and len(ours) == 15
+    assert served == ours and {("/healthz", "get"), ("/v1/jobs", "post")} <= ours

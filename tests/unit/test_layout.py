@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from ckptd.codec import ArrayLayout
 from ckptd.layout import Box, plan_grid, plan_writes
 
 
@@ -114,3 +115,30 @@ def test_small_sharded_tensors_are_one_shard_gathered_by_one_rank():
     assert len(hsdp_grid.transfers("k")) == 2  # 3 distinct blocks, the writer holds one
     big = plan_grid((4096, 64), 4, "float32", fsdp((4096, 64), 4))  # 1 MiB: sharded as saved
     assert not big.gather and len(big.coords) == 4
+
+
+def test_array_layout_json_round_trips_and_is_the_manifest_row():
+    """``ArrayLayout.to_json`` is the one spelling of a layout in JSON: the manifest's tensor rows
+    (whose key order is part of the stored bytes) and the daemon hand-off both use it."""
+    from ckptd.manifest import TensorEntry
+
+    lay = ArrayLayout((10, 6), "bfloat16", (4, 6), (2, 6))
+    assert lay.to_json() == {"shape": [10, 6], "dtype": "bfloat16", "shard_shape": [4, 6], "chunk_shape": [2, 6]}
+    assert ArrayLayout.from_json(lay.to_json()) == lay
+    row = TensorEntry("model/w", lay, "Shard(0)").to_json()
+    assert list(row) == ["key", "path", "shape", "dtype", "shard_shape", "chunk_shape", "nbytes", "placements"]
+    assert TensorEntry.from_json(row).layout == lay
+
+
+def test_empty_arrays_have_one_layout_everywhere():
+    """An array with no elements is metadata only, whoever plans it: the trainer's grid, the
+    streaming writer's default and the reshard target all give ``ArrayLayout.empty``."""
+    from ckptd.reshard import aligned_layout
+    from ckptd.stream import default_layout
+
+    for shape in [(0,), (0, 5), (3, 0, 2)]:
+        want = ArrayLayout.empty(shape, "float32")
+        assert want.shard_shape == want.chunk_shape == tuple(max(1, n) for n in shape)
+        assert plan_grid(shape, 4, "float32", [Box.full(shape)] * 2).layout == want
+        assert default_layout(shape, "float32", 4) == want
+        assert aligned_layout(shape, "float32", 4, [Box.full(shape)]) == want

@@ -19,19 +19,17 @@ from ckptd.reshard import (
     LayoutSyntaxError,
     TargetLayout,
     aligned_layout,
-    find_samplers,
     parse_layout,
     plan_reads_for,
     rank_box,
     rank_boxes,
-    remap_data_position,
-    sampler_resume,
     saved_sharded,
     sharded_keys,
     strided_mismatch,
     validate,
     whole_chunks,
 )
+from ckptd.sampler_math import find_samplers, remap_data_position, sampler_resume
 from trainer_hooks.sampler import ElasticSampler
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,6 +1,7 @@
 """Start N ranks on this machine as real processes, the way torchrun does (``env://``): each rank
 gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment. For the
-tests, the examples and the benchmarks, which play the launcher; not part of the public API.
+tests, the benchmarks and ``examples/elastic_demo.py``, which play the launcher from a checkout;
+not shipped (training jobs use torchrun or their scheduler's launcher).
 """
 
 from __future__ import annotations
@@ -90,3 +91,23 @@ def wait_ranks(procs: Sequence[subprocess.Popen], timeout: float) -> list[int]:
                 p.kill()
                 p.wait()
     return [p.returncode for p in procs]
+
+
+def log_tails(log_path: Callable[[int], Path], world: int, tail: int = 4000) -> str:
+    """The last ``tail`` characters of each rank's log (``log_path(r)``), for an error message."""
+    parts = []
+    for r in range(world):
+        f = Path(log_path(r))
+        if f.exists():
+            parts.append(f"--- rank {r} ---\n" + f.read_text()[-tail:])
+    return "\n".join(parts)
+
+
+def wait_ok(procs: Sequence[subprocess.Popen], timeout: float, log_path: Callable[[int], Path], what: str) -> None:
+    """``wait_ranks``; AssertionError with every rank's log tail on a timeout or a non-zero exit."""
+    try:
+        codes = wait_ranks(procs, timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{what}: timed out\n{log_tails(log_path, len(procs))}") from None
+    if any(codes):
+        raise AssertionError(f"{what}: exit codes {codes}\n{log_tails(log_path, len(procs))}")

@@ -1,0 +1,32 @@
+"""``ckptd unquarantine URI --step N [--id ID]``: put a quarantined checkpoint back as committed.
+
+Refused while the step folder holds anything (the job saved that step again). The newest
+quarantined copy of the step unless ``--id`` (see ``ckptd quarantine --list``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ckptd import catalog
+from ckptd import quarantine as _q
+from ckptd.cli.common import add_json, add_uri, job_root, print_json, step_arg
+
+HELP = "put a quarantined checkpoint back (committed again)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_uri(p)
+    p.add_argument("--step", type=step_arg, required=True, help="the step to put back")
+    p.add_argument("--id", default=None, help="which quarantined copy (default: the newest of that step)")
+    add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    with job_root(args.uri) as store:
+        rec = _q.unquarantine(store, args.step, args.id)
+        where = catalog.where(store, args.step)
+    if args.json:
+        print_json(rec)
+    else:
+        print(f"restored {where} from {_q.FOLDER}/{rec['id']}/ (committed again)")
+    return 0

@@ -1,0 +1,118 @@
+"""Retiring a bad checkpoint: ``quarantine`` moves a committed step out of the job root's step
+folders, keeping every byte for inspection; ``unquarantine`` puts it back.
+
+::
+
+    <job root>/_quarantine/step_0000000300.20261130T201500Z-1a2b/
+        quarantine.json      step, reason, time, the commit record it had, objects, bytes
+        commit.json, manifest.json, arrays/...   the step's objects, names unchanged
+
+Order (the store has no rename; on S3 a "move" is copy + delete): copy every object of the step
+into its quarantine folder, write ``quarantine.json`` there, delete the step's ``commit.json``
+(from here on the step is no longer committed: ``latest_step`` and restore skip it), then delete
+the rest of the step folder. A kill at any point leaves either the step still committed (run it
+again: a second copy is made) or a partial step folder that ``gc`` or the next save of that step
+removes; never a committed step with holes. Afterwards the job can save that step number again.
+
+``unquarantine`` copies the objects back and writes ``commit.json`` last, with
+``put_if_absent``: it refuses when the step folder holds anything (a new checkpoint of that step,
+committed or being written). Nothing reads ``_quarantine/``: it is not a step folder.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from ckptd import catalog
+from ckptd import manifest as mf
+from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from storage_backends import NotFoundError, StorageError, Store
+
+FOLDER = "_quarantine"
+RECORD = "quarantine.json"
+
+
+def _folder_name(step: int) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{mf.step_dir(step)}.{stamp}-{secrets.token_hex(2)}"
+
+
+def quarantine(store: Store, step: int, reason: str = "") -> dict:
+    """Retire committed ``step``; returns the quarantine record (with ``id``, its folder name)."""
+    folder = mf.step_dir(step)
+    where = catalog.where(store, step)
+    try:
+        if not store.exists(f"{folder}/{mf.COMMIT}"):
+            raise CheckpointNotFoundError(f"{where}: not committed; nothing to quarantine")
+        try:
+            commit = json.loads(store.get(f"{folder}/{mf.COMMIT}"))
+        except ValueError:
+            commit = None  # a corrupt commit record is a fine reason to quarantine
+        name = _folder_name(step)
+        dest = f"{FOLDER}/{name}/"
+        objects = list(store.list(f"{folder}/"))
+        for info in objects:
+            store.copy(info.key, dest + info.key[len(folder) + 1 :])
+        record = {
+            "id": name,
+            "step": step,
+            "reason": reason,
+            "time": time.time(),
+            "commit": commit,
+            "objects": len(objects),
+            "bytes": sum(o.size for o in objects),
+        }
+        store.put(dest + RECORD, mf.dumps(record))
+        store.delete(f"{folder}/{mf.COMMIT}")  # from here on the step is not committed
+        store.purge(f"{folder}/")
+    except StorageError as e:
+        raise CheckpointError(f"{where}: quarantine failed: {e}") from None
+    return record
+
+
+def list_quarantined(store: Store) -> list[dict]:
+    """Every quarantine record of the root, oldest first."""
+    try:
+        _, names = store.list_dir(f"{FOLDER}/")
+    except StorageError as e:
+        raise CheckpointError(f"{store.uri}: cannot list {FOLDER}/ ({e})") from None
+    out = []
+    for name in names:
+        try:
+            rec = json.loads(store.get(f"{FOLDER}/{name}/{RECORD}"))
+        except (NotFoundError, ValueError):
+            rec = {"id": name, "step": mf.parse_step_dir(name.split(".", 1)[0]), "incomplete": True}
+        out.append(rec | {"id": name})
+    return sorted(out, key=lambda r: r["id"].split(".", 1)[-1])
+
+
+def unquarantine(store: Store, step: int, qid: str | None = None) -> dict:
+    """Put back the newest quarantined copy of ``step`` (or the one named ``qid``)."""
+    folder = mf.step_dir(step)
+    where = catalog.where(store, step)
+    candidates = [r for r in list_quarantined(store) if r.get("step") == step and not r.get("incomplete")]
+    if qid is not None:
+        candidates = [r for r in candidates if r["id"] == qid]
+    if not candidates:
+        raise CheckpointNotFoundError(f"{where}: no quarantined copy" + (f" named {qid!r}" if qid else ""))
+    rec = candidates[-1]
+    src = f"{FOLDER}/{rec['id']}/"
+    try:
+        if any(True for _ in store.list(f"{folder}/")):
+            raise CheckpointError(
+                f"{where}: the step folder is not empty (step {step} was saved again, or a save is "
+                "running); quarantine or delete that checkpoint first"
+            )
+        objects = [o for o in store.list(src) if o.key[len(src) :] not in (RECORD, mf.COMMIT)]
+        for info in objects:
+            store.copy(info.key, f"{folder}/{info.key[len(src) :]}")
+        if not store.put_if_absent(f"{folder}/{mf.COMMIT}", store.get(src + mf.COMMIT)):
+            raise CheckpointError(f"{where}: committed by someone else meanwhile; the quarantined copy stays")
+        store.purge(src)
+    except NotFoundError as e:
+        raise CheckpointError(f"{where}: the quarantined copy {rec['id']} is incomplete ({e})") from None
+    except StorageError as e:
+        raise CheckpointError(f"{where}: unquarantine failed: {e}") from None
+    return rec

@@ -1,0 +1,485 @@
+"""The daemon's status page for people (``GET /``) and the data behind it.
+
+``GET /`` and its two static files (``static/``) are a shell with no data, served without a
+token so that a browser can ask for one; every data route (``/v1/overview`` JSON,
+``/v1/page`` the same rendered as an HTML fragment, ``/v1/page/verify``) sits behind the
+daemon's bearer token like every other route. The page keeps the token in ``sessionStorage``
+and sends it as ``Authorization: Bearer``; it never puts it in a URL.
+
+Everything shown is escaped here, on the server (``html.escape``), because job roots, keys and
+error messages come from clients and storage. The shell's Content-Security-Policy allows no
+inline script, so a string that escaped escaping still could not run.
+
+Cost of a refresh: per job root one listing of the root (``catalog.steps``), plus the commit
+record of steps not seen before. Committed checkpoints are immutable, so their rows are cached
+for the daemon's life; partial ones are re-read at most every ``PARTIAL_TTL_S`` and only when
+on the page shown (``limit`` rows per root, newest first, paged with ``offset``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import json
+import threading
+import time
+from datetime import UTC, datetime
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from ckptd import catalog
+from ckptd import manifest as mf
+from ckptd import verify as _verify
+from ckptd.catalog import CheckpointInfo
+from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from ckptd.server.roots import RootError
+from storage_backends import NotFoundError, StorageError, Store
+
+__all__ = ["CSP", "PUBLIC_PATHS", "Overview", "render", "router"]
+
+router = APIRouter()
+
+# Served without a token: they carry no data (the Guard lets these paths through).
+PUBLIC_PATHS = frozenset({"/", "/static/status.js", "/static/status.css"})
+_STATIC = {"status.js": "text/javascript; charset=utf-8", "status.css": "text/css; charset=utf-8"}
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+    "form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+)
+_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"}
+
+REFRESH_S = 2.0
+PARTIAL_TTL_S = 5.0
+DEFAULT_ROWS = 25
+MAX_ROOTS = 32  # job roots shown (served roots first, then the roots of recent jobs)
+CHART_SAVES = 30
+FAILURES = 10
+ACTIVE = ("queued", "uploading", "uploaded")
+
+
+def _static(name: str) -> str:
+    return resources.files("ckptd.server").joinpath("static", name).read_text(encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------- the data
+
+
+class Overview:
+    """What the page shows, built from the daemon's runner (jobs, staging, roots) and a cache of
+    checkpoint rows. One per daemon; safe to call from the server's threads."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self._lock = threading.Lock()
+        self._rows: dict[str, dict[int, tuple[CheckpointInfo, float]]] = {}
+        self._verified: dict[tuple[str, int], dict] = {}
+
+    def job_roots(self) -> list[str]:
+        roots = list(self.runner.roots.uris)
+        for job in reversed(self.runner.recent(self.runner.HISTORY)):
+            if job.root not in roots:
+                roots.append(job.root)
+        return roots[:MAX_ROOTS]
+
+    def checkpoints(self, root: str, offset: int, limit: int) -> dict:
+        store = self.runner.store(root)
+        steps = catalog.steps(store)  # the one listing per refresh
+        now = time.monotonic()
+        with self._lock:
+            cache = self._rows.setdefault(root, {})
+            for gone in cache.keys() - set(steps):  # deleted (gc, retention)
+                del cache[gone]
+        newest_first = steps[::-1]
+        window = newest_first[offset : offset + limit]
+        rows = [self._row(store, root, s, now) for s in window]
+        newest_good = None
+        for s in newest_first:
+            info = self._info(store, root, s, now)
+            if info.committed and self._verdict(root, s).get("ok", True):
+                newest_good = s
+                break
+        return {
+            "root": root,
+            "count": len(steps),
+            "offset": offset,
+            "limit": limit,
+            "newest_good_step": newest_good,
+            "checkpoints": rows,
+        }
+
+    def _info(self, store: Store, root: str, step: int, now: float) -> CheckpointInfo:
+        with self._lock:
+            hit = self._rows.get(root, {}).get(step)
+        if hit is not None and (hit[0].committed or now - hit[1] < PARTIAL_TTL_S):
+            return hit[0]
+        info = _read_info(store, step)
+        with self._lock:
+            self._rows.setdefault(root, {})[step] = (info, now)
+        return info
+
+    def _row(self, store: Store, root: str, step: int, now: float) -> dict:
+        info = self._info(store, root, step, now)
+        out = info.to_json()
+        verdict = self._verdict(root, step)
+        if not info.committed:
+            out["state"] = "partial"
+        elif verdict:
+            out["state"] = "verified" if verdict["ok"] else "corrupt"
+            out["verify"] = verdict
+        else:
+            out["state"] = "committed"
+        return out
+
+    def _verdict(self, root: str, step: int) -> dict:
+        with self._lock:
+            return dict(self._verified.get((root, step), {}))
+
+    def verify(self, root: str, step: int) -> dict:
+        """Re-read every chunk of a committed step (``ckptd verify``) and remember the verdict."""
+        store = self.runner.store(root)
+        report = _verify.verify(store, step, threads=4)
+        verdict = {"ok": report.ok, "time": time.time(), "bytes": report.bytes, "errors": report.errors[:3]}
+        with self._lock:
+            self._verified[(root, report.step)] = verdict
+        return {"root": root, "step": report.step, **verdict}
+
+    def jobs(self) -> dict:
+        now = time.time()
+        recent = [j.status() for j in self.runner.recent(self.runner.HISTORY)]
+        active = []
+        for j in recent:
+            if j["state"] not in ACTIVE:
+                continue
+            total = j["bytes_total"]
+            done = total if j["state"] == "uploaded" else min(j["bytes_uploaded"], total)
+            rate = eta = None
+            started = j.get("upload_started_at")
+            if j["state"] == "uploading" and started and now > started:
+                rate = done / (now - started)
+                eta = (total - done) / rate if rate > 0 else None
+            active.append(j | {"bytes_done": done, "rate": rate, "eta_s": eta, "age_s": now - j["accepted_at"]})
+        failures = [j for j in reversed(recent) if j["state"] in ("failed", "discarded")][:FAILURES]
+        saves: dict[tuple, dict] = {}
+        for j in recent:
+            if j["state"] != "committed" or j.get("committed_at") is None:
+                continue
+            s = saves.setdefault(
+                (j["root"], j["step"], j["attempt"]),
+                {"root": j["root"], "step": j["step"], "blocked_s": 0.0, "first": j["accepted_at"], "last": 0.0},
+            )
+            s["blocked_s"] = max(s["blocked_s"], j.get("staged_s") or 0.0)
+            s["first"] = min(s["first"], j["accepted_at"])
+            s["last"] = max(s["last"], j["committed_at"])
+            s["bytes"] = s.get("bytes", 0) + j["bytes_written"]
+        chart = sorted(saves.values(), key=lambda s: s["last"])[-CHART_SAVES:]
+        for s in chart:
+            s["commit_s"] = s.pop("last") - s.pop("first")
+        return {"active": active, "failures": failures, "saves": chart}
+
+    def build(self, focus_root: str | None, offset: int, limit: int) -> dict:
+        staging = self.runner.staging
+        roots = []
+        for r in self.job_roots():
+            off = offset if r == focus_root else 0
+            try:
+                roots.append(self.checkpoints(r, off, limit))
+            except (CheckpointError, StorageError, RootError) as e:
+                roots.append({"root": r, "error": str(e)})
+        return {
+            "time": time.time(),
+            "roots": roots,
+            "staging": {
+                "budget": staging.budget,
+                "staged_bytes": staging.staged_bytes,
+                "leases": staging.lease_count,
+                "queue_depth": self.runner.queue_depth,
+                "awaiting_commit": self.runner.watching,
+            },
+            **self.jobs(),
+        }
+
+
+def _read_info(store: Store, step: int) -> CheckpointInfo:
+    """One row of ``ckptd ls``: the commit record, or for a partial step its folder's objects."""
+    folder = mf.step_dir(step)
+    commit = catalog.read_commit(store, step)
+    if commit is not None:
+        return CheckpointInfo(step, True, commit.get("world_size"), commit.get("bytes"), commit.get("time"), folder)
+    ws = None
+    with contextlib.suppress(NotFoundError, ValueError, AttributeError):
+        ws = json.loads(store.get(f"{folder}/{mf.MANIFEST}")).get("world_size")
+    objs = list(store.list(f"{folder}/"))
+    mtime = max((o.mtime for o in objs), default=None)
+    return CheckpointInfo(step, False, ws, sum(o.size for o in objs), mtime, folder)
+
+
+_LOCK = threading.Lock()
+
+
+def _overview(request: Request) -> Overview:
+    state = request.app.state
+    with _LOCK:
+        ov = getattr(state, "overview", None)
+        if ov is None:
+            ov = state.overview = Overview(state.daemon.runner)
+        return ov
+
+
+# ------------------------------------------------------------------------------ rendering
+
+
+def _e(v: Any) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}"
+    return "-"
+
+
+def _time(t: float | None) -> str:
+    return "-" if t is None else datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _secs(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def _line(text: str | None, n: int = 240) -> str:
+    one = " ".join(str(text or "").split())
+    return one if len(one) <= n else one[: n - 1] + "\u2026"
+
+
+def _bar(frac: float) -> str:
+    w = max(0.0, min(1.0, frac)) * 160
+    return (
+        f'<svg class="progress" width="160" height="10" role="img" aria-label="{frac:.0%}">'
+        f'<rect width="160" height="10" fill="#e4e7ef"/><rect width="{w:.1f}" height="10" fill="#3d6fd1"/></svg>'
+    )
+
+
+def render(data: dict) -> str:
+    """The page body as an HTML fragment; every string from outside goes through ``_e``."""
+    out = []
+    st = data["staging"]
+    used = st["staged_bytes"] / st["budget"] if st["budget"] else 0.0
+    out.append('<section id="staging"><h2>Staging</h2><p>')
+    out.append(
+        f'{_bar(used)} <span id="staging-used">{_e(_bytes(st["staged_bytes"]))} of {_e(_bytes(st["budget"]))}</span>'
+        f" ({used:.0%}), {st['leases']} leases, {st['queue_depth']} queued for upload, "
+        f"{st['awaiting_commit']} waiting for other ranks</p></section>"
+    )
+
+    out.append('<section id="inflight"><h2>In flight</h2>')
+    if not data["active"]:
+        out.append('<p class="muted">no save in flight</p>')
+    else:
+        out.append(
+            "<table><tr><th>job root</th><th>step</th><th>rank</th><th>state</th><th>progress</th>"
+            "<th>uploaded</th><th>rate</th><th>ETA</th><th>retries</th></tr>"
+        )
+        for j in data["active"]:
+            total = j["bytes_total"]
+            frac = j["bytes_done"] / total if total else 1.0
+            state = "waiting for other ranks" if j["state"] == "uploaded" else j["state"]
+            rate = "-" if j["rate"] is None else _bytes(j["rate"]) + "/s"
+            out.append(
+                f'<tr class="job" data-step="{_e(j["step"])}"><td class="err">{_e(j["root"])}</td>'
+                f'<td class="num">{_e(j["step"])}</td><td class="num">{_e(j["rank"])}/{_e(j["world_size"])}</td>'
+                f'<td class="jobstate">{_e(state)}</td><td>{_bar(frac)} {frac:.0%}</td>'
+                f'<td class="uploaded">{_e(_bytes(j["bytes_done"]))} of {_e(_bytes(total))}</td>'
+                f'<td>{_e(rate)}</td><td>{_e(_secs(j["eta_s"]))}</td><td class="num">{_e(j["retries"])}</td></tr>'
+            )
+        out.append("</table>")
+    out.append("</section>")
+
+    out.append('<section id="chart"><h2>Last saves</h2>')
+    out.append(_chart(data["saves"]) if data["saves"] else '<p class="muted">no save committed by this daemon yet</p>')
+    out.append("</section>")
+
+    out.append('<section id="failures"><h2>Recent failures</h2>')
+    if not data["failures"]:
+        out.append('<p class="muted">none</p>')
+    else:
+        out.append("<table><tr><th>time</th><th>job root</th><th>step</th><th>rank</th><th>reason</th></tr>")
+        for j in data["failures"]:
+            out.append(
+                f'<tr class="failure"><td>{_e(_time(j["accepted_at"]))}</td><td class="err">{_e(j["root"])}</td>'
+                f'<td class="num">{_e(j["step"])}</td><td class="num">{_e(j["rank"])}</td>'
+                f'<td class="err bad">{_e(_line(j["error"]))}</td></tr>'
+            )
+        out.append("</table>")
+    out.append("</section>")
+
+    out.append('<section id="roots"><h2>Checkpoints</h2>')
+    for r in data["roots"]:
+        out.append(f'<div class="root" data-root="{_e(r["root"])}"><h3>{_e(r["root"])}</h3>')
+        if "error" in r:
+            out.append(f'<p class="bad err">{_e(_line(r["error"]))}</p></div>')
+            continue
+        good = r["newest_good_step"]
+        out.append(
+            f'<p>newest good step: <span class="newest">{_e("none" if good is None else good)}</span>'
+            f' <span class="muted">({r["count"]} checkpoints)</span></p>'
+        )
+        if r["checkpoints"]:
+            out.append(
+                "<table><tr><th>step</th><th>state</th><th>world size</th><th>size</th><th>time (UTC)</th>"
+                "<th></th></tr>"
+            )
+            for c in r["checkpoints"]:
+                verify = ""
+                if c["committed"]:
+                    verify = (
+                        f'<button type="button" class="linkish" data-action="verify" data-root="{_e(r["root"])}"'
+                        f' data-step="{_e(c["step"])}">verify</button>'
+                    )
+                title = ""
+                if c.get("verify") and not c["verify"]["ok"]:
+                    title = f' title="{_e(_line("; ".join(c["verify"]["errors"])))}"'
+                out.append(
+                    f'<tr class="ckpt" data-step="{_e(c["step"])}"><td class="num">{_e(c["step"])}</td>'
+                    f'<td class="state state-{_e(c["state"])}"{title}>{_e(c["state"])}</td>'
+                    f'<td class="num">{_e(c["world_size"] if c["world_size"] is not None else "-")}</td>'
+                    f'<td class="num">{_e(_bytes(c["bytes"]))}</td><td>{_e(_time(c["time"]))}</td>'
+                    f"<td>{verify}</td></tr>"
+                )
+            out.append("</table>")
+        nav = []
+        if r["offset"] > 0:
+            nav.append(_page_button(r["root"], max(0, r["offset"] - r["limit"]), "newer"))
+        if r["offset"] + r["limit"] < r["count"]:
+            nav.append(_page_button(r["root"], r["offset"] + r["limit"], "older"))
+        if nav:
+            first = r["offset"] + 1
+            last = min(r["count"], r["offset"] + r["limit"])
+            out.append(f"<p>{' '.join(nav)} <span class='muted'>rows {first}-{last} of {r['count']}</span></p>")
+        out.append("</div>")
+    out.append("</section>")
+    return "".join(out)
+
+
+def _page_button(root: str, offset: int, label: str) -> str:
+    return (
+        f'<button type="button" class="linkish" data-action="page" data-root="{_e(root)}"'
+        f' data-offset="{offset}">{_e(label)}</button>'
+    )
+
+
+def _chart(saves: list[dict]) -> str:
+    """Inline SVG: per save, bars of the seconds ``save`` spent staging (blocked) and from
+    hand-off to commit (left axis), and a dot for its bytes (right axis)."""
+    w, h, left, right, top, bottom = 720, 220, 56, 64, 12, 36
+    pw, ph = w - left - right, h - top - bottom
+    tmax = max(max(s["commit_s"], s["blocked_s"]) for s in saves) or 1.0
+    bmax = max(s.get("bytes", 0) for s in saves) or 1
+    slot = pw / len(saves)
+    bw = max(2.0, min(14.0, slot / 3))
+    parts = [
+        f'<svg id="saves-chart" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+        'aria-label="last saves: seconds blocked, seconds to commit, bytes">',
+        f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="#889"/>',
+        f'<text x="4" y="{top + 8}">{_e(_secs(tmax))}</text><text x="4" y="{top + ph}">0 s</text>',
+        f'<text x="{left + pw + 6}" y="{top + 8}">{_e(_bytes(bmax))}</text>',
+    ]
+    for i, s in enumerate(saves):
+        x = left + i * slot + slot / 2
+        hb = ph * s["blocked_s"] / tmax
+        hc = ph * s["commit_s"] / tmax
+        yb = top + ph * (1 - s.get("bytes", 0) / bmax)
+        tip = (
+            f"step {s['step']} ({s['root']}): blocked {_secs(s['blocked_s'])}, "
+            f"commit {_secs(s['commit_s'])}, {_bytes(s.get('bytes', 0))}"
+        )
+        parts.append(
+            f'<g class="save"><title>{_e(tip)}</title>'
+            f'<rect x="{x - bw:.1f}" y="{top + ph - hb:.1f}" width="{bw:.1f}" height="{hb:.1f}" fill="#e09b3d"/>'
+            f'<rect x="{x:.1f}" y="{top + ph - hc:.1f}" width="{bw:.1f}" height="{hc:.1f}" fill="#3d6fd1"/>'
+            f'<circle cx="{x:.1f}" cy="{yb:.1f}" r="3" fill="#0a7d2c"/>'
+            f'<text x="{x:.1f}" y="{top + ph + 14}" text-anchor="middle">{_e(s["step"])}</text></g>'
+        )
+    ly = h - 6
+    parts.append(
+        f'<rect x="{left}" y="{ly - 9}" width="10" height="10" fill="#e09b3d"/>'
+        f'<text x="{left + 14}" y="{ly}">save blocked (staging)</text>'
+        f'<rect x="{left + 170}" y="{ly - 9}" width="10" height="10" fill="#3d6fd1"/>'
+        f'<text x="{left + 184}" y="{ly}">hand-off to commit</text>'
+        f'<circle cx="{left + 335}" cy="{ly - 4}" r="4" fill="#0a7d2c"/>'
+        f'<text x="{left + 344}" y="{ly}">bytes (right axis)</text></svg>'
+    )
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------------- routes
+
+
+@router.get("/", summary="the status page (a shell without data: served without a token)")
+def index() -> HTMLResponse:
+    return HTMLResponse(_static("status.html"), headers=_HEADERS)
+
+
+@router.get("/static/{name}", summary="the status page's script and style")
+def static(name: str) -> Response:
+    if name not in _STATIC:
+        return JSONResponse({"detail": f"no static file {name!r}"}, status_code=404)
+    return Response(_static(name), media_type=_STATIC[name], headers=_HEADERS)
+
+
+def _data(request: Request, root: str | None, offset: int, limit: int) -> dict:
+    ov = _overview(request)
+    if root is not None:
+        ov.runner.roots.check(root)
+    return ov.build(root, offset, limit)
+
+
+@router.get("/v1/overview", summary="what the status page shows, as JSON")
+def overview(
+    request: Request,
+    root: str | None = Query(None, max_length=4096, description="the job root that offset pages"),
+    offset: int = Query(0, ge=0),
+    limit: int = Query(DEFAULT_ROWS, ge=1, le=500, description="checkpoint rows per job root"),
+):
+    try:
+        return _data(request, root, offset, limit)
+    except RootError as e:
+        return JSONResponse({"detail": str(e)}, status_code=400)
+
+
+@router.get("/v1/page", summary="the status page's body, rendered (escaped) HTML")
+def page(
+    request: Request,
+    root: str | None = Query(None, max_length=4096),
+    offset: int = Query(0, ge=0),
+    limit: int = Query(DEFAULT_ROWS, ge=1, le=500),
+):
+    try:
+        data = _data(request, root, offset, limit)
+    except RootError as e:
+        return JSONResponse({"detail": str(e)}, status_code=400)
+    return JSONResponse({"html": render(data), "refresh_s": REFRESH_S}, headers={"Cache-Control": "no-store"})
+
+
+@router.post("/v1/page/verify", summary="re-read every chunk of a committed step; the page shows the verdict")
+def verify(request: Request, root: str = Query(max_length=4096), step: int = Query(ge=0)):
+    ov = _overview(request)
+    try:
+        ov.runner.roots.check(root)
+        return ov.verify(root, step)
+    except RootError as e:
+        return JSONResponse({"detail": str(e)}, status_code=400)
+    except CheckpointNotFoundError as e:
+        return JSONResponse({"detail": str(e)}, status_code=404)
+    except (CheckpointError, StorageError) as e:
+        return JSONResponse({"detail": str(e)}, status_code=502)

@@ -1,0 +1,81 @@
+"""Killed saves leave temp files and folders; gc removes all of it and says exactly what it
+removed; ls shows no empty ghosts (issue 14, item 4). Real trainer processes, SIGKILL, a real
+``ckptd`` process."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.campaign import Campaign, Root, kill
+from tests.faults.common import STEP_DIR, all_files, cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _wait_for_temp_files(folder: Path, proc, timeout: float = 120) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        temps = [f for f in all_files(folder) if ".tmp." in f]
+        if temps:
+            return temps
+        assert proc.is_alive(), "the trainer died before writing"
+        time.sleep(0.02)
+    raise AssertionError(f"no temp file appeared under {folder}")
+
+
+def _files_and_bytes(folder: Path) -> tuple[int, int]:
+    files = [p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def test_gc_removes_everything_a_killed_save_left_and_reports_it(tmp_path):
+    camp = Campaign(tmp_path / "work")
+    root = Root(str(tmp_path / "job"), {})
+    assert camp.run_trainer(root, 1)[-1] == "done"  # step 1 committed
+
+    # step 2: every file sits as a complete temp file for 30 s before its rename; kill it then
+    p, _ = camp.trainer(root, 1, slow_rename_s=30.0, hang=True)
+    step2 = Path(root.uri) / STEP_DIR.format(2)
+    temps = _wait_for_temp_files(step2, p)
+    time.sleep(0.3)  # the other I/O threads' temp files too
+    kill(p)
+    assert temps and all(".tmp." in t for t in temps)
+
+    # ls: no "0 B" ghost: a step folder holding only temp files is not a checkpoint
+    rows = json.loads(cli("ls", root.uri, "--json").stdout)
+    assert [r["step"] for r in rows if r["committed"]] == [1]
+    assert all(r["bytes"] for r in rows if not r["committed"])
+
+    root.next_step = 3
+    assert camp.run_trainer(root, 1)[-1] == "done"  # the job goes on: step 3 committed
+    expect = [_files_and_bytes(Path(root.uri) / STEP_DIR.format(s)) for s in (1, 2)]
+
+    out = cli("gc", root.uri, "--keep-last", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["deleted"] == [1, 2] and doc["kept"] == [3] and doc["left_behind"] == []
+    assert doc["deleted_objects"] == sum(n for n, _ in expect)
+    assert doc["deleted_bytes"] == sum(b for _, b in expect)
+    assert not step2.exists() and not (Path(root.uri) / STEP_DIR.format(1)).exists()
+    assert sorted(p.name for p in Path(root.uri).iterdir()) == [STEP_DIR.format(3)]
+
+    out = cli("gc", root.uri, "--keep-last", "1")
+    assert out.returncode == 0 and out.stdout == "" and "nothing to delete" in out.stderr
+
+
+def test_the_next_save_of_a_killed_step_removes_its_temp_files(tmp_path):
+    camp = Campaign(tmp_path / "work")
+    root = Root(str(tmp_path / "job"), {})
+    assert camp.run_trainer(root, 1)[-1] == "done"
+    p, _ = camp.trainer(root, 1, slow_rename_s=30.0, hang=True)
+    step2 = Path(root.uri) / STEP_DIR.format(2)
+    _wait_for_temp_files(step2, p)
+    kill(p)
+    root.next_step = 2  # the restarted job saves step 2 again
+    assert camp.run_trainer(root, 1)[-1] == "done"
+    assert [f for f in all_files(step2) if ".tmp." in f] == []
+    camp.check(root)
