@@ -86,7 +86,10 @@ def _persist(store, job, keep_last):
 
 
 def _job(step: int, attempt: str, rank: int, world: int, objects: int):
-    from trainer_hooks.snapshot import SaveJob
+    try:
+        from ckptd.savejob import SaveJob
+    except ImportError:  # before it moved to ckptd
+        from trainer_hooks.snapshot import SaveJob
 
     # Each rank's shards live in folders of their own (zarr chunk keys c/<rank>/...), as a
     # dim-0 sharded tensor's do; rank 0 also writes the manifest and the group nodes.
