@@ -301,17 +301,18 @@ def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout:
     deadline = time.monotonic() + timeout
     commit = f"{mf.step_dir(step)}/{mf.COMMIT}"
     notices = donetree.notice_keys(step, attempt, world_size)
-    # Above 1024 ranks a rank polls its group's notice, paced for the group; every 8th poll is
-    # of commit.json itself (in case the committer died before the notices): that stays near
-    # POLLS_PER_SECOND / 8 x N / NOTICE_GROUP on commit.json's prefix (2000/s at 8192 ranks).
+    # Above 1024 ranks a rank polls its group's notice, paced for the group, and each poll is
+    # of commit.json itself with probability NOTICE_GROUP / N (in case the committer died
+    # before the notices): commit.json's prefix then sees about POLLS_PER_SECOND in all. A
+    # random choice, not every k-th poll: ranks that finished together would poll in step.
     notice = notices[min(rank // donetree.NOTICE_GROUP, len(notices) - 1)] if notices else None
     delays = poll_delays(donetree.NOTICE_GROUP if notice else world_size, rank)
+    pick = random.Random(rank * 104729 + step)
     if world_size > 64:  # it has just found the done tree incomplete: no commit yet, and
         time.sleep(next(delays))  # thousands of ranks finishing together must not HEAD at once
-    polls = 0
     while True:
-        polls += 1
-        if store.exists(commit if notice is None or polls % 8 == 0 else notice):
+        own = notice is None or pick.random() < donetree.NOTICE_GROUP / world_size
+        if store.exists(commit if own else notice):
             return
         if time.monotonic() > deadline:
             n = donetree.count_done(store, step, attempt)

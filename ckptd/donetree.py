@@ -29,8 +29,8 @@ Above ``NOTICE_GROUP`` ranks the committer also writes a few notices after ``com
 (:func:`notice_keys`) that the waiting ranks poll instead, ``NOTICE_GROUP`` ranks per notice,
 each on its own prefix: they learn of the commit about as fast at 8192 ranks as at 1024, where a
 single ``commit.json`` polled by everyone within S3's rate would take seconds. A waiting rank
-still checks ``commit.json`` itself every few polls, in case the committer died before writing
-the notices.
+still checks ``commit.json`` itself in a random ``NOTICE_GROUP / N`` of its polls, in case the
+committer died before writing the notices.
 
 At N = 4096 (F = 64) the last rank's path to the commit is 5 requests (done record, LIST, node,
 LIST, commit); a save costs about 2N + 2N/F requests in the tree. Checkpoints committed before
