@@ -75,12 +75,15 @@ class InlinePool:
         return f
 
 
-def _persist(store, job, keep_last):
+def _persist(store, job, keep_last, on_result=None):
     """One rank's real save protocol (``ckptd.commit``): data, done record, commit, wait for
-    the commit, then retention by the committing rank."""
+    the commit (``on_result`` is called then: the rank's future resolves there), then retention
+    by the committing rank."""
     from ckptd import commit
 
     result = commit.persist(store, job, InlinePool(), commit_timeout=3600.0)
+    if on_result is not None:
+        on_result(result)
     commit.after_commit(store, result, keep_last)
     return result
 
@@ -146,12 +149,12 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
     def rank(r: int) -> None:
         clock.sleep(times[r])  # the bulk of its upload, whose requests are not the subject
         try:
-            res = _persist(store, _job(step, "a", r, n, args.objects), args.keep_last)
+            job = _job(step, "a", r, n, args.objects)
+            res = _persist(store, job, args.keep_last, lambda _: returned.__setitem__(r, clock.time()))
         except Exception as e:  # noqa: BLE001 - a rank's save failing is a result to report
             failures.append(f"rank {r}: {type(e).__name__}: {e}")
             returned[r] = clock.time()
             return
-        returned[r] = clock.time()
         if res.committed_here:
             committers.append(r)
 
