@@ -4,21 +4,53 @@ Every writer calls this module -- the in-process background writer
 (``trainer_hooks.writer.BackgroundWriter``), the ``ckptd serve`` daemon (``ckptd.server.jobs``)
 and the streaming :class:`ckptd.stream.CheckpointWriter` (``ckptd import``, ``reshard
 --rechunk``) -- so a save has one order of writes wherever it runs. For one step, on every
-rank (a "writer part" below is one rank's share of the step)::
+rank (a *part* below is one rank's share of the step), on a background thread::
 
-    begin(store, step)                   # refuse a committed step; clear a stale partial
-    persist(store, part, pool)           # the rest, top to bottom:
-        write data                       #   shards + metadata with put_deferred, in parallel
-        store.sync()                     #   one durability barrier for all of it
-        finish_rank(...)                 #   done record into the done tree (this rank is
-                                         #   durable), then climb it: the rank that completes
-                                         #   the tree writes commit.json once (commit_step)
-        wait_commit(...)                 #   the others poll for it (bounded by commit_timeout)
+    persist(store, part, pool, writer=JOB)
+        begin(...)            # refuse a committed step; claim the step for (JOB, attempt)
+        write data            # shards + metadata with put_deferred, in parallel
+        store.sync()          # one durability barrier for all of it
+        finish_rank(...)      # this rank's done record into the done tree (its data is
+                              # durable), then climb the tree (ckptd.donetree); the rank that
+                              # completes it checks that claim, manifest and done records name
+                              # one attempt and account for every shard, then writes
+                              # commit.json once (commit_step: put_if_absent)
+        wait_commit(...)      # the others poll for it (bounded by commit_timeout)
+      on failure before the done record: delete what this rank wrote (best effort, logged)
     after_commit(store, result, keep_last)   # retention, by the committing writer, after its
                                              # result is reported (never delays the save)
 
-``begin`` runs once per step (on rank 0 before any rank writes); ``persist`` once per rank.
-A ``part`` is duck-typed (``ckptd.savejob.SaveJob`` is one): ``step``, ``attempt``,
+Writer identity and fencing (two jobs on one root are refused, never mixed)
+---------------------------------------------------------------------------
+A *writer* is a job id (``Checkpointer(job_id=...)``; by default ``TORCHELASTIC_RUN_ID``,
+``SLURM_JOB_ID``, or a uuid agreed across ranks); an *attempt* is one save of one step by that
+writer (a fresh id per save). Before writing a byte, every rank of an attempt claims the step
+with a conditional create (``put_if_absent``, atomic on a filesystem and on S3) of the claim
+record ``<step>/_claims/<n>.json`` naming (writer, attempt); the step belongs to the newest
+claim. A rank that finds the newest claim naming:
+
+* its own attempt: proceeds (another rank of the attempt made the claim);
+* another attempt of its *own writer* (the same job restarted after preemption, or a save of
+  this step that failed): takes the step over by creating claim ``n+1`` -- unless its own
+  attempt already held an older claim (it was superseded: it never takes the step back);
+* another writer, whose step folder has seen no write for ``CKPTD_STALE_ATTEMPT_S`` seconds
+  (default 900, i.e. the other job is dead): takes it over the same way, with a warning;
+* another writer, recently active: refuses with :class:`StepClaimed`, naming that job, and
+  writes and deletes nothing.
+
+Claims are never deleted or replaced, only superseded by a higher number through
+``put_if_absent``, so two writers cannot both believe they own a step. ``commit.json`` is
+written only when the newest claim, ``manifest.json`` and the done records all name the
+committing attempt (``ckptd verify`` re-checks it). A committed step is never claimed again
+(:class:`AlreadyCommitted`, before a byte is written).
+
+Failure and cleanup: a rank that fails before its done record deletes the objects it wrote
+(best effort, logged). Once its done record is durable the data is no longer its own to
+retract: another rank may commit it. The in-process writer also remembers steps whose save
+failed and, at its next save (after the collective that proves no rank of the job still writes
+them), deletes those folders if they are still partial and claimed by its own writer.
+
+A ``part`` is duck-typed (``trainer_hooks.snapshot.SaveJob`` is one): ``step``, ``attempt``,
 ``rank``, ``world_size``, ``metadata`` (``[(key in the folder, bytes)]``), ``shards`` (objects
 with ``layout``, ``coord``, ``object_key``, ``buffer``, ``image``, ``chunks``), ``done`` (extra
 fields of the done record) and ``ready`` (an event with ``synchronize()`` or None). Turning a
@@ -31,7 +63,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -45,10 +80,26 @@ from ckptd import catalog, donetree, latest
 from ckptd import manifest as mf
 from ckptd.codec import encode_shard, seal_image
 from ckptd.errors import CheckpointError
-from storage_backends import StorageError, Store
+from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import data_size
 
 log = logging.getLogger("ckptd.commit")
+
+CLAIMS = "_claims"  # <step>/_claims/<n>.json: who owns the step (the newest claim)
+WRITER_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+DEFAULT_STALE_S = 900.0
+
+
+class AlreadyCommitted(CheckpointError):
+    """The step already has ``commit.json``: a committed checkpoint is immutable."""
+
+
+class StepClaimed(CheckpointError):
+    """Another writer (job) is writing this step: two writers on one root are refused."""
+
+
+class SaveAborted(CheckpointError):
+    """The save's deadline passed; what was not yet durable is not made so."""
 
 
 @dataclass(frozen=True)
@@ -63,26 +114,120 @@ class SaveResult:
     phases: dict[str, float] | None = None
 
 
+def stale_after() -> float:
+    """Seconds without a write after which another writer's partial step may be taken over
+    (``CKPTD_STALE_ATTEMPT_S``, default 900)."""
+    raw = os.environ.get("CKPTD_STALE_ATTEMPT_S", "").strip()
+    try:
+        return float(raw) if raw else DEFAULT_STALE_S
+    except ValueError:
+        raise CheckpointError(f"CKPTD_STALE_ATTEMPT_S={raw!r}: expected a number of seconds") from None
+
+
+def check_writer(writer: str) -> str:
+    if not isinstance(writer, str) or not WRITER_RE.match(writer):
+        raise CheckpointError(f"invalid writer (job) id {writer!r}: 1-128 of A-Z a-z 0-9 _ . : @ -")
+    return writer
+
+
 # ------------------------------------------------------------------------------------ begin
 
 
-def begin(store: Store, step: int) -> None:
-    """Before any rank writes ``step``: refuse it if committed (a committed checkpoint is
-    immutable), else remove a stale partial folder of an earlier attempt at the same step.
+def claim_key(step: int, n: int) -> str:
+    return f"{mf.step_dir(step)}/{CLAIMS}/{n:06d}.json"
 
-    Done records are per attempt, so leftovers of a crashed attempt could never complete a new
-    one's commit; removing them keeps ``ls`` and the bytes honest. Raises CheckpointError."""
+
+def claims(store: Store, step: int) -> list[tuple[int, dict]]:
+    """The claims of ``step``, oldest first, as (number, record); an unreadable record reads as
+    ``{}`` (an unknown writer)."""
+    prefix = f"{mf.step_dir(step)}/{CLAIMS}/"
+    out = []
+    for o in store.list(prefix):
+        name = o.key[len(prefix) :]
+        if not re.fullmatch(r"\d{6}\.json", name):
+            continue
+        try:
+            rec = json.loads(store.get(o.key))
+        except (NotFoundError, ValueError):
+            rec = {}
+        out.append((int(name[:6]), rec if isinstance(rec, dict) else {}))
+    return sorted(out, key=lambda x: x[0])
+
+
+def owner(store: Store, step: int) -> dict | None:
+    """The newest claim of ``step`` (who owns it), or None if nobody claimed it."""
+    cs = claims(store, step)
+    return cs[-1][1] if cs else None
+
+
+def _idle_seconds(store: Store, step: int) -> float:
+    newest = max((o.mtime for o in store.list(f"{mf.step_dir(step)}/")), default=0.0)
+    return time.time() - newest
+
+
+def begin(store: Store, step: int, attempt: str, writer: str) -> None:
+    """Claim ``step`` for (``writer``, ``attempt``) before writing a byte of it; see the module
+    docstring for the rule. Called by every rank of the attempt (it is idempotent across them).
+    Raises AlreadyCommitted, StepClaimed or CheckpointError; writes nothing but a claim."""
     where = catalog.where(store, step)
+    record = mf.dumps({"writer": writer, "attempt": attempt, "time": time.time()})
     try:
-        if store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
-            raise CheckpointError(f"{where}: step {step} is already committed; refusing to overwrite")
-        # purge, not a listing: a killed save may have left only temp files, which no listing
-        # shows and which would otherwise stay inside the new commit
-        files, _ = store.purge(f"{mf.step_dir(step)}/")
-        if files:
-            log.warning("removed stale partial checkpoint %s", where)
+        for _ in range(16):
+            if store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+                raise AlreadyCommitted(f"{where}: step {step} is already committed; refusing to overwrite")
+            cs = claims(store, step)
+            if not cs:
+                if store.put_if_absent(claim_key(step, 0), record):
+                    return
+                continue  # another rank (or writer) claimed it first: look again
+            n, rec = cs[-1]
+            if rec.get("attempt") == attempt:
+                return
+            if any(r.get("attempt") == attempt for _, r in cs):  # e.g. resumed after a daemon restart
+                raise StepClaimed(
+                    f"{where}: attempt {attempt} was superseded by attempt {rec.get('attempt')!r} of job "
+                    f"{rec.get('writer')!r}; it never takes the step back"
+                )
+            other = rec.get("writer") or "an unknown writer"
+            if rec.get("writer") != writer:
+                idle = _idle_seconds(store, step)
+                limit = stale_after()
+                if idle < limit:
+                    raise StepClaimed(
+                        f"{where}: step {step} is being written by job {other!r} (attempt "
+                        f"{rec.get('attempt')!r}, last write {idle:.0f} s ago); refusing to write it as job "
+                        f"{writer!r}: two writers on one job root. Stop the other job, or wait "
+                        f"{limit:.0f} s (CKPTD_STALE_ATTEMPT_S) if it is dead"
+                    )
+                log.warning("%s: taking over step %d from job %r, idle for %.0f s", where, step, other, idle)
+            if store.put_if_absent(claim_key(step, n + 1), record):
+                if rec.get("writer") == writer:
+                    log.info(
+                        "%s: attempt %s replaces this job's earlier attempt %s", where, attempt, rec.get("attempt")
+                    )
+                return
+        raise CheckpointError(f"{where}: could not claim step {step}: too many concurrent claims")
     except StorageError as e:
-        raise CheckpointError(f"{where}: {e}") from e
+        raise CheckpointError(f"{where}: cannot claim step {step}: {e}") from e
+
+
+def reclaim(store: Store, steps: list[int], writer: str) -> list[int]:
+    """Delete the folders of ``steps`` that are still partial and whose newest claim is
+    ``writer``'s: leftovers of this writer's failed saves. Call it only when no rank of the
+    writer can still be writing them (the in-process writer: at its next save). Best effort:
+    failures are logged. Returns the steps deleted."""
+    gone = []
+    for step in steps:
+        try:
+            rec = owner(store, step)
+            if store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}") or rec is None or rec.get("writer") != writer:
+                continue
+            n = store.delete_prefix(f"{mf.step_dir(step)}/")
+            log.warning("removed %d objects of this job's failed save %s", n, catalog.where(store, step))
+            gone.append(step)
+        except StorageError as e:
+            log.warning("cannot remove the failed save %s: %s", catalog.where(store, step), e)
+    return gone
 
 
 def manifest_objects(manifest: mf.Manifest) -> list[tuple[str, bytes]]:
@@ -99,36 +244,60 @@ def persist(
     part: Any,
     pool: ThreadPoolExecutor,
     *,
+    writer: str | None = None,
     commit_timeout: float = 1800.0,
     wait: bool = True,
     dedupe: Dedupe | None = None,
     to_numpy: Callable[[Any], np.ndarray] = np.asarray,
+    abort: threading.Event | None = None,
 ) -> SaveResult:
-    """Write one rank's ``part`` of a checkpoint and commit it if it is the last. Runs on a
-    background thread (the in-process writer's or a daemon upload worker), never on the
-    training thread.
+    """Claim the step, write one rank's ``part`` of it and commit it if it is the last rank.
+    Runs on a background thread (the in-process writer's or a daemon upload worker), never on
+    the training thread.
 
-    ``wait=False`` returns once this rank's data and done record are durable (and the commit
-    tried), without polling for the other ranks' commit: the daemon watches commits of many jobs
-    from one thread instead of parking an upload worker per job.
+    ``writer``: the job id that fences the step (None: the attempt id, i.e. no restart can
+    take over this attempt's leftovers before they go stale). ``wait=False`` returns once this
+    rank's data and done record are durable (and the commit tried), without polling for the
+    other ranks' commit: the daemon watches commits of many jobs from one thread.
+    ``abort``: once set (the caller's deadline passed), no further object is written and
+    neither the done record nor the commit, so a save reported failed never commits buffers
+    the caller has reused since.
 
     ``dedupe`` (incremental saves): shards whose content hash equals the one this writer saved
     at the previous committed step are hard-linked (filesystem) or server-side copied (S3) from
     that checkpoint instead of uploaded; every checkpoint stays complete on its own."""
     t0 = time.perf_counter()
+    where = catalog.where(store, part.step)
+    writer = check_writer(writer or part.attempt)
     if part.ready is not None:
         part.ready.synchronize()  # the D2H copies into pinned buffers have landed
-    where = catalog.where(store, part.step)
-    nbytes, objects = _write_data(store, part, pool, dedupe, to_numpy, where)
-    t_written = time.perf_counter()
+    begin(store, part.step, part.attempt, writer)
+    written: list[str] = []
     try:
-        store.sync()
-    except (StorageError, OSError) as e:
-        raise CheckpointError(f"{where}: rank {part.rank} failed to make its data durable: {e}") from e
+        nbytes, shard_keys = _write_data(store, part, pool, dedupe, to_numpy, where, written, abort)
+        t_written = time.perf_counter()
+        try:
+            store.sync()
+        except (StorageError, OSError) as e:
+            raise CheckpointError(f"{where}: rank {part.rank} failed to make its data durable: {e}") from e
+        _check_abort(abort, where)
+    except BaseException:
+        clean_up(store, where, part.rank, written)
+        raise
     t_synced = time.perf_counter()
-    record = {"rank": part.rank, "bytes": nbytes, "objects": objects, "time": time.time(), **part.done}
+    record = {
+        **part.done,  # the caller's fields first: the protocol's own cannot be overridden
+        "rank": part.rank,
+        "writer": writer,
+        "bytes": nbytes,
+        "objects": len(written),
+        "shards": shard_keys,
+        "time": time.time(),
+    }
     try:
-        committed = finish_rank(store, part.step, part.attempt, part.rank, part.world_size, record)
+        donetree.write_done(store, part.step, part.attempt, part.rank, record)
+        _check_abort(abort, where)
+        committed = climb(store, part.step, part.attempt, part.rank, part.world_size)
     except StorageError as e:
         raise CheckpointError(f"{where}: rank {part.rank} failed to record completion: {e}") from e
     if committed:
@@ -137,17 +306,32 @@ def persist(
         wait_commit(store, part.step, part.attempt, part.world_size, commit_timeout, part.rank)
     t1 = time.perf_counter()
     phases = {"write": t_written - t0, "sync": t_synced - t_written, "commit": t1 - t_synced}
-    return SaveResult(part.step, nbytes, objects, committed, t1 - t0, phases)
+    return SaveResult(part.step, nbytes, len(written), committed, t1 - t0, phases)
 
 
-def _write_data(store: Store, part: Any, pool: ThreadPoolExecutor, dedupe, to_numpy, where: str) -> tuple[int, int]:
+def _check_abort(abort: threading.Event | None, where: str) -> None:
+    if abort is not None and abort.is_set():
+        raise SaveAborted(f"{where}: save abandoned after its deadline")
+
+
+def _write_data(
+    store: Store, part: Any, pool: ThreadPoolExecutor, dedupe, to_numpy, where: str, written: list[str], abort
+) -> tuple[int, list[str]]:
     """Put every shard and metadata object of ``part`` (not yet durable: one ``sync`` follows;
-    on a filesystem that is one syncfs instead of an fsync per file and folder). Returns
-    (bytes, objects) written."""
+    on a filesystem that is one syncfs instead of an fsync per file and folder). Appends each
+    key to ``written`` before putting it (a failed put may leave it). Returns the bytes written
+    and the shard object keys (relative to the step folder) for the done record."""
     folder = mf.step_dir(part.step)
+    lock = threading.Lock()
+
+    def put(key: str, data) -> None:
+        _check_abort(abort, where)
+        with lock:
+            written.append(key)
+        store.put_deferred(key, data)
 
     def put_meta(key: str, data: bytes) -> int:
-        store.put_deferred(f"{folder}/{key}", data)
+        put(f"{folder}/{key}", data)
         return len(data)
 
     def put_shard(sw) -> int:
@@ -159,49 +343,120 @@ def _write_data(store: Store, part: Any, pool: ThreadPoolExecutor, dedupe, to_nu
             data = to_numpy(sw.buffer)
         if dedupe is not None:
             digest = dedupe.digest(sw, data)
+            _check_abort(abort, where)
             if dedupe.try_reuse(store, sw.object_key, digest, key):
+                with lock:
+                    written.append(key)
                 return 0  # unchanged since the last commit: linked/copied, no bytes written
         bufs = [memoryview(data)] if sw.image is not None else encode_shard(sw.layout, sw.coord, data)
-        store.put_deferred(key, bufs)
+        put(key, bufs)
         return data_size(bufs)
 
+    for key, _ in part.metadata:
+        if key == mf.COMMIT or key.startswith((f"{mf.DONE}/", f"{CLAIMS}/")):
+            raise CheckpointError(f"{where}: metadata key {key!r} is reserved for the commit protocol")
     futures = [pool.submit(put_meta, k, d) for k, d in part.metadata]
     futures += [pool.submit(put_shard, sw) for sw in part.shards]
     nbytes, err = 0, None
     for f in futures:
         try:
             nbytes += f.result()
-        except (StorageError, OSError, ValueError) as e:
+        except (StorageError, OSError, ValueError, CheckpointError) as e:
             err = err or e
     if err is not None:
+        if isinstance(err, SaveAborted):
+            raise err
         raise CheckpointError(f"{where}: rank {part.rank} failed to write its data: {err}") from err
-    return nbytes, len(futures)
+    return nbytes, [sw.object_key for sw in part.shards]
+
+
+def clean_up(store: Store, where: str, rank: int, keys: list[str]) -> None:
+    """Best effort: delete what this rank wrote of a save that failed before its done record
+    (a disk-full episode must not leave partial data that blocks the next saves)."""
+    failed = 0
+    for key in keys:
+        try:
+            store.delete(key)
+        except StorageError:
+            failed += 1
+    if keys:
+        log.warning(
+            "%s: rank %d's save failed; deleted %d of the %d objects it wrote",
+            where,
+            rank,
+            len(keys) - failed,
+            len(keys),
+        )
 
 
 # ----------------------------------------------------------------------------------- commit
 
 
+def expected_shards(manifest: mf.Manifest) -> set[str]:
+    """Every shard object (key relative to the step folder) the manifest's tensors need: each
+    shard of the grid of every array that has data (not empty, not an inline scalar)."""
+    out = set()
+    for e in manifest.tensors.values():
+        lay = e.layout
+        if e.value is not None or lay.nbytes == 0:
+            continue
+        if math.prod(lay.grid_shape) > 1 << 24:
+            raise CheckpointError(
+                f"array {e.key!r}: {math.prod(lay.grid_shape)} shards is more than a checkpoint can have"
+            )
+        out.update(f"{e.path}/{lay.shard_key(c)}" for c in lay.shard_coords())
+    return out
+
+
 def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: dict | None = None) -> bool:
-    """Write the commit record if every rank of ``attempt`` has written its flat done record
-    (``mf.done_key``, the layout before the done tree; writers now call :func:`finish_rank`).
+    """Write the commit record if every rank of ``attempt`` has written its done record.
 
     Called by each rank (or daemon) after its own done record is durable. Returns True for the
     one caller whose ``put_if_absent`` created the record. Listing after our own done record is
     written guarantees the last finisher sees them all (object stores list what was written).
-    It lists and reads all N records: O(N) requests per rank, O(N^2) per save.
-    """
+    Before committing, checks that the step's newest claim, its manifest and the done records
+    all name ``attempt``, that the manifest parses and matches the step and world size, and
+    that the done records account for every shard the manifest needs; CheckpointError if not
+    (nothing is committed)."""
+    where = catalog.where(store, step)
     dones = list(store.list(mf.done_prefix(step, attempt)))
     if len(dones) < world_size:
         return False
-    total = 0
-    objects = 0
+    rec = owner(store, step)
+    if rec is None or rec.get("attempt") != attempt:
+        who = "nobody" if rec is None else f"job {rec.get('writer')!r} (attempt {rec.get('attempt')!r})"
+        raise StepClaimed(f"{where}: not committing attempt {attempt}: the step is claimed by {who}")
+    try:
+        m = mf.Manifest.from_bytes(store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}"), where)
+    except NotFoundError:
+        raise CheckpointError(f"{where}: not committing attempt {attempt}: manifest.json is missing") from None
+    if (m.step, m.attempt, m.world_size) != (step, attempt, world_size):
+        raise CheckpointError(
+            f"{where}: not committing attempt {attempt} of world size {world_size}: the manifest names step "
+            f"{m.step}, attempt {m.attempt!r}, world size {m.world_size}"
+        )
+    total, objects, ranks, shards = 0, 0, set(), set()
     for d in dones:
-        rec = json.loads(store.get(d.key))
-        total += rec.get("bytes", 0)
-        objects += rec.get("objects", 0)
+        try:
+            r = json.loads(store.get(d.key))
+            ranks.add(r["rank"])
+            total += int(r.get("bytes", 0))
+            objects += int(r.get("objects", 0))
+            shards.update(r.get("shards", ()))
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(f"{where}: done record {d.key} is malformed ({e!r})") from None
+    if ranks != set(range(world_size)):
+        raise CheckpointError(f"{where}: done records of attempt {attempt} name ranks {sorted(ranks)[:8]}...")
+    missing = expected_shards(m) - shards
+    if missing:
+        raise CheckpointError(
+            f"{where}: not committing attempt {attempt}: no rank wrote {len(missing)} shard objects the manifest "
+            f"needs, e.g. {sorted(missing)[0]}"
+        )
     record = {
         "step": step,
         "attempt": attempt,
+        "writer": rec.get("writer"),
         "world_size": world_size,
         "bytes": total,
         "objects": objects,
@@ -217,30 +472,72 @@ def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: di
 def finish_rank(
     store: Store, step: int, attempt: str, rank: int, world_size: int, record: dict, extra: dict | None = None
 ) -> bool:
-    """Rank's part of the commit, once all its data is durable: write its done record (``record``
-    with at least ``bytes`` and ``objects``) into the done tree (``ckptd.donetree``), then climb
-    the tree; the rank that completes it writes ``commit.json`` (with ``extra`` in it). True for
-    the one caller that created the commit record. O(log N) round trips, one LIST of at most
-    64 keys per level, no GET of other ranks' records."""
+    """Rank's part of the commit, once all its data is durable: :func:`donetree.write_done`
+    then :func:`climb`. True for the one caller that created the commit record."""
     donetree.write_done(store, step, attempt, rank, record)
+    return climb(store, step, attempt, rank, world_size, extra)
 
-    def commit(nbytes: int, objects: int) -> bool:
-        rec = {
-            "step": step,
-            "attempt": attempt,
-            "world_size": world_size,
-            "bytes": nbytes,
-            "objects": objects,
-            "time": time.time(),
-            "done_layout": "tree",
-            **(extra or {}),
-        }
-        won = commit_step(store, step, rec)
+
+def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, extra: dict | None = None) -> bool:
+    """After rank's done record is durable: climb the done tree (``ckptd.donetree``: one LIST of
+    at most 64 keys per level, no GET of other ranks' records); the rank that completes it
+    checks the step (:func:`_check_before_commit`) and writes ``commit.json`` (with ``extra``)
+    through :func:`commit_step`. True for the one caller that created the commit record."""
+
+    def commit(total: donetree.Totals) -> bool:
+        rec = _check_before_commit(store, step, attempt, world_size, total)
+        won = commit_step(store, step, {**rec, "done_layout": "tree", **(extra or {})})
         if won:
             _write_notices(store, step, attempt, world_size)
         return won
 
     return donetree.climb(store, step, attempt, rank, world_size, commit)
+
+
+def _check_before_commit(store: Store, step: int, attempt: str, world_size: int, total) -> dict:
+    """What ``try_commit`` checks, from the tree's totals instead of every done record: the
+    newest claim and the manifest name ``attempt`` (the tree already holds one record per rank
+    0 .. N-1), and the shards the done records name are the ones the manifest needs -- the
+    tree sums a 64-bit hash of each rank's shard keys, compared with the same sum over
+    ``expected_shards``; only when they differ are the records read to say what is missing
+    (a rank may write more than the manifest needs). Returns the commit record."""
+    where = catalog.where(store, step)
+    rec = owner(store, step)
+    if rec is None or rec.get("attempt") != attempt:
+        who = "nobody" if rec is None else f"job {rec.get('writer')!r} (attempt {rec.get('attempt')!r})"
+        raise StepClaimed(f"{where}: not committing attempt {attempt}: the step is claimed by {who}")
+    try:
+        m = mf.Manifest.from_bytes(store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}"), where)
+    except NotFoundError:
+        raise CheckpointError(f"{where}: not committing attempt {attempt}: manifest.json is missing") from None
+    if (m.step, m.attempt, m.world_size) != (step, attempt, world_size):
+        raise CheckpointError(
+            f"{where}: not committing attempt {attempt} of world size {world_size}: the manifest names step "
+            f"{m.step}, attempt {m.attempt!r}, world size {m.world_size}"
+        )
+    expected = expected_shards(m)
+    if donetree.shard_digest(expected) != total.digest:
+        shards: set[str] = set()
+        for info in store.list(f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/"):
+            try:
+                shards.update(json.loads(store.get(info.key)).get("shards", ()))
+            except (ValueError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{where}: done record {info.key} is malformed ({e!r})") from None
+        missing = expected - shards
+        if missing:
+            raise CheckpointError(
+                f"{where}: not committing attempt {attempt}: no rank wrote {len(missing)} shard objects the "
+                f"manifest needs, e.g. {sorted(missing)[0]}"
+            )
+    return {
+        "step": step,
+        "attempt": attempt,
+        "writer": rec.get("writer"),
+        "world_size": world_size,
+        "bytes": total.bytes,
+        "objects": total.objects,
+        "time": time.time(),
+    }
 
 
 def _write_notices(store: Store, step: int, attempt: str, world_size: int) -> None:
@@ -313,6 +610,11 @@ def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout:
     while True:
         own = notice is None or pick.random() < donetree.NOTICE_GROUP / world_size
         if store.exists(commit if own else notice):
+            rec = catalog.read_commit(store, step) or {}
+            if rec.get("attempt") != attempt:
+                raise CheckpointError(
+                    f"{catalog.where(store, step)}: committed by attempt {rec.get('attempt')!r}, not {attempt}"
+                )
             return
         if time.monotonic() > deadline:
             n = donetree.count_done(store, step, attempt)
@@ -320,6 +622,30 @@ def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout:
                 f"{catalog.where(store, step)}: not committed after {timeout:.0f} s: {n} of {world_size} ranks finished"
             )
         time.sleep(next(delays))
+
+
+def check_consistency(store: Store, step: int, manifest: mf.Manifest) -> list[str]:
+    """What ``ckptd verify`` checks of the commit protocol on a committed step: the commit
+    record, the manifest, the newest claim (where the step has claims: checkpoints written
+    before claims existed have none) and the done records all name one attempt."""
+    where = catalog.where(store, step)
+    errors = []
+    rec = catalog.read_commit(store, step) or {}
+    attempt = rec.get("attempt")
+    if manifest.attempt and attempt != manifest.attempt:
+        errors.append(f"{where}: commit.json names attempt {attempt!r} but manifest.json {manifest.attempt!r}")
+    cs = claims(store, step)
+    if cs and cs[-1][1].get("attempt") != attempt:
+        errors.append(
+            f"{where}: commit.json names attempt {attempt!r} but the step is claimed by "
+            f"{cs[-1][1].get('writer')!r} attempt {cs[-1][1].get('attempt')!r}"
+        )
+    ws = rec.get("world_size")
+    if attempt is not None and isinstance(ws, int):
+        n = donetree.count_done(store, step, attempt)
+        if n != ws:
+            errors.append(f"{where}: {n} done records for attempt {attempt!r}, world size {ws}")
+    return errors
 
 
 # -------------------------------------------------------------------------------- retention
@@ -389,17 +715,27 @@ class Dedupe:
 
 
 __all__ = [
+    "AlreadyCommitted",
     "Dedupe",
+    "SaveAborted",
+    "StepClaimed",
+    "POLLS_PER_SECOND",
+    "check_consistency",
+    "climb",
+    "commit_step",
+    "finish_rank",
+    "poll_delays",
+    "clean_up",
+    "claims",
+    "expected_shards",
+    "owner",
+    "reclaim",
     "SaveResult",
     "after_commit",
     "apply_retention",
-    "POLLS_PER_SECOND",
     "begin",
-    "commit_step",
-    "finish_rank",
     "manifest_objects",
     "persist",
-    "poll_delays",
     "try_commit",
     "wait_commit",
 ]

@@ -3,14 +3,15 @@ latency of O(log N) round trips, with no folder hotter than ``FANOUT`` ranks.
 
 Each rank, once its data is durable, writes its done record, then climbs::
 
-    _done/<attempt>/t1/<g>/r<rank>.<bytes>.<objects>.json    rank's done record (RNG state ...)
-    _done/<attempt>/t2/<h>/n<g>.<bytes>.<objects>.json        group g of t1 is complete
+    _done/<attempt>/t1/<g>/r<rank>.<bytes>.<objects>.<digest>.json   rank's done record
+    _done/<attempt>/t2/<h>/n<g>.<bytes>.<objects>.<digest>.json      group g of t1 is complete
     ...
     commit.json                                               the root is complete
 
 Node ``(l, i)`` (level l >= 1) covers ranks ``[i * F**l, (i + 1) * F**l)``; its children (nodes
 of level l - 1, ranks at level 0) live in the folder ``t<l>/<i>/``. A child's totals (bytes and
-objects written) are in its *name*, so a LIST of one folder (at most ``FANOUT`` keys: one page)
+objects written, and a 64-bit sum of hashes of the shard keys written, :class:`Totals`) are in
+its *name*, so a LIST of one folder (at most ``FANOUT`` keys: one page)
 tells whether the node is complete and what it sums to, with no GET. The root is level
 ``L = levels(N)``, the smallest L with ``F**L >= N``; its completion is the commit.
 
@@ -40,12 +41,33 @@ this layout keep ``_done/<attempt>/rank_<r>.json`` and their readers find them t
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ckptd.manifest import DONE, done_key, step_dir
 from storage_backends import Store
 
 FANOUT = 64
+MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What a complete subtree adds up to: bytes and objects written, and the sum (mod 2**64)
+    of :func:`shard_digest` of every rank's shard keys."""
+
+    bytes: int
+    objects: int
+    digest: int
+
+
+def shard_digest(keys: Iterable[str]) -> int:
+    """A 64-bit sum of the keys' hashes: equal sums mean (up to a 2**-64 chance) equal
+    multisets, so the root compares what all ranks wrote with what the manifest needs without
+    reading anyone's list."""
+    return sum(int.from_bytes(hashlib.sha256(k.encode()).digest()[:8], "big") for k in keys) & MASK
 
 
 def levels(world_size: int) -> int:
@@ -66,35 +88,45 @@ def folder(step: int, attempt: str, level: int, index: int) -> str:
     return f"{step_dir(step)}/{DONE}/{attempt}/t{level}/{index:06d}/"
 
 
-def rank_key(step: int, attempt: str, rank: int, nbytes: int, objects: int) -> str:
-    return f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}.{nbytes}.{objects}.json"
+def _name(kind: str, index: int, t: Totals) -> str:
+    return f"{kind}{index:06d}.{t.bytes}.{t.objects}.{t.digest:016x}.json"
 
 
-def node_key(step: int, attempt: str, level: int, index: int, nbytes: int, objects: int) -> str:
-    return f"{folder(step, attempt, level + 1, index // FANOUT)}n{index:06d}.{nbytes}.{objects}.json"
+def record_key(step: int, attempt: str, rank: int, record: dict) -> str:
+    """Where rank's done record ``record`` goes (its totals are in the name)."""
+    t = Totals(int(record.get("bytes", 0)), int(record.get("objects", 0)), shard_digest(record.get("shards", ())))
+    return folder(step, attempt, 1, rank // FANOUT) + _name("r", rank, t)
 
 
-def _parse(name: str) -> tuple[int, int, int] | None:
-    """(child id, bytes, objects) from a child's name; None for anything else."""
+def node_key(step: int, attempt: str, level: int, index: int, t: Totals) -> str:
+    return folder(step, attempt, level + 1, index // FANOUT) + _name("n", index, t)
+
+
+def _parse(name: str) -> tuple[int, Totals] | None:
+    """(child id, totals) from a child's name; None for anything else."""
     parts = name.split(".")
-    if len(parts) < 3 or len(parts[0]) < 2 or parts[0][0] not in "rn":
+    if len(parts) != 5 or len(parts[0]) < 2 or parts[0][0] not in "rn" or parts[4] != "json":
         return None
     try:
-        ids, nbytes, objects = int(parts[0][1:]), int(parts[1]), int(parts[2])
+        ids, nbytes, objects, digest = int(parts[0][1:]), int(parts[1]), int(parts[2]), int(parts[3], 16)
     except ValueError:
         return None
-    return (ids, nbytes, objects) if min(ids, nbytes, objects) >= 0 else None
+    if min(ids, nbytes, objects, digest) < 0 or digest > MASK:
+        return None
+    return ids, Totals(nbytes, objects, digest)
 
 
-def write_done(store: Store, step: int, attempt: str, rank: int, record: dict) -> None:
-    """Write rank's done record (after all its data is durable). ``record`` holds at least
-    ``bytes`` and ``objects``; the rest (RNG state) is for restores."""
-    key = rank_key(step, attempt, rank, int(record.get("bytes", 0)), int(record.get("objects", 0)))
+def write_done(store: Store, step: int, attempt: str, rank: int, record: dict) -> str:
+    """Write rank's done record (after all its data is durable); returns its key. ``record``
+    holds at least ``bytes``, ``objects`` and ``shards`` (the shard keys this rank wrote); the
+    rest (RNG state) is for restores."""
+    key = record_key(step, attempt, rank, record)
     store.put(key, json.dumps(record, separators=(",", ":")).encode())
+    return key
 
 
 def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, commit) -> bool:
-    """Carry rank's completion up the tree (after ``write_done``). ``commit(bytes, objects)``
+    """Carry rank's completion up the tree (after ``write_done``). ``commit(totals)``
     creates the commit record with ``put_if_absent`` and returns whether this call created it;
     it runs only when the whole tree is complete. Returns what ``commit`` returned, or False
     when the tree is not complete yet (another rank will complete it)."""
@@ -104,19 +136,22 @@ def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, com
         below = _count(world_size, level - 1)
         lo, hi = index * FANOUT, min((index + 1) * FANOUT, below)
         where = folder(step, attempt, level, index)
-        kids: dict[int, tuple[int, int]] = {}
+        kids: dict[int, Totals] = {}
         for info in store.list(where):
             parsed = _parse(info.key[len(where) :])
             if parsed is not None and lo <= parsed[0] < hi:
-                kids.setdefault(parsed[0], parsed[1:])
+                kids.setdefault(parsed[0], parsed[1])
         if len(kids) < hi - lo:
             return False
-        nbytes = sum(b for b, _ in kids.values())
-        objects = sum(o for _, o in kids.values())
+        total = Totals(
+            sum(t.bytes for t in kids.values()),
+            sum(t.objects for t in kids.values()),
+            sum(t.digest for t in kids.values()) & MASK,
+        )
         if level == top:
-            return commit(nbytes, objects)
-        node = {"bytes": nbytes, "objects": objects}
-        store.put_if_absent(node_key(step, attempt, level, index, nbytes, objects), json.dumps(node).encode())
+            return commit(total)
+        node = {"bytes": total.bytes, "objects": total.objects, "digest": f"{total.digest:016x}"}
+        store.put_if_absent(node_key(step, attempt, level, index, total), json.dumps(node).encode())
         level, index = level + 1, index // FANOUT
 
 
@@ -153,4 +188,16 @@ def read_done_record(store: Store, step: int, attempt: str, rank: int) -> dict:
     return json.loads(store.get(done_key(step, attempt, rank)))
 
 
-__all__ = ["FANOUT", "NOTICE_GROUP", "climb", "count_done", "levels", "notice_keys", "read_done_record", "write_done"]
+__all__ = [
+    "FANOUT",
+    "NOTICE_GROUP",
+    "Totals",
+    "climb",
+    "count_done",
+    "levels",
+    "notice_keys",
+    "read_done_record",
+    "record_key",
+    "shard_digest",
+    "write_done",
+]

@@ -78,9 +78,14 @@ DONE = "_done"
 PLANS = "_plans"
 
 
+MAX_STEP = 10**10 - 1  # a step folder names its step in exactly 10 digits
+
+
 def step_dir(step: int) -> str:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+    if step > MAX_STEP:
+        raise CheckpointError(f"step must be at most {MAX_STEP} (10 digits), got {step}")
     return f"step_{step:010d}"
 
 

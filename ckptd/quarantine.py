@@ -30,6 +30,8 @@ from ckptd import manifest as mf
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from storage_backends import NotFoundError, StorageError, Store
 
+__all__ = ["FOLDER", "RECORD", "list_quarantined", "quarantine", "unquarantine"]
+
 FOLDER = "_quarantine"
 RECORD = "quarantine.json"
 

@@ -15,13 +15,14 @@ writer::
 from __future__ import annotations
 
 import math
+import socket
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from ckptd import catalog, commit
+from ckptd import catalog, commit, donetree
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
 from ckptd.dtypes import as_numpy, zarr_name
@@ -58,10 +59,15 @@ class CheckpointWriter:
         layout_info: dict | None = None,
         threads: int = 8,
         max_pending_bytes: int = 512 * 1024 * 1024,
+        writer: str | None = None,
     ):
         """``world_size`` is what ``ls`` reports as the world size at save (an import has none;
         a rechunk keeps the target size). Puts run on ``threads`` threads with at most
-        ``max_pending_bytes`` of encoded shards in flight."""
+        ``max_pending_bytes`` of encoded shards in flight. ``writer``: the job id that claims
+        the step (``ckptd.commit.begin``; default ``ckptd@<host>``, so a failed import or rechunk
+        run again on the same host takes its own leftovers over). A committed step, or one that
+        another writer is writing, is refused here, before a byte is written. A failure (an
+        exception in the ``with`` block or in ``commit``) deletes what this writer wrote."""
         self.store = store
         self.step = step
         self.world_size = world_size
@@ -72,13 +78,17 @@ class CheckpointWriter:
         self.bytes = 0
         self.objects = 0
         self._folder = mf.step_dir(step)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-stream")
         self._pending: list[tuple[Future, int]] = []
         self._max_pending = max_pending_bytes
         self._committed = False
-        commit.begin(store, step)
+        self._shards: list[str] = []
+        self._written: list[str] = []
+        self.writer = writer or f"ckptd@{socket.gethostname()}"
+        commit.begin(store, step, self.attempt, commit.check_writer(self.writer))
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-stream")
 
     def _put(self, key: str, data, nbytes: int) -> None:
+        self._written.append(f"{self._folder}/{key}")
         self._pending.append((self._pool.submit(self.store.put_deferred, f"{self._folder}/{key}", data), nbytes))
         self.bytes += nbytes
         self.objects += 1
@@ -103,6 +113,7 @@ class CheckpointWriter:
         The block must stay unchanged until ``close``/``commit`` (it is written asynchronously)."""
         layout = self.entries[key].layout
         bufs = encode_shard(layout, coord, block)
+        self._shards.append(f"{mf.array_path(key)}/{layout.shard_key(coord)}")
         self._put(f"{mf.array_path(key)}/{layout.shard_key(coord)}", bufs, sum(memoryview(b).nbytes for b in bufs))
 
     def write_tensor(self, key: str, array, layout: ArrayLayout | None = None, placements: str = "") -> None:
@@ -135,7 +146,15 @@ class CheckpointWriter:
         self.store.sync()  # everything above is durable before any done record
         committed = False
         for rank in range(self.world_size):  # the done records a commit of this world size needs
-            rec = {"rank": rank, "bytes": self.bytes if rank == 0 else 0, "objects": self.objects if rank == 0 else 0}
+            mine = rank == 0  # rank 0's record accounts for everything this writer wrote
+            rec = {
+                "rank": rank,
+                "writer": self.writer,
+                "bytes": self.bytes if mine else 0,
+                "objects": self.objects if mine else 0,
+                "shards": self._shards if mine else [],
+            }
+            self._written.append(donetree.record_key(self.step, self.attempt, rank, rec))
             committed = commit.finish_rank(self.store, self.step, self.attempt, rank, self.world_size, rec, extra)
         if not committed:
             raise CheckpointError(f"{catalog.where(self.store, self.step)}: commit lost a race with another writer")
@@ -152,10 +171,14 @@ class CheckpointWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if exc_type is None and not self._committed:
-                self.commit()
+            try:
+                if exc_type is None and not self._committed:
+                    self.commit()
+            finally:
+                self.close()
         finally:
-            self.close()
+            if not self._committed:
+                commit.clean_up(self.store, catalog.where(self.store, self.step), 0, self._written)
 
 
 def _as_numpy(array) -> np.ndarray:

@@ -1,6 +1,8 @@
 """Re-read every chunk of a committed checkpoint and check it.
 
-Checks, per array: ``zarr.json`` exists and matches the manifest; every shard object of the grid
+Checks that the commit record, the manifest, the step's newest claim and the done records all
+name one attempt (``ckptd.commit.check_consistency``: a step mixed by two writers fails). Then,
+per array: ``zarr.json`` exists and matches the manifest; every shard object of the grid
 exists; each shard index passes its crc32c and points inside the object; every chunk that lies
 inside the array is present with the right size and passes its crc32c. Shards are read whole
 (one GET each) and in parallel. Stops at the first bad array unless ``keep_going``.
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ckptd import catalog
+from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, decode_chunk, decode_index
 from ckptd.errors import CheckpointError, CorruptChunkError
@@ -98,6 +100,10 @@ def verify(
     prefix = mf.step_dir(m.step)
     where = catalog.where(store, m.step)
     report = VerifyReport(m.step)
+    try:
+        report.errors += commit.check_consistency(store, m.step, m)
+    except (StorageError, CheckpointError) as e:
+        report.errors.append(f"{where}: cannot check the commit records ({e})")
     tasks = []
     for entry in m.tensors.values():
         report.arrays += 1

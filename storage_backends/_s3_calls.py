@@ -80,6 +80,20 @@ def env_size(name: str, default: int) -> int:
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
 
 
+def env_number(name: str, default: float) -> float:
+    """A non-negative number from the environment (timeouts, attempt counts)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{name}={raw!r}: expected a non-negative number")
+    return value
+
+
 _loader: Loader | None = None
 _loader_lock = threading.Lock()
 

@@ -49,6 +49,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from storage_backends.base import Data, StorageError, Store
 
+__all__ = ["FailingStore", "FaultPlan", "FaultProxy", "KINDS", "Request", "Rule", "tmpfs_mount"]
+
 KINDS = ("500", "503", "reset", "cut", "lost", "delay")
 
 _ERROR_BODY = {

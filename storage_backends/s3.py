@@ -52,6 +52,7 @@ from storage_backends._s3_calls import (
     NoSuchUpload,
     PreconditionFailed,
     Truncated,
+    env_number,
     env_size,
     new_client,
 )
@@ -157,14 +158,29 @@ class S3Store(Store):
         part_size: int | None = None,
         multipart_threshold: int | None = None,
         max_workers: int | None = None,
-        max_attempts: int = 8,
-        retries: int = 4,
+        max_attempts: int | None = None,
+        retries: int | None = None,
         backoff: float = 0.2,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
     ) -> None:
         """``max_attempts`` is botocore's per-call attempts; ``retries`` our extra tries around
-        those, sleeping up to ``backoff * 2**n`` seconds (full jitter, capped at 10 s)."""
+        those, sleeping up to ``backoff * 2**n`` seconds (full jitter, capped at 10 s).
+
+        Every call has a deadline: ``connect_timeout`` to connect and ``read_timeout`` for each
+        wait on the server, per attempt; so a call to an endpoint that stops answering fails
+        after about ``max_attempts * (retries + 1) * read_timeout`` seconds. Unset, they come
+        from ``CKPTD_S3_CONNECT_TIMEOUT`` (10), ``CKPTD_S3_READ_TIMEOUT`` (60),
+        ``CKPTD_S3_MAX_ATTEMPTS`` (8) and ``CKPTD_S3_RETRIES`` (4). A save as a whole is also
+        bounded by ``Checkpointer(save_timeout=...)``."""
+        if max_attempts is None:
+            max_attempts = int(env_number("CKPTD_S3_MAX_ATTEMPTS", 8))
+        if retries is None:
+            retries = int(env_number("CKPTD_S3_RETRIES", 4))
+        if connect_timeout is None:
+            connect_timeout = env_number("CKPTD_S3_CONNECT_TIMEOUT", 10.0)
+        if read_timeout is None:
+            read_timeout = env_number("CKPTD_S3_READ_TIMEOUT", 60.0)
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
         prefix = prefix.strip("/")

@@ -17,8 +17,10 @@ Parameters may change the moment ``save`` returns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,7 +52,8 @@ class Checkpointer:
     ``daemon``: None persists from a background thread of this process; ``"http://host:port"``
     hands each snapshot to a running ``ckptd serve``, which persists and commits it even if this
     process dies right after ``save`` returned. ``keep_last``: retention, applied after each
-    commit (never deletes the newest committed checkpoint or one being written).
+    commit by this job (rank 0's background thread; never deletes the newest committed
+    checkpoint or one being written).
     ``incremental``: shards whose content (sha256) has not changed since this process's previous
     committed save are hard-linked (filesystem) or server-side copied (S3) instead of written
     again; each checkpoint stays complete and independently readable, and ``gc`` stays correct.
@@ -62,6 +65,14 @@ class Checkpointer:
     commit record; past it the save's future fails with ``CheckpointError`` (the checkpoint stays
     partial, and a later commit by the others still completes it). With a daemon, the daemon
     waits that long and the client gives up after it too.
+    ``save_timeout``: seconds one save may take in the background, from the snapshot to the
+    commit (in-process writer only; the daemon has its own bounds). A save whose storage does
+    not answer fails its future with "storage did not answer" within this bound and is
+    abandoned (it never commits afterwards); ``save`` itself never talks to storage.
+    ``job_id``: this job's writer identity, which claims every step it saves so that a second
+    job writing the same root is refused instead of mixed (``ckptd.commit``). Default:
+    ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID`` when set (the same across restarts of the job,
+    so a restarted job takes over its own unfinished step), else a uuid agreed across ranks.
     """
 
     def __init__(
@@ -73,6 +84,8 @@ class Checkpointer:
         process_group=None,
         commit_timeout: float = 1800.0,
         incremental: bool = False,
+        save_timeout: float = 1800.0,
+        job_id: str | None = None,
     ):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
@@ -81,9 +94,14 @@ class Checkpointer:
         except (StorageError, ValueError) as e:
             raise CheckpointError(str(e)) from None
         self.root_uri = root_uri
+        self.daemon = daemon
         self.keep_last = keep_last
+        if not save_timeout > 0:
+            raise CheckpointError(f"save_timeout must be > 0, got {save_timeout}")
         self.coord = Coordinator(process_group)
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
+        self.job_id = commit.check_writer(self.coord.broadcast(job_id or _default_job_id()))
+        self._committed_steps: set[int] = set()  # saved and committed by this Checkpointer
         self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
         self._planner = Planner()
         self._inflight: tuple[int, Future] | None = None
@@ -96,11 +114,25 @@ class Checkpointer:
         # daemon, whose stager's buffers are shared memory it can read.
         self._sink: Sink
         if daemon is None:
-            self._sink = BackgroundWriter(self.store, self._io, keep_last, commit_timeout, incremental)
+            self._sink = BackgroundWriter(
+                self.store,
+                self._io,
+                keep_last,
+                commit_timeout,
+                incremental,
+                writer=self.job_id,
+                save_timeout=save_timeout,
+            )
         else:
             from trainer_hooks.daemon_sink import DaemonSink
 
             self._sink = DaemonSink(daemon, root_uri, self.rank, self.world_size, keep_last, commit_timeout)
+            self._sink.writer = self.job_id
+        self._retention = (
+            ThreadPoolExecutor(1, thread_name_prefix="ckptd-retention")
+            if daemon is not None and keep_last and self.rank == 0
+            else None
+        )
         self._stager = self._sink.stager()
 
     # ------------------------------------------------------------------------------ save
@@ -116,7 +148,6 @@ class Checkpointer:
         t0 = time.perf_counter()
         mf.step_dir(step)  # validates the step
         self._wait_inflight()
-        self._raise_unreported()
         t_wait = time.perf_counter()
         attempt = self._begin(step)
         t_begin = time.perf_counter()
@@ -136,6 +167,10 @@ class Checkpointer:
             )
             job.metadata += commit.manifest_objects(m)
         fut = _SaveFuture.chain(self._sink.submit(job), step)
+        if self._retention is not None:
+            # Retention is the job's, not a per-request daemon setting: rank 0 applies it after
+            # each commit, on a thread of its own (never the training thread).
+            fut.add_done_callback(self._retain_after)
         self._inflight = (step, fut)
         t1 = time.perf_counter()
         self.last_save_blocked_s = t1 - t0
@@ -149,24 +184,33 @@ class Checkpointer:
         return fut
 
     def _begin(self, step: int) -> str:
-        """Agree on the step and a fresh attempt id; clear a stale partial folder of this step.
+        """Agree on the step, on earlier failures and on a fresh attempt id. Collective, and
+        no storage call: claiming the step (and refusing it if committed, or written by another
+        job) is the background writer's first act, so a stalled store never blocks training.
 
-        Done records are per attempt, so leftovers of a crashed earlier attempt at the same step
-        can never complete this one's commit."""
+        Every rank raises the same error: an earlier save that failed on any rank (its future
+        not looked at), or a step this Checkpointer already committed."""
         err = None
         attempt = uuid.uuid4().hex[:12]
-        if self.rank == 0:
-            try:
-                commit.begin(self.store, step)
-            except CheckpointError as e:
-                err = str(e)
+        cause = None
+        if self._unreported:
+            earlier, cause = self._unreported[0]
+            self._unreported.clear()
+            err = f"an earlier save (step {earlier}) failed: {cause}"
+        elif step in self._committed_steps:
+            err = f"{catalog.where(self.store, step)}: step {step} is already committed; refusing to overwrite"
         lo_hi = self.coord.all_max([step, -step])
         if lo_hi[0] != -lo_hi[1]:
             err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"
         msg = self.coord.agree(err)
         if msg is not None:
-            raise CheckpointError(msg)
+            raise CheckpointError(msg) from cause
         return self.coord.broadcast(attempt)
+
+    def _retain_after(self, fut: Future) -> None:
+        if Future.exception(fut) is None:  # the base method: does not mark it as observed
+            with contextlib.suppress(RuntimeError):  # closing: the next job's commit retains
+                self._retention.submit(commit.apply_retention, self.store, self.keep_last)
 
     def _raise_unreported(self) -> None:
         if self._unreported:
@@ -180,7 +224,9 @@ class Checkpointer:
             step, fut = inflight
             futures_wait([fut])
             exc = Future.exception(fut)  # the base method: does not mark it as observed
-            if exc is not None and not fut.observed:
+            if exc is None:
+                self._committed_steps.add(step)
+            elif not fut.observed:
                 self._unreported.append((step, exc))
 
     def wait(self) -> None:
@@ -189,10 +235,12 @@ class Checkpointer:
         self._raise_unreported()
 
     def wait_idle(self) -> None:
-        """``wait``, then also let background retention of an in-process writer finish (with a
-        daemon, retention is the daemon's). For benchmarks and tests that must not overlap it."""
+        """``wait``, then also let background retention finish (the in-process writer's, or rank
+        0's after a daemon commit). For benchmarks and tests that must not overlap it."""
         self.wait()
         self._sink.idle()
+        if self._retention is not None:
+            self._retention.submit(lambda: None).result()
 
     # --------------------------------------------------------------------------- restore
 
@@ -209,7 +257,10 @@ class Checkpointer:
 
         Returns the restored step, or None if the job root has no committed checkpoint. On any
         error every rank raises ``CheckpointError`` and ``state`` is left as it was.
-        ``strict=False`` skips keys present on only one side instead of failing.
+        Entries of the checkpoint that ``state`` lacks are not restored (``{"model": m}`` from a
+        full training checkpoint); inside each entry given, ``strict=False`` skips keys present
+        on only one side instead of failing. A parameter the saved optimizer kept no state for
+        (never reached by the loss) gets none after the restore either.
         ``in_place=True`` reads straight into the state's tensors: no second copy of the state in
         memory and no new buffers to fault in, but a read that fails midway (I/O error, corrupt
         chunk) leaves tensors partly overwritten, as ``dcp.load`` does. Mismatched keys, shapes
@@ -248,6 +299,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._sink.shutdown()
+            if self._retention is not None:
+                self._retention.shutdown(wait=True)
             self._io.shutdown(wait=True)
             self._stager.release()
             self.store.close()
@@ -296,6 +349,16 @@ class _SaveFuture(Future):
     def exception(self, timeout=None):
         self.observed = True
         return super().exception(timeout)
+
+
+def _default_job_id() -> str:
+    """The job's id from its launcher (the same on every rank and across restarts of the job),
+    else a new uuid (rank 0's is broadcast)."""
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(name, "").strip()
+        if value and value.lower() != "none":
+            return re.sub(r"[^A-Za-z0-9_.:@-]", "_", f"{name.split('_')[0].lower()}-{value}")[:128]
+    return uuid.uuid4().hex
 
 
 def _encode_rng() -> Any:

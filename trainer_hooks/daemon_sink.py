@@ -123,7 +123,7 @@ class DaemonSink:
                 "shards": shards,
                 "metadata": metadata,
                 "done": job.done,
-                "keep_last": self.keep_last,
+                "writer": getattr(self, "writer", None),  # the job id that claims the step
                 "commit_timeout": self.commit_timeout,
             }
             status, reply, _ = self._client.call("POST", "/v1/jobs", body, patient=True)

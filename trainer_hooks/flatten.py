@@ -9,6 +9,7 @@ tensor met becomes a zarr array named by its path (``model/layers.0.weight``,
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ckptd import jsonenc
 from ckptd.dtypes import as_numpy, zarr_dtype
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointError, StateMismatchError
 from ckptd.manifest import key_of
+from trainer_hooks.sharding import local_tensor
 
 # as_numpy: re-exported for callers that imported it from here (it lives in ckptd.dtypes)
 __all__ = ["Flat", "apply", "as_numpy", "flatten"]
@@ -43,10 +45,18 @@ MODULE, OPTIMIZER, STATEFUL, TENSOR, DICT, VALUE = (
 @dataclass
 class Flat:
     """``tensors``: array key -> tensor (DTensor or plain), in state order; ``tree``: per
-    top-level name, ``{"kind": ..., "data": <jsonenc tree with $tensor refs>}``."""
+    top-level name, ``{"kind": ..., "data": <jsonenc tree with $tensor refs>}``.
+
+    ``synced``: the keys whose replicas are identical on every rank that holds them: a module's
+    parameters (DDP all-reduces their gradients, FSDP/TP shard them) and the optimizer state
+    computed from those gradients. Every other tensor (buffers such as BatchNorm's running
+    statistics, which each DDP rank updates with its own batch; user tensors) may differ between
+    replicas, so a save writes it from the lowest rank that holds it -- the rank DDP broadcasts
+    buffers from at the next forward."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     tree: dict[str, dict] = field(default_factory=dict)
+    synced: set[str] = field(default_factory=set)
 
 
 def _trained_model(optim: torch.optim.Optimizer, state: dict) -> torch.nn.Module | None:
@@ -87,6 +97,8 @@ def flatten(state: dict[str, Any]) -> Flat:
     if not isinstance(state, dict):
         raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
     flat = Flat()
+    params: set[int] = set()  # storages of the parameters of the module being encoded
+    optimizer = False  # encoding an optimizer: its state tensors are synced
 
     def on_tensor(path: tuple[str, ...], t: torch.Tensor) -> str:
         key = key_of(path)
@@ -94,6 +106,8 @@ def flatten(state: dict[str, Any]) -> Flat:
             raise CheckpointError(f"key {key!r} appears twice in the state")
         zarr_dtype(t.dtype, key)
         flat.tensors[key] = t
+        if (optimizer and path[1] == "state") or _storage(t) in params:
+            flat.synced.add(key)
         return key
 
     paired = _paired_state_dicts(state)
@@ -114,11 +128,20 @@ def flatten(state: dict[str, Any]) -> Flat:
         else:
             kind, data = VALUE, v
         if kind in (MODULE, OPTIMIZER):  # FQNs are one path component each
+            # A state dict's parameter entries share their parameter's storage (a DDP state dict
+            # holds ``param.detach()``, FSDP2's the sharded DTensor itself), buffers never do.
+            params = {_storage(p) for p in v.parameters()} - {0} if kind == MODULE else set()
+            optimizer = kind == OPTIMIZER
             enc = _encode_fqn_tree(kind, data, name, on_tensor)
+            params, optimizer = set(), False
         else:
             enc = jsonenc.encode(data, on_tensor, (name,))
         flat.tree[name] = {"kind": kind, "data": enc}
     return flat
+
+
+def _storage(t: torch.Tensor) -> int:
+    return local_tensor(t).untyped_storage().data_ptr()
 
 
 def _encode_fqn_tree(kind, data, name, on_tensor):
@@ -133,10 +156,23 @@ def _encode_fqn_tree(kind, data, name, on_tensor):
     }
 
 
-def apply(state: dict[str, Any], saved_tree: dict[str, dict], loaded: dict[str, torch.Tensor], strict: bool):
+def apply(
+    state: dict[str, Any],
+    saved_tree: dict[str, dict],
+    loaded: dict[str, torch.Tensor],
+    strict: bool,
+    undo: list,
+    where: str = "checkpoint",
+) -> None:
     """Load decoded values into ``state``. ``loaded[key]`` is the restored tensor for each array
     key (already sharded like the live one). Keys absent from ``loaded`` were skipped
-    (non-strict); entries that refer to them are dropped."""
+    (non-strict, or an optimizer's parameter that had no state at save); entries that refer to
+    them are dropped. Entries of the checkpoint that ``state`` lacks are not applied.
+
+    Before it changes an entry, appends to ``undo`` a callable that puts the entry's non-tensor
+    state back (an optimizer's state and groups, a stateful object's ``state_dict``, a dict's
+    values); tensor contents are the caller's to put back. Any error is a ``StateMismatchError``
+    naming the entry; the caller then runs ``undo`` in reverse."""
 
     def tensor(key: str):
         return loaded.get(key, _MISSING)
@@ -146,20 +182,56 @@ def apply(state: dict[str, Any], saved_tree: dict[str, dict], loaded: dict[str, 
         entry = saved_tree.get(name)
         if entry is None:
             continue  # validated by the caller: only reachable when not strict
-        data = _drop_missing(jsonenc.decode(entry["data"], tensor))
-        if isinstance(v, torch.nn.Module):
-            set_model_state_dict(v, data, options=opts)
-        elif isinstance(v, torch.optim.Optimizer):
-            set_optimizer_state_dict(_model_of(v, state, name), v, data, options=opts)
-        elif isinstance(v, torch.Tensor):
-            if isinstance(data, torch.Tensor):
-                _copy_into(v, data)
-        elif not isinstance(v, dict) and callable(getattr(v, "load_state_dict", None)):
-            v.load_state_dict(data)  # dispatch on the live object: an import may have saved a dict
-        elif isinstance(v, dict) and isinstance(data, dict):
-            _merge_into(v, data)
-        else:
-            state[name] = data
+        try:
+            data = _drop_missing(jsonenc.decode(entry["data"], tensor))
+            if isinstance(v, torch.nn.Module):
+                set_model_state_dict(v, data, options=opts)
+            elif isinstance(v, torch.optim.Optimizer):
+                undo.append(_optimizer_undo(v))
+                # Not strict here: the caller has matched the keys already, and a parameter
+                # that had no state at save (an unused pooler, an unrouted expert) must get
+                # none now, which torch's strict mode refuses.
+                set_optimizer_state_dict(_model_of(v, state, name), v, data, options=StateDictOptions(strict=False))
+            elif isinstance(v, torch.Tensor):
+                if isinstance(data, torch.Tensor):
+                    _copy_into(v, data)
+            elif not isinstance(v, dict) and callable(getattr(v, "load_state_dict", None)):
+                old = copy.deepcopy(v.state_dict())
+                undo.append(lambda v=v, old=old: v.load_state_dict(old))
+                v.load_state_dict(data)  # dispatch on the live object: an import may have saved a dict
+            elif isinstance(v, dict) and isinstance(data, dict):
+                undo.append(_dict_undo(v))
+                _merge_into(v, data)
+            else:
+                undo.append(lambda name=name, old=v: state.__setitem__(name, old))
+                state[name] = data
+        except CheckpointError:
+            raise
+        except Exception as e:  # the state does not take what the checkpoint holds
+            raise StateMismatchError(
+                f"{where}: key {name!r}: applying the saved state failed: {type(e).__name__}: {e}"
+            ) from e
+
+
+def _optimizer_undo(optim: torch.optim.Optimizer):
+    # ``load_state_dict`` replaces both the state and the group dicts (it never mutates the old
+    # ones), so keeping references is a complete backup; tensors inside are the caller's.
+    state, groups = optim.state, optim.param_groups
+    return lambda: optim.__setstate__({"state": state, "param_groups": groups})
+
+
+def _dict_undo(target: dict):
+    """A callable that puts ``target`` (and the dicts nested in it) back to their current items."""
+    items = [(k, v, _dict_undo(v) if isinstance(v, dict) else None) for k, v in target.items()]
+
+    def run():
+        target.clear()
+        for k, v, nested in items:
+            if nested is not None:
+                nested()
+            target[k] = v
+
+    return run
 
 
 _MISSING = object()  # stands for a saved tensor that the live state does not have (non-strict)
@@ -174,8 +246,6 @@ def _drop_missing(x):
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    from trainer_hooks.sharding import local_tensor
-
     with torch.no_grad():
         local_tensor(dst).copy_(local_tensor(src))
 

@@ -12,7 +12,10 @@ Steps, on every rank (collective):
 5. all ranks agree that every read succeeded, and only then is anything written into ``state``
    (``set_model_state_dict``/``set_optimizer_state_dict``/``load_state_dict``) -- so a failed
    restore leaves ``state`` untouched everywhere (``in_place=True`` trades that for half the
-   memory: step 4 reads into the state's own tensors);
+   memory: step 4 reads into the state's own tensors); applying is all or nothing as well: an
+   error while applying (torch refusing an optimizer's groups, a user object's
+   ``load_state_dict`` raising) is a ``CheckpointError`` naming the entry, and every rank puts
+   its state back;
 6. RNG: the rank's own state at the same world size, else reseeded from the saved one.
 """
 
@@ -109,11 +112,52 @@ _COMPATIBLE = {
 }
 
 
+def _entry_of(key: str) -> str:
+    """The escaped top-level state name of an array key (``key_of`` escapes each component)."""
+    return key.split("/", 1)[0]
+
+
+def _stateless_params(m: mf.Manifest, flat) -> set[str]:
+    """The live array keys of optimizer state for parameters that the checkpoint's optimizer
+    had in its parameter groups but kept no state for: a BERT pooler the loss never reaches,
+    frozen layers that keep ``requires_grad``, MoE experts no token was routed to, a head used
+    later in training. ``get_optimizer_state_dict`` on a fresh optimizer makes state for every
+    parameter (a zero-gradient step), so the live state has these keys and the checkpoint does
+    not; they are restored as they were saved: with no state."""
+    out: set[str] = set()
+    for name, node in flat.tree.items():
+        saved = m.state.get(name)
+        if node["kind"] != "optimizer" or saved is None or saved["kind"] != "optimizer":
+            continue
+        saved_state = saved["data"].get("state", {})
+        groups = jsonenc.decode(saved["data"].get("param_groups", []), lambda k: None)
+        in_groups = {p for g in groups if isinstance(g, dict) for p in g.get("params", ())}
+        for fqn in node["data"].get("state", {}):
+            if fqn not in saved_state and fqn in in_groups:
+                prefix = mf.key_of((name, "state", fqn)) + "/"
+                out.update(k for k in flat.tensors if k.startswith(prefix))
+    return out
+
+
 def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
     """Check the live state against the manifest; return the keys to read. Raises
-    StateMismatchError naming the checkpoint, the key and what differs."""
-    live, saved = set(flat.tensors), set(m.tensors)
+    StateMismatchError naming the checkpoint, the key and what differs.
+
+    Only the top-level entries that ``state`` has are compared: restoring ``{"model": m}``
+    from a checkpoint that also holds the optimizer is not an error. Inside each entry, every
+    key must match unless ``strict=False``; an entry asked for that the checkpoint lacks fails."""
+    both = {mf.escape_component(n) for n in flat.tree if n in m.state}
+    stateless = _stateless_params(m, flat)
+    live = {k for k in flat.tensors if _entry_of(k) in both} - stateless
+    saved = {k for k in m.tensors if _entry_of(k) in both}
     if strict:
+        missing_names = sorted(set(flat.tree) - set(m.state))
+        if missing_names:
+            raise StateMismatchError(
+                f"{where}: key {missing_names[0]!r} is in the state but not in the checkpoint"
+                + (f" (and {len(missing_names) - 1} more)" if len(missing_names) > 1 else "")
+                + "; pass strict=False to keep it as it is"
+            )
         missing = sorted(live - saved)
         if missing:
             raise StateMismatchError(
@@ -122,25 +166,19 @@ def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
                 + "; pass strict=False to keep those values as they are"
             )
         extra = sorted(saved - live)
-        extra_names = sorted(set(m.state) - set(flat.tree))
-        if extra_names:
-            raise StateMismatchError(f"{where}: key {extra_names[0]!r} is in the checkpoint but not in the state")
         if extra:
             raise StateMismatchError(
                 f"{where}: key {extra[0]!r} is in the checkpoint but not in the state"
                 + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
                 + "; pass strict=False to ignore it"
             )
-        missing_names = sorted(set(flat.tree) - set(m.state))
-        if missing_names:
-            raise StateMismatchError(f"{where}: key {missing_names[0]!r} is in the state but not in the checkpoint")
     for name, node in flat.tree.items():
         saved_node = m.state.get(name)
         if saved_node is not None and saved_node["kind"] not in _COMPATIBLE[node["kind"]]:
             raise StateMismatchError(
                 f"{where}: key {name!r} was saved as a {saved_node['kind']} but the state has a {node['kind']}"
             )
-    keys = [k for k in flat.tensors if k in m.tensors]
+    keys = [k for k in flat.tensors if k in live and k in saved]
     for k in keys:
         t, e = flat.tensors[k], m.tensors[k]
         if tuple(t.shape) != e.layout.shape:
@@ -195,6 +233,9 @@ def _restore_step(
     err: CheckpointError | None = None
     loaded: dict[str, torch.Tensor] = {}
     m = saved = None
+    # A fresh optimizer gets state (a zero-gradient step) when it is flattened; a failed restore
+    # takes that away again, so the optimizer is left as the caller gave it.
+    fresh = [o for o in state.values() if isinstance(o, torch.optim.Optimizer) and not o.state]
     reading = False  # whether this rank began to read chunks (into the state, with in_place)
     try:
         m = _load_manifest(src, coord, step)
@@ -239,7 +280,11 @@ def _restore_step(
         if src is not store:
             src.close()
     failure = coord.agree(None if err is None else (type(err).__name__, str(err)))
+    if failure is None:
+        failure, err = _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord)
     if failure is not None:
+        for o in fresh:
+            o.state.clear()
         cls, msg = failure
         if in_place:
             # Only a failure after reads began can have touched the state; every rank learns
@@ -250,7 +295,6 @@ def _restore_step(
             else:
                 msg += " (nothing was read: the state is unchanged)"
         raise _ERRORS.get(cls, CheckpointError)(msg) from err
-    apply(state, m.state, loaded, strict)
     if restore_rng:
         _restore_rng(store, saved, coord)
     log.info("restored %s at world size %d (saved at %d)", where, coord.world_size, saved.world_size)
@@ -316,6 +360,52 @@ def restore_fallback(
             + "; ".join(f"step {s}: {why}" for s, why in skipped)
         )
     return None, skipped
+
+
+def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord):
+    """Apply the read values on every rank, or on none: ``(None, None)`` when all ranks
+    applied, else ``(failure agreed on, this rank's error)`` with ``state`` as it was.
+
+    The fresh buffers and the live tensors swap contents first (one tensor's worth of scratch
+    at a time), so the live tensors hold the checkpoint's values and the buffers the old ones:
+    applying then copies each tensor onto itself, and undoing swaps back -- all or nothing at
+    no extra memory. ``in_place`` reads went into the live tensors already; only the non-tensor
+    state can be undone then."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    undo: list = []
+    err: CheckpointError | None = None
+    try:
+        if not in_place:
+            for k, data in loaded.items():
+                live, new = local_tensor(flat.tensors[k]).detach(), local_tensor(data)
+                _swap(live, new)
+                swapped.append((live, new))
+                loaded[k] = flat.tensors[k]
+        apply(state, m.state, loaded, strict, undo, where)
+    except CheckpointError as e:
+        err = e
+    failure = coord.agree(None if err is None else (type(err).__name__, str(err)))
+    if failure is not None:
+        for u in reversed(undo):
+            u()
+        for live, old in reversed(swapped):
+            _swap(live, old)
+    return failure, err
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor, rows: int = 1 << 20) -> None:
+    """Exchange the contents of two tensors of one shape, ``rows`` elements' worth at a time."""
+    with torch.no_grad():
+        if a.dim() == 0 or a.numel() <= rows or not (a.is_contiguous() and b.is_contiguous()):
+            tmp = a.clone()
+            a.copy_(b)
+            b.copy_(tmp)
+            return
+        fa, fb = a.view(-1), b.view(-1)
+        for i in range(0, fa.numel(), rows):
+            tmp = fa[i : i + rows].clone()
+            fa[i : i + rows].copy_(fb[i : i + rows])
+            fb[i : i + rows].copy_(tmp)
 
 
 _ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError)}

@@ -1,7 +1,8 @@
 """Taking a snapshot: plan who writes what, and copy it into reusable host buffers.
 
 This is the only part of a save that blocks training. For each tensor, the rank copies exactly
-the shards it will write (its own block for FSDP/TP; its share of a replicated tensor) into
+the shards it will write (its own block for FSDP/TP; its share of a replicated parameter; all of
+a replicated buffer when it is the lowest rank holding it, see ``Flat.synced``) into
 buffers that are allocated once and reused by every later save (pinned, and filled on a side
 CUDA stream, when the tensor is on a GPU). A CPU shard of 1 MiB or more whose chunks are whole
 rows is copied straight into an *object image* (``ckptd.codec.image_chunks``): a page-aligned
@@ -132,11 +133,19 @@ class Planner:
         # Sharded tensors up to this size are gathered into one shard (``ckptd.layout``).
         self.gather_small = int(os.environ.get("CKPTD_GATHER_SMALL_BYTES") or GATHER_SMALL_BYTES)
 
-    def _grid(self, sh: Sharding, t: torch.Tensor, dtype: str) -> tuple[Grid, bytes]:
-        ck = (sh.signature, dtype)
+    def _grid(self, sh: Sharding, t: torch.Tensor, dtype: str, pinned: bool) -> tuple[Grid, bytes]:
+        ck = (sh.signature, dtype, pinned)
         grid = self._cache.get(ck)
         if grid is None:
-            grid = plan_grid(sh.global_shape, t.element_size(), dtype, sh.blocks(), gather_small=self.gather_small)
+            blocks = sh.blocks()
+            if pinned:
+                # Only the lowest rank of each replica group holds its block, as far as the plan
+                # knows: it writes (and sends) every piece, and the layout stays what the
+                # distinct blocks make it (no split of a large replicated tensor over ranks).
+                first: dict = {}
+                empty = Box(tuple(0 for _ in sh.global_shape), tuple(0 for _ in sh.global_shape))
+                blocks = [b if first.setdefault(b, r) == r else empty for r, b in enumerate(blocks)]
+            grid = plan_grid(sh.global_shape, t.element_size(), dtype, blocks, gather_small=self.gather_small)
             self._cache[ck] = grid
             self._meta[ck] = mf.dumps(grid.layout.metadata())
         return grid, self._meta[ck]
@@ -153,12 +162,14 @@ class Planner:
             b = self._inline[k] = mf.dumps(layout.metadata(fill_value=value))
         return b
 
-    def key_plan(self, key: str, t: torch.Tensor, sh: Sharding, rank: int) -> _KeyPlan:
+    def key_plan(self, key: str, t: torch.Tensor, sh: Sharding, rank: int, pinned: bool = False) -> _KeyPlan:
+        """``pinned``: the replicas of ``t`` may differ (``Flat.synced``); each shard is written
+        by the lowest rank that holds it, never by a load-balanced pick."""
         dtype = zarr_dtype(t.dtype, key)
-        kk = (key, sh.signature, dtype, rank)
+        kk = (key, sh.signature, dtype, rank, pinned)
         kp = self._keys.get(kk)
         if kp is None:
-            grid, meta = self._grid(sh, t, dtype)
+            grid, meta = self._grid(sh, t, dtype, pinned)
             shards = []
             for coord in grid.shards_of(key, rank):
                 box = Box(*grid.layout.shard_box(coord))
@@ -192,7 +203,7 @@ def take(
     cuda_used = False
     for n, (key, t) in enumerate(flat.tensors.items()):
         sh = sharding_of(t)
-        kp = planner.key_plan(key, t, sh, rank)
+        kp = planner.key_plan(key, t, sh, rank, pinned=key not in flat.synced)
         plan = kp.grid
         local = local_tensor(t).detach()
         on_cuda = local.is_cuda

@@ -25,6 +25,8 @@ from ckptd.cli.common import (
     step_arg,
 )
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "retire a bad checkpoint: it is no longer committed, its bytes are kept under _quarantine/"
 
 

@@ -32,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--budget", metavar="SIZE", help="memory for staged snapshots, e.g. 8GiB (default: half the free space)"
     )
     p.add_argument("--upload-workers", type=positive_int, metavar="N", help="jobs uploaded at once (default 2)")
+    p.add_argument(
+        "--keep-last",
+        type=positive_int,
+        metavar="K",
+        help="retention after each commit the daemon writes (default: none; trainers cannot override it)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
 
 
@@ -49,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         "token_file": args.token_file,
         "staging_dir": args.staging_dir,
         "upload_workers": args.upload_workers,
+        "keep_last": args.keep_last,
         "log_level": args.log_level,
     }
     try:

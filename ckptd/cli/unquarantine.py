@@ -11,6 +11,8 @@ from ckptd import catalog
 from ckptd import quarantine as _q
 from ckptd.cli.common import add_json, add_uri, job_root, print_json, step_arg
 
+__all__ = ["HELP", "add_arguments", "run"]
+
 HELP = "put a quarantined checkpoint back (committed again)"
 
 

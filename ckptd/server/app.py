@@ -3,9 +3,9 @@ staging folder before the first request, so a daemon that cannot start says so a
 
 Errors are JSON ``{"detail": "..."}``: 400 a malformed request, a root not served, keys or paths
 escaping the job root or the staging lease; 401 a missing or wrong bearer token; 404 unknown
-lease, job or step; 409 a lease the daemon is still uploading from; 413 a body over the limit;
-429 (with ``Retry-After``) the staging budget is full -- the client waits and asks again; 502 the
-job root's storage failed or holds something unreadable.
+lease, job or step; 409 a lease the daemon is still uploading from, or a step already committed;
+413 a body over the limit; 429 (with ``Retry-After``) the staging budget is full -- the client
+waits and asks again; 502 the job root's storage failed or holds something unreadable.
 
 Routes live on the ``APIRouter``s listed in ``ROUTERS`` and reach the daemon's parts through the
 ``Daemon`` dependency; a new group of routes is a router plus one entry there. Routes raise the
@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
+from ckptd.commit import AlreadyCommitted
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
@@ -117,14 +118,14 @@ class JobRequest(BaseModel):
     job: str | None = Field(None, max_length=64, description="client-chosen id (hex): a retried hand-off is idempotent")
     lease: str = _NAME
     root: str = Field(min_length=1, max_length=4096)
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=10**10 - 1)
     attempt: str = _NAME
+    writer: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:@-]{1,128}$", description="the job id claiming the step")
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1)
     shards: list[ShardModel]
     metadata: list[MetadataModel] = []
     done: dict = {}
-    keep_last: int | None = Field(None, ge=1)
     commit_timeout: float = Field(1800.0, gt=0, le=7 * 86400)
 
 
@@ -240,6 +241,7 @@ ERRORS: dict[type[Exception], int] = {
     CheckpointNotFoundError: 404,
     LeaseGone: 404,
     LeaseBusy: 409,  # the daemon still uploads from that lease
+    AlreadyCommitted: 409,  # a committed checkpoint is immutable
     CheckpointError: 502,  # the job root holds something unreadable
     StorageError: 502,  # the job root's storage failed
 }

@@ -22,6 +22,7 @@ import torch
 
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, image_chunks, image_nbytes
+from ckptd.commit import CLAIMS
 from ckptd.dtypes import numpy_dtype, torch_dtype
 from ckptd.errors import CheckpointError
 from ckptd.savejob import SaveJob, ShardWrite, format_image
@@ -53,7 +54,7 @@ class Job:
     shards: list[dict]
     metadata: list[dict]
     done: dict
-    keep_last: int | None = None
+    writer: str | None = None  # the job id that claims the step (None: the attempt id)
     commit_timeout: float = 1800.0
     state: str = "queued"
     error: str | None = None
@@ -154,7 +155,7 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
     for m in req["metadata"]:
         key = m["key"]
         _check_store_key(folder, key, "metadata key")
-        if key == mf.COMMIT or key.startswith(f"{mf.DONE}/"):
+        if key == mf.COMMIT or key.startswith((f"{mf.DONE}/", f"{CLAIMS}/")):
             raise BadJob(f"metadata key {key!r} is reserved for the commit protocol")
         size = _file_size(lease, m["file"], f"metadata {key!r}")
         if size > MAX_META_BYTES:
@@ -171,7 +172,7 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
         shards=shards,
         metadata=metadata,
         done=req.get("done") or {},
-        keep_last=req.get("keep_last"),
+        writer=req.get("writer"),
         commit_timeout=float(req.get("commit_timeout") or 1800.0),
     )
 

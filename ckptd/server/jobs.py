@@ -136,6 +136,7 @@ class Runner:
         if lease.owner != "client":
             raise LeaseBusy(f"lease {lease.id} already carries job {lease.job}")
         job = validate(req, lease, self.roots, job_id)
+        self._refuse_committed(job)
         job.staged_s = max(0.0, job.accepted_at - lease.started_at)
         self.staging.hand_off(lease.id, job.job, job.journal() | {"state": "accepted"})
         self._remember(job)
@@ -145,6 +146,19 @@ class Runner:
         log.info("accepted job %s: %s step %d rank %d/%d", job.job, job.root, job.step, job.rank, job.world_size)
         self._enqueue(job)
         return job
+
+    def _refuse_committed(self, job: Job) -> None:
+        """A committed checkpoint is immutable: refuse a hand-off for its step (HTTP 409) before
+        the daemon takes the files or writes a byte. (The upload's claim checks again.)"""
+        try:
+            committed = self.store(job.root).exists(f"{mf.step_dir(job.step)}/{mf.COMMIT}")
+        except StorageError as e:
+            raise BadJob(f"{job.root}: cannot check step {job.step} ({e})") from None
+        if committed:
+            raise protocol.AlreadyCommitted(
+                f"{catalog.where(self.store(job.root), job.step)}: step {job.step} is already committed; "
+                "refusing the hand-off"
+            )
 
     def recover(self) -> None:
         """Resume or discard what a previous daemon journalled in the staging folder."""
@@ -286,7 +300,9 @@ class Runner:
             try:
                 save_job = load(job, lease.dir)
                 try:
-                    result = protocol.persist(store, save_job, self._io, commit_timeout=job.commit_timeout, wait=False)
+                    result = protocol.persist(
+                        store, save_job, self._io, writer=job.writer, commit_timeout=job.commit_timeout, wait=False
+                    )
                 finally:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
@@ -323,7 +339,7 @@ class Runner:
         if result == "already" or result.committed_here:
             self._finish(job, "committed")
             if result != "already":
-                protocol.after_commit(store, result, job.keep_last)
+                protocol.after_commit(store, result, self.settings.keep_last)
         else:
             job.state = "uploaded"
             with self._lock:

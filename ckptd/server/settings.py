@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     budget: int | None = Field(None, description="bytes of staged snapshots; default half the staging filesystem")
     upload_workers: int = Field(2, ge=1, description="jobs uploaded at once")
     io_threads: int = Field(16, ge=1, description="puts in flight at once, over all jobs")
+    keep_last: int | None = Field(
+        None, ge=1, description="retention the daemon applies after each commit it writes (default: none)"
+    )
     upload_retries: int = Field(2, ge=0, description="re-runs of a failed upload before the job fails")
     lease_ttl_s: float = Field(60.0, gt=0, description="an idle lease whose client stopped heartbeating is freed")
     budget_stall_s: float = Field(

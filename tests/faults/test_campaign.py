@@ -124,10 +124,6 @@ def test_campaign_disk_full_at_random_points(tmp_path):
         ctx.__exit__(None, None, None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two writers on one root need the writer fencing of issue 14 item 1 (branch protocol), not merged here",
-)
 def test_campaign_two_writers_on_one_root_are_refused_never_mixed(tmp_path):
     """Two jobs started by mistake on one root save the same steps at the same time, three
     times over: a second writer must be refused with an error of its own (not just "already

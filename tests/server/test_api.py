@@ -95,10 +95,24 @@ def _job(lease, job_root, **over):
                 "file": "w.bin",
             }
         ],
-        "metadata": [{"key": "arrays/w/zarr.json", "file": "m.bin"}],
+        "metadata": [{"key": "arrays/w/zarr.json", "file": "m.bin"}, {"key": "manifest.json", "file": "man.bin"}],
     }
     job.update(over)
     return job
+
+
+def _stage_manifest(folder, shape=(4,), chunk=None, step=5, attempt="a1"):
+    """man.bin: the manifest of a one-tensor checkpoint (the daemon commits nothing without
+    one), and m.bin: the tensor's zarr.json."""
+    from ckptd import manifest as mf
+    from ckptd.codec import ArrayLayout
+
+    layout = ArrayLayout(tuple(shape), "float32", tuple(shape), tuple(chunk or shape))
+    m = mf.Manifest(step, 1, {"w": mf.TensorEntry("w", layout)}, {}, attempt)
+    with open(os.path.join(folder, "man.bin"), "wb") as f:
+        f.write(m.to_bytes())
+    with open(os.path.join(folder, "m.bin"), "wb") as f:
+        f.write(mf.dumps(layout.metadata()))
 
 
 def test_handoff_validation(served, client, tmp_path):
@@ -106,8 +120,7 @@ def test_handoff_validation(served, client, tmp_path):
     lease = _lease(client, root)
     folder = lease["dir"]
     np.arange(4, dtype=np.float32).tofile(os.path.join(folder, "w.bin"))
-    with open(os.path.join(folder, "m.bin"), "wb") as f:
-        f.write(b"{}")
+    _stage_manifest(folder)
     secret = tmp_path / "secret.bin"
     np.zeros(4, dtype=np.float32).tofile(secret)
     os.symlink(secret, os.path.join(folder, "link.bin"))
@@ -193,7 +206,7 @@ def _state(seed):
 
 def test_client_in_process(served, client, monkeypatch):
     """Checkpointer(daemon=...) from this process: saves commit, the lease is reused across saves,
-    retention runs in the daemon, restore is bitwise; a wrong token or root fails at once."""
+    retention (the job's keep_last) runs after each commit, restore is bitwise; a wrong token or root fails at once."""
     d, root = served
     job_root = root + "/client"
     monkeypatch.setenv("CKPTD_TOKEN", TOKEN)
@@ -211,7 +224,7 @@ def test_client_in_process(served, client, monkeypatch):
         wait_for(lambda: ck.staged_bytes == 0, "the client to unmap its reclaimed lease", 10)
         assert client.delete(f"/v1/leases/{other.json()['lease']}").status_code == 204
         assert ck.save(4, state).result().committed_here  # a fresh lease
-    assert catalog.committed_steps(open_store(job_root)) == [3, 4]  # keep_last ran in the daemon
+    assert catalog.committed_steps(open_store(job_root)) == [3, 4]  # keep_last ran after the commits
     info = client.get("/v1/checkpoints/3", params={"root": job_root}).json()
     assert info["committed"] and {t["key"] for t in info["tensors"]} >= {"extra/bf16", "extra/i"}
     assert client.get("/v1/checkpoints/99", params={"root": job_root}).status_code == 404
@@ -332,8 +345,7 @@ def test_the_daemon_writes_its_own_index_and_checksums_into_an_image(roomy, tmp_
                 k * layout.chunk_nbytes : (k + 1) * layout.chunk_nbytes
             ]
         image.tofile(os.path.join(lease["dir"], "w.bin"))
-        with open(os.path.join(lease["dir"], "m.bin"), "wb") as f:
-            f.write(b"{}")
+        _stage_manifest(lease["dir"], (512, 1024), (16, 1024))
         lay = {"shape": [512, 1024], "dtype": "float32", "shard_shape": [512, 1024], "chunk_shape": [16, 1024]}
         shard = {"key": "w", "layout": lay, "coord": [0, 0], "file": "w.bin", "image": True}
         tiles = {**lay, "chunk_shape": [16, 512]}  # chunks are not whole rows: no image
@@ -361,8 +373,7 @@ def test_job_status_long_poll_answers_when_the_job_is_final(tmp_path):
     ):
         lease = _lease(c, root)
         np.arange(4, dtype=np.float32).tofile(os.path.join(lease["dir"], "w.bin"))
-        with open(os.path.join(lease["dir"], "m.bin"), "wb") as f:
-            f.write(b"{}")
+        _stage_manifest(lease["dir"])
         job = "ef" * 16
         assert c.post("/v1/jobs", json=_job(lease, root, job=job)).status_code == 200
         assert c.get(f"/v1/jobs/{job}").json()["state"] in ("queued", "uploading")  # the put sleeps 1.5 s

@@ -1,4 +1,5 @@
-"""The commit protocol's pieces on their own: ``try_commit``, ``begin``, retention.
+"""The commit protocol's pieces on their own: ``begin`` (claims), ``try_commit``, ``reclaim``,
+the consistency check of ``verify``, and retention.
 
 Run on the memory store and on the local filesystem store (real files)."""
 
@@ -6,12 +7,17 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from ckptd import catalog, commit
 from ckptd import manifest as mf
+from ckptd.codec import ArrayLayout, encode_shard
 from ckptd.errors import CheckpointError
 from storage_backends import memory, open_store
+
+LAYOUT = ArrayLayout((4, 2), "float32", (2, 2), (2, 2))  # two shards
+SHARDS = [f"{mf.array_path('w')}/{LAYOUT.shard_key((i, 0))}" for i in range(2)]
 
 
 @pytest.fixture(params=["memory", "local"])
@@ -26,55 +32,112 @@ def store(request, tmp_path):
     s.close()
 
 
-def done(store, step, attempt, rank, nbytes=10, objects=2):
-    rec = {"rank": rank, "bytes": nbytes, "objects": objects}
+def write_part(store, step, attempt, rank, world_size, shards, writer="job-a", manifest_attempt=None):
+    """What ``commit.persist`` writes for one rank: claim, data, (rank 0) manifest, done record."""
+    commit.begin(store, step, attempt, writer)
+    folder = mf.step_dir(step)
+    for i, key in enumerate(SHARDS):
+        if key in shards:
+            block = np.full((2, 2), rank * 10 + i, dtype=np.float32)
+            store.put(f"{folder}/{key}", encode_shard(LAYOUT, (i, 0), block))
+    if rank == 0:
+        m = mf.Manifest(step, world_size, {"w": mf.TensorEntry("w", LAYOUT)}, {}, manifest_attempt or attempt)
+        for key, data in commit.manifest_objects(m):
+            store.put(f"{folder}/{key}", data)
+    rec = {"rank": rank, "writer": writer, "bytes": 16, "objects": len(shards), "shards": list(shards)}
     store.put(mf.done_key(step, attempt, rank), mf.dumps(rec))
 
 
-def committed_step(store, step, attempt="a0", world_size=1):
-    """A minimal committed folder: what retention looks at."""
-    store.put(f"{mf.step_dir(step)}/{mf.MANIFEST}", b"{}")
-    for r in range(world_size):
-        done(store, step, attempt, r)
-    assert commit.try_commit(store, step, attempt, world_size)
+def committed_step(store, step, attempt="a0"):
+    write_part(store, step, attempt, 0, 1, SHARDS)
+    assert commit.try_commit(store, step, attempt, 1)
 
 
 def test_try_commit_waits_for_every_rank_then_commits_once(store):
-    done(store, 3, "att", 0, nbytes=5, objects=1)
+    write_part(store, 3, "att", 0, 2, SHARDS[:1])
     assert not commit.try_commit(store, 3, "att", 2)  # rank 1 has not finished
     assert catalog.read_commit(store, 3) is None
-    done(store, 3, "att", 1, nbytes=7, objects=2)
+    write_part(store, 3, "att", 1, 2, SHARDS[1:])
     assert commit.try_commit(store, 3, "att", 2, {"note": "x"})
     rec = catalog.read_commit(store, 3)
-    assert (rec["step"], rec["attempt"], rec["world_size"], rec["bytes"], rec["objects"], rec["note"]) == (
+    assert (rec["step"], rec["attempt"], rec["writer"], rec["world_size"], rec["bytes"], rec["note"]) == (
         3,
         "att",
+        "job-a",
         2,
-        12,
-        3,
+        32,
         "x",
     )
     # a second finisher (or daemon) racing on the same step does not write it again
     assert not commit.try_commit(store, 3, "att", 2)
     assert json.loads(store.get(f"{mf.step_dir(3)}/{mf.COMMIT}")) == rec
+    assert commit.check_consistency(store, 3, catalog.load_manifest(store, 3)) == []
 
 
 def test_try_commit_ignores_done_records_of_another_attempt(store):
-    done(store, 4, "old", 0)
-    done(store, 4, "old", 1)
-    done(store, 4, "new", 0)
+    write_part(store, 4, "old", 0, 2, SHARDS)
+    write_part(store, 4, "old", 1, 2, [])
+    write_part(store, 4, "new", 0, 2, SHARDS)  # the job's next attempt takes the step over
     assert not commit.try_commit(store, 4, "new", 2)
+    assert catalog.read_commit(store, 4) is None
+    # the old attempt, complete but superseded, can no longer commit
+    with pytest.raises(commit.StepClaimed, match="claimed by job 'job-a' \\(attempt 'new'\\)"):
+        commit.try_commit(store, 4, "old", 2)
     assert catalog.read_commit(store, 4) is None
 
 
-def test_begin_refuses_a_committed_step_and_clears_a_stale_partial(store):
+def test_try_commit_needs_the_manifest_of_the_same_attempt(store):
+    write_part(store, 5, "att", 0, 1, SHARDS)
+    store.delete(f"{mf.step_dir(5)}/{mf.MANIFEST}")
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        commit.try_commit(store, 5, "att", 1)
+    write_part(store, 5, "att", 0, 1, SHARDS, manifest_attempt="other")
+    with pytest.raises(CheckpointError, match="manifest names step 5, attempt 'other'"):
+        commit.try_commit(store, 5, "att", 1)
+    assert catalog.read_commit(store, 5) is None
+
+
+def test_try_commit_needs_every_shard_accounted_for(store):
+    write_part(store, 6, "att", 0, 2, SHARDS[:1])
+    write_part(store, 6, "att", 1, 2, SHARDS[:1])  # both ranks claim the same shard; nobody the other
+    with pytest.raises(CheckpointError, match="no rank wrote 1 shard objects"):
+        commit.try_commit(store, 6, "att", 2)
+    assert catalog.read_commit(store, 6) is None
+
+
+def test_begin_refuses_committed_steps_and_other_writers(store, monkeypatch):
     committed_step(store, 1)
-    with pytest.raises(CheckpointError, match="already committed"):
-        commit.begin(store, 1)
-    assert catalog.read_commit(store, 1) is not None
-    store.put(f"{mf.step_dir(2)}/arrays/x/c/0", b"stale")
-    commit.begin(store, 2)
-    assert list(store.list(f"{mf.step_dir(2)}/")) == []
+    with pytest.raises(commit.AlreadyCommitted, match="already committed"):
+        commit.begin(store, 1, "new", "job-a")
+    commit.begin(store, 2, "a1", "job-a")
+    commit.begin(store, 2, "a1", "job-a")  # another rank of the same attempt
+    assert [n for n, _ in commit.claims(store, 2)] == [0]
+    with pytest.raises(commit.StepClaimed, match="being written by job 'job-a'.*as job 'job-b'"):
+        commit.begin(store, 2, "b1", "job-b")
+    commit.begin(store, 2, "a2", "job-a")  # the same job again (a restart, a retry): takes over
+    assert commit.owner(store, 2) == {**commit.owner(store, 2), "writer": "job-a", "attempt": "a2"}
+    assert [n for n, _ in commit.claims(store, 2)] == [0, 1]
+    monkeypatch.setenv("CKPTD_STALE_ATTEMPT_S", "0")  # job-a counts as dead at once
+    commit.begin(store, 2, "b1", "job-b")
+    assert commit.owner(store, 2)["writer"] == "job-b"
+
+
+def test_reclaim_deletes_only_own_partial_steps(store):
+    committed_step(store, 1)
+    write_part(store, 2, "a", 0, 2, SHARDS)  # job-a's partial
+    write_part(store, 3, "b", 0, 2, SHARDS, writer="job-b")  # another job's partial
+    assert commit.reclaim(store, [1, 2, 3], "job-a") == [2]
+    assert catalog.steps(store) == [1, 3]
+    assert catalog.committed_steps(store) == [1]
+
+
+def test_check_consistency_sees_a_mixed_step(store):
+    committed_step(store, 7, "a")
+    m = catalog.load_manifest(store, 7)
+    m.attempt = "b"  # a manifest written by another writer's attempt
+    store.put(f"{mf.step_dir(7)}/{mf.MANIFEST}", m.to_bytes())
+    errors = commit.check_consistency(store, 7, catalog.load_manifest(store, 7))
+    assert errors and "commit.json names attempt 'a' but manifest.json 'b'" in errors[0]
 
 
 def test_select_for_deletion_keeps_newest_and_never_newer_partials(store):
@@ -103,3 +166,17 @@ def test_retain_deletes_what_it_selects(store):
 def test_select_for_deletion_on_a_root_without_commits(store):
     store.put(f"{mf.step_dir(1)}/arrays/x/c/0", b"partial")
     assert catalog.select_for_deletion(store, 1) == []
+
+
+def test_step_bound():
+    assert mf.step_dir(10**10 - 1) == "step_9999999999"
+    with pytest.raises(CheckpointError, match="at most 9999999999"):
+        mf.step_dir(10**10)
+
+
+def test_a_superseded_attempt_never_takes_the_step_back(store):
+    commit.begin(store, 8, "a1", "job-a")
+    commit.begin(store, 8, "a2", "job-a")  # the job's retry supersedes a1
+    with pytest.raises(commit.StepClaimed, match="superseded by attempt 'a2'"):
+        commit.begin(store, 8, "a1", "job-a")  # a1 resumed late (a daemon restart)
+    assert commit.owner(store, 8)["attempt"] == "a2"

@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from ckptd.commit import persist
+from ckptd import commit
+from ckptd import manifest as mf
 from storage_backends import open_store
-from trainer_hooks.flatten import flatten
+from trainer_hooks.flatten import as_numpy, flatten
 from trainer_hooks.snapshot import Planner, Stager, take
 
 log: list[tuple] = []
@@ -124,7 +125,9 @@ def test_gpu_tensors_stage_pinned_on_a_side_stream_and_the_writer_waits(fake_cud
     cpu_t = torch.arange(10, dtype=torch.float32)
     state = {"w": gpu(w), "b": gpu(b), "step": gpu(step_count), "cpu": cpu_t}
     stager = PinRecordingStager()
-    job, entries = take(flatten(state), 1, "a1", 0, 1, stager, Planner())
+    flat = flatten(state)
+    job, entries = take(flat, 1, "a1", 0, 1, stager, Planner())
+    job.metadata += commit.manifest_objects(mf.Manifest(1, 1, entries, flat.tree, "a1"))
 
     copies = [e for e in log if e[0] == "copy"]
     assert len(copies) == 4  # w, b, the GPU scalar (copied, not inlined) and the CPU tensor
@@ -150,7 +153,7 @@ def test_gpu_tensors_stage_pinned_on_a_side_stream_and_the_writer_waits(fake_cud
     n = len(log)
     store = open_store(str(tmp_path / "job"))
     with ThreadPoolExecutor(2) as pool:
-        persist(store, job, pool, wait=False)
+        assert commit.persist(store, job, pool, wait=False, to_numpy=as_numpy).committed_here
     assert job.ready.synchronized and log[n] == ("synchronize", ev)  # before any read of the buffers
 
 
