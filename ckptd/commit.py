@@ -596,7 +596,6 @@ def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout:
     how many ranks finished. Paced by :func:`poll_delays`: the ranks polling one key together
     stay near ``POLLS_PER_SECOND`` existence checks (an S3 prefix serves ~5500)."""
     deadline = time.monotonic() + timeout
-    commit = f"{mf.step_dir(step)}/{mf.COMMIT}"
     notices = donetree.notice_keys(step, attempt, world_size)
     # Above 1024 ranks a rank polls its group's notice, paced for the group, and each poll is
     # of commit.json itself with probability NOTICE_GROUP / N (in case the committer died
@@ -608,13 +607,15 @@ def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout:
     if world_size > 64:  # it has just found the done tree incomplete: no commit yet, and
         time.sleep(next(delays))  # thousands of ranks finishing together must not HEAD at once
     while True:
-        own = notice is None or pick.random() < donetree.NOTICE_GROUP / world_size
-        if store.exists(commit if own else notice):
-            rec = catalog.read_commit(store, step) or {}
-            if rec.get("attempt") != attempt:
-                raise CheckpointError(
-                    f"{catalog.where(store, step)}: committed by attempt {rec.get('attempt')!r}, not {attempt}"
-                )
+        if notice is None or pick.random() < donetree.NOTICE_GROUP / world_size:
+            rec = catalog.read_commit(store, step)  # one GET: exists, and by whom
+            if rec is not None:
+                if rec.get("attempt") != attempt:
+                    raise CheckpointError(
+                        f"{catalog.where(store, step)}: committed by attempt {rec.get('attempt')!r}, not {attempt}"
+                    )
+                return
+        elif store.exists(notice):  # under _done/<attempt>/: only this attempt's committer writes it
             return
         if time.monotonic() > deadline:
             n = donetree.count_done(store, step, attempt)

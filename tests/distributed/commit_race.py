@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckptd import commit
+from ckptd import manifest as mf
 from storage_backends import open_store
 
 
@@ -32,6 +33,13 @@ def main(root: str, mode: str, proc: int, nprocs: int, world: int, out: str, hol
         won = [s for s in mine if commit.commit_step(store, s, {"step": s})]
         Path(out).write_text(json.dumps(won))
         return
+    if proc == 0:  # rank 0's part before anyone's done record: claim, manifest
+        commit.begin(store, 5, "att", "job")
+        m = mf.Manifest(step=5, world_size=world, tensors={}, state={}, attempt="att")
+        store.put(f"{mf.step_dir(5)}/{mf.MANIFEST}", m.to_bytes())
+        Path(out).with_name("claimed").write_text("")
+    while not Path(out).with_name("claimed").exists():
+        time.sleep(0.001)
     ranks = list(range(proc, world, nprocs))
     last = ranks.pop() if hold else None
 
