@@ -8,10 +8,11 @@
         zarr.json              a zarr v3 group, so zarr tools can open the folder
         arrays/<key>/zarr.json one zarr v3 array per tensor, global shape
         arrays/<key>/c/...     shards (one per saving block) or plain chunks
-        _done/<attempt>/t1/000000/r000003.<bytes>.<objects>.json
-                               rank 3 finished: its data is durable (+ its RNG state)
-        _done/<attempt>/t2/000000/n000001.<bytes>.<objects>.json
-                               ranks 64-127 all finished (only above 64 ranks)
+        _done/<attempt>/t1/000000/r000003.<bytes>.<objects>.<digest>.json
+                               rank 3 finished: its data is durable (+ its RNG state and the
+                               shard keys it wrote; <digest>: a 64-bit sum of their hashes)
+        _done/<attempt>/t2/000000/n000001.<bytes>.<objects>.<digest>.json
+                               ranks 64-127 all finished (only above 64 ranks): their sums
         commit.json            written last, once, with put_if_absent: the checkpoint exists
         _done/<attempt>/c0000/committed.json, c0001/...
                                above 1024 ranks, notices written after commit.json, one per
@@ -23,8 +24,8 @@ A folder without ``commit.json`` is partial: nothing restores it, ``ls`` shows i
 The commit protocol needs no process group: each rank writes its data, then its done record,
 then climbs the tree of done records (``ckptd.donetree``: groups of 64 ranks, then groups of
 64 groups ...), listing one folder of at most 64 entries per level; the rank that completes the
-root links the step into the latest-step chain and writes ``commit.json`` with
-``put_if_absent``, so exactly one commit happens even when ranks (or daemons) race.
+root checks the claim, the manifest and the shard digest against the manifest's shards, links
+the step into the latest-step chain and writes ``commit.json`` with ``put_if_absent``, so exactly one commit happens even when ranks (or daemons) race.
 
 Older layouts stay readable: checkpoints committed before the tree have flat done records
 ``_done/<attempt>/rank_00003.json`` (``donetree.read_done_record`` finds either), and a root
