@@ -113,7 +113,7 @@ class Daemon:
         self.staging = os.path.join(shm, f"ckptd-bench-{os.getpid()}-{self.port}")
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         code = "import sys; from ckptd.cli.main import main; sys.exit(main())"
-        args = ["serve", "--root", root, "--port", str(self.port), "--staging-dir", self.staging]
+        args = ["serve", "--root", root, "--port", str(self.port), "--staging-dir", self.staging, "--insecure-no-auth"]
         args += ["--budget", str(budget), "--log-level", "warning"]
         self.proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60

@@ -6,7 +6,6 @@ Readers go through here so that nothing ever opens a checkpoint without its comm
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 
 from ckptd import donetree, latest
@@ -15,8 +14,10 @@ from ckptd.manifest import (
     COMMIT,
     DONE,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     Manifest,
     parse_step_dir,
+    read_json,
     step_dir,
 )
 from storage_backends import NotFoundError, StorageError, Store
@@ -51,15 +52,25 @@ def steps(store: Store) -> list[int]:
     return sorted(s for d in dirs if (s := parse_step_dir(d)) is not None)
 
 
+def ignored_names(store: Store) -> list[str]:
+    """Folders of the job root that look like checkpoints (``step_...``) but are not named
+    ``step_`` + exactly ten ASCII digits: nothing lists, restores or deletes them; ``ls`` names
+    them so an operator sees them."""
+    try:
+        _, dirs = store.list_dir("")
+    except StorageError as e:
+        raise CheckpointError(f"{store.uri}: cannot list job root ({e})") from None
+    return [d for d in dirs if d.lower().startswith("step") and parse_step_dir(d) is None]
+
+
 def read_commit(store: Store, step: int) -> dict | None:
     try:
-        data = store.get(f"{step_dir(step)}/{COMMIT}")
+        rec = read_json(store, f"{step_dir(step)}/{COMMIT}", where(store, step), "commit record")
     except NotFoundError:
         return None
-    try:
-        return json.loads(data)
-    except ValueError:
-        raise CheckpointError(f"{store.uri}/{step_dir(step)}: commit record is not valid JSON") from None
+    if not isinstance(rec, dict):
+        raise CheckpointError(f"{where(store, step)}: commit record is not a JSON object")
+    return rec
 
 
 def committed_steps(store: Store) -> list[int]:
@@ -88,7 +99,14 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
         commit = read_commit(store, s)
         if commit is not None:
             out.append(
-                CheckpointInfo(s, True, commit.get("world_size"), commit.get("bytes"), commit.get("time"), step_dir(s))
+                CheckpointInfo(
+                    s,
+                    True,
+                    _num(commit.get("world_size"), int),
+                    _num(commit.get("bytes"), int),
+                    _num(commit.get("time"), float),
+                    step_dir(s),
+                )
             )
             continue
         objs = list(store.list(f"{step_dir(s)}/"))
@@ -98,8 +116,10 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
             # next save of that step or ``gc`` removes it.
             continue
         ws = None
-        with contextlib.suppress(NotFoundError, ValueError, AttributeError):
-            ws = json.loads(store.get(f"{step_dir(s)}/{MANIFEST}")).get("world_size")
+        with contextlib.suppress(NotFoundError, CheckpointError):
+            head = read_json(store, f"{step_dir(s)}/{MANIFEST}", where(store, s), "manifest", MAX_MANIFEST_BYTES)
+            ws = head.get("world_size") if isinstance(head, dict) else None
+            ws = ws if type(ws) is int else None
         out.append(
             CheckpointInfo(
                 s,
@@ -111,6 +131,13 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
             )
         )
     return out
+
+
+def _num(x, kind):
+    """A commit record's number for display, or None when the record holds something else."""
+    if isinstance(x, bool) or not isinstance(x, int | float) or (kind is int and not isinstance(x, int)):
+        return None
+    return x if kind is int or 0 <= x < 1e11 else None
 
 
 def where(store: Store, step: int) -> str:
@@ -135,9 +162,11 @@ def load_manifest(store: Store, step: int | None = None) -> Manifest:
     """The manifest of a committed checkpoint (the latest if ``step`` is None)."""
     step = resolve_step(store, step)
     try:
-        data = store.get(f"{step_dir(step)}/{MANIFEST}")
+        data = store.get(f"{step_dir(step)}/{MANIFEST}", limit=MAX_MANIFEST_BYTES)
     except NotFoundError:
         raise CheckpointError(f"{where(store, step)}: committed but the manifest is missing") from None
+    except StorageError as e:
+        raise CheckpointError(f"{where(store, step)}: cannot read the manifest ({e})") from None
     m = Manifest.from_bytes(data, where(store, step))
     if m.step != step:
         raise CheckpointError(f"{where(store, step)}: manifest says step {m.step}")
@@ -205,6 +234,7 @@ def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = fr
 
 # Rank's done record, in the done tree or (checkpoints older than it) the flat layout.
 read_done_record = donetree.read_done_record
+done_record_key = donetree.done_record_key
 
 
 __all__ = [
@@ -212,9 +242,11 @@ __all__ = [
     "DONE",
     "committed_steps",
     "delete_checkpoint",
+    "ignored_names",
     "latest_step",
     "latest_step_by_listing",
     "read_done_record",
+    "done_record_key",
     "list_checkpoints",
     "load_manifest",
     "resolve_step",

@@ -29,13 +29,17 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
-from ckptd.dtypes import numpy_dtype
+from ckptd.dtypes import NUMPY, numpy_dtype
 from ckptd.errors import CheckpointError, CorruptChunkError
 
 __all__ = [
     "ArrayLayout",
     "CRC_BYTES",
     "EMPTY",
+    "MAX_ARRAY_BYTES",
+    "MAX_NDIM",
+    "MAX_SMALL_GRID",
+    "MIN_AVG_CHUNK_BYTES",
     "crc32c",
     "crc_bytes",
     "decode_chunk",
@@ -51,6 +55,15 @@ __all__ = [
 
 EMPTY = 2**64 - 1
 CRC_BYTES = 4
+
+# Bounds on what a layout read from a checkpoint (or a hand-off) may declare, checked before
+# anything is allocated or read from it: a crafted manifest with 1x1 chunks made restore spend
+# 1.7 GB and 30 s on a 2 MiB tensor, and a shape of 10^12 elements a MemoryError. Layouts ckptd
+# writes have chunks of 64 KiB or more (``layout.MIN_CHUNK_BYTES``) or few chunks, far inside.
+MAX_NDIM = 32
+MAX_ARRAY_BYTES = 1 << 39  # 512 GiB in one tensor
+MAX_SMALL_GRID = 1 << 16  # any layout may have this many chunks ...
+MIN_AVG_CHUNK_BYTES = 1024  # ... more only if they average at least this size
 
 
 def crc32c(data) -> int:
@@ -100,11 +113,40 @@ class ArrayLayout:
     chunk_shape: tuple[int, ...]
 
     def __post_init__(self):
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"dtype must be a string: {self.dtype!r}")
+        for dims in (self.shape, self.shard_shape, self.chunk_shape):
+            if not isinstance(dims, tuple) or not all(
+                isinstance(n, int | np.integer) and n is not True and n is not False for n in dims
+            ):
+                raise ValueError(f"shapes must be lists of integers: {self}")
         if len(self.shape) != len(self.shard_shape) or len(self.shape) != len(self.chunk_shape):
             raise ValueError(f"rank mismatch in {self}")
+        if len(self.shape) > MAX_NDIM:
+            raise ValueError(f"{len(self.shape)} dimensions, more than {MAX_NDIM}")
+        if any(n < 0 for n in self.shape):
+            raise ValueError(f"negative extent in shape {list(self.shape)}")
         for s, c in zip(self.shard_shape, self.chunk_shape, strict=True):
             if c <= 0 or s <= 0 or s % c:
                 raise ValueError(f"shard shape must be a positive multiple of chunk shape: {self}")
+        self.check_bounds()
+
+    def check_bounds(self) -> None:
+        """ValueError if the layout declares more than any real tensor needs (see the bounds
+        above): computed from the declared numbers only, allocating nothing."""
+        itemsize = NUMPY[self.dtype].itemsize if self.dtype in NUMPY else 1
+        nbytes = math.prod(self.shape) * itemsize
+        if nbytes > MAX_ARRAY_BYTES:
+            raise ValueError(f"shape {list(self.shape)} is {nbytes} bytes, more than {MAX_ARRAY_BYTES}")
+        chunks = math.prod(-(-n // c) for n, c in zip(self.shape, self.chunk_shape, strict=True))
+        if chunks > max(MAX_SMALL_GRID, nbytes // MIN_AVG_CHUNK_BYTES):
+            raise ValueError(
+                f"chunk shape {list(self.chunk_shape)} cuts shape {list(self.shape)} into {chunks} chunks "
+                f"(under {MIN_AVG_CHUNK_BYTES} bytes each on average): refusing"
+            )
+        per_shard = math.prod(s // c for s, c in zip(self.shard_shape, self.chunk_shape, strict=True))
+        if per_shard > max(MAX_SMALL_GRID, chunks):
+            raise ValueError(f"shard shape {list(self.shard_shape)} holds {per_shard} chunks: refusing")
 
     @property
     def sharded(self) -> bool:
@@ -225,7 +267,7 @@ class ArrayLayout:
             if names != ["bytes", "crc32c"]:
                 raise CheckpointError(f"unsupported codec chain {names}")
             return cls(shape, meta["data_type"], grid, chunk)
-        except (KeyError, IndexError, TypeError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"malformed zarr.json: {e!r}") from None
 
 

@@ -61,7 +61,6 @@ knows numpy and the store, not torch.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -147,8 +146,8 @@ def claims(store: Store, step: int) -> list[tuple[int, dict]]:
         if not re.fullmatch(r"\d{6}\.json", name):
             continue
         try:
-            rec = json.loads(store.get(o.key))
-        except (NotFoundError, ValueError):
+            rec = mf.read_json(store, o.key, prefix, "claim")
+        except (NotFoundError, CheckpointError):
             rec = {}
         out.append((int(name[:6]), rec if isinstance(rec, dict) else {}))
     return sorted(out, key=lambda x: x[0])
@@ -427,7 +426,7 @@ def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: di
         who = "nobody" if rec is None else f"job {rec.get('writer')!r} (attempt {rec.get('attempt')!r})"
         raise StepClaimed(f"{where}: not committing attempt {attempt}: the step is claimed by {who}")
     try:
-        m = mf.Manifest.from_bytes(store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}"), where)
+        m = mf.Manifest.from_bytes(store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES), where)
     except NotFoundError:
         raise CheckpointError(f"{where}: not committing attempt {attempt}: manifest.json is missing") from None
     if (m.step, m.attempt, m.world_size) != (step, attempt, world_size):
@@ -438,12 +437,12 @@ def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: di
     total, objects, ranks, shards = 0, 0, set(), set()
     for d in dones:
         try:
-            r = json.loads(store.get(d.key))
+            r = mf.read_json(store, d.key, where, "done record")
             ranks.add(r["rank"])
             total += int(r.get("bytes", 0))
             objects += int(r.get("objects", 0))
             shards.update(r.get("shards", ()))
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
             raise CheckpointError(f"{where}: done record {d.key} is malformed ({e!r})") from None
     if ranks != set(range(world_size)):
         raise CheckpointError(f"{where}: done records of attempt {attempt} name ranks {sorted(ranks)[:8]}...")
@@ -520,7 +519,7 @@ def _check_before_commit(store: Store, step: int, attempt: str, world_size: int,
         shards: set[str] = set()
         for info in store.list(f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/"):
             try:
-                shards.update(json.loads(store.get(info.key)).get("shards", ()))
+                shards.update(mf.read_json(store, info.key, where, "done record").get("shards", ()))
             except (ValueError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{where}: done record {info.key} is malformed ({e!r})") from None
         missing = expected - shards

@@ -180,6 +180,14 @@ def count_done(store: Store, step: int, attempt: str) -> int:
     return n
 
 
+def done_record_key(store: Store, step: int, attempt: str, rank: int) -> str:
+    """The key of rank's done record: found in the tree (one LIST of its name's prefix), else
+    the flat key of checkpoints older than the tree (which may not exist either)."""
+    for info in store.list(f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}."):
+        return info.key
+    return done_key(step, attempt, rank)
+
+
 def read_done_record(store: Store, step: int, attempt: str, rank: int) -> dict:
     """Rank's done record in either layout. Raises NotFoundError, or ValueError if malformed."""
     prefix = f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}."
@@ -194,6 +202,7 @@ __all__ = [
     "Totals",
     "climb",
     "count_done",
+    "done_record_key",
     "levels",
     "notice_keys",
     "read_done_record",

@@ -80,25 +80,41 @@ def encode(obj: Any, on_tensor: Callable[[tuple[str, ...], Any], str] | None = N
 
 
 def decode(data: Any, on_tensor: Callable[[str], Any] | None = None) -> Any:
-    """Inverse of :func:`encode`. ``on_tensor(key)`` returns the tensor for a ``$tensor`` ref."""
+    """Inverse of :func:`encode`. ``on_tensor(key)`` returns the tensor for a ``$tensor`` ref.
+    Data read from a checkpoint may be hostile: anything malformed (a tag with a value of the
+    wrong shape, bad base64, an unknown numpy type, an array larger than encode writes) is a
+    CheckpointError, never another exception."""
+    try:
+        return _decode(data, on_tensor)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
+        raise CheckpointError(f"malformed typed JSON value ({type(e).__name__}: {e})") from None
+
+
+def _decode(data: Any, on_tensor: Callable[[str], Any] | None = None) -> Any:
     if isinstance(data, list):
-        return [decode(v, on_tensor) for v in data]
+        return [_decode(v, on_tensor) for v in data]
     if not isinstance(data, dict):
         return data
     if len(data) == 1:
         ((tag, val),) = data.items()
         if tag == "$tuple":
-            return tuple(decode(v, on_tensor) for v in val)
+            return tuple(_decode(v, on_tensor) for v in val)
         if tag == "$dict":
-            return {_hashable(decode(k, on_tensor)): decode(v, on_tensor) for k, v in val}
+            return {_hashable(_decode(k, on_tensor)): _decode(v, on_tensor) for k, v in val}
         if tag == "$float":
             return float(val)
         if tag == "$bytes":
-            return base64.b64decode(val)
+            return base64.b64decode(val, validate=True)
         if tag == "$np":
+            if np.dtype(val[0]).kind in "OV":  # objects and raw voids: never from encode
+                raise CheckpointError(f"unsupported numpy scalar type {val[0]!r}")
             return np.dtype(val[0]).type(val[1])
         if tag == "$ndarray":
             dtype, shape, b64 = val
+            if len(b64) > _SMALL_ARRAY * 4 // 3 + 4 or np.dtype(dtype).kind not in "biuf":
+                raise CheckpointError("$ndarray larger than encode writes, or of an unsupported dtype")
             return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape).copy()
         if tag == "$tensor":
             if on_tensor is None:
@@ -111,7 +127,7 @@ def decode(data: Any, on_tensor: Callable[[str], Any] | None = None) -> Any:
             if not isinstance(dt, torch.dtype):
                 raise CheckpointError(f"unknown dtype {val!r}")
             return dt
-    return {k: decode(v, on_tensor) for k, v in data.items()}
+    return {k: _decode(v, on_tensor) for k, v in data.items()}
 
 
 def _hashable(k: Any) -> Any:

@@ -25,7 +25,8 @@ The commit protocol needs no process group: each rank writes its data, then its 
 then climbs the tree of done records (``ckptd.donetree``: groups of 64 ranks, then groups of
 64 groups ...), listing one folder of at most 64 entries per level; the rank that completes the
 root checks the claim, the manifest and the shard digest against the manifest's shards, links
-the step into the latest-step chain and writes ``commit.json`` with ``put_if_absent``, so exactly one commit happens even when ranks (or daemons) race.
+the step into the latest-step chain and writes ``commit.json`` with ``put_if_absent``, so
+exactly one commit happens even when ranks (or daemons) race.
 
 Older layouts stay readable: checkpoints committed before the tree have flat done records
 ``_done/<attempt>/rank_00003.json`` (``donetree.read_done_record`` finds either), and a root
@@ -53,6 +54,8 @@ __all__ = [
     "DONE",
     "GROUP",
     "MANIFEST",
+    "MAX_MANIFEST_BYTES",
+    "MAX_RECORD_BYTES",
     "Manifest",
     "PLANS",
     "STEP_RE",
@@ -64,13 +67,22 @@ __all__ = [
     "escape_component",
     "group_metadata",
     "group_nodes",
+    "is_count",
     "key_of",
+    "loads",
     "parse_step_dir",
+    "read_json",
     "step_dir",
     "unescape_component",
 ]
 
-STEP_RE = re.compile(r"^step_(\d{10,})$")
+# Exactly ten ASCII digits: ``\d`` would also take Unicode digits, and a longer name would sort
+# and parse as another step than the folder it names (retention deleted real steps that way).
+STEP_RE = re.compile(r"step_([0-9]{10})", re.ASCII)
+# Size caps on the JSON objects a reader loads, checked before they are read (``Store.get``'s
+# ``limit``): a manifest holds the tensor table and the non-tensor state; records are small.
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_RECORD_BYTES = 16 << 20  # commit.json, done records (with every rank's RNG state), zarr.json, plans
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"
 GROUP = "zarr.json"
@@ -91,7 +103,8 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = STEP_RE.match(name.rstrip("/"))
+    """The step a folder name stands for, or None for any other name (those are ignored)."""
+    m = STEP_RE.fullmatch(name.removesuffix("/"))
     return int(m.group(1)) if m else None
 
 
@@ -188,12 +201,14 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Manifest:
-        try:
-            d = json.loads(data)
-        except ValueError as e:
-            raise CheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
+        """Parse and type-check a manifest read from a checkpoint (which may be hostile): every
+        problem is a CheckpointError naming ``where``."""
+        d = loads(data, where, "manifest")
         if not isinstance(d, dict) or d.get("format") != "ckptd":
             raise CheckpointError(f"{where}: not a ckptd manifest")
+        bad = _bad_fields(d)
+        if bad:
+            raise CheckpointError(f"{where}: malformed manifest ({bad})")
         if d.get("format_version", 0) > FORMAT_VERSION:
             raise CheckpointError(
                 f"{where}: format version {d['format_version']} is newer than this ckptd "
@@ -201,6 +216,8 @@ class Manifest:
             )
         try:
             tensors = {t["key"]: TensorEntry.from_json(t) for t in d["tensors"]}
+            if len(tensors) != len(d["tensors"]):
+                raise ValueError("a tensor key appears twice")
             return cls(
                 step=d["step"],
                 world_size=d["world_size"],
@@ -211,8 +228,65 @@ class Manifest:
                 layout=d.get("layout", {}),
                 format_version=d["format_version"],
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}: malformed manifest ({e!r})") from None
+        except (KeyError, TypeError, ValueError, AttributeError, CheckpointError) as e:
+            raise CheckpointError(f"{where}: malformed manifest ({e})") from None
+
+
+def _bad_fields(d: dict) -> str | None:
+    """What is wrong with the types of a manifest's fields, or None."""
+    if not is_count(d.get("format_version"), 0):
+        return "format_version must be a non-negative integer"
+    if not is_count(d.get("step"), 0, 10**10 - 1):
+        return "step must be an integer of at most 10 digits"
+    if not is_count(d.get("world_size"), 1, 1 << 24):
+        return "world_size must be a positive integer"
+    if not isinstance(d.get("attempt", ""), str) or not isinstance(d.get("layout", {}), dict):
+        return "attempt must be a string and layout an object"
+    created = d.get("created", 0.0)
+    if not isinstance(created, int | float) or isinstance(created, bool):
+        return "created must be a number"
+    tensors, state = d.get("tensors"), d.get("state")
+    if not isinstance(tensors, list) or not all(isinstance(t, dict) and isinstance(t.get("key"), str) for t in tensors):
+        return "tensors must be a list of objects with a string key"
+    for t in tensors:
+        for f in ("shape", "shard_shape", "chunk_shape"):
+            if not isinstance(t.get(f), list):
+                return f"tensor {t['key']!r}: {f} must be a list"
+        if not isinstance(t.get("dtype"), str) or not isinstance(t.get("placements", ""), str):
+            return f"tensor {t['key']!r}: dtype and placements must be strings"
+    if not isinstance(state, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("kind"), str) for v in state.values()
+    ):
+        return "state must map each name to an object with a string kind"
+    return None
+
+
+def loads(data: bytes, where: str, what: str = "record") -> Any:
+    """Parse JSON read from a checkpoint: CheckpointError on anything wrong with it (not JSON,
+    nested too deep, not UTF-8), never a raw ValueError or RecursionError."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where}: {what} is not valid JSON ({type(e).__name__})") from None
+
+
+def read_json(store, key: str, where: str, what: str = "record", limit: int = MAX_RECORD_BYTES) -> Any:
+    """``store.get(key)`` capped at ``limit`` bytes, parsed with :func:`loads`. NotFoundError
+    passes through (absence means something to callers); an oversized object or a special file
+    is a CheckpointError."""
+    from storage_backends import NotFoundError, StorageError
+
+    try:
+        data = store.get(key, limit=limit)
+    except NotFoundError:
+        raise
+    except StorageError as e:
+        raise CheckpointError(f"{where}: cannot read {what} ({e})") from None
+    return loads(data, where, what)
+
+
+def is_count(x: Any, least: int = 0, most: int | None = None) -> bool:
+    return type(x) is int and x >= least and (most is None or x <= most)
 
 
 def group_metadata(attributes: dict | None = None) -> bytes:

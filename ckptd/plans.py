@@ -116,15 +116,11 @@ def read_plan(store: Store, step: int, world_size: int) -> dict | None:
     """The plan of (step, world size), None if there is none. Raises CheckpointError on a
     record that is not a plan."""
     key = plan_key(step, world_size)
-    try:
-        data = store.get(key)
-    except NotFoundError:
-        return None
     where = f"{store.uri.rstrip('/')}/{key}"
     try:
-        rec = json.loads(data)
-    except ValueError:
-        raise CheckpointError(f"{where}: plan is not valid JSON") from None
+        rec = mf.read_json(store, key, where, "plan")
+    except NotFoundError:
+        return None
     if not isinstance(rec, dict) or rec.get("format") != PLAN_FORMAT:
         raise CheckpointError(f"{where}: not a ckptd reshard plan")
     if rec.get("step") != step or rec.get("world_size") != world_size:

@@ -21,7 +21,6 @@ committed or being written). Nothing reads ``_quarantine/``: it is not a step fo
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 
@@ -49,8 +48,8 @@ def quarantine(store: Store, step: int, reason: str = "") -> dict:
         if not store.exists(f"{folder}/{mf.COMMIT}"):
             raise CheckpointNotFoundError(f"{where}: not committed; nothing to quarantine")
         try:
-            commit = json.loads(store.get(f"{folder}/{mf.COMMIT}"))
-        except ValueError:
+            commit = mf.read_json(store, f"{folder}/{mf.COMMIT}", where, "commit record")
+        except CheckpointError:
             commit = None  # a corrupt commit record is a fine reason to quarantine
         name = _folder_name(step)
         dest = f"{FOLDER}/{name}/"
@@ -83,8 +82,10 @@ def list_quarantined(store: Store) -> list[dict]:
     out = []
     for name in names:
         try:
-            rec = json.loads(store.get(f"{FOLDER}/{name}/{RECORD}"))
-        except (NotFoundError, ValueError):
+            rec = mf.read_json(store, f"{FOLDER}/{name}/{RECORD}", store.uri, "quarantine record")
+            if not isinstance(rec, dict):
+                raise CheckpointError("not an object")
+        except (NotFoundError, CheckpointError):
             rec = {"id": name, "step": mf.parse_step_dir(name.split(".", 1)[0]), "incomplete": True}
         out.append(rec | {"id": name})
     return sorted(out, key=lambda r: r["id"].split(".", 1)[-1])

@@ -10,7 +10,7 @@ inside the array is present with the right size and passes its crc32c. Shards ar
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,12 +41,19 @@ class VerifyReport:
         return not self.errors
 
 
+def _max_object_bytes(layout: ArrayLayout) -> int:
+    """The largest a shard (or plain chunk) object of this layout can be: read no more."""
+    if not layout.sharded:
+        return layout.chunk_nbytes + CRC_BYTES
+    return math.prod(layout.chunks_per_shard) * (layout.chunk_nbytes + CRC_BYTES) + layout.index_nbytes
+
+
 def _check_shard(store: Store, prefix: str, entry: mf.TensorEntry, coord: tuple[int, ...], where: str) -> int:
     layout: ArrayLayout = entry.layout
     key = f"{prefix}/{entry.path}/{layout.shard_key(coord)}"
     name = f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}"
     try:
-        data = store.get(key)
+        data = store.get(key, limit=_max_object_bytes(layout))
     except NotFoundError:
         raise CorruptChunkError(f"{name}: shard object is missing") from None
     except StorageError as e:
@@ -108,7 +115,9 @@ def verify(
     for entry in m.tensors.values():
         report.arrays += 1
         try:
-            meta = json.loads(store.get(f"{prefix}/{entry.path}/zarr.json"))
+            meta = mf.read_json(store, f"{prefix}/{entry.path}/zarr.json", where, "zarr.json")
+            if not isinstance(meta, dict):
+                raise CheckpointError("not a JSON object")
             if ArrayLayout.from_metadata(meta) != entry.layout:
                 report.errors.append(f"{where}: array {entry.path!r}: zarr.json disagrees with the manifest")
             elif entry.value is not None and meta.get("fill_value") != entry.value:
@@ -193,7 +202,7 @@ def read_record(store: Store, step: int, commit: dict | None = None) -> dict | N
     record is unreadable or belongs to another commit). ``commit``: the commit record if the
     caller already read it."""
     try:
-        rec = json.loads(store.get(record_key(step)))
+        rec = mf.read_json(store, record_key(step), catalog.where(store, step), "verify record")
         commit = commit if commit is not None else catalog.read_commit(store, step)
     except (NotFoundError, StorageError, ValueError, CheckpointError):
         return None

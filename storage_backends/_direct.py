@@ -70,13 +70,14 @@ class BouncePool:
             self._slots.release()
 
 
-def open_direct(path: str) -> int:
-    """Create ``path`` (exclusively) for direct writes; DirectUnsupported if the filesystem
-    has no O_DIRECT."""
+def open_direct(path: str, dir_fd: int | None = None) -> int:
+    """Create ``path`` (exclusively, never through a link; relative to ``dir_fd`` when given) for
+    direct writes; DirectUnsupported if the filesystem has no O_DIRECT."""
     if not hasattr(os, "O_DIRECT"):
         raise DirectUnsupported(errno.EINVAL, "O_DIRECT is not available on this platform")
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT
+        return os.open(path, flags, 0o644, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.EINVAL:
             raise DirectUnsupported(e.errno, f"O_DIRECT refused: {e.strerror}") from None

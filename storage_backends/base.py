@@ -27,6 +27,7 @@ __all__ = [
     "as_writable_buffers",
     "check_dir_prefix",
     "check_key",
+    "check_limit",
     "check_prefix",
     "data_size",
     "resolve_range",
@@ -101,6 +102,12 @@ def resolve_range(uri: str, key: str, start: int, length: int, size: int) -> int
     return abs_start
 
 
+def check_limit(uri: str, key: str, size: int, limit: int | None) -> None:
+    """StorageError if an object of ``size`` bytes exceeds a ``get(key, limit)``."""
+    if limit is not None and size > limit:
+        raise StorageError(f"{uri}: object {key!r} is {size} bytes, more than the {limit} allowed for it")
+
+
 def as_buffers(data: Data) -> list[memoryview]:
     """Normalise ``put`` data to a list of flat byte memoryviews."""
     if isinstance(data, bytes | bytearray | memoryview):
@@ -149,8 +156,10 @@ class Store(abc.ABC):
     uri: str
 
     @abc.abstractmethod
-    def get(self, key: str) -> bytes:
-        """The whole object. Raises NotFoundError."""
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        """The whole object. Raises NotFoundError. ``limit``: an object larger than that many
+        bytes raises StorageError before a buffer of its size is allocated (readers of metadata
+        pass one, so a huge or endless object cannot exhaust memory)."""
 
     @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:

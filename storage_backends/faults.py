@@ -394,8 +394,8 @@ class FailingStore(Store):
         return getattr(self._store, name)
 
     # the abstract verbs, delegated
-    def get(self, key: str) -> bytes:
-        return self._store.get(key)
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        return self._store.get(key, limit=limit)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self._store.get_range(key, start, length)

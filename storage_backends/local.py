@@ -39,11 +39,12 @@ from storage_backends.base import (
     as_writable_buffers,
     check_dir_prefix,
     check_key,
+    check_limit,
     check_prefix,
     resolve_range,
 )
 
-__all__ = ["LocalStore"]
+__all__ = ["LinkRefused", "LocalStore"]
 
 try:
     _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
@@ -117,22 +118,37 @@ def _preadv_all(fd: int, views: list[memoryview], pos: int) -> int:
     return total
 
 
+class LinkRefused(StorageError):
+    """A write met a symbolic link (or a non-folder) below the store's root: refused, never followed."""
+
+
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO planted in a root returns at once (and fstat refuses it) instead of
+# blocking until a writer appears.
+_FILE_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 class LocalStore(Store):
     """``/abs/path`` or ``file:///abs/path``. A missing root is an empty store; puts create it.
 
     Thread- and process-safe: concurrent writers of one key each rename a complete temp file,
     so readers see one whole version; ``put_if_absent`` uses ``link(2)``, which fails if the name
     exists, so exactly one writer wins even across hosts on a POSIX network filesystem.
+
+    Nothing below the root is followed through a symbolic link (the root itself may be one):
+    every folder is opened from its parent's descriptor with ``O_NOFOLLOW`` and every file with
+    ``O_NOFOLLOW | O_NONBLOCK``, then checked with ``fstat``. So a step folder that is a link to
+    elsewhere, planted in a root someone else can write, reads as absent, is never written through
+    (``LinkRefused``) and is never deleted through; a FIFO or a device file is not an object.
     """
 
     def __init__(self, root: str, direct_io: bool | None = None) -> None:
         self.root = os.path.abspath(root)
         self.uri = self.root
-        # Folders this store created or saw (and whose creation is durable). A folder may later be
-        # removed (delete prunes empty ones, or another process does); writers then get ENOENT on
-        # the temp file, forget the folder and create it again, so the cache only saves syscalls.
-        self._dirs: set[str] = set()
-        self._deferred_dirs: set[str] = set()  # made by put_deferred, durable after the next sync
+        # Folders made by put_deferred, durable after the next sync (or the next durable put below
+        # them, which fsyncs their parents first).
+        self._deferred_dirs: set[str] = set()
+        self._dirs_lock = threading.Lock()
         # Objects of DIRECT_MIN_BYTES or more are written with O_DIRECT (``_direct``), unless
         # CKPTD_DIRECT_IO=0 or the filesystem refuses it.
         self._direct = direct_io if direct_io is not None else os.environ.get("CKPTD_DIRECT_IO", "1") != "0"
@@ -147,89 +163,105 @@ class LocalStore(Store):
         return StorageError(f"{self.uri}: {op} {what} failed: {e.strerror or e} (errno {e.errno}){hint}")
 
     def _err(self, op: str, key: str, e: OSError) -> StorageError:
-        """For reads: a missing file (or a folder where a file was asked for) is NotFoundError."""
-        if isinstance(e, FileNotFoundError | NotADirectoryError | IsADirectoryError):
+        """For reads: a missing file (or a folder, a link, a non-folder on the way) is NotFoundError."""
+        if isinstance(e, FileNotFoundError | NotADirectoryError | IsADirectoryError) or e.errno == errno.ELOOP:
             return NotFoundError(f"{self.uri}: no object {key!r}")
         return self._fail(op, repr(key), e)
 
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def _dir_fd(self, parts: Sequence[str], create: bool = False, durable: bool = True) -> int:
+        """A descriptor of the folder ``root/parts...``, each level opened ``O_NOFOLLOW`` from its
+        parent's descriptor. ``create``: missing levels are made (with the root), their names made
+        durable (fsync of the parent) unless ``durable=False``, which leaves that to ``sync``.
+        Raises OSError: ENOENT for a missing level, ELOOP/ENOTDIR for a link or a file."""
         try:
-            os.fsync(fd)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.makedirs(self.root, exist_ok=True)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        path = self.root
+        try:
+            for name in parts:
+                path = f"{path}/{name}"
+                try:
+                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        # Another thread may have made it and not yet fsynced the parent: we
+                        # fsync it too, so our put never returns before the name is durable.
+                        os.mkdir(name, 0o777, dir_fd=fd)
+                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
+                    if durable:
+                        os.fsync(fd)
+                    else:
+                        with self._dirs_lock:
+                            self._deferred_dirs.add(path)
+                else:
+                    if durable and self._deferred_dirs and path in self._deferred_dirs:
+                        os.fsync(fd)  # a deferred put made it: make its name durable now
+                        with self._dirs_lock:
+                            self._deferred_dirs.discard(path)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextlib.contextmanager
+    def _parent(self, key: str, create: bool = False, durable: bool = True) -> Iterator[tuple[int, str]]:
+        """(descriptor of the key's folder, the key's file name), closed on exit."""
+        *folders, name = check_key(key).split("/")
+        fd = self._dir_fd(folders, create, durable)
+        try:
+            yield fd, name
         finally:
             os.close(fd)
 
-    def _ensure_dir(self, path: str, durable: bool = True) -> None:
-        """Create ``path`` and its missing parents durably (each new name's parent is fsynced;
-        with ``durable=False`` that is left to a later ``sync``)."""
-        if path in self._dirs:
-            return
-        missing = []
-        d = path
-        while not os.path.isdir(d):
-            missing.append(d)
-            parent = os.path.dirname(d)
-            if parent == d:
-                break
-            d = parent
-        for d in reversed(missing):
-            try:
-                os.mkdir(d)
-            except FileExistsError:
-                if not os.path.isdir(d):
-                    if os.path.lexists(d):
-                        raise  # a file is in the way
-                    # Made by another thread and already pruned again: the caller retries.
-                    raise FileNotFoundError(errno.ENOENT, "folder vanished", d) from None
-                # Another thread made it and may not have fsynced the parent yet: do it too, so
-                # our put never returns before the folder's name is durable.
-            if durable:
-                self._fsync_dir(os.path.dirname(d))
-            else:
-                self._deferred_dirs.add(d)
-        if not durable:  # a folder made by a deferred put is not known durable until a sync
-            return
-        if self._deferred_dirs:
-            # Folders a deferred put created above this one: make their names durable now.
-            d = path
-            while d.startswith(self.root + os.sep):
-                if d in self._deferred_dirs:
-                    self._fsync_dir(os.path.dirname(d))
-                    self._deferred_dirs.discard(d)
-                d = os.path.dirname(d)
-        self._dirs.add(path)
+    def _write_error(self, op: str, key: str, e: OSError, hint: str = "") -> StorageError:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            return LinkRefused(
+                f"{self.uri}: {op} {key!r} refused: a symbolic link or a file is in the way below the root "
+                "(links are never followed)"
+            )
+        return self._fail(op, repr(key), e, hint)
 
-    def _tmp_path(self, path: str) -> str:
-        d, name = os.path.split(path)
+    @staticmethod
+    def _tmp_name(name: str) -> str:
         # Truncated so the temp name stays under NAME_MAX (255) for long keys.
-        tmp = f".{name[:120]}.tmp.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
-        return os.path.join(d, tmp)
+        return f".{name[:120]}.tmp.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
 
-    def _make_temp(self, path: str, create: Callable[[str], None], durable: bool = True) -> str:
-        """A temp file in ``path``'s folder (created durably as needed), filled by ``create``."""
-        d = os.path.dirname(path)
+    def _make_temp(self, key: str, create: Callable[[int, str], None], durable: bool = True) -> tuple[int, str, str]:
+        """(folder descriptor, temp name, key's name): a temp file in the key's folder (made
+        durably as needed), filled by ``create(dir_fd, temp_name)``. The caller closes the fd."""
         for attempt in range(_DIR_RACE_TRIES):
-            try:
-                self._ensure_dir(d, durable)
-                tmp = self._tmp_path(path)
-                create(tmp)
-                return tmp
-            except FileNotFoundError:
-                # A concurrent delete pruned the folder (or a parent we just made) after we
-                # looked: make it again.
-                if attempt == _DIR_RACE_TRIES - 1:
-                    raise
-                self._dirs.discard(d)
+            with contextlib.ExitStack() as stack:
+                *folders, name = check_key(key).split("/")
+                try:
+                    fd = self._dir_fd(folders, True, durable)
+                    stack.callback(os.close, fd)
+                    tmp = self._tmp_name(name)
+                    create(fd, tmp)
+                except FileNotFoundError:
+                    # A concurrent delete pruned the folder after we opened it (no file can be
+                    # made in a removed folder): make it again.
+                    if attempt == _DIR_RACE_TRIES - 1:
+                        raise
+                    continue
+                stack.pop_all()
+                return fd, tmp, name
         raise AssertionError("unreachable")
 
-    def _fill(self, views: list[memoryview], durable: bool = True) -> Callable[[str], None]:
+    def _fill(self, views: list[memoryview], durable: bool = True) -> Callable[[int, str], None]:
         direct = self._direct and sum(v.nbytes for v in views) >= DIRECT_MIN_BYTES
 
-        def create(tmp: str) -> None:
-            if direct and self._direct and self._fill_direct(tmp, views, durable):
+        def create(dir_fd: int, tmp: str) -> None:
+            if direct and self._direct and self._fill_direct(dir_fd, tmp, views, durable):
                 return
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
             try:
                 _writev_all(fd, views)
                 if durable:
@@ -237,17 +269,17 @@ class LocalStore(Store):
             except BaseException:
                 os.close(fd)
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=dir_fd)
                 raise
             os.close(fd)
 
         return create
 
-    def _fill_direct(self, tmp: str, views: list[memoryview], durable: bool) -> bool:
+    def _fill_direct(self, dir_fd: int, tmp: str, views: list[memoryview], durable: bool) -> bool:
         """Write ``tmp`` with O_DIRECT; False (nothing left behind) if the filesystem refuses
         it, after which this store writes buffered."""
         try:
-            fd = open_direct(tmp)
+            fd = open_direct(tmp, dir_fd=dir_fd)
         except DirectUnsupported as e:
             self._no_direct(e)
             return False
@@ -258,7 +290,7 @@ class LocalStore(Store):
         except BaseException as e:
             os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             if isinstance(e, DirectUnsupported):
                 self._no_direct(e)
                 return False
@@ -271,25 +303,37 @@ class LocalStore(Store):
             self._direct = False
             log.info("%s: writing through the page cache (%s)", self.root, e)
 
-    def _prune(self, d: str) -> None:
-        """Remove empty folders from ``d`` up to (not including) the root, best-effort."""
-        while d != self.root and d.startswith(self.root + os.sep):
+    def _prune(self, folders: Sequence[str]) -> None:
+        """Remove empty folders from ``root/folders`` up to (not including) the root, best-effort,
+        each by name from its parent's descriptor."""
+        folders = list(folders)
+        while folders:
             try:
-                os.rmdir(d)
+                fd = self._dir_fd(folders[:-1])
             except OSError:
                 return
-            self._dirs.discard(d)
-            d = os.path.dirname(d)
+            try:
+                os.rmdir(folders[-1], dir_fd=fd)
+            except OSError:
+                return
+            finally:
+                os.close(fd)
+            folders.pop()
 
     # -- reads ------------------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
-        path = self._path(key)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                return f.readall()
-        except OSError as e:
-            raise self._err("get", key, e) from None
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        with self._open(key, "get") as (fd, size):
+            check_limit(self.uri, key, size, limit)
+            try:
+                data = os.pread(fd, size, 0) if size else b""
+                if 0 < len(data) < size:
+                    data = b"".join([data, *self._pread_rest(fd, len(data), size - len(data))])
+            except OSError as e:
+                raise self._err("get", key, e) from None
+        if len(data) != size:
+            raise StorageError(f"{self.uri}: short read of {key!r}: {len(data)} of {size} bytes")
+        return data
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         with self._open(key) as (fd, size):
@@ -318,17 +362,18 @@ class LocalStore(Store):
         self._read_into(key, start, sum(v.nbytes for v in views), views)
 
     @contextlib.contextmanager
-    def _open(self, key: str) -> Iterator[tuple[int, int]]:
-        """An open file descriptor of the object and its size."""
-        path = self._path(key)
+    def _open(self, key: str, op: str = "get_range") -> Iterator[tuple[int, int]]:
+        """An open file descriptor of the object and its size: a regular file reached without a
+        link (a FIFO, a device, a link to ``/dev/zero`` is no object)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            with self._parent(key) as (dfd, name):
+                fd = os.open(name, _FILE_OPEN, dir_fd=dfd)
         except OSError as e:
-            raise self._err("get_range", key, e) from None
+            raise self._err(op, key, e) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise NotFoundError(f"{self.uri}: no object {key!r}")
+                raise NotFoundError(f"{self.uri}: no object {key!r} (not a regular file)")
             yield fd, st.st_size
         finally:
             os.close(fd)
@@ -344,9 +389,9 @@ class LocalStore(Store):
             raise StorageError(f"{self.uri}: short read of {key!r}: {got} of {length} bytes at {pos}")
 
     def head(self, key: str) -> ObjectInfo:
-        path = self._path(key)
         try:
-            st = os.stat(path)
+            with self._parent(key) as (dfd, name):
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except OSError as e:
             raise self._err("head", key, e) from None
         if not stat.S_ISREG(st.st_mode):
@@ -356,32 +401,50 @@ class LocalStore(Store):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         check_prefix(prefix)
         folder, _, name_prefix = prefix.rpartition("/")
-        start = os.path.join(self.root, *folder.split("/")) if folder else self.root
-        return self._walk(start, folder + "/" if folder else "", name_prefix)
+        return self._walk(folder.split("/") if folder else [], folder + "/" if folder else "", name_prefix)
 
-    def _walk(self, path: str, key_prefix: str, name_prefix: str = "") -> Iterator[ObjectInfo]:
+    def _walk(self, folders: list[str], key_prefix: str, name_prefix: str = "") -> Iterator[ObjectInfo]:
+        try:
+            fd = self._dir_fd(folders)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return  # a link below the root is not a folder of this store
+            raise self._err("list", key_prefix, e) from None
+        try:
+            yield from self._walk_fd(fd, key_prefix, name_prefix)
+        finally:
+            os.close(fd)
+
+    def _walk_fd(self, fd: int, key_prefix: str, name_prefix: str = "") -> Iterator[ObjectInfo]:
         # Sorting a folder's entries with "/" appended to sub-folder names yields keys in global
         # lexicographic order lazily: every key below folder "d" starts with "d/", and a file name
         # (which has no "/") compares with all of them as it compares with "d/".
         try:
-            with os.scandir(path) as it:
+            with os.scandir(fd) as it:
                 entries = []
                 for e in it:
                     if _is_temp(e.name) or not e.name.startswith(name_prefix):
                         continue
                     is_dir = e.is_dir(follow_symlinks=False)
                     entries.append((e.name + "/" if is_dir else e.name, is_dir, e))
-        except (FileNotFoundError, NotADirectoryError):
-            return
         except OSError as e:
             raise self._err("list", key_prefix, e) from None
         entries.sort(key=lambda t: t[0])
         for sort_name, is_dir, e in entries:
             if is_dir:
-                yield from self._walk(e.path, key_prefix + sort_name)
+                try:
+                    child = os.open(e.name, _DIR_OPEN, dir_fd=fd)
+                except OSError:
+                    continue  # removed (or replaced by a link) while we listed
+                try:
+                    yield from self._walk_fd(child, key_prefix + sort_name)
+                finally:
+                    os.close(child)
                 continue
             try:
-                st = e.stat()
+                st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # deleted while we listed
             if stat.S_ISREG(st.st_mode):
@@ -389,21 +452,28 @@ class LocalStore(Store):
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         prefix = check_dir_prefix(prefix)
-        path = os.path.join(self.root, *prefix.rstrip("/").split("/")) if prefix else self.root
         names, folders = [], []
         try:
-            with os.scandir(path) as it:
+            fd = self._dir_fd(prefix.rstrip("/").split("/") if prefix else [])
+        except (FileNotFoundError, NotADirectoryError):
+            return [], []
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return [], []
+            raise self._err("list_dir", prefix, e) from None
+        try:
+            with os.scandir(fd) as it:
                 for e in it:
                     if _is_temp(e.name):
                         continue
                     if e.is_dir(follow_symlinks=False):
                         folders.append(e.name)
-                    elif e.is_file():
+                    elif e.is_file(follow_symlinks=False):
                         names.append(e.name)
-        except (FileNotFoundError, NotADirectoryError):
-            return [], []
         except OSError as e:
             raise self._err("list_dir", prefix, e) from None
+        finally:
+            os.close(fd)
         return sorted(names), sorted(folders)
 
     def exists_root(self) -> bool:
@@ -424,106 +494,130 @@ class LocalStore(Store):
         (all dirty data and metadata of that filesystem), falling back to ``sync(2)``."""
         if not os.path.isdir(self.root):
             return
-        pending = set(self._deferred_dirs)
+        with self._dirs_lock:
+            pending = set(self._deferred_dirs)
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             if _syncfs is None or _syncfs(fd) != 0:
                 os.sync()
         finally:
             os.close(fd)
-        self._deferred_dirs -= pending
+        with self._dirs_lock:
+            self._deferred_dirs -= pending
 
     def _put(self, key: str, data: Data, durable: bool) -> None:
-        path = self._path(key)
         views = as_buffers(data)
         try:
-            tmp = self._make_temp(path, self._fill(views, durable), durable)
-            self._replace(tmp, path, durable)
+            fd, tmp, name = self._make_temp(key, self._fill(views, durable), durable)
+            try:
+                self._replace(fd, tmp, name, durable)
+            finally:
+                os.close(fd)
         except OSError as e:
-            raise self._fail("put", f"{key!r}", e) from None
+            raise self._write_error("put", key, e) from None
 
     def put_if_absent(self, key: str, data: Data) -> bool:
-        path = self._path(key)
         views = as_buffers(data)
         try:
-            tmp = self._make_temp(path, self._fill(views))
+            fd, tmp, name = self._make_temp(key, self._fill(views))
             try:
-                # link(2) is the atomic create-if-absent of POSIX: it fails with EEXIST if the name
-                # exists, and the new name appears with the complete, fsynced content.
-                os.link(tmp, path, follow_symlinks=False)
-                won = True
-            except FileExistsError:
-                won = False
+                try:
+                    # link(2) is the atomic create-if-absent of POSIX: it fails with EEXIST if the
+                    # name exists (a link too), and the new name appears with the complete,
+                    # fsynced content.
+                    os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                    won = True
+                except FileExistsError:
+                    won = False
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=fd)
+                if won:
+                    os.fsync(fd)
             finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-            if won:
-                self._fsync_dir(os.path.dirname(path))
+                os.close(fd)
         except OSError as e:
             hint = " (the filesystem does not support hard links)" if e.errno in _NO_LINK_ERRNOS else ""
-            raise self._fail("put_if_absent", f"{key!r}", e, hint) from None
+            raise self._write_error("put_if_absent", key, e, hint) from None
         return won
 
     def copy(self, src_key: str, dst_key: str) -> None:
-        src, dst = self._path(src_key), self._path(dst_key)
-
-        def create(tmp: str) -> None:
-            try:
-                # A hard link costs no data copy and is safe because objects are immutable.
-                os.link(src, tmp)
-            except OSError as e:
-                if e.errno not in _NO_LINK_ERRNOS:
-                    raise
-                self._copy_file(src, tmp)
-
-        if not os.path.isfile(src):
-            raise NotFoundError(f"{self.uri}: no object {src_key!r}")
         try:
-            tmp = self._make_temp(dst, create)
-            self._replace(tmp, dst)
-        except OSError as e:
-            if not os.path.isfile(src):
+            with self._parent(src_key) as (sfd, sname):
+                st = os.stat(sname, dir_fd=sfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    raise FileNotFoundError(errno.ENOENT, "not a regular file")
+
+                def create(dfd: int, tmp: str) -> None:
+                    try:
+                        # A hard link costs no data copy and is safe because objects are immutable.
+                        os.link(sname, tmp, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+                    except OSError as e:
+                        if e.errno not in _NO_LINK_ERRNOS:
+                            raise
+                        self._copy_file(sfd, sname, dfd, tmp)
+
+                fd, tmp, name = self._make_temp(dst_key, create)
+                try:
+                    self._replace(fd, tmp, name)
+                finally:
+                    os.close(fd)
+        except (FileNotFoundError, NotADirectoryError) as e:
+            if e.filename is None and not self.exists(src_key):
                 raise NotFoundError(f"{self.uri}: no object {src_key!r}") from None
-            raise self._fail("copy", f"{src_key!r} -> {dst_key!r}", e) from None
+            if not self.exists(src_key):
+                raise NotFoundError(f"{self.uri}: no object {src_key!r}") from None
+            raise self._write_error("copy", f"{src_key} -> {dst_key}", e) from None
+        except OSError as e:
+            if e.errno == errno.ELOOP and not self.exists(src_key):
+                raise NotFoundError(f"{self.uri}: no object {src_key!r}") from None
+            raise self._write_error("copy", f"{src_key} -> {dst_key}", e) from None
 
     @staticmethod
-    def _copy_file(src: str, tmp: str) -> None:
+    def _copy_file(sfd: int, sname: str, dfd: int, tmp: str) -> None:
+        src = os.open(sname, _FILE_OPEN, dir_fd=sfd)
         try:
-            with open(src, "rb") as fin, open(tmp, "xb") as fout:
+            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        except BaseException:
+            os.close(src)
+            raise
+        try:
+            with open(src, "rb", closefd=False) as fin, open(dst, "wb", closefd=False) as fout:
                 shutil.copyfileobj(fin, fout, 8 << 20)
                 fout.flush()
-                os.fsync(fout.fileno())
+                os.fsync(dst)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dfd)
             raise
+        finally:
+            os.close(src)
+            os.close(dst)
 
-    def _replace(self, tmp: str, path: str, durable: bool = True) -> None:
-        """Rename the complete temp file over ``path`` and make the new name durable."""
+    def _replace(self, dir_fd: int, tmp: str, name: str, durable: bool = True) -> None:
+        """Rename the complete temp file over ``name`` and make the new name durable."""
         try:
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             raise
-        # ENOENT: a concurrent delete already removed the object and pruned the folder, which is
-        # a valid order of the two calls.
         if durable:
-            with contextlib.suppress(FileNotFoundError):
-                self._fsync_dir(os.path.dirname(path))
+            os.fsync(dir_fd)
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
-        d = os.path.dirname(path)
+        *folders, _ = check_key(key).split("/")
         try:
-            os.unlink(path)
+            with self._parent(key) as (dfd, name):
+                os.unlink(name, dir_fd=dfd)  # a link is removed itself, never followed
+                os.fsync(dfd)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return  # no such object (a "folder" is not an object either)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                return  # a link on the way: nothing of this store is there
             raise self._fail("delete", f"{key!r}", e) from None
-        with contextlib.suppress(FileNotFoundError):
-            self._fsync_dir(d)
-        self._prune(d)
+        self._prune(folders)
 
     def delete_prefix(self, prefix: str) -> int:
         """Every object under ``prefix``, and the temp files of interrupted writes and the
@@ -532,25 +626,30 @@ class LocalStore(Store):
 
     def purge(self, prefix: str) -> tuple[int, int]:
         """Objects first (the listing readers use), then what a killed writer left that no
-        listing shows: ``.*.tmp.*`` files and empty folders. Symlinks and other non-regular
-        entries are never followed; only temp files (by name) and empty folders are removed
-        beyond the listed objects, so anything else left there keeps its folder."""
+        listing shows: ``.*.tmp.*`` files and empty folders. Returns (files, bytes) removed.
+        Every name is removed from its parent's descriptor and no link is followed (a link is
+        neither an object nor a folder of this store); only temp files (by name) and empty
+        folders are removed beyond the listed objects, so anything else left there keeps its
+        folder."""
         check_prefix(prefix)
         n = nbytes = 0
-        dirs: set[str] = set()
+        dirs: set[tuple[str, ...]] = set()
         for info in list(self.list(prefix)):
-            path = os.path.join(self.root, *info.key.split("/"))
+            *folders, _ = info.key.split("/")
             try:
-                os.unlink(path)
-            except FileNotFoundError:
+                with self._parent(info.key) as (dfd, name):
+                    os.unlink(name, dir_fd=dfd)
+            except (FileNotFoundError, NotADirectoryError):
                 continue
             except OSError as e:
+                if e.errno == errno.ELOOP:
+                    continue
                 raise self._fail("delete", f"{info.key!r}", e) from None
             n += 1
             nbytes += info.size
-            dirs.add(os.path.dirname(path))
+            dirs.add(tuple(folders))
         folder, _, name_prefix = prefix.rpartition("/")
-        top = os.path.join(self.root, *folder.split("/")) if folder else self.root
+        top = tuple(folder.split("/")) if folder else ()
         try:
             m, mbytes, emptied = self._purge_leftovers(top, name_prefix)
         except OSError as e:
@@ -561,54 +660,81 @@ class LocalStore(Store):
             dirs.add(top)  # the prefix names a folder: remove it too once empty
         # One fsync per folder instead of one per file; deepest folders first so pruning works.
         for d in sorted(dirs, key=len, reverse=True):
-            with contextlib.suppress(FileNotFoundError):
-                self._fsync_dir(d)
+            with contextlib.suppress(OSError):
+                fd = self._dir_fd(d)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             self._prune(d)
         return n, nbytes
 
-    def _purge_leftovers(self, top: str, name_prefix: str) -> tuple[int, int, set[str]]:
+    def _purge_leftovers(self, top: tuple[str, ...], name_prefix: str) -> tuple[int, int, set[tuple[str, ...]]]:
         """Remove temp files named for keys under ``top``/``name_prefix`` and the empty folders
-        there; returns (files, bytes, folders touched)."""
-        n = nbytes = 0
-        touched: set[str] = set()
+        there, walking by descriptors; returns (files, bytes, folders touched)."""
+        counts = [0, 0]
+        touched: set[tuple[str, ...]] = set()
 
-        def unlink_temp(path: str) -> None:
-            nonlocal n, nbytes
+        def unlink_temp(dfd: int, name: str, where: tuple[str, ...]) -> None:
             try:
-                st = os.lstat(path)
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
                     return
-                os.unlink(path)
+                os.unlink(name, dir_fd=dfd)
             except FileNotFoundError:
                 return
-            n += 1
-            nbytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
-            touched.add(os.path.dirname(path))
+            counts[0] += 1
+            counts[1] += st.st_size if stat.S_ISREG(st.st_mode) else 0
+            touched.add(where)
+
+        def tree(dfd: int, where: tuple[str, ...]) -> None:
+            """Temp files and empty sub-folders of the folder ``dfd`` (links never entered)."""
+            with os.scandir(dfd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            for name, is_dir in entries:
+                if not is_dir:
+                    if _is_temp(name):
+                        unlink_temp(dfd, name, where)
+                    continue
+                try:
+                    child = os.open(name, _DIR_OPEN, dir_fd=dfd)
+                except OSError:
+                    continue  # gone, or replaced by a link: not ours to enter
+                try:
+                    tree(child, (*where, name))
+                finally:
+                    os.close(child)
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=dfd)  # fails unless empty: then something else lives there
+                    touched.add(where)
 
         try:
-            entries = list(os.scandir(top))
-        except (FileNotFoundError, NotADirectoryError):
-            return 0, 0, touched
-        for e in entries:
-            if _is_temp(e.name):
-                if e.name[1:].startswith(name_prefix):  # ".{name}.tmp..." of a key under the prefix
-                    unlink_temp(e.path)
-                continue
-            if not e.name.startswith(name_prefix) or not e.is_dir(follow_symlinks=False):
-                continue
-            for d, subdirs, files in os.walk(e.path, topdown=False, followlinks=False):
-                for f in files:
-                    if _is_temp(f):
-                        unlink_temp(os.path.join(d, f))
-                for sd in subdirs:  # symlinks to folders show up here too: never followed
-                    p = os.path.join(d, sd)
-                    with contextlib.suppress(OSError):
-                        if stat.S_ISDIR(os.lstat(p).st_mode):
-                            os.rmdir(p)  # fails unless empty: then something else lives there
-                            self._dirs.discard(p)
-                            touched.add(d)
-            with contextlib.suppress(OSError):
-                os.rmdir(e.path)
-                self._dirs.discard(e.path)
-                touched.add(top)
-        return n, nbytes, touched
+            fd = self._dir_fd(top)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError | NotADirectoryError) or e.errno == errno.ELOOP:
+                return 0, 0, touched
+            raise
+        try:
+            with os.scandir(fd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            for name, is_dir in entries:
+                if _is_temp(name):
+                    if name[1:].startswith(name_prefix):  # ".{name}.tmp..." of a key under the prefix
+                        unlink_temp(fd, name, top)
+                    continue
+                if not name.startswith(name_prefix) or not is_dir:
+                    continue
+                try:
+                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
+                except OSError:
+                    continue
+                try:
+                    tree(child, (*top, name))
+                finally:
+                    os.close(child)
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=fd)
+                    touched.add(top)
+        finally:
+            os.close(fd)
+        return counts[0], counts[1], touched

@@ -20,6 +20,7 @@ from storage_backends.base import (
     as_buffers,
     check_dir_prefix,
     check_key,
+    check_limit,
     check_prefix,
     resolve_range,
 )
@@ -82,8 +83,10 @@ class MemoryStore(Store):
             raise NotFoundError(f"{self.uri}: no object {key!r}")
         return entry[0]
 
-    def get(self, key: str) -> bytes:
-        return self._get(key)
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        data = self._get(key)
+        check_limit(self.uri, key, len(data), limit)
+        return data
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         data = self._get(key)

@@ -66,6 +66,7 @@ from storage_backends.base import (
     as_writable_buffers,
     check_dir_prefix,
     check_key,
+    check_limit,
     check_prefix,
     resolve_range,
 )
@@ -128,6 +129,9 @@ def _stream_into(body: Any, views: list[memoryview]) -> int:
             pos += len(chunk)
         got += pos
     return got
+
+
+_MAX_GET_BYTES = int(os.environ.get("CKPTD_S3_MAX_GET_BYTES", str(64 << 30)))
 
 
 def _total_size(resp: dict) -> int | None:
@@ -281,23 +285,32 @@ class S3Store(Store):
         except InvalidRange:  # 416: the range starts at or past the end
             raise StorageError(outside) from None
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int | None = None) -> bytes:
         """A large object is fetched as parallel ranged GETs into one buffer, then copied once
-        into ``bytes``; ``get_range_into`` fills the caller's buffers without that copy."""
+        into ``bytes``; ``get_range_into`` fills the caller's buffers without that copy. The size
+        the server reports is checked against ``limit`` (and ``CKPTD_S3_MAX_GET_BYTES``, 64 GiB by
+        default) before that buffer is allocated, and the first GET asks for at most one part."""
         for _ in range(3):
             try:
-                return self._get_whole(key)
+                return self._get_whole(key, limit)
             except _Changed:
                 continue
         raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
 
-    def _get_whole(self, key: str) -> bytes:
+    def _get_whole(self, key: str, limit: int | None = None) -> bytes:
         # The first piece also tells the size (Content-Range), so a small object costs one GET.
+        first_len = self.part_size if limit is None else max(1, min(self.part_size, limit + 1))
         try:
-            first, resp = self._get_first(key, f"bytes=0-{self.part_size - 1}")
+            first, resp = self._get_first(key, f"bytes=0-{first_len - 1}")
         except InvalidRange:  # a ranged GET of an empty object is a 416
-            return self._get_first(key, None)[0]
+            return self._get_first(key, None, 0)[0]  # an empty object: at most 0 bytes expected
+        if len(first) > first_len:  # a server ignoring the Range: never trust its size
+            raise StorageError(
+                f"{self._where(key)}: GetObject returned {len(first)} bytes for a {first_len}-byte range"
+            )
         total = _total_size(resp) or len(first)
+        check_limit(self.uri, key, total, limit)
+        check_limit(self.uri, key, total, _MAX_GET_BYTES)
         if total <= len(first):
             return first
         buf = bytearray(total)
@@ -315,13 +328,19 @@ class S3Store(Store):
             raise _Changed() from None
         return bytes(buf)
 
-    def _get_first(self, key: str, rng: str | None) -> tuple[bytes, dict]:
+    def _get_first(self, key: str, rng: str | None, most: int | None = None) -> tuple[bytes, dict]:
+        """One GET; reads at most ``most`` bytes (the range's length) + 1 of the body, so a
+        server that sends more than asked cannot make us buffer it."""
         extra = {"Range": rng} if rng else {}
+        if most is None:
+            most = int(rng.rsplit("-", 1)[1]) + 1 if rng else 0
 
         def attempt() -> tuple[bytes, dict]:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **extra)
             with contextlib.closing(resp["Body"]) as body:
-                data = body.read()
+                data = body.read(most + 1)
+            if len(data) > most:
+                raise StorageError(f"{self._where(key)}: GetObject sent more than the {most} bytes asked for")
             if len(data) != resp["ContentLength"]:
                 raise Truncated("response body ended early")
             return data, resp

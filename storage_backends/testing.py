@@ -25,7 +25,7 @@ import pytest
 
 from storage_backends.base import InvalidKeyError, NotFoundError, ObjectInfo, StorageError, Store
 
-__all__ = ["DelayedStore", "INVALID_KEYS", "StoreConformance", "assert_empty_store"]
+__all__ = ["DelayedStore", "FilesystemConformance", "INVALID_KEYS", "StoreConformance", "assert_empty_store"]
 
 MiB = 1 << 20
 
@@ -275,6 +275,14 @@ class StoreConformance:
         assert store.delete_prefix("") == 2
         assert list(store.list()) == []
 
+    def test_purge_counts_what_it_removed(self, store: Store) -> None:
+        for k, n in [("ckpt/1/a", 3), ("ckpt/1/b/c", 5), ("ckpt/10/a", 7)]:
+            store.put(k, b"x" * n)
+        assert store.purge("ckpt/1/") == (2, 8)
+        assert [i.key for i in store.list()] == ["ckpt/10/a"]
+        assert store.list_dir("ckpt/") == ([], ["10"])
+        assert store.purge("ckpt/1/") == (0, 0)
+
     # -- listing ----------------------------------------------------------------------------------
 
     def test_list(self, store: Store) -> None:
@@ -303,6 +311,19 @@ class StoreConformance:
         assert store.list_dir("ckpt") == (["index"], ["step-1", "step-2"])  # "/" added
         assert store.list_dir("ckpt/step-1/") == (["commit"], ["data"])
         assert store.list_dir("missing/") == ([], [])
+
+    def test_get_limit(self, store: Store) -> None:
+        """``get(key, limit=)`` refuses a larger object (before reading it) and returns one at
+        the limit: metadata readers rely on it against huge or endless objects."""
+        data = _payload(1000)
+        store.put("lim/obj", data)
+        assert store.get("lim/obj", limit=1000) == data
+        with pytest.raises(StorageError):
+            store.get("lim/obj", limit=999)
+        with pytest.raises(NotFoundError):
+            store.get("lim/missing", limit=10)
+        store.put("lim/empty", b"")
+        assert store.get("lim/empty", limit=0) == b""
 
     def test_head_exists(self, store: Store) -> None:
         store.put("h/k", b"12345")
@@ -390,3 +411,95 @@ class StoreConformance:
     def test_uri_and_repr(self, store: Store) -> None:
         assert isinstance(store.uri, str) and store.uri
         assert repr(store) == f"{type(store).__name__}({store.uri!r})"
+
+
+class FilesystemConformance:
+    """Extra cases for stores over a filesystem (``store.root`` is the folder): nothing below the
+    root is followed through a symbolic link, and only regular files are objects. Mix it into a
+    filesystem backend's test class next to ``StoreConformance``; the fixtures ``store`` and
+    ``tmp_path`` must be available. The data outside the root is checked with raw access."""
+
+    @pytest.fixture
+    def outside(self, tmp_path):
+        out = tmp_path / "outside-the-root"
+        (out / "sub").mkdir(parents=True)
+        (out / "obj").write_bytes(b"outside")
+        (out / "sub" / "deep").write_bytes(b"outside deep")
+        (out / "sub" / ".deep.tmp.1.2.ab").write_bytes(b"looks like a temp file")  # purge must not touch
+        (out / "empty").mkdir()
+        return out
+
+    @staticmethod
+    def _outside_intact(outside) -> None:
+        assert sorted(p.relative_to(outside).as_posix() for p in outside.rglob("*")) == [
+            "empty",
+            "obj",
+            "sub",
+            "sub/.deep.tmp.1.2.ab",
+            "sub/deep",
+        ]
+        assert (outside / "obj").read_bytes() == b"outside"
+        assert (outside / "sub" / "deep").read_bytes() == b"outside deep"
+
+    def test_linked_folder_is_not_followed(self, store: Store, outside) -> None:
+        import os
+
+        store.put("real/x", b"1")
+        os.symlink(outside, os.path.join(store.root, "link"))  # type: ignore[attr-defined]
+        assert [i.key for i in store.list("")] == ["real/x"]
+        assert store.list_dir("") == ([], ["real"])
+        assert store.list_dir("link/") == ([], [])
+        for key in ("link/obj", "link/sub/deep"):
+            with pytest.raises(NotFoundError):
+                store.get(key)
+            with pytest.raises(NotFoundError):
+                store.get_range(key, 0, 1)
+            assert not store.exists(key)
+        for write in (
+            lambda: store.put("link/obj", b"overwritten"),
+            lambda: store.put("link/new", b"new"),
+            lambda: store.put_deferred("link/sub/new", b"new"),
+            lambda: store.put_if_absent("link/new2", b"new"),
+            lambda: store.copy("real/x", "link/new3"),
+        ):
+            with pytest.raises(StorageError):
+                write()
+        store.delete("link/obj")
+        store.delete("link/sub/deep")
+        assert store.delete_prefix("link/") == 0
+        os.symlink(outside, os.path.join(store.root, "real", "inner-link"))  # type: ignore[attr-defined]
+        if hasattr(store, "purge"):  # a purge of leftovers never enters a link either
+            assert store.purge("link/") == (0, 0)
+            assert store.purge("real/inner") == (0, 0)
+        assert store.delete_prefix("") == 1  # real/x only
+        self._outside_intact(outside)
+
+    def test_linked_file_is_not_an_object(self, store: Store, outside) -> None:
+        import os
+
+        store.put("d/real", b"1")
+        os.symlink(outside / "obj", os.path.join(store.root, "d", "alias"))  # type: ignore[attr-defined]
+        assert [i.key for i in store.list("d/")] == ["d/real"]
+        assert store.list_dir("d/") == (["real"], [])
+        with pytest.raises(NotFoundError):
+            store.get("d/alias")
+        with pytest.raises(NotFoundError):
+            store.copy("d/alias", "d/copy")
+        assert store.put_if_absent("d/alias", b"x") is False  # the name is taken; the target untouched
+        store.put("d/alias", b"replaced")  # replaces the link itself, atomically
+        assert store.get("d/alias") == b"replaced"
+        self._outside_intact(outside)
+
+    def test_special_files_are_not_objects(self, store: Store) -> None:
+        import os
+
+        store.put("s/real", b"1")
+        os.mkfifo(os.path.join(store.root, "s", "fifo"))  # type: ignore[attr-defined]
+        os.symlink("/dev/zero", os.path.join(store.root, "s", "zero"))  # type: ignore[attr-defined]
+        for key in ("s/fifo", "s/zero"):
+            with pytest.raises(NotFoundError):  # at once: neither blocks nor reads forever
+                store.get(key)
+            with pytest.raises(NotFoundError):
+                store.get_range_into(key, 0, [bytearray(8)])
+            assert not store.exists(key)
+        assert [i.key for i in store.list("s/")] == ["s/real"]

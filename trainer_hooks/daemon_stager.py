@@ -32,6 +32,28 @@ from trainer_hooks.snapshot import Stager, staged_image_chunks
 __all__ = ["DaemonStager"]
 
 
+# Staged files are created, never opened if they exist (O_EXCL: a name someone planted, a link
+# above all, is refused instead of written through), and readable by the owner and the group
+# only: the lease folder is 0700 (or 2770 with the trainers' group when the daemon runs as
+# another user of it), and the daemon only reads.
+_CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+STAGED_FILE_MODE = 0o640
+
+
+def _write_new(path, data: bytes) -> None:
+    """Replace ``path`` with a new file holding ``data``: the old name (a file of the previous
+    save, or a link planted in its place) is unlinked, never followed."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, _CREATE, STAGED_FILE_MODE)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
 class DaemonStager(Stager):
     """Snapshot buffers as files of a staging lease, mapped as tensors and reused across saves.
 
@@ -123,7 +145,7 @@ class DaemonStager(Stager):
         self._ensure(self._allocated() + nbytes)
         name = f"{self._counter:08d}.bin"
         self._counter += 1
-        fd = os.open(self._dir / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(self._dir / name, _CREATE, STAGED_FILE_MODE)
         try:
             os.ftruncate(fd, nbytes)
         finally:
@@ -233,8 +255,7 @@ class DaemonStager(Stager):
         metadata = []
         for i, (key, data) in enumerate(job.metadata):
             name = f"meta_{i:06d}.bin"
-            with open(self._dir / name, "wb") as f:
-                f.write(data)
+            _write_new(self._dir / name, data)
             metadata.append({"key": key, "file": name})
         for name in self._meta_names[len(job.metadata) :]:
             with contextlib.suppress(OSError):

@@ -32,7 +32,7 @@ from ckptd import manifest as mf
 from ckptd.dtypes import as_numpy, zarr_dtype
 from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
 from ckptd.reader import CheckpointReader, ReadRequest
-from storage_backends import NotFoundError, StorageError, Store, open_store
+from storage_backends import StorageError, Store, open_store
 from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import apply, flatten
@@ -172,6 +172,14 @@ def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
                 + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
                 + "; pass strict=False to ignore it"
             )
+    if strict:
+        # A ``$tensor`` reference the manifest's tensor table lacks would be silently skipped.
+        for name in flat.tree:
+            dangling = [r for r in jsonenc.tensor_refs(m.state.get(name)) if r not in m.tensors]
+            if dangling:
+                raise CheckpointError(
+                    f"{where}: key {name!r} refers to tensor {dangling[0]!r}, which the checkpoint does not hold"
+                )
     for name, node in flat.tree.items():
         saved_node = m.state.get(name)
         if saved_node is not None and saved_node["kind"] not in _COMPATIBLE[node["kind"]]:
@@ -276,6 +284,8 @@ def _restore_step(
         err = e
     except StorageError as e:
         err = CheckpointError(f"{where}: {e}")
+    except _MALFORMED as e:  # a tampered manifest the checks above did not foresee
+        err = CheckpointError(f"{where}: malformed checkpoint ({type(e).__name__}: {e})")
     finally:
         if src is not store:
             src.close()
@@ -362,6 +372,10 @@ def restore_fallback(
     return None, skipped
 
 
+# What a hostile manifest can make Python raise past the explicit checks; mapped to CheckpointError.
+_MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
+
+
 def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord):
     """Apply the read values on every rank, or on none: ``(None, None)`` when all ranks
     applied, else ``(failure agreed on, this rank's error)`` with ``state`` as it was.
@@ -384,6 +398,8 @@ def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord
         apply(state, m.state, loaded, strict, undo, where)
     except CheckpointError as e:
         err = e
+    except _MALFORMED as e:  # a tampered manifest's state the checks did not foresee
+        err = CheckpointError(f"{where}: malformed checkpoint state ({type(e).__name__}: {e})")
     failure = coord.agree(None if err is None else (type(err).__name__, str(err)))
     if failure is not None:
         for u in reversed(undo):
@@ -414,13 +430,14 @@ _ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, Cor
 def _restore_rng(store: Store, m: mf.Manifest, coord: Coordinator) -> None:
     src = coord.rank if coord.rank < m.world_size else 0
     try:
-        rec = catalog.read_done_record(store, m.step, m.attempt, src)
-    except (NotFoundError, StorageError, ValueError) as e:
+        key = catalog.done_record_key(store, m.step, m.attempt, src)
+        rec = mf.read_json(store, key, catalog.where(store, m.step), "done record")
+        if not isinstance(rec, dict) or "rng" not in rec:
+            return
+        saved = jsonenc.decode(rec["rng"])
+    except (StorageError, CheckpointError, *_MALFORMED) as e:
         log.warning("no RNG state restored: %s", e)
         return
-    if "rng" not in rec:
-        return
-    saved = jsonenc.decode(rec["rng"])
     if coord.world_size == m.world_size or coord.rank < m.world_size:
         rng.restore(saved)
     else:

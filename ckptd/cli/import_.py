@@ -1,5 +1,6 @@
-"""``ckptd import SRC --format dcp|torch|safetensors|deepspeed-universal URI --step N [--as KEY]``:
-write a checkpoint made by another tool into a job root as a committed ckptd checkpoint."""
+"""``ckptd import SRC --format dcp|torch|safetensors|deepspeed-universal URI --step N [--as KEY]
+[--trust-pickle]``: write a checkpoint made by another tool into a job root as a committed ckptd
+checkpoint. DCP needs ``--trust-pickle``: its ``.metadata`` is a pickle (see ``ckptd.interop``)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help="state key for a flat state dict (torch, safetensors) or for DCP top-level tensors (default: model)",
     )
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="allow unpickling DCP's .metadata (a pickle can run code: only for a SRC you would torch.load)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     with job_root(args.uri) as store, Progress(f"importing {args.format}") as progress:
-        res = import_checkpoint(args.src, args.format, store, args.step, args.as_key, progress)
+        res = import_checkpoint(
+            args.src, args.format, store, args.step, args.as_key, progress, trust_pickle=args.trust_pickle
+        )
     for text in res.notes:
         note(text)
     kinds = ", ".join(f"{name} ({kind})" for name, kind in res.kinds.items()) or "-"

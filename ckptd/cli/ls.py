@@ -27,8 +27,11 @@ def run(args: argparse.Namespace) -> int:
     with job_root(args.uri) as store:
         # A root that does not exist yet (no folder, no bucket) holds no checkpoints: not an error.
         infos = catalog.list_checkpoints(store) if store.exists_root() else []
+        ignored = catalog.ignored_names(store) if store.exists_root() else []
         verified = {i.step: _verify.status(store, i.step) if i.committed else None for i in infos}
         uri = store.uri
+    for name in ignored:  # on stderr, so ``ls --json`` stays one clean document
+        note(f"ignored: {name} (not step_ + 10 digits; never listed, restored or deleted)")
     if args.json:
         print_json([i.to_json() | {"verified": verified[i.step]} for i in infos])
         return 0

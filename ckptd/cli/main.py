@@ -27,6 +27,8 @@ from storage_backends import StorageError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
+UNEXPECTED = (RecursionError, TypeError, AttributeError, OverflowError, KeyError, IndexError, ZeroDivisionError)
+
 # subcommand -> module under ckptd.cli (a module cannot be named ``import``: use ``import_``).
 COMMANDS: dict[str, str] = {
     "ls": "ls",
@@ -86,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     except (CheckpointError, StorageError, OSError, ValueError) as e:
         error(str(e) or type(e).__name__)
+        return EXIT_FAILED
+    except MemoryError:
+        error("out of memory (a checkpoint declaring absurd sizes?)")
+        return EXIT_FAILED
+    except UNEXPECTED as e:
+        # Hostile input that no check foresaw (deep JSON, wrong types, huge numbers): still one
+        # line and exit 1, never a traceback; the type names what to look for.
+        error(f"malformed input ({type(e).__name__}: {e})")
         return EXIT_FAILED
 
 

@@ -3,14 +3,23 @@
 Flags override ``CKPTD_*`` environment variables (``CKPTD_ROOTS``, ``CKPTD_PORT``,
 ``CKPTD_STAGING_DIR``, ``CKPTD_BUDGET``, ...). SIGTERM/SIGINT stop it after running uploads
 finish (up to 30 s); what is left is journalled and resumed at the next start.
+
+Authentication is explicit: without ``--token-file`` the daemon refuses to start unless
+``--insecure-no-auth`` (``CKPTD_INSECURE_NO_AUTH=1``) says that every local user, and every host
+that reaches the address, may hand off snapshots; it then logs one WARNING saying so. The port is
+bound before anything else happens, so a taken port is one error line and exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
+import stat
 
 from ckptd.cli.common import UsageError, positive_int
+from ckptd.errors import CheckpointError
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -27,6 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8470)")
     p.add_argument("--token-file", metavar="F", help="require 'Authorization: Bearer <token in F>' (not for /healthz)")
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve without a token: any local user (and any host reaching --host) may hand off and commit",
+    )
+    p.add_argument(
+        "--staging-group",
+        metavar="GROUP",
+        help="trainers' group when they run as other users: lease folders 2770 with it (default: 0700)",
+    )
     p.add_argument("--staging-dir", metavar="DIR", help="staging folder (default /dev/shm/ckptd, else a local folder)")
     p.add_argument(
         "--budget", metavar="SIZE", help="memory for staged snapshots, e.g. 8GiB (default: half the free space)"
@@ -53,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "token_file": args.token_file,
+        "insecure_no_auth": args.insecure_no_auth or None,
+        "staging_group": args.staging_group,
         "staging_dir": args.staging_dir,
         "upload_workers": args.upload_workers,
         "keep_last": args.keep_last,
@@ -66,9 +87,25 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(" ".join(str(e).split())) from None
     if not settings.roots:
         raise UsageError("serve needs at least one --root URI (or CKPTD_ROOTS)")
+    if settings.token_file is None and not settings.insecure_no_auth:
+        raise UsageError(
+            "refusing to serve without authentication: give --token-file F (a token readable only by the "
+            "daemon and the trainers), or --insecure-no-auth to let anyone who can connect hand off and commit"
+        )
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
+    log = logging.getLogger("ckptd.server")
+    if settings.token_file is None:
+        log.warning(
+            "INSECURE: no authentication (--insecure-no-auth): every local user and every host that reaches "
+            "%s:%d can hand off snapshots, commit steps and read checkpoint metadata",
+            settings.host,
+            settings.port,
+        )
+    else:
+        _check_token_file(settings.token_file, log)
+    sock = _listen(settings.host, settings.port)
     if settings.fault_upload_delay_s:
         logging.getLogger("ckptd.server").warning(
             "fault injection on: every shard put sleeps %.2f s (CKPTD_FAULT_UPLOAD_DELAY_S, for tests only)",
@@ -77,6 +114,35 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = create_app(settings)
     except (RuntimeError, OSError) as e:
+        sock.close()
         raise UsageError(str(e)) from None
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
-    return 0
+    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False)
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    return 0 if server.started else 1
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn listens on it); one clear error (exit 1) if taken."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise CheckpointError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.set_inheritable(True)
+    except OSError as e:
+        sock.close()
+        raise CheckpointError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _check_token_file(path: str, log: logging.Logger) -> None:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # create_app reports it
+    if mode & stat.S_IROTH:
+        log.warning("token file %s is readable by every local user (mode %o): chmod o-r it", path, stat.S_IMODE(mode))

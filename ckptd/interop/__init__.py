@@ -32,13 +32,31 @@ EXPORT_FORMATS = {"torch": "torchfile", "safetensors": "safetensors", "dcp": "dc
 
 
 def import_checkpoint(
-    src: str, fmt: str, store: Store, step: int, as_key: str = "model", progress: Progress | None = None
+    src: str,
+    fmt: str,
+    store: Store,
+    step: int,
+    as_key: str = "model",
+    progress: Progress | None = None,
+    *,
+    trust_pickle: bool = False,
 ) -> ImportResult:
-    """Write the checkpoint at ``src`` (format ``fmt``) into ``store`` as committed step ``step``."""
+    """Write the checkpoint at ``src`` (format ``fmt``) into ``store`` as committed step ``step``.
+
+    A DCP folder's ``.metadata`` is a pickle that only torch's unpickler reads, and unpickling can
+    run code stored in it: ``dcp`` is refused unless the caller says it trusts ``src``
+    (``trust_pickle=True``, ``ckptd import --trust-pickle``). The other formats unpickle nothing
+    (``weights_only=True``)."""
     from ckptd.interop.common import _no_progress, write_import
 
     if fmt not in IMPORT_FORMATS:
         raise CheckpointError(f"unknown import format {fmt!r} (one of {', '.join(IMPORT_FORMATS)})")
+    if fmt == "dcp" and not trust_pickle:
+        raise CheckpointError(
+            f"{src}: refusing to import DCP without --trust-pickle: a DCP folder's .metadata is a Python "
+            "pickle and reading it can run code stored in it; pass --trust-pickle only for a folder you "
+            "would torch.load"
+        )
     module = importlib.import_module(f"ckptd.interop.{IMPORT_FORMATS[fmt]}")
     tree, load = module.read(src, as_key)
     return write_import(store, step, tree, load, progress or _no_progress)

@@ -40,7 +40,7 @@ from ckptd.server.metrics import Metrics
 from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
 from ckptd.server.roots import RootError, Roots
-from ckptd.server.settings import Settings, default_staging_dir
+from ckptd.server.settings import Settings, default_staging_dir, group_id
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from storage_backends import StorageError
 
@@ -244,6 +244,7 @@ ERRORS: dict[type[Exception], int] = {
     AlreadyCommitted: 409,  # a committed checkpoint is immutable
     CheckpointError: 502,  # the job root holds something unreadable
     StorageError: 502,  # the job root's storage failed
+    RecursionError: 400,  # a request body nested deeper than JSON parsing or encoding goes
 }
 
 
@@ -409,9 +410,11 @@ def create_app(settings: Settings) -> FastAPI:
         folder, why = Path(settings.staging_dir), "configured"
     else:
         folder, why = default_staging_dir(settings.budget)
-    folder.mkdir(parents=True, exist_ok=True)
-    budget = settings.budget if settings.budget is not None else shutil.disk_usage(folder).free // 2
-    staging = Staging(folder, budget, settings.lease_ttl_s, settings.budget_stall_s)
+    # Only the parent here: Staging creates the folder itself (or adopts one it owns), never
+    # exist_ok on a path another local user may have planted.
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    budget = settings.budget if settings.budget is not None else shutil.disk_usage(folder.parent).free // 2
+    staging = Staging(folder, budget, settings.lease_ttl_s, settings.budget_stall_s, group_id(settings.staging_group))
     metrics = Metrics()
     runner = Runner(settings, roots, staging, metrics)
     runner.recover()

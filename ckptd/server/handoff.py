@@ -27,10 +27,10 @@ from ckptd.dtypes import numpy_dtype, torch_dtype
 from ckptd.errors import CheckpointError
 from ckptd.savejob import SaveJob, ShardWrite, format_image
 from ckptd.server.roots import RootError, Roots
-from ckptd.server.staging import Lease, is_plain_file_name
+from ckptd.server.staging import Lease, is_plain_file_name, read_staged
 from storage_backends.base import InvalidKeyError, check_key
 
-__all__ = ["ATTEMPT", "BadJob", "FINAL", "JOB_ID", "Job", "MAX_META_BYTES", "intact", "load", "validate"]
+__all__ = ["ATTEMPT", "BadJob", "FINAL", "JOB_ID", "Job", "MAX_DEPTH", "MAX_META_BYTES", "intact", "load", "validate"]
 
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
@@ -105,6 +105,24 @@ def _file_size(lease: Lease, name: str, what: str) -> int:
     return st.st_size
 
 
+MAX_DEPTH = 64  # nesting of the free-form ``done`` object (RNG state is 4 deep)
+
+
+def _shallow(obj, what: str):
+    """``obj`` if it nests at most MAX_DEPTH levels (checked without recursion), else BadJob: a
+    deeper one would make the journal's and the done record's JSON encoding recurse too far."""
+    stack = [(obj, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise BadJob(f"{what} is nested more than {MAX_DEPTH} levels deep")
+        if isinstance(x, dict):
+            stack += [(v, depth + 1) for v in x.values()]
+        elif isinstance(x, list):
+            stack += [(v, depth + 1) for v in x]
+    return obj
+
+
 def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -> Job:
     """A ``Job`` from a hand-off request (already shape-checked by the API model); BadJob if it
     names a root not served, keys escaping the checkpoint folder, or files outside its lease or
@@ -171,7 +189,7 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
         world_size=req["world_size"],
         shards=shards,
         metadata=metadata,
-        done=req.get("done") or {},
+        done=_shallow(req.get("done") or {}, "done"),
         writer=req.get("writer"),
         commit_timeout=float(req.get("commit_timeout") or 1800.0),
     )
@@ -182,7 +200,7 @@ def _map(path: Path, nbytes: int) -> torch.Tensor:
     swapped for a symlink after validation is refused, never followed."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
@@ -213,7 +231,7 @@ def load(job: Job, folder: Path) -> SaveJob:
         buf = mapped.numpy().view(numpy_dtype(layout.dtype)).reshape(layout.shard_extent(coord))
         out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
-        out.metadata.append((m["key"], (folder / m["file"]).read_bytes()))
+        out.metadata.append((m["key"], read_staged(folder / m["file"], m["nbytes"])))
     return out
 
 

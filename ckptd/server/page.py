@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import html
-import json
 import threading
 import time
 from datetime import UTC, datetime
@@ -209,8 +208,9 @@ def _read_info(store: Store, step: int) -> CheckpointInfo:
     if commit is not None:
         return CheckpointInfo(step, True, commit.get("world_size"), commit.get("bytes"), commit.get("time"), folder)
     ws = None
-    with contextlib.suppress(NotFoundError, ValueError, AttributeError):
-        ws = json.loads(store.get(f"{folder}/{mf.MANIFEST}")).get("world_size")
+    with contextlib.suppress(NotFoundError, ValueError, AttributeError, CheckpointError):
+        where = catalog.where(store, step)
+        ws = mf.read_json(store, f"{folder}/{mf.MANIFEST}", where, "manifest", mf.MAX_MANIFEST_BYTES).get("world_size")
     objs = list(store.list(f"{folder}/"))
     mtime = max((o.mtime for o in objs), default=None)
     return CheckpointInfo(step, False, ws, sum(o.size for o in objs), mtime, folder)

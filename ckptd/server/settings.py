@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "default_staging_dir", "parse_size"]
+__all__ = ["Settings", "default_staging_dir", "group_id", "parse_size"]
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B?|B)?\s*", re.IGNORECASE)
 
@@ -35,6 +35,11 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8470
     token_file: str | None = None
+    # Without a token file the daemon refuses to start unless this is set (see deploy/README.md).
+    insecure_no_auth: bool = False
+    staging_group: str | None = Field(
+        None, description="the trainers' group: lease folders 2770 with it, else 0700 (one user for both)"
+    )
     staging_dir: str | None = Field(
         None, description="where snapshots are staged; default /dev/shm/ckptd, else a local folder"
     )
@@ -60,6 +65,18 @@ class Settings(BaseSettings):
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.
     fault_upload_delay_s: float = 0.0
+
+
+def group_id(name: str | None) -> int | None:
+    """The gid of ``--staging-group`` (a name or a number); None when not set."""
+    if name is None:
+        return None
+    import grp
+
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ValueError(f"no such group {name!r} (--staging-group)") from None
 
 
 def default_staging_dir(budget: int | None) -> tuple[Path, str]:

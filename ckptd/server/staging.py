@@ -21,12 +21,22 @@ job description and its state) written before the hand-off is acknowledged. A re
 resumes jobs journalled as ``accepted`` whose files are intact and discards the others (see
 ``jobs.Runner.recover``). Only one daemon may use a staging folder (a lock file says so).
 
+Trust (see docs/security.md): the staging folder sits in a world-writable place (``/dev/shm``),
+so the daemon creates it itself, or adopts it only if it is a real folder (not a link) that this
+user owns; every folder below is opened relative to its parent's descriptor with ``O_NOFOLLOW``,
+deleted with ``rmtree(dir_fd=...)`` (never through a link), and made private: mode 0700, or 0770
+with the trainers' group (``--staging-group``) so that daemon and trainers may run as different
+users of that group. Files the daemon reads from a lease (``read_staged``) are opened with
+``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` (regular file, expected size) before a byte
+is read from that descriptor, so a file swapped for a link or a FIFO after validation is refused.
+
 Concurrency: every public method may be called from any thread; one lock guards the lease table.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -49,8 +59,12 @@ __all__ = [
     "LeaseBusy",
     "LeaseGone",
     "Staging",
+    "StagingError",
+    "StagingFileError",
     "folder_bytes",
     "is_plain_file_name",
+    "open_private_dir",
+    "read_staged",
     "write_json_atomic",
 ]
 
@@ -59,6 +73,9 @@ log = logging.getLogger("ckptd.staging")
 LEASE_FILE = "lease.json"
 JOB_FILE = "job.json"
 FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+LEASE_ID = re.compile(r"[0-9a-f]{16}", re.ASCII)
+MAX_JOURNAL_BYTES = 16 << 20  # lease.json / job.json: a job's description, never more
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WAITER_STALE_S = 5.0  # a refused client that has not asked again for this long has gone
 
 
@@ -118,28 +135,135 @@ def folder_bytes(folder: Path) -> int:
     return total
 
 
+class StagingError(RuntimeError):
+    """The staging folder is not safe to use (another user's, a link, writable by others)."""
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``path`` through a fresh temp file (``O_EXCL | O_NOFOLLOW``: never through a link a
+    client planted in its lease folder), then rename it into place."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    dfd = os.open(path.parent, _DIR_FLAGS)
+    try:
+        tmp = f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+class StagingFileError(OSError):
+    """A staged file is not what the hand-off said (a link, a FIFO, another size)."""
+
+
+def read_staged(path: Path, nbytes: int | None = None, cap: int = MAX_JOURNAL_BYTES) -> bytes:
+    """The bytes of a file in the staging area, read safely: ``O_NOFOLLOW`` (a link is refused,
+    never followed: ``/proc/self/environ`` must not end up in a checkpoint), ``O_NONBLOCK`` (a FIFO
+    cannot hang the daemon), then ``fstat`` on that descriptor: a regular file, of ``nbytes``
+    bytes when given, at most ``cap``; then every byte is read from that same descriptor. Raises
+    OSError (ELOOP, ENOENT, ...) or ``StagingFileError``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StagingFileError(f"staging file {path} is not a regular file")
+        if nbytes is not None and st.st_size != nbytes:
+            raise StagingFileError(f"staging file {path} changed: {st.st_size} bytes, expected {nbytes}")
+        if st.st_size > cap:
+            raise StagingFileError(f"staging file {path} is {st.st_size} bytes, more than {cap}")
+        parts, pos = [], 0
+        while pos < st.st_size:
+            chunk = os.pread(fd, st.st_size - pos, pos)
+            if not chunk:
+                break
+            parts.append(chunk)
+            pos += len(chunk)
+        if pos != st.st_size:
+            raise StagingFileError(f"staging file {path} shrank while it was read")
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _check_ancestors(path: Path) -> None:
+    """Every folder above the staging folder must be safe from other users: owned by root or by
+    us, and not writable by others unless sticky (``/dev/shm``, ``/tmp``), as ssh's StrictModes
+    checks. Links above are resolved (``/var/run`` -> ``/run``) since only root or we could have
+    made them there."""
+    me = os.geteuid()
+    for d in [path.parent.resolve(), *path.parent.resolve().parents]:
+        st = os.stat(d)
+        if st.st_uid not in (0, me):
+            raise StagingError(f"staging folder {path}: {d} belongs to uid {st.st_uid}, not to root or this daemon")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise StagingError(f"staging folder {path}: {d} is writable by other users and not sticky")
+
+
+def open_private_dir(name: str | Path, mode: int, gid: int | None = None, dir_fd: int | None = None) -> int:
+    """Create the folder ``name`` (relative to ``dir_fd`` when given), or adopt it only if it is a
+    real folder owned by this user; set its mode (and group); return an ``O_NOFOLLOW`` descriptor
+    of it. Never ``exist_ok`` on a path someone else owns: a folder (or a link) pre-created by
+    another local user is refused with StagingError."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise StagingError(f"staging folder {name} is a symbolic link or not a folder: refusing it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise StagingError(
+                f"staging folder {name} belongs to uid {st.st_uid}, not to this daemon (uid {os.geteuid()}): "
+                "refusing to use it (remove it, or give another --staging-dir)"
+            )
+        if gid is not None and st.st_gid != gid:
+            os.fchown(fd, -1, gid)
+        if stat.S_IMODE(st.st_mode) != mode or gid is not None:
+            os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Staging:
-    def __init__(self, folder: Path, budget: int, lease_ttl_s: float = 60.0, stall_s: float = 30.0):
-        self.folder = Path(folder)
+    """``group``: the trainers' group id when trainers run as other users than the daemon (lease
+    folders 2770 and that group); None: daemon and trainers share one user (folders 0700)."""
+
+    def __init__(
+        self, folder: Path, budget: int, lease_ttl_s: float = 60.0, stall_s: float = 30.0, group: int | None = None
+    ):
+        self.folder = Path(folder).absolute()
         self.leases_dir = self.folder / "leases"
-        self.leases_dir.mkdir(parents=True, exist_ok=True)
+        self.group = group
+        # Trainers of the group only need to reach their own lease folder by its path: x, no r.
+        self.dir_mode = 0o710 if group is not None else 0o700
+        self.lease_mode = 0o2770 if group is not None else 0o700
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        _check_ancestors(self.folder)
+        self._root_fd = open_private_dir(self.folder, self.dir_mode, group)
+        try:
+            self._leases_fd = open_private_dir("leases", self.dir_mode, group, dir_fd=self._root_fd)
+        except BaseException:
+            os.close(self._root_fd)
+            raise
         self.budget = budget
         self.ttl = lease_ttl_s
         self.stall_s = stall_s
-        self._lock_file = open(self.folder / ".lock", "a+")  # noqa: SIM115 - held for the process's life
+        lock_fd = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._root_fd)
+        self._lock_file = os.fdopen(lock_fd, "a+")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            self._lock_file.close()
+            self._close_fds()
             raise RuntimeError(f"another ckptd serve already uses the staging folder {self.folder}") from None
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
@@ -232,7 +356,7 @@ class Staging:
             granted = self._grant(None, need, max(need, want), ticket)
             lease_id = uuid.uuid4().hex[:16]
             folder = self.leases_dir / lease_id
-            folder.mkdir()
+            os.close(open_private_dir(lease_id, self.lease_mode, self.group, dir_fd=self._leases_fd))
             lease = Lease(lease_id, folder, root, rank, granted, active=True)
             write_json_atomic(
                 folder / LEASE_FILE, {"lease": lease_id, "root": root, "rank": rank, "created": time.time()}
@@ -336,8 +460,21 @@ class Staging:
 
     def _free(self, lease: Lease) -> None:
         self._leases.pop(lease.id, None)
-        shutil.rmtree(lease.dir, ignore_errors=True)
+        self._remove(lease.id)
         self._progress = time.monotonic()
+
+    def _remove(self, name: str) -> None:
+        """Remove one entry of ``leases/`` without following any link: a folder through
+        ``rmtree(dir_fd=...)`` (which walks by descriptors), anything else by unlinking the name."""
+        try:
+            st = os.stat(name, dir_fd=self._leases_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, ignore_errors=True, dir_fd=self._leases_fd)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self._leases_fd)
 
     # ---------------------------------------------------------------------------- restart
 
@@ -346,22 +483,30 @@ class Staging:
         leases without a readable ``lease.json`` are removed."""
         out = []
         with self._lock:
-            for folder in sorted(self.leases_dir.iterdir()):
+            for name in sorted(os.listdir(self._leases_fd)):
+                folder = self.leases_dir / name
                 try:
-                    meta = json.loads((folder / LEASE_FILE).read_text())
+                    st = os.stat(name, dir_fd=self._leases_fd, follow_symlinks=False)
+                    if not LEASE_ID.fullmatch(name) or not stat.S_ISDIR(st.st_mode):
+                        raise ValueError("not a lease folder")
+                    if st.st_uid != os.geteuid():
+                        raise ValueError(f"owned by uid {st.st_uid}")
+                    meta = json.loads(read_staged(folder / LEASE_FILE))
                     lease = Lease(meta["lease"], folder, meta["root"], int(meta["rank"]), folder_bytes(folder))
-                    if lease.id != folder.name:
+                    if lease.id != name or not isinstance(lease.root, str):
                         raise ValueError("lease id does not match its folder")
-                except (OSError, ValueError, KeyError, TypeError) as e:
-                    log.warning("removing unreadable staging folder %s (%s)", folder, e)
-                    shutil.rmtree(folder, ignore_errors=True)
+                except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+                    log.warning("removing unreadable staging entry %s (%s)", folder, e)
+                    self._remove(name)
                     continue
                 job = None
                 with contextlib.suppress(FileNotFoundError):
                     try:
-                        job = json.loads((folder / JOB_FILE).read_text())
-                    except ValueError:
-                        log.warning("staging folder %s: unreadable job journal; ignoring it", folder)
+                        job = json.loads(read_staged(folder / JOB_FILE))
+                    except (OSError, ValueError, RecursionError) as e:
+                        log.warning("staging folder %s: unreadable job journal (%s); ignoring it", folder, e)
+                if not isinstance(job, dict):
+                    job = None
                 if job is not None and job.get("state") == "accepted":
                     lease.owner, lease.job = "daemon", job.get("job")
                 self._leases[lease.id] = lease
@@ -371,4 +516,10 @@ class Staging:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+        self._close_fds()
+
+    def _close_fds(self) -> None:
         self._lock_file.close()
+        for fd in (self._leases_fd, self._root_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -20,10 +20,10 @@ from storage_backends._direct import (
     write_direct,
 )
 from storage_backends.local import _advance
-from storage_backends.testing import StoreConformance, assert_empty_store
+from storage_backends.testing import FilesystemConformance, StoreConformance, assert_empty_store
 
 
-class TestLocalStore(StoreConformance):
+class TestLocalStore(StoreConformance, FilesystemConformance):
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[LocalStore]:
         # The root does not exist yet: the first put must create it.
@@ -222,7 +222,7 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path: Path,
 
     calls = []
 
-    def refuse(path: str) -> int:
+    def refuse(path: str, dir_fd: int | None = None) -> int:
         calls.append(path)
         raise DirectUnsupported(errno.EINVAL, "O_DIRECT refused: Invalid argument")
 

@@ -35,7 +35,10 @@ def saved(tmp_path_factory):
 def test_dcp_saved_at_2_imports_and_restores_at_3_bitwise(saved, capsys):
     paths, ref = saved
     out, root = paths["out"], str(paths["out"] / "imported")
-    assert main(["import", str(paths["dcp"]), "--format", "dcp", root, "--step", str(ref["saved_step"])]) == 0
+    assert (
+        main(["import", str(paths["dcp"]), "--format", "dcp", root, "--step", str(ref["saved_step"]), "--trust-pickle"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "model (dict)" in printed and "optim (optimizer)" in printed and "sched (dict)" in printed
     res = run_interop(3, "restore_imported", out, layout="fsdp", root=root, ref="ref_fsdp_2.pt", next_step=2)

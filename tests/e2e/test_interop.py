@@ -199,7 +199,7 @@ def test_dcp_import_restores_model_optimizer_and_values(tmp_path, capsys):
     sd = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, o), "extra": {"epoch": 3}}
     dcp_save(sd, tmp_path / "dcp")
     root = str(tmp_path / "job")
-    printed = ok(capsys, "import", tmp_path / "dcp", "--format", "dcp", root, "--step", 5)
+    printed = ok(capsys, "import", tmp_path / "dcp", "--format", "dcp", root, "--step", 5, "--trust-pickle")
     assert "model (dict), optim (optimizer), extra (dict)" in printed
     extra = {"epoch": 0}
     m2, o2 = restore_fresh(root, "optim", extra=extra)
@@ -216,7 +216,7 @@ def test_dcp_import_of_a_torchtitan_layout(tmp_path, capsys):
     osd = get_optimizer_state_dict(m, o, options=StateDictOptions(flatten_optimizer_state_dict=True))
     dcp_save({**get_model_state_dict(m), "optimizer": osd, "train_state": {"step": 12}}, tmp_path / "tt")
     root = str(tmp_path / "job")
-    printed = ok(capsys, "import", tmp_path / "tt", "--format", "dcp", root, "--step", 12)
+    printed = ok(capsys, "import", tmp_path / "tt", "--format", "dcp", root, "--step", 12, "--trust-pickle")
     assert "model (dict), optimizer (optimizer), train_state (dict)" in printed
     train_state = {"step": 0}
     m2, o2 = restore_fresh(root, "optimizer", train_state=train_state)
@@ -232,7 +232,7 @@ def test_dcp_imported_scheduler_restores_into_a_live_scheduler(tmp_path, capsys)
     sched.step()
     dcp_save({"sched": sched}, tmp_path / "dcp")
     root = str(tmp_path / "job")
-    ok(capsys, "import", tmp_path / "dcp", "--format", "dcp", root, "--step", 1)
+    ok(capsys, "import", tmp_path / "dcp", "--format", "dcp", root, "--step", 1, "--trust-pickle")
     live = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(net(0).parameters(), lr=1.0), step_size=1)
     state = {"sched": live}
     with Checkpointer(root) as ck:
@@ -306,7 +306,9 @@ def test_errors_are_one_line(saved, tmp_path, capsys):
         return lines[0]
 
     assert "no such file" in error(1, "import", tmp_path / "nope.pt", "--format", "torch", tmp_path / "j", "--step", 1)
-    assert "not a PyTorch DCP" in error(1, "import", tmp_path, "--format", "dcp", tmp_path / "j", "--step", 1)
+    assert "not a PyTorch DCP" in error(
+        1, "import", tmp_path, "--format", "dcp", tmp_path / "j", "--step", 1, "--trust-pickle"
+    )
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
     assert "not a readable" in error(
         1, "import", tmp_path / "junk.pt", "--format", "torch", tmp_path / "j", "--step", 1
@@ -316,7 +318,7 @@ def test_errors_are_one_line(saved, tmp_path, capsys):
     assert "never unpickles" in msg
     dcp_save({"model": {"w": torch.ones(2)}, "obj": {"x": torch.nn.Identity()}}, tmp_path / "dcp_obj")
     assert "'obj.x' is not plain data" in error(
-        1, "import", tmp_path / "dcp_obj", "--format", "dcp", tmp_path / "j", "--step", 1
+        1, "import", tmp_path / "dcp_obj", "--format", "dcp", tmp_path / "j", "--step", 1, "--trust-pickle"
     )
     torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
     assert "already committed" in error(1, "import", tmp_path / "w.pt", "--format", "torch", root, "--step", 7)
@@ -390,7 +392,7 @@ def test_import_and_export_stream(tmp_path):
             "import safetensors",
             ["import", str(tmp_path / "big.safetensors"), "--format", "safetensors", root, "--step", "2"],
         ),
-        ("import dcp", ["import", str(tmp_path / "big_dcp"), "--format", "dcp", root, "--step", "3"]),
+        ("import dcp", ["import", str(tmp_path / "big_dcp"), "--format", "dcp", root, "--step", "3", "--trust-pickle"]),
         ("export torch", ["export", root, "--step", "3", "--format", "torch", str(tmp_path / "out.pt")]),
         (
             "export safetensors",

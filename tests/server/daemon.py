@@ -45,6 +45,8 @@ class Daemon:
             args += ["--staging-dir", str(self.staging)]
             if self.token_file is not None:
                 args += ["--token-file", str(self.token_file)]
+            else:  # loopback, one user: the tests' own choice, made explicit as the CLI requires
+                args += ["--insecure-no-auth"]
             env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **self.env}
             with open(self.log_path, "a") as log:
                 self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
