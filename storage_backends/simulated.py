@@ -349,9 +349,9 @@ class SimulatedStore(Store):
 
     # -- Store ----------------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int | None = None) -> bytes:
         check_key(key)
-        return self._request("GET", key, lambda: self.inner.get(key))
+        return self._request("GET", key, lambda: self.inner.get(key, limit))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_key(key)
