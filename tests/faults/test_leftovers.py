@@ -79,3 +79,45 @@ def test_the_next_save_of_a_killed_step_removes_its_temp_files(tmp_path):
     assert camp.run_trainer(root, 1)[-1] == "done"
     assert [f for f in all_files(step2) if ".tmp." in f] == []
     camp.check(root)
+
+
+def test_gc_removes_temp_files_a_killed_writer_left_inside_a_committed_step(tmp_path):
+    """A writer killed between writing a temp file and renaming it into a committed step (as a
+    daemon killed inside ``put_if_absent`` of ``commit.json`` leaves one): gc's sweep of
+    incomplete writes removes it once older than the threshold, never the step's objects."""
+    import subprocess
+    import sys
+
+    camp = Campaign(tmp_path / "work")
+    root = Root(str(tmp_path / "job"), {})
+    assert camp.run_trainer(root, 1)[-1] == "done"
+    step1 = Path(root.uri) / STEP_DIR.format(1)
+    before = all_files(step1)
+    # a real process, a real kill: its rename is slowed (an injected slow disk) so the temp
+    # file is complete on disk when the SIGKILL lands
+    code = (
+        "import os, time, sys\n"
+        "from storage_backends.local import LocalStore\n"
+        "real = os.replace\n"
+        "os.replace = lambda *a, **k: (open(sys.argv[2], 'w').close(), time.sleep(600), real(*a, **k))\n"
+        "LocalStore(sys.argv[1]).put('step_0000000001/_verify.json', b'{}' * 1000)\n"
+    )
+    flag = tmp_path / "written"
+    p = subprocess.Popen([sys.executable, "-c", code, root.uri, str(flag)], cwd=str(Path(__file__).parents[2]))
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        kill(p)
+    temps = [f for f in all_files(step1) if ".tmp." in f]
+    assert len(temps) == 1
+
+    out = cli("gc", root.uri, "--keep-last", "1", "--json")  # default: only older than 24 h
+    assert out.returncode == 0 and json.loads(out.stdout)["aborted_uploads"] == []
+    out = cli("gc", root.uri, "--keep-last", "1", "--abort-uploads-older-than", "0", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["aborted_uploads"] == [f"{STEP_DIR.format(1)}/{temps[0]}"]
+    assert all_files(step1) == before
+    camp.check(root)
