@@ -6,7 +6,8 @@ writer left in its folder (temp files, empty folders); then the incomplete write
 older than ``--abort-uploads-older-than``: S3 multipart uploads, and on a filesystem the temp
 files of writers killed before their rename, wherever they are (inside committed steps too).
 A partial folder newer than the newest commit is left alone: it may be a save in flight. What
-it prints is counted from what was removed, and a step whose folder is still there afterwards is reported and fails the command.
+it prints is counted from what was removed, and a step whose folder is still there afterwards
+is reported and fails the command.
 """
 
 from __future__ import annotations
