@@ -1,7 +1,7 @@
 """The bounded fault campaign of CI (issue 14): SIGKILLs of trainers, ``gc`` and the daemon at
 random points of save, commit, retention and gc (at least 30 per run), S3 faults on 10% and 50%
-of requests, a disk that fills up at random points of a save; every invariant of
-``tests.faults.campaign`` checked after every event. Seeded: the schedule of faults and kill
+of requests, a disk that fills up at random points of a save, two jobs saving on one root;
+every invariant of ``tests.faults.campaign`` checked after every event. Seeded: the schedule of faults and kill
 times is the same on every run (what the processes do meanwhile is not).
 
 The long campaign is ``python -m benchmarks.faults``."""
