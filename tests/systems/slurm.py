@@ -169,6 +169,11 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
         out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()  # a line per partition
         return bool(out) and all(s.rstrip("*") in ("idle", "mixed", "allocated") for s in out)
 
+    def _node_idle_only(self) -> bool:
+        """No job on the node, none completing."""
+        out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
+        return bool(out) and all(s.rstrip("*") == "idle" for s in out)
+
     def stop(self) -> None:
         """Cancel every job (their slurmstepd processes outlive slurmd), then SIGTERM to each
         daemon by pid (slurmd first), SIGKILL after 30 s."""

@@ -84,7 +84,10 @@ def _wait_requeued(cluster: SlurmCluster, job: int, restarts: int, timeout=240.0
     deadline = time.monotonic() + timeout
     while True:
         info = cluster.job(job)
-        if info["JobState"] == "PENDING" and int(info["Restarts"]) == restarts:
+        # pending again, and the previous run's processes gone from the node: changing the job
+        # while it still completes lets slurmctld start the new run and then book the old
+        # batch script's exit status against it (seen: the new run marked FAILED at once)
+        if info["JobState"] == "PENDING" and int(info["Restarts"]) == restarts and cluster._node_idle_only():
             return info
         if info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             raise AssertionError(f"job {job} ended ({info['JobState']}) instead of requeueing:\n{_out(job)}")
