@@ -170,7 +170,7 @@ class Campaign:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        time.sleep(self.rng.uniform(0.3, 2.0))
+        time.sleep(self.rng.uniform(0.1, 1.2))
         killed = p.poll() is None
         kill(p)
         self.counts["kills: gc" if killed else "gc finished before its kill"] += 1
