@@ -26,6 +26,7 @@ import secrets
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from storage_backends._direct import DIRECT_MIN_BYTES, BouncePool, DirectUnsupported, open_direct, write_direct
@@ -668,6 +669,49 @@ class LocalStore(Store):
                     os.close(fd)
             self._prune(d)
         return n, nbytes
+
+    def abort_stale_uploads(self, older_than: float) -> list[str]:
+        """A filesystem's incomplete uploads are the temp files of writes that never finished
+        (their writer was killed between writing and renaming, or between the link and the
+        unlink of ``put_if_absent``): remove those last modified more than ``older_than``
+        seconds ago, anywhere under the root, even inside committed steps, which ``purge``
+        never touches. Returns their paths. Walks by descriptors; links are never entered."""
+        cutoff = time.time() - older_than
+        removed: list[str] = []
+
+        def walk(dfd: int, where: tuple[str, ...]) -> None:
+            with os.scandir(dfd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            for name, is_dir in entries:
+                if is_dir:
+                    try:
+                        child = os.open(name, _DIR_OPEN, dir_fd=dfd)
+                    except OSError:
+                        continue
+                    try:
+                        walk(child, (*where, name))
+                    finally:
+                        os.close(child)
+                elif _is_temp(name):
+                    with contextlib.suppress(FileNotFoundError):
+                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                        if st.st_mtime <= cutoff:
+                            os.unlink(name, dir_fd=dfd)
+                            removed.append("/".join((*where, name)))
+
+        try:
+            fd = self._dir_fd(())
+        except OSError as e:
+            if isinstance(e, FileNotFoundError | NotADirectoryError):
+                return removed
+            raise self._fail("list", "''", e) from None
+        try:
+            walk(fd, ())
+        except OSError as e:
+            raise self._fail("delete", "temp files", e) from None
+        finally:
+            os.close(fd)
+        return sorted(removed)
 
     def _purge_leftovers(self, top: tuple[str, ...], name_prefix: str) -> tuple[int, int, set[tuple[str, ...]]]:
         """Remove temp files named for keys under ``top``/``name_prefix`` and the empty folders

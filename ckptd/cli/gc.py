@@ -2,10 +2,12 @@
 
 What it deletes: committed checkpoints older than the newest K (never the newest one ``ckptd
 verify`` passed), and partial ones older than the newest commit, each with everything a killed
-writer left in its folder (temp files, empty folders); then the incomplete S3 multipart uploads
-under the root older than ``--abort-uploads-older-than``. A partial folder newer than the newest
-commit is left alone: it may be a save in flight. What it prints is counted from what was
-removed, and a step whose folder is still there afterwards is reported and fails the command.
+writer left in its folder (temp files, empty folders); then the incomplete writes under the root
+older than ``--abort-uploads-older-than``: S3 multipart uploads, and on a filesystem the temp
+files of writers killed before their rename, wherever they are (inside committed steps too).
+A partial folder newer than the newest commit is left alone: it may be a save in flight. What
+it prints is counted from what was removed, and a step whose folder is still there afterwards
+is reported and fails the command.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=duration,
         default=duration("24h"),
         metavar="AGE",
-        help="abort incomplete S3 multipart uploads under the root begun longer ago than this "
+        help="abort incomplete S3 multipart uploads (remove temp files, on a filesystem) under the root "
+        "begun longer ago than this "
         "(default 24h; 0: all, only when no save is running)",
     )
     add_json(p)

@@ -170,7 +170,7 @@ class Campaign:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        time.sleep(self.rng.uniform(0.3, 2.0))
+        time.sleep(self.rng.uniform(0.1, 1.2))
         killed = p.poll() is None
         kill(p)
         self.counts["kills: gc" if killed else "gc finished before its kill"] += 1
@@ -263,7 +263,7 @@ class Campaign:
         self.counts["gc runs"] += 1
         self.counts["gc: steps deleted"] += len(doc["deleted"])
         self.counts["gc: files deleted"] += doc["deleted_objects"]
-        self.counts["gc: uploads aborted"] += len(doc["aborted_uploads"])
+        self.counts["gc: incomplete uploads / temp files removed"] += len(doc["aborted_uploads"])
         committed = catalog.committed_steps(store)
         newest = committed[-1] if committed else None
         for s in catalog.steps(store):

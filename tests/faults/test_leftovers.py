@@ -61,13 +61,14 @@ def test_gc_removes_everything_a_killed_save_left_and_reports_it(tmp_path):
     assert doc["deleted_objects"] == sum(n for n, _ in expect)
     assert doc["deleted_bytes"] == sum(b for _, b in expect)
     assert not step2.exists() and not (Path(root.uri) / STEP_DIR.format(1)).exists()
-    assert sorted(p.name for p in Path(root.uri).iterdir()) == [STEP_DIR.format(3)]
+    # the root's own records (``_latest``, ...) aside, only step 3 is left
+    assert sorted(p.name for p in Path(root.uri).iterdir() if not p.name.startswith("_")) == [STEP_DIR.format(3)]
 
     out = cli("gc", root.uri, "--keep-last", "1")
     assert out.returncode == 0 and out.stdout == "" and "nothing to delete" in out.stderr
 
 
-def test_the_next_save_of_a_killed_step_removes_its_temp_files(tmp_path):
+def test_temp_files_of_a_killed_attempt_are_gone_after_the_resave_and_gc(tmp_path):
     camp = Campaign(tmp_path / "work")
     root = Root(str(tmp_path / "job"), {})
     assert camp.run_trainer(root, 1)[-1] == "done"
@@ -77,5 +78,49 @@ def test_the_next_save_of_a_killed_step_removes_its_temp_files(tmp_path):
     kill(p)
     root.next_step = 2  # the restarted job saves step 2 again
     assert camp.run_trainer(root, 1)[-1] == "done"
+    # Temp files the dead attempt left may sit inside the new commit (the fenced begin of the
+    # commit protocol does not purge them); gc's sweep of stale incomplete writes removes them.
+    camp.check(root)  # gc --abort-uploads-older-than 0 included
     assert [f for f in all_files(step2) if ".tmp." in f] == []
+
+
+def test_gc_removes_temp_files_a_killed_writer_left_inside_a_committed_step(tmp_path):
+    """A writer killed between writing a temp file and renaming it into a committed step (as a
+    daemon killed inside ``put_if_absent`` of ``commit.json`` leaves one): gc's sweep of
+    incomplete writes removes it once older than the threshold, never the step's objects."""
+    import subprocess
+    import sys
+
+    camp = Campaign(tmp_path / "work")
+    root = Root(str(tmp_path / "job"), {})
+    assert camp.run_trainer(root, 1)[-1] == "done"
+    step1 = Path(root.uri) / STEP_DIR.format(1)
+    before = all_files(step1)
+    # a real process, a real kill: its rename is slowed (an injected slow disk) so the temp
+    # file is complete on disk when the SIGKILL lands
+    code = (
+        "import os, time, sys\n"
+        "from storage_backends.local import LocalStore\n"
+        "real = os.replace\n"
+        "os.replace = lambda *a, **k: (open(sys.argv[2], 'w').close(), time.sleep(600), real(*a, **k))\n"
+        "LocalStore(sys.argv[1]).put('step_0000000001/_verify.json', b'{}' * 1000)\n"
+    )
+    flag = tmp_path / "written"
+    p = subprocess.Popen([sys.executable, "-c", code, root.uri, str(flag)], cwd=str(Path(__file__).parents[2]))
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        kill(p)
+    temps = [f for f in all_files(step1) if ".tmp." in f]
+    assert len(temps) == 1
+
+    out = cli("gc", root.uri, "--keep-last", "1", "--json")  # default: only older than 24 h
+    assert out.returncode == 0 and json.loads(out.stdout)["aborted_uploads"] == []
+    out = cli("gc", root.uri, "--keep-last", "1", "--abort-uploads-older-than", "0", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["aborted_uploads"] == [f"{STEP_DIR.format(1)}/{temps[0]}"]
+    assert all_files(step1) == before
     camp.check(root)
