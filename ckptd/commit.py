@@ -653,9 +653,28 @@ def check_consistency(store: Store, step: int, manifest: mf.Manifest) -> list[st
 
 def after_commit(store: Store, result: SaveResult, keep_last: int | None) -> None:
     """The one retention convention: the writer that wrote the commit record applies retention,
-    after it has reported the commit (so retention delays neither the caller nor the result)."""
-    if result.committed_here and keep_last:
+    after it has reported the commit (so retention delays neither the caller nor the result).
+
+    It first sweeps the committed step for incomplete writes: once the commit record exists every
+    rank's data is durable, so a temp file (filesystem) or an open multipart upload (S3) left in
+    the step can only be an earlier, killed attempt's, which the fenced ``begin`` does not purge
+    (other ranks may already be writing when a rank takes a step over)."""
+    if not result.committed_here:
+        return
+    sweep_leftovers(store, result.step)
+    if keep_last:
         apply_retention(store, keep_last)
+
+
+def sweep_leftovers(store: Store, step: int) -> None:
+    """Remove the incomplete writes left in committed ``step``; best effort, logged."""
+    try:
+        gone = store.abort_stale_uploads(0.0, prefix=f"{mf.step_dir(step)}/")
+    except StorageError as e:
+        log.warning("could not sweep incomplete writes of step %d: %s", step, e)
+        return
+    if gone:
+        log.info("removed %d incomplete writes a killed attempt left in step %d", len(gone), step)
 
 
 def apply_retention(store: Store, keep_last: int) -> None:
@@ -733,6 +752,7 @@ __all__ = [
     "SaveResult",
     "after_commit",
     "apply_retention",
+    "sweep_leftovers",
     "begin",
     "manifest_objects",
     "persist",

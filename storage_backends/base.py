@@ -224,10 +224,11 @@ class Store(abc.ABC):
             nbytes += info.size
         return n, nbytes
 
-    def abort_stale_uploads(self, older_than: float) -> list[str]:
-        """Abort the incomplete uploads (S3 multipart uploads) under the root that started more
-        than ``older_than`` seconds ago; returns their keys. Their parts are stored and billed
-        but no listing shows them. Backends without such uploads have none."""
+    def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
+        """Abort the incomplete uploads (S3 multipart uploads) under ``prefix`` of the root (all
+        of it by default) that started more than ``older_than`` seconds ago; returns their keys.
+        Their parts are stored and billed but no listing shows them. Backends without such
+        uploads have none."""
         return []
 
     @abc.abstractmethod

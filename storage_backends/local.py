@@ -670,12 +670,15 @@ class LocalStore(Store):
             self._prune(d)
         return n, nbytes
 
-    def abort_stale_uploads(self, older_than: float) -> list[str]:
+    def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
         """A filesystem's incomplete uploads are the temp files of writes that never finished
         (their writer was killed between writing and renaming, or between the link and the
         unlink of ``put_if_absent``): remove those last modified more than ``older_than``
-        seconds ago, anywhere under the root, even inside committed steps, which ``purge``
-        never touches. Returns their paths. Walks by descriptors; links are never entered."""
+        seconds ago, anywhere under the folder ``prefix`` of the root (all of it by default), even
+        inside committed steps, which ``purge`` never touches. Returns their paths. Walks by
+        descriptors; links are never entered."""
+        check_dir_prefix(prefix)
+        top = tuple(p for p in prefix.split("/") if p)
         cutoff = time.time() - older_than
         removed: list[str] = []
 
@@ -700,13 +703,13 @@ class LocalStore(Store):
                             removed.append("/".join((*where, name)))
 
         try:
-            fd = self._dir_fd(())
+            fd = self._dir_fd(top)
         except OSError as e:
             if isinstance(e, FileNotFoundError | NotADirectoryError):
                 return removed
-            raise self._fail("list", "''", e) from None
+            raise self._fail("list", repr(prefix), e) from None
         try:
-            walk(fd, ())
+            walk(fd, top)
         except OSError as e:
             raise self._fail("delete", "temp files", e) from None
         finally:

@@ -653,10 +653,11 @@ class S3Store(Store):
         except StorageError:
             pass  # gc's abort_stale_uploads catches what this misses
 
-    def abort_stale_uploads(self, older_than: float) -> list[str]:
+    def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
+        check_prefix(prefix)
         cutoff = time.time() - older_than
         aborted = []
-        for up in list(self._uploads("")):
+        for up in list(self._uploads(prefix)):
             initiated = up.get("Initiated")
             if initiated is not None and initiated.timestamp() > cutoff:
                 continue

@@ -76,9 +76,9 @@ def trainer(
     if slow_rename_s:
         real = ck.store._replace
 
-        def slow_replace(tmp, path, durable=True):
+        def slow_replace(*args, **kwargs):
             time.sleep(slow_rename_s)
-            return real(tmp, path, durable)
+            return real(*args, **kwargs)
 
         ck.store._replace = slow_replace
     for step in range(first, first + count):
