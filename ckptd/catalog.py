@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from ckptd import donetree, latest
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.manifest import (
     COMMIT,
@@ -77,8 +78,15 @@ def committed_steps(store: Store) -> list[int]:
 
 
 def latest_step(store: Store) -> int | None:
-    """The newest committed step; scans from the newest folder down, so it costs one listing and
-    usually one existence check."""
+    """The newest committed step: from the chain of ``ckptd.latest`` (3 requests whatever the
+    number of steps), else by listing the root (:func:`latest_step_by_listing`)."""
+    answered, step = latest.latest_from_chain(store)
+    return step if answered else latest_step_by_listing(store)
+
+
+def latest_step_by_listing(store: Store) -> int | None:
+    """The newest committed step by listing every step folder (one request per 1000 steps on
+    S3), then checking from the newest down, so usually one existence check."""
     for s in reversed(steps(store)):
         if store.exists(f"{step_dir(s)}/{COMMIT}"):
             return s
@@ -224,6 +232,11 @@ def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = fr
     return doomed
 
 
+# Rank's done record, in the done tree or (checkpoints older than it) the flat layout.
+read_done_record = donetree.read_done_record
+done_record_key = donetree.done_record_key
+
+
 __all__ = [
     "CheckpointInfo",
     "DONE",
@@ -231,6 +244,9 @@ __all__ = [
     "delete_checkpoint",
     "ignored_names",
     "latest_step",
+    "latest_step_by_listing",
+    "read_done_record",
+    "done_record_key",
     "list_checkpoints",
     "load_manifest",
     "resolve_step",

@@ -10,10 +10,11 @@ rank (a *part* below is one rank's share of the step), on a background thread::
         begin(...)            # refuse a committed step; claim the step for (JOB, attempt)
         write data            # shards + metadata with put_deferred, in parallel
         store.sync()          # one durability barrier for all of it
-        put done record       # _done/<attempt>/rank_N.json: this rank's data is durable
-        try_commit(...)       # the rank that sees every done record checks that claim,
-                              # manifest and done records name one attempt and account for
-                              # every shard, then writes commit.json once (put_if_absent)
+        finish_rank(...)      # this rank's done record into the done tree (its data is
+                              # durable), then climb the tree (ckptd.donetree); the rank that
+                              # completes it checks that claim, manifest and done records name
+                              # one attempt and account for every shard, then writes
+                              # commit.json once (commit_step: put_if_absent)
         wait_commit(...)      # the others poll for it (bounded by commit_timeout)
       on failure before the done record: delete what this rank wrote (best effort, logged)
     after_commit(store, result, keep_last)   # retention, by the committing writer, after its
@@ -63,6 +64,7 @@ import hashlib
 import logging
 import math
 import os
+import random
 import re
 import threading
 import time
@@ -73,7 +75,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd import catalog
+from ckptd import catalog, donetree, latest
 from ckptd import manifest as mf
 from ckptd.codec import encode_shard, seal_image
 from ckptd.errors import CheckpointError
@@ -292,15 +294,15 @@ def persist(
         "time": time.time(),
     }
     try:
-        store.put(mf.done_key(part.step, part.attempt, part.rank), mf.dumps(record))
+        donetree.write_done(store, part.step, part.attempt, part.rank, record)
         _check_abort(abort, where)
-        committed = try_commit(store, part.step, part.attempt, part.world_size)
+        committed = climb(store, part.step, part.attempt, part.rank, part.world_size)
     except StorageError as e:
         raise CheckpointError(f"{where}: rank {part.rank} failed to record completion: {e}") from e
     if committed:
         log.info("committed %s (%d ranks)", where, part.world_size)
     elif wait:
-        wait_commit(store, part.step, part.attempt, part.world_size, commit_timeout)
+        wait_commit(store, part.step, part.attempt, part.world_size, commit_timeout, part.rank)
     t1 = time.perf_counter()
     phases = {"write": t_written - t0, "sync": t_synced - t_written, "commit": t1 - t_synced}
     return SaveResult(part.step, nbytes, len(written), committed, t1 - t0, phases)
@@ -460,33 +462,166 @@ def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: di
         "time": time.time(),
         **(extra or {}),
     }
-    return store.put_if_absent(f"{mf.step_dir(step)}/{mf.COMMIT}", mf.dumps(record))
+    return commit_step(store, step, record)
 
 
-def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout: float) -> None:
-    """Poll for the commit record of ``step``; CheckpointError after ``timeout`` seconds, naming
-    how many ranks finished. The poll interval grows with the world size so that all ranks
-    together stay near 2000 existence checks per second (an S3 prefix serves ~5500): 50 ms at
-    small sizes, about 2 s at 4096 ranks."""
-    deadline = time.monotonic() + timeout
-    cap = min(2.0, max(0.05, world_size / 2000))
-    delay = 0.005
-    commit = f"{mf.step_dir(step)}/{mf.COMMIT}"
+# -- the scalable commit (issue 17): the done tree, the latest-step chain, paced polling ------------
+
+
+def finish_rank(
+    store: Store, step: int, attempt: str, rank: int, world_size: int, record: dict, extra: dict | None = None
+) -> bool:
+    """Rank's part of the commit, once all its data is durable: :func:`donetree.write_done`
+    then :func:`climb`. True for the one caller that created the commit record."""
+    donetree.write_done(store, step, attempt, rank, record)
+    return climb(store, step, attempt, rank, world_size, extra)
+
+
+def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, extra: dict | None = None) -> bool:
+    """After rank's done record is durable: climb the done tree (``ckptd.donetree``: one LIST of
+    at most 64 keys per level, no GET of other ranks' records); the rank that completes it
+    checks the step (:func:`_check_before_commit`) and writes ``commit.json`` (with ``extra``)
+    through :func:`commit_step`. True for the one caller that created the commit record."""
+
+    def commit(total: donetree.Totals) -> bool:
+        rec = _check_before_commit(store, step, attempt, world_size, total)
+        won = commit_step(store, step, {**rec, "done_layout": "tree", **(extra or {})})
+        if won:
+            _write_notices(store, step, attempt, world_size)
+        return won
+
+    return donetree.climb(store, step, attempt, rank, world_size, commit)
+
+
+def _check_before_commit(store: Store, step: int, attempt: str, world_size: int, total) -> dict:
+    """What ``try_commit`` checks, from the tree's totals instead of every done record: the
+    newest claim and the manifest name ``attempt`` (the tree already holds one record per rank
+    0 .. N-1), and the shards the done records name are the ones the manifest needs -- the
+    tree sums a 64-bit hash of each rank's shard keys, compared with the same sum over
+    ``expected_shards``; only when they differ are the records read to say what is missing
+    (a rank may write more than the manifest needs). Returns the commit record."""
+    where = catalog.where(store, step)
+    rec = owner(store, step)
+    if rec is None or rec.get("attempt") != attempt:
+        who = "nobody" if rec is None else f"job {rec.get('writer')!r} (attempt {rec.get('attempt')!r})"
+        raise StepClaimed(f"{where}: not committing attempt {attempt}: the step is claimed by {who}")
+    try:
+        m = mf.Manifest.from_bytes(store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}"), where)
+    except NotFoundError:
+        raise CheckpointError(f"{where}: not committing attempt {attempt}: manifest.json is missing") from None
+    if (m.step, m.attempt, m.world_size) != (step, attempt, world_size):
+        raise CheckpointError(
+            f"{where}: not committing attempt {attempt} of world size {world_size}: the manifest names step "
+            f"{m.step}, attempt {m.attempt!r}, world size {m.world_size}"
+        )
+    expected = expected_shards(m)
+    if donetree.shard_digest(expected) != total.digest:
+        shards: set[str] = set()
+        for info in store.list(f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/"):
+            try:
+                shards.update(mf.read_json(store, info.key, where, "done record").get("shards", ()))
+            except (ValueError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{where}: done record {info.key} is malformed ({e!r})") from None
+        missing = expected - shards
+        if missing:
+            raise CheckpointError(
+                f"{where}: not committing attempt {attempt}: no rank wrote {len(missing)} shard objects the "
+                f"manifest needs, e.g. {sorted(missing)[0]}"
+            )
+    return {
+        "step": step,
+        "attempt": attempt,
+        "writer": rec.get("writer"),
+        "world_size": world_size,
+        "bytes": total.bytes,
+        "objects": total.objects,
+        "time": time.time(),
+    }
+
+
+def _write_notices(store: Store, step: int, attempt: str, world_size: int) -> None:
+    """After the commit: the notices waiting ranks poll above 1024 ranks. A failure only slows
+    the waiters down (they also check ``commit.json``), so it never fails the committed save."""
+    for key in donetree.notice_keys(step, attempt, world_size):
+        try:
+            store.put(key, b"{}")
+        except StorageError as e:
+            log.warning("%s: could not write commit notice %s: %s", store.uri, key, e)
+            return
+
+
+def commit_step(store: Store, step: int, record: dict) -> bool:
+    """Create ``commit.json`` once (``put_if_absent``); True for the one caller that created it.
+
+    Every commit goes through here: it links ``step`` into the chain of ``ckptd.latest`` first,
+    so that ``catalog.latest_step`` can trust the chain, and moves the chain's hint after."""
+    on_chain = False
+    try:
+        on_chain = latest.link(store, step, catalog.latest_step_by_listing)
+    except ValueError as e:  # a malformed chain: readers fall back to listing where they meet it
+        log.warning("%s: not linking step %d into the latest-step chain: %s", store.uri, step, e)
+    won = store.put_if_absent(f"{mf.step_dir(step)}/{mf.COMMIT}", mf.dumps(record))
+    if won and on_chain:
+        try:
+            latest.set_hint(store, step)
+        except StorageError as e:  # only costs later readers a longer walk
+            log.warning("%s: could not move the latest-step hint to %d: %s", store.uri, step, e)
+    return won
+
+
+POLLS_PER_SECOND = 2000  # all ranks of a job together, on the one commit.json (S3: 5500/prefix)
+
+
+def poll_delays(world_size: int, rank: int):
+    """The pauses of one rank polling for ``commit.json``: up to 64 ranks, 5 ms doubling to
+    50 ms; above, every pause is drawn from [0.5, 1.5) x ``world_size / POLLS_PER_SECOND`` (at
+    most 8 s), so that ranks finishing together do not poll in step and the sum over all ranks
+    stays near ``POLLS_PER_SECOND`` from the first poll on (a doubling start lets thousands of
+    ranks poll at 200/s each at first: 1024 ranks met SlowDowns that way in the simulator)."""
+    if world_size <= 64:
+        delay = 0.005
+        while True:
+            yield delay
+            delay = min(delay * 2, 0.05)
+    mean = min(8.0, world_size / POLLS_PER_SECOND)
+    rng = random.Random(rank * 7919 + world_size)
     while True:
-        if store.exists(commit):
-            rec = catalog.read_commit(store, step) or {}
-            if rec.get("attempt") != attempt:
-                raise CheckpointError(
-                    f"{catalog.where(store, step)}: committed by attempt {rec.get('attempt')!r}, not {attempt}"
-                )
+        yield mean * (0.5 + rng.random())
+
+
+def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout: float, rank: int = 0) -> None:
+    """Poll for the commit record of ``step`` (above 1024 ranks, for the commit notice of this
+    rank's group: ``donetree.notice_keys``); CheckpointError after ``timeout`` seconds, naming
+    how many ranks finished. Paced by :func:`poll_delays`: the ranks polling one key together
+    stay near ``POLLS_PER_SECOND`` existence checks (an S3 prefix serves ~5500)."""
+    deadline = time.monotonic() + timeout
+    notices = donetree.notice_keys(step, attempt, world_size)
+    # Above 1024 ranks a rank polls its group's notice, paced for the group, and each poll is
+    # of commit.json itself with probability NOTICE_GROUP / N (in case the committer died
+    # before the notices): commit.json's prefix then sees about POLLS_PER_SECOND in all. A
+    # random choice, not every k-th poll: ranks that finished together would poll in step.
+    notice = notices[min(rank // donetree.NOTICE_GROUP, len(notices) - 1)] if notices else None
+    delays = poll_delays(donetree.NOTICE_GROUP if notice else world_size, rank)
+    pick = random.Random(rank * 104729 + step)
+    if world_size > 64:  # it has just found the done tree incomplete: no commit yet, and
+        time.sleep(next(delays))  # thousands of ranks finishing together must not HEAD at once
+    while True:
+        if notice is None or pick.random() < donetree.NOTICE_GROUP / world_size:
+            rec = catalog.read_commit(store, step)  # one GET: exists, and by whom
+            if rec is not None:
+                if rec.get("attempt") != attempt:
+                    raise CheckpointError(
+                        f"{catalog.where(store, step)}: committed by attempt {rec.get('attempt')!r}, not {attempt}"
+                    )
+                return
+        elif store.exists(notice):  # under _done/<attempt>/: only this attempt's committer writes it
             return
         if time.monotonic() > deadline:
-            n = sum(1 for _ in store.list(mf.done_prefix(step, attempt)))
+            n = donetree.count_done(store, step, attempt)
             raise CheckpointError(
                 f"{catalog.where(store, step)}: not committed after {timeout:.0f} s: {n} of {world_size} ranks finished"
             )
-        time.sleep(delay)
-        delay = min(delay * 2, cap)
+        time.sleep(next(delays))
 
 
 def check_consistency(store: Store, step: int, manifest: mf.Manifest) -> list[str]:
@@ -507,7 +642,7 @@ def check_consistency(store: Store, step: int, manifest: mf.Manifest) -> list[st
         )
     ws = rec.get("world_size")
     if attempt is not None and isinstance(ws, int):
-        n = sum(1 for _ in store.list(mf.done_prefix(step, attempt)))
+        n = donetree.count_done(store, step, attempt)
         if n != ws:
             errors.append(f"{where}: {n} done records for attempt {attempt!r}, world size {ws}")
     return errors
@@ -584,7 +719,12 @@ __all__ = [
     "Dedupe",
     "SaveAborted",
     "StepClaimed",
+    "POLLS_PER_SECOND",
     "check_consistency",
+    "climb",
+    "commit_step",
+    "finish_rank",
+    "poll_delays",
     "clean_up",
     "claims",
     "expected_shards",

@@ -8,13 +8,30 @@
         zarr.json              a zarr v3 group, so zarr tools can open the folder
         arrays/<key>/zarr.json one zarr v3 array per tensor, global shape
         arrays/<key>/c/...     shards (one per saving block) or plain chunks
-        _done/<attempt>/rank_00003.json   rank 3 finished: its data is durable (+ its RNG state)
+        _done/<attempt>/t1/000000/r000003.<bytes>.<objects>.<digest>.json
+                               rank 3 finished: its data is durable (+ its RNG state and the
+                               shard keys it wrote; <digest>: a 64-bit sum of their hashes)
+        _done/<attempt>/t2/000000/n000001.<bytes>.<objects>.<digest>.json
+                               ranks 64-127 all finished (only above 64 ranks): their sums
         commit.json            written last, once, with put_if_absent: the checkpoint exists
+        _done/<attempt>/c0000/committed.json, c0001/...
+                               above 1024 ranks, notices written after commit.json, one per
+                               1024 ranks, that the waiting ranks poll (``donetree.notice_keys``)
+      _latest/first.json, _latest/after_<step>.json, _latest/hint.json
+                               the chain latest_step walks (``ckptd.latest``)
 
 A folder without ``commit.json`` is partial: nothing restores it, ``ls`` shows it as partial.
 The commit protocol needs no process group: each rank writes its data, then its done record,
-then lists the done records of its attempt; a rank that sees all of them writes ``commit.json``
-with ``put_if_absent``, so exactly one commit happens even when ranks (or daemons) race.
+then climbs the tree of done records (``ckptd.donetree``: groups of 64 ranks, then groups of
+64 groups ...), listing one folder of at most 64 entries per level; the rank that completes the
+root checks the claim, the manifest and the shard digest against the manifest's shards, links
+the step into the latest-step chain and writes ``commit.json`` with ``put_if_absent``, so
+exactly one commit happens even when ranks (or daemons) race.
+
+Older layouts stay readable: checkpoints committed before the tree have flat done records
+``_done/<attempt>/rank_00003.json`` (``donetree.read_done_record`` finds either), and a root
+without ``_latest/`` is found by listing (``latest_step`` falls back to it; the first commit by
+this version seeds the chain past the steps it lists).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd import catalog, commit
+from ckptd import catalog, commit, donetree
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
 from ckptd.dtypes import as_numpy, zarr_name
@@ -144,6 +144,7 @@ class CheckpointWriter:
             self._put(key, data, len(data))
         self._drain()
         self.store.sync()  # everything above is durable before any done record
+        committed = False
         for rank in range(self.world_size):  # the done records a commit of this world size needs
             mine = rank == 0  # rank 0's record accounts for everything this writer wrote
             rec = {
@@ -153,9 +154,9 @@ class CheckpointWriter:
                 "objects": self.objects if mine else 0,
                 "shards": self._shards if mine else [],
             }
-            self._written.append(mf.done_key(self.step, self.attempt, rank))
-            self.store.put(mf.done_key(self.step, self.attempt, rank), mf.dumps(rec))
-        if not commit.try_commit(self.store, self.step, self.attempt, self.world_size, extra):
+            self._written.append(donetree.record_key(self.step, self.attempt, rank, rec))
+            committed = commit.finish_rank(self.store, self.step, self.attempt, rank, self.world_size, rec, extra)
+        if not committed:
             raise CheckpointError(f"{catalog.where(self.store, self.step)}: commit lost a race with another writer")
         self._committed = True
 

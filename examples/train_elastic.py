@@ -55,6 +55,11 @@ RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped for a peer's preemption; restart
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", help="job root URI (folder or s3://bucket/prefix); required unless --no-ckpt")
+    p.add_argument(
+        "--daemon",
+        default=os.environ.get("CKPTD_DAEMON") or None,
+        help="hand saves to this node's `ckptd serve` (URL; default $CKPTD_DAEMON); in-process if unset",
+    )
     p.add_argument("--no-ckpt", action="store_true", help="train without checkpoints (a reference run)")
     p.add_argument("--log-dir", help="write per-step JSON lines here")
     p.add_argument("--samples", type=int, default=2400, help="samples per epoch")
@@ -138,7 +143,7 @@ def train(args: argparse.Namespace, rank: int, world: int, under_torchrun: bool,
     ckpt = hook = None
     start = 0
     if not args.no_ckpt:
-        ckpt = Checkpointer(args.root, keep_last=args.keep_last)
+        ckpt = Checkpointer(args.root, daemon=args.daemon, keep_last=args.keep_last)
         hook = CheckpointHook(ckpt, state, every_n_steps=args.every or None, save_on_signal=True)
         start = hook.resume()
     log.write(

@@ -275,6 +275,14 @@ class StoreConformance:
         assert store.delete_prefix("") == 2
         assert list(store.list()) == []
 
+    def test_purge_counts_what_it_removed(self, store: Store) -> None:
+        for k, n in [("ckpt/1/a", 3), ("ckpt/1/b/c", 5), ("ckpt/10/a", 7)]:
+            store.put(k, b"x" * n)
+        assert store.purge("ckpt/1/") == (2, 8)
+        assert [i.key for i in store.list()] == ["ckpt/10/a"]
+        assert store.list_dir("ckpt/") == ([], ["10"])
+        assert store.purge("ckpt/1/") == (0, 0)
+
     # -- listing ----------------------------------------------------------------------------------
 
     def test_list(self, store: Store) -> None:

@@ -56,6 +56,27 @@ def _pick_step(store: Store, coord: Coordinator, step: int | None) -> int | None
     return choice
 
 
+def _load_manifest(store: Store, coord: Coordinator, step: int) -> mf.Manifest:
+    """Rank 0 reads and checks the manifest of ``step`` and broadcasts it; every rank gets it.
+
+    One GET per restore instead of two requests per rank on the checkpoint's prefix: at 4096
+    ranks and more that burst is over what S3 serves on one prefix (5500 GET/s) and restores met
+    SlowDowns in ``benchmarks.scale``. Rank 0's error is raised on every rank."""
+    got: Any = None
+    err: Exception | None = None
+    if coord.rank == 0:
+        try:
+            got = catalog.load_manifest(store, step)
+        except (CheckpointError, StorageError) as e:
+            err, got = e, ("error", str(e))
+    got = coord.broadcast(got)
+    if err is not None:
+        raise err
+    if isinstance(got, tuple):
+        raise CheckpointError(got[1])
+    return got
+
+
 def _planned_store(store: Store, coord: Coordinator, step: int) -> Store:
     """Where to read ``step`` from when the caller asked for no particular step: the rechunked
     copy that ``ckptd reshard --rechunk --to M`` recorded for this world size, else ``store``.
@@ -225,8 +246,8 @@ def _restore_step(
     fresh = [o for o in state.values() if isinstance(o, torch.optim.Optimizer) and not o.state]
     reading = False  # whether this rank began to read chunks (into the state, with in_place)
     try:
-        m = catalog.load_manifest(src, step)
-        saved = m if src is store else catalog.load_manifest(store, step)  # its done records hold the RNG
+        m = _load_manifest(src, coord, step)
+        saved = m if src is store else _load_manifest(store, coord, step)  # its done records hold the RNG
         flat = flatten(state)
         keys = validate(m, flat, where, strict)
         reader = CheckpointReader(src, mf.step_dir(step))
@@ -409,7 +430,8 @@ _ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, Cor
 def _restore_rng(store: Store, m: mf.Manifest, coord: Coordinator) -> None:
     src = coord.rank if coord.rank < m.world_size else 0
     try:
-        rec = mf.read_json(store, mf.done_key(m.step, m.attempt, src), catalog.where(store, m.step), "done record")
+        key = catalog.done_record_key(store, m.step, m.attempt, src)
+        rec = mf.read_json(store, key, catalog.where(store, m.step), "done record")
         if not isinstance(rec, dict) or "rng" not in rec:
             return
         saved = jsonenc.decode(rec["rng"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckptd import catalog, commit
@@ -35,7 +36,8 @@ log = logging.getLogger("ckptd.writer")
 class BackgroundWriter:
     """One thread that persists jobs in submission order, fanning puts out on an I/O pool.
 
-    ``writer`` is the job id that claims each step (``ckptd.commit.begin``)."""
+    ``writer`` is the job id that claims each step (``ckptd.commit.begin``; ``Checkpointer``
+    passes its ``job_id``)."""
 
     def __init__(
         self,
@@ -45,7 +47,7 @@ class BackgroundWriter:
         commit_timeout: float,
         incremental: bool = False,
         *,
-        writer: str,
+        writer: str | None = None,
         save_timeout: float = 1800.0,
     ):
         self.store = store
@@ -53,7 +55,7 @@ class BackgroundWriter:
         self.keep_last = keep_last
         self.commit_timeout = commit_timeout
         self.save_timeout = save_timeout
-        self.writer = writer
+        self.writer = writer or uuid.uuid4().hex  # a job of its own when not told
         self.dedupe = commit.Dedupe() if incremental else None
         self._stuck = 0  # saves abandoned at their deadline whose thread has not returned yet
         self._lock = threading.Lock()

@@ -143,12 +143,20 @@ class Campaign:
             time.sleep(0.01)
         time.sleep(self.rng.uniform(*window))
         kill(p)
-        lines = _progress(prog)
-        self._account(root, lines)
-        last = lines[-1] if lines else ""
+        self._account(root, _progress(prog))
         self.counts["kills: trainer"] += 1
-        self.counts["kills: trainer, mid-save" if last.startswith("begin") else "kills: trainer, between saves"] += 1
+        self.counts[f"kills: trainer, {self._where_killed(root)}"] += 1
         self.check(root)
+
+    def _where_killed(self, root: Root) -> str:
+        """What the kill interrupted, as the root shows it: a save's writes (a partial newest
+        step holding objects), or a moment with no partial step (between a commit and the next
+        save's first write, or in retention)."""
+        with _direct_env(root), open_store(root.uri) as store:
+            infos = catalog.list_checkpoints(store)
+        if infos and not infos[-1].committed:
+            return "left a partial step (mid-write)"
+        return "left no partial step (at or after a commit, retention)"
 
     def gc_kill(self, root: Root, cli_env: dict) -> None:
         """``ckptd gc`` (a real process) SIGKILLed at a random moment."""

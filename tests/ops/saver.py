@@ -14,7 +14,7 @@ import torch
 
 from trainer_hooks import Checkpointer
 
-BIG = 48
+BIG = 64
 
 
 def main(daemon: str, root: str, flags: str) -> None:

@@ -5,12 +5,9 @@ dashboard added (time save blocked, last commit time) move when a real hand-off 
 from __future__ import annotations
 
 import json
-import os
 import re
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import yaml
 
@@ -47,30 +44,14 @@ def _metric_types(text: str) -> dict[str, str]:
     return dict(m.groups() for m in re.finditer(r"^# TYPE (\S+) (\S+)$", text, re.M))
 
 
-def _commit_once(c: httpx.Client, root: str) -> None:
-    """A real one-rank hand-off that commits."""
-    lease = c.post("/v1/leases", json={"root": root, "rank": 0, "bytes": 64, "client": "t"}).json()
-    np.arange(4, dtype=np.float32).tofile(os.path.join(lease["dir"], "w.bin"))
-    Path(lease["dir"], "m.bin").write_bytes(b"{}")
-    shard = {
-        "key": "w",
-        "layout": {"shape": [4], "dtype": "float32", "shard_shape": [4], "chunk_shape": [4]},
-        "coord": [0],
-        "file": "w.bin",
-    }
-    job = {
-        "job": "cd" * 16,
-        "lease": lease["lease"],
-        "root": root,
-        "step": 1,
-        "attempt": "g1",
-        "rank": 0,
-        "world_size": 1,
-        "shards": [shard],
-        "metadata": [{"key": "arrays/w/zarr.json", "file": "m.bin"}],
-    }
-    assert c.post("/v1/jobs", json=job).status_code == 200
-    assert c.get(f"/v1/jobs/{job['job']}", params={"wait": 60}).json()["state"] == "committed"
+def _commit_once(url: str, root: str) -> None:
+    """A real save through the daemon (the trainer's client, world size 1) that commits."""
+    import torch
+
+    from trainer_hooks import Checkpointer
+
+    with Checkpointer(root, daemon=url) as ck:
+        ck.save(1, {"w": torch.arange(4, dtype=torch.float32)}).result()
 
 
 @pytest.mark.timeout(180)
@@ -83,7 +64,7 @@ def test_every_queried_metric_is_served(tmp_path):
     with Daemon([root], tmp_path / "staging", tmp_path / "daemon.log") as d, httpx.Client(base_url=d.url) as c:
         types = _metric_types(c.get("/metrics").text)  # a fresh daemon: nothing saved yet
         assert d.metric("ckptd_last_commit_timestamp_seconds") == 0
-        _commit_once(c, root)
+        _commit_once(d.url, root)
         wait_for(lambda: d.metric("ckptd_last_commit_timestamp_seconds") > 0, "the last-commit gauge", 30)
         assert d.metric("ckptd_save_staging_seconds_count") == 1
         assert d.metric("ckptd_handoff_to_commit_seconds_count") == 1

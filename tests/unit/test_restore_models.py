@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptd.errors import CheckpointError, StateMismatchError
+from ckptd.errors import StateMismatchError
 from trainer_hooks import Checkpointer
 
 
@@ -95,22 +95,43 @@ def test_a_subset_restores_by_default_and_a_missing_entry_names_strict(tmp_path)
         assert ck.restore({"model": make(2)["model"], "ema": {"decay": 0.9}}, strict=False) == 0
 
 
+def make_dense(seed: int):
+    """A model every parameter of which is trained, after one step."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.9**s)
+    model(torch.randn(3, 4)).pow(2).mean().backward()
+    optim.step()
+    sched.step()
+    optim.zero_grad()
+    return {"model": model, "optim": optim, "sched": sched}
+
+
 def test_an_error_while_applying_names_the_key_and_leaves_the_state_untouched(tmp_path):
     """Saved with a GradScaler that was disabled (its state dict is empty), restored into an
-    enabled one: torch's ``load_state_dict`` refuses. The model and optimizer entries come
-    before it in the state and were already applied: they are put back, bit for bit, and the
-    fresh optimizer has no state again."""
-    state = make(0)
-    train(state, 0)
+    enabled one: torch's ``load_state_dict`` refuses. The model, optimizer and scheduler entries
+    come before it in the state and were already applied: they are put back, bit for bit."""
+    state = make_dense(0)
     with Checkpointer(str(tmp_path)) as ck:
         ck.save(0, {**state, "scaler": torch.amp.GradScaler("cpu", enabled=False)}).result()
-        new = {**make(1), "scaler": torch.amp.GradScaler("cpu", init_scale=8.0)}
+        new = {**make_dense(1), "scaler": torch.amp.GradScaler("cpu", init_scale=8.0)}
         before = {k: v.clone() for k, v in new["model"].state_dict().items()}
         sched_before = new["sched"].state_dict()
-        with pytest.raises(CheckpointError, match=r"step_0000000000: key 'scaler': .*RuntimeError"):
+        optim_before = {k: v.clone() for k, v in new["optim"].state_dict()["state"][0].items()}
+        with pytest.raises(StateMismatchError, match=r"step_0000000000: key 'scaler': .*RuntimeError"):
             ck.restore(new)
     for k, v in new["model"].state_dict().items():
         assert torch.equal(v, before[k]), k
-    assert len(new["optim"].state) == 0
+    for k, v in new["optim"].state_dict()["state"][0].items():
+        assert torch.equal(v, optim_before[k]), k
     assert new["sched"].state_dict() == sched_before
     assert new["scaler"].get_scale() == 8.0
+
+    # a fresh optimizer (no state yet: a job's first restore) has none after the failed one
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    fresh = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.1)}
+    with Checkpointer(str(tmp_path)) as ck, pytest.raises(StateMismatchError, match="'scaler'"):
+        ck.restore({**fresh, "scaler": torch.amp.GradScaler("cpu")})
+    assert len(fresh["optim"].state) == 0

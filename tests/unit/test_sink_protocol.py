@@ -29,7 +29,7 @@ def test_sinks_implement_the_contract(cls):
 
 def test_the_in_process_writer_is_a_sink(tmp_path):
     with ThreadPoolExecutor(1) as io:
-        w = BackgroundWriter(open_store(str(tmp_path)), io, keep_last=None, commit_timeout=10)
+        w = BackgroundWriter(open_store(str(tmp_path)), io, keep_last=None, commit_timeout=10, writer="test-writer")
         try:
             assert isinstance(w, Sink)
             w.idle()

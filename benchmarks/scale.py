@@ -1,0 +1,485 @@
+"""The commit protocol at 64 ... 8192 ranks on a simulated S3 (``python -m benchmarks.scale``).
+
+Every simulated rank is a thread of a :class:`~storage_backends.simulated.VirtualClock`, and it
+runs the real code a rank runs after its snapshot: ``persist`` (its data, its done record, the
+commit attempt, waiting for the commit), ``latest_step``, ``load_manifest`` and the done-record
+read of a restore, against a :class:`~storage_backends.simulated.SimulatedStore` (log-normal
+latency, LIST pages of 1000 keys, SlowDown above 3500 PUT/s and 5500 GET/s per prefix, every
+request counted). Only the clock is replaced: the modules under test read ``time`` through
+:func:`virtual_time`, so their polling sleeps and deadlines run in simulated seconds. Figures
+are in simulated seconds; wall time is only what the simulation costs.
+
+The finish times of the ranks are skewed as a real job's are: every rank uploads for
+``write_s`` x (1 + N(0, ``skew``)) seconds, and 1% of them straggle by an extra exponential
+``straggle_s``. "Commit latency" is from the moment the last rank's data is durable (its last
+data PUT answered) to the moment ``commit.json`` is; "all ranks know" is to the moment the last
+rank's ``persist`` returned (it polls for the commit).
+
+Figures, each against N: commit latency; requests per save by verb; the peak requests in one
+second on one prefix; SlowDowns; restore-planning requests and time at M = N ranks; and
+``latest_step()`` requests and time against the number of steps in the root.
+Writes ``benchmarks/scale_results.json`` (merged by ``--label``) and, with ``--plot``, the
+chart ``benchmarks/SCALE.png`` comparing the labels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import sys
+import time as _real_time
+from concurrent.futures import Future
+from pathlib import Path
+
+from ckptd import catalog
+from ckptd import manifest as mf
+from storage_backends.simulated import GET_CLASS, PUT_CLASS, SimulatedStore, VirtualClock, VirtualTime
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "scale_results.json"
+SIZES = (64, 256, 1024, 4096, 8192)
+STEPS = (10, 100, 1000, 10000)
+
+
+def _protocol_modules() -> list:
+    """The modules whose clock the simulation replaces: the ones the save and commit run."""
+    from ckptd import commit
+
+    return [catalog, commit]
+
+
+@contextlib.contextmanager
+def virtual_time(clock: VirtualClock):
+    saved = [(m, m.time) for m in _protocol_modules() if hasattr(m, "time")]
+    for m, _ in saved:
+        m.time = VirtualTime(clock)
+    try:
+        yield
+    finally:
+        for m, t in saved:
+            m.time = t
+
+
+class InlinePool:
+    """An executor that runs each task at once in the caller (a simulated rank's thread)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            f.set_exception(e)
+        return f
+
+
+def _persist(store, job, keep_last, on_result=None):
+    """One rank's real save protocol (``ckptd.commit``): data, done record, commit, wait for
+    the commit (``on_result`` is called then: the rank's future resolves there), then retention
+    by the committing rank."""
+    from ckptd import commit
+
+    result = commit.persist(store, job, InlinePool(), commit_timeout=3600.0)
+    if on_result is not None:
+        on_result(result)
+    commit.after_commit(store, result, keep_last)
+    return result
+
+
+def _job(step: int, attempt: str, rank: int, world: int, objects: int):
+    try:
+        from ckptd.savejob import SaveJob
+    except ImportError:  # before it moved to ckptd
+        from trainer_hooks.snapshot import SaveJob
+
+    # Each rank's shards live in folders of their own (zarr chunk keys c/<rank>/...), as a
+    # dim-0 sharded tensor's do; rank 0 also writes the manifest and the group nodes.
+    meta = [(f"arrays/t{j}/c/{rank}/0", b"s" * 64) for j in range(objects)]
+    if rank == 0:
+        m = mf.Manifest(step=step, world_size=world, tensors={}, state={}, attempt=attempt)
+        meta += [("zarr.json", mf.group_metadata()), (mf.MANIFEST, m.to_bytes())]
+    return SaveJob(step=step, attempt=attempt, rank=rank, world_size=world, metadata=meta)
+
+
+def finish_times(n: int, rng: random.Random, write_s: float, skew: float, straggle_s: float) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = write_s * max(0.5, 1.0 + rng.gauss(0.0, skew))
+        if rng.random() < 0.01:
+            t += rng.expovariate(1.0 / straggle_s)
+        out.append(t)
+    return out
+
+
+def new_store(clock: VirtualClock, args, seed: int, **kw) -> SimulatedStore:
+    faults = {"error_rate": getattr(args, "error_rate", 0.0), "lost_rate": getattr(args, "lost_rate", 0.0)}
+    return SimulatedStore(clock, latency=args.latency, sigma=args.sigma, seed=seed, **faults, **kw)
+
+
+def _commit_previous(store: SimulatedStore, steps, world: int) -> None:
+    """Committed checkpoints written before the measured save (uncounted setup, no time)."""
+    clock = VirtualClock()
+    setup = SimulatedStore(clock, inner=store.inner, put_limit=10**9, get_limit=10**9)
+    with virtual_time(clock):
+        for s in steps:
+            for r in range(world):
+                clock.spawn(lambda s=s, r=r: _persist(setup, _job(s, f"a{s}", r, world, 1), None))
+            clock.run()
+
+
+def simulate_save(n: int, args, seed: int = 0) -> dict:
+    """One save of ``n`` ranks on a root that already holds ``args.previous`` checkpoints."""
+    rng = random.Random(seed)
+    clock = VirtualClock()
+    store = new_store(clock, args, seed)
+    step = 1000
+    prev = list(range(step - 100 * args.previous, step, 100))
+    if prev:
+        _commit_previous(store, prev, min(n, 4))
+        store.reindex()
+    times = finish_times(n, rng, args.write_s, args.skew, args.straggle_s)
+    returned = [0.0] * n
+    durable = [0.0] * n
+    committers: list[int] = []
+
+    failures: list[str] = []
+
+    def rank(r: int) -> None:
+        clock.sleep(times[r])  # the bulk of its upload, whose requests are not the subject
+        try:
+            job = _job(step, "a", r, n, args.objects)
+            res = _persist(store, job, args.keep_last, lambda _: returned.__setitem__(r, clock.time()))
+        except Exception as e:  # noqa: BLE001 - a rank's save failing is a result to report
+            failures.append(f"rank {r}: {type(e).__name__}: {e}")
+            returned[r] = clock.time()
+            return
+        if res.committed_here:
+            committers.append(r)
+
+    # The rank's data is durable when its last data PUT is answered: record those times.
+    orig_put = store.put_deferred
+
+    def put_deferred(key, data):
+        orig_put(key, data)
+        if "/arrays/" in key:
+            r = int(key.split("/c/")[1].split("/")[0])
+            durable[r] = max(durable[r], clock.time())
+
+    store.put_deferred = put_deferred  # type: ignore[method-assign]
+    commit_key = f"{mf.step_dir(step)}/{mf.COMMIT}"
+    commit_at: list[float] = []
+    orig_pia = store.put_if_absent
+
+    def put_if_absent(key, data):
+        won = orig_pia(key, data)
+        if won and key == commit_key:
+            commit_at.append(clock.time())
+        return won
+
+    store.put_if_absent = put_if_absent  # type: ignore[method-assign]
+    wall = _real_time.perf_counter()
+    with virtual_time(clock):
+        for r in range(n):
+            clock.spawn(lambda r=r: rank(r), name=f"rank{r}")
+        clock.run(timeout=args.wall_timeout)
+    wall = _real_time.perf_counter() - wall
+    commit = catalog.read_commit(store.inner, step)
+    assert commit is None or commit["world_size"] == n, commit
+    assert len(committers) <= 1, f"{len(committers)} ranks think they committed"
+    if commit is not None:  # never partial: every rank's done record exists
+        assert commit["objects"] == n * args.objects + 2, commit  # + rank 0's manifest and group
+    t_durable = max(durable)
+    t_commit = commit_at[0] if commit_at else None
+    st = store.stats
+    verbs = {v: st.requests[v] for v in ("PUT", "GET", "HEAD", "LIST", "DELETE", "COPY")}
+    peak_put, peak_put_prefix = st.peak_rate(PUT_CLASS)
+    peak_get, peak_get_prefix = st.peak_rate(GET_CLASS)
+    return {
+        "n": n,
+        "committed": commit is not None,
+        "failed_ranks": len(failures),
+        "first_failure": failures[0] if failures else None,
+        "commit_latency_s": None if t_commit is None else t_commit - t_durable,
+        "all_know_s": max(returned) - t_durable,
+        "requests": verbs,
+        "requests_total": st.total(),
+        "requests_per_rank": st.total() / n,
+        "peak_put_per_s": peak_put,
+        "peak_put_prefix": peak_put_prefix,
+        "peak_get_per_s": peak_get,
+        "peak_get_prefix": peak_get_prefix,
+        "slowdowns": st.slowdowns,
+        "skew_s": max(times) - min(times),
+        "wall_s": wall,
+    }
+
+
+def simulate_latest(steps: int, args, seed: int = 0) -> dict:
+    """``latest_step()`` on a root of ``steps`` committed checkpoints (one rank)."""
+    clock = VirtualClock()
+    store = new_store(clock, args, seed)
+    _commit_previous(store, range(0, steps * 10, 10), 1)
+    store.reindex()
+    got: list = []
+
+    def one() -> None:
+        t0 = clock.time()
+        got.append((catalog.latest_step(store), clock.time() - t0))
+
+    with virtual_time(clock):
+        clock.spawn(one)
+        clock.run(timeout=args.wall_timeout)
+    latest, seconds = got[0]
+    assert latest == (steps - 1) * 10, latest
+    return {"steps": steps, "requests": store.stats.total(), "seconds": seconds}
+
+
+class SimCoordinator:
+    """``trainer_hooks.coord.Coordinator`` for simulated ranks: a broadcast is instantaneous
+    (the process group is not the subject); the ranks other than ``src`` wait in simulated time
+    until ``src`` has contributed."""
+
+    def __init__(self, clock: VirtualClock, slots: dict, rank: int, world_size: int) -> None:
+        self.clock, self.slots, self.rank, self.world_size = clock, slots, rank, world_size
+        self.enabled = world_size > 1
+        self.calls = 0
+
+    def broadcast(self, obj, src: int = 0):
+        self.calls += 1
+        key = ("broadcast", self.calls)
+        if self.rank == src:
+            self.slots[key] = obj
+            return obj
+        while key not in self.slots:
+            self.clock.sleep(0.001)
+        return self.slots[key]
+
+
+def simulate_restore(m: int, args, seed: int = 0) -> dict:
+    """The discovery and planning reads of a restore at ``m`` ranks, through the real functions
+    of ``trainer_hooks.restore``: rank 0 picks the latest step and looks for a reshard plan, the
+    manifest is read (by every rank, or by rank 0 and broadcast where restore does that), and
+    every rank reads its done record for its RNG state."""
+    from trainer_hooks import restore
+
+    clock = VirtualClock()
+    store = new_store(clock, args, seed)
+    _commit_previous(store, [100, 200], min(m, 64))
+    _done_records(store.inner, 200, "a200", m)  # as if step 200 had been saved by m ranks
+    store.reindex()
+    finished = [0.0] * m
+    slots: dict = {}
+    failures: list[str] = []
+
+    def rank(r: int) -> None:
+        coord = SimCoordinator(clock, slots, r, m)
+        step = restore._pick_step(store, coord, None)
+        src = restore._planned_store(store, coord, step)
+        try:
+            if hasattr(restore, "_load_manifest"):
+                manifest = restore._load_manifest(src, coord, step)
+            else:  # before: every rank read it
+                manifest = catalog.load_manifest(src, step)
+            _read_done(store, manifest, r)
+        except Exception as e:  # noqa: BLE001 - a rank's failure is a result to report
+            failures.append(f"rank {r}: {type(e).__name__}: {e}")
+        finished[r] = clock.time()
+
+    with virtual_time(clock):
+        for r in range(m):
+            clock.spawn(lambda r=r: rank(r))
+        clock.run(timeout=args.wall_timeout)
+    st = store.stats
+    return {
+        "m": m,
+        "failed_ranks": len(failures),
+        "first_failure": failures[0] if failures else None,
+        "requests": st.total(),
+        "requests_per_rank": st.total() / m,
+        "seconds": max(finished),
+        "slowdowns": st.slowdowns,
+        "peak_get_per_s": st.peak_rate(GET_CLASS)[0],
+    }
+
+
+def _done_records(inner, step: int, attempt: str, m: int) -> None:
+    """The done records of ``m`` ranks in the layout of the code under test (uncounted)."""
+    try:
+        from ckptd import donetree
+    except ImportError:  # before the done tree: flat records
+        donetree = None
+    for r in range(m):
+        rec = {"rank": r, "bytes": 0, "objects": 0}
+        if donetree is not None:
+            donetree.write_done(inner, step, attempt, r, rec)
+        else:
+            inner.put(mf.done_key(step, attempt, r), mf.dumps(rec))
+
+
+def _read_done(store, manifest, rank: int) -> None:
+    """The done record a restoring rank reads for its RNG state."""
+    reader = getattr(catalog, "read_done_record", None)
+    if reader is not None:
+        reader(store, manifest.step, manifest.attempt, rank)
+    else:
+        store.get(mf.done_key(manifest.step, manifest.attempt, rank))
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    styles = {"before": ("tab:red", "--", "o"), "after": ("tab:blue", "-", "s")}
+    others = iter([("tab:green", ":", "^"), ("tab:purple", ":", "v"), ("tab:gray", ":", "D"), ("tab:olive", ":", "x")])
+    for label, res in results.items():
+        color, ls, marker = styles.get(label) or next(others, ("tab:gray", ":", "^"))
+        kw = {"color": color, "linestyle": ls, "marker": marker, "label": label}
+        saves = res.get("save", [])
+        ns = [s["n"] for s in saves]
+        if saves:
+            lat = [math.nan if s["commit_latency_s"] is None else s["commit_latency_s"] for s in saves]
+            axes[0][0].plot(ns, lat, **kw)
+            know = [s["all_know_s"] for s in saves]
+            axes[0][0].plot(ns, know, **{**kw, "alpha": 0.4, "label": f"{label}: all ranks know"})
+            axes[0][1].plot(ns, [s["requests_per_rank"] for s in saves], **kw)
+            axes[0][2].plot(ns, [s["peak_put_per_s"] for s in saves], **{**kw, "label": f"{label}: PUT"})
+            gets = [s["peak_get_per_s"] for s in saves]
+            axes[0][2].plot(ns, gets, **{**kw, "alpha": 0.4, "label": f"{label}: GET+HEAD+LIST"})
+            axes[1][0].plot(ns, [max(s["slowdowns"], 0.5) for s in saves], **kw)
+        rest = res.get("restore", [])
+        if rest:
+            ms = [r["m"] for r in rest]
+            axes[1][1].plot(ms, [r["requests_per_rank"] for r in rest], **kw)
+            axes[1][1].plot(ms, [r["seconds"] for r in rest], **{**kw, "alpha": 0.4, "label": f"{label}: s"})
+        lat_steps = res.get("latest", [])
+        if lat_steps:
+            axes[1][2].plot([x["steps"] for x in lat_steps], [x["requests"] for x in lat_steps], **kw)
+    titles = [
+        ("commit latency after the last rank is durable (s)", "log"),
+        ("requests per save / N", "log"),
+        ("peak requests/s on one prefix", "log"),
+        ("SlowDowns per save (0 drawn at 0.5)", "log"),
+        ("restore planning at M ranks: requests/rank, seconds", "log"),
+        ("latest_step(): requests vs steps in the root", "log"),
+    ]
+    for ax, (title, yscale) in zip(axes.flat, titles, strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale(yscale)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].axhline(1.0, color="k", lw=0.8, ls=":")
+    axes[0][2].axhline(3500, color="k", lw=0.8, ls=":")
+    axes[0][2].axhline(5500, color="k", lw=0.8, ls="-.")
+    for ax in axes[1][:2]:
+        ax.set_xlabel("ranks N (M)")
+    axes[0][0].set_xlabel("ranks N")
+    axes[1][2].set_xlabel("committed steps in the root")
+    axes[1][2].set_xscale("log", base=10)
+    fig.suptitle("ckptd commit protocol on simulated S3 (20 ms median request, LIST 1000/page, 3500/5500 per prefix)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def table(results: dict) -> str:
+    """Markdown tables of every label's figures, for SCALE.md."""
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    out = [
+        "| N | label | committed | failed ranks | commit latency s | all ranks know s | requests/save "
+        "| per rank | PUT | GET | HEAD | LIST | peak PUT/s (prefix) | peak GET/s (prefix) | SlowDowns |",
+        "|" + "---|" * 15,
+    ]
+    rows = [(s["n"], label, s) for label, res in results.items() for s in res.get("save", [])]
+    for n, label, s in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
+        q = s["requests"]
+        out.append(
+            f"| {n} | {label} | {s['committed']} | {s['failed_ranks']} | {f(s['commit_latency_s'])} "
+            f"| {f(s['all_know_s'])} | {s['requests_total']} | {s['requests_per_rank']:.1f} | {q['PUT']} | {q['GET']} "
+            f"| {q['HEAD']} | {q['LIST']} | {s['peak_put_per_s']} (`{s['peak_put_prefix']}`) "
+            f"| {s['peak_get_per_s']} (`{s['peak_get_prefix']}`) | {s['slowdowns']} |"
+        )
+    out += ["", "| steps in the root | label | latest_step() requests | seconds |", "|---|---|---|---|"]
+    rows = [(x["steps"], label, x) for label, res in results.items() for x in res.get("latest", [])]
+    for n, label, x in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
+        out.append(f"| {n} | {label} | {x['requests']} | {x['seconds']:.3f} |")
+    head = "| M | label | failed ranks | requests | per rank | seconds | peak GET/s | SlowDowns |"
+    out += ["", head, "|" + "---|" * 8]
+    rows = [(x["m"], label, x) for label, res in results.items() for x in res.get("restore", [])]
+    for m, label, x in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
+        out.append(
+            f"| {m} | {label} | {x.get('failed_ranks', 0)} | {x['requests']} | {x['requests_per_rank']:.2f} "
+            f"| {x['seconds']:.3f} "
+            f"| {x['peak_get_per_s']} | {x['slowdowns']} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    p.add_argument("--steps", default=",".join(map(str, STEPS)))
+    p.add_argument("--latency", type=float, default=0.02, help="median seconds per request")
+    p.add_argument("--sigma", type=float, default=0.3, help="log-normal shape of the latency")
+    p.add_argument("--write-s", dest="write_s", type=float, default=10.0, help="mean upload time per rank")
+    p.add_argument("--skew", type=float, default=0.03, help="relative spread of the upload times")
+    p.add_argument("--straggle-s", dest="straggle_s", type=float, default=1.0)
+    p.add_argument("--objects", type=int, default=2, help="data objects per rank")
+    p.add_argument("--previous", type=int, default=3, help="checkpoints in the root before the save")
+    p.add_argument("--keep-last", dest="keep_last", type=int, default=3)
+    p.add_argument("--error-rate", dest="error_rate", type=float, default=0.0, help="injected 500s per request")
+    p.add_argument("--lost-rate", dest="lost_rate", type=float, default=0.0, help="lost responses per request")
+    p.add_argument("--label", default="after")
+    p.add_argument("--only", choices=["save", "latest", "restore"], action="append")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--plot", type=Path, nargs="?", const=HERE / "SCALE.png")
+    p.add_argument("--table", action="store_true", help="print the markdown tables of --out and stop")
+    p.add_argument("--wall-timeout", dest="wall_timeout", type=float, default=3600.0)
+    args = p.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    steps = [int(x) for x in args.steps.split(",") if x]
+    only = set(args.only or ["save", "latest", "restore"])
+    allres = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if args.table:
+        print(table(allres))
+        if args.plot:
+            plot(allres, args.plot)
+        return 0
+    res = allres.setdefault(args.label, {})
+    if "save" in only:
+        res["save"] = []
+        for n in sizes:
+            r = simulate_save(n, args)
+            res["save"].append(r)
+            print(json.dumps(r), flush=True)
+    if "latest" in only:
+        res["latest"] = []
+        for s in steps:
+            r = simulate_latest(s, args)
+            res["latest"].append(r)
+            print(json.dumps(r), flush=True)
+    if "restore" in only:
+        res["restore"] = []
+        for m in sizes:
+            r = simulate_restore(m, args)
+            res["restore"].append(r)
+            print(json.dumps(r), flush=True)
+    res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "only")}
+    args.out.write_text(json.dumps(allres, indent=1, default=str) + "\n")
+    if args.plot:
+        plot(allres, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Done records aggregated in a tree, so that committing N ranks costs O(N) requests and a
+latency of O(log N) round trips, with no folder hotter than ``FANOUT`` ranks.
+
+Each rank, once its data is durable, writes its done record, then climbs::
+
+    _done/<attempt>/t1/<g>/r<rank>.<bytes>.<objects>.<digest>.json   rank's done record
+    _done/<attempt>/t2/<h>/n<g>.<bytes>.<objects>.<digest>.json      group g of t1 is complete
+    ...
+    commit.json                                               the root is complete
+
+Node ``(l, i)`` (level l >= 1) covers ranks ``[i * F**l, (i + 1) * F**l)``; its children (nodes
+of level l - 1, ranks at level 0) live in the folder ``t<l>/<i>/``. A child's totals (bytes and
+objects written, and a 64-bit sum of hashes of the shard keys written, :class:`Totals`) are in
+its *name*, so a LIST of one folder (at most ``FANOUT`` keys: one page)
+tells whether the node is complete and what it sums to, with no GET. The root is level
+``L = levels(N)``, the smallest L with ``F**L >= N``; its completion is the commit.
+
+The climb of a rank: list the folder of its node; if every child is there, write the node with
+``put_if_absent`` into its parent's folder and list that one; and so on up to the root, where
+``commit.json`` is written with ``put_if_absent``. A rank that finds a folder incomplete stops:
+the child still missing will be written later by a rank that lists after writing it (object
+stores and filesystems list what was written before), and that rank carries the climb on. A
+node exists only after every child was seen, so ``commit.json`` exists only after every rank's
+done record did: never partial. Several ranks may complete the same node; ``put_if_absent``
+keeps one, all of them climb on (the loser's climb is redundant, never wrong), and one
+``put_if_absent`` creates ``commit.json``: exactly once. Children are counted by id, not by key,
+so a rank that wrote its record twice is counted once.
+
+Above ``NOTICE_GROUP`` ranks the committer also writes a few notices after ``commit.json``
+(:func:`notice_keys`) that the waiting ranks poll instead, ``NOTICE_GROUP`` ranks per notice,
+each on its own prefix: they learn of the commit about as fast at 8192 ranks as at 1024, where a
+single ``commit.json`` polled by everyone within S3's rate would take seconds. A waiting rank
+still checks ``commit.json`` itself in a random ``NOTICE_GROUP / N`` of its polls, in case the
+committer died before writing the notices.
+
+At N = 4096 (F = 64) the last rank's path to the commit is 5 requests (done record, LIST, node,
+LIST, commit); a save costs about 2N + 2N/F requests in the tree. Checkpoints committed before
+this layout keep ``_done/<attempt>/rank_<r>.json`` and their readers find them there
+(:func:`read_done_record`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ckptd.manifest import DONE, done_key, step_dir
+from storage_backends import Store
+
+FANOUT = 64
+MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What a complete subtree adds up to: bytes and objects written, and the sum (mod 2**64)
+    of :func:`shard_digest` of every rank's shard keys."""
+
+    bytes: int
+    objects: int
+    digest: int
+
+
+def shard_digest(keys: Iterable[str]) -> int:
+    """A 64-bit sum of the keys' hashes: equal sums mean (up to a 2**-64 chance) equal
+    multisets, so the root compares what all ranks wrote with what the manifest needs without
+    reading anyone's list."""
+    return sum(int.from_bytes(hashlib.sha256(k.encode()).digest()[:8], "big") for k in keys) & MASK
+
+
+def levels(world_size: int) -> int:
+    """The root's level: the smallest L >= 1 with FANOUT**L >= world_size."""
+    lvl, span = 1, FANOUT
+    while span < world_size:
+        lvl, span = lvl + 1, span * FANOUT
+    return lvl
+
+
+def _count(world_size: int, level: int) -> int:
+    """How many nodes level ``level`` has (ranks at level 0)."""
+    return -(-world_size // FANOUT**level)
+
+
+def folder(step: int, attempt: str, level: int, index: int) -> str:
+    """The folder of node (level, index)'s children."""
+    return f"{step_dir(step)}/{DONE}/{attempt}/t{level}/{index:06d}/"
+
+
+def _name(kind: str, index: int, t: Totals) -> str:
+    return f"{kind}{index:06d}.{t.bytes}.{t.objects}.{t.digest:016x}.json"
+
+
+def record_key(step: int, attempt: str, rank: int, record: dict) -> str:
+    """Where rank's done record ``record`` goes (its totals are in the name)."""
+    t = Totals(int(record.get("bytes", 0)), int(record.get("objects", 0)), shard_digest(record.get("shards", ())))
+    return folder(step, attempt, 1, rank // FANOUT) + _name("r", rank, t)
+
+
+def node_key(step: int, attempt: str, level: int, index: int, t: Totals) -> str:
+    return folder(step, attempt, level + 1, index // FANOUT) + _name("n", index, t)
+
+
+def _parse(name: str) -> tuple[int, Totals] | None:
+    """(child id, totals) from a child's name; None for anything else."""
+    parts = name.split(".")
+    if len(parts) != 5 or len(parts[0]) < 2 or parts[0][0] not in "rn" or parts[4] != "json":
+        return None
+    try:
+        ids, nbytes, objects, digest = int(parts[0][1:]), int(parts[1]), int(parts[2]), int(parts[3], 16)
+    except ValueError:
+        return None
+    if min(ids, nbytes, objects, digest) < 0 or digest > MASK:
+        return None
+    return ids, Totals(nbytes, objects, digest)
+
+
+def write_done(store: Store, step: int, attempt: str, rank: int, record: dict) -> str:
+    """Write rank's done record (after all its data is durable); returns its key. ``record``
+    holds at least ``bytes``, ``objects`` and ``shards`` (the shard keys this rank wrote); the
+    rest (RNG state) is for restores."""
+    key = record_key(step, attempt, rank, record)
+    store.put(key, json.dumps(record, separators=(",", ":")).encode())
+    return key
+
+
+def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, commit) -> bool:
+    """Carry rank's completion up the tree (after ``write_done``). ``commit(totals)``
+    creates the commit record with ``put_if_absent`` and returns whether this call created it;
+    it runs only when the whole tree is complete. Returns what ``commit`` returned, or False
+    when the tree is not complete yet (another rank will complete it)."""
+    top = levels(world_size)
+    level, index = 1, rank // FANOUT
+    while True:
+        below = _count(world_size, level - 1)
+        lo, hi = index * FANOUT, min((index + 1) * FANOUT, below)
+        where = folder(step, attempt, level, index)
+        kids: dict[int, Totals] = {}
+        for info in store.list(where):
+            parsed = _parse(info.key[len(where) :])
+            if parsed is not None and lo <= parsed[0] < hi:
+                kids.setdefault(parsed[0], parsed[1])
+        if len(kids) < hi - lo:
+            return False
+        total = Totals(
+            sum(t.bytes for t in kids.values()),
+            sum(t.objects for t in kids.values()),
+            sum(t.digest for t in kids.values()) & MASK,
+        )
+        if level == top:
+            return commit(total)
+        node = {"bytes": total.bytes, "objects": total.objects, "digest": f"{total.digest:016x}"}
+        store.put_if_absent(node_key(step, attempt, level, index, total), json.dumps(node).encode())
+        level, index = level + 1, index // FANOUT
+
+
+NOTICE_GROUP = 1024  # ranks polling one commit notice
+
+
+def notice_keys(step: int, attempt: str, world_size: int) -> list[str]:
+    """Copies of the news "committed", one per ``NOTICE_GROUP`` ranks, each in a folder (an S3
+    prefix) of its own; none up to ``NOTICE_GROUP`` ranks, where polling ``commit.json`` is
+    fast enough. The committer writes them right after ``commit.json`` (so a notice implies
+    the commit); rank r polls ``notice_keys(...)[r // NOTICE_GROUP]``."""
+    k = -(-world_size // NOTICE_GROUP)
+    if k < 2:
+        return []
+    return [f"{step_dir(step)}/{DONE}/{attempt}/c{i:04d}/committed.json" for i in range(k)]
+
+
+def count_done(store: Store, step: int, attempt: str) -> int:
+    """How many ranks of ``attempt`` wrote a done record (either layout); for error messages."""
+    prefix = f"{step_dir(step)}/{DONE}/{attempt}/"
+    n = 0
+    for info in store.list(prefix):
+        name = info.key[len(prefix) :]
+        if name.startswith("rank_") or (name.startswith("t1/") and "/r" in name):
+            n += 1
+    return n
+
+
+def done_record_key(store: Store, step: int, attempt: str, rank: int) -> str:
+    """The key of rank's done record: found in the tree (one LIST of its name's prefix), else
+    the flat key of checkpoints older than the tree (which may not exist either)."""
+    for info in store.list(f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}."):
+        return info.key
+    return done_key(step, attempt, rank)
+
+
+def read_done_record(store: Store, step: int, attempt: str, rank: int) -> dict:
+    """Rank's done record in either layout. Raises NotFoundError, or ValueError if malformed."""
+    prefix = f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}."
+    for info in store.list(prefix):
+        return json.loads(store.get(info.key))
+    return json.loads(store.get(done_key(step, attempt, rank)))
+
+
+__all__ = [
+    "FANOUT",
+    "NOTICE_GROUP",
+    "Totals",
+    "climb",
+    "count_done",
+    "done_record_key",
+    "levels",
+    "notice_keys",
+    "read_done_record",
+    "record_key",
+    "shard_digest",
+    "write_done",
+]

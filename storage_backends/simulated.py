@@ -1,0 +1,531 @@
+"""A simulated S3: the memory store behind request latency, LIST paging, per-prefix rate limits,
+faults and a count of every request (as zarr's ``LatencyStore`` wraps another store).
+
+It exists to run the real commit protocol at thousands of ranks on one small machine
+(``python -m benchmarks.scale``) and to test that protocol under S3's failure modes. It is a test
+and benchmark helper, never a backend a job root URI opens.
+
+Time. With a :class:`VirtualClock`, every request *sleeps in simulated time*: each simulated
+rank is a thread, but the clock lets exactly one of them run at a time and jumps the clock to
+the next wake-up when the running one sleeps, so 8192 ranks waiting 20 ms each cost no wall
+time and a run is deterministic for a seed. Code under simulation must block only through the
+store or the clock (``clock.sleep``/``clock.time``); a thread that waits on anything else (a
+lock another simulated thread holds across a request, a future of an unregistered pool) stalls
+the simulation, which :meth:`VirtualClock.run` reports after a wall-clock timeout. Without a
+clock the store sleeps for real (latency 0 by default), which is how the conformance suite runs
+it from plain threads.
+
+S3 behaviours modelled:
+
+- latency per request drawn from a log-normal distribution (median ``latency``, shape
+  ``sigma``), plus ``nbytes / bandwidth``;
+- LIST returns at most ``page_size`` keys per request; pages are fetched lazily with a
+  start-after marker, so a key written between two pages appears if it sorts after the marker,
+  exactly as ListObjectsV2 pages behave;
+- per-prefix rate limits: more than ``put_limit`` PUT/COPY/DELETE or ``get_limit`` GET/HEAD (LIST
+  counts as a GET) accepted in any sliding ``window`` on one prefix are answered with
+  ``SlowDownError`` (HTTP 503 SlowDown); the prefix of a key is its folder (everything up to the
+  last ``/``), the prefix of a LIST the folder it lists;
+- retries as botocore's "standard" mode does: up to ``attempts`` tries with full-jitter
+  exponential backoff; every try is counted and every SlowDown is counted;
+- faults: ``error_rate`` transient 500s before the request takes effect, ``lost_rate`` responses
+  lost after it took effect (the retry of a conditional put then finds its own object, as
+  ``S3Store`` tells by a writer token).
+
+Counters (:attr:`SimulatedStore.stats`): requests by verb, by (verb, prefix), SlowDowns, and the
+peak accepted requests per ``window`` per prefix and class.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import heapq
+import itertools
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from storage_backends.base import (
+    Data,
+    NotFoundError,
+    ObjectInfo,
+    StorageError,
+    Store,
+    as_buffers,
+    check_dir_prefix,
+    check_key,
+    check_prefix,
+    resolve_range,
+)
+from storage_backends.memory import MemoryStore
+
+GET_CLASS = "GET"  # GET, HEAD, LIST
+PUT_CLASS = "PUT"  # PUT, COPY, DELETE
+_CLASS = {
+    "GET": GET_CLASS,
+    "HEAD": GET_CLASS,
+    "LIST": GET_CLASS,
+    "PUT": PUT_CLASS,
+    "COPY": PUT_CLASS,
+    "DELETE": PUT_CLASS,
+}
+
+
+class SlowDownError(StorageError):
+    """HTTP 503 SlowDown: the prefix is over its request rate, after every retry."""
+
+
+class SimulationStalled(RuntimeError):
+    """No simulated thread can run and some have not finished: one waits outside the clock."""
+
+
+class VirtualClock:
+    """Simulated time for threads: one registered thread runs at a time; ``sleep`` yields.
+
+    ``spawn`` registers threads (from the driver before ``run``, or from a simulated thread);
+    ``run`` starts the simulation and returns when every registered thread has finished,
+    re-raising the first exception one of them raised. Threads wake in (time, registration
+    order), so a run with seeded randomness is deterministic.
+    """
+
+    def __init__(self, stack_size: int = 512 * 1024) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, threading.Lock]] = []
+        self._seq = itertools.count()
+        self._tls = threading.local()
+        self._pending: list[threading.Thread] = []
+        self._alive = 0
+        self._done = threading.Event()
+        self._errors: list[BaseException] = []
+        self._guard = threading.Lock()  # only for the bookkeeping done by the driver thread
+        self._stack_size = stack_size
+
+    def time(self) -> float:
+        return self.now
+
+    def in_simulation(self) -> bool:
+        return getattr(self._tls, "lock", None) is not None
+
+    def spawn(self, fn: Callable[[], object], at: float | None = None, name: str = "sim") -> None:
+        """Run ``fn`` in a new simulated thread from virtual time ``at`` (default: now)."""
+        lock = threading.Lock()
+        lock.acquire()
+
+        def body() -> None:
+            lock.acquire()  # our first turn
+            self._tls.lock = lock
+            try:
+                fn()
+            except BaseException as e:  # handed to run()
+                self._errors.append(e)
+            finally:
+                self._alive -= 1
+                self._tls.lock = None
+                self._next()
+
+        old = threading.stack_size()
+        threading.stack_size(self._stack_size)
+        try:
+            t = threading.Thread(target=body, name=name, daemon=True)
+        finally:
+            threading.stack_size(old)
+        self._alive += 1
+        heapq.heappush(self._heap, (self.now if at is None else max(at, self.now), next(self._seq), lock))
+        t.start()
+
+    def sleep(self, seconds: float) -> None:
+        """Let simulated time pass for this thread (a real short sleep outside a simulation)."""
+        lock = getattr(self._tls, "lock", None)
+        if lock is None:
+            raise RuntimeError("VirtualClock.sleep called from a thread the clock did not spawn")
+        heapq.heappush(self._heap, (self.now + max(0.0, seconds), next(self._seq), lock))
+        self._next()
+        lock.acquire()
+
+    def _next(self) -> None:
+        if self._heap:
+            t, _, lock = heapq.heappop(self._heap)
+            self.now = max(self.now, t)
+            lock.release()
+        elif self._alive == 0:
+            self._done.set()
+        else:  # threads left, none scheduled: one blocks outside the clock
+            self._errors.append(SimulationStalled(f"{self._alive} simulated threads blocked outside the clock"))
+            self._done.set()
+
+    def run(self, timeout: float = 600.0) -> float:
+        """Run until every spawned thread finished; returns the virtual time at the end."""
+        if self._alive == 0:
+            return self.now
+        self._done.clear()
+        self._next()
+        if not self._done.wait(timeout):
+            raise SimulationStalled(f"simulation did not finish in {timeout} s of wall time")
+        if self._errors:
+            raise self._errors[0]
+        return self.now
+
+
+class VirtualTime:
+    """A stand-in for the ``time`` module that reads and sleeps on a :class:`VirtualClock`;
+    a simulation puts it in place of the ``time`` of the modules it runs (``mod.time = ...``),
+    so their polling pauses and deadlines pass in simulated seconds."""
+
+    def __init__(self, clock: VirtualClock, epoch: float = 1.7e9) -> None:
+        self._clock, self._epoch = clock, epoch
+
+    def time(self) -> float:
+        return self._epoch + self._clock.time()
+
+    def monotonic(self) -> float:
+        return self._clock.time()
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self._clock.sleep(seconds)
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+@dataclass
+class Stats:
+    """What the store served. ``requests`` counts tries (a retried request counts each try)."""
+
+    requests: collections.Counter = field(default_factory=collections.Counter)  # verb -> n
+    by_prefix: collections.Counter = field(default_factory=collections.Counter)  # (verb, prefix) -> n
+    slowdowns: int = 0
+    errors: int = 0  # injected transient errors and lost responses
+    peak: dict = field(default_factory=dict)  # (class, prefix) -> most accepted in one window
+
+    def total(self) -> int:
+        return sum(self.requests.values())
+
+    def peak_rate(self, cls: str | None = None) -> tuple[float, str]:
+        """The highest accepted requests per window over all prefixes, and that prefix."""
+        best = (0, "")
+        for (c, prefix), n in self.peak.items():
+            if (cls is None or c == cls) and n > best[0]:
+                best = (n, prefix)
+        return best
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.by_prefix.clear()
+        self.slowdowns = 0
+        self.errors = 0
+        self.peak.clear()
+
+
+def folder_of(key: str) -> str:
+    """The rate-limit prefix of a key: its folder ("" for a key at the root)."""
+    return key.rpartition("/")[0]
+
+
+class SimulatedStore(Store):
+    """``MemoryStore`` semantics behind S3's latency, paging, rate limits and faults.
+
+    Thread-safe like every Store; with a clock, call it only from threads that clock spawned.
+    """
+
+    def __init__(
+        self,
+        clock: VirtualClock | None = None,
+        *,
+        latency: float = 0.0,
+        sigma: float = 0.0,
+        bandwidth: float = 1e9,
+        page_size: int = 1000,
+        put_limit: int = 3500,
+        get_limit: int = 5500,
+        window: float = 1.0,
+        attempts: int = 8,
+        backoff: float = 0.1,
+        error_rate: float = 0.0,
+        lost_rate: float = 0.0,
+        seed: int = 0,
+        prefix_of: Callable[[str], str] = folder_of,
+        inner: MemoryStore | None = None,
+    ) -> None:
+        self.clock = clock
+        self.latency, self.sigma, self.bandwidth = latency, sigma, bandwidth
+        self.page_size = page_size
+        self.limits = {PUT_CLASS: put_limit, GET_CLASS: get_limit}
+        self.window = window
+        self.attempts, self.backoff = max(1, attempts), backoff
+        self.error_rate, self.lost_rate = error_rate, lost_rate
+        self.rng = random.Random(seed)
+        self.prefix_of = prefix_of
+        self.inner = inner if inner is not None else MemoryStore()
+        self.uri = f"sim+{self.inner.uri}"
+        self.stats = Stats()
+        self._lock = threading.Lock()
+        self._keys: list[str] = []  # sorted index for paging
+        self._infos: dict[str, ObjectInfo] = {}
+        self.reindex()
+        self._tokens: dict[str, int] = {}  # key -> writer token of its conditional put
+        self._token = itertools.count(1)
+        self._accepted: dict[tuple[str, str], collections.deque] = {}
+
+    # -- time and requests ----------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self.clock.time() if self.clock is not None else time.monotonic()
+
+    def _sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if self.clock is None:
+            time.sleep(seconds)
+        elif self.clock.in_simulation():
+            self.clock.sleep(seconds)
+        # else: the driver setting up or checking a simulation; that takes no simulated time
+
+    def reindex(self) -> None:
+        """Rebuild the listing index after writing to ``inner`` directly (uncounted setup)."""
+        with self._lock:
+            infos = list(self.inner.list())
+            self._keys = [i.key for i in infos]
+            self._infos = {i.key: i for i in infos}
+
+    def _draw_latency(self, nbytes: int) -> float:
+        if self.latency <= 0:
+            return nbytes / self.bandwidth
+        base = self.latency * math.exp(self.rng.gauss(0.0, self.sigma)) if self.sigma > 0 else self.latency
+        return base + nbytes / self.bandwidth
+
+    def _admit(self, cls: str, prefix: str, t: float) -> bool:
+        """Count one arriving request against its prefix's window; False: SlowDown."""
+        q = self._accepted.setdefault((cls, prefix), collections.deque())
+        while q and q[0] <= t - self.window:
+            q.popleft()
+        if len(q) >= self.limits[cls]:
+            return False
+        q.append(t)
+        k = (cls, prefix)
+        if len(q) > self.stats.peak.get(k, 0):
+            self.stats.peak[k] = len(q)
+        return True
+
+    def _request(self, verb: str, key_or_prefix: str, apply: Callable[[], object], nbytes: int = 0):
+        """One request with its retries: arrive, maybe SlowDown/fail, take effect, take latency."""
+        prefix = self.prefix_of(key_or_prefix)
+        cls = _CLASS[verb]
+        for attempt in range(1, self.attempts + 1):
+            with self._lock:
+                self.stats.requests[verb] += 1
+                self.stats.by_prefix[(verb, prefix)] += 1
+                admitted = self._admit(cls, prefix, self.now())
+                if not admitted:
+                    self.stats.slowdowns += 1
+                fail = admitted and self.error_rate > 0 and self.rng.random() < self.error_rate
+                lost = admitted and not fail and self.lost_rate > 0 and self.rng.random() < self.lost_rate
+                delay = self._draw_latency(nbytes)
+                if fail or lost:
+                    self.stats.errors += 1
+            if admitted and not fail:
+                # Takes effect half-way through the round trip: the response comes back after.
+                self._sleep(delay / 2)
+                result = apply()
+                self._sleep(delay / 2)
+                if not lost:
+                    return result
+            else:
+                self._sleep(delay)
+            if attempt == self.attempts:
+                what = "SlowDown (HTTP 503)" if not admitted else "InternalError (HTTP 500)"
+                err = SlowDownError if not admitted else StorageError
+                raise err(f"{self.uri}: {verb} {key_or_prefix!r} failed: {what} after {attempt} attempts")
+            with self._lock:
+                cap = min(20.0, self.backoff * 2 ** (attempt - 1))
+                pause = self.rng.uniform(0, cap)
+            self._sleep(pause)
+        raise AssertionError("unreachable")
+
+    # -- Store ----------------------------------------------------------------------------------
+
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        check_key(key)
+        return self._request("GET", key, lambda: self.inner.get(key, limit))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        check_key(key)
+
+        def apply() -> bytes:
+            data = self.inner.get(key)
+            s = resolve_range(self.uri, key, start, length, len(data))
+            return data[s : s + length]
+
+        return self._request("GET", key, apply, length)
+
+    def head(self, key: str) -> ObjectInfo:
+        check_key(key)
+        return self._request("HEAD", key, lambda: self.inner.head(key))
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.head(key)
+        except NotFoundError:
+            return False
+        return True
+
+    def _index_add(self, key: str) -> None:
+        self._infos[key] = self.inner.head(key)
+        i = bisect.bisect_left(self._keys, key)
+        if i == len(self._keys) or self._keys[i] != key:
+            self._keys.insert(i, key)
+
+    def _index_remove(self, key: str) -> None:
+        self._infos.pop(key, None)
+        i = bisect.bisect_left(self._keys, key)
+        if i < len(self._keys) and self._keys[i] == key:
+            del self._keys[i]
+
+    def put(self, key: str, data: Data) -> None:
+        check_key(key)
+        blob = b"".join(as_buffers(data))
+
+        def apply() -> None:
+            with self._lock:
+                self.inner.put(key, blob)
+                self._tokens.pop(key, None)
+                self._index_add(key)
+
+        self._request("PUT", key, apply, len(blob))
+
+    def put_if_absent(self, key: str, data: Data) -> bool:
+        check_key(key)
+        blob = b"".join(as_buffers(data))
+        token = next(self._token)
+
+        def apply() -> bool:
+            with self._lock:
+                if self.inner.put_if_absent(key, blob):
+                    self._tokens[key] = token
+                    self._index_add(key)
+                    return True
+                # A retry after a lost response finds the object its first try wrote.
+                return self._tokens.get(key) == token
+
+        return self._request("PUT", key, apply, len(blob))
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+
+        def apply() -> None:
+            with self._lock:
+                self.inner.delete(key)
+                self._tokens.pop(key, None)
+                self._index_remove(key)
+
+        self._request("DELETE", key, apply)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """LIST pages, then one batch DELETE (DeleteObjects) per page, as S3Store does."""
+        check_prefix(prefix)
+        n = 0
+        for page in self._pages(prefix):
+            keys = [i.key for i in page]
+            if not keys:
+                continue
+
+            def apply(keys=keys) -> None:
+                with self._lock:
+                    for k in keys:
+                        self.inner.delete(k)
+                        self._tokens.pop(k, None)
+                        self._index_remove(k)
+
+            self._request("DELETE", keys[0], apply)
+            n += len(keys)
+        return n
+
+    def copy(self, src_key: str, dst_key: str) -> None:
+        check_key(src_key)
+        check_key(dst_key)
+
+        def apply() -> None:
+            with self._lock:
+                self.inner.copy(src_key, dst_key)
+                self._tokens.pop(dst_key, None)
+                self._index_add(dst_key)
+
+        self._request("COPY", dst_key, apply)
+
+    def _page(self, prefix: str, after: str | None, delimiter: bool) -> tuple[list, list[str], str | None]:
+        """One LIST page: (objects, folders, marker of the next page or None)."""
+        with self._lock:
+            i = bisect.bisect_right(self._keys, after) if after is not None else bisect.bisect_left(self._keys, prefix)
+            objects: list[ObjectInfo] = []
+            folders: list[str] = []
+            last = None
+            while i < len(self._keys) and len(objects) + len(folders) < self.page_size:
+                k = self._keys[i]
+                if not k.startswith(prefix):
+                    break
+                rest = k[len(prefix) :]
+                if delimiter and "/" in rest:
+                    folder = rest.split("/", 1)[0]
+                    folders.append(folder)
+                    last = prefix + folder + "/\uffff"  # skip the whole folder, as S3 does
+                    i = bisect.bisect_right(self._keys, last)
+                    continue
+                objects.append(self._infos[k])
+                last = k
+                i += 1
+            more = i < len(self._keys) and self._keys[i].startswith(prefix)
+            return objects, folders, (last if more else None)
+
+    def _pages(self, prefix: str, delimiter: bool = False) -> Iterator[list[ObjectInfo]]:
+        after = None
+        while True:
+            objects, folders, after = self._request("LIST", prefix, lambda a=after: self._page(prefix, a, delimiter))
+            if objects or (not folders and after is None):
+                yield objects
+            if after is None:
+                return
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        check_prefix(prefix)
+
+        def gen() -> Iterator[ObjectInfo]:
+            for page in self._pages(prefix):
+                yield from page
+
+        return gen()
+
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        prefix = check_dir_prefix(prefix)
+        names: list[str] = []
+        folders: list[str] = []
+        after = None
+        while True:
+            objects, subs, after = self._request("LIST", prefix, lambda a=after: self._page(prefix, a, True))
+            names += [o.key[len(prefix) :] for o in objects]
+            folders += subs
+            if after is None:
+                return sorted(names), sorted(set(folders))
+
+    def exists_root(self) -> bool:
+        return self.inner.exists_root()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+__all__ = [
+    "GET_CLASS",
+    "PUT_CLASS",
+    "SimulatedStore",
+    "SimulationStalled",
+    "SlowDownError",
+    "Stats",
+    "VirtualClock",
+    "VirtualTime",
+    "folder_of",
+]

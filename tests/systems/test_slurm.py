@@ -1,0 +1,237 @@
+"""``deploy/slurm/elastic.sbatch`` under a real slurmctld and slurmd (one node, on loopback).
+
+One job, one unchanged batch script, three sizes: submitted at 4 tasks, preempted by a job of a
+higher-priority partition (``PreemptMode=REQUEUE``: Slurm sends SIGTERM to the job's steps), the
+script requeues itself, the pending job is resized to 3 tasks (``scontrol update NumTasks``) and
+runs again; then its time limit comes near (``--signal=B:USR1@120`` of the recipe: USR1 to the
+batch shell, which forwards SIGTERM to the steps and requeues), it is resized to 2 tasks and runs
+to the end of the epoch. The training script (``tests/systems/exact_train.py``) makes the final
+state independent of the world size bit for bit, so the job's final model and AdamW state must
+equal those of an uninterrupted single-process run exactly, and every sample of the epoch must
+have been trained on exactly once.
+
+Needs ``slurm-wlm`` and ``munge`` (``.ci/run`` installs them); skipped when they are absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import launch
+from tests.systems.slurm import SlurmCluster, missing_binaries
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "deploy" / "slurm" / "elastic.sbatch"
+SAMPLES, GLOBAL_BATCH = 480, 12  # 40 steps; 12 splits over 4, 3 and 2 ranks
+STOP_AT_4, STOP_AT_3 = 9, 24  # steps where the test stops the job
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(bool(missing_binaries()), reason=f"Slurm/munge not installed: {missing_binaries()}"),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), cpus=8)
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+def _steps(log_dir: Path) -> list[dict]:
+    out = []
+    for f in sorted(log_dir.glob("rank*.jsonl")):
+        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return out
+
+
+def _wait_all_ranks_at(log_dir: Path, step: int, world: int, cluster: SlurmCluster, job: int, timeout=300.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        done = {r["rank"] for r in _steps(log_dir) if (r["event"], r["step"], r["world"]) == ("step", step, world)}
+        if len(done) == world:
+            return
+        info = cluster.job(job)
+        if info["JobState"] not in ("RUNNING", "PENDING", "CONFIGURING"):
+            raise AssertionError(f"job ended ({info['JobState']}) before step {step}:\n{_out(job)}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"ranks at world {world} did not reach step {step}:\n{_out(job)}")
+        time.sleep(0.5)
+
+
+_OUT_DIR: list[Path] = []
+
+
+def _out(job: int, tail: int = 6000) -> str:
+    f = _OUT_DIR[0] / f"slurm-{job}.out"
+    return f.read_text(errors="replace")[-tail:] if f.exists() else "(no output)"
+
+
+def _wait_requeued(cluster: SlurmCluster, job: int, restarts: int, timeout=240.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = cluster.job(job)
+        # pending again, and the previous run's processes gone from the node: changing the job
+        # while it still completes lets slurmctld start the new run and then book the old
+        # batch script's exit status against it (seen: the new run marked FAILED at once)
+        if info["JobState"] == "PENDING" and int(info["Restarts"]) == restarts and cluster._node_idle_only():
+            return info
+        if info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            raise AssertionError(f"job {job} ended ({info['JobState']}) instead of requeueing:\n{_out(job)}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job} not requeued (state {info['JobState']}):\n{_out(job)}")
+        time.sleep(0.5)
+
+
+def test_sbatch_recipe_preempted_and_time_limited_resumes_at_4_3_2_tasks_exactly(cluster, tmp_path):
+    _OUT_DIR[:] = [tmp_path]
+    recipe_digest = hashlib.sha256(SBATCH.read_bytes()).hexdigest()
+    env_common = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    # The reference: one process, never stopped.
+    ref = subprocess.run(
+        [sys.executable, "tests/systems/exact_train.py", "--root", str(tmp_path / "ref"), "--samples", str(SAMPLES)]
+        + ["--global-batch", str(GLOBAL_BATCH), "--final", str(tmp_path / "ref.pt")],
+        cwd=REPO,
+        env={**os.environ, **env_common},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ref.returncode == 0, ref.stderr
+
+    logs, hold = tmp_path / "logs", tmp_path / "hold"
+    hold.write_text(str(STOP_AT_4))
+    job_env = {
+        **env_common,
+        "CKPT_ROOT": str(tmp_path / "root"),
+        "TRAIN": "tests/systems/exact_train.py",
+        "GLOBAL_BATCH": str(GLOBAL_BATCH),
+        "RDZV_PORT": str(launch.free_port()),
+        "SHUTDOWN_TIMEOUT": "60",
+        "EXACT_SAMPLES": str(SAMPLES),
+        "EXACT_LOG_DIR": str(logs),
+        "EXACT_FINAL": str(tmp_path / "final.pt"),
+        "EXACT_HOLD_FILE": str(hold),
+    }
+    # The recipe's #SBATCH lines ask for 2-4 nodes of 8 tasks; this cluster has one node. The
+    # command line overrides only the size and where the output goes.
+    job = cluster.sbatch(
+        ["--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=1", "--time=30", f"--chdir={REPO}"]
+        + [f"--output={tmp_path}/slurm-%j.out", str(SBATCH)],
+        **job_env,
+    )
+
+    # 1. At 4 tasks: preemption. A job in the higher-priority partition needs all 8 CPUs.
+    # The ranks stay held at STOP_AT_4 until the signal comes (the scheduler may take a while).
+    _wait_all_ranks_at(logs, STOP_AT_4, 4, cluster, job)
+    high = cluster.sbatch(["--partition=high", "--ntasks=8", "--output=/dev/null", "--wrap", "sleep 1"])
+    _wait_requeued(cluster, job, restarts=1)
+    hold.write_text(str(STOP_AT_3))
+    cluster.wait_state(high, {"COMPLETED"}, timeout=240)
+
+    # 2. Requeued; resized to 3 tasks while pending. Then the time limit comes near: 1 minute
+    # left, less than the recipe's --signal=B:USR1@120, so slurmctld sends USR1 to the shell.
+    cluster.run(["scontrol", "update", f"JobId={job}", *_size(3), "StartTime=now"])
+    _wait_all_ranks_at(logs, STOP_AT_3, 3, cluster, job)
+    # (the ranks stay held at STOP_AT_3 until the signal comes)
+    run_s = _runtime_s(cluster.job(job)["RunTime"])
+    cluster.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={run_s // 60 + 2}"])
+    _wait_requeued(cluster, job, restarts=2)
+
+    # 3. Resized to 2 tasks, the time limit restored: runs to the end of the epoch.
+    hold.unlink()
+    cluster.run(["scontrol", "update", f"JobId={job}", *_size(2), "TimeLimit=30", "StartTime=now"])
+    info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    output = _out(job, tail=10**7)
+    assert info["JobState"] == "COMPLETED", output[-6000:]
+
+    # The cycle happened as Slurm drove it, with the same batch script throughout.
+    assert hashlib.sha256(SBATCH.read_bytes()).hexdigest() == recipe_digest
+    assert "time limit near" in output, output
+    assert output.count("requeueing job") == 2, output
+    for world in (4, 3, 2):
+        assert f"1 nodes x {world} = {world} ranks" in output, output
+
+    records = _steps(logs)
+    steps = [r for r in records if r["event"] == "step"]
+    per_step = {}
+    for r in steps:
+        per_step.setdefault(r["step"], []).append(r)
+    # No step was trained twice (each stop saved the step it stopped at), at the expected sizes.
+    for s, rs in per_step.items():
+        worlds = {r["world"] for r in rs}
+        assert len(worlds) == 1 and len(rs) == next(iter(worlds)), (s, rs)
+    world_of = {s: rs[0]["world"] for s, rs in per_step.items()}
+    assert sorted(world_of) == list(range(SAMPLES // GLOBAL_BATCH))
+    assert {world_of[s] for s in range(STOP_AT_4 + 1)} == {4}
+    assert {world_of[s] for s in range(STOP_AT_4 + 1, STOP_AT_3 + 1)} == {3}
+    assert {world_of[s] for s in range(STOP_AT_3 + 1, SAMPLES // GLOBAL_BATCH)} == {2}
+    stops = [r for r in records if r["event"] == "stop"]
+    assert {(r["world"], r["step"]) for r in stops} == {(4, STOP_AT_4), (3, STOP_AT_3)}
+    # Every sample of the epoch exactly once.
+    seen = Counter(i for r in steps for i in r["indices"])
+    assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}
+
+    # The final state, bit for bit.
+    final, reference = torch.load(tmp_path / "final.pt"), torch.load(tmp_path / "ref.pt")
+    assert final.keys() == reference.keys()
+    for k in reference:
+        assert torch.equal(final[k], reference[k]), k
+
+
+def _size(tasks: int) -> list[str]:
+    """A pending job's new size on its one node (the recipe reads SLURM_TASKS_PER_NODE)."""
+    return [f"TasksPerNode={tasks}", f"NumTasks={tasks}", f"NumCPUs={tasks}"]
+
+
+def _runtime_s(text: str) -> int:
+    """``scontrol``'s RunTime: [days-]hh:mm:ss."""
+    days, _, hms = text.rpartition("-")
+    h, m, s = (int(x) for x in hms.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def test_plain_scancel_saves_and_the_job_stays_cancelled(cluster, tmp_path):
+    """``scancel JOBID`` signals the batch shell too: the ranks save the step they are at, and
+    the recipe must not requeue (Slurm accepts a requeue of a job being cancelled)."""
+    _OUT_DIR[:] = [tmp_path]
+    logs, hold = tmp_path / "logs", tmp_path / "hold"
+    hold.write_text("2")
+    job = cluster.sbatch(
+        ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=30", f"--chdir={REPO}"]
+        + [f"--output={tmp_path}/slurm-%j.out", str(SBATCH)],
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        CKPT_ROOT=str(tmp_path / "root"),
+        TRAIN="tests/systems/exact_train.py",
+        GLOBAL_BATCH=str(GLOBAL_BATCH),
+        RDZV_PORT=str(launch.free_port()),
+        SHUTDOWN_TIMEOUT="60",
+        EXACT_SAMPLES=str(SAMPLES),
+        EXACT_LOG_DIR=str(logs),
+        EXACT_HOLD_FILE=str(hold),
+    )
+    _wait_all_ranks_at(logs, 2, 2, cluster, job)
+    cluster.run(["scancel", str(job)])
+    info = cluster.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED", "PENDING"}, timeout=120)
+    # wait for the batch script to have finished deciding (its last line), then look again
+    deadline = time.monotonic() + 120
+    while "cancelled: not requeueing" not in _out(job) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    info = cluster.job(job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, _out(job))
+    assert "cancelled: not requeueing (latest committed step 2)" in _out(job)

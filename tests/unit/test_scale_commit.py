@@ -1,0 +1,252 @@
+"""The scalable commit (done tree) and the latest-step chain, run by hundreds of simulated ranks
+on the simulated S3 with its faults: exactly one commit, never a partial one, and a
+``latest_step`` that stays right when its chain is stale, missing, broken or ahead of the
+commits."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from ckptd import catalog, commit, donetree, latest
+from ckptd import manifest as mf
+from storage_backends import MemoryStore
+from storage_backends.simulated import SimulatedStore, VirtualClock, VirtualTime
+
+
+def _claim_with_manifest(store, step: int, attempt: str, n: int) -> None:
+    """What rank 0 does before the done records: claim the step, write the manifest (no
+    tensors here, so no shard is expected)."""
+    commit.begin(store, step, attempt, "job")
+    m = mf.Manifest(step=step, world_size=n, tensors={}, state={}, attempt=attempt)
+    store.put(f"{mf.step_dir(step)}/{mf.MANIFEST}", m.to_bytes())
+
+
+def _finish_all(
+    n: int, *, seed: int, skip: frozenset[int] = frozenset(), twice: frozenset[int] = frozenset(), **faults
+) -> tuple[SimulatedStore, list[int]]:
+    """n simulated ranks finish step 7 at skewed times through the real ``finish_rank``;
+    returns the store and the ranks for which it returned True."""
+    clock = VirtualClock()
+    store = SimulatedStore(clock, latency=0.02, sigma=0.5, seed=seed, attempts=20, **faults)
+    _claim_with_manifest(store, 7, "a", n)
+    rng = random.Random(seed)
+    winners: list[int] = []
+
+    def rank(r: int) -> None:
+        record = {"rank": r, "bytes": 1000 + r, "objects": 2}
+        if r in twice:  # a rank whose done record is written twice (a retried save of it)
+            donetree.write_done(store, 7, "a", r, {**record, "bytes": 1})
+        if commit.finish_rank(store, 7, "a", r, n, record):
+            winners.append(r)
+
+    for r in range(n):
+        if r not in skip:
+            clock.spawn(lambda r=r: rank(r), at=rng.uniform(0, 0.3))
+    clock.run(timeout=300)
+    return store, winners
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_exactly_once_under_slowdowns_errors_and_lost_responses(seed):
+    n = 300  # two levels: five groups of 64, then the root
+    store, winners = _finish_all(n, seed=seed, put_limit=20, get_limit=30, error_rate=0.05, lost_rate=0.05)
+    assert store.stats.slowdowns > 0 and store.stats.errors > 0  # the faults happened
+    assert len(winners) == 1
+    commit = json.loads(store.inner.get(f"{mf.step_dir(7)}/{mf.COMMIT}"))
+    assert commit["world_size"] == n and commit["attempt"] == "a"
+    assert commit["bytes"] == sum(1000 + r for r in range(n)) and commit["objects"] == 2 * n
+    assert donetree.count_done(store.inner, 7, "a") == n
+    for r in (0, 63, 64, 299):
+        assert catalog.read_done_record(store.inner, 7, "a", r)["rank"] == r
+
+
+@pytest.mark.parametrize("missing", [0, 64, 299])
+def test_never_committed_while_a_rank_is_missing(missing):
+    store, winners = _finish_all(300, seed=3, skip=frozenset({missing}))
+    assert winners == []
+    assert not store.inner.exists(f"{mf.step_dir(7)}/{mf.COMMIT}")
+    # nor any node above the missing rank's group
+    nodes = [i.key for i in store.inner.list(f"{mf.step_dir(7)}/{mf.DONE}/a/t2/")]
+    assert len(nodes) == 4 and all(f"/n{missing // 64:06d}." not in k for k in nodes)
+    assert catalog.latest_step(store.inner) is None
+
+
+def test_a_rank_written_twice_is_counted_once():
+    store, winners = _finish_all(130, seed=4, twice=frozenset({5, 70}))
+    assert len(winners) == 1
+    commit = json.loads(store.inner.get(f"{mf.step_dir(7)}/{mf.COMMIT}"))
+    assert commit["world_size"] == 130  # counted by rank id; one of the two records' totals
+
+
+def test_levels():
+    assert [donetree.levels(n) for n in (1, 64, 65, 4096, 4097, 8192)] == [1, 1, 2, 2, 3, 3]
+
+
+def test_commit_costs_o_n_requests_and_no_folder_holds_more_than_a_group():
+    n = 512
+    store, winners = _finish_all(n, seed=5)
+    assert len(winners) == 1
+    # a done record and a LIST per rank; the group nodes, their LISTs and the chain are a few
+    # percent more (more when ranks finish together and race to complete the same node)
+    assert store.stats.total() <= 2.5 * n
+    assert store.stats.slowdowns == 0
+    assert max(n for (cls, _), n in store.stats.peak.items() if cls == "PUT") <= 64
+
+
+def test_old_layout_done_records_are_still_read():
+    store = MemoryStore()
+    store.put(mf.done_key(3, "old", 1), mf.dumps({"rank": 1, "rng": "x"}))
+    assert catalog.read_done_record(store, 3, "old", 1) == {"rank": 1, "rng": "x"}
+
+
+# -- the latest-step chain ----------------------------------------------------------------------
+
+
+def _commit_old_style(store, step: int) -> None:
+    """A checkpoint committed by a ckptd that had no chain: only its commit record."""
+    store.put(f"{mf.step_dir(step)}/{mf.MANIFEST}", b"{}")
+    store.put(f"{mf.step_dir(step)}/{mf.COMMIT}", mf.dumps({"step": step}))
+
+
+def _commit(store, step: int) -> bool:
+    return commit.commit_step(store, step, {"step": step})
+
+
+def test_a_root_without_chain_is_listed_and_the_first_commit_seeds_it_past_old_steps():
+    store = MemoryStore()
+    for s in (10, 20, 30):
+        _commit_old_style(store, s)
+    assert catalog.latest_step(store) == 30  # no chain: listing
+    assert _commit(store, 25)  # an older step committed late: the chain starts at 30, not 25
+    assert json.loads(store.get(latest.FIRST)) == 30
+    assert latest.latest_from_chain(store) == (True, 30)
+    assert _commit(store, 40)
+    assert latest.latest_from_chain(store) == (True, 40) and catalog.latest_step(store) == 40
+
+
+def test_stale_and_missing_hints_are_walked_past():
+    store = MemoryStore()
+    for s in (1, 2, 3, 4):
+        assert _commit(store, s)
+    store.put(latest.HINT, b"2")  # a slow committer moved it back
+    assert catalog.latest_step(store) == 4
+    store.delete(latest.HINT)
+    assert catalog.latest_step(store) == 4  # from the chain's first element
+    store.put(latest.HINT, b"not json")
+    assert catalog.latest_step(store) == 4  # malformed: listing
+
+
+def test_a_chain_end_that_never_committed_falls_back_to_listing():
+    store = MemoryStore()
+    assert _commit(store, 100)
+    assert latest.link(store, 200, catalog.latest_step_by_listing)  # its save died after linking
+    assert latest.latest_from_chain(store) == (False, None)
+    assert catalog.latest_step(store) == 100
+    assert _commit(store, 150)  # the job resumed from 100 and saves 150 < 200: not linked
+    assert catalog.latest_step(store) == 150  # the chain cannot answer; listing does
+    assert _commit(store, 300)
+    assert latest.latest_from_chain(store) == (True, 300)
+
+
+def test_a_deleted_chain_end_falls_back_to_listing():
+    store = MemoryStore()
+    for s in (1, 2, 3):
+        assert _commit(store, s)
+    catalog.delete_checkpoint(store, 3)  # by hand: retention never deletes the newest
+    assert catalog.latest_step(store) == 2
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_racing_commits_of_many_steps_keep_the_chain_increasing(seed):
+    clock = VirtualClock()
+    store = SimulatedStore(clock, latency=0.02, sigma=0.8, seed=seed, lost_rate=0.05)
+    rng = random.Random(seed)
+    steps = rng.sample(range(1, 1000), 60)
+    for s in steps:  # out of order, overlapping: daemons may commit a later step first
+        clock.spawn(lambda s=s: _commit(store, s), at=rng.uniform(0, 0.2))
+    clock.run(timeout=300)
+    chain, cur = [], json.loads(store.inner.get(latest.FIRST))
+    while True:
+        chain.append(cur)
+        if not store.inner.exists(latest.link_key(cur)):
+            break
+        cur = json.loads(store.inner.get(latest.link_key(cur)))
+    assert chain == sorted(set(chain)) and chain[-1] == max(steps)
+    assert latest.latest_from_chain(store.inner) == (True, max(steps))
+
+
+def test_latest_step_costs_three_requests_whatever_the_steps_kept():
+    store = SimulatedStore()
+    for s in range(0, 3000):
+        _commit(store.inner, s)
+    store.reindex()
+    store.stats.reset()
+    assert catalog.latest_step(store) == 2999
+    assert store.stats.total() == 3
+
+
+def test_a_thousand_waiting_ranks_poll_under_the_prefix_rate(monkeypatch):
+    # 1024 ranks finish within 0.1 s and wait 3 s for the commit. Polling from 5 ms doubling
+    # (the pace before) HEADs commit.json ~15,000 times in the first 0.3 s: SlowDown, and with
+    # no retries left a rank's save fails. Paced polling stays near 2000/s from the first poll.
+    clock = VirtualClock()
+    store = SimulatedStore(clock, latency=0.02, sigma=0.3, attempts=1, seed=1)
+    monkeypatch.setattr(commit, "time", VirtualTime(clock))
+    n, failed = 1024, []
+
+    def rank(r: int) -> None:
+        try:
+            commit.wait_commit(store, 9, "a", n, timeout=60.0, rank=r)
+        except Exception as e:  # noqa: BLE001 - counted
+            failed.append(e)
+
+    for r in range(n):
+        clock.spawn(lambda r=r: rank(r), at=r * 1e-4)
+    clock.spawn(lambda: store.put(f"{mf.step_dir(9)}/{mf.COMMIT}", b'{"attempt":"a"}'), at=3.0)
+    clock.run(timeout=300)
+    assert failed == [] and store.stats.slowdowns == 0
+    assert store.stats.peak[("GET", mf.step_dir(9))] <= 3500
+
+
+@pytest.mark.parametrize("notices", [True, False])
+def test_above_1024_ranks_waiters_poll_notices_and_fall_back_to_the_commit_record(monkeypatch, notices):
+    # The committer writes commit.json, then one notice per 1024 ranks; the waiting ranks poll
+    # their notice. When the committer dies between the two (notices=False), they still learn
+    # of the commit from commit.json, which every rank checks every few polls.
+    clock = VirtualClock()
+    store = SimulatedStore(clock, latency=0.02, sigma=0.3, attempts=1, seed=2)
+    monkeypatch.setattr(commit, "time", VirtualTime(clock))
+    n, returned, failed = 2048, [], []
+    keys = donetree.notice_keys(9, "a", n)
+    assert len(keys) == 2 and len({k.rsplit("/", 1)[0] for k in keys}) == 2  # two prefixes
+
+    def rank(r: int) -> None:
+        try:
+            commit.wait_commit(store, 9, "a", n, timeout=120.0, rank=r)
+            returned.append(r)
+        except Exception as e:  # noqa: BLE001 - counted
+            failed.append(e)
+
+    def committer() -> None:
+        store.put(f"{mf.step_dir(9)}/{mf.COMMIT}", b'{"attempt":"a"}')
+        if notices:
+            for k in keys:
+                store.put(k, b"{}")
+
+    for r in range(n):
+        clock.spawn(lambda r=r: rank(r), at=r * 1e-4)
+    clock.spawn(committer, at=3.0)
+    clock.run(timeout=300)
+    assert failed == [] and len(returned) == n and store.stats.slowdowns == 0
+    notice_polls = sum(v for (verb, p), v in store.stats.by_prefix.items() if verb == "HEAD" and "/c000" in p)
+    assert store.stats.peak[("GET", mf.step_dir(9))] <= 3500
+    assert notice_polls > 0
+
+
+def test_a_committed_save_of_more_than_1024_ranks_writes_its_notices():
+    store, winners = _finish_all(1100, seed=6)
+    assert len(winners) == 1
+    assert all(store.inner.exists(k) for k in donetree.notice_keys(7, "a", 1100))
