@@ -11,8 +11,8 @@ What this sandbox cannot have, and so the configuration leaves out: cgroups (no 
 cgroup hierarchy inside the container: ``proctrack/cgroup`` and ``task/cgroup`` would fail, so
 ``proctrack/linuxproc`` tracks the job's processes by parent pid and ``task/none`` binds
 nothing), accounting (no slurmdbd/MySQL: ``accounting_storage/none``), and more than one node
-(Debian's build has no ``--enable-multiple-slurmd``: an allocation's size changes in ranks per
-node, not in nodes).
+(one slurmd on one host; several slurmd per host need a build with ``--enable-multiple-slurmd``,
+not tried here): an allocation's size changes in ranks per node, not in nodes.
 
 Two partitions: ``low`` (the default) is preempted by jobs of ``high`` the way production
 clusters preempt (``preempt/partition_prio``, ``PreemptMode=REQUEUE``, ``GraceTime=60``: SIGTERM to
