@@ -46,7 +46,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ckptd.manifest import DONE, done_key, step_dir
+from ckptd.manifest import DONE, MAX_RECORD_BYTES, done_key, step_dir
 from storage_backends import Store
 
 FANOUT = 64
@@ -192,8 +192,17 @@ def read_done_record(store: Store, step: int, attempt: str, rank: int) -> dict:
     """Rank's done record in either layout. Raises NotFoundError, or ValueError if malformed."""
     prefix = f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}."
     for info in store.list(prefix):
-        return json.loads(store.get(info.key))
-    return json.loads(store.get(done_key(step, attempt, rank)))
+        return _load(store, info.key)
+    return _load(store, done_key(step, attempt, rank))
+
+
+def _load(store: Store, key: str) -> dict:
+    """A done record, capped at MAX_RECORD_BYTES (StorageError if larger); deep JSON is a
+    ValueError like any other malformed record."""
+    try:
+        return json.loads(store.get(key, limit=MAX_RECORD_BYTES))
+    except RecursionError:
+        raise ValueError(f"done record {key} is nested too deep") from None
 
 
 __all__ = [

@@ -101,7 +101,7 @@ def campaign(base: str, examples: int) -> None:
         shutil.rmtree(root, ignore_errors=True)
         shutil.copytree(pristine, root, symlinks=True)
         done = target == "_done"
-        path = next((root / STEP / "_done").rglob("rank_*.json")) if done else root / STEP / target
+        path = next((root / STEP / "_done").rglob("*.json")) if done else root / STEP / target
         doc = _mutate(json.loads(path.read_text()), *mutation)
         path.write_text(json.dumps(doc))
         args = [argv, str(root)] + (["--keep-last", "1", "--dry-run"] if argv == "gc" else [])
