@@ -111,6 +111,9 @@ class SaveResult:
     # where those seconds went on this rank (None through a daemon): writing its objects, making
     # them durable (one sync), and its done record + commit attempt + waiting for the commit
     phases: dict[str, float] | None = None
+    # wall-clock time this rank started persisting: every write of this attempt that can still be
+    # in flight at the commit (another rank's losing put_if_absent of commit.json) began after it
+    started_at: float | None = None
 
 
 def stale_after() -> float:
@@ -266,6 +269,7 @@ def persist(
     at the previous committed step are hard-linked (filesystem) or server-side copied (S3) from
     that checkpoint instead of uploaded; every checkpoint stays complete on its own."""
     t0 = time.perf_counter()
+    started_at = time.time()
     where = catalog.where(store, part.step)
     writer = check_writer(writer or part.attempt)
     if part.ready is not None:
@@ -305,7 +309,7 @@ def persist(
         wait_commit(store, part.step, part.attempt, part.world_size, commit_timeout, part.rank)
     t1 = time.perf_counter()
     phases = {"write": t_written - t0, "sync": t_synced - t_written, "commit": t1 - t_synced}
-    return SaveResult(part.step, nbytes, len(written), committed, t1 - t0, phases)
+    return SaveResult(part.step, nbytes, len(written), committed, t1 - t0, phases, started_at)
 
 
 def _check_abort(abort: threading.Event | None, where: str) -> None:
@@ -655,21 +659,25 @@ def after_commit(store: Store, result: SaveResult, keep_last: int | None) -> Non
     """The one retention convention: the writer that wrote the commit record applies retention,
     after it has reported the commit (so retention delays neither the caller nor the result).
 
-    It first sweeps the committed step for incomplete writes: once the commit record exists every
-    rank's data is durable, so a temp file (filesystem) or an open multipart upload (S3) left in
-    the step can only be an earlier, killed attempt's, which the fenced ``begin`` does not purge
-    (other ranks may already be writing when a rank takes a step over)."""
+    It first sweeps the committed step for incomplete writes older than this save: once the
+    commit record exists every rank's data is durable, so a temp file (filesystem) or an open
+    multipart upload (S3) that predates this rank's save can only be an earlier, killed attempt's,
+    which the fenced ``begin`` does not purge (other ranks may already be writing when a rank takes
+    a step over). Younger ones are left alone: another rank may be inside its losing
+    ``put_if_absent`` of ``commit.json`` right now."""
     if not result.committed_here:
         return
-    sweep_leftovers(store, result.step)
+    if result.started_at is not None:
+        sweep_leftovers(store, result.step, before=result.started_at)
     if keep_last:
         apply_retention(store, keep_last)
 
 
-def sweep_leftovers(store: Store, step: int) -> None:
-    """Remove the incomplete writes left in committed ``step``; best effort, logged."""
+def sweep_leftovers(store: Store, step: int, before: float) -> None:
+    """Remove the incomplete writes left in committed ``step`` that started before the wall-clock
+    time ``before``; best effort, logged."""
     try:
-        gone = store.abort_stale_uploads(0.0, prefix=f"{mf.step_dir(step)}/")
+        gone = store.abort_stale_uploads(max(0.0, time.time() - before), prefix=f"{mf.step_dir(step)}/")
     except StorageError as e:
         log.warning("could not sweep incomplete writes of step %d: %s", step, e)
         return
