@@ -411,6 +411,26 @@ def expected_shards(manifest: mf.Manifest) -> set[str]:
     return out
 
 
+def _claimed_manifest(store: Store, step: int, attempt: str, world_size: int, where: str) -> tuple[dict, mf.Manifest]:
+    """(the owning claim, the manifest) of ``attempt``, which must own the step (newest claim)
+    and whose manifest must name the same step, attempt and world size; read under the manifest
+    size cap. Raises otherwise."""
+    rec = owner(store, step)
+    if rec is None or rec.get("attempt") != attempt:
+        who = "nobody" if rec is None else f"job {rec.get('writer')!r} (attempt {rec.get('attempt')!r})"
+        raise StepClaimed(f"{where}: not committing attempt {attempt}: the step is claimed by {who}")
+    try:
+        m = mf.Manifest.from_bytes(store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES), where)
+    except NotFoundError:
+        raise CheckpointError(f"{where}: not committing attempt {attempt}: manifest.json is missing") from None
+    if (m.step, m.attempt, m.world_size) != (step, attempt, world_size):
+        raise CheckpointError(
+            f"{where}: not committing attempt {attempt} of world size {world_size}: the manifest names step "
+            f"{m.step}, attempt {m.attempt!r}, world size {m.world_size}"
+        )
+    return rec, m
+
+
 def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: dict | None = None) -> bool:
     """Write the commit record if every rank of ``attempt`` has written its done record.
 
@@ -425,19 +445,7 @@ def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: di
     dones = list(store.list(mf.done_prefix(step, attempt)))
     if len(dones) < world_size:
         return False
-    rec = owner(store, step)
-    if rec is None or rec.get("attempt") != attempt:
-        who = "nobody" if rec is None else f"job {rec.get('writer')!r} (attempt {rec.get('attempt')!r})"
-        raise StepClaimed(f"{where}: not committing attempt {attempt}: the step is claimed by {who}")
-    try:
-        m = mf.Manifest.from_bytes(store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES), where)
-    except NotFoundError:
-        raise CheckpointError(f"{where}: not committing attempt {attempt}: manifest.json is missing") from None
-    if (m.step, m.attempt, m.world_size) != (step, attempt, world_size):
-        raise CheckpointError(
-            f"{where}: not committing attempt {attempt} of world size {world_size}: the manifest names step "
-            f"{m.step}, attempt {m.attempt!r}, world size {m.world_size}"
-        )
+    rec, m = _claimed_manifest(store, step, attempt, world_size, where)
     total, objects, ranks, shards = 0, 0, set(), set()
     for d in dones:
         try:
@@ -505,19 +513,7 @@ def _check_before_commit(store: Store, step: int, attempt: str, world_size: int,
     ``expected_shards``; only when they differ are the records read to say what is missing
     (a rank may write more than the manifest needs). Returns the commit record."""
     where = catalog.where(store, step)
-    rec = owner(store, step)
-    if rec is None or rec.get("attempt") != attempt:
-        who = "nobody" if rec is None else f"job {rec.get('writer')!r} (attempt {rec.get('attempt')!r})"
-        raise StepClaimed(f"{where}: not committing attempt {attempt}: the step is claimed by {who}")
-    try:
-        m = mf.Manifest.from_bytes(store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}"), where)
-    except NotFoundError:
-        raise CheckpointError(f"{where}: not committing attempt {attempt}: manifest.json is missing") from None
-    if (m.step, m.attempt, m.world_size) != (step, attempt, world_size):
-        raise CheckpointError(
-            f"{where}: not committing attempt {attempt} of world size {world_size}: the manifest names step "
-            f"{m.step}, attempt {m.attempt!r}, world size {m.world_size}"
-        )
+    rec, m = _claimed_manifest(store, step, attempt, world_size, where)
     expected = expected_shards(m)
     if donetree.shard_digest(expected) != total.digest:
         shards: set[str] = set()
