@@ -9,7 +9,9 @@ request counted). Only the clock is replaced: the modules under test read ``time
 :func:`virtual_time`, so their polling sleeps and deadlines run in simulated seconds. Figures
 are in simulated seconds; wall time is only what the simulation costs.
 
-The finish times of the ranks are skewed as a real job's are: every rank uploads for
+Every rank starts its ``persist`` within ``start_s`` of the others (``save()`` is collective,
+the snapshots end nearly together): the claim of the step comes first, then the upload. The
+finish times of the ranks are skewed as a real job's are: every rank uploads for
 ``write_s`` x (1 + N(0, ``skew``)) seconds, and 1% of them straggle by an extra exponential
 ``straggle_s``. "Commit latency" is from the moment the last rank's data is durable (its last
 data PUT answered) to the moment ``commit.json`` is; "all ranks know" is to the moment the last
@@ -36,7 +38,14 @@ from pathlib import Path
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from storage_backends.simulated import GET_CLASS, PUT_CLASS, SimulatedStore, VirtualClock, VirtualTime
+from storage_backends.simulated import (
+    GET_CLASS,
+    PUT_CLASS,
+    SimulatedStore,
+    VirtualClock,
+    VirtualEvent,
+    VirtualTime,
+)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "scale_results.json"
@@ -63,6 +72,41 @@ def virtual_time(clock: VirtualClock):
             m.time = t
 
 
+class ClockPool:
+    """An executor whose tasks are simulated threads of ``clock``: a rank's puts run in parallel,
+    as the I/O pool of a real rank runs them, and ``result()`` waits in simulated time."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        f = _ClockFuture(self.clock)
+
+        def body() -> None:
+            try:
+                f.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                f.set_exception(e)
+            f.event.set()
+
+        self.clock.spawn(body, name="io")
+        return f
+
+
+class _ClockFuture(Future):
+    def __init__(self, clock: VirtualClock) -> None:
+        super().__init__()
+        self.clock, self.event = clock, VirtualEvent(clock)
+
+    def result(self, timeout=None):
+        self.clock.wait(self.event)
+        return super().result(0)
+
+    def exception(self, timeout=None):
+        self.clock.wait(self.event)
+        return super().exception(0)
+
+
 class InlinePool:
     """An executor that runs each task at once in the caller (a simulated rank's thread)."""
 
@@ -75,13 +119,13 @@ class InlinePool:
         return f
 
 
-def _persist(store, job, keep_last, on_result=None):
-    """One rank's real save protocol (``ckptd.commit``): data, done record, commit, wait for
-    the commit (``on_result`` is called then: the rank's future resolves there), then retention
-    by the committing rank."""
+def _persist(store, job, keep_last, on_result=None, pool=None):
+    """One rank's real save protocol (``ckptd.commit``): claim, data, done record, commit, wait
+    for the commit (``on_result`` is called then: the rank's future resolves there), then
+    retention by the committing rank."""
     from ckptd import commit
 
-    result = commit.persist(store, job, InlinePool(), commit_timeout=3600.0)
+    result = commit.persist(store, job, pool or InlinePool(), commit_timeout=3600.0)
     if on_result is not None:
         on_result(result)
     commit.after_commit(store, result, keep_last)
@@ -146,11 +190,21 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
 
     failures: list[str] = []
 
+    starts = [rng.uniform(0.0, args.start_s) for _ in range(n)]
+    # Rank 0's I/O pool runs its puts in parallel (it may publish the claim to every group of
+    # ranks, as a real thread pool would); the others' run inline (one thread each is cheaper to
+    # simulate, and their data puts are one sleep and two requests).
+    pool0 = ClockPool(clock)
+
     def rank(r: int) -> None:
-        clock.sleep(times[r])  # the bulk of its upload, whose requests are not the subject
+        # Every rank starts persisting when its snapshot is taken (within ``start_s`` of the
+        # others: save() is collective): the claim of the step comes first, then the upload.
+        clock.sleep(starts[r])
         try:
             job = _job(step, "a", r, n, args.objects)
-            res = _persist(store, job, args.keep_last, lambda _: returned.__setitem__(r, clock.time()))
+            res = _persist(
+                store, job, args.keep_last, lambda _: returned.__setitem__(r, clock.time()), pool0 if r == 0 else None
+            )
         except Exception as e:  # noqa: BLE001 - a rank's save failing is a result to report
             failures.append(f"rank {r}: {type(e).__name__}: {e}")
             returned[r] = clock.time()
@@ -162,10 +216,14 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
     orig_put = store.put_deferred
 
     def put_deferred(key, data):
-        orig_put(key, data)
         if "/arrays/" in key:
             r = int(key.split("/c/")[1].split("/")[0])
+            if "/arrays/t0/" in key:  # the bulk of its upload, whose requests are not the subject
+                clock.sleep(times[r])
+            orig_put(key, data)
             durable[r] = max(durable[r], clock.time())
+        else:
+            orig_put(key, data)
 
     store.put_deferred = put_deferred  # type: ignore[method-assign]
     commit_key = f"{mf.step_dir(step)}/{mf.COMMIT}"
@@ -211,6 +269,9 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         "peak_get_per_s": peak_get,
         "peak_get_prefix": peak_get_prefix,
         "slowdowns": st.slowdowns,
+        # the claim of the step: requests on <step>/_claims and its subfolders, and their peak
+        "claims_requests": sum(c for (_, pre), c in st.by_prefix.items() if "/_claims" in pre),
+        "claims_peak_per_s": max((c for (_, pre), c in st.peak.items() if "/_claims" in pre), default=0),
         "skew_s": max(times) - min(times),
         "wall_s": wall,
     }
@@ -434,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-s", dest="write_s", type=float, default=10.0, help="mean upload time per rank")
     p.add_argument("--skew", type=float, default=0.03, help="relative spread of the upload times")
     p.add_argument("--straggle-s", dest="straggle_s", type=float, default=1.0)
+    p.add_argument(
+        "--start-s", dest="start_s", type=float, default=0.05, help="ranks start saving within this many seconds"
+    )
     p.add_argument("--objects", type=int, default=2, help="data objects per rank")
     p.add_argument("--previous", type=int, default=3, help="checkpoints in the root before the save")
     p.add_argument("--keep-last", dest="keep_last", type=int, default=3)

@@ -146,6 +146,17 @@ class VirtualClock:
         self._next()
         lock.acquire()
 
+    def wait(self, event: VirtualEvent) -> None:
+        """Suspend this simulated thread until ``event`` is set (at once if it is)."""
+        if event.is_set:
+            return
+        lock = getattr(self._tls, "lock", None)
+        if lock is None:
+            raise RuntimeError("VirtualClock.wait called from a thread the clock did not spawn")
+        event._waiters.append(lock)
+        self._next()
+        lock.acquire()
+
     def _next(self) -> None:
         if self._heap:
             t, _, lock = heapq.heappop(self._heap)
@@ -168,6 +179,24 @@ class VirtualClock:
         if self._errors:
             raise self._errors[0]
         return self.now
+
+
+class VirtualEvent:
+    """A one-shot event for simulated threads: ``clock.wait(event)`` suspends a thread without
+    occupying the clock's schedule until another simulated thread calls ``set`` (no polling, so a
+    task pool of simulated threads costs no wake-ups while it waits)."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self._clock = clock
+        self.is_set = False
+        self._waiters: list[threading.Lock] = []
+
+    def set(self) -> None:
+        """Wake every waiter at the current virtual time (call it from a simulated thread)."""
+        self.is_set = True
+        for lock in self._waiters:
+            heapq.heappush(self._clock._heap, (self._clock.now, next(self._clock._seq), lock))
+        self._waiters.clear()
 
 
 class VirtualTime:
@@ -526,6 +555,7 @@ __all__ = [
     "SlowDownError",
     "Stats",
     "VirtualClock",
+    "VirtualEvent",
     "VirtualTime",
     "folder_of",
 ]
