@@ -163,7 +163,15 @@ def owner(store: Store, step: int) -> dict | None:
 
 
 def _idle_seconds(store: Store, step: int) -> float:
-    newest = max((o.mtime for o in store.list(f"{mf.step_dir(step)}/")), default=0.0)
+    """Seconds since the newest write to the step folder, not counting claim outcomes
+    (``_claims/<attempt>/...``): a refused writer's outcome records must not keep a dead job's
+    step looking alive, or a job retrying the step would never reach the stale takeover."""
+    prefix = f"{mf.step_dir(step)}/"
+    outcomes = f"{prefix}{CLAIMS}/"
+    newest = max(
+        (o.mtime for o in store.list(prefix) if not (o.key.startswith(outcomes) and "/" in o.key[len(outcomes) :])),
+        default=0.0,
+    )
     return time.time() - newest
 
 
@@ -213,6 +221,126 @@ def begin(store: Store, step: int, attempt: str, writer: str) -> None:
         raise CheckpointError(f"{where}: cannot claim step {step}: {e}") from e
 
 
+# -- one claim per attempt (issue 17): rank 0 claims, the others read its outcome ----------------
+
+LEADER = 0  # the rank that claims the step for its attempt (it also writes the manifest)
+OUTCOME_GROUP = 64  # ranks reading one outcome record, each record on a prefix of its own
+
+
+def outcome_key(step: int, attempt: str, group: int) -> str:
+    """The claim outcome that ranks ``[64 * group, 64 * group + 64)`` of ``attempt`` read."""
+    return f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/{group:06d}/go.json"
+
+
+def outcome_keys(step: int, attempt: str, world_size: int) -> list[str]:
+    return [outcome_key(step, attempt, g) for g in range(-(-world_size // OUTCOME_GROUP))]
+
+
+_REFUSALS = {"AlreadyCommitted": AlreadyCommitted, "StepClaimed": StepClaimed}
+
+
+def lead_claim(store: Store, step: int, attempt: str, writer: str, world_size: int, pool) -> None:
+    """Rank 0's claim for the whole attempt: :func:`begin`, then its outcome -- go, or the
+    refusal with its error -- published to every group of ``OUTCOME_GROUP`` ranks with
+    ``put_if_absent``, in parallel on ``pool``. Raises what ``begin`` raised (after publishing
+    it, so the other ranks fail at once with the same error), or CheckpointError when the
+    outcome cannot be published (the other ranks then fail at their deadline)."""
+    where = catalog.where(store, step)
+    err: CheckpointError | None = None
+    try:
+        begin(store, step, attempt, writer)
+        outcome: dict = {"ok": True, "writer": writer, "attempt": attempt, "time": time.time()}
+    except CheckpointError as e:
+        err = e
+        outcome = {
+            "ok": False,
+            "writer": writer,
+            "attempt": attempt,
+            "time": time.time(),
+            "error": type(e).__name__,
+            "message": str(e),
+        }
+    data = mf.dumps(outcome)
+    futures = [pool.submit(store.put_if_absent, key, data) for key in outcome_keys(step, attempt, world_size)]
+    failed, existed = None, False
+    for f in futures:
+        try:
+            existed = existed or not f.result()
+        except StorageError as e:
+            failed = failed or e
+    if err is not None:
+        raise err
+    if failed is not None:
+        raise CheckpointError(f"{where}: cannot tell the other ranks that step {step} is claimed: {failed}")
+    if existed:  # an earlier try of this attempt (a retried persist) published first: it stands
+        prev = _read_outcome(store, outcome_key(step, attempt, 0), attempt, writer, where)
+        if prev is not None and not prev["ok"]:
+            raise _refusal(prev)
+
+
+def follow_claim(
+    store: Store,
+    step: int,
+    attempt: str,
+    writer: str,
+    rank: int,
+    timeout: float,
+    abort: threading.Event | None = None,
+) -> None:
+    """A rank other than 0: wait for rank 0's claim outcome of ``attempt`` (its group's record,
+    polled with pauses that double from ~2 round trips up to 0.1 s: 64 ranks per record stay
+    under ~1000 reads/s on its prefix). Returns on go; raises rank 0's AlreadyCommitted or
+    StepClaimed (same message); CheckpointError after ``timeout`` seconds without an outcome
+    (rank 0 died or cannot reach storage) or once ``abort`` is set. An outcome older than a
+    quarter of ``CKPTD_STALE_ATTEMPT_S`` (a save resumed long after rank 0 claimed) is not
+    trusted: this rank runs :func:`begin` itself, so no rank writes on a stale verdict."""
+    where = catalog.where(store, step)
+    key = outcome_key(step, attempt, rank // OUTCOME_GROUP)
+    deadline = time.monotonic() + timeout
+    rng = random.Random(rank * 7919 + step)
+    k = 0
+    while True:
+        _check_abort(abort, where)
+        t = time.monotonic()
+        rec = _read_outcome(store, key, attempt, writer, where)
+        rtt = time.monotonic() - t
+        if rec is not None:
+            if not rec["ok"]:
+                raise _refusal(rec)
+            if time.time() - rec["time"] > stale_after() / 4:
+                begin(store, step, attempt, writer)
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"{where}: rank {LEADER} did not claim step {step} for attempt {attempt} within {timeout:.0f} s; "
+                f"rank {rank} writes nothing"
+            )
+        time.sleep(min(0.1, max(0.001, 1.5 * rtt * 2**k)) * (0.75 + 0.5 * rng.random()))
+        k = min(k + 1, 16)
+
+
+def _read_outcome(store: Store, key: str, attempt: str, writer: str, where: str) -> dict | None:
+    """The outcome record at ``key``, checked; None if absent."""
+    try:
+        rec = mf.read_json(store, key, where, "claim outcome")
+    except NotFoundError:
+        return None
+    ok = (
+        isinstance(rec, dict)
+        and isinstance(rec.get("ok"), bool)
+        and rec.get("attempt") == attempt
+        and rec.get("writer") == writer
+        and isinstance(rec.get("time"), int | float)
+    )
+    if not ok:
+        raise CheckpointError(f"{where}: claim outcome {key} is malformed or names another writer; writing nothing")
+    return rec
+
+
+def _refusal(rec: dict) -> CheckpointError:
+    return _REFUSALS.get(rec.get("error"), CheckpointError)(str(rec.get("message") or "claim refused by rank 0"))
+
+
 def reclaim(store: Store, steps: list[int], writer: str) -> list[int]:
     """Delete the folders of ``steps`` that are still partial and whose newest claim is
     ``writer``'s: leftovers of this writer's failed saves. Call it only when no rank of the
@@ -252,6 +380,7 @@ def persist(
     dedupe: Dedupe | None = None,
     to_numpy: Callable[[Any], np.ndarray] = np.asarray,
     abort: threading.Event | None = None,
+    claim: str = "leader",
 ) -> SaveResult:
     """Claim the step, write one rank's ``part`` of it and commit it if it is the last rank.
     Runs on a background thread (the in-process writer's or a daemon upload worker), never on
@@ -267,14 +396,29 @@ def persist(
 
     ``dedupe`` (incremental saves): shards whose content hash equals the one this writer saved
     at the previous committed step are hard-linked (filesystem) or server-side copied (S3) from
-    that checkpoint instead of uploaded; every checkpoint stays complete on its own."""
+    that checkpoint instead of uploaded; every checkpoint stays complete on its own.
+
+    ``claim``: ``"leader"`` (default): rank 0 claims the step for the attempt and the others
+    wait for its outcome (:func:`lead_claim`, :func:`follow_claim`), bounded by
+    ``commit_timeout`` and ``abort``: N ranks make ~N/64 + 3 requests on the claims instead of
+    3N on one prefix at once. Every rank of the attempt must be persisting (rank 0 included).
+    ``"each"``: every rank runs :func:`begin` itself -- for callers that may run a rank's part
+    long before or after rank 0's, or cannot run them side by side (the daemon: its bounded
+    upload workers could all be taken by parts that wait for a rank 0 queued behind them)."""
+    if claim not in ("leader", "each"):
+        raise ValueError(f"claim={claim!r}: expected 'leader' or 'each'")
     t0 = time.perf_counter()
     started_at = time.time()
     where = catalog.where(store, part.step)
     writer = check_writer(writer or part.attempt)
     if part.ready is not None:
         part.ready.synchronize()  # the D2H copies into pinned buffers have landed
-    begin(store, part.step, part.attempt, writer)
+    if claim == "each" or part.world_size == 1:
+        begin(store, part.step, part.attempt, writer)
+    elif part.rank == LEADER:
+        lead_claim(store, part.step, part.attempt, writer, part.world_size, pool)
+    else:
+        follow_claim(store, part.step, part.attempt, writer, part.rank, commit_timeout, abort)
     written: list[str] = []
     try:
         nbytes, shard_keys = _write_data(store, part, pool, dedupe, to_numpy, where, written, abort)
@@ -747,6 +891,10 @@ __all__ = [
     "climb",
     "commit_step",
     "finish_rank",
+    "follow_claim",
+    "lead_claim",
+    "outcome_key",
+    "outcome_keys",
     "poll_delays",
     "clean_up",
     "claims",

@@ -301,7 +301,13 @@ class Runner:
                 save_job = load(job, lease.dir)
                 try:
                     result = protocol.persist(
-                        store, save_job, self._io, writer=job.writer, commit_timeout=job.commit_timeout, wait=False
+                        store,
+                        save_job,
+                        self._io,
+                        writer=job.writer,
+                        commit_timeout=job.commit_timeout,
+                        wait=False,
+                        claim="each",  # per rank: a bounded worker pool must never wait on a queued rank 0
                     )
                 finally:
                     del save_job  # unmap the staging files
