@@ -12,6 +12,7 @@ import pytest
 
 from ckptd import catalog, commit, donetree, latest
 from ckptd import manifest as mf
+from ckptd.errors import CheckpointError
 from storage_backends import MemoryStore
 from storage_backends.simulated import SimulatedStore, VirtualClock, VirtualTime
 
@@ -250,3 +251,173 @@ def test_a_committed_save_of_more_than_1024_ranks_writes_its_notices():
     store, winners = _finish_all(1100, seed=6)
     assert len(winners) == 1
     assert all(store.inner.exists(k) for k in donetree.notice_keys(7, "a", 1100))
+
+
+# -- the claim at the start of a save: rank 0 claims, the others read its outcome ------------------
+
+
+def _save_all(n: int, *, seed: int = 0, ranks=None, writer: str = "job", timeout: float = 600.0, **faults):
+    """``n`` simulated ranks start ``persist`` of step 7 (attempt "a") within 10 ms, as after
+    the collective ``save()``; each uploads for 5 s (a sleep in its first data put), so the
+    claim phase is over before any rank's commit traffic. Returns the store, each rank's result
+    or exception, and (SlowDowns, requests by prefix) counted when the last rank started its
+    upload (the end of the claim phase)."""
+    from benchmarks.scale import ClockPool, InlinePool, _job, virtual_time
+
+    clock = VirtualClock()
+    store = SimulatedStore(clock, latency=0.02, sigma=0.3, seed=seed, **faults)
+    rng = random.Random(seed)
+    out: dict = {}
+    uploading: list[int] = []
+    claim_phase: list[int] = []
+    orig = store.put_deferred
+
+    def put_deferred(key, data):
+        if "/arrays/t0/" in key:
+            uploading.append(1)
+            if len(uploading) == n:
+                claim_phase.append((store.stats.slowdowns, store.stats.by_prefix.copy()))
+            clock.sleep(5.0)
+        orig(key, data)
+
+    store.put_deferred = put_deferred
+
+    def rank(r: int) -> None:
+        pool = ClockPool(clock) if r == 0 else InlinePool()
+        try:
+            out[r] = commit.persist(store, _job(7, "a", r, n, 1), pool, writer=writer, commit_timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - a result
+            out[r] = e
+
+    with virtual_time(clock):
+        for r in range(n) if ranks is None else ranks:
+            clock.spawn(lambda r=r: rank(r), at=rng.uniform(0, 0.01))
+        clock.run(timeout=600)
+    return store, out, claim_phase
+
+
+def _claims_peak(store) -> int:
+    return max((c for (_, pre), c in store.stats.peak.items() if f"/{commit.CLAIMS}" in pre), default=0)
+
+
+def test_two_thousand_ranks_claim_a_step_without_a_burst():
+    # Every rank's begin() listed <step>/_claims and read the newest claim: 2N requests on one
+    # prefix within ~50 ms (4000 here, SlowDowns from ~2750 ranks). Rank 0 claims alone now and
+    # the others poll their group's outcome: no prefix of the claims sees more than a few
+    # hundred reads in any second, whatever N, and the save commits.
+    n = 2000
+    store, out, claim_phase = _save_all(n)
+    assert all(isinstance(r, commit.SaveResult) for r in out.values()), next(
+        r for r in out.values() if not isinstance(r, commit.SaveResult)
+    )
+    assert sum(r.committed_here for r in out.values()) == 1
+    (slowdowns, by_prefix), *_ = claim_phase
+    assert slowdowns == 0 and store.stats.slowdowns == 0
+    assert _claims_peak(store) <= 1000
+    claims = sum(c for (_, pre), c in by_prefix.items() if f"/{commit.CLAIMS}" in pre)
+    assert claims <= 6 * n  # O(N): the outcome polls, ~3 per rank
+    assert by_prefix[("LIST", f"{mf.step_dir(7)}/{commit.CLAIMS}")] == 1  # only rank 0 looked
+    assert by_prefix[("HEAD", mf.step_dir(7))] == 1  # and only rank 0 checked for a commit
+
+
+def test_outcomes_survive_500s_and_lost_responses():
+    store, out, _ = _save_all(300, seed=5, error_rate=0.03, lost_rate=0.03)
+    assert store.stats.errors > 0
+    assert all(isinstance(r, commit.SaveResult) for r in out.values())
+    assert sum(r.committed_here for r in out.values()) == 1
+    assert catalog.read_commit(store.inner, 7)["world_size"] == 300
+
+
+def _data_keys(store, step: int) -> list[str]:
+    return [i.key for i in store.inner.list(f"{mf.step_dir(step)}/{mf.ARRAYS}/")]
+
+
+@pytest.mark.parametrize("case", ["other_writer", "committed"])
+def test_a_refused_claim_fails_every_rank_with_rank_0s_error_and_writes_no_data(case):
+    pre = MemoryStore()
+    if case == "other_writer":  # another job claimed step 7 just now and is writing it
+        pre.put(commit.claim_key(7, 0), mf.dumps({"writer": "other-job", "attempt": "x", "time": 1.7e9}))
+        pre.put(f"{mf.step_dir(7)}/{mf.ARRAYS}/w/c/0", b"theirs")
+        expected, match = commit.StepClaimed, "being written by job 'other-job'"
+    else:
+        pre.put(f"{mf.step_dir(7)}/{mf.COMMIT}", b'{"attempt":"x"}')
+        expected, match = commit.AlreadyCommitted, "already committed"
+    before = {i.key for i in pre.list()}
+    n = 300
+    clock = VirtualClock()
+    # the store's clock is real time (mtimes); only the protocol's clock is virtual
+    store = SimulatedStore(clock, latency=0.02, sigma=0.3, inner=pre)
+    store.put_deferred = _no_data(store.put_deferred)
+    from benchmarks.scale import ClockPool, InlinePool, _job, virtual_time
+
+    out: dict = {}
+
+    def rank(r: int) -> None:
+        pool = ClockPool(clock) if r == 0 else InlinePool()
+        try:
+            out[r] = commit.persist(store, _job(7, "a", r, n, 1), pool, writer="job", commit_timeout=3600.0)
+        except Exception as e:  # noqa: BLE001 - a result
+            out[r] = e
+
+    with virtual_time(clock):
+        for r in range(n):
+            clock.spawn(lambda r=r: rank(r), at=r * 1e-5)
+        clock.run(timeout=300)
+    # every rank fails with rank 0's error (not at the 3600 s deadline: the refusal is published)
+    assert all(type(e) is expected and match in str(e) for e in out.values()), out[1]
+    assert store.stats.by_prefix[("LIST", f"{mf.step_dir(7)}/{commit.CLAIMS}")] == 1  # only rank 0 looked
+    added = {i.key for i in pre.list()} - before
+    assert added == {f"{mf.step_dir(7)}/_claims/a/{g:06d}/go.json" for g in range(5)}  # the refusal only
+
+
+def _no_data(put):
+    def put_deferred(key, data):
+        raise AssertionError(f"a refused rank wrote {key}")
+
+    return put_deferred
+
+
+def test_ranks_whose_rank_0_never_claims_fail_at_their_deadline_and_write_nothing():
+    n = 200
+    store, out, _ = _save_all(n, ranks=range(1, n), timeout=30.0)
+    assert sorted(out) == list(range(1, n))
+    assert all(type(e) is CheckpointError and "rank 0 did not claim step 7" in str(e) for e in out.values()), out[1]
+    assert [i.key for i in store.inner.list()] == []  # no claim, no data, nothing
+
+
+def test_a_stale_go_is_not_trusted(monkeypatch):
+    # Rank 0 said go long ago (a save resumed much later); since then the step was taken over.
+    # A rank reading that go runs begin() itself and is refused instead of writing.
+    store = MemoryStore()
+    commit.begin(store, 7, "a", "job")
+    store.put(
+        commit.outcome_key(7, "a", 0),
+        mf.dumps({"ok": True, "writer": "job", "attempt": "a", "time": 1.0}),  # 1970
+    )
+    monkeypatch.setenv("CKPTD_STALE_ATTEMPT_S", "0")
+    commit.begin(store, 7, "b", "other-job")  # job is dead: taken over
+    with pytest.raises(commit.StepClaimed, match="superseded"):
+        commit.follow_claim(store, 7, "a", "job", 5, timeout=5.0)
+    # a fresh go is trusted without reading the claims
+    store.put(commit.outcome_key(7, "c", 0), mf.dumps({"ok": True, "writer": "job", "attempt": "c", "time": 9e9}))
+    commit.follow_claim(store, 7, "c", "job", 5, timeout=5.0)
+
+
+def test_refusal_records_do_not_keep_a_dead_jobs_step_alive(tmp_path):
+    # A job retrying a step another (dead) job left behind is refused each time; its refusal
+    # records must not count as activity, or the step would never go stale for it.
+    import os
+
+    from storage_backends import open_store
+
+    store = open_store(str(tmp_path / "root"))
+    commit.begin(store, 7, "x", "dead-job")
+    store.put(f"{mf.step_dir(7)}/{mf.ARRAYS}/w/c/0", b"theirs")
+    old = 1_000_000_000
+    for dirpath, _, files in os.walk(tmp_path / "root"):
+        for f in files:
+            os.utime(os.path.join(dirpath, f), (old, old))
+    refusal = {"ok": False, "writer": "job", "attempt": "r", "time": 1.0}
+    store.put(f"{mf.step_dir(7)}/_claims/r/000000/go.json", mf.dumps(refusal))
+    commit.begin(store, 7, "a", "job")  # stale (idle since 2001): taken over
+    assert commit.owner(store, 7)["writer"] == "job"
