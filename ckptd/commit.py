@@ -7,7 +7,10 @@ and the streaming :class:`ckptd.stream.CheckpointWriter` (``ckptd import``, ``re
 rank (a *part* below is one rank's share of the step), on a background thread::
 
     persist(store, part, pool, writer=JOB)
-        begin(...)            # refuse a committed step; claim the step for (JOB, attempt)
+        claim                 # rank 0: begin(...) -- refuse a committed step, claim the step
+                              # for (JOB, attempt) -- then publish the outcome (lead_claim);
+                              # the others wait for it (follow_claim); see "One claim per
+                              # attempt" below. The daemon: begin(...) on every rank.
         write data            # shards + metadata with put_deferred, in parallel
         store.sync()          # one durability barrier for all of it
         finish_rank(...)      # this rank's done record into the done tree (its data is
@@ -24,10 +27,10 @@ Writer identity and fencing (two jobs on one root are refused, never mixed)
 ---------------------------------------------------------------------------
 A *writer* is a job id (``Checkpointer(job_id=...)``; by default ``TORCHELASTIC_RUN_ID``,
 ``SLURM_JOB_ID``, or a uuid agreed across ranks); an *attempt* is one save of one step by that
-writer (a fresh id per save). Before writing a byte, every rank of an attempt claims the step
-with a conditional create (``put_if_absent``, atomic on a filesystem and on S3) of the claim
+writer (a fresh id per save). Before writing a byte, an attempt claims the step (rank 0 for
+all its ranks, see below) with a conditional create (``put_if_absent``, atomic on a filesystem and on S3) of the claim
 record ``<step>/_claims/<n>.json`` naming (writer, attempt); the step belongs to the newest
-claim. A rank that finds the newest claim naming:
+claim. A claimant that finds the newest claim naming:
 
 * its own attempt: proceeds (another rank of the attempt made the claim);
 * another attempt of its *own writer* (the same job restarted after preemption, or a save of
@@ -49,6 +52,26 @@ Failure and cleanup: a rank that fails before its done record deletes the object
 retract: another rank may commit it. The in-process writer also remembers steps whose save
 failed and, at its next save (after the collective that proves no rank of the job still writes
 them), deletes those folders if they are still partial and claimed by its own writer.
+
+One claim per attempt (issue 17)
+--------------------------------
+At N ranks, a ``begin`` on every rank is ~3N requests on ``<step>`` and ``<step>/_claims`` in
+the first tenth of a second of a save: over S3's 5500 reads/s per prefix from ~2750 ranks. So
+rank 0 alone runs ``begin`` for the attempt and writes its outcome -- go, or the refusal with
+its error class and message -- to ``<step>/_claims/<attempt>/<g>/go.json`` for every group g of
+64 ranks (``put_if_absent``, in parallel on its I/O pool; each group's record on a prefix of its
+own, like the done tree). Rank r polls record ``r // 64`` (pauses doubling from ~2 round trips
+up to 0.1 s) and writes no byte before a go: the fencing is ``begin``'s, decided once. A refusal
+fails every rank at once with rank 0's StepClaimed / AlreadyCommitted; without an outcome (rank
+0 died or cannot reach storage) a rank fails when ``commit_timeout`` runs out or its save is
+aborted, having written nothing. A go older than ``CKPTD_STALE_ATTEMPT_S / 4`` is not trusted
+(a rank resumed long after rank 0 claimed): that rank runs ``begin`` itself. The records are
+attempt-scoped (a retried save has a new attempt, hence new keys), are not claims (``claims``
+reads only ``_claims/<n>.json``), and do not count as activity for the stale takeover (a refused
+job's records must not keep a dead job's step alive). Writing a refusal into another job's or a
+committed step adds only these records, never data. The daemon keeps one ``begin`` per rank
+(``persist(claim="each")``): its upload workers are bounded, and parts waiting for a rank 0
+queued behind them would hold them all.
 
 A ``part`` is duck-typed (``trainer_hooks.snapshot.SaveJob`` is one): ``step``, ``attempt``,
 ``rank``, ``world_size``, ``metadata`` (``[(key in the folder, bytes)]``), ``shards`` (objects
@@ -84,7 +107,7 @@ from storage_backends.base import data_size
 
 log = logging.getLogger("ckptd.commit")
 
-CLAIMS = "_claims"  # <step>/_claims/<n>.json: who owns the step (the newest claim)
+CLAIMS = "_claims"  # <step>/_claims/<n>.json: who owns the step (the newest claim); <attempt>/<g>/go.json: outcomes
 WRITER_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 DEFAULT_STALE_S = 900.0
 

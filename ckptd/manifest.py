@@ -8,6 +8,13 @@
         zarr.json              a zarr v3 group, so zarr tools can open the folder
         arrays/<key>/zarr.json one zarr v3 array per tensor, global shape
         arrays/<key>/c/...     shards (one per saving block) or plain chunks
+        _claims/000000.json, 000001.json ...
+                               claims: (writer, attempt); the newest owns the step
+                               (``ckptd.commit``, put_if_absent, never deleted)
+        _claims/<attempt>/000002/go.json
+                               rank 0's claim outcome for ranks 128-191 of the attempt: go, or
+                               the refusal and its error; the other ranks poll it instead of
+                               claiming (not a claim; readers of claims skip it)
         _done/<attempt>/t1/000000/r000003.<bytes>.<objects>.<digest>.json
                                rank 3 finished: its data is durable (+ its RNG state and the
                                shard keys it wrote; <digest>: a 64-bit sum of their hashes)
