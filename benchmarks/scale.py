@@ -458,8 +458,9 @@ def table(results: dict) -> str:
 
     out = [
         "| N | label | committed | failed ranks | commit latency s | all ranks know s | requests/save "
-        "| per rank | PUT | GET | HEAD | LIST | peak PUT/s (prefix) | peak GET/s (prefix) | SlowDowns |",
-        "|" + "---|" * 15,
+        "| per rank | PUT | GET | HEAD | LIST | peak PUT/s (prefix) | peak GET/s (prefix) | SlowDowns "
+        "| claim requests | claims peak/s |",
+        "|" + "---|" * 17,
     ]
     rows = [(s["n"], label, s) for label, res in results.items() for s in res.get("save", [])]
     for n, label, s in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
@@ -468,7 +469,8 @@ def table(results: dict) -> str:
             f"| {n} | {label} | {s['committed']} | {s['failed_ranks']} | {f(s['commit_latency_s'])} "
             f"| {f(s['all_know_s'])} | {s['requests_total']} | {s['requests_per_rank']:.1f} | {q['PUT']} | {q['GET']} "
             f"| {q['HEAD']} | {q['LIST']} | {s['peak_put_per_s']} (`{s['peak_put_prefix']}`) "
-            f"| {s['peak_get_per_s']} (`{s['peak_get_prefix']}`) | {s['slowdowns']} |"
+            f"| {s['peak_get_per_s']} (`{s['peak_get_prefix']}`) | {s['slowdowns']} "
+            f"| {s.get('claims_requests', '-')} | {s.get('claims_peak_per_s', '-')} |"
         )
     out += ["", "| steps in the root | label | latest_step() requests | seconds |", "|---|---|---|---|"]
     rows = [(x["steps"], label, x) for label, res in results.items() for x in res.get("latest", [])]
