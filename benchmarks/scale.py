@@ -195,6 +195,7 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
     # ranks, as a real thread pool would); the others' run inline (one thread each is cheaper to
     # simulate, and their data puts are one sleep and two requests).
     pool0 = ClockPool(clock)
+    claimed = [0.0] * n  # seconds from a rank's start to its first data put
 
     def rank(r: int) -> None:
         # Every rank starts persisting when its snapshot is taken (within ``start_s`` of the
@@ -219,6 +220,7 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         if "/arrays/" in key:
             r = int(key.split("/c/")[1].split("/")[0])
             if "/arrays/t0/" in key:  # the bulk of its upload, whose requests are not the subject
+                claimed[r] = clock.time() - starts[r]  # its claim is settled: it may write
                 clock.sleep(times[r])
             orig_put(key, data)
             durable[r] = max(durable[r], clock.time())
@@ -272,6 +274,9 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         # the claim of the step: requests on <step>/_claims and its subfolders, and their peak
         "claims_requests": sum(c for (_, pre), c in st.by_prefix.items() if "/_claims" in pre),
         "claims_peak_per_s": max((c for (_, pre), c in st.peak.items() if "/_claims" in pre), default=0),
+        # how long the claim holds a rank back before its first data put: median and slowest
+        "claim_s_median": sorted(claimed)[n // 2],
+        "claim_s_max": max(claimed),
         "skew_s": max(times) - min(times),
         "wall_s": wall,
     }
