@@ -464,8 +464,8 @@ def table(results: dict) -> str:
     out = [
         "| N | label | committed | failed ranks | commit latency s | all ranks know s | requests/save "
         "| per rank | PUT | GET | HEAD | LIST | peak PUT/s (prefix) | peak GET/s (prefix) | SlowDowns "
-        "| claim requests | claims peak/s |",
-        "|" + "---|" * 17,
+        "| claim requests | claims peak/s | claim s (median / max) |",
+        "|" + "---|" * 18,
     ]
     rows = [(s["n"], label, s) for label, res in results.items() for s in res.get("save", [])]
     for n, label, s in sorted(rows, key=lambda r: (r[0], r[1] != "before")):
@@ -475,7 +475,8 @@ def table(results: dict) -> str:
             f"| {f(s['all_know_s'])} | {s['requests_total']} | {s['requests_per_rank']:.1f} | {q['PUT']} | {q['GET']} "
             f"| {q['HEAD']} | {q['LIST']} | {s['peak_put_per_s']} (`{s['peak_put_prefix']}`) "
             f"| {s['peak_get_per_s']} (`{s['peak_get_prefix']}`) | {s['slowdowns']} "
-            f"| {s.get('claims_requests', '-')} | {s.get('claims_peak_per_s', '-')} |"
+            f"| {s.get('claims_requests', '-')} | {s.get('claims_peak_per_s', '-')} "
+            f"| {f(s.get('claim_s_median'))} / {f(s.get('claim_s_max'))} |"
         )
     out += ["", "| steps in the root | label | latest_step() requests | seconds |", "|---|---|---|---|"]
     rows = [(x["steps"], label, x) for label, res in results.items() for x in res.get("latest", [])]
