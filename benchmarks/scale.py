@@ -119,13 +119,16 @@ class InlinePool:
         return f
 
 
+COMMIT_TIMEOUT = [3600.0]  # --commit-timeout: how long a rank waits for the commit
+
+
 def _persist(store, job, keep_last, on_result=None, pool=None):
     """One rank's real save protocol (``ckptd.commit``): claim, data, done record, commit, wait
     for the commit (``on_result`` is called then: the rank's future resolves there), then
     retention by the committing rank."""
     from ckptd import commit
 
-    result = commit.persist(store, job, pool or InlinePool(), commit_timeout=3600.0)
+    result = commit.persist(store, job, pool or InlinePool(), commit_timeout=COMMIT_TIMEOUT[0])
     if on_result is not None:
         on_result(result)
     commit.after_commit(store, result, keep_last)
@@ -511,6 +514,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-last", dest="keep_last", type=int, default=3)
     p.add_argument("--error-rate", dest="error_rate", type=float, default=0.0, help="injected 500s per request")
     p.add_argument("--lost-rate", dest="lost_rate", type=float, default=0.0, help="lost responses per request")
+    p.add_argument(
+        "--commit-timeout",
+        dest="commit_timeout",
+        type=float,
+        default=3600.0,
+        help="simulated seconds a rank waits for the commit (a save that cannot commit polls that long)",
+    )
     p.add_argument("--label", default="after")
     p.add_argument("--only", choices=["save", "latest", "restore"], action="append")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -518,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="print the markdown tables of --out and stop")
     p.add_argument("--wall-timeout", dest="wall_timeout", type=float, default=3600.0)
     args = p.parse_args(argv)
+    COMMIT_TIMEOUT[0] = args.commit_timeout
     sizes = [int(x) for x in args.sizes.split(",") if x]
     steps = [int(x) for x in args.steps.split(",") if x]
     only = set(args.only or ["save", "latest", "restore"])
