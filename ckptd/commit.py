@@ -163,8 +163,10 @@ def claim_key(step: int, n: int) -> str:
 
 
 def claims(store: Store, step: int) -> list[tuple[int, dict]]:
-    """The claims of ``step``, oldest first, as (number, record); an unreadable record reads as
-    ``{}`` (an unknown writer)."""
+    """The claims of ``step``, oldest first, as (number, record); a malformed record reads as
+    ``{}`` (an unknown writer). A claim that cannot be read (the store failed or throttled the
+    GET after its retries) is a CheckpointError: it is no evidence of another writer, and
+    reading it as one refused a job its own step under SlowDowns."""
     prefix = f"{mf.step_dir(step)}/{CLAIMS}/"
     out = []
     for o in store.list(prefix):
@@ -172,8 +174,14 @@ def claims(store: Store, step: int) -> list[tuple[int, dict]]:
         if not re.fullmatch(r"\d{6}\.json", name):
             continue
         try:
-            rec = mf.read_json(store, o.key, prefix, "claim")
-        except (NotFoundError, CheckpointError):
+            data = store.get(o.key, limit=mf.MAX_RECORD_BYTES)
+        except NotFoundError:
+            data = b""
+        except StorageError as e:
+            raise CheckpointError(f"{prefix}: cannot read claim {name} ({e}); not deciding who owns the step") from e
+        try:
+            rec = mf.loads(data, prefix, "claim")
+        except CheckpointError:
             rec = {}
         out.append((int(name[:6]), rec if isinstance(rec, dict) else {}))
     return sorted(out, key=lambda x: x[0])

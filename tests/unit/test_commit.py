@@ -14,7 +14,7 @@ from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
 from ckptd.errors import CheckpointError
-from storage_backends import memory, open_store
+from storage_backends import StorageError, memory, open_store
 
 LAYOUT = ArrayLayout((4, 2), "float32", (2, 2), (2, 2))  # two shards
 SHARDS = [f"{mf.array_path('w')}/{LAYOUT.shard_key((i, 0))}" for i in range(2)]
@@ -180,3 +180,20 @@ def test_a_superseded_attempt_never_takes_the_step_back(store):
     with pytest.raises(commit.StepClaimed, match="superseded by attempt 'a2'"):
         commit.begin(store, 8, "a1", "job-a")  # a1 resumed late (a daemon restart)
     assert commit.owner(store, 8)["attempt"] == "a2"
+
+
+class _ClaimReadsFail(memory.MemoryStore):
+    """A store whose GETs of claim records fail (as S3 answers SlowDown after every retry)."""
+
+    def get(self, key, limit=None):
+        if "/_claims/" in key:
+            raise StorageError(f"{self.uri}: 503 SlowDown for {key}")
+        return super().get(key, limit)
+
+
+def test_an_unreadable_claim_is_a_storage_error_not_another_writer():
+    store = _ClaimReadsFail()
+    commit.begin(store, 3, "a", "job")  # no claim yet: nothing to read
+    with pytest.raises(CheckpointError, match="cannot read claim 000000.json") as e:
+        commit.begin(store, 3, "a", "job")  # before: StepClaimed, "an unknown writer"
+    assert not isinstance(e.value, commit.StepClaimed)
