@@ -386,7 +386,7 @@ def reclaim(store: Store, steps: list[int], writer: str) -> list[int]:
             n = store.delete_prefix(f"{mf.step_dir(step)}/")
             log.warning("removed %d objects of this job's failed save %s", n, catalog.where(store, step))
             gone.append(step)
-        except StorageError as e:
+        except (StorageError, CheckpointError) as e:
             log.warning("cannot remove the failed save %s: %s", catalog.where(store, step), e)
     return gone
 
