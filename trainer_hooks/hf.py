@@ -151,6 +151,22 @@ def _rank_batches(sampler: ElasticSampler, start: int, batch_size: int) -> list[
     return [_batches(share(n, start, r, world, drop), batch_size, drop) for r in range(world)]
 
 
+def _start_epoch(sampler: ElasticSampler, batch_size: int) -> None:
+    """Right after the restore: move past an epoch that has no batch left, and refuse a world size
+    at which the rest of this epoch, or a whole one, gives the ranks different batch counts (the
+    ranks of a DDP step wait for each other, so the one with a batch more would wait forever)."""
+    if _rank_batches(sampler, sampler.position, batch_size)[sampler.rank] == 0:
+        sampler.set_epoch(sampler.epoch + 1)  # the saved epoch was done: the next one
+    for start in sorted({sampler.position, 0}, reverse=True):
+        counts = _rank_batches(sampler, start, batch_size)
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"ElasticTrainer: {sampler.dataset_len - start} samples {'left ' if start else ''}of epoch "
+                f"{sampler.epoch} give {sampler.num_replicas} ranks {counts} batches of {batch_size}; "
+                "DDP needs the same count on every rank: set dataloader_drop_last=True"
+            )
+
+
 class _ElasticTrainLoader(StatefulLoader):
     """The training loader :class:`ElasticTrainer` gives the Trainer: a ``StatefulLoader`` (the
     sampler's position counts the batches the training loop received, whatever the workers
@@ -320,16 +336,7 @@ class ElasticTrainer(Trainer):
         )
         self.ckptd.restore_data(sampler)
         batch = self._train_batch_size
-        if _rank_batches(sampler, sampler.position, batch)[rank] == 0:
-            sampler.set_epoch(sampler.epoch + 1)  # the saved epoch was done: the next one
-        for start in {sampler.position, 0}:
-            counts = _rank_batches(sampler, start, batch)
-            if len(set(counts)) > 1:
-                raise ValueError(
-                    f"ElasticTrainer: {len(dataset) - start} samples left of epoch {sampler.epoch} give "
-                    f"{world} ranks {counts} batches of {batch}; DDP needs the same count on every rank: "
-                    "set dataloader_drop_last=True"
-                )
+        _start_epoch(sampler, batch)
         loader = DataLoader(
             dataset,
             batch_size=batch,

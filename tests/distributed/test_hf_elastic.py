@@ -72,12 +72,14 @@ def epoch_order(epoch: int) -> list[int]:
 @pytest.mark.parametrize("mode", ["trainer", "accelerate"])
 def test_two_processes_then_three_train_each_sample_once(tmp_path: Path, mode: str) -> None:
     root = str(tmp_path / "job")
-    job(mode, 2, tmp_path / "first", root, max_steps=100, kill_at=KILL_AT)
+    # the Trainer's loader with a worker process, which prefetches batches ahead of training
+    loader = {"num_workers": 1} if mode == "trainer" else {}
+    job(mode, 2, tmp_path / "first", root, max_steps=100, kill_at=KILL_AT, **loader)
     assert committed(root) == [2, 4]
     first = [r for r in records(tmp_path / "first", 2) if r["step"] <= 4]
     assert sorted(r["step"] for r in records(tmp_path / "first", 2)) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
 
-    job(mode, 3, tmp_path / "second", root, max_steps=FINAL)
+    job(mode, 3, tmp_path / "second", root, max_steps=FINAL, **loader)
     results = [json.loads((tmp_path / "second" / f"result{r}.json").read_text()) for r in range(3)]
     for res in results:
         assert res["restored"] == 4 and res["global_step"] == FINAL

@@ -281,3 +281,27 @@ def test_hf_elastic_trainer_refuses_what_would_break_the_position(tmp_path):
     ckpt.close()
     with pytest.raises(CheckpointError, match="sampler"):
         fit(0, "from_callback_root", root)
+
+
+def test_hf_elastic_trainer_start_refuses_uneven_batch_counts_and_skips_a_finished_epoch():
+    """ElasticTrainer's check when training starts (``trainer_hooks.hf._start_epoch``), for each
+    rank of a 3-rank job, without the job: a rest of the epoch that deals one rank a batch more is
+    refused (DDP would wait forever at the tail); a finished epoch moves on to the next."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e .[hf])")
+    from trainer_hooks import ElasticSampler
+    from trainer_hooks.hf import _start_epoch
+
+    def at(n: int, position: int, rank: int, drop_last: bool = False) -> ElasticSampler:
+        sampler = ElasticSampler(n, seed=5, drop_last=drop_last, rank=rank, num_replicas=3)
+        sampler.load_state_dict({**sampler.state_dict(), "position": position})
+        return sampler
+
+    for rank in range(3):
+        ok = at(34, 16, rank)  # 18 left: 3 batches of 2 on every rank; a whole epoch: 6 each
+        _start_epoch(ok, 2)
+        assert (ok.epoch, ok.position) == (0, 16)
+        with pytest.raises(ValueError, match=r"20 samples left of epoch 0 give 3 ranks \[4, 4, 3\] batches of 2"):
+            _start_epoch(at(36, 16, rank), 2)  # 7, 7, 6 samples left
+        done = at(36, 34, rank, drop_last=True)  # 2 left: nothing for anyone, the epoch is over
+        _start_epoch(done, 2)
+        assert (done.epoch, done.position) == (1, 0)
