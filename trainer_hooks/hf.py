@@ -266,6 +266,9 @@ class ElasticTrainer(Trainer):
     epoch whose batch count the steps do not divide. Checked against transformers 5.24: the
     Trainer internals it hooks (``_init_training_state``, ``_run_epoch``,
     ``set_initial_training_values``) are verified when it is built.
+
+    ``trainer.ckptd`` is its callback: ``restored_step`` (None on a fresh root) and, during
+    ``train()``, ``ckpt``, the open :class:`~trainer_hooks.Checkpointer`.
     """
 
     def __init__(
@@ -334,9 +337,13 @@ class ElasticTrainer(Trainer):
             rank=rank,
             num_replicas=world,
         )
-        self.ckptd.restore_data(sampler)
         batch = self._train_batch_size
-        _start_epoch(sampler, batch)
+        try:
+            self.ckptd.restore_data(sampler)
+            _start_epoch(sampler, batch)
+        except BaseException:
+            self.ckptd._close()  # training does not start: on_train_end will not close it
+            raise
         loader = DataLoader(
             dataset,
             batch_size=batch,
