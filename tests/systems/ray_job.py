@@ -1,17 +1,13 @@
 """One Ray Train run of ``exact_train``'s training on CPU (gloo), for tests/systems/test_ray.py.
 
     python -m tests.systems.ray_job --root ROOT --run 4:7 --run 3 --log-dir D --storage DIR
-                                    [--final PATH] [--hog CPUS]
+                                    [--final PATH] [--elastic MIN]
 
-One local Ray cluster (``ray.init``), then one ``TorchTrainer.fit`` per ``--run WORKERS[:STOP]``
-(or ``--run MIN-MAX[:STOP]``: Ray Train's elastic ``ScalingConfig(num_workers=(MIN, MAX))``,
-which starts as many workers as the cluster has room for), in order. ``--hog CPUS``: after the
-first fit, an actor takes CPUS of the cluster's CPUs and keeps them, as another job would; an
-elastic run then gets fewer workers than its MAX. Each fit's ``train_loop_per_worker`` uses
-``RayCheckpointHook``, ``Checkpointer`` and ``ElasticSampler`` unchanged, resumes from the
-root's latest committed step, and either trains to the end of the epoch or saves step STOP,
-reports it and returns (the run stops there). Prints one JSON line per fit: what
-``Result.checkpoint`` points at, and the metrics.
+One local Ray cluster (``ray.init``), then one ``TorchTrainer.fit`` per ``--run WORKERS[:STOP]``,
+in order: its ``train_loop_per_worker`` uses ``RayCheckpointHook``, ``Checkpointer`` and
+``ElasticSampler`` unchanged, resumes from the root's latest committed step, and either trains
+to the end of the epoch or saves step STOP, reports it and returns (the run stops there). Prints
+one JSON line per fit: what ``Result.checkpoint`` points at, and the metrics.
 """
 
 from __future__ import annotations
@@ -73,8 +69,8 @@ def train_loop_per_worker(config: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
-    p.add_argument("--run", action="append", required=True, help="WORKERS[:STOP] or MIN-MAX[:STOP]")
-    p.add_argument("--hog", type=int, default=0, help="CPUs another actor holds after the first fit")
+    p.add_argument("--run", action="append", required=True, help="WORKERS[:STOP]")
+    p.add_argument("--elastic", type=int, help="ScalingConfig(num_workers=(ELASTIC, WORKERS))")
     p.add_argument("--log-dir", required=True)
     p.add_argument("--storage", required=True)
     p.add_argument("--final")
@@ -91,29 +87,12 @@ def main() -> int:
 
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    runs = []
-    for r in args.run:
-        size, _, stop = r.partition(":")
-        lo, _, hi = size.partition("-")
-        runs.append(((int(lo), int(hi)) if hi else int(lo), int(stop) if stop else None))
+    runs = [(int(r.split(":")[0]), int(r.split(":")[1]) if ":" in r else None) for r in args.run]
     ray.init(
-        num_cpus=max(w if isinstance(w, int) else w[1] for w, _ in runs),
-        include_dashboard=False,
-        runtime_env={"env_vars": env},
-        log_to_driver=True,
+        num_cpus=max(w for w, _ in runs), include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True
     )
-
-    @ray.remote(num_cpus=1)
-    class Hog:  # another job's actor: holds one CPU until the cluster stops
-        def ready(self) -> bool:
-            return True
-
-    hogs = []
-    for n, (num_workers, stop_after) in enumerate(runs):
-        if n == 1 and args.hog:
-            hogs = [Hog.remote() for _ in range(args.hog)]
-            ray.get([h.ready.remote() for h in hogs])
-        workers = num_workers if isinstance(num_workers, int) else num_workers[1]
+    for workers, stop_after in runs:
+        num_workers = (args.elastic, workers) if args.elastic else workers
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
@@ -135,7 +114,7 @@ def main() -> int:
         )
         result = trainer.fit()
         record = {
-            "workers": num_workers,
+            "workers": workers,
             "checkpoint": ckptd_step(result.checkpoint),
             "metrics": {k: v for k, v in (result.metrics or {}).items() if k in ("ckptd_step", "loss")},
             "best": [ckptd_step(c) for c, _ in (result.best_checkpoints or [])],
