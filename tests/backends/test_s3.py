@@ -15,12 +15,12 @@ import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-import boto3
 import pytest
 
 from storage_backends import StorageError, open_store
 from storage_backends.s3 import MIN_PART_SIZE, S3Store
 from storage_backends.testing import StoreConformance, assert_empty_store
+from tests.conftest import S3Target
 
 pytestmark = pytest.mark.s3
 
@@ -30,13 +30,6 @@ MiB = 1 << 20
 def _split(uri: str) -> tuple[str, str]:
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     return bucket, prefix
-
-
-@pytest.fixture
-def client(s3_server: str) -> Iterator:
-    c = boto3.client("s3", endpoint_url=s3_server)
-    yield c
-    c.close()
 
 
 def small_parts(uri: str, **kwargs) -> S3Store:
@@ -55,14 +48,25 @@ class TestS3Store(StoreConformance):
             yield s
 
 
-def test_open_store_reads_the_standard_variables(s3_bucket: str, s3_server: str) -> None:
-    with open_store(s3_bucket) as store:
+class TestRGWStore(StoreConformance):
+    """The same suite against Ceph's RADOS Gateway (tests/rgwserver.py)."""
+
+    large_size = 12 * MiB + 12345
+
+    @pytest.fixture
+    def store(self, rgw_bucket: str) -> Iterator[S3Store]:
+        with small_parts(rgw_bucket) as s:
+            yield s
+
+
+def test_open_store_reads_the_standard_variables(s3_target: S3Target) -> None:
+    with open_store(s3_target.root) as store:
         assert isinstance(store, S3Store)
-        assert store.uri == s3_bucket
-        assert store.endpoint_url == s3_server  # from AWS_ENDPOINT_URL, read by botocore
+        assert store.uri == s3_target.root
+        assert store.endpoint_url == s3_target.url  # from AWS_ENDPOINT_URL, read by botocore
         assert store.exists_root()
         store.put("k", b"v")
-    with open_store(s3_bucket + "/") as again:
+    with open_store(s3_target.root + "/") as again:
         assert again.get("k") == b"v"
 
 
@@ -81,7 +85,8 @@ def test_region_and_tuning_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         S3Store("some-bucket", endpoint_url="http://127.0.0.1:9")
 
 
-def test_multipart_above_threshold(s3_bucket: str, client) -> None:
+def test_multipart_above_threshold(s3_target: S3Target) -> None:
+    s3_bucket, client = s3_target.root, s3_target.client()
     bucket, prefix = _split(s3_bucket)
     data = os.urandom(11 * MiB)
     with small_parts(s3_bucket) as store:
@@ -93,7 +98,8 @@ def test_multipart_above_threshold(s3_bucket: str, client) -> None:
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def test_multipart_put_if_absent(s3_bucket: str) -> None:
+def test_multipart_put_if_absent(s3_target: S3Target) -> None:
+    s3_bucket = s3_target.root
     data = os.urandom(6 * MiB)
     with small_parts(s3_bucket) as store:
         assert store.put_if_absent("big/commit", data) is True
@@ -101,7 +107,8 @@ def test_multipart_put_if_absent(s3_bucket: str) -> None:
         assert store.get("big/commit") == data
 
 
-def test_failed_multipart_upload_is_aborted(s3_bucket: str, client) -> None:
+def test_failed_multipart_upload_is_aborted(s3_target: S3Target) -> None:
+    s3_bucket, client = s3_target.root, s3_target.client()
     bucket, _ = _split(s3_bucket)
     with small_parts(s3_bucket) as store:
         # Parts below S3's 5 MiB minimum make the server refuse CompleteMultipartUpload
@@ -114,7 +121,7 @@ def test_failed_multipart_upload_is_aborted(s3_bucket: str, client) -> None:
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def test_missing_bucket_is_an_empty_store(s3_server: str) -> None:
+def test_missing_bucket_is_an_empty_store(s3_target: S3Target) -> None:
     with S3Store("ckptd-no-such-bucket", "job") as store:
         assert_empty_store(store)
         with pytest.raises(StorageError, match="ckptd-no-such-bucket"):
@@ -209,15 +216,15 @@ class FlakyProxy:
 
 
 @pytest.fixture
-def flaky(s3_server: str) -> Iterator[FlakyProxy]:
-    proxy = FlakyProxy(s3_server)
+def flaky(s3_target: S3Target) -> Iterator[FlakyProxy]:
+    proxy = FlakyProxy(s3_target.url)
     yield proxy
     proxy.close()
 
 
 @pytest.mark.parametrize("mode", ["slowdown", "drop"])
-def test_retries_transient_failures(s3_bucket: str, flaky: FlakyProxy, mode: str) -> None:
-    bucket, prefix = _split(s3_bucket)
+def test_retries_transient_failures(s3_target: S3Target, flaky: FlakyProxy, mode: str) -> None:
+    bucket, prefix = _split(s3_target.root)
     # botocore's own retries off, so every retry seen here is ours.
     with S3Store(bucket, prefix, endpoint_url=flaky.url, max_attempts=1, retries=3, backoff=0.01) as store:
         flaky.fail_next(2, mode)
@@ -256,13 +263,13 @@ def _sent(store: S3Store) -> list[tuple[str, str, dict[str, str]]]:
 
 @pytest.mark.parametrize("calculation", ["when_supported", "when_required"])
 def test_payload_hash_over_http_only_without_a_body_checksum(
-    s3_bucket: str, monkeypatch: pytest.MonkeyPatch, calculation: str
+    s3_target: S3Target, monkeypatch: pytest.MonkeyPatch, calculation: str
 ) -> None:
     """Over http botocore SHA-256 signs every body (a second pass over the checkpoint); with a
     CRC32 on every PUT, which the server checks, we skip that hash as botocore does over https."""
     monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", calculation)
     data = os.urandom(3 * MiB)
-    with small_parts(s3_bucket) as store:
+    with small_parts(s3_target.root) as store:
         sent = _sent(store)
         store.put("one", data)
         store.put("multi", data * 4)  # 12 MiB: a multipart upload of 5 MiB parts
@@ -278,7 +285,8 @@ def test_payload_hash_over_http_only_without_a_body_checksum(
             assert "x-amz-checksum-crc32" not in h
 
 
-def test_an_object_up_to_two_parts_is_one_put(s3_bucket: str, client) -> None:
+def test_an_object_up_to_two_parts_is_one_put(s3_target: S3Target) -> None:
+    s3_bucket, client = s3_target.root, s3_target.client()
     """A shard a little over one part is one PutObject, not create + two parts + complete."""
     bucket, prefix = _split(s3_bucket)
     data = os.urandom(MIN_PART_SIZE + 100)
