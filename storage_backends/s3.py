@@ -21,11 +21,17 @@ skips it over https), which saves a hash of every byte on MinIO/Ceph endpoints w
 
 Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``).
 
-``put_if_absent`` needs conditional writes (``If-None-Match: *`` on PutObject and
-CompleteMultipartUpload): AWS S3 since 2024-08, MinIO, recent Ceph RGW, and moto (5.2.1 answers
-412 PreconditionFailed, which the conformance suite checks; its server tests and writes without a
-lock, so two racing writers could in theory both win there, which real S3 rules out).
-A store that silently ignores the header would make every writer win; don't point ckptd at one.
+``put_if_absent`` needs conditional writes: ``If-None-Match: *`` on PutObject, which AWS S3
+(since 2024-08), MinIO, Ceph RGW (16.2 Pacific, tested for real) and moto honour with 412
+PreconditionFailed. It is therefore always one PutObject, up to S3's single-PUT limit of 5 GiB
+(``max_put_size``), never a multipart upload: Ceph RGW before 19 (Squid) ignores If-None-Match on
+CompleteMultipartUpload and overwrites the object, so a multipart put_if_absent there would make
+every racing writer win. Above that limit it is a multipart upload whose Complete carries the
+condition, only once a probe (run once per store) showed that the server refuses such a Complete
+over an existing object; a server that ignores it gets one clear StorageError instead.
+(moto's server tests and writes without a lock, so two racing writers could in theory both win
+there, which real S3 rules out.) A store that silently ignores the header on PutObject too would
+make every writer win; don't point ckptd at one.
 A missing bucket is an empty store for reads, but puts do not create buckets (that needs
 permissions and a region choice that belong to the operator): they fail with NoSuchBucket.
 """
@@ -71,13 +77,14 @@ from storage_backends.base import (
     resolve_range,
 )
 
-__all__ = ["DEFAULT_PART_SIZE", "DEFAULT_WORKERS", "MAX_PARTS", "MIN_PART_SIZE", "S3Store"]
+__all__ = ["DEFAULT_PART_SIZE", "DEFAULT_WORKERS", "MAX_PARTS", "MAX_PUT_SIZE", "MIN_PART_SIZE", "S3Store"]
 
 MiB = 1 << 20
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_WORKERS = 16
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum parts per upload
+MAX_PUT_SIZE = 5 << 30  # S3's maximum for one PutObject
 T = TypeVar("T")
 _WRITER_META = "ckptd-writer"  # user metadata naming the put_if_absent call that wrote an object
 
@@ -167,6 +174,7 @@ class S3Store(Store):
         backoff: float = 0.2,
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
+        max_put_size: int = MAX_PUT_SIZE,
     ) -> None:
         """``max_attempts`` is botocore's per-call attempts; ``retries`` our extra tries around
         those, sleeping up to ``backoff * 2**n`` seconds (full jitter, capped at 10 s).
@@ -176,7 +184,11 @@ class S3Store(Store):
         after about ``max_attempts * (retries + 1) * read_timeout`` seconds. Unset, they come
         from ``CKPTD_S3_CONNECT_TIMEOUT`` (10), ``CKPTD_S3_READ_TIMEOUT`` (60),
         ``CKPTD_S3_MAX_ATTEMPTS`` (8) and ``CKPTD_S3_RETRIES`` (4). A save as a whole is also
-        bounded by ``Checkpointer(save_timeout=...)``."""
+        bounded by ``Checkpointer(save_timeout=...)``.
+
+        ``max_put_size``: the largest object ``put_if_absent`` sends as one conditional PutObject
+        (the server's single-PUT limit); larger ones need a server whose CompleteMultipartUpload
+        honours If-None-Match (see the module's docstring)."""
         if max_attempts is None:
             max_attempts = int(env_number("CKPTD_S3_MAX_ATTEMPTS", 8))
         if retries is None:
@@ -227,6 +239,8 @@ class S3Store(Store):
         self.endpoint_url: str = self._client.meta.endpoint_url
         self._caller = Caller(bucket, self.endpoint_url, retries + 1, backoff)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3")
+        self.max_put_size = max_put_size
+        self._conditional_complete: bool | None = None  # the probe's answer, once known
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -474,7 +488,9 @@ class S3Store(Store):
         token = secrets.token_hex(16)
         meta = {_WRITER_META: token}
         try:
-            if size <= self.multipart_threshold:
+            # One PutObject even above the multipart threshold: its If-None-Match is honoured
+            # everywhere, CompleteMultipartUpload's is not (Ceph RGW < 19 overwrites).
+            if size <= self.max_put_size:
                 self._call(
                     "PutObject",
                     key,
@@ -488,6 +504,7 @@ class S3Store(Store):
             else:
                 if self.exists(key):  # don't upload gigabytes only to lose
                     return False
+                self._require_conditional_complete(key, size)
                 self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
         except PreconditionFailed:
             try:
@@ -495,6 +512,50 @@ class S3Store(Store):
             except NotFoundError:  # the winner's object is already deleted again
                 return False
         return True
+
+    def _require_conditional_complete(self, key: str, size: int) -> None:
+        """Raise unless the server refuses a CompleteMultipartUpload with ``If-None-Match: *``
+        over an existing object. Probed once per store, on a scratch key beside the root
+        (``<prefix>.ckptd-probe-<random>``, never under it, removed again): a small object, then
+        a one-part upload of the same key completed with the condition. 412 means honoured; a
+        success means the server overwrote the object (Ceph RGW before 19), so no multipart
+        upload of ours can be put-if-absent there."""
+        if self._conditional_complete is None:
+            probe = f"{self._prefix.rstrip('/')}.ckptd-probe-{secrets.token_hex(8)}"
+            c, b = self._client, self.bucket
+            self._call("PutObject", "", c.put_object, Bucket=b, Key=probe, Body=b"")
+            try:
+                up = self._call("CreateMultipartUpload", "", c.create_multipart_upload, Bucket=b, Key=probe)
+                uid = up["UploadId"]
+                try:
+                    part = self._call(
+                        "UploadPart", "", c.upload_part, Bucket=b, Key=probe, UploadId=uid, PartNumber=1, Body=b"x"
+                    )
+                    self._call(
+                        "CompleteMultipartUpload",
+                        "",
+                        c.complete_multipart_upload,
+                        Bucket=b,
+                        Key=probe,
+                        UploadId=uid,
+                        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+                        IfNoneMatch="*",
+                    )
+                    self._conditional_complete = False
+                except PreconditionFailed:
+                    self._conditional_complete = True
+                    with contextlib.suppress(StorageError):
+                        self._abort(probe, uid)
+            finally:
+                with contextlib.suppress(StorageError):
+                    self._call("DeleteObject", "", c.delete_object, Bucket=b, Key=probe)
+        if not self._conditional_complete:
+            raise StorageError(
+                f"{self._where(key)}: put_if_absent of {size} bytes needs a multipart upload, and "
+                f"{self.endpoint_url} ignores If-None-Match on CompleteMultipartUpload (Ceph RGW "
+                f"before 19 does): it would overwrite a racing writer's object; objects up to "
+                f"{self.max_put_size} bytes are safe (one PutObject)"
+            )
 
     def _part_size_for(self, size: int) -> int:
         if size <= self.part_size * MAX_PARTS:

@@ -119,9 +119,18 @@ class S3Target:
         return self.root.split("/")[2]
 
     def client(self):
+        """A boto3 client for it (with explicit credentials: boto3's default session keeps the
+        first ones it found, which may be the other server's)."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.url)
+        creds = rgwserver.CREDENTIALS if self.name == "rgw" else CREDENTIALS
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            region_name=creds["AWS_REGION"],
+            aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
+        )
 
 
 @pytest.fixture(params=["moto", "rgw"])

@@ -298,3 +298,62 @@ def test_an_object_up_to_two_parts_is_one_put(s3_target: S3Target) -> None:
     assert [m for m, url, _ in sent if url.split("?")[0].endswith("/k") and m != "GET"] == ["PUT"]
     assert "-" not in client.head_object(Bucket=bucket, Key=f"{prefix}/k")["ETag"]
     assert client.head_object(Bucket=bucket, Key=f"{prefix}/big")["ETag"].strip('"').endswith("-3")
+
+
+def _rival_lands_first(store: S3Store, rival: S3Store, key: str) -> list[str]:
+    """Just before ``store`` sends its conditional write (PutObject or CompleteMultipartUpload
+    with ``If-None-Match: *``), ``rival`` writes ``key``: the race two writers run at a commit,
+    made deterministic. Returns the operations that saw the rival land (at most one)."""
+    fired: list[str] = []
+
+    def land(params: dict, model, **_) -> None:
+        if params.get("IfNoneMatch") == "*" and not fired:
+            fired.append(model.name)
+            rival.put(key, b"rival")
+
+    for op in ("PutObject", "CompleteMultipartUpload"):
+        store._client.meta.events.register(f"provide-client-params.s3.{op}", land)
+    return fired
+
+
+def test_put_if_absent_over_the_multipart_threshold_loses_a_race(s3_target: S3Target) -> None:
+    """Ceph RGW 16.2 ignores If-None-Match on CompleteMultipartUpload and overwrites: an object
+    over the multipart threshold must still go up as one conditional PutObject, or both racing
+    writers of a commit record would win there."""
+    data = os.urandom(6 * MiB)  # over small_parts' 5 MiB multipart threshold
+    with small_parts(s3_target.root) as store, small_parts(s3_target.root) as rival:
+        fired = _rival_lands_first(store, rival, "big/commit")
+        assert store.put_if_absent("big/commit", data) is False
+        assert fired == ["PutObject"]
+        assert store.get("big/commit") == b"rival"
+
+
+def test_put_if_absent_above_the_single_put_limit(s3_target: S3Target) -> None:
+    """Above ``max_put_size`` put_if_absent must be a multipart upload: moto honours the
+    condition on its Complete, so the race is lost cleanly; RGW 16.2 does not, which the store's
+    probe finds, so it refuses with one clear error and writes nothing (no probe object left)."""
+    data = os.urandom(6 * MiB)
+    client = s3_target.client()
+    with small_parts(s3_target.root, max_put_size=MIN_PART_SIZE) as store, small_parts(s3_target.root) as rival:
+        if s3_target.name == "rgw":
+            with pytest.raises(StorageError, match="ignores If-None-Match on CompleteMultipartUpload") as e:
+                store.put_if_absent("big/commit", data)
+            assert "s3://" in str(e.value) and "\n" not in str(e.value)
+            assert not store.exists("big/commit")
+            with pytest.raises(StorageError, match="ignores If-None-Match"):  # the answer is kept
+                store.put_if_absent("big/other", data)
+        else:
+            assert store.put_if_absent("big/commit", data) is True
+            assert store.put_if_absent("big/commit", data) is False
+            assert store.get("big/commit") == data
+            fired = _rival_lands_first(store, rival, "big/race")
+            assert store.put_if_absent("big/race", data) is False
+            assert fired == ["CompleteMultipartUpload"]
+            assert store.get("big/race") == b"rival"
+        small = b"x" * MiB  # below the limit: one PutObject, on every server
+        assert store.put_if_absent("small/commit", small) is True
+        assert store.put_if_absent("small/commit", b"y") is False
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=s3_target.bucket).get("Contents", []))
+    expect = ["job/small/commit"] if s3_target.name == "rgw" else ["job/big/commit", "job/big/race", "job/small/commit"]
+    assert keys == expect  # no probe object left beside the root
+    assert client.list_multipart_uploads(Bucket=s3_target.bucket).get("Uploads", []) == []
