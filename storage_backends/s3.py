@@ -15,9 +15,13 @@ parallel ranged GETs. Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
 ``CKPTD_S3_WORKERS``, or the constructor's arguments.
 
 Integrity: every PUT carries botocore's CRC32 of its body (unless
-``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``), which S3 checks, and every chunk its crc32c.
-With that checksum on, the payload is not SHA-256 signed over http either (botocore already
-skips it over https), which saves a hash of every byte on MinIO/Ceph endpoints without TLS.
+``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``), and every chunk its crc32c. Over http the
+body is also SHA-256 signed, until a response echoes the CRC32 (``x-amz-checksum-crc32``): a
+server that does (AWS, MinIO, Ceph RGW >= 19) checks it, and the store stops signing payloads,
+which saves a hash of every byte on endpoints without TLS. Ceph RGW 16.2 neither echoes nor
+checks it (it stores a body corrupted in flight), so there every body stays signed, and a
+corrupted one is refused (XAmzContentSHA256Mismatch). Over https botocore never signs payloads
+that carry a checksum.
 
 Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``).
 
@@ -240,6 +244,7 @@ class S3Store(Store):
         self._caller = Caller(bucket, self.endpoint_url, retries + 1, backoff)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3")
         self.max_put_size = max_put_size
+        self._checksums_checked = False  # the server showed it checks our CRC32s
         self._conditional_complete: bool | None = None  # the probe's answer, once known
         self._closed = False
         self._close_lock = threading.Lock()
@@ -474,7 +479,10 @@ class S3Store(Store):
         views = as_buffers(data)
         size = sum(v.nbytes for v in views)
         if size <= self.multipart_threshold:
-            self._call("PutObject", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=_join(views))
+            resp = self._call(
+                "PutObject", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=_join(views)
+            )
+            self._saw_checksum(resp)
         else:
             self._put_multipart(key, views, size)
 
@@ -491,7 +499,7 @@ class S3Store(Store):
             # One PutObject even above the multipart threshold: its If-None-Match is honoured
             # everywhere, CompleteMultipartUpload's is not (Ceph RGW < 19 overwrites).
             if size <= self.max_put_size:
-                self._call(
+                resp = self._call(
                     "PutObject",
                     key,
                     self._client.put_object,
@@ -501,6 +509,7 @@ class S3Store(Store):
                     IfNoneMatch="*",
                     Metadata=meta,
                 )
+                self._saw_checksum(resp)
             else:
                 if self.exists(key):  # don't upload gigabytes only to lose
                     return False
@@ -512,6 +521,17 @@ class S3Store(Store):
             except NotFoundError:  # the winner's object is already deleted again
                 return False
         return True
+
+    def _saw_checksum(self, resp: dict) -> None:
+        """After a PUT of a body: a response that echoes its CRC32 shows the server checks it,
+        so later bodies need no SHA-256 signature over http (the module's docstring). Until then
+        botocore signs them (its default without TLS)."""
+        if self._checksums_checked or not resp.get("ChecksumCRC32"):
+            return
+        self._checksums_checked = True
+        s3 = self._client.meta.config.s3  # this client's own dict (new_client), read per request
+        if isinstance(s3, dict) and self.endpoint_url.startswith("http:"):
+            s3["payload_signing_enabled"] = False
 
     def _require_conditional_complete(self, key: str, size: int) -> None:
         """Raise unless the server refuses a CompleteMultipartUpload with ``If-None-Match: *``
@@ -622,6 +642,7 @@ class S3Store(Store):
                 Body=body,
                 **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
             )
+            self._saw_checksum(resp)
             part = {"PartNumber": number, "ETag": resp["ETag"]}
             part.update({k: v for k, v in resp.items() if k.startswith("Checksum") and isinstance(v, str)})
             return part

@@ -145,7 +145,8 @@ def test_unreachable_endpoint_fails_fast_naming_it() -> None:
 
 class FlakyProxy:
     """An HTTP proxy in front of the S3 server that fails the next ``faults`` requests, with a
-    503 SlowDown (``mode="slowdown"``) or by closing the connection unanswered (``"drop"``)."""
+    503 SlowDown (``mode="slowdown"``), by closing the connection unanswered (``"drop"``), or
+    by flipping a bit of the request's body on its way (``"corrupt"``; bodiless ones pass)."""
 
     def __init__(self, upstream: str) -> None:
         up = urlsplit(upstream)
@@ -169,6 +170,9 @@ class FlakyProxy:
                     if fail:
                         proxy.faults -= 1
                         proxy.failed += 1
+                if fail and proxy.mode == "corrupt" and body:  # one bit flipped in flight
+                    body = bytes([body[0] ^ 1]) + body[1:]
+                    fail = False
                 if fail and proxy.mode == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -262,11 +266,12 @@ def _sent(store: S3Store) -> list[tuple[str, str, dict[str, str]]]:
 
 
 @pytest.mark.parametrize("calculation", ["when_supported", "when_required"])
-def test_payload_hash_over_http_only_without_a_body_checksum(
+def test_payload_hash_over_http_only_until_the_server_checks_the_body_checksum(
     s3_target: S3Target, monkeypatch: pytest.MonkeyPatch, calculation: str
 ) -> None:
-    """Over http botocore SHA-256 signs every body (a second pass over the checkpoint); with a
-    CRC32 on every PUT, which the server checks, we skip that hash as botocore does over https."""
+    """Over http botocore SHA-256 signs every body (a second pass over the checkpoint). With a
+    CRC32 on every PUT we skip that hash once a response echoes the CRC32, which shows that the
+    server checks it (moto echoes it); Ceph RGW 16.2 does not, so there every body stays signed."""
     monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", calculation)
     data = os.urandom(3 * MiB)
     with small_parts(s3_target.root) as store:
@@ -276,13 +281,39 @@ def test_payload_hash_over_http_only_without_a_body_checksum(
         assert store.get("one") == data and store.get("multi") == data * 4
     bodies = [h for method, _, h in sent if method == "PUT" and int(h.get("content-length", 0)) >= MiB]
     assert len(bodies) == 4  # the single PUT and three parts
-    for h in bodies:
-        if calculation == "when_supported":
-            assert h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
-            assert "x-amz-checksum-crc32" in h
-        else:
-            assert len(h["x-amz-content-sha256"]) == 64  # the body's SHA-256, hex
-            assert "x-amz-checksum-crc32" not in h
+    signed = [len(h["x-amz-content-sha256"]) == 64 for h in bodies]  # the body's SHA-256, hex
+    if calculation == "when_required":
+        assert signed == [True] * 4
+        assert not any("x-amz-checksum-crc32" in h for h in bodies)
+        return
+    assert all("x-amz-checksum-crc32" in h for h in bodies)
+    if s3_target.name == "rgw":
+        assert signed == [True] * 4
+    else:  # the first response echoed the CRC32: the parts go unsigned
+        assert signed == [True, False, False, False]
+        assert all(h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD" for h in bodies[1:])
+
+
+def test_a_body_corrupted_in_flight_is_refused_by_rgw(rgw_server: str, rgw_bucket: str) -> None:
+    """Ceph RGW 16.2 does not check the x-amz-checksum-crc32 header: with an unsigned payload it
+    stored a body whose bit flipped on the way. The store keeps signing bodies there, so RGW
+    refuses it. (moto checks neither, so this runs against RGW only.)"""
+    bucket, prefix = _split(rgw_bucket)
+    proxy = FlakyProxy(rgw_server)
+    try:
+        with S3Store(bucket, prefix, endpoint_url=proxy.url, max_attempts=1, retries=0) as store:
+            store.put("first", b"a body that reaches the server intact")
+            proxy.fail_next(1, "corrupt")
+            with pytest.raises(StorageError, match="PutObject failed") as e:
+                store.put("k", b"a body that is corrupted on its way")
+            assert "s3://" in str(e.value) and "\n" not in str(e.value)
+            assert not store.exists("k")
+            proxy.fail_next(1, "corrupt")
+            with pytest.raises(StorageError):
+                store.put_if_absent("c", b"a commit record corrupted on its way")
+            assert not store.exists("c")
+    finally:
+        proxy.close()
 
 
 def test_an_object_up_to_two_parts_is_one_put(s3_target: S3Target) -> None:
