@@ -17,7 +17,7 @@ parallel ranged GETs. Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
 Integrity: every PUT carries botocore's CRC32 of its body (unless
 ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``), and every chunk its crc32c. Over http the
 body is also SHA-256 signed, until a response echoes the CRC32 (``x-amz-checksum-crc32``): a
-server that does (AWS, MinIO, Ceph RGW >= 19) checks it, and the store stops signing payloads,
+server that does (AWS, MinIO) checks it, and the store stops signing payloads,
 which saves a hash of every byte on endpoints without TLS. Ceph RGW 16.2 neither echoes nor
 checks it (it stores a body corrupted in flight), so there every body stays signed, and a
 corrupted one is refused (XAmzContentSHA256Mismatch). Over https botocore never signs payloads
@@ -28,7 +28,7 @@ Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3
 ``put_if_absent`` needs conditional writes: ``If-None-Match: *`` on PutObject, which AWS S3
 (since 2024-08), MinIO, Ceph RGW (16.2 Pacific, tested for real) and moto honour with 412
 PreconditionFailed. It is therefore always one PutObject, up to S3's single-PUT limit of 5 GiB
-(``max_put_size``), never a multipart upload: Ceph RGW before 19 (Squid) ignores If-None-Match on
+(``max_put_size``), never a multipart upload: Ceph RGW 16.2 (Pacific) ignores If-None-Match on
 CompleteMultipartUpload and overwrites the object, so a multipart put_if_absent there would make
 every racing writer win. Above that limit it is a multipart upload whose Complete carries the
 condition, only once a probe (run once per store) showed that the server refuses such a Complete
@@ -497,7 +497,7 @@ class S3Store(Store):
         meta = {_WRITER_META: token}
         try:
             # One PutObject even above the multipart threshold: its If-None-Match is honoured
-            # everywhere, CompleteMultipartUpload's is not (Ceph RGW < 19 overwrites).
+            # everywhere, CompleteMultipartUpload's is not (Ceph RGW 16.2 overwrites).
             if size <= self.max_put_size:
                 resp = self._call(
                     "PutObject",
@@ -538,7 +538,7 @@ class S3Store(Store):
         over an existing object. Probed once per store, on a scratch key beside the root
         (``<prefix>.ckptd-probe-<random>``, never under it, removed again): a small object, then
         a one-part upload of the same key completed with the condition. 412 means honoured; a
-        success means the server overwrote the object (Ceph RGW before 19), so no multipart
+        success means the server overwrote the object (Ceph RGW 16.2 does), so no multipart
         upload of ours can be put-if-absent there."""
         if self._conditional_complete is None:
             probe = f"{self._prefix.rstrip('/')}.ckptd-probe-{secrets.token_hex(8)}"
@@ -573,7 +573,7 @@ class S3Store(Store):
             raise StorageError(
                 f"{self._where(key)}: put_if_absent of {size} bytes needs a multipart upload, and "
                 f"{self.endpoint_url} ignores If-None-Match on CompleteMultipartUpload (Ceph RGW "
-                f"before 19 does): it would overwrite a racing writer's object; objects up to "
+                f"16.2 does): it would overwrite a racing writer's object; objects up to "
                 f"{self.max_put_size} bytes are safe (one PutObject)"
             )
 
