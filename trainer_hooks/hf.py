@@ -17,26 +17,37 @@ the Checkpointer and restores (the model is wrapped and the optimizer and schedu
 then); ``on_step_end`` saves when ``state.global_step`` reaches a multiple of ``every_n_steps``;
 ``on_train_end`` saves the last step if it was not saved, waits for the commit and closes.
 
-The Trainer's step budget continues from the restored global step. The data loader does not:
-the Trainer decides which batches to skip (from a ``resume_from_checkpoint`` folder) before any
-callback runs, so after a ckptd restore the epoch schedule starts over from its first batch.
-Training that must see exactly the data an uninterrupted run would see saves at epoch
-boundaries with ``train_sampling_strategy="sequential"``, or gives the restore a resumable
-sampler through ``extra_state``. Do not also pass ``resume_from_checkpoint``.
+With the callback on a stock ``Trainer`` the step budget continues from the restored global
+step but the data loader does not: the Trainer sizes its epochs and decides which batches to skip
+before any callback runs, so after a ckptd restore the epoch schedule starts over from its first
+batch. :class:`ElasticTrainer` is the Trainer whose data continues too, at any world size: its
+training loader deals the epoch with :class:`~trainer_hooks.ElasticSampler`, whose position is
+saved with the rest and restored before the Trainer sizes its epochs, so across a stop at N
+processes and a restart at M every sample of an epoch is trained on exactly once. Do not also
+pass ``resume_from_checkpoint``.
 """
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any
 
 try:
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback, TrainerState
+    from transformers.trainer_utils import has_length, seed_worker
+    from transformers.utils import is_datasets_available
 except ImportError:  # pragma: no cover - an optional extra
     raise ImportError("trainer_hooks.hf needs transformers: pip install 'ckptd[hf]'") from None
 
-from trainer_hooks._callback_common import CheckpointCallbackBase
+from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["CkptdCallback", "PROGRESS_FIELDS", "TrainerStateAdapter"]
+from ckptd.sampler_math import share
+from trainer_hooks._callback_common import CheckpointCallbackBase
+from trainer_hooks.checkpointer import Checkpointer
+from trainer_hooks.sampler import ElasticSampler, StatefulLoader
+
+__all__ = ["CkptdCallback", "ElasticTrainer", "PROGRESS_FIELDS", "TrainerStateAdapter"]
 
 # TrainerState fields that describe progress (the rest is this run's configuration).
 PROGRESS_FIELDS = (
@@ -101,3 +112,289 @@ class CkptdCallback(CheckpointCallbackBase, TrainerCallback):
             self._finish(state.global_step, lambda: self.state(state, model, optimizer, lr_scheduler))
         finally:
             self._close()
+
+
+# ------------------------------------------------------------------------------ ElasticTrainer
+
+# The Trainer internals ElasticTrainer hooks into (transformers 5.x); checked when it is built, so
+# another layout fails with one clear error instead of silently restarting the epoch.
+_HOOKS = {
+    "_run_epoch": ("epoch", "train_dataloader", "steps_in_epoch", "num_update_steps_per_epoch"),
+    "_init_training_state": (),
+    "set_initial_training_values": (),
+    "_get_collator_with_removed_columns": (),
+    "_remove_unused_columns": (),
+}
+
+
+def _check_trainer_layout() -> None:
+    import inspect
+
+    import transformers
+
+    for name, params in _HOOKS.items():
+        fn = getattr(Trainer, name, None)
+        if fn is None or not set(params) <= set(inspect.signature(fn).parameters):
+            raise RuntimeError(
+                f"ElasticTrainer hooks Trainer.{name}({', '.join(params)}), which transformers "
+                f"{transformers.__version__} lacks; it is tested with transformers 5.24"
+            )
+
+
+def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
+def _rank_batches(sampler: ElasticSampler, start: int, batch_size: int) -> list[int]:
+    """Batches each rank of the sampler's world gets from global position ``start`` of the epoch."""
+    n, world, drop = sampler.dataset_len, sampler.num_replicas, sampler.state_dict()["drop_last"]
+    return [_batches(share(n, start, r, world, drop), batch_size, drop) for r in range(world)]
+
+
+def _start_epoch(sampler: ElasticSampler, batch_size: int) -> None:
+    """Right after the restore: move past an epoch that has no batch left, and refuse a world size
+    at which the rest of this epoch, or a whole one, gives the ranks different batch counts (the
+    ranks of a DDP step wait for each other, so the one with a batch more would wait forever)."""
+    if _rank_batches(sampler, sampler.position, batch_size)[sampler.rank] == 0:
+        sampler.set_epoch(sampler.epoch + 1)  # the saved epoch was done: the next one
+    for start in sorted({sampler.position, 0}, reverse=True):
+        counts = _rank_batches(sampler, start, batch_size)
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"ElasticTrainer: {sampler.dataset_len - start} samples {'left ' if start else ''}of epoch "
+                f"{sampler.epoch} give {sampler.num_replicas} ranks {counts} batches of {batch_size}; "
+                "DDP needs the same count on every rank: set dataloader_drop_last=True"
+            )
+
+
+class _ElasticTrainLoader(StatefulLoader):
+    """The training loader :class:`ElasticTrainer` gives the Trainer: a ``StatefulLoader`` (the
+    sampler's position counts the batches the training loop received, whatever the workers
+    prefetch) whose ``len`` is a whole epoch at this world size, as the Trainer sizes epochs
+    with it, and whose ``set_epoch`` selects the sampler's epoch."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self.dataset = loader.dataset
+        self.batch_size = loader.batch_size
+
+    def __len__(self) -> int:
+        return _rank_batches(self.sampler, 0, self.batch_size)[self.sampler.rank]
+
+    def batches_left(self) -> int:
+        """Batches this rank has left in the sampler's epoch, from its position."""
+        return _rank_batches(self.sampler, self.sampler.position, self.batch_size)[self.sampler.rank]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+class _ElasticCallback(CkptdCallback):
+    """ElasticTrainer's ckptd side. The sampler and the trainer's progress are restored first,
+    by :meth:`restore_data` from ``get_train_dataloader`` (before the Trainer sizes its epochs);
+    model, optimizer, scheduler and ``extra_state`` at ``on_train_begin`` (once they exist), from
+    the same step. Saves hold all of it, sampler included."""
+
+    sampler: ElasticSampler | None = None
+    progress: dict[str, Any] | None = None
+
+    def restore_data(self, sampler: ElasticSampler) -> None:
+        if self.ckpt is None:
+            self.ckpt = Checkpointer(self.root_uri, daemon=self.daemon, keep_last=self.keep_last)
+        self.sampler = sampler
+        self.restored_step = self.progress = None
+        if not self.restore:
+            return
+        progress = TrainerStateAdapter(TrainerState())
+        self.restored_step = self.ckpt.restore({"sampler": sampler, "trainer_state": progress})
+        self.last_saved = self.restored_step
+        if self.restored_step is not None:
+            self.progress = progress.state_dict()
+
+    def state(self, trainer_state, model, optimizer, lr_scheduler) -> dict[str, Any]:
+        state = super().state(trainer_state, model, optimizer, lr_scheduler)
+        state["sampler"] = self.sampler
+        return state
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if self.ckpt is None or self.sampler is None:
+            raise RuntimeError("ElasticTrainer: training began without its get_train_dataloader")
+        if self.restored_step is not None:
+            rest = self.state(state, model, optimizer, lr_scheduler)
+            del rest["sampler"], rest["trainer_state"]  # restored before the Trainer sized its epochs
+            self.ckpt.restore(rest, step=self.restored_step)
+
+
+class ElasticTrainer(Trainer):
+    """A ``transformers.Trainer`` that checkpoints through ckptd and resumes exactly once across a
+    change of world size::
+
+        trainer = ElasticTrainer(model=model, args=args, train_dataset=ds,
+                                 ckptd_root="s3://bucket/job", ckptd_every_n_steps=500)
+        trainer.train()          # resumes from the latest committed step of the root, if any
+
+    **Data.** The training loader deals each epoch with an :class:`~trainer_hooks.ElasticSampler`
+    (``shuffle`` for ``train_sampling_strategy="random"``, seeded with ``data_seed`` or ``seed``;
+    ``drop_last`` from ``dataloader_drop_last``), iterated through a ``StatefulLoader``, and is
+    *not* given to ``accelerator.prepare``: Accelerate's sharding would split the sampler's
+    per-rank share again. Batches reach the device through the Trainer's own ``_prepare_inputs``.
+    The sampler's position (epoch, samples of it consumed by the whole job) is saved with every
+    checkpoint. Saved at N processes and restored at M, the epoch continues where it stopped: every
+    sample of it is trained on exactly once (with ``dataloader_drop_last=True`` the tail that does
+    not fill a batch on every rank is skipped, never repeated); the next epochs start at 0.
+
+    **Order of events** (every rank): ``get_train_dataloader`` opens the Checkpointer and restores
+    the sampler and the progress fields of ``TrainerState`` from the latest committed step (an
+    epoch that was finished moves on to the next); the Trainer then sizes its epochs from them:
+    the first one is the rest of the resumed epoch, the others whole. ``on_train_begin`` restores
+    model, optimizer, scheduler and ``ckptd_extra_state`` from the same step. Every
+    ``ckptd_every_n_steps`` optimizer steps, and at the end, it saves through ckptd.
+
+    **Budget.** ``max_steps > 0`` counts optimizer steps over the whole job (at whatever world
+    size each was taken); otherwise ``num_train_epochs`` (rounded up to whole epochs) counts
+    epochs of the sampler, and the LR schedule's length is the restored step plus what the
+    remaining epochs take at this world size.
+
+    **Limits.** Data parallel only (DDP, or FSDP with every rank reading its own batches);
+    map-style datasets with a length; ``train_sampling_strategy`` ``"random"`` or
+    ``"sequential"`` (``group_by_length`` and ``batch_rebalance`` order by the batch and the world
+    size and are refused); Accelerate's ``split_batches`` and ``dispatch_batches`` are refused.
+    Every rank must get the same number of batches, or DDP would wait forever at the tail: with
+    ``dataloader_drop_last=False`` an epoch whose rest leaves one rank a batch fewer than another
+    is refused with the numbers (take ``dataloader_drop_last=True``). With
+    ``gradient_accumulation_steps > 1`` a resumed epoch ends with a shorter accumulation, as any
+    epoch whose batch count the steps do not divide. Checked against transformers 5.24: the
+    Trainer internals it hooks (``_init_training_state``, ``_run_epoch``,
+    ``set_initial_training_values``) are verified when it is built.
+
+    ``trainer.ckptd`` is its callback: ``restored_step`` (None on a fresh root) and, during
+    ``train()``, ``ckpt``, the open :class:`~trainer_hooks.Checkpointer`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        ckptd_root: str,
+        ckptd_every_n_steps: int = 100,
+        ckptd_daemon: str | None = None,
+        ckptd_keep_last: int | None = None,
+        ckptd_extra_state: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_trainer_layout()
+        super().__init__(*args, **kwargs)
+        args_ = self.args
+        if args_.train_sampling_strategy not in ("random", "sequential"):
+            raise ValueError(
+                f"ElasticTrainer: train_sampling_strategy={args_.train_sampling_strategy!r} orders samples by "
+                "batch and world size, so a saved position means nothing at another size; use 'random' or 'sequential'"
+            )
+        acc = args_.accelerator_config
+        for flag in ("split_batches", "dispatch_batches"):
+            if getattr(acc, flag, None):
+                raise ValueError(f"ElasticTrainer: accelerator_config.{flag}=True would re-deal the elastic sampler")
+        self.ckptd = _ElasticCallback(
+            ckptd_root,
+            ckptd_every_n_steps,
+            daemon=ckptd_daemon,
+            keep_last=ckptd_keep_last,
+            extra_state=ckptd_extra_state,
+        )
+        # first, so that the other callbacks' on_train_begin see the restored state
+        self.callback_handler.callbacks.insert(0, self.ckptd)
+
+    def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
+        if resume_from_checkpoint not in (None, False):
+            raise ValueError(
+                "ElasticTrainer resumes from its ckptd root; resume_from_checkpoint would load another "
+                "checkpoint over it and skip batches by the old world size"
+            )
+        return super().train(None, *args, **kwargs)
+
+    def get_train_dataloader(self) -> _ElasticTrainLoader:
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if isinstance(dataset, IterableDataset) or not has_length(dataset):
+            raise ValueError("ElasticTrainer needs a map-style train_dataset with a length (ElasticSampler)")
+        collator = self.data_collator
+        if is_datasets_available():
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="Training")
+            else:
+                collator = self._get_collator_with_removed_columns(collator, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        args = self.args
+        rank, world = args.process_index, args.world_size
+        sampler = ElasticSampler(
+            len(dataset),
+            shuffle=args.train_sampling_strategy == "random",
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            drop_last=args.dataloader_drop_last,
+            rank=rank,
+            num_replicas=world,
+        )
+        batch = self._train_batch_size
+        try:
+            self.ckptd.restore_data(sampler)
+            _start_epoch(sampler, batch)
+        except BaseException:
+            self.ckptd._close()  # training does not start: on_train_end will not close it
+            raise
+        loader = DataLoader(
+            dataset,
+            batch_size=batch,
+            sampler=sampler,
+            collate_fn=collator,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            drop_last=args.dataloader_drop_last,
+            worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=rank),
+        )
+        return _ElasticTrainLoader(loader)
+
+    def set_initial_training_values(self, args, dataloader):
+        values = list(super().set_initial_training_values(args, dataloader))
+        if not isinstance(dataloader, _ElasticTrainLoader):
+            return tuple(values)
+        # (num_train_epochs, num_update_steps_per_epoch, ..., max_steps): the epoch loop runs
+        # range(resumed epoch, num_train_epochs), and the first one is the resumed epoch's rest
+        per_epoch, accumulate = values[1], args.gradient_accumulation_steps
+        epoch = dataloader.sampler.epoch
+        if args.max_steps > 0:  # the flow callback stops at max_steps; enough epochs to get there
+            values[0] = epoch + 1 + math.ceil(args.max_steps / per_epoch)
+        else:
+            epochs = math.ceil(args.num_train_epochs)
+            done = (self.ckptd.progress or {}).get("global_step", 0)
+            left = 0
+            if epoch < epochs:
+                left = math.ceil(dataloader.batches_left() / accumulate) + (epochs - epoch - 1) * per_epoch
+            values[0], values[-1] = epochs, done + left
+        return tuple(values)
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        epochs_trained, skip = super()._init_training_state(*args, **kwargs)
+        sampler = self.ckptd.sampler
+        if sampler is None:
+            return epochs_trained, skip
+        if self.ckptd.progress is not None:
+            TrainerStateAdapter(self.state).load_state_dict(self.ckptd.progress)
+        return sampler.epoch, 0  # nothing to skip: the sampler starts at its position
+
+    def _run_epoch(self, **kwargs: Any):
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True  # a restored job that had already finished
+            return None
+        loader = kwargs["train_dataloader"]
+        if isinstance(loader, _ElasticTrainLoader) and kwargs["epoch"] == loader.sampler.epoch:
+            # the resumed epoch: its rest, so the last accumulation and the epoch's end fall right
+            left = loader.batches_left()
+            kwargs["steps_in_epoch"] = left
+            kwargs["num_update_steps_per_epoch"] = max(1, math.ceil(left / self.args.gradient_accumulation_steps))
+        return super()._run_epoch(**kwargs)

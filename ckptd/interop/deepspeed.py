@@ -20,8 +20,13 @@ the module given to ``deepspeed.initialize``.
 Not covered, with a clear error or note: ZeRO-3 universal files (flat tensors whose shapes live
 only in DeepSpeed's pickled model states), parameters with DeepSpeed sub-parameter layouts
 (fused QKV metadata objects), several param groups (DeepSpeed numbers parameters, it does not
-name them) and an ``optimizer_state.pt`` that holds objects (a loss scaler): the optimizer is
-then left out and only the weights are imported.
+name them) and an ``optimizer_state.pt`` that holds objects other than DeepSpeed's own
+bookkeeping: the optimizer is then left out and only the weights are imported.
+
+DeepSpeed pickles its loss scaler and ZeRO stage enum into ``optimizer_state.pt``, even in fp32
+training (DeepSpeed 0.19). Those classes (``DEEPSPEED_BOOKKEEPING``) unpickle as inert
+``Opaque`` records, never as DeepSpeed objects: nothing of DeepSpeed is imported or run, and
+ckptd reads only ``param_groups`` from the file.
 """
 
 from __future__ import annotations
@@ -36,12 +41,17 @@ from ckptd.errors import CheckpointError
 from ckptd.interop.common import ImportTree, Item, release_file_pages
 from ckptd.interop.torchfile import safe_load
 
-__all__ = ["FP32", "OPTIMIZER_STATE", "PARAM", "STEP", "read"]
+__all__ = ["DEEPSPEED_BOOKKEEPING", "FP32", "OPTIMIZER_STATE", "PARAM", "STEP", "read"]
 
 FP32 = "fp32.pt"
 STEP = "step.pt"
 OPTIMIZER_STATE = "optimizer_state.pt"
 PARAM = "param"
+DEEPSPEED_BOOKKEEPING = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+)
 
 
 def _load(path: str, mmap: bool = True) -> Any:
@@ -113,7 +123,7 @@ def _param_groups(zero: str, names: list[str]) -> tuple[list[dict] | None, str]:
     if not os.path.isfile(path):
         return None, f"{path} is missing (it holds the hyperparameters)"
     try:
-        obj = _load(path, mmap=False)
+        obj = safe_load(path, False, stand_ins=DEEPSPEED_BOOKKEEPING)[0]
     except CheckpointError as e:
         return None, str(e)
     groups = obj.get("param_groups") if isinstance(obj, dict) else None

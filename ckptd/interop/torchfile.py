@@ -41,14 +41,26 @@ from ckptd.interop.common import (
     trim_heap,
 )
 
-__all__ = ["read", "safe_load", "write"]
+__all__ = ["Opaque", "read", "safe_load", "write"]
 
 
-def safe_load(path: str, mmap_: bool = True) -> tuple[Any, bool]:
+class Opaque:
+    """What an allow-listed foreign class (``safe_load(stand_ins=...)``) unpickles as: an inert
+    record of the arguments and attributes the pickle gave it. It runs no code of that class, so
+    a pickle can name the class but not make ckptd call anything."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+
+def safe_load(path: str, mmap_: bool = True, stand_ins: tuple[str, ...] = ()) -> tuple[Any, bool]:
     """``torch.load(weights_only=True)`` with its failures as one-line CheckpointErrors; returns
-    the object and whether it is memory-mapped (a legacy-format file is read whole)."""
+    the object and whether it is memory-mapped (a legacy-format file is read whole).
+    ``stand_ins``: fully qualified class names that unpickle as ``Opaque`` records instead of
+    being refused (a format's known bookkeeping objects next to the values ckptd reads)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap_), mmap_
+        with torch.serialization.safe_globals([(Opaque, name) for name in stand_ins]):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap_), mmap_
     except pickle.UnpicklingError as e:
         refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
         if refused:
@@ -59,7 +71,7 @@ def safe_load(path: str, mmap_: bool = True) -> tuple[Any, bool]:
         raise CheckpointError(f"{path}: not a readable torch.save file ({one_line(e)})") from None
     except (RuntimeError, ValueError, OSError, EOFError) as e:
         if mmap_ and "mmap can only be used" in str(e):
-            return safe_load(path, mmap_=False)
+            return safe_load(path, mmap_=False, stand_ins=stand_ins)
         raise CheckpointError(f"{path}: not a readable torch.save file ({one_line(e)})") from None
 
 

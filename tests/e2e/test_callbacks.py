@@ -160,3 +160,148 @@ def test_hf_trainer_saves_and_resumes(tmp_path):
     assert committed(root) == [2, 4, 6]
     assert torch.equal(resumed.fc.weight, reference.fc.weight)
     assert torch.equal(resumed.fc.bias, reference.fc.bias)
+
+
+# ------------------------------------------------------------------------------ HF ElasticTrainer
+
+
+def _elastic_setup(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e .[hf])")
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (the hf extra)")
+    from trainer_hooks.hf import ElasticTrainer
+
+    n = 10  # 5 batches of 2 an epoch: with 2 accumulation steps, optimizer steps of 2, 2 and 1 batches
+
+    class Net(torch.nn.Module):
+        def __init__(self, seed: int):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.fc = torch.nn.Linear(4, 1)
+            self.seen: list[int] = []
+
+        def forward(self, x, labels=None, idx=None):
+            self.seen += idx.tolist()
+            out = self.fc(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(1)
+            self.x, self.y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "labels": self.y[i], "idx": torch.tensor(i)}
+
+    class StopAfter(transformers.TrainerCallback):
+        def __init__(self, step: int):
+            self.step = step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == self.step:
+                control.should_training_stop = True
+
+    def fit(seed: int, name: str, root: str, callbacks=(), **overrides):
+        model = Net(seed)
+        options = dict(
+            output_dir=str(tmp_path / name),
+            num_train_epochs=2,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=0.1,
+            lr_scheduler_type="linear",  # its length is the step budget: a wrong budget would show
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            seed=3,
+        )
+        options.update(overrides)
+        args = transformers.TrainingArguments(**options)
+        trainer = ElasticTrainer(
+            model=model,
+            args=args,
+            train_dataset=Data(),
+            callbacks=list(callbacks),
+            ckptd_root=root,
+            ckptd_every_n_steps=1,
+        )
+        trainer.train()
+        return model, trainer
+
+    return transformers, fit, StopAfter, n
+
+
+def test_hf_elastic_trainer_resumes_mid_epoch_with_accumulation(tmp_path):
+    """One process, 2 epochs by count, 2 accumulation steps: a run stopped after its first
+    optimizer step (4 of the epoch's 10 samples) and resumed from ckptd trains on the other 6,
+    then the next epoch, and ends bitwise where an uninterrupted run ends: the resumed epoch's
+    short last accumulation, the epoch budget and the LR schedule's length all come out the same."""
+    _, fit, StopAfter, n = _elastic_setup(tmp_path)
+    reference, ref_trainer = fit(0, "reference", str(tmp_path / "ref_job"))
+    assert ref_trainer.state.global_step == 6  # 3 optimizer steps an epoch
+    root = str(tmp_path / "job")
+    stopped, _ = fit(0, "stopped", root, callbacks=[StopAfter(1)])
+    assert committed(root) == [1] and len(stopped.seen) == 4
+    resumed, trainer = fit(9, "resumed", root)  # another init: everything must come from the checkpoint
+    assert trainer.ckptd.restored_step == 1 and trainer.state.global_step == 6
+    assert sorted(stopped.seen + resumed.seen[:6]) == list(range(n))  # epoch 0, each sample once
+    assert sorted(resumed.seen[6:]) == list(range(n))  # then all of epoch 1
+    assert resumed.seen == reference.seen[4:]  # in the order of the uninterrupted run
+    assert torch.equal(resumed.fc.weight, reference.fc.weight)
+    assert torch.equal(resumed.fc.bias, reference.fc.bias)
+    assert committed(root) == [1, 2, 3, 4, 5, 6]
+
+
+def test_hf_elastic_trainer_refuses_what_would_break_the_position(tmp_path):
+    from ckptd.errors import CheckpointError
+
+    transformers, fit, _, _ = _elastic_setup(tmp_path)
+    with pytest.raises(ValueError, match="group_by_length"):
+        fit(0, "grouped", str(tmp_path / "a"), train_sampling_strategy="group_by_length")
+    from trainer_hooks import Checkpointer
+    from trainer_hooks.hf import ElasticTrainer
+
+    trainer = ElasticTrainer(
+        model=torch.nn.Linear(4, 1),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[]),
+        train_dataset=torch.utils.data.TensorDataset(torch.zeros(4, 4)),
+        ckptd_root=str(tmp_path / "b"),
+    )
+    with pytest.raises(ValueError, match="resume_from_checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "o"))
+
+    # a root that CkptdCallback saved holds no sampler position: refused, naming the key
+    root = str(tmp_path / "callback_job")
+    ckpt = Checkpointer(root)
+    ckpt.save(1, {"model": torch.nn.Linear(4, 1)})
+    ckpt.close()
+    with pytest.raises(CheckpointError, match="sampler"):
+        fit(0, "from_callback_root", root)
+
+
+def test_hf_elastic_trainer_start_refuses_uneven_batch_counts_and_skips_a_finished_epoch():
+    """ElasticTrainer's check when training starts (``trainer_hooks.hf._start_epoch``), for each
+    rank of a 3-rank job, without the job: a rest of the epoch that deals one rank a batch more is
+    refused (DDP would wait forever at the tail); a finished epoch moves on to the next."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e .[hf])")
+    from trainer_hooks import ElasticSampler
+    from trainer_hooks.hf import _start_epoch
+
+    def at(n: int, position: int, rank: int, drop_last: bool = False) -> ElasticSampler:
+        sampler = ElasticSampler(n, seed=5, drop_last=drop_last, rank=rank, num_replicas=3)
+        sampler.load_state_dict({**sampler.state_dict(), "position": position})
+        return sampler
+
+    for rank in range(3):
+        ok = at(34, 16, rank)  # 18 left: 3 batches of 2 on every rank; a whole epoch: 6 each
+        _start_epoch(ok, 2)
+        assert (ok.epoch, ok.position) == (0, 16)
+        with pytest.raises(ValueError, match=r"20 samples left of epoch 0 give 3 ranks \[4, 4, 3\] batches of 2"):
+            _start_epoch(at(36, 16, rank), 2)  # 7, 7, 6 samples left
+        done = at(36, 34, rank, drop_last=True)  # 2 left: nothing for anyone, the epoch is over
+        _start_epoch(done, 2)
+        assert (done.epoch, done.position) == (1, 0)

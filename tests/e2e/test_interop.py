@@ -6,6 +6,7 @@ tests/distributed/test_interop.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -240,6 +241,42 @@ def test_dcp_imported_scheduler_restores_into_a_live_scheduler(tmp_path, capsys)
     assert state["sched"] is live and live.last_epoch == 1
 
 
+@contextlib.contextmanager
+def _fake_deepspeed_classes():
+    """Classes named as DeepSpeed 0.19 names its loss scaler and ZeRO stage enum, for torch.save
+    to pickle by those names; removed afterwards, so loading cannot find the real ones."""
+    import enum
+    import types
+
+    names = ["deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", "deepspeed.runtime.fp16.loss_scaler"]
+    names += ["deepspeed.runtime.zero", "deepspeed.runtime.zero.config"]
+    saved = {n: sys.modules.get(n) for n in names}
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+
+    class LossScaler:
+        def __init__(self):
+            self.cur_scale = 1.0
+            self.dynamic = False
+
+    class ZeroStageEnum(enum.IntEnum):
+        optimizer_states = 1
+        gradients = 2
+
+    sys.modules["deepspeed.runtime.fp16.loss_scaler"].LossScaler = LossScaler
+    LossScaler.__module__, LossScaler.__qualname__ = "deepspeed.runtime.fp16.loss_scaler", "LossScaler"
+    sys.modules["deepspeed.runtime.zero.config"].ZeroStageEnum = ZeroStageEnum
+    ZeroStageEnum.__module__, ZeroStageEnum.__qualname__ = "deepspeed.runtime.zero.config", "ZeroStageEnum"
+    try:
+        yield LossScaler, ZeroStageEnum
+    finally:
+        for n, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = mod
+
+
 def test_deepspeed_universal_synthetic(tmp_path, capsys):
     """The documented layout of ds_to_universal.py (ZeRO-1/2), built by hand."""
     m, o = trained(6)
@@ -265,7 +302,20 @@ def test_deepspeed_universal_synthetic(tmp_path, capsys):
     m2.fc(torch.ones(6)).sum().backward()
     o2.step()  # the optimizer works with the imported hyperparameters
 
-    # an optimizer_state.pt holding objects: the weights come in, the optimizer is left out
+    # DeepSpeed's own bookkeeping objects (its loss scaler, pickled even in fp32 training) come in
+    # as inert records: the optimizer is imported, and no DeepSpeed code runs (none is installed
+    # under these names here: the classes below exist only while the file is written)
+    with _fake_deepspeed_classes() as (scaler, stage):
+        book = {"loss_scaler": scaler(), "zero_stage": stage(2), "param_groups": [{**group, "params": [0]}]}
+        torch.save(book, zero / "optimizer_state.pt")
+    printed = ok(capsys, "import", zero.parent, "--format", "deepspeed-universal", root, "--step", 12)
+    assert "model (dict), optim (optimizer)" in printed
+    m3 = net(8)
+    o3 = torch.optim.AdamW(m3.parameters(), lr=0.5)
+    Checkpointer(root).restore({"model": m3, "optim": o3}, step=12, strict=False)
+    assert equal_sd(full_optim(m3, o3), full_optim(m, o))
+
+    # an optimizer_state.pt holding other objects: the weights come in, the optimizer is left out
     torch.save({"param_groups": [{**group, "params": [0]}], "scaler": torch.nn.Identity()}, zero / "optimizer_state.pt")
     rc, out, err = run(capsys, "import", zero, "--format", "deepspeed-universal", root, "--step", 10)
     assert rc == 0 and "optimizer state left out" in err and "optim (optimizer)" not in out

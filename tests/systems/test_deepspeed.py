@@ -4,9 +4,10 @@ DeepSpeed's own ``ds_to_universal``, then ``ckptd import --format deepspeed-univ
 restore at another world size (1) that must give DeepSpeed's fp32 weights bit for bit.
 
 What this found: the universal ``zero/optimizer_state.pt`` that DeepSpeed writes holds a pickled
-``deepspeed.runtime.fp16.loss_scaler.LossScaler`` object even in fp32 training, so ckptd (which
-never unpickles objects) leaves the optimizer state out of the import, with that reason; the
-hand-built layout in tests/e2e/test_interop.py did not have it. The test pins that behaviour.
+``deepspeed.runtime.fp16.loss_scaler.LossScaler`` and a ``ZeroStageEnum`` even in fp32 training;
+the hand-built layout in tests/e2e/test_interop.py did not have them, and ckptd (which never
+unpickles objects) left the optimizer out. They now unpickle as inert records
+(``ckptd.interop.deepspeed.DEEPSPEED_BOOKKEEPING``), and the test checks the Adam moments too.
 
 The first run JIT-compiles DeepSpeed's ``deepspeed_shm_comm`` C++ op (about 9 minutes on this
 2-core machine, cached in ~/.cache/torch_extensions afterwards), so it runs only with
@@ -57,17 +58,26 @@ def test_zero_checkpoint_through_ds_to_universal_imports_and_restores_bitwise(tm
         + [str(root), "--step", "3"]
     )
     assert "state: model (dict)" in p.stdout
-    assert "optimizer state left out" in p.stderr and "LossScaler" in p.stderr
+    assert "state: model (dict), optim (optimizer)" in p.stdout, p.stdout + p.stderr
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from trainer_hooks import Checkpointer
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.5)
     with Checkpointer(str(root)) as ck:
-        ck.restore({"model": model})
+        ck.restore({"model": model, "optim": optim})
     trained = torch.load(tmp_path / "module.pt")
     restored = dict(model.named_parameters())
     assert trained.keys() == restored.keys()
+    osd = get_optimizer_state_dict(model, optim)
+    assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["weight_decay"] == 0.01
     for name, value in trained.items():
         assert torch.equal(restored[name].detach(), value), name
         fp32 = torch.load(universal / "zero" / name / "fp32.pt", weights_only=True)["param"]
         assert torch.equal(restored[name].detach(), fp32.view_as(value)), name
+        for moment in ("exp_avg", "exp_avg_sq"):  # DeepSpeed's Adam moments, merged by ds_to_universal
+            want = torch.load(universal / "zero" / name / f"{moment}.pt", weights_only=True)["param"]
+            assert torch.equal(osd["state"][name][moment], want.view_as(value)), (name, moment)
+        assert float(osd["state"][name]["step"]) == 4.0, name
