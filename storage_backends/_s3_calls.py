@@ -108,12 +108,11 @@ def new_client(region: str | None, endpoint_url: str | None, config: Config) -> 
             _loader = create_loader()
         session = botocore.session.Session()
         session.register_component("data_loader", _loader)
-        if session.get_config_variable("request_checksum_calculation") != "when_required":
-            # Every request then carries a CRC32 of its body, which S3 checks. Over https
-            # botocore already skips the SHA-256 of the payload in that case; over http (MinIO,
-            # Ceph RGW or moto on a cluster network) it would hash every byte once more, a
-            # second pass over the checkpoint for no extra protection against corruption.
-            config = config.merge(Config(s3={**(config.s3 or {}), "payload_signing_enabled": False}))
+        # Over http botocore SHA-256 signs every body, even one with a CRC32 header: not every
+        # server checks that CRC32 (Ceph RGW 16.2 and moto store a body corrupted in flight), so
+        # the store turns the hash off only once the server showed it checks (S3Store's
+        # ``_saw_checksum``). Over https with a checksum botocore already skips it.
+        config = config.merge(Config(s3=dict(config.s3 or {})))  # the store's own, mutable copy
         return session.create_client("s3", region_name=region, endpoint_url=endpoint_url, config=config)
 
 

@@ -15,17 +15,27 @@ parallel ranged GETs. Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
 ``CKPTD_S3_WORKERS``, or the constructor's arguments.
 
 Integrity: every PUT carries botocore's CRC32 of its body (unless
-``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``), which S3 checks, and every chunk its crc32c.
-With that checksum on, the payload is not SHA-256 signed over http either (botocore already
-skips it over https), which saves a hash of every byte on MinIO/Ceph endpoints without TLS.
+``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``), and every chunk its crc32c. Over http the
+body is also SHA-256 signed, until a response echoes the CRC32 (``x-amz-checksum-crc32``): a
+server that does (AWS, MinIO) checks it, and the store stops signing payloads,
+which saves a hash of every byte on endpoints without TLS. Ceph RGW 16.2 neither echoes nor
+checks it (it stores a body corrupted in flight), so there every body stays signed, and a
+corrupted one is refused (XAmzContentSHA256Mismatch). Over https botocore never signs payloads
+that carry a checksum.
 
 Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``).
 
-``put_if_absent`` needs conditional writes (``If-None-Match: *`` on PutObject and
-CompleteMultipartUpload): AWS S3 since 2024-08, MinIO, recent Ceph RGW, and moto (5.2.1 answers
-412 PreconditionFailed, which the conformance suite checks; its server tests and writes without a
-lock, so two racing writers could in theory both win there, which real S3 rules out).
-A store that silently ignores the header would make every writer win; don't point ckptd at one.
+``put_if_absent`` needs conditional writes: ``If-None-Match: *`` on PutObject, which AWS S3
+(since 2024-08), MinIO, Ceph RGW (16.2 Pacific, tested for real) and moto honour with 412
+PreconditionFailed. It is therefore always one PutObject, up to S3's single-PUT limit of 5 GiB
+(``max_put_size``), never a multipart upload: Ceph RGW 16.2 (Pacific) ignores If-None-Match on
+CompleteMultipartUpload and overwrites the object, so a multipart put_if_absent there would make
+every racing writer win. Above that limit it is a multipart upload whose Complete carries the
+condition, only once a probe (run once per store) showed that the server refuses such a Complete
+over an existing object; a server that ignores it gets one clear StorageError instead.
+(moto's server tests and writes without a lock, so two racing writers could in theory both win
+there, which real S3 rules out.) A store that silently ignores the header on PutObject too would
+make every writer win; don't point ckptd at one.
 A missing bucket is an empty store for reads, but puts do not create buckets (that needs
 permissions and a region choice that belong to the operator): they fail with NoSuchBucket.
 """
@@ -71,13 +81,14 @@ from storage_backends.base import (
     resolve_range,
 )
 
-__all__ = ["DEFAULT_PART_SIZE", "DEFAULT_WORKERS", "MAX_PARTS", "MIN_PART_SIZE", "S3Store"]
+__all__ = ["DEFAULT_PART_SIZE", "DEFAULT_WORKERS", "MAX_PARTS", "MAX_PUT_SIZE", "MIN_PART_SIZE", "S3Store"]
 
 MiB = 1 << 20
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_WORKERS = 16
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum parts per upload
+MAX_PUT_SIZE = 5 << 30  # S3's maximum for one PutObject
 T = TypeVar("T")
 _WRITER_META = "ckptd-writer"  # user metadata naming the put_if_absent call that wrote an object
 
@@ -167,6 +178,7 @@ class S3Store(Store):
         backoff: float = 0.2,
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
+        max_put_size: int = MAX_PUT_SIZE,
     ) -> None:
         """``max_attempts`` is botocore's per-call attempts; ``retries`` our extra tries around
         those, sleeping up to ``backoff * 2**n`` seconds (full jitter, capped at 10 s).
@@ -176,7 +188,11 @@ class S3Store(Store):
         after about ``max_attempts * (retries + 1) * read_timeout`` seconds. Unset, they come
         from ``CKPTD_S3_CONNECT_TIMEOUT`` (10), ``CKPTD_S3_READ_TIMEOUT`` (60),
         ``CKPTD_S3_MAX_ATTEMPTS`` (8) and ``CKPTD_S3_RETRIES`` (4). A save as a whole is also
-        bounded by ``Checkpointer(save_timeout=...)``."""
+        bounded by ``Checkpointer(save_timeout=...)``.
+
+        ``max_put_size``: the largest object ``put_if_absent`` sends as one conditional PutObject
+        (the server's single-PUT limit); larger ones need a server whose CompleteMultipartUpload
+        honours If-None-Match (see the module's docstring)."""
         if max_attempts is None:
             max_attempts = int(env_number("CKPTD_S3_MAX_ATTEMPTS", 8))
         if retries is None:
@@ -227,6 +243,9 @@ class S3Store(Store):
         self.endpoint_url: str = self._client.meta.endpoint_url
         self._caller = Caller(bucket, self.endpoint_url, retries + 1, backoff)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3")
+        self.max_put_size = max_put_size
+        self._checksums_checked = False  # the server showed it checks our CRC32s
+        self._conditional_complete: bool | None = None  # the probe's answer, once known
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -460,7 +479,10 @@ class S3Store(Store):
         views = as_buffers(data)
         size = sum(v.nbytes for v in views)
         if size <= self.multipart_threshold:
-            self._call("PutObject", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=_join(views))
+            resp = self._call(
+                "PutObject", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=_join(views)
+            )
+            self._saw_checksum(resp)
         else:
             self._put_multipart(key, views, size)
 
@@ -474,8 +496,10 @@ class S3Store(Store):
         token = secrets.token_hex(16)
         meta = {_WRITER_META: token}
         try:
-            if size <= self.multipart_threshold:
-                self._call(
+            # One PutObject even above the multipart threshold: its If-None-Match is honoured
+            # everywhere, CompleteMultipartUpload's is not (Ceph RGW 16.2 overwrites).
+            if size <= self.max_put_size:
+                resp = self._call(
                     "PutObject",
                     key,
                     self._client.put_object,
@@ -485,9 +509,11 @@ class S3Store(Store):
                     IfNoneMatch="*",
                     Metadata=meta,
                 )
+                self._saw_checksum(resp)
             else:
                 if self.exists(key):  # don't upload gigabytes only to lose
                     return False
+                self._require_conditional_complete(key, size)
                 self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
         except PreconditionFailed:
             try:
@@ -495,6 +521,61 @@ class S3Store(Store):
             except NotFoundError:  # the winner's object is already deleted again
                 return False
         return True
+
+    def _saw_checksum(self, resp: dict) -> None:
+        """After a PUT of a body: a response that echoes its CRC32 shows the server checks it,
+        so later bodies need no SHA-256 signature over http (the module's docstring). Until then
+        botocore signs them (its default without TLS)."""
+        if self._checksums_checked or not resp.get("ChecksumCRC32"):
+            return
+        self._checksums_checked = True
+        s3 = self._client.meta.config.s3  # this client's own dict (new_client), read per request
+        if isinstance(s3, dict) and self.endpoint_url.startswith("http:"):
+            s3["payload_signing_enabled"] = False
+
+    def _require_conditional_complete(self, key: str, size: int) -> None:
+        """Raise unless the server refuses a CompleteMultipartUpload with ``If-None-Match: *``
+        over an existing object. Probed once per store, on a scratch key beside the root
+        (``<prefix>.ckptd-probe-<random>``, never under it, removed again): a small object, then
+        a one-part upload of the same key completed with the condition. 412 means honoured; a
+        success means the server overwrote the object (Ceph RGW 16.2 does), so no multipart
+        upload of ours can be put-if-absent there."""
+        if self._conditional_complete is None:
+            probe = f"{self._prefix.rstrip('/')}.ckptd-probe-{secrets.token_hex(8)}"
+            c, b = self._client, self.bucket
+            self._call("PutObject", "", c.put_object, Bucket=b, Key=probe, Body=b"")
+            try:
+                up = self._call("CreateMultipartUpload", "", c.create_multipart_upload, Bucket=b, Key=probe)
+                uid = up["UploadId"]
+                try:
+                    part = self._call(
+                        "UploadPart", "", c.upload_part, Bucket=b, Key=probe, UploadId=uid, PartNumber=1, Body=b"x"
+                    )
+                    self._call(
+                        "CompleteMultipartUpload",
+                        "",
+                        c.complete_multipart_upload,
+                        Bucket=b,
+                        Key=probe,
+                        UploadId=uid,
+                        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+                        IfNoneMatch="*",
+                    )
+                    self._conditional_complete = False
+                except PreconditionFailed:
+                    self._conditional_complete = True
+                    with contextlib.suppress(StorageError):
+                        self._abort(probe, uid)
+            finally:
+                with contextlib.suppress(StorageError):
+                    self._call("DeleteObject", "", c.delete_object, Bucket=b, Key=probe)
+        if not self._conditional_complete:
+            raise StorageError(
+                f"{self._where(key)}: put_if_absent of {size} bytes needs a multipart upload, and "
+                f"{self.endpoint_url} ignores If-None-Match on CompleteMultipartUpload (Ceph RGW "
+                f"16.2 does): it would overwrite a racing writer's object; objects up to "
+                f"{self.max_put_size} bytes are safe (one PutObject)"
+            )
 
     def _part_size_for(self, size: int) -> int:
         if size <= self.part_size * MAX_PARTS:
@@ -561,6 +642,7 @@ class S3Store(Store):
                 Body=body,
                 **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
             )
+            self._saw_checksum(resp)
             part = {"PartNumber": number, "ETag": resp["ETag"]}
             part.update({k: v for k, v in resp.items() if k.startswith("Checksum") and isinstance(v, str)})
             return part

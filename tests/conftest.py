@@ -4,6 +4,12 @@
 for the whole session, with the standard AWS_* variables pointing at it, so that
 ``open_store("s3://...")`` works as it would against MinIO or AWS. ``s3_bucket``: a fresh bucket
 per test, as a job root URI ``s3://bucket/job``. Mark such tests ``@pytest.mark.s3``.
+
+``rgw_server``: a one-node Ceph cluster with its RADOS Gateway (tests/rgwserver.py), started
+once per session, only when a test asks for it; skipped when Ceph's packages are absent, an
+error with the daemons' logs when they are present but the cluster does not start.
+``rgw_bucket``: a fresh bucket on it, with the AWS_* variables pointing at RGW for that test.
+``s3_target``: the same test against both, moto and RGW (parametrized); mark with ``s3``.
 """
 
 from __future__ import annotations
@@ -11,42 +17,54 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
+from tests import rgwserver
 from tests.s3server import CREDENTIALS, start_moto_server, stop
+
+
+def point_aws_at(mp: pytest.MonkeyPatch, url: str, credentials: dict[str, str]) -> None:
+    """Replace every AWS_* variable: the user's profiles, tokens and endpoints must never leak
+    into tests."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        mp.delenv(name)
+    for name, value in credentials.items():
+        mp.setenv(name, value)
+    mp.setenv("AWS_ENDPOINT_URL", url)
+    mp.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no slow instance-metadata lookups
+    mp.setenv("AWS_CONFIG_FILE", os.devnull)
+    mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    for name in ("NO_PROXY", "no_proxy"):  # loopback must not go through a proxy
+        mp.setenv(name, ",".join(filter(None, [os.environ.get(name), "127.0.0.1", "localhost"])))
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
-    """The endpoint URL. AWS_* variables are replaced for the rest of the session: the user's
-    profiles, tokens and endpoints must never leak into tests."""
+    """The endpoint URL. AWS_* variables point at it for the rest of the session."""
     proc, url = start_moto_server()
     mp = pytest.MonkeyPatch()
     try:
-        for name in [k for k in os.environ if k.startswith("AWS_")]:
-            mp.delenv(name)
-        for name, value in CREDENTIALS.items():
-            mp.setenv(name, value)
-        mp.setenv("AWS_ENDPOINT_URL", url)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no slow instance-metadata lookups
-        mp.setenv("AWS_CONFIG_FILE", os.devnull)
-        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-        for name in ("NO_PROXY", "no_proxy"):  # loopback must not go through a proxy
-            mp.setenv(name, ",".join(filter(None, [os.environ.get(name), "127.0.0.1", "localhost"])))
+        point_aws_at(mp, url, CREDENTIALS)
         yield url
     finally:
         mp.undo()
         stop(proc)
 
 
-@pytest.fixture
-def s3_bucket(s3_server: str) -> Iterator[str]:
+def _new_bucket(url: str, credentials: dict[str, str]) -> Iterator[str]:
     """A new, empty bucket; yields ``s3://<bucket>/job``. Emptied and removed afterwards."""
     import boto3
 
     bucket = f"ckptd-test-{uuid.uuid4().hex[:16]}"
-    client = boto3.client("s3", endpoint_url=s3_server, region_name=CREDENTIALS["AWS_REGION"])
+    client = boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name=credentials["AWS_REGION"],
+        aws_access_key_id=credentials["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=credentials["AWS_SECRET_ACCESS_KEY"],
+    )
     try:
         client.create_bucket(Bucket=bucket)
         yield f"s3://{bucket}/job"
@@ -59,3 +77,66 @@ def s3_bucket(s3_server: str) -> Iterator[str]:
         client.delete_bucket(Bucket=bucket)
     finally:
         client.close()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str) -> Iterator[str]:
+    """A new, empty bucket on moto; yields ``s3://<bucket>/job``."""
+    yield from _new_bucket(s3_server, CREDENTIALS)
+
+
+@pytest.fixture(scope="session")
+def rgw_server() -> Iterator[str]:
+    """The RGW endpoint URL; the AWS_* variables are left alone (``rgw_bucket`` sets them)."""
+    missing = rgwserver.missing_binaries()
+    if missing:
+        pytest.skip(f"Ceph RGW not installed (apt-get install radosgw ceph-mon ceph-osd): no {missing}")
+    server = rgwserver.start_rgw_server()
+    try:
+        yield server.url
+    finally:
+        rgwserver.stop(server)
+
+
+@pytest.fixture
+def rgw_bucket(rgw_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A new, empty bucket on RGW, with the AWS_* variables pointing at RGW for this test."""
+    point_aws_at(monkeypatch, rgw_server, rgwserver.CREDENTIALS)
+    yield from _new_bucket(rgw_server, rgwserver.CREDENTIALS)
+
+
+@dataclass(frozen=True)
+class S3Target:
+    """One S3 implementation under test: ``name`` ("moto" or "rgw"), its endpoint ``url``, and
+    ``root``, a fresh ``s3://bucket/job`` on it; the AWS_* variables point at it."""
+
+    name: str
+    url: str
+    root: str
+
+    @property
+    def bucket(self) -> str:
+        return self.root.split("/")[2]
+
+    def client(self):
+        """A boto3 client for it (with explicit credentials: boto3's default session keeps the
+        first ones it found, which may be the other server's)."""
+        import boto3
+
+        creds = rgwserver.CREDENTIALS if self.name == "rgw" else CREDENTIALS
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            region_name=creds["AWS_REGION"],
+            aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
+        )
+
+
+@pytest.fixture(params=["moto", "rgw"])
+def s3_target(request: pytest.FixtureRequest) -> S3Target:
+    if request.param == "moto":
+        root = request.getfixturevalue("s3_bucket")
+        return S3Target("moto", request.getfixturevalue("s3_server"), root)
+    root = request.getfixturevalue("rgw_bucket")
+    return S3Target("rgw", request.getfixturevalue("rgw_server"), root)

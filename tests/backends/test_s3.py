@@ -15,12 +15,12 @@ import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-import boto3
 import pytest
 
 from storage_backends import StorageError, open_store
 from storage_backends.s3 import MIN_PART_SIZE, S3Store
 from storage_backends.testing import StoreConformance, assert_empty_store
+from tests.conftest import S3Target
 
 pytestmark = pytest.mark.s3
 
@@ -30,13 +30,6 @@ MiB = 1 << 20
 def _split(uri: str) -> tuple[str, str]:
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     return bucket, prefix
-
-
-@pytest.fixture
-def client(s3_server: str) -> Iterator:
-    c = boto3.client("s3", endpoint_url=s3_server)
-    yield c
-    c.close()
 
 
 def small_parts(uri: str, **kwargs) -> S3Store:
@@ -55,14 +48,25 @@ class TestS3Store(StoreConformance):
             yield s
 
 
-def test_open_store_reads_the_standard_variables(s3_bucket: str, s3_server: str) -> None:
-    with open_store(s3_bucket) as store:
+class TestRGWStore(StoreConformance):
+    """The same suite against Ceph's RADOS Gateway (tests/rgwserver.py)."""
+
+    large_size = 12 * MiB + 12345
+
+    @pytest.fixture
+    def store(self, rgw_bucket: str) -> Iterator[S3Store]:
+        with small_parts(rgw_bucket) as s:
+            yield s
+
+
+def test_open_store_reads_the_standard_variables(s3_target: S3Target) -> None:
+    with open_store(s3_target.root) as store:
         assert isinstance(store, S3Store)
-        assert store.uri == s3_bucket
-        assert store.endpoint_url == s3_server  # from AWS_ENDPOINT_URL, read by botocore
+        assert store.uri == s3_target.root
+        assert store.endpoint_url == s3_target.url  # from AWS_ENDPOINT_URL, read by botocore
         assert store.exists_root()
         store.put("k", b"v")
-    with open_store(s3_bucket + "/") as again:
+    with open_store(s3_target.root + "/") as again:
         assert again.get("k") == b"v"
 
 
@@ -81,7 +85,8 @@ def test_region_and_tuning_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         S3Store("some-bucket", endpoint_url="http://127.0.0.1:9")
 
 
-def test_multipart_above_threshold(s3_bucket: str, client) -> None:
+def test_multipart_above_threshold(s3_target: S3Target) -> None:
+    s3_bucket, client = s3_target.root, s3_target.client()
     bucket, prefix = _split(s3_bucket)
     data = os.urandom(11 * MiB)
     with small_parts(s3_bucket) as store:
@@ -93,7 +98,8 @@ def test_multipart_above_threshold(s3_bucket: str, client) -> None:
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def test_multipart_put_if_absent(s3_bucket: str) -> None:
+def test_multipart_put_if_absent(s3_target: S3Target) -> None:
+    s3_bucket = s3_target.root
     data = os.urandom(6 * MiB)
     with small_parts(s3_bucket) as store:
         assert store.put_if_absent("big/commit", data) is True
@@ -101,7 +107,8 @@ def test_multipart_put_if_absent(s3_bucket: str) -> None:
         assert store.get("big/commit") == data
 
 
-def test_failed_multipart_upload_is_aborted(s3_bucket: str, client) -> None:
+def test_failed_multipart_upload_is_aborted(s3_target: S3Target) -> None:
+    s3_bucket, client = s3_target.root, s3_target.client()
     bucket, _ = _split(s3_bucket)
     with small_parts(s3_bucket) as store:
         # Parts below S3's 5 MiB minimum make the server refuse CompleteMultipartUpload
@@ -114,7 +121,7 @@ def test_failed_multipart_upload_is_aborted(s3_bucket: str, client) -> None:
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def test_missing_bucket_is_an_empty_store(s3_server: str) -> None:
+def test_missing_bucket_is_an_empty_store(s3_target: S3Target) -> None:
     with S3Store("ckptd-no-such-bucket", "job") as store:
         assert_empty_store(store)
         with pytest.raises(StorageError, match="ckptd-no-such-bucket"):
@@ -138,7 +145,8 @@ def test_unreachable_endpoint_fails_fast_naming_it() -> None:
 
 class FlakyProxy:
     """An HTTP proxy in front of the S3 server that fails the next ``faults`` requests, with a
-    503 SlowDown (``mode="slowdown"``) or by closing the connection unanswered (``"drop"``)."""
+    503 SlowDown (``mode="slowdown"``), by closing the connection unanswered (``"drop"``), or
+    by flipping a bit of the request's body on its way (``"corrupt"``; bodiless ones pass)."""
 
     def __init__(self, upstream: str) -> None:
         up = urlsplit(upstream)
@@ -162,6 +170,9 @@ class FlakyProxy:
                     if fail:
                         proxy.faults -= 1
                         proxy.failed += 1
+                if fail and proxy.mode == "corrupt" and body:  # one bit flipped in flight
+                    body = bytes([body[0] ^ 1]) + body[1:]
+                    fail = False
                 if fail and proxy.mode == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -209,15 +220,15 @@ class FlakyProxy:
 
 
 @pytest.fixture
-def flaky(s3_server: str) -> Iterator[FlakyProxy]:
-    proxy = FlakyProxy(s3_server)
+def flaky(s3_target: S3Target) -> Iterator[FlakyProxy]:
+    proxy = FlakyProxy(s3_target.url)
     yield proxy
     proxy.close()
 
 
 @pytest.mark.parametrize("mode", ["slowdown", "drop"])
-def test_retries_transient_failures(s3_bucket: str, flaky: FlakyProxy, mode: str) -> None:
-    bucket, prefix = _split(s3_bucket)
+def test_retries_transient_failures(s3_target: S3Target, flaky: FlakyProxy, mode: str) -> None:
+    bucket, prefix = _split(s3_target.root)
     # botocore's own retries off, so every retry seen here is ours.
     with S3Store(bucket, prefix, endpoint_url=flaky.url, max_attempts=1, retries=3, backoff=0.01) as store:
         flaky.fail_next(2, mode)
@@ -255,30 +266,58 @@ def _sent(store: S3Store) -> list[tuple[str, str, dict[str, str]]]:
 
 
 @pytest.mark.parametrize("calculation", ["when_supported", "when_required"])
-def test_payload_hash_over_http_only_without_a_body_checksum(
-    s3_bucket: str, monkeypatch: pytest.MonkeyPatch, calculation: str
+def test_payload_hash_over_http_only_until_the_server_checks_the_body_checksum(
+    s3_target: S3Target, monkeypatch: pytest.MonkeyPatch, calculation: str
 ) -> None:
-    """Over http botocore SHA-256 signs every body (a second pass over the checkpoint); with a
-    CRC32 on every PUT, which the server checks, we skip that hash as botocore does over https."""
+    """Over http botocore SHA-256 signs every body (a second pass over the checkpoint). With a
+    CRC32 on every PUT we skip that hash once a response echoes the CRC32, which shows that the
+    server checks it (moto echoes it); Ceph RGW 16.2 does not, so there every body stays signed."""
     monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", calculation)
     data = os.urandom(3 * MiB)
-    with small_parts(s3_bucket) as store:
+    with small_parts(s3_target.root) as store:
         sent = _sent(store)
         store.put("one", data)
         store.put("multi", data * 4)  # 12 MiB: a multipart upload of 5 MiB parts
         assert store.get("one") == data and store.get("multi") == data * 4
     bodies = [h for method, _, h in sent if method == "PUT" and int(h.get("content-length", 0)) >= MiB]
     assert len(bodies) == 4  # the single PUT and three parts
-    for h in bodies:
-        if calculation == "when_supported":
-            assert h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
-            assert "x-amz-checksum-crc32" in h
-        else:
-            assert len(h["x-amz-content-sha256"]) == 64  # the body's SHA-256, hex
-            assert "x-amz-checksum-crc32" not in h
+    signed = [len(h["x-amz-content-sha256"]) == 64 for h in bodies]  # the body's SHA-256, hex
+    if calculation == "when_required":
+        assert signed == [True] * 4
+        assert not any("x-amz-checksum-crc32" in h for h in bodies)
+        return
+    assert all("x-amz-checksum-crc32" in h for h in bodies)
+    if s3_target.name == "rgw":
+        assert signed == [True] * 4
+    else:  # the first response echoed the CRC32: the parts go unsigned
+        assert signed == [True, False, False, False]
+        assert all(h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD" for h in bodies[1:])
 
 
-def test_an_object_up_to_two_parts_is_one_put(s3_bucket: str, client) -> None:
+def test_a_body_corrupted_in_flight_is_refused_by_rgw(rgw_server: str, rgw_bucket: str) -> None:
+    """Ceph RGW 16.2 does not check the x-amz-checksum-crc32 header: with an unsigned payload it
+    stored a body whose bit flipped on the way. The store keeps signing bodies there, so RGW
+    refuses it. (moto checks neither, so this runs against RGW only.)"""
+    bucket, prefix = _split(rgw_bucket)
+    proxy = FlakyProxy(rgw_server)
+    try:
+        with S3Store(bucket, prefix, endpoint_url=proxy.url, max_attempts=1, retries=0) as store:
+            store.put("first", b"a body that reaches the server intact")
+            proxy.fail_next(1, "corrupt")
+            with pytest.raises(StorageError, match="PutObject failed") as e:
+                store.put("k", b"a body that is corrupted on its way")
+            assert "s3://" in str(e.value) and "\n" not in str(e.value)
+            assert not store.exists("k")
+            proxy.fail_next(1, "corrupt")
+            with pytest.raises(StorageError):
+                store.put_if_absent("c", b"a commit record corrupted on its way")
+            assert not store.exists("c")
+    finally:
+        proxy.close()
+
+
+def test_an_object_up_to_two_parts_is_one_put(s3_target: S3Target) -> None:
+    s3_bucket, client = s3_target.root, s3_target.client()
     """A shard a little over one part is one PutObject, not create + two parts + complete."""
     bucket, prefix = _split(s3_bucket)
     data = os.urandom(MIN_PART_SIZE + 100)
@@ -290,3 +329,62 @@ def test_an_object_up_to_two_parts_is_one_put(s3_bucket: str, client) -> None:
     assert [m for m, url, _ in sent if url.split("?")[0].endswith("/k") and m != "GET"] == ["PUT"]
     assert "-" not in client.head_object(Bucket=bucket, Key=f"{prefix}/k")["ETag"]
     assert client.head_object(Bucket=bucket, Key=f"{prefix}/big")["ETag"].strip('"').endswith("-3")
+
+
+def _rival_lands_first(store: S3Store, rival: S3Store, key: str) -> list[str]:
+    """Just before ``store`` sends its conditional write (PutObject or CompleteMultipartUpload
+    with ``If-None-Match: *``), ``rival`` writes ``key``: the race two writers run at a commit,
+    made deterministic. Returns the operations that saw the rival land (at most one)."""
+    fired: list[str] = []
+
+    def land(params: dict, model, **_) -> None:
+        if params.get("IfNoneMatch") == "*" and not fired:
+            fired.append(model.name)
+            rival.put(key, b"rival")
+
+    for op in ("PutObject", "CompleteMultipartUpload"):
+        store._client.meta.events.register(f"provide-client-params.s3.{op}", land)
+    return fired
+
+
+def test_put_if_absent_over_the_multipart_threshold_loses_a_race(s3_target: S3Target) -> None:
+    """Ceph RGW 16.2 ignores If-None-Match on CompleteMultipartUpload and overwrites: an object
+    over the multipart threshold must still go up as one conditional PutObject, or both racing
+    writers of a commit record would win there."""
+    data = os.urandom(6 * MiB)  # over small_parts' 5 MiB multipart threshold
+    with small_parts(s3_target.root) as store, small_parts(s3_target.root) as rival:
+        fired = _rival_lands_first(store, rival, "big/commit")
+        assert store.put_if_absent("big/commit", data) is False
+        assert fired == ["PutObject"]
+        assert store.get("big/commit") == b"rival"
+
+
+def test_put_if_absent_above_the_single_put_limit(s3_target: S3Target) -> None:
+    """Above ``max_put_size`` put_if_absent must be a multipart upload: moto honours the
+    condition on its Complete, so the race is lost cleanly; RGW 16.2 does not, which the store's
+    probe finds, so it refuses with one clear error and writes nothing (no probe object left)."""
+    data = os.urandom(6 * MiB)
+    client = s3_target.client()
+    with small_parts(s3_target.root, max_put_size=MIN_PART_SIZE) as store, small_parts(s3_target.root) as rival:
+        if s3_target.name == "rgw":
+            with pytest.raises(StorageError, match="ignores If-None-Match on CompleteMultipartUpload") as e:
+                store.put_if_absent("big/commit", data)
+            assert "s3://" in str(e.value) and "\n" not in str(e.value)
+            assert not store.exists("big/commit")
+            with pytest.raises(StorageError, match="ignores If-None-Match"):  # the answer is kept
+                store.put_if_absent("big/other", data)
+        else:
+            assert store.put_if_absent("big/commit", data) is True
+            assert store.put_if_absent("big/commit", data) is False
+            assert store.get("big/commit") == data
+            fired = _rival_lands_first(store, rival, "big/race")
+            assert store.put_if_absent("big/race", data) is False
+            assert fired == ["CompleteMultipartUpload"]
+            assert store.get("big/race") == b"rival"
+        small = b"x" * MiB  # below the limit: one PutObject, on every server
+        assert store.put_if_absent("small/commit", small) is True
+        assert store.put_if_absent("small/commit", b"y") is False
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=s3_target.bucket).get("Contents", []))
+    expect = ["job/small/commit"] if s3_target.name == "rgw" else ["job/big/commit", "job/big/race", "job/small/commit"]
+    assert keys == expect  # no probe object left beside the root
+    assert client.list_multipart_uploads(Bucket=s3_target.bucket).get("Uploads", []) == []

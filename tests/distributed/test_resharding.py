@@ -113,3 +113,17 @@ def test_fsdp_save_shards_weights_and_gathers_small_tensors(saved):
     assert len(emb_objects) == 4 and len(bias_objects) == 1
     exp_avg = m.tensors["optim/state/fc1.bias/exp_avg"].layout
     assert exp_avg.shard_shape == exp_avg.shape
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("src,src_ws,dst,dst_ws", [("ddp", 2, "fsdp", 3)], ids=["ddp2-to-fsdp3"])
+def test_restore_from_ceph_rgw(rgw_bucket, tmp_path, src, src_ws, dst, dst_ws):
+    """One representative case against a real Ceph RADOS Gateway (tests/rgwserver.py): the
+    ranks' processes inherit the AWS_* variables ``rgw_bucket`` points at RGW."""
+    root = f"{rgw_bucket}/ck_{src}_{src_ws}"
+    saved = launch.run(src_ws, "save", tmp_path, layout=src, roots=[root])[0]
+    res = launch.run(dst_ws, "restore", tmp_path, layout=dst, root=root, ref=f"ref_{src}_{src_ws}.pt")
+    assert res[0]["step"] == saved["saved_step"]
+    assert res[0]["mismatches"] == [], f"tensors differ after restore: {res[0]['mismatches']}"
+    assert res[0]["next_loss"] == pytest.approx(saved["next_loss"], rel=1e-5)
+    assert len({r["next_loss"] for r in res}) == 1

@@ -1,6 +1,7 @@
 """Two jobs started by mistake on one job root, saving the same steps at the same time: one is
 refused at each step with an error naming the other job; no committed step mixes their data;
-every committed step passes ``verify`` and restores one job's values. Local FS and S3 (moto)."""
+every committed step passes ``verify`` and restores one job's values. Local FS and S3 (moto
+and Ceph RGW)."""
 
 from __future__ import annotations
 
@@ -82,5 +83,6 @@ def test_two_jobs_on_one_local_root(tmp_path):
 
 
 @pytest.mark.s3
-def test_two_jobs_on_one_s3_root(s3_bucket, tmp_path):
-    check(s3_bucket, run_two_jobs(s3_bucket, tmp_path))
+def test_two_jobs_on_one_s3_root(s3_target, tmp_path):
+    """On moto and on a real Ceph RGW: the claims and commit records are put_if_absent."""
+    check(s3_target.root, run_two_jobs(s3_target.root, tmp_path))
