@@ -37,6 +37,7 @@ from trainer_hooks import rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import apply, flatten
 from trainer_hooks.sharding import is_dtensor, local_tensor, sharding_of
+from trainer_hooks.storage_swap import can_swap_memory, exchange, settle
 
 __all__ = ["restore_state", "validate"]
 
@@ -380,20 +381,27 @@ def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord
     """Apply the read values on every rank, or on none: ``(None, None)`` when all ranks
     applied, else ``(failure agreed on, this rank's error)`` with ``state`` as it was.
 
-    The fresh buffers and the live tensors swap contents first (one tensor's worth of scratch
-    at a time), so the live tensors hold the checkpoint's values and the buffers the old ones:
-    applying then copies each tensor onto itself, and undoing swaps back -- all or nothing at
-    no extra memory. ``in_place`` reads went into the live tensors already; only the non-tensor
-    state can be undone then."""
-    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    The fresh buffers and the live tensors exchange contents first (``storage_swap.exchange``:
+    their memory is swapped where that is safe, no byte copied; else copied through a small
+    scratch buffer), so the live tensors hold the checkpoint's values and the buffers the old
+    ones: applying then copies each tensor onto itself, and undoing exchanges back. After a
+    success, ``storage_swap.settle`` gives each swapped tensor its own memory back with one copy
+    of the restored bytes (raw pointers into it, such as ``numpy()`` views, stay valid).
+    ``in_place`` reads went into the live tensors already; only the non-tensor state can be
+    undone then."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
     undo: list = []
     err: CheckpointError | None = None
     try:
         if not in_place:
-            for k, data in loaded.items():
-                live, new = local_tensor(flat.tensors[k]).detach(), local_tensor(data)
-                _swap(live, new)
-                swapped.append((live, new))
+            pairs = [(local_tensor(flat.tensors[k]).detach(), local_tensor(data)) for k, data in loaded.items()]
+            # A storage that any of its tensors must copy into is copied into by all of them:
+            # a copy into memory swapped away would be lost.
+            copied = {_storage_ptr(live) for live, new in pairs if not can_swap_memory(live, new)}
+            memories = [_storage_ptr(live) not in copied for live, _ in pairs]
+            for (live, new), memory, k in zip(pairs, memories, list(loaded), strict=True):
+                exchange(live, new, memory)
+                swapped.append((live, new, memory))
                 loaded[k] = flat.tensors[k]
         apply(state, m.state, loaded, strict, undo, where)
     except CheckpointError as e:
@@ -404,24 +412,15 @@ def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord
     if failure is not None:
         for u in reversed(undo):
             u()
-        for live, old in reversed(swapped):
-            _swap(live, old)
+        for live, old, memory in reversed(swapped):
+            exchange(live, old, memory)
+    else:
+        settle(swapped)
     return failure, err
 
 
-def _swap(a: torch.Tensor, b: torch.Tensor, rows: int = 1 << 20) -> None:
-    """Exchange the contents of two tensors of one shape, ``rows`` elements' worth at a time."""
-    with torch.no_grad():
-        if a.dim() == 0 or a.numel() <= rows or not (a.is_contiguous() and b.is_contiguous()):
-            tmp = a.clone()
-            a.copy_(b)
-            b.copy_(tmp)
-            return
-        fa, fb = a.view(-1), b.view(-1)
-        for i in range(0, fa.numel(), rows):
-            tmp = fa[i : i + rows].clone()
-            fa[i : i + rows].copy_(fb[i : i + rows])
-            fb[i : i + rows].copy_(tmp)
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 _ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError)}

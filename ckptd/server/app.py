@@ -16,11 +16,11 @@ route catches an error only to translate it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import shutil
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -390,9 +390,22 @@ async def get_job(
     job = d.runner.get(job_id)
     if job is None:
         return _error(404, f"no job {job_id!r}")
-    deadline = time.monotonic() + wait
-    while job.state not in FINAL and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)  # the upload runs on a thread: a state change is seen in 5 ms
+    if wait and job.state not in FINAL:
+        # Woken by the upload thread the moment the job is final: no polling on the event loop
+        # (whose wake-ups competed for the GIL with the upload), no polling delay.
+        loop, final = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed (shutdown)
+                loop.call_soon_threadsafe(final.set)
+
+        cancel = d.runner.on_final(job_id, wake)
+        try:
+            if job.state not in FINAL:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(final.wait(), wait)
+        finally:
+            cancel()
     return job.status()
 
 

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -83,6 +84,7 @@ class Runner:
         self._pool = ThreadPoolExecutor(settings.upload_workers, thread_name_prefix="ckptd-upload")
         self._io = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="ckptd-io")
         self._watching: dict[str, float] = {}  # job id -> next check (monotonic)
+        self._on_final: dict[str, list[Callable[[], None]]] = {}  # job id -> long polls waiting
         self._stop = threading.Event()
         self._pending = 0  # queued or running
         self._running = 0
@@ -104,6 +106,33 @@ class Runner:
     def get(self, job_id: str) -> Job | None:
         with self._lock:
             return self._jobs.get(job_id)
+
+    def on_final(self, job_id: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Have ``callback`` called (once, from the thread that finishes the job) when job
+        ``job_id`` reaches a final state; returns a function that cancels it. Long polls wait on
+        this instead of checking the job's state in a loop. The caller checks the state after
+        subscribing: a job final before that is never notified."""
+        with self._lock:
+            self._on_final.setdefault(job_id, []).append(callback)
+
+        def cancel() -> None:
+            with self._lock:
+                waiting = self._on_final.get(job_id)
+                if waiting is not None and callback in waiting:
+                    waiting.remove(callback)
+                    if not waiting:
+                        del self._on_final[job_id]
+
+        return cancel
+
+    def _notify_final(self, job_id: str) -> None:
+        with self._lock:
+            callbacks = self._on_final.pop(job_id, [])
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:  # noqa: BLE001 - a waiter that went away must not fail the job
+                log.debug("job %s: a status waiter failed", job_id, exc_info=True)
 
     def recent(self, limit: int = 100) -> list[Job]:
         with self._lock:
@@ -352,9 +381,11 @@ class Runner:
                 self._watching[job.job] = 0.0
 
     def _finish(self, job: Job, state: str, error: str | None = None) -> None:
-        job.state, job.error = state, error
         if state == "committed":
-            job.committed_at = time.time()
+            job.committed_at = time.time()  # before the state: a status that says committed has it
+        job.state, job.error = state, error
+        self._notify_final(job.job)
+        if state == "committed":
             self.metrics.inc("ckptd_jobs_committed_total")
             self.metrics.inc("ckptd_handoff_to_commit_seconds_sum", job.committed_at - job.accepted_at)
             self.metrics.inc("ckptd_handoff_to_commit_seconds_count")

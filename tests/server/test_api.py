@@ -377,7 +377,9 @@ def test_job_status_long_poll_answers_when_the_job_is_final(tmp_path):
         job = "ef" * 16
         assert c.post("/v1/jobs", json=_job(lease, root, job=job)).status_code == 200
         assert c.get(f"/v1/jobs/{job}").json()["state"] in ("queued", "uploading")  # the put sleeps 1.5 s
-        assert c.get(f"/v1/jobs/{job}", params={"wait": 30}).json()["state"] == "committed"
+        assert c.get(f"/v1/jobs/{job}", params={"wait": 0.2}).json()["state"] in ("queued", "uploading")  # timed out
+        got = c.get(f"/v1/jobs/{job}", params={"wait": 30}).json()  # woken by the upload thread
+        assert got["state"] == "committed" and got["committed_at"] is not None
         assert c.get(f"/v1/jobs/{job}", params={"wait": 61}).status_code == 400
         assert c.get("/v1/jobs/nope", params={"wait": 5}).status_code == 404
 
