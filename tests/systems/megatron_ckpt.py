@@ -19,6 +19,7 @@ its full tensors against OUT.ref.pt bit for bit and prints ``RESTORED OK``.
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -77,8 +78,17 @@ def main() -> None:
             save(sys.argv[2])
         else:
             restore(sys.argv[2], sys.argv[3])
+        # every rank is done before any tears its connections down (as tests/distributed/worker.py)
+        dist.monitored_barrier(timeout=timedelta(seconds=120))
     finally:
         dist.destroy_process_group()
+    if sys.argv[1] == "restore":
+        # Skip interpreter teardown, where torch/gloo's native destructors have been seen to call
+        # std::terminate after a clean run (tests/distributed/worker.py does the same). Not after
+        # a save: Megatron's multiprocessing manager must be shut down by the normal exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":  # Megatron's writer starts processes with spawn
