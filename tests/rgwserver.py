@@ -24,13 +24,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.local_launch import free_port
+from tests.s3server import answers
 
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
 ACCESS_KEY = "ckptd-test-access"
@@ -130,16 +129,6 @@ def _daemon(server: RGWServer, name: str, *args: str) -> None:
         )
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/", timeout=1):
-            return True
-    except urllib.error.HTTPError:
-        return True  # any HTTP answer means it is serving
-    except OSError:
-        return False
-
-
 def start_rgw_server(timeout: float = 120.0) -> RGWServer:
     """Bootstrap the cluster and return it once its S3 endpoint answers; on failure stop what
     was started and raise with the daemons' log tails. Usually 10-20 s."""
@@ -175,7 +164,7 @@ def _bootstrap(server: RGWServer, timeout: float) -> None:
     _daemon(server, "rgw", "radosgw", "-n", "client.rgw")
     url = f"http://127.0.0.1:{rgw_port}"
     deadline = time.monotonic() + timeout
-    while not _answers(url):
+    while not answers(url + "/"):
         dead = [n for n, p in server.procs.items() if p.poll() is not None]
         if dead or time.monotonic() > deadline:
             why = f"{', '.join(dead)} exited" if dead else f"no answer after {timeout}s"

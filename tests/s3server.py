@@ -27,9 +27,10 @@ CREDENTIALS = {
 }
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (any status counts: it is serving)."""
     try:
-        with urllib.request.urlopen(url + "/moto-api/", timeout=1):
+        with urllib.request.urlopen(url, timeout=1):
             return True
     except urllib.error.HTTPError:
         return True  # any HTTP answer means it is serving
@@ -56,7 +57,7 @@ def start_moto_server(timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:
-            if _answers(url):
+            if answers(url + "/moto-api/"):
                 return proc, url
             time.sleep(0.1)
         stop(proc)
