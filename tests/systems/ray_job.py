@@ -1,10 +1,12 @@
 """One Ray Train run of ``exact_train``'s training on CPU (gloo), for tests/systems/test_ray.py.
 
     python -m tests.systems.ray_job --root ROOT --run 4:7 --run 3 --log-dir D --storage DIR
-                                    [--final PATH] [--elastic MIN]
+                                    [--final PATH] [--elastic MIN-MAX]
 
 One local Ray cluster (``ray.init``), then one ``TorchTrainer.fit`` per ``--run WORKERS[:STOP]``,
-in order: its ``train_loop_per_worker`` uses ``RayCheckpointHook``, ``Checkpointer`` and
+in order. With ``--elastic MIN-MAX`` every fit gets the same elastic
+``ScalingConfig(num_workers=(MIN, MAX))`` and its own cluster of WORKERS CPUs (a cluster that
+shrank between runs): Ray, not the script, picks the worker count. Each fit's ``train_loop_per_worker`` uses ``RayCheckpointHook``, ``Checkpointer`` and
 ``ElasticSampler`` unchanged, resumes from the root's latest committed step, and either trains
 to the end of the epoch or saves step STOP, reports it and returns (the run stops there). Prints
 one JSON line per fit: what ``Result.checkpoint`` points at, and the metrics.
@@ -70,7 +72,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
     p.add_argument("--run", action="append", required=True, help="WORKERS[:STOP]")
-    p.add_argument("--elastic", type=int, help="ScalingConfig(num_workers=(ELASTIC, WORKERS))")
+    p.add_argument("--elastic", help="MIN-MAX: ScalingConfig(num_workers=(MIN, MAX)), one cluster of WORKERS CPUs per run")
     p.add_argument("--log-dir", required=True)
     p.add_argument("--storage", required=True)
     p.add_argument("--final")
@@ -88,11 +90,17 @@ def main() -> int:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     runs = [(int(r.split(":")[0]), int(r.split(":")[1]) if ":" in r else None) for r in args.run]
-    ray.init(
-        num_cpus=max(w for w, _ in runs), include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True
-    )
+    elastic = tuple(int(n) for n in args.elastic.split("-")) if args.elastic else None
+
+    def start(cpus: int) -> None:
+        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
+
+    if not elastic:
+        start(max(w for w, _ in runs))
     for workers, stop_after in runs:
-        num_workers = (args.elastic, workers) if args.elastic else workers
+        if elastic:
+            start(workers)  # the cluster this fit finds: Ray sizes the worker group to it
+        num_workers = elastic or workers
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
@@ -120,7 +128,10 @@ def main() -> int:
             "best": [ckptd_step(c) for c, _ in (result.best_checkpoints or [])],
         }
         print("RESULT " + json.dumps(record), flush=True)
-    ray.shutdown()
+        if elastic:
+            ray.shutdown()
+    if not elastic:
+        ray.shutdown()
     return 0
 
 
