@@ -6,10 +6,11 @@
 One local Ray cluster (``ray.init``), then one ``TorchTrainer.fit`` per ``--run WORKERS[:STOP]``,
 in order. With ``--elastic MIN-MAX`` every fit gets the same elastic
 ``ScalingConfig(num_workers=(MIN, MAX))`` and its own cluster of WORKERS CPUs (a cluster that
-shrank between runs): Ray, not the script, picks the worker count. Each fit's ``train_loop_per_worker`` uses ``RayCheckpointHook``, ``Checkpointer`` and
-``ElasticSampler`` unchanged, resumes from the root's latest committed step, and either trains
-to the end of the epoch or saves step STOP, reports it and returns (the run stops there). Prints
-one JSON line per fit: what ``Result.checkpoint`` points at, and the metrics.
+shrank between runs): Ray, not the script, picks the worker count. Each fit's
+``train_loop_per_worker`` uses ``RayCheckpointHook``, ``Checkpointer`` and ``ElasticSampler``
+unchanged, resumes from the root's latest committed step, and either trains to the end of the
+epoch or saves step STOP, reports it and returns (the run stops there). Prints one JSON line
+per fit: what ``Result.checkpoint`` points at, and the metrics.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
     p.add_argument("--run", action="append", required=True, help="WORKERS[:STOP]")
-    p.add_argument("--elastic", help="MIN-MAX: ScalingConfig(num_workers=(MIN, MAX)), one cluster of WORKERS CPUs per run")
+    p.add_argument("--elastic", help="MIN-MAX: ScalingConfig(num_workers=(MIN, MAX)), WORKERS CPUs per run")
     p.add_argument("--log-dir", required=True)
     p.add_argument("--storage", required=True)
     p.add_argument("--final")
