@@ -5,7 +5,9 @@ lease. The daemon maps those files and calls ``ckptd.commit.persist`` -- the sam
 same order of writes, as the in-process writer: shards and metadata, then the rank's done
 record, then ``try_commit`` (``put_if_absent`` of the commit record, so two daemons racing on
 one step commit it once); the worker that wrote the commit then applies retention
-(``commit.after_commit``), after the job is reported committed.
+(``commit.after_commit``), after the job is reported committed. The step is claimed once per
+attempt for all the ranks the daemon serves (``commit.SharedClaim``; counted in
+``ckptd_step_claims_total``), not once per job.
 
 States: ``queued`` -> ``uploading`` -> ``uploaded`` (this rank's data and done record are durable;
 other ranks still to finish) -> ``committed``; or ``failed``; or ``discarded`` (at restart, when
@@ -83,6 +85,8 @@ class Runner:
         self._stores: dict[str, Store] = {}
         self._pool = ThreadPoolExecutor(settings.upload_workers, thread_name_prefix="ckptd-upload")
         self._io = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="ckptd-io")
+        # one claim of a step per attempt for all the ranks this daemon serves (not one per job)
+        self._claims = protocol.SharedClaim(on_begin=lambda: metrics.inc("ckptd_step_claims_total"))
         self._watching: dict[str, float] = {}  # job id -> next check (monotonic)
         self._on_final: dict[str, list[Callable[[], None]]] = {}  # job id -> long polls waiting
         self._stop = threading.Event()
@@ -327,21 +331,27 @@ class Runner:
             t0 = time.perf_counter()
             job.bytes_uploaded = 0  # a retry puts everything again
             try:
+                # The attempt's first job here runs begin; its other jobs wait for that running
+                # claim (never for a queued job) and share a definitive outcome.
+                writer = protocol.check_writer(job.writer or job.attempt)
+                self._claims.claim(store, job.root, job.step, job.attempt, writer)
                 save_job = load(job, lease.dir)
                 try:
                     result = protocol.persist(
                         store,
                         save_job,
                         self._io,
-                        writer=job.writer,
+                        writer=writer,
                         commit_timeout=job.commit_timeout,
                         wait=False,
-                        claim="each",  # per rank: a bounded worker pool must never wait on a queued rank 0
+                        claim="caller",
                     )
                 finally:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
                 err = e
+                if isinstance(e, protocol.AlreadyCommitted | protocol.StepClaimed):
+                    break  # a refusal: the step is not this attempt's to write, a retry cannot change that
                 if isinstance(e, OSError | CheckpointError) and intact(job, lease.dir) is not None:
                     break  # the files are gone: retrying cannot help
                 if attempt < self.settings.upload_retries:
