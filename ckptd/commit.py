@@ -379,7 +379,10 @@ class SharedClaim:
     throttled; CheckpointError "cannot claim/read") is raised to the part that ran ``begin`` and
     kept for nobody: a waiting part, or the next one, runs ``begin`` again. A go is trusted for a
     quarter of ``CKPTD_STALE_ATTEMPT_S`` (:func:`trusted`, as ``follow_claim`` trusts rank 0's
-    go), then the next part runs ``begin`` itself; an outcome past that age is dropped, and at
+    go), then the next part runs ``begin`` itself; a go of this object for another attempt of the
+    step makes the earlier attempts' outcomes void (their next part runs ``begin``: a job
+    restarted after preemption supersedes its dead attempt, whose parts still queued here must
+    not write on its old go); an outcome past that age is dropped, and at
     most ``limit`` outcomes are kept (the oldest decided ones go first), so a long-lived daemon
     holds a bounded table.
 
@@ -440,6 +443,9 @@ class SharedClaim:
                 entry[1] = outcome
                 if outcome is None and self._claims.get(key) is entry:
                     del self._claims[key]  # not kept: the next part claims again
+                if outcome is not None and outcome[1] is None:  # this attempt owns the step now:
+                    for k in [k for k, v in self._claims.items() if k[:2] == key[:2] and k != key and v[1]]:
+                        del self._claims[k]  # a go of another attempt is void (it was superseded)
             entry[0].set()
 
     def _prune(self) -> None:

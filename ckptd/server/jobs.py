@@ -323,9 +323,16 @@ class Runner:
             store = DelayedStore(store, self.settings.fault_upload_delay_s, only=f"/{mf.ARRAYS}/")
         commit = catalog.read_commit(store, job.step)
         result, err = None, None
+        tries = self.settings.upload_retries + 1
         if commit is not None and commit.get("attempt") == job.attempt:
             result = "already"  # a restart after the commit but before the journal said so
-        for attempt in range(self.settings.upload_retries + 1):
+        elif commit is not None:  # refused here: on a shared go (no begin of its own) it would write
+            tries = 0
+            err = protocol.AlreadyCommitted(
+                f"{catalog.where(store, job.step)}: step {job.step} was committed by attempt "
+                f"{commit.get('attempt')!r}; refusing to overwrite"
+            )
+        for attempt in range(tries):
             if result is not None or self._stop.is_set():
                 break
             t0 = time.perf_counter()

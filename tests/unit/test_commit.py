@@ -301,3 +301,17 @@ def test_the_shared_claims_table_is_bounded():
     for step in range(1, 6):
         shared.claim(store, store.uri, step, "a1", "job-a")
     assert len(shared) == 2
+
+
+def test_a_newer_attempts_go_voids_the_shared_go_of_the_old_one():
+    """The job restarted (attempt a2 took the step over): a part of the dead attempt a1 still
+    queued in the same daemon claims again and is refused, instead of writing on a1's old go."""
+    store = memory.MemoryStore()
+    begins = []
+    shared = commit.SharedClaim(on_begin=lambda: begins.append(1))
+    shared.claim(store, store.uri, 5, "a1", "job-a")
+    shared.claim(store, store.uri, 5, "a2", "job-a")  # the same job, restarted: takes the step over
+    with pytest.raises(commit.StepClaimed, match="attempt a1 was superseded by attempt 'a2'"):
+        shared.claim(store, store.uri, 5, "a1", "job-a")
+    assert len(begins) == 3
+    assert [r["attempt"] for _, r in commit.claims(store, 5)] == ["a1", "a2"]
