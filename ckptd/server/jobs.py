@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -420,32 +421,54 @@ class Runner:
         self.staging.journal(job.lease, job.job, job.journal())
 
     def _loop(self) -> None:
-        """Watch commits of uploaded jobs; expire abandoned leases."""
+        """Watch commits of uploaded jobs; expire abandoned leases.
+
+        The jobs of one (root, step, attempt) -- a node's ranks -- share one read of the commit
+        record per check, and their checks are paced like the in-process ranks' polls
+        (``commit.POLLS_PER_SECOND`` over all the attempt's ranks): every daemon checking each
+        of its jobs every 20-500 ms made ~N reads per 20 ms on one prefix at N ranks."""
         next_expire = 0.0
+        rng = random.Random()
         while not self._stop.wait(0.02):
             now = time.monotonic()
             if now >= next_expire:
                 self.staging.expire()
                 next_expire = now + min(5.0, self.staging.ttl / 4)
+            groups: dict[tuple, list[Job]] = {}
             with self._lock:
-                due = [j for j, t in self._watching.items() if t <= now]
-            for job_id in due:
-                job = self.get(job_id)
-                if job is None:
-                    with self._lock:
-                        self._watching.pop(job_id, None)
-                    continue
+                due = {
+                    (j.root, j.step, j.attempt)
+                    for i, t in self._watching.items()
+                    if t <= now and (j := self._jobs.get(i))
+                }
+                for job_id in [i for i in self._watching if i not in self._jobs]:
+                    del self._watching[job_id]
+                for job_id in self._watching:
+                    job = self._jobs[job_id]
+                    if (job.root, job.step, job.attempt) in due:
+                        groups.setdefault((job.root, job.step, job.attempt), []).append(job)
+            for (root, step, _), jobs in groups.items():
                 try:
-                    done = self._check_commit(job)
+                    commit = catalog.read_commit(self.store(root), step)
                 except (StorageError, CheckpointError) as e:
-                    log.warning("job %s: cannot check its commit (%s)", job.job, e)
-                    done = False
+                    log.warning("%s step %d: cannot check its commit (%s)", root, step, e)
+                    commit = None
+                final = {job.job for job in jobs if self._check_commit(job, commit)}
+                left = [job for job in jobs if job.job not in final]
                 with self._lock:
-                    if done:
+                    for job_id in final:
                         self._watching.pop(job_id, None)
-                    else:
-                        waited = time.time() - (job.uploaded_at or job.accepted_at)
-                        self._watching[job_id] = now + min(0.01 + waited / 10, 0.5)
+                if not left:
+                    continue
+                waited = time.time() - min(j.uploaded_at or j.accepted_at for j in left)
+                pause = min(0.01 + waited / 10, 0.5)
+                world = left[0].world_size
+                if world > 64:  # all the attempt's daemons together: ~POLLS_PER_SECOND reads
+                    pause = max(pause, world / len(left) / protocol.POLLS_PER_SECOND * (0.5 + rng.random()))
+                with self._lock:
+                    for job in left:
+                        if job.job in self._watching:
+                            self._watching[job.job] = now + pause
 
     def _housekeeping(self) -> None:
         """Abort the incomplete multipart uploads under every served root that are older than
@@ -463,8 +486,9 @@ class Runner:
                     self.metrics.inc("ckptd_uploads_aborted_total", len(aborted))
                     log.info("housekeeping of %s: aborted %d incomplete uploads", root, len(aborted))
 
-    def _check_commit(self, job: Job) -> bool:
-        commit = catalog.read_commit(self.store(job.root), job.step)
+    def _check_commit(self, job: Job, commit: dict | None) -> bool:
+        """Finish ``job`` if ``commit`` (its step's commit record, None: not there or not
+        readable) or its deadline says so; True when it is final."""
         if commit is not None:
             if commit.get("attempt") == job.attempt:
                 self._finish(job, "committed")
