@@ -303,10 +303,12 @@ def run(
         with torch.no_grad():
             sent.zero_()
         drop_cache(p)
+        u0 = _usage()
         with Timer() as t:
             sd = st.dcp_state(model, optim)
             dcp.load(sd, storage_reader=dcp.FileSystemReader(p))
             st.dcp_apply(model, optim, sd)
+        _record_usage(res.rows["dcp.load"], u0)
         res.add("dcp.load", rep, t.s)
         check("dcp.load", sent.detach())
 
@@ -432,8 +434,10 @@ def run(
             with torch.no_grad():
                 sent.zero_()
             drop_cache(ck_root)
+            u0 = _usage()
             with Timer() as t:
                 got = ck.restore(state, in_place=in_place)
+            _record_usage(res.rows[rid], u0)  # page faults: fresh buffers; kswapd_s: memory pressure
             res.add(rid, rep, t.s)
             if got != step["local"]:
                 failures.append(f"{rid} returned step {got}, expected {step['local']}")
@@ -617,6 +621,7 @@ def _profile_ckptd(res: Results, ck, keep1, state, step: dict, root: str, prefix
                 step["keep1"] += 1
                 keep1.save(step["keep1"], state).result()
         profs["save_keep1"] = p
+        keep1.wait_idle()  # its retention runs after the commit: not during the restore profiled next
     drop_cache(root)
     with profiled(prefix + "_restore", "ckptd in-process restore, cold, local disk") as p:
         ck.restore(state)

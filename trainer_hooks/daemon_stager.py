@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -54,6 +55,16 @@ def _write_new(path, data: bytes) -> None:
         os.close(fd)
 
 
+def _identity(path) -> tuple | None:
+    """What tells a staged file apart from one put in its place since: inode, mtime, size
+    (None: not a regular file, or gone)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size) if stat.S_ISREG(st.st_mode) else None
+
+
 class DaemonStager(Stager):
     """Snapshot buffers as files of a staging lease, mapped as tensors and reused across saves.
 
@@ -75,6 +86,8 @@ class DaemonStager(Stager):
         self._views: dict[tuple[str, tuple[int, ...]], tuple[ArrayLayout, torch.dtype, torch.Tensor]] = {}
         self._meta_names: list[str] = []
         self._meta_bytes = 0
+        # name -> (the bytes this client wrote to it in the lease, that file's identity)
+        self._meta_written: dict[str, tuple[bytes, tuple | None]] = {}
         self._used: set[str] = set()
         self._in_save = False
         self._last_total = 0
@@ -187,7 +200,7 @@ class DaemonStager(Stager):
         """The lease is gone or stays with the daemon: never touch its files again."""
         self._files.clear()
         self._views.clear()
-        self._meta_names, self._meta_bytes = [], 0
+        self._meta_names, self._meta_bytes, self._meta_written = [], 0, {}
         self.lease_id, self._dir, self._granted = None, None, 0
 
     def _begin(self) -> None:
@@ -253,14 +266,24 @@ class DaemonStager(Stager):
         self._meta_bytes = 0
         self._ensure(self._allocated() + meta_bytes)  # creates the lease if the job has no buffers
         metadata = []
+        written, previous, self._meta_written = {}, self._meta_written, {}  # unknown until all are written
         for i, (key, data) in enumerate(job.metadata):
             name = f"meta_{i:06d}.bin"
-            _write_new(self._dir / name, data)
+            # Most metadata (each array's zarr.json) is the same bytes save after save: a file
+            # this lease holds from the previous save with those bytes stays as it is, if it is
+            # still the very file written then (same inode and mtime: not replaced, not a link).
+            path = self._dir / name
+            seen = previous.get(name)
+            if seen is None or seen[0] != data or _identity(path) != seen[1]:
+                _write_new(path, data)
+                seen = (data, _identity(path))
+            written[name] = seen
             metadata.append({"key": key, "file": name})
         for name in self._meta_names[len(job.metadata) :]:
             with contextlib.suppress(OSError):
                 os.unlink(self._dir / name)
         self._meta_names = [m["file"] for m in metadata]
+        self._meta_written = written
         self._meta_bytes = meta_bytes
         self._last_total = self._allocated()
         self._in_save = False

@@ -183,3 +183,40 @@ def test_s3_root_end_to_end(tmp_path, s3_bucket):
         assert out.returncode == 0, out.stderr
         assert [r["committed"] for r in json.loads(out.stdout)] == [True]
     assert _restore_here(root, tmp_path / "ref_fsdp_2.pt", 1) == []
+
+
+@pytest.mark.timeout(180)
+def test_unchanged_metadata_stays_staged_and_a_planted_link_is_replaced(tmp_path):
+    """A save through the daemon leaves the metadata files of the previous save in the lease when
+    their bytes are unchanged (each array's zarr.json: no rewrite per save), but only if each is
+    still the very file it wrote: one replaced by a link to a secret file between saves is
+    unlinked and written again, so the save commits and the secret goes nowhere."""
+    root = str(tmp_path / "jobs")
+    staging = tmp_path / "staging"
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET-" * 64)
+    state = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(64)}
+    with Daemon([root], staging, tmp_path / "daemon.log") as d, Checkpointer(root, daemon=d.url) as ck:
+
+        def staged() -> dict[Path, tuple[bytes, int]]:
+            return {p: (p.read_bytes(), p.stat().st_ino) for p in staging.rglob("meta_*.bin")}
+
+        ck.save(1, state).result()
+        first = staged()
+        state["w"] += 1
+        ck.save(2, state).result()
+        second = staged()
+        kept = [p for p in first if p in second and first[p][0] == second[p][0]]
+        assert kept, "no metadata file kept its bytes between saves"
+        assert all(first[p][1] == second[p][1] for p in kept), "unchanged metadata files were rewritten"
+        target = kept[0]
+        want = target.read_bytes()
+        target.unlink()
+        target.symlink_to(secret)
+        state["w"] += 1
+        ck.save(3, state).result()
+        assert not target.is_symlink() and target.read_bytes() == want
+    store = open_store(root)
+    assert catalog.latest_step(store) == 3
+    leaked = [o.key for o in store.list("") if b"SECRET-" in store.get(o.key)]
+    assert leaked == []
