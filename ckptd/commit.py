@@ -379,12 +379,11 @@ class SharedClaim:
     throttled; CheckpointError "cannot claim/read") is raised to the part that ran ``begin`` and
     kept for nobody: a waiting part, or the next one, runs ``begin`` again. A go is trusted for a
     quarter of ``CKPTD_STALE_ATTEMPT_S`` (:func:`trusted`, as ``follow_claim`` trusts rank 0's
-    go), then the next part runs ``begin`` itself; a go of this object for another attempt of the
-    step makes the earlier attempts' outcomes void (their next part runs ``begin``: a job
-    restarted after preemption supersedes its dead attempt, whose parts still queued here must
-    not write on its old go); an outcome past that age is dropped, and at
-    most ``limit`` outcomes are kept (the oldest decided ones go first), so a long-lived daemon
-    holds a bounded table.
+    go), then the next part runs ``begin`` itself. A go for another attempt of the step voids the
+    outcomes kept for the others (their next part runs ``begin``: a job restarted after
+    preemption supersedes its dead attempt, whose parts still queued here must not write on the
+    old go). Outcomes past their trust are dropped and at most ``limit`` are kept (the oldest
+    decided go first), so a long-lived daemon holds a bounded table.
 
     ``on_begin`` is called before every ``begin`` (the daemon counts them:
     ``ckptd_step_claims_total``). ``event`` makes the object a waiter blocks on (``wait()``,
