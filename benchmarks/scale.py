@@ -164,16 +164,17 @@ class _Daemon:
 
 def _daemon_job(store, job, keep_last, daemon: _Daemon, clock: VirtualClock, on_result=None):
     """One rank's job through a ``ckptd serve`` (``ckptd.server.jobs``), with the requests it
-    makes: the hand-off's check that the step is not committed (HEAD), the upload's
-    ``read_commit`` (GET), the claim shared by the daemon's ranks, ``persist(claim="caller",
+    makes: the hand-off's check that the step is not committed and the upload's (one shared
+    read of the commit record each, ``SharedClaim.committed``), the claim shared by the
+    daemon's ranks, ``persist(claim="caller",
     wait=False)``, then the daemon's commit watch: its first waiting job reads the commit record
     for all, every ``min(0.01 + waited / 10, 0.5)`` s and at least (N / jobs waiting) / 2000 s
     (jittered) on the watcher's 0.02 s tick."""
     from ckptd import commit
 
-    if store.exists(f"{mf.step_dir(job.step)}/{mf.COMMIT}"):  # Runner._refuse_committed
+    if daemon.claim.committed(store, "sim", job.step) is not None:  # Runner._refuse_committed
         raise commit.AlreadyCommitted(f"step {job.step} is committed")
-    catalog.read_commit(store, job.step)  # Runner._upload: committed (by this attempt) already?
+    daemon.claim.committed(store, "sim", job.step)  # Runner._upload: committed (by this attempt) already?
     daemon.claim.claim(store, "sim", job.step, job.attempt, job.attempt)
     result = commit.persist(store, job, InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller")
     if not result.committed_here:

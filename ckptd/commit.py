@@ -399,6 +399,7 @@ class SharedClaim:
         self._lock = threading.Lock()
         # (root, step, attempt, writer) -> [event, None while running | (wall time decided, error or None)]
         self._claims: dict[tuple, list] = {}
+        self._reads: dict[tuple, list] = {}  # (root, step) -> [event, None while running | (monotonic, record)]
 
     def __len__(self) -> int:
         with self._lock:
@@ -425,6 +426,50 @@ class SharedClaim:
             if outcome[1] is not None:  # the same refusal, a fresh exception for this part's thread
                 raise type(outcome[1])(str(outcome[1]))
             return None
+
+    def committed(self, store: Store, root: str, step: int, fresh_s: float = 1.0) -> dict | None:
+        """``catalog.read_commit`` of ``step`` shared the same way: one read in flight per (root,
+        step), its answer (the record, or None: not committed) given to the callers that come
+        while it runs or within ``fresh_s`` seconds after; a failed read is raised to its
+        caller and kept for nobody. The daemon checks a step before each job (at hand-off and at
+        the start of the upload); a node's jobs come within milliseconds of each other, and one
+        read per job put 2N reads on the step's prefix at once. An answer up to ``fresh_s`` old
+        is enough there: the hand-off's check is a fast refusal (the claim refuses a committed
+        step), and the upload's guards a shared go, itself trusted for minutes."""
+        key = (root, step)
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                for k in [k for k, v in self._reads.items() if v[1] is not None and now - v[1][0] > fresh_s]:
+                    del self._reads[k]
+                entry = self._reads.get(key)
+                mine = entry is None
+                if mine:
+                    entry = self._reads[key] = [self._event(), None]
+            if not mine:
+                entry[0].wait()
+                if entry[1] is None:  # that read failed: read again
+                    continue
+                return entry[1][1]
+            try:
+                rec = catalog.read_commit(store, step)
+                entry[1] = (time.monotonic(), rec)
+                return rec
+            finally:
+                if entry[1] is None:
+                    with self._lock:
+                        if self._reads.get(key) is entry:
+                            del self._reads[key]
+                entry[0].set()
+
+    def saw_commit(self, root: str, step: int, record: dict) -> None:
+        """Tell the shared reads that ``step`` of ``root`` is committed (a commit record is
+        final): a step this process saw committed is never answered "not committed" from an
+        older read (for a minute: the table stays bounded)."""
+        entry = [self._event(), (time.monotonic() + 60.0, record)]
+        entry[0].set()
+        with self._lock:
+            self._reads[(root, step)] = entry
 
     def _begin(self, store: Store, key: tuple, entry: list) -> None:
         root, step, attempt, writer = key

@@ -184,10 +184,12 @@ class Runner:
     def _refuse_committed(self, job: Job) -> None:
         """A committed checkpoint is immutable: refuse a hand-off for its step (HTTP 409) before
         the daemon takes the files or writes a byte. (The upload's claim checks again.)"""
-        try:
-            committed = self.store(job.root).exists(f"{mf.step_dir(job.step)}/{mf.COMMIT}")
+        try:  # one read for the daemon's jobs of the step handed off together
+            committed = self._claims.committed(self.store(job.root), job.root, job.step) is not None
         except StorageError as e:
             raise BadJob(f"{job.root}: cannot check step {job.step} ({e})") from None
+        except CheckpointError:  # a malformed commit record: the step has one all the same
+            committed = True
         if committed:
             raise protocol.AlreadyCommitted(
                 f"{catalog.where(self.store(job.root), job.step)}: step {job.step} is already committed; "
@@ -322,7 +324,7 @@ class Runner:
             from storage_backends.testing import DelayedStore
 
             store = DelayedStore(store, self.settings.fault_upload_delay_s, only=f"/{mf.ARRAYS}/")
-        commit = catalog.read_commit(store, job.step)
+        commit = self._claims.committed(store, job.root, job.step)  # shared with the node's other jobs
         result, err = None, None
         tries = self.settings.upload_retries + 1
         if commit is not None and commit.get("attempt") == job.attempt:
@@ -390,6 +392,7 @@ class Runner:
                 self.metrics.inc("ckptd_commits_written_total")
         job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "uploaded"})
         if result == "already" or result.committed_here:
+            self._claims.saw_commit(job.root, job.step, {"attempt": job.attempt})
             self._finish(job, "committed")
             if result != "already":
                 protocol.after_commit(store, result, self.settings.keep_last)
@@ -490,6 +493,7 @@ class Runner:
         """Finish ``job`` if ``commit`` (its step's commit record, None: not there or not
         readable) or its deadline says so; True when it is final."""
         if commit is not None:
+            self._claims.saw_commit(job.root, job.step, commit)
             if commit.get("attempt") == job.attempt:
                 self._finish(job, "committed")
             else:

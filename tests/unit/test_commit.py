@@ -315,3 +315,42 @@ def test_a_newer_attempts_go_voids_the_shared_go_of_the_old_one():
         shared.claim(store, store.uri, 5, "a1", "job-a")
     assert len(begins) == 3
     assert [r["attempt"] for _, r in commit.claims(store, 5)] == ["a1", "a2"]
+
+
+class _CommitReadGate(memory.MemoryStore):
+    """Counts GETs of commit records; the first waits for ``release`` (a read in flight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.entered, self.release = 0, threading.Event(), threading.Event()
+
+    def get(self, key, limit=None):
+        if key.endswith(f"/{mf.COMMIT}"):
+            self.reads += 1
+            self.entered.set()
+            assert self.release.wait(30)
+        return super().get(key, limit)
+
+
+def test_a_daemons_jobs_share_one_read_of_the_commit_record():
+    """The jobs of a node hand off together: one GET of commit.json answers all of them, a
+    later one reads again; a commit is seen once the answer is older than ``fresh_s``."""
+    store = _CommitReadGate()
+    shared = commit.SharedClaim()
+    out = []
+    threads = [
+        threading.Thread(target=lambda: out.append(shared.committed(store, "r", 5, fresh_s=60))) for _ in range(4)
+    ]
+    threads[0].start()
+    assert store.entered.wait(30)
+    for t in threads[1:]:
+        t.start()
+    time.sleep(0.05)  # let them reach the read in flight (the count below holds either way)
+    store.release.set()
+    for t in threads:
+        t.join(30)
+    assert out == [None] * 4 and store.reads == 1
+    store.put(f"{mf.step_dir(5)}/{mf.COMMIT}", mf.dumps({"attempt": "a1"}))
+    time.sleep(0.15)
+    assert shared.committed(store, "r", 5, fresh_s=0.1) == {"attempt": "a1"}
+    assert store.reads == 2
