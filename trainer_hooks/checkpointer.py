@@ -31,7 +31,7 @@ from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from storage_backends import StorageError, Store, open_store
-from trainer_hooks import rng
+from trainer_hooks import hostcopy, rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import flatten
 from trainer_hooks.restore import restore_fallback, restore_state
@@ -103,6 +103,8 @@ class Checkpointer:
         self.job_id = commit.check_writer(self.coord.broadcast(job_id or _default_job_id()))
         self._committed_steps: set[int] = set()  # saved and committed by this Checkpointer
         self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
+        # The snapshot's copies (``hostcopy``): a pool of their own, never queued behind I/O.
+        self._copier = ThreadPoolExecutor(hostcopy.COPIERS, thread_name_prefix="ckptd-copy")
         self._planner = Planner()
         self._inflight: tuple[int, Future] | None = None
         self._unreported: list[tuple[int, BaseException]] = []
@@ -153,7 +155,7 @@ class Checkpointer:
         t_begin = time.perf_counter()
         flat = flatten(state)
         t_flat = time.perf_counter()
-        job, entries = take(flat, step, attempt, self.rank, self.world_size, self._stager, self._planner)
+        job, entries = take(flat, step, attempt, self.rank, self.world_size, self._stager, self._planner, self._copier)
         t_snap = time.perf_counter()
         job.done["rng"] = _encode_rng()
         if self.rank == 0:
@@ -302,6 +304,7 @@ class Checkpointer:
             if self._retention is not None:
                 self._retention.shutdown(wait=True)
             self._io.shutdown(wait=True)
+            self._copier.shutdown(wait=True)
             self._stager.release()
             self.store.close()
 

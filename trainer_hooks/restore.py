@@ -292,7 +292,7 @@ def _restore_step(
             src.close()
     failure = coord.agree(None if err is None else (type(err).__name__, str(err)))
     if failure is None:
-        failure, err = _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord)
+        failure, err = _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord, pool)
     if failure is not None:
         for o in fresh:
             o.state.clear()
@@ -377,7 +377,7 @@ def restore_fallback(
 _MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
 
 
-def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord):
+def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord, pool=None):
     """Apply the read values on every rank, or on none: ``(None, None)`` when all ranks
     applied, else ``(failure agreed on, this rank's error)`` with ``state`` as it was.
 
@@ -415,7 +415,7 @@ def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord
         for live, old, memory in reversed(swapped):
             exchange(live, old, memory)
     else:
-        settle(swapped)
+        settle(swapped, pool)
     return failure, err
 
 

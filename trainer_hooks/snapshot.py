@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
 from ckptd.savejob import SaveJob, ShardWrite, format_image
 from storage_backends import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat
+from trainer_hooks.hostcopy import copy_all
 from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
 
 __all__ = ["Planner", "Stager", "staged_image_chunks", "take"]
@@ -188,12 +190,21 @@ class Planner:
 
 
 def take(
-    flat: Flat, step: int, attempt: str, rank: int, world_size: int, stager: Stager, planner: Planner
+    flat: Flat,
+    step: int,
+    attempt: str,
+    rank: int,
+    world_size: int,
+    stager: Stager,
+    planner: Planner,
+    pool: Executor | None = None,
 ) -> tuple[SaveJob, dict[str, mf.TensorEntry]]:
     """Copy this rank's shards into host buffers and describe the writes. Collective (point to
     point) when a tensor is gathered into one shard (sharded tensors of at most
-    ``Planner.gather_small`` bytes) or needs boundary rows from another rank (irregular 2-D)."""
+    ``Planner.gather_small`` bytes) or needs boundary rows from another rank (irregular 2-D).
+    The copies from CPU tensors are made together at the end, on ``pool`` (``hostcopy``)."""
     job = SaveJob(step, attempt, rank, world_size)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, CPU source): hostcopy.copy_all
     entries: dict[str, mf.TensorEntry] = {}
     # (tag, "send"|"recv", peer, tensor, where to put received rows). A tag is the key's index in
     # state order (which every rank walks identically) times a stride, plus the transfer's index
@@ -228,12 +239,14 @@ def take(
                 staged = stager.image(key, coord, plan.layout, t.dtype)
             if staged is not None:  # the rows land in their chunks' places in the object image
                 buf, image = staged
-                buf.copy_(local[src].unflatten(0, (buf.shape[0], buf.shape[1])))
+                copies.append((buf, local[src].unflatten(0, (buf.shape[0], buf.shape[1]))))
                 job.shards.append(ShardWrite(key, plan.layout, coord, buf, image))
                 continue
             buf = stager.buffer(key, coord, box.shape, t.dtype, pin=on_cuda)
-            if dst is not None:
-                _copy(buf[dst], local[src], on_cuda, stager)
+            if dst is not None and on_cuda:
+                _copy_cuda(buf[dst], local[src], stager)
+            elif dst is not None:
+                copies.append((buf[dst], local[src]))
             bufs[coord] = (buf, box)
             job.shards.append(ShardWrite(key, plan.layout, coord, buf))
         if plan.regular:
@@ -248,6 +261,7 @@ def take(
                 buf, box = bufs[coord]
                 tmp = torch.empty(tr.box.shape, dtype=t.dtype, device=local.device)
                 p2p.append((tag, "recv", tr.src, tmp, (buf, tr.box.relative_to(box))))
+    copy_all(copies, pool)
     if cuda_used:
         ev = torch.cuda.Event()
         ev.record(stager.stream())
@@ -260,10 +274,7 @@ def take(
     return job, entries
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, on_cuda: bool, stager: Stager) -> None:
-    if not on_cuda:
-        dst.copy_(src)
-        return
+def _copy_cuda(dst: torch.Tensor, src: torch.Tensor, stager: Stager) -> None:
     stream = stager.stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

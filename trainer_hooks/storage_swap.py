@@ -23,7 +23,11 @@ exchanged by copying, through a 64 KiB scratch buffer on the CPU.
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
+
 import torch
+
+from trainer_hooks.hostcopy import copy_all
 
 __all__ = ["can_swap_memory", "exchange", "settle"]
 
@@ -86,15 +90,20 @@ def exchange(a: torch.Tensor, b: torch.Tensor, memory: bool) -> None:
             y.copy_(t)
 
 
-def settle(pairs: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
+def settle(pairs: list[tuple[torch.Tensor, torch.Tensor, bool]], pool: Executor | None = None) -> None:
     """After a successful apply: for every ``(live, buffer, memory)`` exchanged in this order,
     give each live tensor its own memory back, holding the restored bytes (the buffers keep the
     old ones). Pairs exchanged by copying are done already. Pointers are swapped back in
-    reverse order, then the bytes copied in order, so tensors sharing a storage end as a
-    sequence of copies would leave them."""
+    reverse order; then each live storage receives the bytes of the *last* buffer exchanged with
+    it (every exchange covers the whole storage), as the sequence of copies would leave it. The
+    copy is ``hostcopy.copy_all`` on ``pool``: one ``copy_`` per tensor stalls on a busy machine
+    (1.3 s instead of 0.13 s for 1.5 GiB here with two other busy processes)."""
     moved = [(live, buf) for live, buf, memory in pairs if memory]
     for live, buf in reversed(moved):
         exchange(live, buf, True)
-    with torch.no_grad():
-        for live, buf in moved:
-            live.copy_(buf)
+    last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for live, buf in moved:
+        last[live.untyped_storage().data_ptr()] = (live, buf)
+    copy_all(list(last.values()), pool)
+    for live, _ in last.values():
+        _bump(live)  # a write, as far as autograd's saved tensors are concerned

@@ -22,36 +22,13 @@ from pathlib import Path
 
 import torch
 
+from tests.hf_toy import IndexedData, IndexedNet
+
 N, BATCH, SEED = 34, 2, 5
 
 
-class Data(torch.utils.data.Dataset):
-    def __init__(self):
-        g = torch.Generator().manual_seed(1)
-        self.x, self.y = torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g)
-
-    def __len__(self):
-        return N
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i], "idx": torch.tensor(i)}
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = torch.nn.Linear(4, 1)
-        self.seen: list[int] = []
-
-    def forward(self, x, labels=None, idx=None):
-        self.seen += idx.tolist()
-        out = self.fc(x)
-        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
-
-
 class Recorder:
-    def __init__(self, net: Net, out: Path, rank: int):
+    def __init__(self, net: IndexedNet, out: Path, rank: int):
         self.net, self.rank = net, rank
         self.file = open(out / f"records.rank{rank}.jsonl", "a")  # noqa: SIM115 - open for the run
 
@@ -70,7 +47,7 @@ def run_trainer(mode: str, a: dict, out: Path, rank: int) -> dict:
 
     from trainer_hooks.hf import CkptdCallback, ElasticTrainer
 
-    net = Net()
+    net = IndexedNet()
     rec = Recorder(net, out, rank)
     holder: dict = {}
 
@@ -102,7 +79,7 @@ def run_trainer(mode: str, a: dict, out: Path, rank: int) -> dict:
         trainer = ElasticTrainer(
             model=net,
             args=args,
-            train_dataset=Data(),
+            train_dataset=IndexedData(N),
             callbacks=[Record()],
             ckptd_root=a["root"],
             ckptd_every_n_steps=2,
@@ -110,7 +87,7 @@ def run_trainer(mode: str, a: dict, out: Path, rank: int) -> dict:
         cb = trainer.ckptd
     else:
         cb = CkptdCallback(a["root"], every_n_steps=2)
-        trainer = transformers.Trainer(model=net, args=args, train_dataset=Data(), callbacks=[cb, Record()])
+        trainer = transformers.Trainer(model=net, args=args, train_dataset=IndexedData(N), callbacks=[cb, Record()])
 
     class Ckpt:  # the Checkpointer opens during train(): look it up when needed
         def wait(self):
@@ -133,11 +110,11 @@ def run_accelerate(a: dict, out: Path, rank: int) -> dict:
     from trainer_hooks import Checkpointer, ElasticSampler, StatefulLoader
 
     accelerator = Accelerator(cpu=True)
-    net = Net()
+    net = IndexedNet()
     rec = Recorder(net, out, rank)
     model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1))
     # the swap, 1: the loader is not prepared; ElasticSampler deals the epoch to the ranks
-    loader = StatefulLoader(DataLoader(Data(), batch_size=BATCH, sampler=ElasticSampler(N, seed=SEED)))
+    loader = StatefulLoader(DataLoader(IndexedData(N), batch_size=BATCH, sampler=ElasticSampler(N, seed=SEED)))
     ckpt = Checkpointer(a["root"])
     state = {"model": model, "optim": optimizer, "sampler": loader.sampler}
     restored = ckpt.restore(state)  # 2: instead of accelerator.load_state + skip_first_batches

@@ -12,6 +12,7 @@ import torch
 
 from ckptd import catalog
 from storage_backends import open_store
+from tests.hf_toy import IndexedData, IndexedNet
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,6 +96,18 @@ def test_lightning_saves_and_resumes(tmp_path):
 # ------------------------------------------------------------------------------------ HF
 
 
+def _hf_stop_after(step: int):
+    """A ``transformers.TrainerCallback`` that stops training at global step ``step``."""
+    import transformers
+
+    class StopAfter(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                control.should_training_stop = True
+
+    return StopAfter()
+
+
 def test_hf_trainer_saves_and_resumes(tmp_path):
     transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e .[hf])")
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (the hf extra)")
@@ -121,14 +134,6 @@ def test_hf_trainer_saves_and_resumes(tmp_path):
         def __getitem__(self, i):
             return {"x": self.x[i], "labels": self.y[i]}
 
-    class StopAfter(transformers.TrainerCallback):
-        def __init__(self, step: int):
-            self.step = step
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == self.step:
-                control.should_training_stop = True
-
     def fit(seed: int, callbacks: list, name: str):
         model = Net(seed)
         args = transformers.TrainingArguments(
@@ -152,7 +157,7 @@ def test_hf_trainer_saves_and_resumes(tmp_path):
 
     reference, _ = fit(0, [], "reference")
     root = str(tmp_path / "job")
-    _, stopped = fit(0, [CkptdCallback(root, every_n_steps=2), StopAfter(2)], "stopped")
+    _, stopped = fit(0, [CkptdCallback(root, every_n_steps=2), _hf_stop_after(2)], "stopped")
     assert stopped.state.global_step == 2 and committed(root) == [2]
     cb = CkptdCallback(root, every_n_steps=2)
     resumed, trainer = fit(5, [cb], "resumed")  # another init: everything must come from the checkpoint
@@ -172,39 +177,8 @@ def _elastic_setup(tmp_path):
 
     n = 10  # 5 batches of 2 an epoch: with 2 accumulation steps, optimizer steps of 2, 2 and 1 batches
 
-    class Net(torch.nn.Module):
-        def __init__(self, seed: int):
-            super().__init__()
-            torch.manual_seed(seed)
-            self.fc = torch.nn.Linear(4, 1)
-            self.seen: list[int] = []
-
-        def forward(self, x, labels=None, idx=None):
-            self.seen += idx.tolist()
-            out = self.fc(x)
-            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
-
-    class Data(torch.utils.data.Dataset):
-        def __init__(self):
-            g = torch.Generator().manual_seed(1)
-            self.x, self.y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
-
-        def __len__(self):
-            return n
-
-        def __getitem__(self, i):
-            return {"x": self.x[i], "labels": self.y[i], "idx": torch.tensor(i)}
-
-    class StopAfter(transformers.TrainerCallback):
-        def __init__(self, step: int):
-            self.step = step
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == self.step:
-                control.should_training_stop = True
-
     def fit(seed: int, name: str, root: str, callbacks=(), **overrides):
-        model = Net(seed)
+        model = IndexedNet(seed)
         options = dict(
             output_dir=str(tmp_path / name),
             num_train_epochs=2,
@@ -224,7 +198,7 @@ def _elastic_setup(tmp_path):
         trainer = ElasticTrainer(
             model=model,
             args=args,
-            train_dataset=Data(),
+            train_dataset=IndexedData(n),
             callbacks=list(callbacks),
             ckptd_root=root,
             ckptd_every_n_steps=1,
@@ -232,7 +206,7 @@ def _elastic_setup(tmp_path):
         trainer.train()
         return model, trainer
 
-    return transformers, fit, StopAfter, n
+    return transformers, fit, n
 
 
 def test_hf_elastic_trainer_resumes_mid_epoch_with_accumulation(tmp_path):
@@ -240,11 +214,11 @@ def test_hf_elastic_trainer_resumes_mid_epoch_with_accumulation(tmp_path):
     optimizer step (4 of the epoch's 10 samples) and resumed from ckptd trains on the other 6,
     then the next epoch, and ends bitwise where an uninterrupted run ends: the resumed epoch's
     short last accumulation, the epoch budget and the LR schedule's length all come out the same."""
-    _, fit, StopAfter, n = _elastic_setup(tmp_path)
+    _, fit, n = _elastic_setup(tmp_path)
     reference, ref_trainer = fit(0, "reference", str(tmp_path / "ref_job"))
     assert ref_trainer.state.global_step == 6  # 3 optimizer steps an epoch
     root = str(tmp_path / "job")
-    stopped, _ = fit(0, "stopped", root, callbacks=[StopAfter(1)])
+    stopped, _ = fit(0, "stopped", root, callbacks=[_hf_stop_after(1)])
     assert committed(root) == [1] and len(stopped.seen) == 4
     resumed, trainer = fit(9, "resumed", root)  # another init: everything must come from the checkpoint
     assert trainer.ckptd.restored_step == 1 and trainer.state.global_step == 6
@@ -259,7 +233,7 @@ def test_hf_elastic_trainer_resumes_mid_epoch_with_accumulation(tmp_path):
 def test_hf_elastic_trainer_refuses_what_would_break_the_position(tmp_path):
     from ckptd.errors import CheckpointError
 
-    transformers, fit, _, _ = _elastic_setup(tmp_path)
+    transformers, fit, _ = _elastic_setup(tmp_path)
     with pytest.raises(ValueError, match="group_by_length"):
         fit(0, "grouped", str(tmp_path / "a"), train_sampling_strategy="group_by_length")
     from trainer_hooks import Checkpointer

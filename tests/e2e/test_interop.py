@@ -319,10 +319,55 @@ def test_deepspeed_universal_synthetic(tmp_path, capsys):
     torch.save({"param_groups": [{**group, "params": [0]}], "scaler": torch.nn.Identity()}, zero / "optimizer_state.pt")
     rc, out, err = run(capsys, "import", zero, "--format", "deepspeed-universal", root, "--step", 10)
     assert rc == 0 and "optimizer state left out" in err and "optim (optimizer)" not in out
-    # ZeRO-3 universal files hold bare flat tensors: refused with the reason
+    # ZeRO-3 universal files hold bare flat tensors: without the model states that record their
+    # shapes, refused with the reason
     torch.save(torch.zeros(30), zero / "fc.weight" / "fp32.pt")
     rc, _, err = run(capsys, "import", zero, "--format", "deepspeed-universal", root, "--step", 11)
     assert rc == 1 and "ZeRO-3" in err
+
+
+def test_deepspeed_universal_zero3_synthetic(tmp_path, capsys):
+    """ZeRO-3's universal layout, built by hand as ds_to_universal writes it (DeepSpeed 0.19.8,
+    checked against its real output in tests/systems/test_deepspeed.py): every zero/<name>/*.pt a
+    bare flat tensor, the shapes in ``param_shapes`` of zero_pp_rank_*_model_states.pt beside
+    zero/. Imported reshaped, restored bitwise; a flat tensor whose size disagrees with its
+    recorded shape is refused, naming both."""
+    from collections import OrderedDict
+
+    m, o = trained(6)
+    universal = tmp_path / "global_step9_universal"
+    zero = universal / "zero"
+    osd = full_optim(m, o)
+    shapes = OrderedDict()
+    for name, p in m.named_parameters():
+        (zero / name).mkdir(parents=True)
+        torch.save(p.detach().clone().reshape(-1), zero / name / "fp32.pt")
+        for state in ("exp_avg", "exp_avg_sq"):
+            torch.save(osd[f"{name}/{state}"].reshape(-1), zero / name / f"{state}.pt")
+        shapes[name] = p.shape
+    # no step.pt: ZeRO-3 keeps the step once, in its flat group's optimizer state
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "bias_correction": True}
+    step = osd["fc.weight/step"].clone()
+    inner = {"state": {0: {"step": step}}, "param_groups": [group]}
+    torch.save(
+        {"param_groups": [{**group, "params": [0]}], "zero_stage": 3, "optimizer_state_dict": inner},
+        zero / "optimizer_state.pt",
+    )
+    states = {"param_shapes": [shapes], "frozen_param_shapes": OrderedDict(), "ds_version": "0.19.8"}
+    for r in (0, 1):
+        torch.save(states, universal / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+    root = str(tmp_path / "job")
+    printed = ok(capsys, "import", universal, "--format", "deepspeed-universal", root, "--step", 9)
+    assert "model (dict), optim (optimizer)" in printed
+    m2 = net(7)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    Checkpointer(root).restore({"model": m2, "optim": o2}, strict=False)
+    assert equal_sd(dict(m2.named_parameters()), dict(m.named_parameters()))
+    assert equal_sd(full_optim(m2, o2), full_optim(m, o))
+
+    torch.save(torch.zeros(7), zero / "fc.weight" / "exp_avg.pt")  # 7 values, shape says otherwise
+    rc, _, err = run(capsys, "import", universal, "--format", "deepspeed-universal", root, "--step", 10)
+    assert rc == 1 and "holds 7 values" in err and "fc.weight" in err
 
 
 @pytest.mark.s3

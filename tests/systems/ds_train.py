@@ -34,8 +34,10 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
     engine.save_checkpoint(str(out / "ck"), tag="step3", client_state={"universal_checkpoint_info": {}})
-    if engine.global_rank == 0:
-        torch.save({k: v.detach().clone() for k, v in engine.module.named_parameters()}, out / "module.pt")
+    # ZeRO-3 partitions the parameters themselves: gather them for the reference (a no-op below 3)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        if engine.global_rank == 0:
+            torch.save({k: v.detach().clone() for k, v in engine.module.named_parameters()}, out / "module.pt")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""DeepSpeed for real (``pip install deepspeed``, 0.19.8 here; it does not move torch): ZeRO-1
-and ZeRO-2 training on DeepSpeed's CPU accelerator with gloo at 2 ranks, ``save_checkpoint``,
+"""DeepSpeed for real (``pip install deepspeed``, 0.19.8 here; it does not move torch): ZeRO-1,
+ZeRO-2 and ZeRO-3 training on DeepSpeed's CPU accelerator with gloo at 2 ranks, ``save_checkpoint``,
 DeepSpeed's own ``ds_to_universal``, then ``ckptd import --format deepspeed-universal`` and a
 restore at another world size (1) that must give DeepSpeed's fp32 weights bit for bit.
 
@@ -8,6 +8,9 @@ What this found: the universal ``zero/optimizer_state.pt`` that DeepSpeed writes
 the hand-built layout in tests/e2e/test_interop.py did not have them, and ckptd (which never
 unpickles objects) left the optimizer out. They now unpickle as inert records
 (``ckptd.interop.deepspeed.DEEPSPEED_BOOKKEEPING``), and the test checks the Adam moments too.
+ZeRO-3's universal files are bare flat tensors, their shapes only in ``param_shapes`` of the
+``zero_pp_rank_*_model_states.pt`` beside ``zero/``: ckptd refused them; it now reads the shapes
+from there.
 
 The first run JIT-compiles DeepSpeed's ``deepspeed_shm_comm`` C++ op (about 9 minutes on this
 2-core machine, cached in ~/.cache/torch_extensions afterwards), so it runs only with
@@ -40,7 +43,13 @@ def _run(args: list[str], timeout: float = 1200) -> subprocess.CompletedProcess:
     return p
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+def _param(path) -> torch.Tensor:
+    """A universal file's tensor: ``{"param": t}`` (ZeRO-1/2) or the bare flat tensor (ZeRO-3)."""
+    obj = torch.load(path, weights_only=True)
+    return obj["param"] if isinstance(obj, dict) else obj
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_checkpoint_through_ds_to_universal_imports_and_restores_bitwise(tmp_path, stage):
     pytest.importorskip("deepspeed")
     _run(
@@ -75,9 +84,9 @@ def test_zero_checkpoint_through_ds_to_universal_imports_and_restores_bitwise(tm
     assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["weight_decay"] == 0.01
     for name, value in trained.items():
         assert torch.equal(restored[name].detach(), value), name
-        fp32 = torch.load(universal / "zero" / name / "fp32.pt", weights_only=True)["param"]
+        fp32 = _param(universal / "zero" / name / "fp32.pt")
         assert torch.equal(restored[name].detach(), fp32.view_as(value)), name
         for moment in ("exp_avg", "exp_avg_sq"):  # DeepSpeed's Adam moments, merged by ds_to_universal
-            want = torch.load(universal / "zero" / name / f"{moment}.pt", weights_only=True)["param"]
+            want = _param(universal / "zero" / name / f"{moment}.pt")
             assert torch.equal(osd["state"][name][moment], want.view_as(value)), (name, moment)
         assert float(osd["state"][name]["step"]) == 4.0, name
