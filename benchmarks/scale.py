@@ -135,6 +135,72 @@ def _persist(store, job, keep_last, on_result=None, pool=None):
     return result
 
 
+class _SimEvent:
+    """``threading.Event`` for :class:`ckptd.commit.SharedClaim` on the virtual clock."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock, self.event = clock, VirtualEvent(clock)
+
+    def set(self) -> None:
+        self.event.set()
+
+    def wait(self) -> None:
+        self.clock.wait(self.event)
+
+
+class _Daemon:
+    """One ``ckptd serve`` of the simulation: its shared claim, and its commit watch (one read
+    of the commit record per check for all its jobs of the attempt, as ``Runner._loop``)."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        from ckptd.commit import SharedClaim
+
+        self.claim = SharedClaim(on_begin=self._begun, event=lambda: _SimEvent(clock))
+        self.known, self.watching, self.poller, self.begins = VirtualEvent(clock), 0, False, 0
+
+    def _begun(self) -> None:
+        self.begins += 1
+
+
+def _daemon_job(store, job, keep_last, daemon: _Daemon, clock: VirtualClock, on_result=None):
+    """One rank's job through a ``ckptd serve`` (``ckptd.server.jobs``), with the requests it
+    makes: the hand-off's check that the step is not committed and the upload's (one shared
+    read of the commit record each, ``SharedClaim.committed``), the claim shared by the
+    daemon's ranks, ``persist(claim="caller",
+    wait=False)``, then the daemon's commit watch: its first waiting job reads the commit record
+    for all, every ``min(0.01 + waited / 10, 0.5)`` s and at least (N / jobs waiting) / 2000 s
+    (jittered) on the watcher's 0.02 s tick."""
+    from ckptd import commit
+
+    if daemon.claim.committed(store, "sim", job.step) is not None:  # Runner._refuse_committed
+        raise commit.AlreadyCommitted(f"step {job.step} is committed")
+    daemon.claim.committed(store, "sim", job.step)  # Runner._upload: committed (by this attempt) already?
+    daemon.claim.claim(store, "sim", job.step, job.attempt, job.attempt)
+    result = commit.persist(store, job, InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller")
+    if not result.committed_here:
+        daemon.watching += 1
+        if daemon.poller:
+            clock.wait(daemon.known)
+        else:
+            daemon.poller, since, rng = True, clock.time(), random.Random(job.rank)
+            while not daemon.known.is_set:
+                with contextlib.suppress(Exception):
+                    if catalog.read_commit(store, job.step) is not None:
+                        daemon.known.set()
+                        break
+                waited = clock.time() - since
+                if waited > COMMIT_TIMEOUT[0]:
+                    raise TimeoutError(f"step {job.step} not committed")
+                pause = min(0.01 + waited / 10, 0.5)
+                if job.world_size > 64:
+                    pause = max(pause, job.world_size / daemon.watching / 2000 * (0.5 + rng.random()))
+                clock.sleep(0.02 * math.ceil(pause / 0.02))
+    if on_result is not None:
+        on_result(result)
+    commit.after_commit(store, result, keep_last)
+    return result
+
+
 def _job(step: int, attempt: str, rank: int, world: int, objects: int):
     try:
         from ckptd.savejob import SaveJob
@@ -199,6 +265,9 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
     # simulate, and their data puts are one sleep and two requests).
     pool0 = ClockPool(clock)
     claimed = [0.0] * n  # seconds from a rank's start to its first data put
+    per = args.daemon  # ranks per daemon (node); 0: every rank persists in-process
+    if per:
+        daemons = [_Daemon(clock) for _ in range(-(-n // per))]
 
     def rank(r: int) -> None:
         # Every rank starts persisting when its snapshot is taken (within ``start_s`` of the
@@ -206,9 +275,11 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         clock.sleep(starts[r])
         try:
             job = _job(step, "a", r, n, args.objects)
-            res = _persist(
-                store, job, args.keep_last, lambda _: returned.__setitem__(r, clock.time()), pool0 if r == 0 else None
-            )
+            done = lambda _: returned.__setitem__(r, clock.time())  # noqa: E731
+            if per:
+                res = _daemon_job(store, job, args.keep_last, daemons[r // per], clock, done)
+            else:
+                res = _persist(store, job, args.keep_last, done, pool0 if r == 0 else None)
         except Exception as e:  # noqa: BLE001 - a rank's save failing is a result to report
             failures.append(f"rank {r}: {type(e).__name__}: {e}")
             returned[r] = clock.time()
@@ -275,6 +346,7 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         "peak_get_prefix": peak_get_prefix,
         "slowdowns": st.slowdowns,
         # the claim of the step: requests on <step>/_claims and its subfolders, and their peak
+        "daemon_claims": sum(d.begins for d in daemons) if per else None,  # commit.begin calls
         "claims_requests": sum(c for (_, pre), c in st.by_prefix.items() if "/_claims" in pre),
         "claims_peak_per_s": max((c for (_, pre), c in st.peak.items() if "/_claims" in pre), default=0),
         # how long the claim holds a rank back before its first data put: median and slowest
@@ -520,6 +592,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=3600.0,
         help="simulated seconds a rank waits for the commit (a save that cannot commit polls that long)",
+    )
+    p.add_argument(
+        "--daemon",
+        type=int,
+        default=0,
+        metavar="K",
+        help="ranks persist through ckptd serve daemons of K ranks each (one claim per daemon); 0: in-process",
     )
     p.add_argument("--label", default="after")
     p.add_argument("--only", choices=["save", "latest", "restore"], action="append")

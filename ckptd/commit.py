@@ -10,7 +10,8 @@ rank (a *part* below is one rank's share of the step), on a background thread::
         claim                 # rank 0: begin(...) -- refuse a committed step, claim the step
                               # for (JOB, attempt) -- then publish the outcome (lead_claim);
                               # the others wait for it (follow_claim); see "One claim per
-                              # attempt" below. The daemon: begin(...) on every rank.
+                              # attempt" below. The daemon: one begin per attempt for the
+                              # ranks it serves (SharedClaim, then persist(claim="caller")).
         write data            # shards + metadata with put_deferred, in parallel
         store.sync()          # one durability barrier for all of it
         finish_rank(...)      # this rank's done record into the done tree (its data is
@@ -69,9 +70,17 @@ aborted, having written nothing. A go older than ``CKPTD_STALE_ATTEMPT_S / 4`` i
 attempt-scoped (a retried save has a new attempt, hence new keys), are not claims (``claims``
 reads only ``_claims/<n>.json``), and do not count as activity for the stale takeover (a refused
 job's records must not keep a dead job's step alive). Writing a refusal into another job's or a
-committed step adds only these records, never data. The daemon keeps one ``begin`` per rank
-(``persist(claim="each")``): its upload workers are bounded, and parts waiting for a rank 0
-queued behind them would hold them all.
+committed step adds only these records, never data.
+
+The daemon cannot wait for rank 0 (its upload workers are bounded, and parts waiting for a rank
+0 queued behind them would hold them all), so it claims once per attempt for the ranks it
+serves (a node's, typically 8): the first of its jobs of (root, step, attempt, writer) runs
+``begin`` through a :class:`SharedClaim`, the daemon's other jobs of that attempt wait for that
+running ``begin`` (never for a queued job) and share its outcome -- go, or the same
+StepClaimed / AlreadyCommitted -- then ``persist(claim="caller")``. Only definitive outcomes are
+shared; after a transient failure the next job claims again; a go is trusted for the same
+quarter of ``CKPTD_STALE_ATTEMPT_S`` (:func:`trusted`). ``persist(claim="each")`` (every part runs
+``begin``) remains for callers that share nothing.
 
 A ``part`` is duck-typed (``trainer_hooks.snapshot.SaveJob`` is one): ``step``, ``attempt``,
 ``rank``, ``world_size``, ``metadata`` (``[(key in the folder, bytes)]``), ``shards`` (objects
@@ -338,7 +347,7 @@ def follow_claim(
         if rec is not None:
             if not rec["ok"]:
                 raise _refusal(rec)
-            if time.time() - rec["time"] > stale_after() / 4:
+            if not trusted(rec["time"]):
                 begin(store, step, attempt, writer)
             return
         if time.monotonic() > deadline:
@@ -348,6 +357,153 @@ def follow_claim(
             )
         time.sleep(min(0.1, max(0.001, 1.5 * rtt * 2**k)) * (0.75 + 0.5 * rng.random()))
         k = min(k + 1, 16)
+
+
+def trusted(claimed_at: float) -> bool:
+    """Whether a claim outcome decided at wall-clock time ``claimed_at`` may still be acted on
+    without a :func:`begin` of one's own: for a quarter of ``CKPTD_STALE_ATTEMPT_S``. Past that,
+    another writer may have taken a step that looked idle over, so a rank that writes on a go
+    that old could mix its data into that writer's."""
+    return time.time() - claimed_at <= stale_after() / 4
+
+
+class SharedClaim:
+    """One claim per attempt among the parts one process persists (the daemon's jobs: a node's
+    ranks hand off to one daemon), for ``persist(claim="caller")``.
+
+    :meth:`claim` is called by each part before it writes (root, step, attempt, writer name the
+    claim). The first caller runs :func:`begin`; callers that come while it runs wait for that
+    running ``begin`` -- never for a queued part, so a bounded worker pool cannot deadlock --
+    and get its outcome: return (go), or the same ``AlreadyCommitted`` / ``StepClaimed`` (same
+    message). Only those definitive outcomes are kept. A transient failure (the store failed or
+    throttled; CheckpointError "cannot claim/read") is raised to the part that ran ``begin`` and
+    kept for nobody: a waiting part, or the next one, runs ``begin`` again. A go is trusted for a
+    quarter of ``CKPTD_STALE_ATTEMPT_S`` (:func:`trusted`, as ``follow_claim`` trusts rank 0's
+    go), then the next part runs ``begin`` itself. A go for another attempt of the step voids the
+    outcomes kept for the others (their next part runs ``begin``: a job restarted after
+    preemption supersedes its dead attempt, whose parts still queued here must not write on the
+    old go). Outcomes past their trust are dropped and at most ``limit`` are kept (the oldest
+    decided go first), so a long-lived daemon holds a bounded table.
+
+    ``on_begin`` is called before every ``begin`` (the daemon counts them:
+    ``ckptd_step_claims_total``). ``event`` makes the object a waiter blocks on (``wait()``,
+    ``set()``): ``threading.Event``, or a simulated one (``benchmarks.scale``). The lock is held
+    only for the table, never across a request."""
+
+    def __init__(
+        self, on_begin: Callable[[], None] | None = None, event: Callable[[], Any] = threading.Event, limit: int = 1024
+    ):
+        self._on_begin = on_begin
+        self._event = event
+        self._limit = limit
+        self._lock = threading.Lock()
+        # (root, step, attempt, writer) -> [event, None while running | (wall time decided, error or None)]
+        self._claims: dict[tuple, list] = {}
+        self._reads: dict[tuple, list] = {}  # (root, step) -> [event, None while running | (monotonic, record)]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._claims)
+
+    def claim(self, store: Store, root: str, step: int, attempt: str, writer: str) -> None:
+        """Claim ``step`` of ``root`` (``store``) for (``writer``, ``attempt``), once for every
+        part of the attempt this object serves; raises what :func:`begin` raised."""
+        key = (root, step, attempt, writer)
+        while True:
+            with self._lock:
+                self._prune()
+                entry = self._claims.get(key)  # kept only while trusted (_prune)
+                mine = entry is None
+                if mine:
+                    entry = self._claims[key] = [self._event(), None]
+                    self._prune()  # the table's bound, counting this claim
+            if mine:
+                return self._begin(store, key, entry)
+            entry[0].wait()
+            outcome = entry[1]
+            if outcome is None:  # its begin failed transiently: claim again (one waiter runs begin)
+                continue
+            if outcome[1] is not None:  # the same refusal, a fresh exception for this part's thread
+                raise type(outcome[1])(str(outcome[1]))
+            return None
+
+    def committed(self, store: Store, root: str, step: int, fresh_s: float = 1.0) -> dict | None:
+        """``catalog.read_commit`` of ``step`` shared the same way: one read in flight per (root,
+        step), its answer (the record, or None: not committed) given to the callers that come
+        while it runs or within ``fresh_s`` seconds after; a failed read is raised to its
+        caller and kept for nobody. The daemon checks a step before each job (at hand-off and at
+        the start of the upload); a node's jobs come within milliseconds of each other, and one
+        read per job put 2N reads on the step's prefix at once. An answer up to ``fresh_s`` old
+        is enough there: the hand-off's check is a fast refusal (the claim refuses a committed
+        step), and the upload's guards a shared go, itself trusted for minutes."""
+        key = (root, step)
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                for k in [k for k, v in self._reads.items() if v[1] is not None and now - v[1][0] > fresh_s]:
+                    del self._reads[k]
+                entry = self._reads.get(key)
+                mine = entry is None
+                if mine:
+                    entry = self._reads[key] = [self._event(), None]
+            if not mine:
+                entry[0].wait()
+                if entry[1] is None:  # that read failed: read again
+                    continue
+                return entry[1][1]
+            try:
+                rec = catalog.read_commit(store, step)
+                entry[1] = (time.monotonic(), rec)
+                return rec
+            finally:
+                if entry[1] is None:
+                    with self._lock:
+                        if self._reads.get(key) is entry:
+                            del self._reads[key]
+                entry[0].set()
+
+    def saw_commit(self, root: str, step: int, record: dict) -> None:
+        """Tell the shared reads that ``step`` of ``root`` is committed (a commit record is
+        final): a step this process saw committed is never answered "not committed" from an
+        older read (for a minute: the table stays bounded)."""
+        entry = [self._event(), (time.monotonic() + 60.0, record)]
+        entry[0].set()
+        with self._lock:
+            self._reads[(root, step)] = entry
+
+    def _begin(self, store: Store, key: tuple, entry: list) -> None:
+        root, step, attempt, writer = key
+        if self._on_begin is not None:
+            self._on_begin()
+        outcome = None
+        try:
+            begin(store, step, attempt, writer)
+            outcome = (time.time(), None)
+        except (AlreadyCommitted, StepClaimed) as e:
+            outcome = (time.time(), e)
+            raise
+        finally:
+            with self._lock:
+                entry[1] = outcome
+                if outcome is None and self._claims.get(key) is entry:
+                    del self._claims[key]  # not kept: the next part claims again
+                if outcome is not None and outcome[1] is None:  # this attempt owns the step now:
+                    for k in [k for k, v in self._claims.items() if k[:2] == key[:2] and k != key and v[1]]:
+                        del self._claims[k]  # a go of another attempt is void (it was superseded)
+            entry[0].set()
+
+    def _prune(self) -> None:
+        """Drop outcomes past their trust (under the lock), then the oldest decided ones over
+        ``limit``; claims still running stay (parts wait on them)."""
+        decided = [(v[1][0], k) for k, v in self._claims.items() if v[1] is not None]
+        for t, k in decided:
+            if not trusted(t):
+                del self._claims[k]
+        over = len(self._claims) - self._limit
+        if over > 0:
+            kept = sorted((x for x in decided if x[1] in self._claims), key=lambda x: x[0])
+            for _, k in kept[:over]:
+                del self._claims[k]
 
 
 def _read_outcome(store: Store, key: str, attempt: str, writer: str, where: str) -> dict | None:
@@ -435,16 +591,22 @@ def persist(
     3N on one prefix at once. Every rank of the attempt must be persisting (rank 0 included).
     ``"each"``: every rank runs :func:`begin` itself -- for callers that may run a rank's part
     long before or after rank 0's, or cannot run them side by side (the daemon: its bounded
-    upload workers could all be taken by parts that wait for a rank 0 queued behind them)."""
-    if claim not in ("leader", "each"):
-        raise ValueError(f"claim={claim!r}: expected 'leader' or 'each'")
+    upload workers could all be taken by parts that wait for a rank 0 queued behind them).
+    ``"caller"``: the caller has already claimed the step for this attempt and writer (the
+    daemon: :meth:`SharedClaim.claim`, one ``begin`` per attempt for all the ranks it serves);
+    ``persist`` claims nothing and writes at once. The fencing still holds at the commit: the
+    newest claim must name the attempt."""
+    if claim not in ("leader", "each", "caller"):
+        raise ValueError(f"claim={claim!r}: expected 'leader', 'each' or 'caller'")
     t0 = time.perf_counter()
     started_at = time.time()
     where = catalog.where(store, part.step)
     writer = check_writer(writer or part.attempt)
     if part.ready is not None:
         part.ready.synchronize()  # the D2H copies into pinned buffers have landed
-    if claim == "each" or part.world_size == 1:
+    if claim == "caller":
+        pass
+    elif claim == "each" or part.world_size == 1:
         begin(store, part.step, part.attempt, writer)
     elif part.rank == LEADER:
         lead_claim(store, part.step, part.attempt, writer, part.world_size, pool)
@@ -923,6 +1085,8 @@ __all__ = [
     "commit_step",
     "finish_rank",
     "follow_claim",
+    "SharedClaim",
+    "trusted",
     "lead_claim",
     "outcome_key",
     "outcome_keys",

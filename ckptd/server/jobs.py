@@ -5,7 +5,9 @@ lease. The daemon maps those files and calls ``ckptd.commit.persist`` -- the sam
 same order of writes, as the in-process writer: shards and metadata, then the rank's done
 record, then ``try_commit`` (``put_if_absent`` of the commit record, so two daemons racing on
 one step commit it once); the worker that wrote the commit then applies retention
-(``commit.after_commit``), after the job is reported committed.
+(``commit.after_commit``), after the job is reported committed. The step is claimed once per
+attempt for all the ranks the daemon serves (``commit.SharedClaim``; counted in
+``ckptd_step_claims_total``), not once per job.
 
 States: ``queued`` -> ``uploading`` -> ``uploaded`` (this rank's data and done record are durable;
 other ranks still to finish) -> ``committed``; or ``failed``; or ``discarded`` (at restart, when
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -83,6 +86,8 @@ class Runner:
         self._stores: dict[str, Store] = {}
         self._pool = ThreadPoolExecutor(settings.upload_workers, thread_name_prefix="ckptd-upload")
         self._io = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="ckptd-io")
+        # one claim of a step per attempt for all the ranks this daemon serves (not one per job)
+        self._claims = protocol.SharedClaim(on_begin=lambda: metrics.inc("ckptd_step_claims_total"))
         self._watching: dict[str, float] = {}  # job id -> next check (monotonic)
         self._on_final: dict[str, list[Callable[[], None]]] = {}  # job id -> long polls waiting
         self._stop = threading.Event()
@@ -179,10 +184,12 @@ class Runner:
     def _refuse_committed(self, job: Job) -> None:
         """A committed checkpoint is immutable: refuse a hand-off for its step (HTTP 409) before
         the daemon takes the files or writes a byte. (The upload's claim checks again.)"""
-        try:
-            committed = self.store(job.root).exists(f"{mf.step_dir(job.step)}/{mf.COMMIT}")
+        try:  # one read for the daemon's jobs of the step handed off together
+            committed = self._claims.committed(self.store(job.root), job.root, job.step) is not None
         except StorageError as e:
             raise BadJob(f"{job.root}: cannot check step {job.step} ({e})") from None
+        except CheckpointError:  # a malformed commit record: the step has one all the same
+            committed = True
         if committed:
             raise protocol.AlreadyCommitted(
                 f"{catalog.where(self.store(job.root), job.step)}: step {job.step} is already committed; "
@@ -317,31 +324,44 @@ class Runner:
             from storage_backends.testing import DelayedStore
 
             store = DelayedStore(store, self.settings.fault_upload_delay_s, only=f"/{mf.ARRAYS}/")
-        commit = catalog.read_commit(store, job.step)
+        commit = self._claims.committed(store, job.root, job.step)  # shared with the node's other jobs
         result, err = None, None
+        tries = self.settings.upload_retries + 1
         if commit is not None and commit.get("attempt") == job.attempt:
             result = "already"  # a restart after the commit but before the journal said so
-        for attempt in range(self.settings.upload_retries + 1):
+        elif commit is not None:  # refused here: on a shared go (no begin of its own) it would write
+            tries = 0
+            err = protocol.AlreadyCommitted(
+                f"{catalog.where(store, job.step)}: step {job.step} was committed by attempt "
+                f"{commit.get('attempt')!r}; refusing to overwrite"
+            )
+        for attempt in range(tries):
             if result is not None or self._stop.is_set():
                 break
             t0 = time.perf_counter()
             job.bytes_uploaded = 0  # a retry puts everything again
             try:
+                # The attempt's first job here runs begin; its other jobs wait for that running
+                # claim (never for a queued job) and share a definitive outcome.
+                writer = protocol.check_writer(job.writer or job.attempt)
+                self._claims.claim(store, job.root, job.step, job.attempt, writer)
                 save_job = load(job, lease.dir)
                 try:
                     result = protocol.persist(
                         store,
                         save_job,
                         self._io,
-                        writer=job.writer,
+                        writer=writer,
                         commit_timeout=job.commit_timeout,
                         wait=False,
-                        claim="each",  # per rank: a bounded worker pool must never wait on a queued rank 0
+                        claim="caller",
                     )
                 finally:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
                 err = e
+                if isinstance(e, protocol.AlreadyCommitted | protocol.StepClaimed):
+                    break  # a refusal: the step is not this attempt's to write, a retry cannot change that
                 if isinstance(e, OSError | CheckpointError) and intact(job, lease.dir) is not None:
                     break  # the files are gone: retrying cannot help
                 if attempt < self.settings.upload_retries:
@@ -372,6 +392,7 @@ class Runner:
                 self.metrics.inc("ckptd_commits_written_total")
         job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "uploaded"})
         if result == "already" or result.committed_here:
+            self._claims.saw_commit(job.root, job.step, {"attempt": job.attempt})
             self._finish(job, "committed")
             if result != "already":
                 protocol.after_commit(store, result, self.settings.keep_last)
@@ -403,32 +424,54 @@ class Runner:
         self.staging.journal(job.lease, job.job, job.journal())
 
     def _loop(self) -> None:
-        """Watch commits of uploaded jobs; expire abandoned leases."""
+        """Watch commits of uploaded jobs; expire abandoned leases.
+
+        The jobs of one (root, step, attempt) -- a node's ranks -- share one read of the commit
+        record per check, and their checks are paced like the in-process ranks' polls
+        (``commit.POLLS_PER_SECOND`` over all the attempt's ranks): every daemon checking each
+        of its jobs every 20-500 ms made ~N reads per 20 ms on one prefix at N ranks."""
         next_expire = 0.0
+        rng = random.Random()
         while not self._stop.wait(0.02):
             now = time.monotonic()
             if now >= next_expire:
                 self.staging.expire()
                 next_expire = now + min(5.0, self.staging.ttl / 4)
+            groups: dict[tuple, list[Job]] = {}
             with self._lock:
-                due = [j for j, t in self._watching.items() if t <= now]
-            for job_id in due:
-                job = self.get(job_id)
-                if job is None:
-                    with self._lock:
-                        self._watching.pop(job_id, None)
-                    continue
+                due = {
+                    (j.root, j.step, j.attempt)
+                    for i, t in self._watching.items()
+                    if t <= now and (j := self._jobs.get(i))
+                }
+                for job_id in [i for i in self._watching if i not in self._jobs]:
+                    del self._watching[job_id]
+                for job_id in self._watching:
+                    job = self._jobs[job_id]
+                    if (job.root, job.step, job.attempt) in due:
+                        groups.setdefault((job.root, job.step, job.attempt), []).append(job)
+            for (root, step, _), jobs in groups.items():
                 try:
-                    done = self._check_commit(job)
+                    commit = catalog.read_commit(self.store(root), step)
                 except (StorageError, CheckpointError) as e:
-                    log.warning("job %s: cannot check its commit (%s)", job.job, e)
-                    done = False
+                    log.warning("%s step %d: cannot check its commit (%s)", root, step, e)
+                    commit = None
+                final = {job.job for job in jobs if self._check_commit(job, commit)}
+                left = [job for job in jobs if job.job not in final]
                 with self._lock:
-                    if done:
+                    for job_id in final:
                         self._watching.pop(job_id, None)
-                    else:
-                        waited = time.time() - (job.uploaded_at or job.accepted_at)
-                        self._watching[job_id] = now + min(0.01 + waited / 10, 0.5)
+                if not left:
+                    continue
+                waited = time.time() - min(j.uploaded_at or j.accepted_at for j in left)
+                pause = min(0.01 + waited / 10, 0.5)
+                world = left[0].world_size
+                if world > 64:  # all the attempt's daemons together: ~POLLS_PER_SECOND reads
+                    pause = max(pause, world / len(left) / protocol.POLLS_PER_SECOND * (0.5 + rng.random()))
+                with self._lock:
+                    for job in left:
+                        if job.job in self._watching:
+                            self._watching[job.job] = now + pause
 
     def _housekeeping(self) -> None:
         """Abort the incomplete multipart uploads under every served root that are older than
@@ -446,9 +489,11 @@ class Runner:
                     self.metrics.inc("ckptd_uploads_aborted_total", len(aborted))
                     log.info("housekeeping of %s: aborted %d incomplete uploads", root, len(aborted))
 
-    def _check_commit(self, job: Job) -> bool:
-        commit = catalog.read_commit(self.store(job.root), job.step)
+    def _check_commit(self, job: Job, commit: dict | None) -> bool:
+        """Finish ``job`` if ``commit`` (its step's commit record, None: not there or not
+        readable) or its deadline says so; True when it is final."""
         if commit is not None:
+            self._claims.saw_commit(job.root, job.step, commit)
             if commit.get("attempt") == job.attempt:
                 self._finish(job, "committed")
             else:

@@ -17,6 +17,10 @@ _HELP = {
     "ckptd_jobs_discarded_total": ("counter", "snapshots discarded at restart (staging files lost)"),
     "ckptd_jobs_recovered_total": ("counter", "snapshots resumed after a restart"),
     "ckptd_commits_written_total": ("counter", "commit records this daemon wrote"),
+    "ckptd_step_claims_total": (
+        "counter",
+        "claims of a step this daemon ran (commit.begin: ~3 requests each); one per attempt for all its ranks",
+    ),
     "ckptd_bytes_written_total": ("counter", "bytes written to storage (shards and metadata)"),
     "ckptd_objects_written_total": ("counter", "objects written to storage"),
     "ckptd_upload_seconds_total": ("counter", "seconds spent uploading (sum over jobs)"),

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ckptd import catalog
+from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout
 from ckptd.verify import verify
@@ -23,7 +23,6 @@ from tests.server.daemon import Daemon, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 LAY = {"shape": [4], "dtype": "float32", "shard_shape": [4], "chunk_shape": [4]}
-LAYOUT = ArrayLayout((4,), "float32", (4,), (4,))
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +47,26 @@ def folder_digest(root: str, step: int) -> dict[str, str]:
     }
 
 
-def hand_off(client, root, step, attempt, *, value=1.0, tensors=("w",), shards=("w",), manifest=True, **over):
-    """One rank's hand-off of a world of one: shards of ``shards`` (4 floats each, all
-    ``value``), and a manifest naming ``tensors``. Returns the HTTP response."""
-    r = client.post("/v1/leases", json={"root": root, "rank": 0, "bytes": 4096, "client": "t"})
+def hand_off(
+    client,
+    root,
+    step,
+    attempt,
+    *,
+    rank=0,
+    world_size=1,
+    value=1.0,
+    tensors=("w",),
+    shards=("w",),
+    manifest=None,
+    **over,
+):
+    """One rank's hand-off (a world of one by default): shards of ``shards`` (4 floats each, all
+    ``value``; rank r holds elements [4r, 4r + 4) of each tensor), and (rank 0 by default) a
+    manifest naming ``tensors``. Returns the HTTP response."""
+    lay = {**LAY, "shape": [4 * world_size]}
+    layout = ArrayLayout((4 * world_size,), "float32", (4,), (4,))
+    r = client.post("/v1/leases", json={"root": root, "rank": rank, "bytes": 4096, "client": "t"})
     assert r.status_code == 200, r.text
     lease = r.json()
     folder = lease["dir"]
@@ -60,17 +75,17 @@ def hand_off(client, root, step, attempt, *, value=1.0, tensors=("w",), shards=(
         "root": root,
         "step": step,
         "attempt": attempt,
-        "rank": 0,
-        "world_size": 1,
+        "rank": rank,
+        "world_size": world_size,
         "shards": [],
         "metadata": [],
     }
     for key in shards:
         np.full(4, value, dtype=np.float32).tofile(os.path.join(folder, f"{key}.bin"))
-        body["shards"].append({"key": key, "layout": LAY, "coord": [0], "file": f"{key}.bin"})
-    if manifest:
-        m = mf.Manifest(step, 1, {k: mf.TensorEntry(k, LAYOUT) for k in tensors}, {}, attempt)
-        for i, (key, data) in enumerate([(f"arrays/{k}/zarr.json", mf.dumps(LAYOUT.metadata())) for k in tensors]):
+        body["shards"].append({"key": key, "layout": lay, "coord": [rank], "file": f"{key}.bin"})
+    if manifest if manifest is not None else rank == 0:
+        m = mf.Manifest(step, world_size, {k: mf.TensorEntry(k, layout) for k in tensors}, {}, attempt)
+        for i, (key, data) in enumerate([(f"arrays/{k}/zarr.json", mf.dumps(layout.metadata())) for k in tensors]):
             Path(folder, f"z{i}.bin").write_bytes(data)
             body["metadata"].append({"key": key, "file": f"z{i}.bin"})
         Path(folder, "manifest.bin").write_bytes(m.to_bytes())
@@ -139,3 +154,72 @@ def test_a_request_cannot_set_retention(served, client):
         assert r.status_code == 200, r.text
         assert final_state(client, r.json()["job"])["state"] == "committed"
     assert catalog.committed_steps(open_store(job_root)) == [1, 2, 3]  # the history is all there
+
+
+def test_the_ranks_a_daemon_serves_share_one_claim_of_the_step(served, client):
+    """Four ranks of one attempt hand off to one daemon: its first job claims the step
+    (``commit.begin``), the others wait for that claim and share it -- one claim record and one
+    begin for the attempt (before: one begin per job, 4; ~3 requests each on the step)."""
+    d, root = served
+    job_root = root + "/shared"
+    before = d.metric("ckptd_step_claims_total")
+    jobs = []
+    for rank in range(4):
+        r = hand_off(client, job_root, 8, "a1", rank=rank, world_size=4, value=float(rank), writer="job-a")
+        assert r.status_code == 200, r.text
+        jobs.append(r.json()["job"])
+    assert [final_state(client, j)["state"] for j in jobs] == ["committed"] * 4
+    store = open_store(job_root)
+    assert catalog.read_commit(store, 8)["attempt"] == "a1"
+    assert [rec["attempt"] for _, rec in commit.claims(store, 8)] == ["a1"]
+    assert d.metric("ckptd_step_claims_total") - before == 1
+    assert verify(store, 8).ok
+
+
+def test_every_rank_of_a_refused_attempt_gets_the_one_refusal(served, client):
+    """Another job is writing the step: every rank's job through the daemon fails with the same
+    StepClaimed naming that job, from one claim, and writes nothing but the other job's claim
+    is in the step (no retry of a refusal either)."""
+    d, root = served
+    job_root = root + "/taken"
+    store = open_store(job_root)
+    commit.begin(store, 9, "theirs", "job-other")  # job-other claimed step 9 just now
+    before = d.metric("ckptd_step_claims_total"), d.metric("ckptd_upload_retries_total")
+    jobs = []
+    for rank in range(4):
+        r = hand_off(client, job_root, 9, "a1", rank=rank, world_size=4, writer="job-a")
+        assert r.status_code == 200, r.text
+        jobs.append(r.json()["job"])
+    states = [final_state(client, j) for j in jobs]
+    assert {st["state"] for st in states} == {"failed"}, states
+    errors = {st["error"] for st in states}
+    assert len(errors) == 1, errors  # word for word: one claim decided it for all
+    assert "being written by job 'job-other'" in errors.pop()
+    assert d.metric("ckptd_step_claims_total") - before[0] == 1
+    assert d.metric("ckptd_upload_retries_total") == before[1]
+    assert sorted(o.key for o in store.list("")) == [commit.claim_key(9, 0)]
+
+
+def test_a_failed_claim_is_not_shared_the_next_job_claims_again(served, client):
+    """A claim that fails on storage (here a file where the step's claims folder goes, so every
+    claim put fails) is no outcome: each upload retry claims again, and after the fault is
+    gone the next job of the same attempt claims again and commits."""
+    d, root = served
+    job_root = root + "/blocked"
+    folder = Path(job_root) / mf.step_dir(10)
+    folder.mkdir(parents=True)
+    (folder / commit.CLAIMS).write_text("in the way")
+    claims0, retries0 = d.metric("ckptd_step_claims_total"), d.metric("ckptd_upload_retries_total")
+    r = hand_off(client, job_root, 10, "a1", writer="job-a")
+    assert r.status_code == 200, r.text
+    st = final_state(client, r.json()["job"])
+    assert st["state"] == "failed" and "cannot claim step 10" in st["error"], st
+    retries = d.metric("ckptd_upload_retries_total") - retries0
+    assert retries >= 1
+    assert d.metric("ckptd_step_claims_total") - claims0 == retries + 1  # every try claimed again
+    (folder / commit.CLAIMS).unlink()
+    r = hand_off(client, job_root, 10, "a1", writer="job-a")
+    assert r.status_code == 200, r.text
+    assert final_state(client, r.json()["job"])["state"] == "committed"
+    assert d.metric("ckptd_step_claims_total") - claims0 == retries + 2
+    assert len(commit.claims(open_store(job_root), 10)) == 1

@@ -22,3 +22,14 @@ def test_tiny_scale_run_writes_results_tables_and_chart(tmp_path, capsys):
     capsys.readouterr()
     assert scale.main(["--table", "--out", str(out)]) == 0
     assert "| 80 | after | True |" in capsys.readouterr().out
+
+
+def test_tiny_daemon_run_claims_once_per_daemon(tmp_path):
+    """``--daemon 8``: the ranks persist as ``ckptd serve`` jobs, 8 per daemon, sharing each
+    daemon's claim (the real ``commit.SharedClaim``): 10 daemons, 10 claims of the step."""
+    out = tmp_path / "r.json"
+    argv = ["--sizes", "80", "--only", "save", "--daemon", "8", "--out", str(out), "--write-s", "1"]
+    assert scale.main(argv) == 0
+    (s,) = json.loads(out.read_text())["after"]["save"]
+    assert s["committed"] and s["failed_ranks"] == 0 and s["slowdowns"] == 0, s
+    assert s["daemon_claims"] == 10, s
