@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.local_launch import free_port
-from tests.s3server import answers
+from tests.s3server import answers, terminate
 
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
 ACCESS_KEY = "ckptd-test-access"
@@ -187,13 +187,7 @@ def stop(server: RGWServer, keep_logs: bool = False) -> None:
     """Stop the daemons by pid, gateway first (SIGTERM, then SIGKILL), and remove the folder
     (memstore keeps the objects in the OSD's memory, so nothing else is left)."""
     for proc in reversed(list(server.procs.values())):
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        terminate(proc)
     if not keep_logs:
         with contextlib.suppress(OSError):
             shutil.rmtree(server.root)

@@ -68,8 +68,8 @@ def start_moto_server(timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("moto server could not find a free port")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Stop the server by its pid (SIGTERM, then SIGKILL) and remove its log."""
+def terminate(proc: subprocess.Popen) -> None:
+    """Stop a server process by its pid: SIGTERM, then SIGKILL after 10 s."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -77,6 +77,11 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop the server by its pid (SIGTERM, then SIGKILL) and remove its log."""
+    terminate(proc)
     log_path = getattr(proc, "log_path", None)
     if log_path:
         with contextlib.suppress(OSError):
