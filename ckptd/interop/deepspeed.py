@@ -114,7 +114,18 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
     names = sorted(d for d in os.listdir(zero) if os.path.isfile(os.path.join(zero, d, FP32)))
     if not names:
         raise CheckpointError(f"{src}: not a DeepSpeed universal checkpoint (no zero/<param>/{FP32})")
-    shapes = _zero3_shapes(src if zero != src else os.path.dirname(os.path.abspath(src)))  # beside zero/
+    # ZeRO-3's shapes, read on the first bare tensor only: a ZeRO-1/2 folder's model states hold
+    # the whole module's weights, which an import of the universal files must not read too
+    shapes: dict[str, tuple[int, ...]] | None = None
+
+    def shape_of(name: str, obj: Any) -> tuple[int, ...] | None:
+        nonlocal shapes
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if shapes is None:
+            shapes = _zero3_shapes(src if zero != src else os.path.dirname(os.path.abspath(src)))  # beside zero/
+        return shapes.get(name)
+
     tree = ImportTree(info={"format": "deepspeed-universal", "path": os.path.abspath(src)})
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -129,7 +140,7 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
                     raise CheckpointError(f"{path}: step is a {type(step).__name__}, not a number")
                 state.setdefault(name, {})["step"] = torch.tensor(float(step), dtype=torch.float32)
                 continue
-            t = _param(obj, path, shapes.get(name))
+            t = _param(obj, path, shape_of(name, obj))
             stand_in = tree.placeholder(path, t.shape, t.dtype)
             if fname == FP32:
                 model[name] = stand_in
@@ -154,8 +165,8 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
             if isinstance(it.source, torch.Tensor):  # the step, made here
                 yield it, it.source
                 continue
-            name = os.path.basename(os.path.dirname(it.source))
-            yield it, _param(_load(it.source), it.source, shapes.get(name))
+            obj = _load(it.source)
+            yield it, _param(obj, it.source, shape_of(os.path.basename(os.path.dirname(it.source)), obj))
             release_file_pages(it.source)
 
     return tree, load
