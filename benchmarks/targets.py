@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from benchmarks.common import median
 from benchmarks.results import Results, Target
 
 
@@ -58,8 +59,7 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
         ra, rb = rows.get(a), rows.get(b)
         if ra is None or rb is None:
             return None
-        xs = sorted(ra.values[k] / rb.values[k] for k in ra.values if rb.values.get(k))
-        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
+        return median(ra.values[k] / rb.values[k] for k in ra.values if rb.values.get(k))
 
     # issue 17: the daemon path at the floor, and the default (transactional) restore at 1 rank
     T.append(Target("daemon.block.floor", "through the daemon, time `save` blocks <= 1.2x the memcpy floor",

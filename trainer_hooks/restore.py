@@ -377,7 +377,7 @@ def restore_fallback(
 _MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
 
 
-def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord, pool=None):
+def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord, pool):
     """Apply the read values on every rank, or on none: ``(None, None)`` when all ranks
     applied, else ``(failure agreed on, this rank's error)`` with ``state`` as it was.
 
