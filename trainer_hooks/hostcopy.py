@@ -7,21 +7,37 @@ workers, another job's ranks) each region waits for a descheduled thread, once p
 this 2-core VM at a load average of 4.5 (other processes' work), 300 tensors (1.5 GiB) took
 0.56-0.61 s by ``copy_`` and 0.25 s by ``copy_all`` (4 tasks of 8 MiB pieces).
 
-``copy_all`` cuts every pair into pieces of at most ``PIECE_BYTES`` along the first dimension
-and hands them, round robin, to at most ``COPIERS`` tasks on a thread pool; each task copies its
-pieces with ``numpy.copyto`` (a plain strided memcpy that releases the GIL). A busy core then
-slows the copy in proportion, instead of stalling it once per tensor.
+``copy_all`` cuts every pair into pieces of at most ``PIECE_BYTES`` along the first dimension;
+at most ``COPIERS`` tasks on a thread pool take the next uncopied piece until none is left, each
+copying with ``numpy.copyto`` (a plain strided memcpy that releases the GIL). A busy core then
+slows the copy in proportion, instead of stalling it once per tensor; and a task descheduled for
+a while leaves its share to the others instead of holding a fixed part of the pieces (snapshot of
+1.5 GiB, quiet, median of 8: 0.156 s against 0.165 s with a fixed round-robin split).
+
+``prefaulting`` serves fresh buffers about to be filled by many reader threads (the default
+restore's): one thread faults their pages in ahead of the readers, in the order they are read.
+Sixteen readers each faulting 4 KiB pages of fresh memory inside ``preadv`` contend in the
+kernel: a 1.5 GiB restore on this 2-core VM, cold, median of 5, took 1.59 s that way and 1.03 s
+with the pages faulted ahead (0.97 s reading into the live tensors, which need no fresh memory).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import itertools
 import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, wait
 
 import numpy as np
 import torch
 
-__all__ = ["copy_all"]
+__all__ = ["copy_all", "populate", "prefaulting"]
 
 PIECE_BYTES = 8 << 20
 COPIERS = 4
@@ -59,14 +75,86 @@ def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], pool: Executor | No
         pieces += [(d[i : i + rows], s[i : i + rows]) for i in range(0, d.shape[0], rows)]
     copiers = min(COPIERS, os.cpu_count() or 1, len(pieces))
     if pool is None or copiers < 2:
-        _copy(pieces)
+        _copy(pieces, itertools.count())
         return
-    futures = [pool.submit(_copy, pieces[i::copiers]) for i in range(copiers)]
+    taken = itertools.count()  # the next piece to copy: next() on it is atomic under the GIL
+    futures = [pool.submit(_copy, pieces, taken) for _ in range(copiers)]
     wait(futures)  # all of them, also when one failed: nothing copies after the return
     for f in futures:
         f.result()
 
 
-def _copy(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in pieces:
-        np.copyto(dst, src)
+def _copy(pieces: list[tuple[np.ndarray, np.ndarray]], taken: Iterator[int]) -> None:
+    for i in taken:
+        if i >= len(pieces):
+            return
+        np.copyto(*pieces[i])
+
+
+# ---------------------------------------------------------------------------------- prefaulting
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing them
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_madvise = None
+_unsupported = sys.platform != "linux"
+
+
+def _libc_madvise():
+    global _madvise, _unsupported
+    if _madvise is None and not _unsupported:
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).madvise
+        except (OSError, AttributeError):
+            _unsupported = True
+            return None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _madvise = fn
+    return _madvise
+
+
+def _ranges(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Whole pages inside each CPU tensor's bytes, in ``PIECE_BYTES`` pieces, in order."""
+    out = []
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+            continue
+        p, n = t.data_ptr(), t.numel() * t.element_size()
+        start, stop = -(-p // _PAGE) * _PAGE, (p + n) // _PAGE * _PAGE
+        out += [(a, min(PIECE_BYTES, stop - a)) for a in range(start, stop, PIECE_BYTES)]
+    return out
+
+
+def populate(tensors: Sequence[torch.Tensor], stop: threading.Event | None = None) -> bool:
+    """Fault in the pages of ``tensors`` (CPU, contiguous; others are skipped) without changing a
+    byte, piece by piece in order, until done or ``stop`` is set. A hint: False where the kernel
+    has no ``MADV_POPULATE_WRITE`` (or refuses a range), and the pages fault in when written."""
+    global _unsupported
+    fn = _libc_madvise()
+    if fn is None:
+        return False
+    for addr, n in _ranges(tensors):
+        if stop is not None and stop.is_set():
+            return True
+        if fn(addr, n, _MADV_POPULATE_WRITE) != 0:
+            if ctypes.get_errno() == errno.EINVAL:  # a kernel before 5.14: never again
+                _unsupported = True
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def prefaulting(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """While the body runs, one thread faults in the pages of ``tensors`` (fresh buffers the body
+    fills) in order, ahead of the body's writers; it stops when the body ends, and is joined
+    before this returns, so it never touches a buffer freed afterwards. Contents are unchanged."""
+    if _unsupported or not tensors:
+        yield
+        return
+    stop = threading.Event()
+    th = threading.Thread(target=populate, args=(list(tensors), stop), name="ckptd-prefault", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()

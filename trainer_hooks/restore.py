@@ -33,7 +33,7 @@ from ckptd.dtypes import as_numpy, zarr_dtype
 from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import StorageError, Store, open_store
-from trainer_hooks import rng
+from trainer_hooks import hostcopy, rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import apply, flatten
 from trainer_hooks.sharding import is_dtensor, local_tensor, sharding_of
@@ -264,7 +264,9 @@ def _restore_step(
             outs[k] = (live, out)
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
         reading = True
-        reader.read(requests, pool)
+        # The fresh buffers' pages are faulted in ahead of the reader threads (``hostcopy``).
+        with hostcopy.prefaulting([out for live, out in outs.values() if out is not live]):
+            reader.read(requests, pool)
         for k in keys:
             t = flat.tensors[k]
             live, out = outs.pop(k)

@@ -72,3 +72,38 @@ def test_conjugate_views_fall_back_to_torch(pool):
     dst = torch.zeros(8, dtype=torch.complex64)
     copy_all([(dst, src)], pool)
     assert torch.equal(dst, src.resolve_conj())
+
+
+def _faults_writing(t: torch.Tensor) -> int:
+    """Minor page faults this thread takes writing every byte of ``t`` (numpy: one thread)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    t.view(torch.uint8).numpy().fill(7)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+def test_populate_faults_pages_in_without_changing_a_byte():
+    pages = (64 << 20) // 4096
+    fresh = torch.empty(64 << 20, dtype=torch.uint8)  # a fresh mapping: no page faulted in yet
+    assert _faults_writing(fresh) > pages // 2  # the kernel faults the pages in on first write
+    written = torch.empty(64 << 20, dtype=torch.uint8)
+    head = sample((1 << 20,), torch.uint8, 5)
+    written[: 1 << 20] = head  # the first MiB holds data: populating must keep it
+    if not hostcopy.populate([written]):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert bits(written[: 1 << 20]) == bits(head)
+    assert _faults_writing(written) < pages // 100
+
+
+def test_prefaulting_stops_and_joins_its_thread_when_the_body_ends():
+    import threading
+
+    bufs = [torch.empty(16 << 20, dtype=torch.uint8) for _ in range(8)]
+    with hostcopy.prefaulting(bufs):
+        bufs[0].view(torch.uint8).numpy().fill(1)  # the body writes while the thread populates
+    assert torch.all(bufs[0] == 1)
+    assert not any(t.name == "ckptd-prefault" for t in threading.enumerate())
+    with pytest.raises(ZeroDivisionError), hostcopy.prefaulting(bufs):
+        _ = 1 / 0  # an error in the body (a failed read): the thread is still stopped and joined
+    assert not any(t.name == "ckptd-prefault" for t in threading.enumerate())
