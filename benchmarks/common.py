@@ -103,6 +103,22 @@ def proc_ticks() -> dict[int, tuple[str, int]]:
     return out
 
 
+# Counters of /proc/vmstat that say the kernel made an allocating thread wait: reclaiming page
+# cache itself (direct reclaim), or compacting memory for a large page-cache folio.
+VMSTAT_STALLS = ("pgscan_direct", "allocstall_normal", "allocstall_movable", "compact_stall")
+
+
+def vmstat_stalls() -> dict[str, int]:
+    """The ``VMSTAT_STALLS`` counters (machine-wide); empty where /proc/vmstat is unreadable."""
+    out = {}
+    with contextlib.suppress(OSError), open("/proc/vmstat") as f:
+        for line in f:
+            name, _, value = line.partition(" ")
+            if name in VMSTAT_STALLS:
+                out[name] = int(value)
+    return out
+
+
 def settle(max_wait: float = 5.0, window: float = 0.2, busy: float = 0.1) -> float:
     """Flush the filesystems (``sync``: dirty pages, and the journal commit that issues the
     discards of deleted files on a ``discard`` mount), then wait until the machine has been quiet

@@ -56,6 +56,7 @@ from benchmarks.common import (
     settle,
     stat_ticks,
     steal_ticks,
+    vmstat_stalls,
 )
 from benchmarks.results import SKIPPED, Results
 
@@ -544,12 +545,13 @@ def run(
     res.sections[SECTION]["cache_drop"] = drop_cache.method
 
 
-def _usage() -> tuple[int, float, int, dict[int, int], int, int, dict[int, tuple[str, int]]]:
+def _usage() -> tuple[int, float, int, dict[int, int], int, int, dict[int, tuple[str, int]], dict[str, int]]:
     """This process's page faults (minor + major), CPU seconds (every thread), involuntary
     context switches and per-thread CPU ticks so far. Around a copy: faults mean unmapped
     buffers, CPU well under 2x the wall time of a 2-thread copy means it waited, involuntary
-    switches that it was preempted, the per-thread ticks say which threads were busy, and the
-    machine's steal time whether the hypervisor ran someone else on our CPUs."""
+    switches that it was preempted, the per-thread ticks say which threads were busy, the
+    machine's steal time whether the hypervisor ran someone else on our CPUs, and the vmstat
+    stall counters whether allocations waited for reclaim or compaction (memory pressure)."""
     import resource
 
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -561,6 +563,7 @@ def _usage() -> tuple[int, float, int, dict[int, int], int, int, dict[int, tuple
         steal_ticks(),
         busy_ticks(),
         proc_ticks(),
+        vmstat_stalls(),
     )
 
 
@@ -597,6 +600,8 @@ def _record_usage(row, u0, u1=None) -> None:
     others = sorted(((t - u0[6].get(pid, (comm, 0))[1], comm) for pid, (comm, t) in u1[6].items()), reverse=True)
     kswapd = sum(d for d, comm in others if comm.startswith("kswapd"))
     row.extra.setdefault("kswapd_s", []).append(round(kswapd / hz, 3))
+    stalls = {k: v - u0[7].get(k, 0) for k, v in u1[7].items()}
+    row.extra.setdefault("vm_stalls", []).append({k: d for k, d in stalls.items() if d})
     row.extra.setdefault("outside_top", []).append({comm: round(d / hz, 3) for d, comm in others[:3] if d > 0})
     busy = sorted(((t - u0[3].get(tid, 0), tid) for tid, t in u1[3].items()), reverse=True)[:3]
     row.extra.setdefault("busiest_threads", []).append(

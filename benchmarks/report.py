@@ -191,7 +191,8 @@ def write_markdown(res: Results, path: str, chart_path: str | None) -> None:
         "and its deleted files' discards are not flushed during the next one) and waits until the machine has "
         "been under 10% busy for 0.2 s (`settle_s` in the JSON). Around every timed block it records the "
         "process's CPU seconds, page faults and busiest threads, and the CPU that ran *outside* the process "
-        "(`outside_cpu_s`, of which `kswapd_s` is page reclaim).",
+        "(`outside_cpu_s`, of which `kswapd_s` is page reclaim), and the machine's /proc/vmstat stall counters "
+        "(`vm_stalls`: pages scanned by direct reclaim, allocation and compaction stalls: memory pressure).",
         "- `block` = time until the snapshot is safe to mutate (ckptd: `save` returns; DCP: `async_save` returns, "
         "or `staging_completion` for asynchronous staging); `commit` = until durable/committed.",
         "- Systems that keep buffers across calls (ckptd, DCP with an explicit `DefaultStager`) get one untimed "
