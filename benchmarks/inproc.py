@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -473,7 +474,41 @@ def run(
 
         return go
 
+    # The same cold restores in a fresh process: how a job restarting after a preemption
+    # restores (``fresh_restore``), with none of this process's history of freed gigabytes.
+    R("ckptd.restore_fresh", "ckptd restore (cold) in a fresh process, as a restarting job", floor="floor.read",
+      dcp_ref="dcp.load_fresh")  # fmt: skip
+    R("dcp.load_fresh", "dcp.load (cold) + set_state_dict in a fresh process", floor="floor.read")
+    ref_path = path("sentinel.pt")
+    torch.save(ref, ref_path)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def fresh_restore(system: str, rid: str) -> Callable[[int], None]:
+        def go(rep: int) -> None:
+            p = ck_root if system == "ckptd" else path(f"dcp_save_{rep}")
+            if not os.path.isdir(p):
+                return
+            drop_cache(p)
+            cmd = [sys.executable, "-m", "benchmarks.fresh_restore", system, p, str(size), ref_path]
+            out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900)
+            lines = out.stdout.strip().splitlines()
+            if out.returncode != 0 or not lines:
+                failures.append(f"{rid}: the fresh process failed ({out.returncode}): {out.stderr[-2000:]}")
+                return
+            got = json.loads(lines[-1])
+            res.add(rid, rep, got["s"])
+            for k in ("page_faults", "cpu_s"):
+                res.rows[rid].extra.setdefault(k, []).append(got[k])
+            if not got["ok"]:
+                failures.append(f"{rid}: restored values differ from the saved ones")
+
+        return go
+
+    if selected("dcp"):
+        systems.append(System("dcp.load_fresh", "read", fresh_restore("dcp", "dcp.load_fresh")))
+
     if selected("ckptd"):
+        systems.append(System("ckptd.restore_fresh", "read", fresh_restore("ckptd", "ckptd.restore_fresh")))
         ckpts["local"] = Checkpointer(ck_root)
         ckpts["keep1"] = Checkpointer(path("ckptd_keep1"), keep_last=1)
         systems += [System("ckptd.save", "save", ckptd_save("local"), warm=True)]

@@ -74,6 +74,10 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
                     profile=prof("local_ckptd_restore.txt")))  # fmt: skip
     T.append(Target("restore1.dcp", "default restore at 1 rank <= 0.8x dcp.load", ratio("ckptd.restore", "dcp"),
                     0.8, "<=", profile=prof("local_ckptd_restore.txt")))  # fmt: skip
+    T.append(Target("restore1.fresh.floor", "default restore at 1 rank in a fresh process (a restarting job) "
+                    ">= 0.9x the raw read floor", _inv(ratio("ckptd.restore_fresh")), 0.9, ">="))  # fmt: skip
+    T.append(Target("restore1.fresh.dcp", "default restore at 1 rank in a fresh process <= 0.8x dcp.load in a "
+                    "fresh process", ratio("ckptd.restore_fresh", "dcp"), 0.8, "<="))  # fmt: skip
     for m in (3, 2):
         ip = f"reshard.restore{m}.ckptd_inplace"
         ip_floor, ip_dcp = _inv(ratio(ip)), ratio(ip, "dcp")
