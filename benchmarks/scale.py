@@ -54,10 +54,12 @@ STEPS = (10, 100, 1000, 10000)
 
 
 def _protocol_modules() -> list:
-    """The modules whose clock the simulation replaces: the ones the save and commit run."""
-    from ckptd import commit
+    """The modules whose clock the simulation replaces: the ones the save and commit run (the
+    claim, one rank's write, the commit and its wait, retention, the daemon's shared claim)."""
+    from ckptd import claims, commit, persist, retention
+    from ckptd.server import shared_claim
 
-    return [catalog, commit]
+    return [catalog, claims, commit, persist, retention, shared_claim]
 
 
 @contextlib.contextmanager
@@ -123,20 +125,20 @@ COMMIT_TIMEOUT = [3600.0]  # --commit-timeout: how long a rank waits for the com
 
 
 def _persist(store, job, keep_last, on_result=None, pool=None):
-    """One rank's real save protocol (``ckptd.commit``): claim, data, done record, commit, wait
+    """One rank's real save protocol (``ckptd.persist``): claim, data, done record, commit, wait
     for the commit (``on_result`` is called then: the rank's future resolves there), then
     retention by the committing rank."""
-    from ckptd import commit
+    from ckptd import persist, retention
 
-    result = commit.persist(store, job, pool or InlinePool(), commit_timeout=COMMIT_TIMEOUT[0])
+    result = persist.persist(store, job, pool or InlinePool(), commit_timeout=COMMIT_TIMEOUT[0])
     if on_result is not None:
         on_result(result)
-    commit.after_commit(store, result, keep_last)
+    retention.after_commit(store, result, keep_last)
     return result
 
 
 class _SimEvent:
-    """``threading.Event`` for :class:`ckptd.commit.SharedClaim` on the virtual clock."""
+    """``threading.Event`` for :class:`ckptd.server.shared_claim.SharedClaim` on the virtual clock."""
 
     def __init__(self, clock: VirtualClock) -> None:
         self.clock, self.event = clock, VirtualEvent(clock)
@@ -153,7 +155,7 @@ class _Daemon:
     of the commit record per check for all its jobs of the attempt, as ``Runner._loop``)."""
 
     def __init__(self, clock: VirtualClock) -> None:
-        from ckptd.commit import SharedClaim
+        from ckptd.server.shared_claim import SharedClaim
 
         self.claim = SharedClaim(on_begin=self._begun, event=lambda: _SimEvent(clock))
         self.known, self.watching, self.poller, self.begins = VirtualEvent(clock), 0, False, 0
@@ -170,13 +172,14 @@ def _daemon_job(store, job, keep_last, daemon: _Daemon, clock: VirtualClock, on_
     wait=False)``, then the daemon's commit watch: its first waiting job reads the commit record
     for all, every ``min(0.01 + waited / 10, 0.5)`` s and at least (N / jobs waiting) / 2000 s
     (jittered) on the watcher's 0.02 s tick."""
-    from ckptd import commit
+    from ckptd import persist, retention
+    from ckptd.errors import AlreadyCommitted
 
     if daemon.claim.committed(store, "sim", job.step) is not None:  # Runner._refuse_committed
-        raise commit.AlreadyCommitted(f"step {job.step} is committed")
+        raise AlreadyCommitted(f"step {job.step} is committed")
     daemon.claim.committed(store, "sim", job.step)  # Runner._upload: committed (by this attempt) already?
     daemon.claim.claim(store, "sim", job.step, job.attempt, job.attempt)
-    result = commit.persist(store, job, InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller")
+    result = persist.persist(store, job, InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller")
     if not result.committed_here:
         daemon.watching += 1
         if daemon.poller:
@@ -197,7 +200,7 @@ def _daemon_job(store, job, keep_last, daemon: _Daemon, clock: VirtualClock, on_
                 clock.sleep(0.02 * math.ceil(pause / 0.02))
     if on_result is not None:
         on_result(result)
-    commit.after_commit(store, result, keep_last)
+    retention.after_commit(store, result, keep_last)
     return result
 
 
@@ -346,7 +349,7 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         "peak_get_prefix": peak_get_prefix,
         "slowdowns": st.slowdowns,
         # the claim of the step: requests on <step>/_claims and its subfolders, and their peak
-        "daemon_claims": sum(d.begins for d in daemons) if per else None,  # commit.begin calls
+        "daemon_claims": sum(d.begins for d in daemons) if per else None,  # claims.begin calls
         "claims_requests": sum(c for (_, pre), c in st.by_prefix.items() if "/_claims" in pre),
         "claims_peak_per_s": max((c for (_, pre), c in st.peak.items() if "/_claims" in pre), default=0),
         # how long the claim holds a rank back before its first data put: median and slowest

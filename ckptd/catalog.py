@@ -1,4 +1,5 @@
-"""The checkpoints of a job root: listing, opening and retention (committing is ``ckptd.commit``).
+"""The checkpoints of a job root: listing, opening and deleting (committing is ``ckptd.commit``,
+retention ``ckptd.retention``).
 
 Readers go through here so that nothing ever opens a checkpoint without its commit record.
 """
@@ -187,51 +188,6 @@ def delete_checkpoint(store: Store, step: int) -> tuple[int, int]:
     return (files + 1, nbytes + size) if size is not None else (files, nbytes)
 
 
-def select_for_deletion(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """The steps ``retain`` would delete, ascending; deletes nothing (``ckptd gc --dry-run``).
-
-    Keeps the newest ``keep_last`` committed checkpoints; selects older committed ones, and
-    partial ones older than the newest commit (they can no longer complete: one save is in
-    flight per job and a newer one committed). Never selects the newest committed step, the newest
-    step ``ckptd verify`` passed (see ``newest_verified``), a step in ``protect`` (being
-    written), or any step newer than the newest commit."""
-    if keep_last < 1:
-        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
-    all_steps = steps(store)
-    committed = [s for s in all_steps if store.exists(f"{step_dir(s)}/{COMMIT}")]
-    if not committed:
-        return []
-    keep = set(committed[-keep_last:]) | set(protect)
-    verified = newest_verified(store, committed)
-    if verified is not None:
-        keep.add(verified)
-    newest = committed[-1]
-    return [s for s in all_steps if s < newest and s not in keep]
-
-
-def newest_verified(store: Store, committed: list[int]) -> int | None:
-    """The newest of ``committed`` whose ``ckptd verify`` record says it passed, or None.
-
-    Retention keeps it whatever ``keep_last`` says: when newer checkpoints turn out corrupt it
-    is the one to fall back to, and it must not be deleted in favour of a newer bad one. Costs
-    one GET per committed step newer than it (retention keeps those few)."""
-    from ckptd.verify import read_record  # verify reads checkpoints through this module
-
-    for s in reversed(committed):
-        rec = read_record(store, s)
-        if rec is not None and rec["ok"]:
-            return s
-    return None
-
-
-def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """Apply retention: delete what :func:`select_for_deletion` selects. Returns deleted steps."""
-    doomed = select_for_deletion(store, keep_last, protect)
-    for s in doomed:
-        delete_checkpoint(store, s)
-    return doomed
-
-
 # Rank's done record, in the done tree or (checkpoints older than it) the flat layout.
 read_done_record = donetree.read_done_record
 done_record_key = donetree.done_record_key
@@ -250,7 +206,5 @@ __all__ = [
     "list_checkpoints",
     "load_manifest",
     "resolve_step",
-    "retain",
-    "select_for_deletion",
     "steps",
 ]

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "CorruptChunkError", "StateMismatchError"]
+__all__ = [
+    "AlreadyCommitted",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptChunkError",
+    "SaveAborted",
+    "StateMismatchError",
+    "StepClaimed",
+]
 
 
 class CheckpointError(Exception):
@@ -23,3 +31,18 @@ class CorruptChunkError(CheckpointError):
 
 class StateMismatchError(CheckpointError):
     """The state being restored into does not match the checkpoint (keys, shapes, dtypes)."""
+
+
+# -- the save protocol's refusals (ckptd.claims, ckptd.commit, ckptd.persist) ----------------------
+
+
+class AlreadyCommitted(CheckpointError):
+    """The step already has ``commit.json``: a committed checkpoint is immutable."""
+
+
+class StepClaimed(CheckpointError):
+    """Another writer (job) is writing this step: two writers on one root are refused."""
+
+
+class SaveAborted(CheckpointError):
+    """The save's deadline passed; what was not yet durable is not made so."""

@@ -57,6 +57,7 @@ from ckptd.errors import CheckpointError
 
 __all__ = [
     "ARRAYS",
+    "CLAIMS",
     "COMMIT",
     "DONE",
     "GROUP",
@@ -69,6 +70,7 @@ __all__ = [
     "TensorEntry",
     "array_path",
     "done_key",
+    "is_reserved",
     "done_prefix",
     "dumps",
     "escape_component",
@@ -95,6 +97,7 @@ COMMIT = "commit.json"
 GROUP = "zarr.json"
 ARRAYS = "arrays"
 DONE = "_done"
+CLAIMS = "_claims"  # <step>/_claims/<n>.json: who owns the step (ckptd.claims); <attempt>/<g>/go.json: outcomes
 PLANS = "_plans"
 
 
@@ -113,6 +116,12 @@ def parse_step_dir(name: str) -> int | None:
     """The step a folder name stands for, or None for any other name (those are ignored)."""
     m = STEP_RE.fullmatch(name.removesuffix("/"))
     return int(m.group(1)) if m else None
+
+
+def is_reserved(key: str) -> bool:
+    """Whether ``key`` (relative to a step folder) belongs to the commit protocol -- the commit
+    record, done records, claims -- and so may not be written as a part's metadata."""
+    return key == COMMIT or key.startswith((f"{DONE}/", f"{CLAIMS}/"))
 
 
 def done_key(step: int, attempt: str, rank: int) -> str:

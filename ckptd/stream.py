@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd import catalog, commit, donetree
+from ckptd import catalog, claims, commit, donetree, persist
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
 from ckptd.dtypes import as_numpy, zarr_name
@@ -64,7 +64,7 @@ class CheckpointWriter:
         """``world_size`` is what ``ls`` reports as the world size at save (an import has none;
         a rechunk keeps the target size). Puts run on ``threads`` threads with at most
         ``max_pending_bytes`` of encoded shards in flight. ``writer``: the job id that claims
-        the step (``ckptd.commit.begin``; default ``ckptd@<host>``, so a failed import or rechunk
+        the step (``ckptd.claims.begin``; default ``ckptd@<host>``, so a failed import or rechunk
         run again on the same host takes its own leftovers over). A committed step, or one that
         another writer is writing, is refused here, before a byte is written. A failure (an
         exception in the ``with`` block or in ``commit``) deletes what this writer wrote."""
@@ -84,7 +84,7 @@ class CheckpointWriter:
         self._shards: list[str] = []
         self._written: list[str] = []
         self.writer = writer or f"ckptd@{socket.gethostname()}"
-        commit.begin(store, step, self.attempt, commit.check_writer(self.writer))
+        claims.begin(store, step, self.attempt, claims.check_writer(self.writer))
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-stream")
 
     def _put(self, key: str, data, nbytes: int) -> None:
@@ -140,7 +140,7 @@ class CheckpointWriter:
             attempt=self.attempt,
             layout=self.layout_info,
         )
-        for key, data in commit.manifest_objects(m):
+        for key, data in persist.manifest_objects(m):
             self._put(key, data, len(data))
         self._drain()
         self.store.sync()  # everything above is durable before any done record
@@ -178,7 +178,7 @@ class CheckpointWriter:
                 self.close()
         finally:
             if not self._committed:
-                commit.clean_up(self.store, catalog.where(self.store, self.step), 0, self._written)
+                persist.clean_up(self.store, catalog.where(self.store, self.step), 0, self._written)
 
 
 def _as_numpy(array) -> np.ndarray:

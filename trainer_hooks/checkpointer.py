@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ckptd import catalog, commit
+from ckptd import catalog, claims, persist, retention
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from storage_backends import StorageError, Store, open_store
@@ -100,7 +100,7 @@ class Checkpointer:
             raise CheckpointError(f"save_timeout must be > 0, got {save_timeout}")
         self.coord = Coordinator(process_group)
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
-        self.job_id = commit.check_writer(self.coord.broadcast(job_id or _default_job_id()))
+        self.job_id = claims.check_writer(self.coord.broadcast(job_id or _default_job_id()))
         self._committed_steps: set[int] = set()  # saved and committed by this Checkpointer
         self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
         # The snapshot's copies (``hostcopy``): a pool of their own, never queued behind I/O.
@@ -167,7 +167,7 @@ class Checkpointer:
                 attempt=attempt,
                 layout={"world_size": self.world_size},
             )
-            job.metadata += commit.manifest_objects(m)
+            job.metadata += persist.manifest_objects(m)
         fut = _SaveFuture.chain(self._sink.submit(job), step)
         if self._retention is not None:
             # Retention is the job's, not a per-request daemon setting: rank 0 applies it after
@@ -212,7 +212,7 @@ class Checkpointer:
     def _retain_after(self, fut: Future) -> None:
         if Future.exception(fut) is None:  # the base method: does not mark it as observed
             with contextlib.suppress(RuntimeError):  # closing: the next job's commit retains
-                self._retention.submit(commit.apply_retention, self.store, self.keep_last)
+                self._retention.submit(retention.apply_retention, self.store, self.keep_last)
 
     def _raise_unreported(self) -> None:
         if self._unreported:

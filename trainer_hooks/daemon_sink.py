@@ -29,8 +29,8 @@ from urllib.parse import quote
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.commit import SaveResult
 from ckptd.errors import CheckpointError
+from ckptd.persist import SaveResult
 from ckptd.savejob import SaveJob
 from storage_backends import StorageError, open_store
 from trainer_hooks.daemon_client import DaemonClient, detail

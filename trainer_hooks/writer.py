@@ -1,5 +1,5 @@
 """The in-process writer: one background thread that runs the commit protocol
-(:mod:`ckptd.commit`) for each snapshot of this rank, in submission order.
+(:mod:`ckptd.persist`) for each snapshot of this rank, in submission order.
 
 The training thread hands a ``SaveJob`` to :meth:`BackgroundWriter.submit` and gets a future
 that resolves at the commit (or fails with the save's error); everything that talks to storage
@@ -21,8 +21,8 @@ import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ckptd import catalog, commit
-from ckptd.errors import CheckpointError
+from ckptd import catalog, claims, persist, retention
+from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
 from ckptd.savejob import SaveJob
 from storage_backends import Store
 from trainer_hooks.flatten import as_numpy
@@ -36,7 +36,7 @@ log = logging.getLogger("ckptd.writer")
 class BackgroundWriter:
     """One thread that persists jobs in submission order, fanning puts out on an I/O pool.
 
-    ``writer`` is the job id that claims each step (``ckptd.commit.begin``; ``Checkpointer``
+    ``writer`` is the job id that claims each step (``ckptd.claims.begin``; ``Checkpointer``
     passes its ``job_id``)."""
 
     def __init__(
@@ -56,7 +56,7 @@ class BackgroundWriter:
         self.commit_timeout = commit_timeout
         self.save_timeout = save_timeout
         self.writer = writer or uuid.uuid4().hex  # a job of its own when not told
-        self.dedupe = commit.Dedupe() if incremental else None
+        self.dedupe = persist.Dedupe() if incremental else None
         self._stuck = 0  # saves abandoned at their deadline whose thread has not returned yet
         self._lock = threading.Lock()
         self._failed: list[int] = []  # steps whose save failed: reclaimed at the next save
@@ -95,8 +95,8 @@ class BackgroundWriter:
         def run() -> None:  # everything that talks to storage, under the save's deadline
             try:
                 if failed:
-                    commit.reclaim(self.store, failed, self.writer)
-                box["result"] = commit.persist(
+                    claims.reclaim(self.store, failed, self.writer)
+                box["result"] = persist.persist(
                     self.store,
                     job,
                     self.io,
@@ -130,7 +130,7 @@ class BackgroundWriter:
         if err is not None:
             if self.dedupe is not None:
                 self.dedupe.failed()
-            if not isinstance(err, commit.AlreadyCommitted | commit.StepClaimed):
+            if not isinstance(err, AlreadyCommitted | StepClaimed):
                 self._failed.append(job.step)  # not ours to reclaim otherwise
             fut.set_exception(err)
             return
@@ -138,7 +138,7 @@ class BackgroundWriter:
         if self.dedupe is not None:
             self.dedupe.committed(job.step)
         fut.set_result(result)
-        commit.after_commit(self.store, result, self.keep_last)
+        retention.after_commit(self.store, result, self.keep_last)
 
     @property
     def stuck(self) -> int:

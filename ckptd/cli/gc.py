@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from ckptd import catalog
+from ckptd import catalog, retention
 from ckptd import manifest as mf
 from ckptd.cli.common import (
     EXIT_FAILED,
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     aborted: list[str] = []
     with job_root(args.uri) as store:
         exists = store.exists_root()
-        doomed = catalog.select_for_deletion(store, args.keep_last) if exists else []
+        doomed = retention.select_for_deletion(store, args.keep_last) if exists else []
         if not args.dry_run and exists:
             with Progress("deleting") as progress:
                 for i, step in enumerate(doomed):

@@ -7,7 +7,7 @@ Modules, one job each:
 * ``staging``: the staging folder in shared memory: leases of buffer files, the memory budget,
   the journal that makes a restart finish (or discard) what a crash interrupted;
 * ``handoff``: validation of a hand-off request and mapping of its files;
-* ``jobs``: the upload through ``ckptd.commit.persist`` (the one
+* ``jobs``: the upload through ``ckptd.persist.persist`` (the one
   commit protocol), commit watching, retries;
 * ``metrics``: Prometheus counters;
 * ``app``: the FastAPI application (routes, auth, body limits).

@@ -32,8 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
-from ckptd.commit import AlreadyCommitted
-from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from ckptd.errors import AlreadyCommitted, CheckpointError, CheckpointNotFoundError
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics

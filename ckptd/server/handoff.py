@@ -2,7 +2,7 @@
 a staging lease. ``validate`` turns a request into a ``Job`` or refuses it (``BadJob``, HTTP 400):
 a root not served, keys escaping the checkpoint folder or reserved for the commit protocol, file
 names that are not plain names inside the lease, symlinks, sizes that do not match the layout.
-``load`` maps the files into the ``SaveJob`` that ``ckptd.commit.persist`` writes.
+``load`` maps the files into the ``SaveJob`` that ``ckptd.persist.persist`` writes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, image_chunks, image_nbytes
-from ckptd.commit import CLAIMS
 from ckptd.dtypes import numpy_dtype, torch_dtype
 from ckptd.errors import CheckpointError
 from ckptd.savejob import SaveJob, ShardWrite, format_image
@@ -178,7 +177,7 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
     for m in req["metadata"]:
         key = m["key"]
         _check_store_key(folder, key, "metadata key")
-        if key == mf.COMMIT or key.startswith((f"{mf.DONE}/", f"{CLAIMS}/")):
+        if mf.is_reserved(key):
             raise BadJob(f"metadata key {key!r} is reserved for the commit protocol")
         size = _file_size(lease, m["file"], f"metadata {key!r}")
         if size > MAX_META_BYTES:

@@ -1,7 +1,7 @@
 """Handed-off snapshots: upload them with the one commit protocol, watch their commits.
 
 A job (``handoff.Job``) is one rank's part of one checkpoint, its buffers in files of a staging
-lease. The daemon maps those files and calls ``ckptd.commit.persist`` -- the same code, hence the
+lease. The daemon maps those files and calls ``ckptd.persist.persist`` -- the same code, hence the
 same order of writes, as the in-process writer: shards and metadata, then the rank's done
 record, then ``try_commit`` (``put_if_absent`` of the commit record, so two daemons racing on
 one step commit it once); the worker that wrote the commit then applies retention
@@ -28,14 +28,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd import catalog
-from ckptd import commit as protocol
+from ckptd import catalog, claims, persist, retention
 from ckptd import manifest as mf
-from ckptd.errors import CheckpointError
+from ckptd.commit import POLLS_PER_SECOND
+from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
 from ckptd.server.handoff import FINAL, JOB_ID, BadJob, Job, intact, load, validate
 from ckptd.server.metrics import Metrics
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings
+from ckptd.server.shared_claim import SharedClaim
 from ckptd.server.staging import Lease, LeaseBusy, Staging
 from storage_backends import StorageError, Store, open_store
 from storage_backends.base import data_size
@@ -87,7 +88,7 @@ class Runner:
         self._pool = ThreadPoolExecutor(settings.upload_workers, thread_name_prefix="ckptd-upload")
         self._io = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="ckptd-io")
         # one claim of a step per attempt for all the ranks this daemon serves (not one per job)
-        self._claims = protocol.SharedClaim(on_begin=lambda: metrics.inc("ckptd_step_claims_total"))
+        self._claims = SharedClaim(on_begin=lambda: metrics.inc("ckptd_step_claims_total"))
         self._watching: dict[str, float] = {}  # job id -> next check (monotonic)
         self._on_final: dict[str, list[Callable[[], None]]] = {}  # job id -> long polls waiting
         self._stop = threading.Event()
@@ -191,7 +192,7 @@ class Runner:
         except CheckpointError:  # a malformed commit record: the step has one all the same
             committed = True
         if committed:
-            raise protocol.AlreadyCommitted(
+            raise AlreadyCommitted(
                 f"{catalog.where(self.store(job.root), job.step)}: step {job.step} is already committed; "
                 "refusing the hand-off"
             )
@@ -331,7 +332,7 @@ class Runner:
             result = "already"  # a restart after the commit but before the journal said so
         elif commit is not None:  # refused here: on a shared go (no begin of its own) it would write
             tries = 0
-            err = protocol.AlreadyCommitted(
+            err = AlreadyCommitted(
                 f"{catalog.where(store, job.step)}: step {job.step} was committed by attempt "
                 f"{commit.get('attempt')!r}; refusing to overwrite"
             )
@@ -343,11 +344,11 @@ class Runner:
             try:
                 # The attempt's first job here runs begin; its other jobs wait for that running
                 # claim (never for a queued job) and share a definitive outcome.
-                writer = protocol.check_writer(job.writer or job.attempt)
+                writer = claims.check_writer(job.writer or job.attempt)
                 self._claims.claim(store, job.root, job.step, job.attempt, writer)
                 save_job = load(job, lease.dir)
                 try:
-                    result = protocol.persist(
+                    result = persist.persist(
                         store,
                         save_job,
                         self._io,
@@ -360,7 +361,7 @@ class Runner:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
                 err = e
-                if isinstance(e, protocol.AlreadyCommitted | protocol.StepClaimed):
+                if isinstance(e, AlreadyCommitted | StepClaimed):
                     break  # a refusal: the step is not this attempt's to write, a retry cannot change that
                 if isinstance(e, OSError | CheckpointError) and intact(job, lease.dir) is not None:
                     break  # the files are gone: retrying cannot help
@@ -395,7 +396,7 @@ class Runner:
             self._claims.saw_commit(job.root, job.step, {"attempt": job.attempt})
             self._finish(job, "committed")
             if result != "already":
-                protocol.after_commit(store, result, self.settings.keep_last)
+                retention.after_commit(store, result, self.settings.keep_last)
         else:
             job.state = "uploaded"
             with self._lock:
@@ -467,7 +468,7 @@ class Runner:
                 pause = min(0.01 + waited / 10, 0.5)
                 world = left[0].world_size
                 if world > 64:  # all the attempt's daemons together: ~POLLS_PER_SECOND reads
-                    pause = max(pause, world / len(left) / protocol.POLLS_PER_SECOND * (0.5 + rng.random()))
+                    pause = max(pause, world / len(left) / POLLS_PER_SECOND * (0.5 + rng.random()))
                 with self._lock:
                     for job in left:
                         if job.job in self._watching:

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckptd import commit
+from ckptd import claims, commit
 from ckptd import manifest as mf
 from storage_backends import open_store
 
@@ -34,7 +34,7 @@ def main(root: str, mode: str, proc: int, nprocs: int, world: int, out: str, hol
         Path(out).write_text(json.dumps(won))
         return
     if proc == 0:  # rank 0's part before anyone's done record: claim, manifest
-        commit.begin(store, 5, "att", "job")
+        claims.begin(store, 5, "att", "job")
         m = mf.Manifest(step=5, world_size=world, tensors={}, state={}, attempt="att")
         store.put(f"{mf.step_dir(5)}/{mf.MANIFEST}", m.to_bytes())
         Path(out).with_name("claimed").write_text("")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptd import catalog, commit
+from ckptd import catalog, errors
 from ckptd.cli.main import main
 from ckptd.stream import CheckpointWriter
 from ckptd.verify import verify
@@ -42,7 +42,7 @@ def test_a_new_checkpointer_cannot_overwrite_a_committed_step(committed):
     with Checkpointer(str(root)) as ck:  # another process's view: nothing in memory about step 3
         fut = ck.save(3, {"w": torch.full((8, 8), 5.0)})
         exc = fut.exception(timeout=120)
-        assert isinstance(exc, commit.AlreadyCommitted) and "already committed" in str(exc)
+        assert isinstance(exc, errors.AlreadyCommitted) and "already committed" in str(exc)
         ck.save(4, {"w": torch.full((8, 8), 5.0)}).result()  # the job goes on with the next step
     assert folder_digest(root, 3) == before
     store = open_store(str(root))
@@ -56,7 +56,7 @@ def test_a_new_checkpointer_cannot_overwrite_a_committed_step(committed):
 def test_checkpoint_writer_refuses_a_committed_step(committed):
     root, before = committed
     store = open_store(str(root))
-    with pytest.raises(commit.AlreadyCommitted, match="already committed"), CheckpointWriter(store, 3) as w:
+    with pytest.raises(errors.AlreadyCommitted, match="already committed"), CheckpointWriter(store, 3) as w:
         w.write_tensor("w", np.zeros((8, 8), np.float32))
     assert folder_digest(root, 3) == before
 

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ckptd import catalog, commit
+from ckptd import catalog, claims
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout
 from ckptd.verify import verify
@@ -158,7 +158,7 @@ def test_a_request_cannot_set_retention(served, client):
 
 def test_the_ranks_a_daemon_serves_share_one_claim_of_the_step(served, client):
     """Four ranks of one attempt hand off to one daemon: its first job claims the step
-    (``commit.begin``), the others wait for that claim and share it -- one claim record and one
+    (``claims.begin``), the others wait for that claim and share it -- one claim record and one
     begin for the attempt (before: one begin per job, 4; ~3 requests each on the step)."""
     d, root = served
     job_root = root + "/shared"
@@ -171,7 +171,7 @@ def test_the_ranks_a_daemon_serves_share_one_claim_of_the_step(served, client):
     assert [final_state(client, j)["state"] for j in jobs] == ["committed"] * 4
     store = open_store(job_root)
     assert catalog.read_commit(store, 8)["attempt"] == "a1"
-    assert [rec["attempt"] for _, rec in commit.claims(store, 8)] == ["a1"]
+    assert [rec["attempt"] for _, rec in claims.claims(store, 8)] == ["a1"]
     assert d.metric("ckptd_step_claims_total") - before == 1
     assert verify(store, 8).ok
 
@@ -183,7 +183,7 @@ def test_every_rank_of_a_refused_attempt_gets_the_one_refusal(served, client):
     d, root = served
     job_root = root + "/taken"
     store = open_store(job_root)
-    commit.begin(store, 9, "theirs", "job-other")  # job-other claimed step 9 just now
+    claims.begin(store, 9, "theirs", "job-other")  # job-other claimed step 9 just now
     before = d.metric("ckptd_step_claims_total"), d.metric("ckptd_upload_retries_total")
     jobs = []
     for rank in range(4):
@@ -197,7 +197,7 @@ def test_every_rank_of_a_refused_attempt_gets_the_one_refusal(served, client):
     assert "being written by job 'job-other'" in errors.pop()
     assert d.metric("ckptd_step_claims_total") - before[0] == 1
     assert d.metric("ckptd_upload_retries_total") == before[1]
-    assert sorted(o.key for o in store.list("")) == [commit.claim_key(9, 0)]
+    assert sorted(o.key for o in store.list("")) == [claims.claim_key(9, 0)]
 
 
 def test_a_failed_claim_is_not_shared_the_next_job_claims_again(served, client):
@@ -208,7 +208,7 @@ def test_a_failed_claim_is_not_shared_the_next_job_claims_again(served, client):
     job_root = root + "/blocked"
     folder = Path(job_root) / mf.step_dir(10)
     folder.mkdir(parents=True)
-    (folder / commit.CLAIMS).write_text("in the way")
+    (folder / mf.CLAIMS).write_text("in the way")
     claims0, retries0 = d.metric("ckptd_step_claims_total"), d.metric("ckptd_upload_retries_total")
     r = hand_off(client, job_root, 10, "a1", writer="job-a")
     assert r.status_code == 200, r.text
@@ -217,9 +217,9 @@ def test_a_failed_claim_is_not_shared_the_next_job_claims_again(served, client):
     retries = d.metric("ckptd_upload_retries_total") - retries0
     assert retries >= 1
     assert d.metric("ckptd_step_claims_total") - claims0 == retries + 1  # every try claimed again
-    (folder / commit.CLAIMS).unlink()
+    (folder / mf.CLAIMS).unlink()
     r = hand_off(client, job_root, 10, "a1", writer="job-a")
     assert r.status_code == 200, r.text
     assert final_state(client, r.json()["job"])["state"] == "committed"
     assert d.metric("ckptd_step_claims_total") - claims0 == retries + 2
-    assert len(commit.claims(open_store(job_root), 10)) == 1
+    assert len(claims.claims(open_store(job_root), 10)) == 1

@@ -12,10 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from ckptd import catalog, commit
+from ckptd import catalog, claims, commit, errors, persist, retention
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
 from ckptd.errors import CheckpointError
+from ckptd.server import shared_claim
 from storage_backends import StorageError, memory, open_store
 
 LAYOUT = ArrayLayout((4, 2), "float32", (2, 2), (2, 2))  # two shards
@@ -35,8 +36,8 @@ def store(request, tmp_path):
 
 
 def write_part(store, step, attempt, rank, world_size, shards, writer="job-a", manifest_attempt=None):
-    """What ``commit.persist`` writes for one rank: claim, data, (rank 0) manifest, done record."""
-    commit.begin(store, step, attempt, writer)
+    """What ``persist.persist`` writes for one rank: claim, data, (rank 0) manifest, done record."""
+    claims.begin(store, step, attempt, writer)
     folder = mf.step_dir(step)
     for i, key in enumerate(SHARDS):
         if key in shards:
@@ -44,7 +45,7 @@ def write_part(store, step, attempt, rank, world_size, shards, writer="job-a", m
             store.put(f"{folder}/{key}", encode_shard(LAYOUT, (i, 0), block))
     if rank == 0:
         m = mf.Manifest(step, world_size, {"w": mf.TensorEntry("w", LAYOUT)}, {}, manifest_attempt or attempt)
-        for key, data in commit.manifest_objects(m):
+        for key, data in persist.manifest_objects(m):
             store.put(f"{folder}/{key}", data)
     rec = {"rank": rank, "writer": writer, "bytes": 16, "objects": len(shards), "shards": list(shards)}
     store.put(mf.done_key(step, attempt, rank), mf.dumps(rec))
@@ -83,7 +84,7 @@ def test_try_commit_ignores_done_records_of_another_attempt(store):
     assert not commit.try_commit(store, 4, "new", 2)
     assert catalog.read_commit(store, 4) is None
     # the old attempt, complete but superseded, can no longer commit
-    with pytest.raises(commit.StepClaimed, match="claimed by job 'job-a' \\(attempt 'new'\\)"):
+    with pytest.raises(errors.StepClaimed, match="claimed by job 'job-a' \\(attempt 'new'\\)"):
         commit.try_commit(store, 4, "old", 2)
     assert catalog.read_commit(store, 4) is None
 
@@ -109,26 +110,26 @@ def test_try_commit_needs_every_shard_accounted_for(store):
 
 def test_begin_refuses_committed_steps_and_other_writers(store, monkeypatch):
     committed_step(store, 1)
-    with pytest.raises(commit.AlreadyCommitted, match="already committed"):
-        commit.begin(store, 1, "new", "job-a")
-    commit.begin(store, 2, "a1", "job-a")
-    commit.begin(store, 2, "a1", "job-a")  # another rank of the same attempt
-    assert [n for n, _ in commit.claims(store, 2)] == [0]
-    with pytest.raises(commit.StepClaimed, match="being written by job 'job-a'.*as job 'job-b'"):
-        commit.begin(store, 2, "b1", "job-b")
-    commit.begin(store, 2, "a2", "job-a")  # the same job again (a restart, a retry): takes over
-    assert commit.owner(store, 2) == {**commit.owner(store, 2), "writer": "job-a", "attempt": "a2"}
-    assert [n for n, _ in commit.claims(store, 2)] == [0, 1]
+    with pytest.raises(errors.AlreadyCommitted, match="already committed"):
+        claims.begin(store, 1, "new", "job-a")
+    claims.begin(store, 2, "a1", "job-a")
+    claims.begin(store, 2, "a1", "job-a")  # another rank of the same attempt
+    assert [n for n, _ in claims.claims(store, 2)] == [0]
+    with pytest.raises(errors.StepClaimed, match="being written by job 'job-a'.*as job 'job-b'"):
+        claims.begin(store, 2, "b1", "job-b")
+    claims.begin(store, 2, "a2", "job-a")  # the same job again (a restart, a retry): takes over
+    assert claims.owner(store, 2) == {**claims.owner(store, 2), "writer": "job-a", "attempt": "a2"}
+    assert [n for n, _ in claims.claims(store, 2)] == [0, 1]
     monkeypatch.setenv("CKPTD_STALE_ATTEMPT_S", "0")  # job-a counts as dead at once
-    commit.begin(store, 2, "b1", "job-b")
-    assert commit.owner(store, 2)["writer"] == "job-b"
+    claims.begin(store, 2, "b1", "job-b")
+    assert claims.owner(store, 2)["writer"] == "job-b"
 
 
 def test_reclaim_deletes_only_own_partial_steps(store):
     committed_step(store, 1)
     write_part(store, 2, "a", 0, 2, SHARDS)  # job-a's partial
     write_part(store, 3, "b", 0, 2, SHARDS, writer="job-b")  # another job's partial
-    assert commit.reclaim(store, [1, 2, 3], "job-a") == [2]
+    assert claims.reclaim(store, [1, 2, 3], "job-a") == [2]
     assert catalog.steps(store) == [1, 3]
     assert catalog.committed_steps(store) == [1]
 
@@ -147,11 +148,11 @@ def test_select_for_deletion_keeps_newest_and_never_newer_partials(store):
         committed_step(store, s)
     store.put(f"{mf.step_dir(4)}/arrays/x/c/0", b"partial older than the newest commit")
     store.put(f"{mf.step_dir(6)}/arrays/x/c/0", b"partial newer than the newest commit (in flight)")
-    assert catalog.select_for_deletion(store, 2) == [1, 2, 4]
-    assert catalog.select_for_deletion(store, 2, protect={2}) == [1, 4]
-    assert catalog.select_for_deletion(store, 10) == [4]
+    assert retention.select_for_deletion(store, 2) == [1, 2, 4]
+    assert retention.select_for_deletion(store, 2, protect={2}) == [1, 4]
+    assert retention.select_for_deletion(store, 10) == [4]
     with pytest.raises(CheckpointError, match="keep_last must be >= 1"):
-        catalog.select_for_deletion(store, 0)
+        retention.select_for_deletion(store, 0)
     assert catalog.steps(store) == [1, 2, 3, 4, 5, 6]  # selecting deletes nothing
 
 
@@ -159,15 +160,15 @@ def test_retain_deletes_what_it_selects(store):
     for s in (1, 2, 3):
         committed_step(store, s)
     store.put(f"{mf.step_dir(4)}/arrays/x/c/0", b"in flight")
-    assert catalog.retain(store, 1) == [1, 2]
+    assert retention.retain(store, 1) == [1, 2]
     assert catalog.steps(store) == [3, 4]
     assert catalog.committed_steps(store) == [3]
-    assert catalog.retain(store, 1) == []
+    assert retention.retain(store, 1) == []
 
 
 def test_select_for_deletion_on_a_root_without_commits(store):
     store.put(f"{mf.step_dir(1)}/arrays/x/c/0", b"partial")
-    assert catalog.select_for_deletion(store, 1) == []
+    assert retention.select_for_deletion(store, 1) == []
 
 
 def test_step_bound():
@@ -177,11 +178,11 @@ def test_step_bound():
 
 
 def test_a_superseded_attempt_never_takes_the_step_back(store):
-    commit.begin(store, 8, "a1", "job-a")
-    commit.begin(store, 8, "a2", "job-a")  # the job's retry supersedes a1
-    with pytest.raises(commit.StepClaimed, match="superseded by attempt 'a2'"):
-        commit.begin(store, 8, "a1", "job-a")  # a1 resumed late (a daemon restart)
-    assert commit.owner(store, 8)["attempt"] == "a2"
+    claims.begin(store, 8, "a1", "job-a")
+    claims.begin(store, 8, "a2", "job-a")  # the job's retry supersedes a1
+    with pytest.raises(errors.StepClaimed, match="superseded by attempt 'a2'"):
+        claims.begin(store, 8, "a1", "job-a")  # a1 resumed late (a daemon restart)
+    assert claims.owner(store, 8)["attempt"] == "a2"
 
 
 class _ClaimReadsFail(memory.MemoryStore):
@@ -195,10 +196,10 @@ class _ClaimReadsFail(memory.MemoryStore):
 
 def test_an_unreadable_claim_is_a_storage_error_not_another_writer():
     store = _ClaimReadsFail()
-    commit.begin(store, 3, "a", "job")  # no claim yet: nothing to read
+    claims.begin(store, 3, "a", "job")  # no claim yet: nothing to read
     with pytest.raises(CheckpointError, match="cannot read claim 000000.json") as e:
-        commit.begin(store, 3, "a", "job")  # before: StepClaimed, "an unknown writer"
-    assert not isinstance(e.value, commit.StepClaimed)
+        claims.begin(store, 3, "a", "job")  # before: StepClaimed, "an unknown writer"
+    assert not isinstance(e.value, errors.StepClaimed)
 
 
 # -- SharedClaim: one claim per attempt for the parts one process persists (the daemon) ----------
@@ -247,11 +248,11 @@ def _claim_all(shared, store, step, attempt, writer, n=4, first=None):
 def test_parts_of_one_attempt_share_one_running_claim():
     store = _ClaimGate()
     begins = []
-    shared = commit.SharedClaim(on_begin=lambda: begins.append(1))
+    shared = shared_claim.SharedClaim(on_begin=lambda: begins.append(1))
     out = _claim_all(shared, store, 5, "a1", "job-a", first=lambda: store.entered.wait(30))
     assert out == [None] * 4
     assert len(begins) == 1
-    assert [r["attempt"] for _, r in commit.claims(store, 5)] == ["a1"]
+    assert [r["attempt"] for _, r in claims.claims(store, 5)] == ["a1"]
     shared.claim(store, store.uri, 5, "a1", "job-a")  # a late part: the go is still trusted
     assert len(begins) == 1
 
@@ -259,26 +260,26 @@ def test_parts_of_one_attempt_share_one_running_claim():
 def test_a_refusal_is_shared_word_for_word():
     store = _ClaimGate()
     store.release.set()
-    commit.begin(store, 5, "theirs", "job-other")
+    claims.begin(store, 5, "theirs", "job-other")
     begins = []
-    shared = commit.SharedClaim(on_begin=lambda: begins.append(1))
+    shared = shared_claim.SharedClaim(on_begin=lambda: begins.append(1))
     out = _claim_all(shared, store, 5, "a1", "job-a")
-    assert all(isinstance(e, commit.StepClaimed) for e in out), out
+    assert all(isinstance(e, errors.StepClaimed) for e in out), out
     assert len({str(e) for e in out}) == 1 and "job 'job-other'" in str(out[0])
     assert len({id(e) for e in out}) == 4  # each part's thread raises its own exception object
     assert len(begins) == 1
-    assert [n for n, _ in commit.claims(store, 5)] == [0]
+    assert [n for n, _ in claims.claims(store, 5)] == [0]
 
 
 def test_a_transient_claim_failure_is_kept_for_nobody():
     store = _ClaimReadsFail()
-    commit.begin(store, 3, "a", "job")  # a claim to read: the next begins fail to read it
+    claims.begin(store, 3, "a", "job")  # a claim to read: the next begins fail to read it
     begins = []
-    shared = commit.SharedClaim(on_begin=lambda: begins.append(1))
+    shared = shared_claim.SharedClaim(on_begin=lambda: begins.append(1))
     for _ in range(2):
         with pytest.raises(CheckpointError, match="cannot read claim") as e:
             shared.claim(store, store.uri, 3, "a", "job")
-        assert not isinstance(e.value, commit.StepClaimed | commit.AlreadyCommitted)
+        assert not isinstance(e.value, errors.StepClaimed | errors.AlreadyCommitted)
         assert len(shared) == 0
     assert len(begins) == 2  # the second part claimed again
 
@@ -287,17 +288,17 @@ def test_a_shared_go_is_trusted_for_a_quarter_of_the_stale_time(monkeypatch):
     monkeypatch.setenv("CKPTD_STALE_ATTEMPT_S", "0.4")  # a go is trusted for 0.1 s
     store = memory.MemoryStore()
     begins = []
-    shared = commit.SharedClaim(on_begin=lambda: begins.append(1))
+    shared = shared_claim.SharedClaim(on_begin=lambda: begins.append(1))
     shared.claim(store, store.uri, 5, "a1", "job-a")
     time.sleep(0.15)
     shared.claim(store, store.uri, 5, "a1", "job-a")  # too old: claims again
     assert len(begins) == 2
-    assert len(commit.claims(store, 5)) == 1  # begin is idempotent for the attempt
+    assert len(claims.claims(store, 5)) == 1  # begin is idempotent for the attempt
 
 
 def test_the_shared_claims_table_is_bounded():
     store = memory.MemoryStore()
-    shared = commit.SharedClaim(limit=2)
+    shared = shared_claim.SharedClaim(limit=2)
     for step in range(1, 6):
         shared.claim(store, store.uri, step, "a1", "job-a")
     assert len(shared) == 2
@@ -308,13 +309,13 @@ def test_a_newer_attempts_go_voids_the_shared_go_of_the_old_one():
     queued in the same daemon claims again and is refused, instead of writing on a1's old go."""
     store = memory.MemoryStore()
     begins = []
-    shared = commit.SharedClaim(on_begin=lambda: begins.append(1))
+    shared = shared_claim.SharedClaim(on_begin=lambda: begins.append(1))
     shared.claim(store, store.uri, 5, "a1", "job-a")
     shared.claim(store, store.uri, 5, "a2", "job-a")  # the same job, restarted: takes the step over
-    with pytest.raises(commit.StepClaimed, match="attempt a1 was superseded by attempt 'a2'"):
+    with pytest.raises(errors.StepClaimed, match="attempt a1 was superseded by attempt 'a2'"):
         shared.claim(store, store.uri, 5, "a1", "job-a")
     assert len(begins) == 3
-    assert [r["attempt"] for _, r in commit.claims(store, 5)] == ["a1", "a2"]
+    assert [r["attempt"] for _, r in claims.claims(store, 5)] == ["a1", "a2"]
 
 
 class _CommitReadGate(memory.MemoryStore):
@@ -336,7 +337,7 @@ def test_a_daemons_jobs_share_one_read_of_the_commit_record():
     """The jobs of a node hand off together: one GET of commit.json answers all of them, a
     later one reads again; a commit is seen once the answer is older than ``fresh_s``."""
     store = _CommitReadGate()
-    shared = commit.SharedClaim()
+    shared = shared_claim.SharedClaim()
     out = []
     threads = [
         threading.Thread(target=lambda: out.append(shared.committed(store, "r", 5, fresh_s=60))) for _ in range(4)

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from ckptd import commit
 from ckptd import manifest as mf
+from ckptd import persist
 from storage_backends import open_store
 from trainer_hooks.flatten import as_numpy, flatten
 from trainer_hooks.snapshot import Planner, Stager, take
@@ -127,7 +127,7 @@ def test_gpu_tensors_stage_pinned_on_a_side_stream_and_the_writer_waits(fake_cud
     stager = PinRecordingStager()
     flat = flatten(state)
     job, entries = take(flat, 1, "a1", 0, 1, stager, Planner())
-    job.metadata += commit.manifest_objects(mf.Manifest(1, 1, entries, flat.tree, "a1"))
+    job.metadata += persist.manifest_objects(mf.Manifest(1, 1, entries, flat.tree, "a1"))
 
     copies = [e for e in log if e[0] == "copy"]
     # w, b and the GPU scalar (copied, not inlined), async, on the side stream; the CPU tensor
@@ -153,7 +153,7 @@ def test_gpu_tensors_stage_pinned_on_a_side_stream_and_the_writer_waits(fake_cud
     n = len(log)
     store = open_store(str(tmp_path / "job"))
     with ThreadPoolExecutor(2) as pool:
-        assert commit.persist(store, job, pool, wait=False, to_numpy=as_numpy).committed_here
+        assert persist.persist(store, job, pool, wait=False, to_numpy=as_numpy).committed_here
     assert job.ready.synchronized and log[n] == ("synchronize", ev)  # before any read of the buffers
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from ckptd import catalog, commit, donetree, latest
+from ckptd import catalog, claims, commit, donetree, errors, latest, persist
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
 from storage_backends import MemoryStore
@@ -20,7 +20,7 @@ from storage_backends.simulated import SimulatedStore, VirtualClock, VirtualTime
 def _claim_with_manifest(store, step: int, attempt: str, n: int) -> None:
     """What rank 0 does before the done records: claim the step, write the manifest (no
     tensors here, so no shard is expected)."""
-    commit.begin(store, step, attempt, "job")
+    claims.begin(store, step, attempt, "job")
     m = mf.Manifest(step=step, world_size=n, tensors={}, state={}, attempt=attempt)
     store.put(f"{mf.step_dir(step)}/{mf.MANIFEST}", m.to_bytes())
 
@@ -285,7 +285,7 @@ def _save_all(n: int, *, seed: int = 0, ranks=None, writer: str = "job", timeout
     def rank(r: int) -> None:
         pool = ClockPool(clock) if r == 0 else InlinePool()
         try:
-            out[r] = commit.persist(store, _job(7, "a", r, n, 1), pool, writer=writer, commit_timeout=timeout)
+            out[r] = persist.persist(store, _job(7, "a", r, n, 1), pool, writer=writer, commit_timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a result
             out[r] = e
 
@@ -297,7 +297,7 @@ def _save_all(n: int, *, seed: int = 0, ranks=None, writer: str = "job", timeout
 
 
 def _claims_peak(store) -> int:
-    return max((c for (_, pre), c in store.stats.peak.items() if f"/{commit.CLAIMS}" in pre), default=0)
+    return max((c for (_, pre), c in store.stats.peak.items() if f"/{mf.CLAIMS}" in pre), default=0)
 
 
 def test_two_thousand_ranks_claim_a_step_without_a_burst():
@@ -307,23 +307,23 @@ def test_two_thousand_ranks_claim_a_step_without_a_burst():
     # hundred reads in any second, whatever N, and the save commits.
     n = 2000
     store, out, claim_phase = _save_all(n)
-    assert all(isinstance(r, commit.SaveResult) for r in out.values()), next(
-        r for r in out.values() if not isinstance(r, commit.SaveResult)
+    assert all(isinstance(r, persist.SaveResult) for r in out.values()), next(
+        r for r in out.values() if not isinstance(r, persist.SaveResult)
     )
     assert sum(r.committed_here for r in out.values()) == 1
     (slowdowns, by_prefix), *_ = claim_phase
     assert slowdowns == 0 and store.stats.slowdowns == 0
     assert _claims_peak(store) <= 1000
-    claims = sum(c for (_, pre), c in by_prefix.items() if f"/{commit.CLAIMS}" in pre)
+    claims = sum(c for (_, pre), c in by_prefix.items() if f"/{mf.CLAIMS}" in pre)
     assert claims <= 6 * n  # O(N): the outcome polls, ~3 per rank
-    assert by_prefix[("LIST", f"{mf.step_dir(7)}/{commit.CLAIMS}")] == 1  # only rank 0 looked
+    assert by_prefix[("LIST", f"{mf.step_dir(7)}/{mf.CLAIMS}")] == 1  # only rank 0 looked
     assert by_prefix[("HEAD", mf.step_dir(7))] == 1  # and only rank 0 checked for a commit
 
 
 def test_outcomes_survive_500s_and_lost_responses():
     store, out, _ = _save_all(300, seed=5, error_rate=0.03, lost_rate=0.03)
     assert store.stats.errors > 0
-    assert all(isinstance(r, commit.SaveResult) for r in out.values())
+    assert all(isinstance(r, persist.SaveResult) for r in out.values())
     assert sum(r.committed_here for r in out.values()) == 1
     assert catalog.read_commit(store.inner, 7)["world_size"] == 300
 
@@ -336,12 +336,12 @@ def _data_keys(store, step: int) -> list[str]:
 def test_a_refused_claim_fails_every_rank_with_rank_0s_error_and_writes_no_data(case):
     pre = MemoryStore()
     if case == "other_writer":  # another job claimed step 7 just now and is writing it
-        pre.put(commit.claim_key(7, 0), mf.dumps({"writer": "other-job", "attempt": "x", "time": 1.7e9}))
+        pre.put(claims.claim_key(7, 0), mf.dumps({"writer": "other-job", "attempt": "x", "time": 1.7e9}))
         pre.put(f"{mf.step_dir(7)}/{mf.ARRAYS}/w/c/0", b"theirs")
-        expected, match = commit.StepClaimed, "being written by job 'other-job'"
+        expected, match = errors.StepClaimed, "being written by job 'other-job'"
     else:
         pre.put(f"{mf.step_dir(7)}/{mf.COMMIT}", b'{"attempt":"x"}')
-        expected, match = commit.AlreadyCommitted, "already committed"
+        expected, match = errors.AlreadyCommitted, "already committed"
     before = {i.key for i in pre.list()}
     n = 300
     clock = VirtualClock()
@@ -355,7 +355,7 @@ def test_a_refused_claim_fails_every_rank_with_rank_0s_error_and_writes_no_data(
     def rank(r: int) -> None:
         pool = ClockPool(clock) if r == 0 else InlinePool()
         try:
-            out[r] = commit.persist(store, _job(7, "a", r, n, 1), pool, writer="job", commit_timeout=3600.0)
+            out[r] = persist.persist(store, _job(7, "a", r, n, 1), pool, writer="job", commit_timeout=3600.0)
         except Exception as e:  # noqa: BLE001 - a result
             out[r] = e
 
@@ -367,7 +367,7 @@ def test_a_refused_claim_fails_every_rank_with_rank_0s_error_and_writes_no_data(
     assert all(type(e) is expected and match in str(e) for e in out.values()), out[1]
     # only rank 0 looked: one check for a commit, one listing of the claims (none when committed)
     assert store.stats.by_prefix[("HEAD", mf.step_dir(7))] == 1
-    assert store.stats.by_prefix[("LIST", f"{mf.step_dir(7)}/{commit.CLAIMS}")] == int(case == "other_writer")
+    assert store.stats.by_prefix[("LIST", f"{mf.step_dir(7)}/{mf.CLAIMS}")] == int(case == "other_writer")
     added = {i.key for i in pre.list()} - before
     assert added == {f"{mf.step_dir(7)}/_claims/a/{g:06d}/go.json" for g in range(5)}  # the refusal only
 
@@ -391,18 +391,18 @@ def test_a_stale_go_is_not_trusted(monkeypatch):
     # Rank 0 said go long ago (a save resumed much later); since then the step was taken over.
     # A rank reading that go runs begin() itself and is refused instead of writing.
     store = MemoryStore()
-    commit.begin(store, 7, "a", "job")
+    claims.begin(store, 7, "a", "job")
     store.put(
-        commit.outcome_key(7, "a", 0),
+        claims.outcome_key(7, "a", 0),
         mf.dumps({"ok": True, "writer": "job", "attempt": "a", "time": 1.0}),  # 1970
     )
     monkeypatch.setenv("CKPTD_STALE_ATTEMPT_S", "0")
-    commit.begin(store, 7, "b", "other-job")  # job is dead: taken over
-    with pytest.raises(commit.StepClaimed, match="superseded"):
-        commit.follow_claim(store, 7, "a", "job", 5, timeout=5.0)
+    claims.begin(store, 7, "b", "other-job")  # job is dead: taken over
+    with pytest.raises(errors.StepClaimed, match="superseded"):
+        claims.follow_claim(store, 7, "a", "job", 5, timeout=5.0)
     # a fresh go is trusted without reading the claims
-    store.put(commit.outcome_key(7, "c", 0), mf.dumps({"ok": True, "writer": "job", "attempt": "c", "time": 9e9}))
-    commit.follow_claim(store, 7, "c", "job", 5, timeout=5.0)
+    store.put(claims.outcome_key(7, "c", 0), mf.dumps({"ok": True, "writer": "job", "attempt": "c", "time": 9e9}))
+    claims.follow_claim(store, 7, "c", "job", 5, timeout=5.0)
 
 
 def test_refusal_records_do_not_keep_a_dead_jobs_step_alive(tmp_path):
@@ -413,7 +413,7 @@ def test_refusal_records_do_not_keep_a_dead_jobs_step_alive(tmp_path):
     from storage_backends import open_store
 
     store = open_store(str(tmp_path / "root"))
-    commit.begin(store, 7, "x", "dead-job")
+    claims.begin(store, 7, "x", "dead-job")
     store.put(f"{mf.step_dir(7)}/{mf.ARRAYS}/w/c/0", b"theirs")
     old = 1_000_000_000
     for dirpath, _, files in os.walk(tmp_path / "root"):
@@ -421,5 +421,5 @@ def test_refusal_records_do_not_keep_a_dead_jobs_step_alive(tmp_path):
             os.utime(os.path.join(dirpath, f), (old, old))
     refusal = {"ok": False, "writer": "job", "attempt": "r", "time": 1.0}
     store.put(f"{mf.step_dir(7)}/_claims/r/000000/go.json", mf.dumps(refusal))
-    commit.begin(store, 7, "a", "job")  # stale (idle since 2001): taken over
-    assert commit.owner(store, 7)["writer"] == "job"
+    claims.begin(store, 7, "a", "job")  # stale (idle since 2001): taken over
+    assert claims.owner(store, 7)["writer"] == "job"
