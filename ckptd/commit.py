@@ -74,52 +74,6 @@ def _claimed_manifest(store: Store, step: int, attempt: str, world_size: int, wh
     return rec, m
 
 
-def try_commit(store: Store, step: int, attempt: str, world_size: int, extra: dict | None = None) -> bool:
-    """Write the commit record if every rank of ``attempt`` has written its done record.
-
-    Called by each rank (or daemon) after its own done record is durable. Returns True for the
-    one caller whose ``put_if_absent`` created the record. Listing after our own done record is
-    written guarantees the last finisher sees them all (object stores list what was written).
-    Before committing, checks that the step's newest claim, its manifest and the done records
-    all name ``attempt``, that the manifest parses and matches the step and world size, and
-    that the done records account for every shard the manifest needs; CheckpointError if not
-    (nothing is committed)."""
-    where = catalog.where(store, step)
-    dones = list(store.list(mf.done_prefix(step, attempt)))
-    if len(dones) < world_size:
-        return False
-    rec, m = _claimed_manifest(store, step, attempt, world_size, where)
-    total, objects, ranks, shards = 0, 0, set(), set()
-    for d in dones:
-        try:
-            r = mf.read_json(store, d.key, where, "done record")
-            ranks.add(r["rank"])
-            total += int(r.get("bytes", 0))
-            objects += int(r.get("objects", 0))
-            shards.update(r.get("shards", ()))
-        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
-            raise CheckpointError(f"{where}: done record {d.key} is malformed ({e!r})") from None
-    if ranks != set(range(world_size)):
-        raise CheckpointError(f"{where}: done records of attempt {attempt} name ranks {sorted(ranks)[:8]}...")
-    missing = expected_shards(m) - shards
-    if missing:
-        raise CheckpointError(
-            f"{where}: not committing attempt {attempt}: no rank wrote {len(missing)} shard objects the manifest "
-            f"needs, e.g. {sorted(missing)[0]}"
-        )
-    record = {
-        "step": step,
-        "attempt": attempt,
-        "writer": rec.get("writer"),
-        "world_size": world_size,
-        "bytes": total,
-        "objects": objects,
-        "time": time.time(),
-        **(extra or {}),
-    }
-    return commit_step(store, step, record)
-
-
 # -- the scalable commit (issue 17): the done tree, the latest-step chain, paced polling ------------
 
 
@@ -149,12 +103,18 @@ def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, ext
 
 
 def _check_before_commit(store: Store, step: int, attempt: str, world_size: int, total) -> dict:
-    """What ``try_commit`` checks, from the tree's totals instead of every done record: the
-    newest claim and the manifest name ``attempt`` (the tree already holds one record per rank
-    0 .. N-1), and the shards the done records name are the ones the manifest needs -- the
-    tree sums a 64-bit hash of each rank's shard keys, compared with the same sum over
-    ``expected_shards``; only when they differ are the records read to say what is missing
-    (a rank may write more than the manifest needs). Returns the commit record."""
+    """The commit rules, checked by the rank that completed the done tree (which already holds
+    one record of ``attempt`` per rank 0 .. N-1, other attempts' records being in other
+    folders), from the tree's totals instead of every done record:
+
+    1. the newest claim names ``attempt`` (:func:`_claimed_manifest`);
+    2. ``manifest.json`` exists and names this step, ``attempt`` and ``world_size``;
+    3. every shard the manifest needs is named by some done record: the tree sums a 64-bit hash
+       of each rank's shard keys, compared with the same sum over :func:`expected_shards`; only
+       when they differ are the records read to say what is missing (a rank may write more
+       than the manifest needs).
+
+    Raises StepClaimed / CheckpointError if a rule fails; returns the commit record."""
     where = catalog.where(store, step)
     rec, m = _claimed_manifest(store, step, attempt, world_size, where)
     expected = expected_shards(m)
@@ -299,6 +259,5 @@ __all__ = [
     "expected_shards",
     "finish_rank",
     "poll_delays",
-    "try_commit",
     "wait_commit",
 ]

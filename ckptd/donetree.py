@@ -34,9 +34,13 @@ still checks ``commit.json`` itself in a random ``NOTICE_GROUP / N`` of its poll
 committer died before writing the notices.
 
 At N = 4096 (F = 64) the last rank's path to the commit is 5 requests (done record, LIST, node,
-LIST, commit); a save costs about 2N + 2N/F requests in the tree. Checkpoints committed before
-this layout keep ``_done/<attempt>/rank_<r>.json`` and their readers find them there
-(:func:`read_done_record`).
+LIST, commit); a save costs about 2N + 2N/F requests in the tree.
+
+Old roots: checkpoints committed before this layout keep their flat done records,
+``_done/<attempt>/rank_<r>.json`` (``manifest.done_key``). Nothing writes that layout any more,
+and nothing commits from it; only the readers still find it: :func:`read_done_record` and
+:func:`done_record_key` (a restore's RNG state) fall back to the flat key when the tree has no
+record, and :func:`count_done` (``ckptd verify``'s ``commit.check_consistency``) counts either.
 """
 
 from __future__ import annotations

@@ -71,7 +71,6 @@ __all__ = [
     "array_path",
     "done_key",
     "is_reserved",
-    "done_prefix",
     "dumps",
     "escape_component",
     "group_metadata",
@@ -125,11 +124,9 @@ def is_reserved(key: str) -> bool:
 
 
 def done_key(step: int, attempt: str, rank: int) -> str:
+    """Rank's done record in the flat layout of checkpoints older than the done tree: nothing
+    writes it any more; ``ckptd.donetree`` reads it where the tree has no record."""
     return f"{step_dir(step)}/{DONE}/{attempt}/rank_{rank:06d}.json"
-
-
-def done_prefix(step: int, attempt: str) -> str:
-    return f"{step_dir(step)}/{DONE}/{attempt}/"
 
 
 @functools.lru_cache(maxsize=65536)  # every save escapes the same keys again

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd import catalog
+from ckptd import catalog, donetree
 from ckptd import manifest as mf
 from ckptd.cli import main as cli_main
 from ckptd.verify import verify
@@ -233,9 +233,9 @@ class Campaign:
             m = catalog.load_manifest(store, s)
             if m.attempt != commit.get("attempt"):
                 raise InvariantError(f"{root.uri} step {s}: manifest of attempt {m.attempt}, commit {commit}")
-            dones = list(store.list(mf.done_prefix(s, m.attempt)))
-            if len(dones) != commit.get("world_size"):
-                raise InvariantError(f"{root.uri} step {s}: {len(dones)} done records for {commit}")
+            dones = donetree.count_done(store, s, m.attempt)
+            if dones != commit.get("world_size"):
+                raise InvariantError(f"{root.uri} step {s}: {dones} done records for {commit}")
             report = verify(store, s, threads=4)
             if not report.ok:
                 raise InvariantError(f"{root.uri} step {s} committed but fails verify: {report.errors[:3]}")

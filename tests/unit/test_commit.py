@@ -1,4 +1,5 @@
-"""The commit protocol's pieces on their own: ``begin`` (claims), ``try_commit``, ``reclaim``,
+"""The commit protocol's pieces on their own: ``begin`` (claims), the commit rules on the live
+path (``commit.finish_rank`` / ``climb`` / ``_check_before_commit`` over the done tree), ``reclaim``,
 the consistency check of ``verify``, and retention.
 
 Run on the memory store and on the local filesystem store (real files)."""
@@ -12,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from ckptd import catalog, claims, commit, errors, persist, retention
+from ckptd import catalog, claims, commit, donetree, errors, persist, retention
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
 from ckptd.errors import CheckpointError
@@ -35,8 +36,10 @@ def store(request, tmp_path):
     s.close()
 
 
-def write_part(store, step, attempt, rank, world_size, shards, writer="job-a", manifest_attempt=None):
-    """What ``persist.persist`` writes for one rank: claim, data, (rank 0) manifest, done record."""
+def write_part(store, step, attempt, rank, world_size, shards, writer="job-a", manifest=None):
+    """What ``persist.persist`` writes for one rank before its done record: the claim, its
+    shards, and (rank 0) the manifest -- ``manifest`` = (attempt, world size) it names, by
+    default this part's."""
     claims.begin(store, step, attempt, writer)
     folder = mf.step_dir(step)
     for i, key in enumerate(SHARDS):
@@ -44,68 +47,115 @@ def write_part(store, step, attempt, rank, world_size, shards, writer="job-a", m
             block = np.full((2, 2), rank * 10 + i, dtype=np.float32)
             store.put(f"{folder}/{key}", encode_shard(LAYOUT, (i, 0), block))
     if rank == 0:
-        m = mf.Manifest(step, world_size, {"w": mf.TensorEntry("w", LAYOUT)}, {}, manifest_attempt or attempt)
+        m_attempt, m_world = manifest or (attempt, world_size)
+        m = mf.Manifest(step, m_world, {"w": mf.TensorEntry("w", LAYOUT)}, {}, m_attempt)
         for key, data in persist.manifest_objects(m):
             store.put(f"{folder}/{key}", data)
+
+
+def finish(store, step, attempt, rank, world_size, shards, writer="job-a", extra=None):
+    """The live commit path of one rank: its done record into the done tree, then the climb
+    (``commit.finish_rank``); True if this rank wrote the commit record."""
     rec = {"rank": rank, "writer": writer, "bytes": 16, "objects": len(shards), "shards": list(shards)}
-    store.put(mf.done_key(step, attempt, rank), mf.dumps(rec))
+    return commit.finish_rank(store, step, attempt, rank, world_size, rec, extra)
+
+
+def save_part(store, step, attempt, rank, world_size, shards, writer="job-a", manifest=None):
+    write_part(store, step, attempt, rank, world_size, shards, writer, manifest)
+    return finish(store, step, attempt, rank, world_size, shards, writer)
 
 
 def committed_step(store, step, attempt="a0"):
-    write_part(store, step, attempt, 0, 1, SHARDS)
-    assert commit.try_commit(store, step, attempt, 1)
+    assert save_part(store, step, attempt, 0, 1, SHARDS)
 
 
-def test_try_commit_waits_for_every_rank_then_commits_once(store):
+# -- the commit rules, one test each, on the live path (finish_rank -> climb -> _check_before_commit)
+
+
+def test_the_commit_waits_for_every_rank_then_is_written_once(store):
     write_part(store, 3, "att", 0, 2, SHARDS[:1])
-    assert not commit.try_commit(store, 3, "att", 2)  # rank 1 has not finished
-    assert catalog.read_commit(store, 3) is None
     write_part(store, 3, "att", 1, 2, SHARDS[1:])
-    assert commit.try_commit(store, 3, "att", 2, {"note": "x"})
+    assert not finish(store, 3, "att", 0, 2, SHARDS[:1])  # rank 1 has not finished
+    assert catalog.read_commit(store, 3) is None
+    assert finish(store, 3, "att", 1, 2, SHARDS[1:])
     rec = catalog.read_commit(store, 3)
-    assert (rec["step"], rec["attempt"], rec["writer"], rec["world_size"], rec["bytes"], rec["note"]) == (
+    assert (rec["step"], rec["attempt"], rec["writer"], rec["world_size"], rec["bytes"], rec["objects"]) == (
         3,
         "att",
         "job-a",
         2,
         32,
-        "x",
+        2,
     )
-    # a second finisher (or daemon) racing on the same step does not write it again
-    assert not commit.try_commit(store, 3, "att", 2)
+    # a rank (or daemon) finishing again races on the same step: it does not write it again
+    assert not commit.climb(store, 3, "att", 1, 2, {"note": "x"})
     assert json.loads(store.get(f"{mf.step_dir(3)}/{mf.COMMIT}")) == rec
     assert commit.check_consistency(store, 3, catalog.load_manifest(store, 3)) == []
 
 
-def test_try_commit_ignores_done_records_of_another_attempt(store):
-    write_part(store, 4, "old", 0, 2, SHARDS)
-    write_part(store, 4, "old", 1, 2, [])
+def test_the_commit_record_carries_the_callers_fields(store):
+    write_part(store, 4, "att", 0, 1, SHARDS)
+    assert finish(store, 4, "att", 0, 1, SHARDS, extra={"note": "x"})
+    assert catalog.read_commit(store, 4)["note"] == "x"
+
+
+def test_done_records_of_another_attempt_are_ignored(store):
+    """Both ranks of the old attempt have done records; the new attempt (which took the step
+    over) has one of two: the old records do not complete the new attempt's tree."""
+    assert not save_part(store, 4, "old", 0, 2, SHARDS)
+    donetree.write_done(store, 4, "old", 1, {"rank": 1, "writer": "job-a", "bytes": 0, "objects": 0, "shards": []})
     write_part(store, 4, "new", 0, 2, SHARDS)  # the job's next attempt takes the step over
-    assert not commit.try_commit(store, 4, "new", 2)
+    assert not finish(store, 4, "new", 0, 2, SHARDS)
     assert catalog.read_commit(store, 4) is None
-    # the old attempt, complete but superseded, can no longer commit
+
+
+def test_the_claim_must_be_the_committing_attempts(store):
+    write_part(store, 5, "old", 0, 1, SHARDS)
+    claims.begin(store, 5, "new", "job-a")  # the job's retry supersedes "old"
     with pytest.raises(errors.StepClaimed, match="claimed by job 'job-a' \\(attempt 'new'\\)"):
-        commit.try_commit(store, 4, "old", 2)
-    assert catalog.read_commit(store, 4) is None
-
-
-def test_try_commit_needs_the_manifest_of_the_same_attempt(store):
-    write_part(store, 5, "att", 0, 1, SHARDS)
-    store.delete(f"{mf.step_dir(5)}/{mf.MANIFEST}")
-    with pytest.raises(CheckpointError, match="manifest.json is missing"):
-        commit.try_commit(store, 5, "att", 1)
-    write_part(store, 5, "att", 0, 1, SHARDS, manifest_attempt="other")
-    with pytest.raises(CheckpointError, match="manifest names step 5, attempt 'other'"):
-        commit.try_commit(store, 5, "att", 1)
+        finish(store, 5, "old", 0, 1, SHARDS)
     assert catalog.read_commit(store, 5) is None
 
 
-def test_try_commit_needs_every_shard_accounted_for(store):
-    write_part(store, 6, "att", 0, 2, SHARDS[:1])
-    write_part(store, 6, "att", 1, 2, SHARDS[:1])  # both ranks claim the same shard; nobody the other
-    with pytest.raises(CheckpointError, match="no rank wrote 1 shard objects"):
-        commit.try_commit(store, 6, "att", 2)
+def test_the_manifest_must_exist(store):
+    write_part(store, 6, "att", 0, 1, SHARDS)
+    store.delete(f"{mf.step_dir(6)}/{mf.MANIFEST}")
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        finish(store, 6, "att", 0, 1, SHARDS)
     assert catalog.read_commit(store, 6) is None
+
+
+def test_the_manifest_must_name_this_attempt(store):
+    write_part(store, 7, "att", 0, 1, SHARDS, manifest=("other", 1))
+    with pytest.raises(CheckpointError, match="manifest names step 7, attempt 'other', world size 1"):
+        finish(store, 7, "att", 0, 1, SHARDS)
+    assert catalog.read_commit(store, 7) is None
+
+
+def test_the_manifest_must_name_this_world_size(store):
+    write_part(store, 8, "att", 0, 1, SHARDS, manifest=("att", 2))
+    with pytest.raises(
+        CheckpointError, match="of world size 1: the manifest names step 8, attempt 'att', world size 2"
+    ):
+        finish(store, 8, "att", 0, 1, SHARDS)
+    assert catalog.read_commit(store, 8) is None
+
+
+def test_every_shard_must_be_accounted_for(store):
+    write_part(store, 9, "att", 0, 2, SHARDS[:1])
+    write_part(store, 9, "att", 1, 2, SHARDS[:1])  # both ranks name the same shard; nobody the other
+    assert not finish(store, 9, "att", 0, 2, SHARDS[:1])
+    with pytest.raises(CheckpointError, match="no rank wrote 1 shard objects the manifest needs"):
+        finish(store, 9, "att", 1, 2, SHARDS[:1])
+    assert catalog.read_commit(store, 9) is None
+
+
+def test_shards_beyond_the_manifests_do_not_block_the_commit(store):
+    """A rank may write more than the manifest needs (the digests differ; nothing is missing)."""
+    extra = f"{mf.array_path('w')}/unused"
+    write_part(store, 10, "att", 0, 1, SHARDS)
+    assert finish(store, 10, "att", 0, 1, [*SHARDS, extra])
+    assert catalog.read_commit(store, 10)["attempt"] == "att"
 
 
 def test_begin_refuses_committed_steps_and_other_writers(store, monkeypatch):
@@ -139,8 +189,8 @@ def test_check_consistency_sees_a_mixed_step(store):
     m = catalog.load_manifest(store, 7)
     m.attempt = "b"  # a manifest written by another writer's attempt
     store.put(f"{mf.step_dir(7)}/{mf.MANIFEST}", m.to_bytes())
-    errors = commit.check_consistency(store, 7, catalog.load_manifest(store, 7))
-    assert errors and "commit.json names attempt 'a' but manifest.json 'b'" in errors[0]
+    found = commit.check_consistency(store, 7, catalog.load_manifest(store, 7))
+    assert found and "commit.json names attempt 'a' but manifest.json 'b'" in found[0]
 
 
 def test_select_for_deletion_keeps_newest_and_never_newer_partials(store):
