@@ -173,15 +173,16 @@ def commit_step(store: Store, step: int, record: dict) -> bool:
 
 
 POLLS_PER_SECOND = 2000  # all ranks of a job together, on the one commit.json (S3: 5500/prefix)
+PACED_ABOVE = 64  # up to this many ranks polls double from 5 ms; above, POLLS_PER_SECOND paces them
 
 
 def poll_delays(world_size: int, rank: int):
-    """The pauses of one rank polling for ``commit.json``: up to 64 ranks, 5 ms doubling to
+    """The pauses of one rank polling for ``commit.json``: up to ``PACED_ABOVE`` ranks, 5 ms doubling to
     50 ms; above, every pause is drawn from [0.5, 1.5) x ``world_size / POLLS_PER_SECOND`` (at
     most 8 s), so that ranks finishing together do not poll in step and the sum over all ranks
     stays near ``POLLS_PER_SECOND`` from the first poll on (a doubling start lets thousands of
     ranks poll at 200/s each at first: 1024 ranks met SlowDowns that way in the simulator)."""
-    if world_size <= 64:
+    if world_size <= PACED_ABOVE:
         delay = 0.005
         while True:
             yield delay
@@ -206,7 +207,7 @@ def wait_commit(store: Store, step: int, attempt: str, world_size: int, timeout:
     notice = notices[min(rank // donetree.NOTICE_GROUP, len(notices) - 1)] if notices else None
     delays = poll_delays(donetree.NOTICE_GROUP if notice else world_size, rank)
     pick = random.Random(rank * 104729 + step)
-    if world_size > 64:  # it has just found the done tree incomplete: no commit yet, and
+    if world_size > PACED_ABOVE:  # it has just found the done tree incomplete: no commit yet, and
         time.sleep(next(delays))  # thousands of ranks finishing together must not HEAD at once
     while True:
         if notice is None or pick.random() < donetree.NOTICE_GROUP / world_size:
@@ -252,6 +253,7 @@ def check_consistency(store: Store, step: int, manifest: mf.Manifest) -> list[st
 
 
 __all__ = [
+    "PACED_ABOVE",
     "POLLS_PER_SECOND",
     "check_consistency",
     "climb",

@@ -184,6 +184,14 @@ def count_done(store: Store, step: int, attempt: str) -> int:
     return n
 
 
+def attempts(store: Store, step: int) -> set[str]:
+    """The attempts that wrote anything under the step's done records (either layout): one LIST
+    of ``<step>/_done/``. The daemon refuses to resume a journalled job once another attempt of
+    its step has started."""
+    prefix = f"{step_dir(step)}/{DONE}/"
+    return {o.key[len(prefix) :].split("/", 1)[0] for o in store.list(prefix)}
+
+
 def done_record_key(store: Store, step: int, attempt: str, rank: int) -> str:
     """The key of rank's done record: found in the tree (one LIST of its name's prefix), else
     the flat key of checkpoints older than the tree (which may not exist either)."""
@@ -213,6 +221,7 @@ __all__ = [
     "FANOUT",
     "NOTICE_GROUP",
     "Totals",
+    "attempts",
     "climb",
     "count_done",
     "done_record_key",

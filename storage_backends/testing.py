@@ -17,7 +17,6 @@ on small CI machines.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -25,7 +24,7 @@ import pytest
 
 from storage_backends.base import InvalidKeyError, NotFoundError, ObjectInfo, StorageError, Store
 
-__all__ = ["DelayedStore", "FilesystemConformance", "INVALID_KEYS", "StoreConformance", "assert_empty_store"]
+__all__ = ["FilesystemConformance", "INVALID_KEYS", "StoreConformance", "assert_empty_store"]
 
 MiB = 1 << 20
 
@@ -68,28 +67,6 @@ def assert_empty_store(store: Store) -> None:
     with pytest.raises(NotFoundError):
         store.get("k")
     store.delete("k")
-
-
-class DelayedStore:
-    """A store whose puts of keys containing ``only`` sleep ``delay`` seconds first, so a test can
-    kill a process in the middle of its writes (the daemon wraps its stores in one when
-    ``CKPTD_FAULT_UPLOAD_DELAY_S`` is set). Everything else goes straight to ``store``."""
-
-    def __init__(self, store: Store, delay: float, only: str = ""):
-        self._store, self._delay, self._only = store, delay, only
-
-    def put(self, key, data):
-        if self._only in key:
-            time.sleep(self._delay)
-        return self._store.put(key, data)
-
-    def put_deferred(self, key, data):
-        if self._only in key:
-            time.sleep(self._delay)
-        return self._store.put_deferred(key, data)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
 
 
 class StoreConformance:

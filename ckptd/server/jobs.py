@@ -3,10 +3,11 @@
 A job (``handoff.Job``) is one rank's part of one checkpoint, its buffers in files of a staging
 lease. The daemon maps those files and calls ``ckptd.persist.persist`` -- the same code, hence the
 same order of writes, as the in-process writer: shards and metadata, then the rank's done
-record, then ``try_commit`` (``put_if_absent`` of the commit record, so two daemons racing on
-one step commit it once); the worker that wrote the commit then applies retention
-(``commit.after_commit``), after the job is reported committed. The step is claimed once per
-attempt for all the ranks the daemon serves (``commit.SharedClaim``; counted in
+record, then the climb of the done tree (``commit.climb``: the rank that completes it writes the
+commit record with ``put_if_absent``, so two daemons racing on one step commit it once); the
+worker that wrote the commit then applies retention (``retention.after_commit``), after the job
+is reported committed. The step is claimed once per attempt for all the ranks the daemon serves
+(``server.shared_claim.SharedClaim``; counted in
 ``ckptd_step_claims_total``), not once per job.
 
 States: ``queued`` -> ``uploading`` -> ``uploaded`` (this rank's data and done record are durable;
@@ -14,6 +15,9 @@ other ranks still to finish) -> ``committed``; or ``failed``; or ``discarded`` (
 its files did not survive). Upload concurrency is bounded by ``upload_workers`` jobs and
 ``io_threads`` puts; commits of ``uploaded`` jobs are watched by one thread, so no upload worker
 sits idle waiting for other nodes.
+
+Over 450 lines for a reason: this is one class, ``Runner``, whose hand-off, upload, journal and
+commit watch share one table of jobs under one lock; the protocol itself lives in ``ckptd``.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd import catalog, claims, persist, retention
+from ckptd import catalog, claims, donetree, persist, retention
 from ckptd import manifest as mf
-from ckptd.commit import POLLS_PER_SECOND
+from ckptd.commit import PACED_ABOVE, POLLS_PER_SECOND
 from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
+from ckptd.persist import SaveResult
 from ckptd.server.handoff import FINAL, JOB_ID, BadJob, Job, intact, load, validate
 from ckptd.server.metrics import Metrics
 from ckptd.server.roots import RootError, Roots
@@ -47,19 +52,29 @@ log = logging.getLogger("ckptd.jobs")
 
 
 class _Counted:
-    """Counts the bytes of every put into ``job.bytes_uploaded``, for the status page's progress."""
+    """Counts the bytes of every put into ``job.bytes_uploaded``, for the status page's progress.
 
-    def __init__(self, store: Store, job: Job):
-        self._store, self._job = store, job
+    ``fault_delay_s`` (``CKPTD_FAULT_UPLOAD_DELAY_S``, for tests only; 0 in production): every
+    put of a shard (a key under ``arrays/``) sleeps that long first, so a test can kill the
+    daemon in the middle of its writes."""
+
+    def __init__(self, store: Store, job: Job, fault_delay_s: float = 0.0):
+        self._store, self._job, self._fault_delay_s = store, job, fault_delay_s
         self._lock = threading.Lock()  # puts run on the io pool: ``+=`` alone would lose updates
 
     def put(self, key, data):
+        self._fault_delay(key)
         self._store.put(key, data)
         self._add(data)
 
     def put_deferred(self, key, data):
+        self._fault_delay(key)
         self._store.put_deferred(key, data)
         self._add(data)
+
+    def _fault_delay(self, key: str) -> None:
+        if self._fault_delay_s > 0 and f"/{mf.ARRAYS}/" in key:
+            time.sleep(self._fault_delay_s)
 
     def _add(self, data) -> None:
         with self._lock:
@@ -290,9 +305,7 @@ class Runner:
             commit = catalog.read_commit(store, job.step)
             if commit is not None:
                 return None if commit.get("attempt") == job.attempt else "the step was committed by another attempt"
-            prefix = f"{mf.step_dir(job.step)}/{mf.DONE}/"
-            attempts = {o.key[len(prefix) :].split("/", 1)[0] for o in store.list(prefix)}
-            if attempts - {job.attempt}:
+            if donetree.attempts(store, job.step) - {job.attempt}:
                 return "a newer attempt of the same step has started"
         except (StorageError, CheckpointError) as e:
             return f"cannot check its checkpoint folder ({e})"
@@ -317,16 +330,31 @@ class Runner:
                 self._running -= 1
 
     def _upload(self, job: Job) -> None:
+        """Upload ``job`` (:meth:`_upload_with_retries`), then record the outcome: failed, or
+        uploaded and handed to the commit watch (:meth:`_uploaded`)."""
         lease = self.staging.get(job.lease)
         job.state = "uploading"
         job.upload_started_at, job.bytes_uploaded = time.time(), 0
-        store: Any = _Counted(self.store(job.root), job)
-        if self.settings.fault_upload_delay_s > 0:  # test-only fault injection: slow shard puts
-            from storage_backends.testing import DelayedStore
+        store: Any = _Counted(self.store(job.root), job, self.settings.fault_upload_delay_s)
+        result, err = self._upload_with_retries(job, store, lease)
+        if result is None:
+            if self._stop.is_set() and err is None:
+                return  # shutting down: the journal still says accepted; a restart resumes it
+            job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "failed", "error": str(err)})
+            self._finish(job, "failed", str(err))
+            return
+        self._uploaded(job, store, result)
 
-            store = DelayedStore(store, self.settings.fault_upload_delay_s, only=f"/{mf.ARRAYS}/")
+    def _upload_with_retries(
+        self, job: Job, store: Any, lease: Lease
+    ) -> tuple[SaveResult | str | None, BaseException | None]:
+        """Check the step is not committed (one read shared with the node's other jobs), claim
+        it (shared), then ``persist`` this rank's part, up to ``upload_retries`` more times after
+        a transient failure. Returns (the SaveResult, "already" when a restart finds its own
+        attempt committed, or None; the last error)."""
         commit = self._claims.committed(store, job.root, job.step)  # shared with the node's other jobs
-        result, err = None, None
+        result: SaveResult | str | None = None
+        err: BaseException | None = None
         tries = self.settings.upload_retries + 1
         if commit is not None and commit.get("attempt") == job.attempt:
             result = "already"  # a restart after the commit but before the journal said so
@@ -372,14 +400,14 @@ class Runner:
                     time.sleep(min(0.5 * 2**attempt, 5.0))
             finally:
                 job.upload_seconds += time.perf_counter() - t0
-        if result is None:
-            if self._stop.is_set() and err is None:
-                return  # shutting down: the journal still says accepted; a restart resumes it
-            job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "failed", "error": str(err)})
-            self._finish(job, "failed", str(err))
-            return
+        return result, err
+
+    def _uploaded(self, job: Job, store: Any, result: SaveResult | str) -> None:
+        """This rank's data and done record are durable: count them, journal the job uploaded,
+        then finish it committed (and apply retention, if this job wrote the commit record) or
+        hand it to the commit watch (:meth:`_loop`)."""
         job.uploaded_at = time.time()
-        if result != "already":
+        if isinstance(result, SaveResult):
             job.bytes_written, job.objects_written = result.bytes_written, result.objects_written
             job.committed_here = result.committed_here
             self.metrics.inc("ckptd_bytes_written_total", result.bytes_written)
@@ -392,10 +420,10 @@ class Runner:
             if result.committed_here:
                 self.metrics.inc("ckptd_commits_written_total")
         job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "uploaded"})
-        if result == "already" or result.committed_here:
+        if not isinstance(result, SaveResult) or result.committed_here:
             self._claims.saw_commit(job.root, job.step, {"attempt": job.attempt})
             self._finish(job, "committed")
-            if result != "already":
+            if isinstance(result, SaveResult):
                 retention.after_commit(store, result, self.settings.keep_last)
         else:
             job.state = "uploaded"
@@ -429,8 +457,9 @@ class Runner:
 
         The jobs of one (root, step, attempt) -- a node's ranks -- share one read of the commit
         record per check, and their checks are paced like the in-process ranks' polls
-        (``commit.POLLS_PER_SECOND`` over all the attempt's ranks): every daemon checking each
-        of its jobs every 20-500 ms made ~N reads per 20 ms on one prefix at N ranks."""
+        (``commit.POLLS_PER_SECOND`` over all the attempt's ranks, above ``commit.PACED_ABOVE``
+        ranks): every daemon checking each of its jobs every 20-500 ms made ~N reads per 20 ms
+        on one prefix at N ranks."""
         next_expire = 0.0
         rng = random.Random()
         while not self._stop.wait(0.02):
@@ -467,7 +496,7 @@ class Runner:
                 waited = time.time() - min(j.uploaded_at or j.accepted_at for j in left)
                 pause = min(0.01 + waited / 10, 0.5)
                 world = left[0].world_size
-                if world > 64:  # all the attempt's daemons together: ~POLLS_PER_SECOND reads
+                if world > PACED_ABOVE:  # all the attempt's daemons together: ~POLLS_PER_SECOND reads
                     pause = max(pause, world / len(left) / POLLS_PER_SECOND * (0.5 + rng.random()))
                 with self._lock:
                     for job in left:

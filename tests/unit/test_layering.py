@@ -10,7 +10,11 @@
   two edges; ``ckptd.server`` does not import ``ckptd.cli``;
 * ``trainer_hooks`` uses ckptd's core only (the daemon is reached over HTTP, never imported);
 * no private name (``_x``, or anything in a ``_x`` module) is imported from another package:
-  what a package shares is public.
+  what a package shares is public;
+* no import cycle between ckptd modules (a cycle means neither module can be read, tested or
+  split without the other; the last one ran commit -> catalog -> verify -> commit). Importing
+  the package a module belongs to (``from ckptd import __version__``) is no edge: Python
+  imports a module's packages before the module anyway.
 
 Every ``import`` statement counts, wherever it is: at module level, inside a function (a lazy
 import is still a dependency), under ``if TYPE_CHECKING``.
@@ -96,6 +100,69 @@ def violations() -> list[str]:
                 if private_across(mod, target):
                     out.append(f"{path.relative_to(REPO)}:{line}: {mod} imports {target}, private to its package")
     return out
+
+
+def import_graph(pkg: str = "ckptd") -> dict[str, set[str]]:
+    """module -> the modules of ``pkg`` it imports (each import statement, lazy ones included,
+    resolved to the longest module name it starts with), without edges to its own packages."""
+    paths = {module_name(p): p for p in sorted((REPO / pkg).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, path in paths.items():
+        edges = graph.setdefault(mod, set())
+        for _, target in imports(path.read_text(), mod, path.name == "__init__.py"):
+            parts = target.split(".")
+            hit = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in paths), None)
+            if hit is None or hit == mod or mod.startswith(hit + "."):
+                continue
+            edges.add(hit)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_ckptd_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_sees_a_lazy_cycle():
+    graph = {"ckptd.commit": {"ckptd.catalog"}, "ckptd.catalog": {"ckptd.verify"}, "ckptd.verify": {"ckptd.commit"}}
+    assert cycles(graph) == [["ckptd.catalog", "ckptd.commit", "ckptd.verify"]]
+    assert cycles({**graph, "ckptd.verify": set()}) == []
+    lazy = "def f():\n    from ckptd.verify import read_record\n"
+    assert [t for _, t in imports(lazy, "ckptd.catalog", False)] == ["ckptd.verify.read_record"]
 
 
 def test_imports_point_one_way():
