@@ -39,8 +39,11 @@ log = logging.getLogger("ckptd.retention")
 
 
 def after_commit(store: Store, result: SaveResult, keep_last: int | None) -> None:
-    """The one retention convention: the writer that wrote the commit record applies retention,
-    after it has reported the commit (so retention delays neither the caller nor the result).
+    """Retention by the writer that wrote the commit record (the in-process writer, the daemon's
+    committing worker), after it has reported the commit (so retention delays neither the
+    caller nor the result). With a daemon, the trainer's rank 0 also applies its own
+    ``keep_last`` (:func:`apply_retention`); both only delete what :func:`select_for_deletion`
+    selects, so applying it twice is harmless.
 
     It first sweeps the committed step for incomplete writes older than this save: once the
     commit record exists every rank's data is durable, so a temp file (filesystem) or an open

@@ -231,7 +231,7 @@ def load(job: Job, folder: Path) -> SaveJob:
             view = format_image(mapped, layout, chunks, torch_dtype(layout.dtype))
             out.shards.append(ShardWrite(s["key"], layout, coord, view, mapped))
             continue
-        # A numpy view (bfloat16 through ml_dtypes), which is what ``commit.persist`` writes.
+        # A numpy view (bfloat16 through ml_dtypes), which is what ``persist.persist`` writes.
         buf = mapped.numpy().view(numpy_dtype(layout.dtype)).reshape(layout.shard_extent(coord))
         out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
