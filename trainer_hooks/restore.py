@@ -140,6 +140,17 @@ def _stateless_params(m: mf.Manifest, flat) -> set[str]:
     return out
 
 
+def _refuse_mismatch(where: str, keys: set[str], what: str, lenient: str) -> None:
+    """StateMismatchError naming the first of ``keys`` (sorted) and how many more, if any."""
+    if keys:
+        first, *more = sorted(keys)
+        raise StateMismatchError(
+            f"{where}: key {first!r} {what}"
+            + (f" (and {len(more)} more)" if more else "")
+            + f"; pass strict=False to {lenient}"
+        )
+
+
 def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
     """Check the live state against the manifest; return the keys to read. Raises
     StateMismatchError naming the checkpoint, the key and what differs.
@@ -152,27 +163,13 @@ def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
     live = {k for k in flat.tensors if _entry_of(k) in both} - stateless
     saved = {k for k in m.tensors if _entry_of(k) in both}
     if strict:
-        missing_names = sorted(set(flat.tree) - set(m.state))
-        if missing_names:
-            raise StateMismatchError(
-                f"{where}: key {missing_names[0]!r} is in the state but not in the checkpoint"
-                + (f" (and {len(missing_names) - 1} more)" if len(missing_names) > 1 else "")
-                + "; pass strict=False to keep it as it is"
-            )
-        missing = sorted(live - saved)
-        if missing:
-            raise StateMismatchError(
-                f"{where}: key {missing[0]!r} is in the state but not in the checkpoint"
-                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                + "; pass strict=False to keep those values as they are"
-            )
-        extra = sorted(saved - live)
-        if extra:
-            raise StateMismatchError(
-                f"{where}: key {extra[0]!r} is in the checkpoint but not in the state"
-                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
-                + "; pass strict=False to ignore it"
-            )
+        _refuse_mismatch(
+            where, set(flat.tree) - set(m.state), "is in the state but not in the checkpoint", "keep it as it is"
+        )
+        _refuse_mismatch(
+            where, live - saved, "is in the state but not in the checkpoint", "keep those values as they are"
+        )
+        _refuse_mismatch(where, saved - live, "is in the checkpoint but not in the state", "ignore it")
     if strict:
         # A ``$tensor`` reference the manifest's tensor table lacks would be silently skipped.
         for name in flat.tree:
@@ -222,7 +219,17 @@ def restore_state(
     step = _pick_step(store, coord, step)
     if step is None:
         return None
-    return _restore_step(store, coord, state, step, strict, pool, restore_rng, in_place, planned=asked is None)
+    return _restore_step(
+        store,
+        coord,
+        state,
+        step,
+        strict=strict,
+        pool=pool,
+        restore_rng=restore_rng,
+        in_place=in_place,
+        planned=asked is None,
+    )
 
 
 def _restore_step(
@@ -230,6 +237,7 @@ def _restore_step(
     coord: Coordinator,
     state: dict[str, Any],
     step: int,
+    *,
     strict: bool,
     pool: ThreadPoolExecutor,
     restore_rng: bool,
@@ -357,7 +365,17 @@ def restore_fallback(
             log.warning("restore: skipping step %d: ckptd verify recorded it bad (%s)", step, bad)
             continue
         try:
-            got = _restore_step(store, coord, state, step, strict, pool, restore_rng, in_place, planned=step == newest)
+            got = _restore_step(
+                store,
+                coord,
+                state,
+                step,
+                strict=strict,
+                pool=pool,
+                restore_rng=restore_rng,
+                in_place=in_place,
+                planned=step == newest,
+            )
         except StateMismatchError:
             raise
         except CheckpointError as e:
