@@ -1,7 +1,7 @@
 """One process of the commit races of ``test_commit_race``: finishes its share of the ranks of
 one save (or commits steps) on a filesystem root, released together with the other processes.
 
-``python -m tests.distributed.commit_race ROOT MODE PROC NPROCS WORLD OUT``
+``python -m tests.protocol.commit_race ROOT MODE PROC NPROCS WORLD OUT``
 
 - ``finish``: ranks PROC, PROC + NPROCS, ... of a WORLD-rank save of step 5, each through the
   real ``commit.finish_rank``, 4 at a time; writes the ranks it committed for to OUT. With

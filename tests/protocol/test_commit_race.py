@@ -30,7 +30,7 @@ def _start(tmp_path: Path, root: str, mode: str, nprocs: int, world: int, hold: 
             args.append("hold")
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.distributed.commit_race", *args],
+                [sys.executable, "-m", "tests.protocol.commit_race", *args],
                 cwd=ROOT,
                 env={**os.environ, "PYTHONPATH": str(ROOT)},
             )
