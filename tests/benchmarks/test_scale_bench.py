@@ -33,3 +33,15 @@ def test_tiny_daemon_run_claims_once_per_daemon(tmp_path):
     (s,) = json.loads(out.read_text())["after"]["save"]
     assert s["committed"] and s["failed_ranks"] == 0 and s["slowdowns"] == 0, s
     assert s["daemon_claims"] == 10, s
+
+
+def test_the_clock_seam_covers_every_module_of_the_save_path():
+    """Each module the simulated save runs that reads the clock runs on the virtual one: a module
+    left out would sleep and time out in real seconds (the split of ``ckptd.commit`` moved the
+    claim, the write, retention and the daemon's shared claim into modules of their own)."""
+    import importlib
+
+    path = ["catalog", "claims", "commit", "donetree", "latest", "persist", "retention", "server.shared_claim"]
+    reading = {m for m in (importlib.import_module(f"ckptd.{n}") for n in path) if hasattr(m, "time")}
+    assert reading <= set(scale._protocol_modules())
+    assert {m.__name__ for m in reading} >= {"ckptd.claims", "ckptd.commit", "ckptd.persist", "ckptd.retention"}
