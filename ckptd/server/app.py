@@ -422,7 +422,7 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.staging_dir:
         folder, why = Path(settings.staging_dir), "configured"
     else:
-        folder, why = default_staging_dir(settings.budget)
+        folder, why = default_staging_dir(settings.budget, settings.roots)
     # Only the parent here: Staging creates the folder itself (or adopts one it owns), never
     # exist_ok on a path another local user may have planted.
     folder.parent.mkdir(parents=True, exist_ok=True)

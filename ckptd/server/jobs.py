@@ -207,6 +207,22 @@ class Runner:
                 log.warning("staging lease %s: unreadable job journal (%s); freeing it", lease.id, e)
                 self.staging.discard(lease.id)
                 continue
+            try:
+                self.roots.check(job.root)
+            except RootError as e:
+                # Another daemon's entry (a staging folder shared by daemons of other roots):
+                # never uploaded, shown or freed here; its own daemon resumes it.
+                log.warning(
+                    "staging lease %s: leaving job %s of another root alone (%s step %d rank %d): %s",
+                    lease.id,
+                    job.job,
+                    job.root,
+                    job.step,
+                    job.rank,
+                    e,
+                )
+                self.staging.leave(lease.id)
+                continue
             state = rec.get("state")
             if state == "accepted":
                 self._recover_accepted(job, lease)
