@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,11 +33,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.s3, pytest.mark.timeout(900)]
 def venv(tmp_path_factory) -> Path:
     """A venv with ckptd[server] installed from this checkout, and without torch."""
     where = tmp_path_factory.mktemp("venv")
+    # pip builds in the source folder (build/, *.egg-info): build from a copy, not the checkout
+    src = tmp_path_factory.mktemp("src")
+    for name in ("ckptd", "trainer_hooks", "storage_backends"):
+        shutil.copytree(launch.ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(launch.ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "venv", str(where)], check=True, timeout=300)
     py = where / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run(
-        [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", f"{launch.ROOT}[server]"],
+        [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", f"{src}[server]"],
         capture_output=True,
         text=True,
         env=env,
