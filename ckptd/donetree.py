@@ -41,6 +41,7 @@ this layout keep ``_done/<attempt>/rank_<r>.json`` and their readers find them t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Iterable
@@ -178,6 +179,23 @@ def count_done(store: Store, step: int, attempt: str) -> int:
         if name.startswith("rank_") or (name.startswith("t1/") and "/r" in name):
             n += 1
     return n
+
+
+def reported_ranks(store: Store, step: int, attempt: str) -> set[int]:
+    """The ranks of ``attempt`` that wrote a done record (either layout): one listing. The
+    status page names the others when a step waits too long (a dead node's ranks)."""
+    prefix = f"{step_dir(step)}/{DONE}/{attempt}/"
+    out = set()
+    for info in store.list(prefix):
+        name = info.key[len(prefix) :]
+        if name.startswith("rank_") and name.endswith(".json"):
+            with contextlib.suppress(ValueError):
+                out.add(int(name[len("rank_") : -len(".json")]))
+        elif name.startswith("t1/"):
+            parsed = _parse(name.rsplit("/", 1)[-1])
+            if parsed is not None and name.rsplit("/", 1)[-1].startswith("r"):
+                out.add(parsed[0])
+    return out
 
 
 def done_record_key(store: Store, step: int, attempt: str, rank: int) -> str:

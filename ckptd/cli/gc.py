@@ -112,9 +112,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"aborted incomplete upload {key}")
         if not doomed and not aborted:
             note(f"nothing to delete in {uri}")
-        elif doomed:
-            verb = "would delete" if args.dry_run else "deleted"
-            print(f"{verb} {len(doomed)} checkpoints: {files} files, {human_bytes(nbytes)} ({nbytes} bytes)")
+        elif doomed and args.dry_run:
+            print(f"would delete {len(doomed)} checkpoints: {files} files, {human_bytes(nbytes)} ({nbytes} bytes)")
     for path in left:
         error(f"{uri.rstrip('/')}/{path}: still there after deleting (something else is in that folder)")
     return EXIT_FAILED if left else 0

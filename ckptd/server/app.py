@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 from ckptd import __version__, catalog
 from ckptd.commit import AlreadyCommitted
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from ckptd.server import jobroots
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
@@ -306,6 +307,27 @@ def list_roots(d: Parts):
 @read_only.post("/v1/roots/check", summary="400 unless the root is served")
 def check_root(body: RootRequest, d: Parts):
     return {"root": d.roots.check(body.root)}
+
+
+@read_only.get("/v1/job-roots", summary="the job roots found at and below a served root (bounded scan, paged)")
+def list_job_roots(
+    request: Request,
+    d: Parts,
+    root: str | None = Query(None, max_length=4096),
+    offset: int = Query(0, ge=0),
+    limit: int = Query(100, ge=1, le=1000),
+):
+    base = d.root_of(root)
+    found = jobroots.shared(request.app.state).get(base)
+    return {
+        "root": base,
+        "count": len(found.roots),
+        "offset": offset,
+        "limit": limit,
+        "truncated": found.truncated,
+        "max_depth": jobroots.MAX_DEPTH,
+        "job_roots": list(found.roots[offset : offset + limit]),
+    }
 
 
 @read_only.get("/v1/checkpoints", summary="every checkpoint of a job root, committed or partial")

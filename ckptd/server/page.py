@@ -29,11 +29,13 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from ckptd import catalog
+from ckptd import catalog, donetree
 from ckptd import manifest as mf
 from ckptd import verify as _verify
 from ckptd.catalog import CheckpointInfo
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from ckptd.server import jobroots
+from ckptd.server.jobroots import JobRoots
 from ckptd.server.roots import RootError
 from storage_backends import NotFoundError, StorageError, Store
 
@@ -70,17 +72,29 @@ class Overview:
     """What the page shows, built from the daemon's runner (jobs, staging, roots) and a cache of
     checkpoint rows. One per daemon; safe to call from the server's threads."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, found: JobRoots | None = None):
         self.runner = runner
+        self.found = found or JobRoots(runner)
         self._lock = threading.Lock()
         self._rows: dict[str, dict[int, tuple[CheckpointInfo, float]]] = {}
         self._verified: dict[tuple[str, int], dict] = {}
+        self._reported: dict[tuple[str, int, str], tuple[float, set[int]]] = {}
+        self.more_roots = 0  # job roots found but not shown (past MAX_ROOTS)
 
     def job_roots(self) -> list[str]:
-        roots = list(self.runner.roots.uris)
+        """The job roots found in storage at and below each served root (``jobroots``; the
+        served root itself when none is found), then those of recent jobs; MAX_ROOTS shown."""
+        roots: list[str] = []
+        for base in self.runner.roots.uris:
+            try:
+                below = list(self.found.get(base).roots)
+            except CheckpointError:
+                below = []  # storage did not answer: the row of the served root says why
+            roots += [r for r in (below or [base]) if r not in roots]
         for job in reversed(self.runner.recent(self.runner.HISTORY)):
             if job.root not in roots:
                 roots.append(job.root)
+        self.more_roots = max(0, len(roots) - MAX_ROOTS)
         return roots[:MAX_ROOTS]
 
     def checkpoints(self, root: str, offset: int, limit: int) -> dict:
@@ -159,7 +173,18 @@ class Overview:
             if j["state"] == "uploading" and started and now > started:
                 rate = done / (now - started)
                 eta = (total - done) / rate if rate > 0 else None
-            active.append(j | {"bytes_done": done, "rate": rate, "eta_s": eta, "age_s": now - j["accepted_at"]})
+            # waiting: since this rank's data was uploaded (its done record written)
+            waiting = now - (j.get("uploaded_at") or j["accepted_at"]) if j["state"] == "uploaded" else None
+            active.append(
+                j
+                | {
+                    "bytes_done": done,
+                    "rate": rate,
+                    "eta_s": eta,
+                    "age_s": now - j["accepted_at"],
+                    "waiting_s": waiting,
+                }
+            )
         failures = [j for j in reversed(recent) if j["state"] in ("failed", "discarded")][:FAILURES]
         saves: dict[tuple, dict] = {}
         for j in recent:
@@ -176,7 +201,35 @@ class Overview:
         chart = sorted(saves.values(), key=lambda s: s["last"])[-CHART_SAVES:]
         for s in chart:
             s["commit_s"] = s.pop("last") - s.pop("first")
-        return {"active": active, "failures": failures, "saves": chart}
+        return {"active": active, "failures": failures, "saves": chart, "stalled": self._stalled(active)}
+
+    def _stalled(self, active: list[dict]) -> list[dict]:
+        """Steps whose ranks here waited longer than ``stall_after_s`` for the others, with the
+        ranks that wrote no done record (one listing per step, at most every PARTIAL_TTL_S)."""
+        limit = self.runner.settings.stall_after_s
+        steps: dict[tuple[str, int, str], dict] = {}
+        for j in active:
+            if j["waiting_s"] is None or j["waiting_s"] < limit:
+                continue
+            k = (j["root"], j["step"], j["attempt"])
+            s = steps.setdefault(
+                k, {"root": j["root"], "step": j["step"], "attempt": j["attempt"], "world_size": j["world_size"]}
+            )
+            s["waiting_s"] = max(s.get("waiting_s", 0.0), j["waiting_s"])
+        now = time.monotonic()
+        for k, s in steps.items():
+            with self._lock:
+                hit = self._reported.get(k)
+            if hit is None or now - hit[0] >= PARTIAL_TTL_S:
+                try:
+                    hit = (now, donetree.reported_ranks(self.runner.store(k[0]), k[1], k[2]))
+                except (StorageError, CheckpointError, ValueError) as e:
+                    s["error"] = str(e)
+                    continue
+                with self._lock:
+                    self._reported[k] = hit
+            s["missing_ranks"] = sorted(set(range(s["world_size"])) - hit[1])
+        return sorted(steps.values(), key=lambda s: (s["root"], s["step"]))
 
     def build(self, focus_root: str | None, offset: int, limit: int) -> dict:
         staging = self.runner.staging
@@ -198,6 +251,7 @@ class Overview:
                 "awaiting_commit": self.runner.watching,
             },
             **self.jobs(),
+            "more_roots": self.more_roots,
         }
 
 
@@ -224,7 +278,7 @@ def _overview(request: Request) -> Overview:
     with _LOCK:
         ov = getattr(state, "overview", None)
         if ov is None:
-            ov = state.overview = Overview(state.daemon.runner)
+            ov = state.overview = Overview(state.daemon.runner, jobroots.shared(state))
         return ov
 
 
@@ -283,6 +337,18 @@ def render(data: dict) -> str:
     )
 
     out.append('<section id="inflight"><h2>In flight</h2>')
+    for s in data.get("stalled", []):
+        missing = s.get("missing_ranks")
+        who = (
+            f"no done record from rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+            if missing
+            else ("every rank reported; the commit is late" if missing is not None else _line(s.get("error")))
+        )
+        out.append(
+            f'<p class="bad stalled" data-step="{_e(s["step"])}">stalled: {_e(s["root"])} step {_e(s["step"])}: '
+            f"waiting {_e(_secs(s['waiting_s']))} for the other ranks; {_e(who)} "
+            "(a dead node or rank: see docs/operations.md, node loss)</p>"
+        )
     if not data["active"]:
         out.append('<p class="muted">no save in flight</p>')
     else:
@@ -293,7 +359,9 @@ def render(data: dict) -> str:
         for j in data["active"]:
             total = j["bytes_total"]
             frac = j["bytes_done"] / total if total else 1.0
-            state = "waiting for other ranks" if j["state"] == "uploaded" else j["state"]
+            state = j["state"]
+            if j["state"] == "uploaded":
+                state = f"waiting for other ranks for {_secs(j.get('waiting_s'))}"
             rate = "-" if j["rate"] is None else _bytes(j["rate"]) + "/s"
             out.append(
                 f'<tr class="job" data-step="{_e(j["step"])}"><td class="err">{_e(j["root"])}</td>'
@@ -324,6 +392,11 @@ def render(data: dict) -> str:
     out.append("</section>")
 
     out.append('<section id="roots"><h2>Checkpoints</h2>')
+    if data.get("more_roots"):
+        out.append(
+            f'<p class="muted" id="more-roots">{_e(data["more_roots"])} more job roots not shown '
+            "(GET /v1/job-roots lists them, paged)</p>"
+        )
     for r in data["roots"]:
         out.append(f'<div class="root" data-root="{_e(r["root"])}"><h3>{_e(r["root"])}</h3>')
         if "error" in r:

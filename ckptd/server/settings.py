@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     abort_uploads_older_than_s: float = Field(
         86400.0, ge=0, description="the sweep aborts incomplete uploads begun longer ago than this"
     )
+    stall_after_s: float = Field(
+        300.0, gt=0, description="the status page flags a step whose ranks wait this long for the others"
+    )
     log_level: str = "info"
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.
