@@ -60,6 +60,7 @@ class Job:
     accepted_at: float = field(default_factory=time.time)
     uploaded_at: float | None = None
     committed_at: float | None = None
+    finished_at: float | None = None  # when it reached its final state (committed, failed, discarded)
     bytes_written: int = 0
     objects_written: int = 0
     committed_here: bool = False

@@ -58,6 +58,7 @@ DEFAULT_ROWS = 25
 MAX_ROOTS = 32  # job roots shown (served roots first, then the roots of recent jobs)
 CHART_SAVES = 30
 FAILURES = 10
+FAILURE_CHARS = 1200  # a failure's reason shown (its middle cut past this; the fix at its end kept)
 ACTIVE = ("queued", "uploading", "uploaded")
 
 
@@ -185,7 +186,10 @@ class Overview:
                     "waiting_s": waiting,
                 }
             )
-        failures = [j for j in reversed(recent) if j["state"] in ("failed", "discarded")][:FAILURES]
+        ended = [j for j in reversed(recent) if j["state"] in ("failed", "discarded")]
+        # A newer attempt of the step (a restarted job's) made this one moot: no failure of the save.
+        superseded = [j for j in ended if superseded_by_another(j.get("error"))][:FAILURES]
+        failures = [j for j in ended if not superseded_by_another(j.get("error"))][:FAILURES]
         saves: dict[tuple, dict] = {}
         for j in recent:
             if j["state"] != "committed" or j.get("committed_at") is None:
@@ -201,7 +205,13 @@ class Overview:
         chart = sorted(saves.values(), key=lambda s: s["last"])[-CHART_SAVES:]
         for s in chart:
             s["commit_s"] = s.pop("last") - s.pop("first")
-        return {"active": active, "failures": failures, "saves": chart, "stalled": self._stalled(active)}
+        return {
+            "active": active,
+            "failures": failures,
+            "superseded": superseded,
+            "saves": chart,
+            "stalled": self._stalled(active),
+        }
 
     def _stalled(self, active: list[dict]) -> list[dict]:
         """Steps whose ranks here waited longer than ``stall_after_s`` for the others, with the
@@ -253,6 +263,21 @@ class Overview:
             **self.jobs(),
             "more_roots": self.more_roots,
         }
+
+
+# What a job's error says when another attempt of its step took over (the job restarted, a
+# rank saved the step again): ``commit.begin``'s StepClaimed and AlreadyCommitted, the commit
+# watch, and the restart check (``jobs.Runner._superseded``).
+_SUPERSEDED = (
+    "was committed by another attempt",
+    "was superseded by attempt",
+    "a newer attempt of the same step has started",
+    "is already committed; refusing to overwrite",
+)
+
+
+def superseded_by_another(error: str | None) -> bool:
+    return bool(error) and any(p in error for p in _SUPERSEDED)
 
 
 def _read_info(store: Store, step: int) -> CheckpointInfo:
@@ -312,8 +337,17 @@ def _secs(s: float | None) -> str:
 
 
 def _line(text: str | None, n: int = 240) -> str:
+    """One line of at most ``n`` characters; a longer one loses its middle, not its end, which
+    is where ckptd's errors say what to do."""
     one = " ".join(str(text or "").split())
-    return one if len(one) <= n else one[: n - 1] + "\u2026"
+    if len(one) <= n:
+        return one
+    tail = n // 2
+    return one[: n - tail - 1] + "\u2026" + one[-tail:]
+
+
+def _count(active: list[dict], state: str) -> int:
+    return sum(1 for j in active if j["state"] == state)
 
 
 def _bar(frac: float) -> str:
@@ -332,8 +366,9 @@ def render(data: dict) -> str:
     out.append('<section id="staging"><h2>Staging</h2><p>')
     out.append(
         f'{_bar(used)} <span id="staging-used">{_e(_bytes(st["staged_bytes"]))} of {_e(_bytes(st["budget"]))}</span>'
-        f" ({used:.0%}), {st['leases']} leases, {st['queue_depth']} queued for upload, "
-        f"{st['awaiting_commit']} waiting for other ranks</p></section>"
+        f" ({used:.0%}), {st['leases']} leases, {_count(data['active'], 'queued')} queued, "
+        f"{_count(data['active'], 'uploading')} uploading, "
+        f"{_count(data['active'], 'uploaded')} waiting for other ranks</p></section>"
     )
 
     out.append('<section id="inflight"><h2>In flight</h2>')
@@ -381,15 +416,30 @@ def render(data: dict) -> str:
     if not data["failures"]:
         out.append('<p class="muted">none</p>')
     else:
-        out.append("<table><tr><th>time</th><th>job root</th><th>step</th><th>rank</th><th>reason</th></tr>")
+        out.append("<table><tr><th>failed at</th><th>job root</th><th>step</th><th>rank</th><th>reason</th></tr>")
         for j in data["failures"]:
             out.append(
-                f'<tr class="failure"><td>{_e(_time(j["accepted_at"]))}</td><td class="err">{_e(j["root"])}</td>'
+                f'<tr class="failure"><td>{_e(_time(j.get("finished_at") or j["accepted_at"]))}</td>'
+                f'<td class="err">{_e(j["root"])}</td>'
                 f'<td class="num">{_e(j["step"])}</td><td class="num">{_e(j["rank"])}</td>'
-                f'<td class="err bad">{_e(_line(j["error"]))}</td></tr>'
+                f'<td class="err bad">{_e(_line(j["error"], FAILURE_CHARS))}</td></tr>'
             )
         out.append("</table>")
     out.append("</section>")
+    if data.get("superseded"):
+        out.append(
+            '<section id="superseded"><h2>Superseded attempts</h2><p class="muted">another attempt of the '
+            "step took over (a restarted job, a step saved again): nothing to do</p>"
+            "<table><tr><th>superseded at</th><th>job root</th><th>step</th><th>rank</th><th>why</th></tr>"
+        )
+        for j in data["superseded"]:
+            out.append(
+                f'<tr class="superseded"><td>{_e(_time(j.get("finished_at") or j["accepted_at"]))}</td>'
+                f'<td class="err">{_e(j["root"])}</td><td class="num">{_e(j["step"])}</td>'
+                f'<td class="num">{_e(j["rank"])}</td>'
+                f'<td class="err muted">{_e(_line(j["error"], FAILURE_CHARS))}</td></tr>'
+            )
+        out.append("</table></section>")
 
     out.append('<section id="roots"><h2>Checkpoints</h2>')
     if data.get("more_roots"):
@@ -467,8 +517,15 @@ def _chart(saves: list[dict]) -> str:
         f'<text x="4" y="{top + 8}">{_e(_secs(tmax))}</text><text x="4" y="{top + ph}">0 s</text>',
         f'<text x="{left + pw + 6}" y="{top + 8}">{_e(_bytes(bmax))}</text>',
     ]
+    last_label, last_x = None, -1e9
     for i, s in enumerate(saves):
         x = left + i * slot + slot / 2
+        # a step's label once (saves of one step, attempts or roots, sit side by side), and none
+        # closer than 28 px to the previous one; the tooltip names every bar
+        label = ""
+        if s["step"] != last_label and x - last_x >= 28:
+            label = f'<text x="{x:.1f}" y="{top + ph + 14}" text-anchor="middle">{_e(s["step"])}</text>'
+            last_label, last_x = s["step"], x
         hb = ph * s["blocked_s"] / tmax
         hc = ph * s["commit_s"] / tmax
         yb = top + ph * (1 - s.get("bytes", 0) / bmax)
@@ -480,8 +537,7 @@ def _chart(saves: list[dict]) -> str:
             f'<g class="save"><title>{_e(tip)}</title>'
             f'<rect x="{x - bw:.1f}" y="{top + ph - hb:.1f}" width="{bw:.1f}" height="{hb:.1f}" fill="#e09b3d"/>'
             f'<rect x="{x:.1f}" y="{top + ph - hc:.1f}" width="{bw:.1f}" height="{hc:.1f}" fill="#3d6fd1"/>'
-            f'<circle cx="{x:.1f}" cy="{yb:.1f}" r="3" fill="#0a7d2c"/>'
-            f'<text x="{x:.1f}" y="{top + ph + 14}" text-anchor="middle">{_e(s["step"])}</text></g>'
+            f'<circle cx="{x:.1f}" cy="{yb:.1f}" r="3" fill="#0a7d2c"/>{label}</g>'
         )
     ly = h - 6
     parts.append(
