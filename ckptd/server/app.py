@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import shutil
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings, default_staging_dir, group_id
-from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
+from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging, open_private_dir
 from storage_backends import StorageError
 
 __all__ = [
@@ -445,6 +446,11 @@ def create_app(settings: Settings) -> FastAPI:
         folder, why = Path(settings.staging_dir), "configured"
     else:
         folder, why = default_staging_dir(settings.budget, settings.roots)
+        # The base above the per-roots folders: ours (or refused, as the staging folder would
+        # be), listable by nobody else; others may traverse it to their lease folders only with
+        # --staging-group (the folders below are 0710 then).
+        folder.parent.parent.mkdir(parents=True, exist_ok=True)
+        os.close(open_private_dir(folder.parent, 0o711 if settings.staging_group else 0o700))
     # Only the parent here: Staging creates the folder itself (or adopts one it owns), never
     # exist_ok on a path another local user may have planted.
     folder.parent.mkdir(parents=True, exist_ok=True)
