@@ -11,9 +11,10 @@ outcome, time in the queue included. Each save runs on a thread of its own that 
 waits for until that deadline; a watchdog fails the future at the deadline even if the save has
 not started yet (it then never starts). Past the deadline the save's future fails ("storage did
 not answer") and the save is aborted: if its thread ever gets an answer from storage, it writes
-nothing more, and neither a done record nor a commit, so the buffers the caller reuses for the next snapshot can
-never be committed half-overwritten. A thread stuck in a storage call stays stuck until that
-call's own timeout (S3: ``CKPTD_S3_*_TIMEOUT``); the writer does not wait for it.
+nothing more, and neither a done record nor a commit, so the buffers the caller reuses for the
+next snapshot can never be committed half-overwritten. A thread stuck in a storage call stays
+stuck until that call's own timeout (S3: ``CKPTD_S3_*_TIMEOUT``); the writer does not wait for
+it.
 
 After a commit (``commit.after_commit``: the sweep of the committed step, retention) runs on a
 thread of its own, never the writer's: storage that stalls after a commit must not hold the next
