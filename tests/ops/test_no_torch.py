@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import boto3
@@ -57,7 +58,7 @@ def venv(tmp_path_factory) -> Path:
 def saved(tmp_path_factory, s3_server) -> tuple[str, str]:
     """Step 1 of a small state saved with torch, on a local root and on S3."""
     base = tmp_path_factory.mktemp("saved")
-    bucket = "ckptd-notorch"
+    bucket = f"ckptd-notorch-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_server, region_name=CREDENTIALS["AWS_REGION"]).create_bucket(Bucket=bucket)
     roots = (str(base / "job"), f"s3://{bucket}/job")
     state = {"w": torch.arange(24, dtype=torch.float32).reshape(6, 4), "b": torch.ones(3, dtype=torch.bfloat16)}
