@@ -7,9 +7,11 @@ Readers go through here so that nothing ever opens a checkpoint without its comm
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 from ckptd import donetree, latest
+from ckptd.codec import CRC_BYTES
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.manifest import (
     COMMIT,
@@ -32,6 +34,8 @@ class CheckpointInfo:
     bytes: int | None
     time: float | None
     path: str  # folder relative to the job root
+    # a partial step: the bytes its arrays take once complete (from its manifest), None if unknown
+    expected_bytes: int | None = None
 
     def to_json(self) -> dict:
         return {
@@ -41,6 +45,7 @@ class CheckpointInfo:
             "bytes": self.bytes,
             "time": self.time,
             "checkpoint_path": self.path,
+            "expected_bytes": self.expected_bytes,
         }
 
 
@@ -116,11 +121,11 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
             # leaves: temp files, empty folders) is no checkpoint, not even a partial one; the
             # next save of that step or ``gc`` removes it.
             continue
-        ws = None
-        with contextlib.suppress(NotFoundError, CheckpointError):
-            head = read_json(store, f"{step_dir(s)}/{MANIFEST}", where(store, s), "manifest", MAX_MANIFEST_BYTES)
-            ws = head.get("world_size") if isinstance(head, dict) else None
-            ws = ws if type(ws) is int else None
+        ws = expected = None
+        with contextlib.suppress(NotFoundError, CheckpointError, StorageError):
+            data = store.get(f"{step_dir(s)}/{MANIFEST}", limit=MAX_MANIFEST_BYTES)
+            m = Manifest.from_bytes(data, where(store, s))
+            ws, expected = m.world_size, _stored_bytes(m)
         out.append(
             CheckpointInfo(
                 s,
@@ -129,9 +134,30 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
                 sum(o.size for o in objs),
                 max((o.mtime for o in objs), default=None),
                 step_dir(s),
+                expected,
             )
         )
     return out
+
+
+def _stored_bytes(m: Manifest) -> int:
+    """The bytes the shard objects of ``m``'s arrays take once written (each present chunk with
+    its crc32c, and the shard index), so a partial step shows how far it got. Metadata objects
+    (a few KiB) are not counted."""
+    total = 0
+    for entry in m.tensors.values():
+        layout = entry.layout
+        if layout.nbytes == 0 or entry.value is not None:
+            continue
+        per_chunk = layout.chunk_nbytes + CRC_BYTES
+        for coord in layout.shard_coords():
+            if not layout.sharded:
+                total += per_chunk
+                continue
+            start, stop = layout.shard_box(coord)
+            present = math.prod(-(-(b - a) // c) for a, b, c in zip(start, stop, layout.chunk_shape, strict=True))
+            total += present * per_chunk + layout.index_nbytes
+    return total
 
 
 def _num(x, kind):

@@ -10,8 +10,12 @@ however either side was sharded.
 "Equal" means bitwise equal (the question is whether a reshard, import or export preserved every
 value): -0.0 against 0.0, or two NaNs with different payloads, count as different, with a max abs
 diff of 0 (or NaN) and a max ulps that says how far apart they are. For floating types ``max_ulps``
-is the largest distance in representable values (0 for bitwise equal elements); for integers and
-bools ``max_abs_diff`` is exact and ``max_ulps`` is None. Non-tensor state (the manifest's JSON
+is the largest distance in representable values (0 for bitwise equal elements) between values of
+one sign: across zero that distance counts every float between them (about 2e9 for two tiny
+float32 values of opposite signs) and says nothing useful, so such pairs are counted in
+``cross_zero`` instead and measured by ``max_rel_diff`` (|a - b| / max(|a|, |b|), over every
+differing pair; 2 for x against -x). For integers and bools ``max_abs_diff`` is exact and
+``max_ulps``, ``max_rel_diff`` are None. Non-tensor state (the manifest's JSON
 tree) is compared too; its differences are listed by path.
 """
 
@@ -46,12 +50,15 @@ class TensorDiff:
     dtype_b: str | None = None
     different: int = 0  # elements that are not bitwise equal
     max_abs_diff: float | int | None = None
-    max_ulps: int | None = None
+    max_ulps: int | None = None  # over differing pairs of one sign (a zero counts as either)
+    max_rel_diff: float | None = None
+    cross_zero: int = 0  # differing pairs of nonzero values of opposite signs (not in max_ulps)
 
     def to_json(self) -> dict:
         d = asdict(self)
-        if isinstance(d["max_abs_diff"], float) and not math.isfinite(d["max_abs_diff"]):
-            d["max_abs_diff"] = str(d["max_abs_diff"])  # JSON has no nan/inf
+        for k in ("max_abs_diff", "max_rel_diff"):
+            if isinstance(d[k], float) and not math.isfinite(d[k]):
+                d[k] = str(d[k])  # JSON has no nan/inf
         return d
 
 
@@ -189,6 +196,7 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
     if td.max_abs_diff is None:
         td.max_abs_diff = 0 if not floating else 0.0
         td.max_ulps = 0 if floating else None
+        td.max_rel_diff = 0.0 if floating else None
     if not n:
         return
     td.different += n
@@ -203,7 +211,16 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
             td.max_abs_diff = float("nan")
         else:
             td.max_abs_diff = max(td.max_abs_diff, m)
-        td.max_ulps = max(td.max_ulps or 0, _max_ulps(ia[neq], ib[neq]))
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            rel = d / np.maximum(np.abs(fa), np.abs(fb))
+        rel = rel[~np.isnan(rel)]  # two zeros (signed), or a NaN on a side
+        if rel.size:
+            td.max_rel_diff = max(td.max_rel_diff or 0.0, float(rel.max()))
+        wa, wb = ia[neq], ib[neq]
+        cross = ((wa < 0) != (wb < 0)) & (fa != 0) & (fb != 0) & ~np.isnan(fa) & ~np.isnan(fb)
+        td.cross_zero += int(np.count_nonzero(cross))
+        if not cross.all():
+            td.max_ulps = max(td.max_ulps or 0, _max_ulps(wa[~cross], wb[~cross]))
     else:
         wa, wb = ia[neq], ib[neq]
         if a.dtype.kind == "u" and itemsize == 8:

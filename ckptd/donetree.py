@@ -45,6 +45,7 @@ record, and :func:`count_done` (``ckptd verify``'s ``commit.check_consistency``)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Iterable
@@ -190,6 +191,23 @@ def attempts(store: Store, step: int) -> set[str]:
     its step has started."""
     prefix = f"{step_dir(step)}/{DONE}/"
     return {o.key[len(prefix) :].split("/", 1)[0] for o in store.list(prefix)}
+
+
+def reported_ranks(store: Store, step: int, attempt: str) -> set[int]:
+    """The ranks of ``attempt`` that wrote a done record (either layout): one listing. The
+    status page names the others when a step waits too long (a dead node's ranks)."""
+    prefix = f"{step_dir(step)}/{DONE}/{attempt}/"
+    out = set()
+    for info in store.list(prefix):
+        name = info.key[len(prefix) :]
+        if name.startswith("rank_") and name.endswith(".json"):
+            with contextlib.suppress(ValueError):
+                out.add(int(name[len("rank_") : -len(".json")]))
+        elif name.startswith("t1/"):
+            parsed = _parse(name.rsplit("/", 1)[-1])
+            if parsed is not None and name.rsplit("/", 1)[-1].startswith("r"):
+                out.add(parsed[0])
+    return out
 
 
 def done_record_key(store: Store, step: int, attempt: str, rank: int) -> str:

@@ -68,7 +68,19 @@ def kvstore_spec(uri: str, path: str, endpoint: str = "") -> dict[str, Any]:
     spec["aws_region"] = _region()
     if endpoint:
         spec["endpoint"] = endpoint
+    spec["context"] = {"aws_credentials": _aws_credentials()}
     return spec
+
+
+def _aws_credentials() -> dict[str, str]:
+    """tensorstore's credentials provider: the one the environment names, as boto3 would pick it.
+    Its default chain parses ``~/.aws/config`` and ``credentials`` even when the keys are in the
+    environment, and logs a few dozen errors per read where those files do not exist (issue 28)."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return {"type": "environment"}
+    if os.environ.get("AWS_PROFILE"):
+        return {"type": "profile", "profile": os.environ["AWS_PROFILE"]}
+    return {"type": "default"}
 
 
 def open_array(uri: str, key: str, step: int | None = None):

@@ -17,13 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ckptd import manifest as mf
 from ckptd.codec import CRC_BYTES, ArrayLayout, init_image
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SaveJob", "ShardWrite", "format_image"]
+__all__ = ["SaveJob", "ShardWrite", "format_image", "format_image_np"]
 
 
 @dataclass
@@ -77,3 +79,17 @@ def format_image(image: torch.Tensor, layout: ArrayLayout, chunks: int, dtype) -
     for n in reversed(layout.chunk_shape[1:]):
         inner.insert(0, inner[0] * n)
     return data.as_strided((chunks, *layout.chunk_shape), (stride, *inner))
+
+
+def format_image_np(image: np.ndarray, layout: ArrayLayout, chunks: int, dtype: np.dtype) -> np.ndarray:
+    """``format_image`` for a numpy image (the daemon's mapping of a staging file; no torch):
+    the same (chunks, *chunk_shape) view of its data, with byte strides."""
+    init_image(layout, image, chunks)
+    itemsize = dtype.itemsize
+    data = image[: (chunks - 1) * (layout.chunk_nbytes + CRC_BYTES) + layout.chunk_nbytes].view(dtype)
+    inner = [itemsize]
+    for n in reversed(layout.chunk_shape[1:]):
+        inner.insert(0, inner[0] * n)
+    return np.lib.stride_tricks.as_strided(
+        data, (chunks, *layout.chunk_shape), (layout.chunk_nbytes + CRC_BYTES, *inner), writeable=False
+    )

@@ -65,8 +65,9 @@ class Checkpointer:
     commit record; past it the save's future fails with ``CheckpointError`` (the checkpoint stays
     partial, and a later commit by the others still completes it). With a daemon, the daemon
     waits that long and the client gives up after it too.
-    ``save_timeout``: seconds one save may take in the background, from the snapshot to the
-    commit (in-process writer only; the daemon has its own bounds). A save whose storage does
+    ``save_timeout``: seconds one save may take in the background, from ``save`` to its future's
+    outcome, time queued behind the previous save included (in-process writer only; the daemon
+    has its own bounds); the sweep and retention after a commit run off that path. A save whose storage does
     not answer fails its future with "storage did not answer" within this bound and is
     abandoned (it never commits afterwards); ``save`` itself never talks to storage.
     ``job_id``: this job's writer identity, which claims every step it saves so that a second

@@ -6,18 +6,29 @@ that resolves at the commit (or fails with the save's error); everything that ta
 -- the claim of the step, the check that it is not committed, the data, the commit, cleanup of
 this job's failed saves and retention -- runs on the writer's threads, never the caller's.
 
-Deadline: each save runs on a thread of its own that the writer waits for at most
-``save_timeout`` seconds. Past that the save's future fails ("storage did not answer") and the
-save is aborted: if its thread ever gets an answer from storage, it writes nothing more, and
-neither a done record nor a commit, so the buffers the caller reuses for the next snapshot can
-never be committed half-overwritten. A thread stuck in a storage call stays stuck until that
-call's own timeout (S3: ``CKPTD_S3_*_TIMEOUT``); the writer does not wait for it.
+Deadline: ``save_timeout`` counts from ``submit`` (the caller's ``save``) to the future's
+outcome, time in the queue included. Each save runs on a thread of its own that the writer
+waits for until that deadline; a watchdog fails the future at the deadline even if the save has
+not started yet (it then never starts). Past the deadline the save's future fails ("storage did
+not answer") and the save is aborted: if its thread ever gets an answer from storage, it writes
+nothing more, and neither a done record nor a commit, so the buffers the caller reuses for the
+next snapshot can never be committed half-overwritten. A thread stuck in a storage call stays
+stuck until that call's own timeout (S3: ``CKPTD_S3_*_TIMEOUT``); the writer does not wait for
+it.
+
+After a commit (``retention.after_commit``: the sweep of the committed step, retention) runs on a
+thread of its own, never the writer's: storage that stalls after a commit must not hold the next
+save in the queue, where no deadline would apply. At most one runs at a time; a commit that
+finds the previous one still running skips its own (retention of the next commit covers it;
+``gc`` and the daemon's housekeeping abort stale uploads the skipped sweep would have), so a
+stalled store never piles threads up.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -62,18 +73,44 @@ class BackgroundWriter:
         self._failed: list[int] = []  # steps whose save failed: reclaimed at the next save
         self._abandoned: list[tuple[int, threading.Thread]] = []  # saves past their deadline
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-writer")
+        self._after: threading.Thread | None = None  # the running after_commit, if any
 
     def stager(self) -> Stager:
         return Stager()
 
     def submit(self, job: SaveJob) -> Future:
-        """The future resolves at the commit; retention runs after it, on the same thread, so it
-        delays neither the caller nor the next save's snapshot (only that save's writes)."""
+        """The future resolves at the commit, or fails at the latest ``save_timeout`` seconds
+        from now; retention runs after the commit on a thread of its own (``after_commit``)."""
         fut: Future = Future()
-        self._thread.submit(self._persist, job, fut)
+        slot = {"state": "queued"}  # "queued" -> "running" (writer) or "expired" (watchdog)
+        watchdog = threading.Timer(self.save_timeout, self._expire, (job, fut, slot))
+        watchdog.daemon = True
+        watchdog.start()
+        self._thread.submit(self._persist, job, fut, time.monotonic() + self.save_timeout, slot, watchdog)
         return fut
 
-    def _persist(self, job: SaveJob, fut: Future) -> None:
+    def _timeout_error(self, step: int) -> CheckpointError:
+        return CheckpointError(
+            f"{catalog.where(self.store, step)}: save did not finish within {self.save_timeout:g} s "
+            "(save_timeout): storage did not answer; the step is abandoned and will not commit"
+        )
+
+    def _expire(self, job: SaveJob, fut: Future, slot: dict) -> None:
+        """The watchdog: a save still queued at its deadline fails and never starts. (A running
+        one is failed by ``_persist``, which waits for it until the same deadline.)"""
+        with self._lock:
+            if slot["state"] != "queued":
+                return
+            slot["state"] = "expired"
+        if fut.set_running_or_notify_cancel():
+            fut.set_exception(self._timeout_error(job.step))
+
+    def _persist(self, job: SaveJob, fut: Future, deadline: float, slot: dict, watchdog: threading.Timer) -> None:
+        watchdog.cancel()
+        with self._lock:
+            if slot["state"] != "queued":
+                return  # expired in the queue: nothing of it was written
+            slot["state"] = "running"
         if not fut.set_running_or_notify_cancel():
             return
         # The caller submits only after the collective of save(), which every rank reaches
@@ -115,17 +152,14 @@ class BackgroundWriter:
 
         t = threading.Thread(target=run, name=f"ckptd-save-{job.step}", daemon=True)
         t.start()
-        t.join(self.save_timeout)
+        t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             if t.is_alive():
                 abort.set()
                 self._stuck += 1
         if abort.is_set():
             self._abandoned.append((job.step, t))
-            box["error"] = CheckpointError(
-                f"{catalog.where(self.store, job.step)}: save did not finish within {self.save_timeout:g} s "
-                "(save_timeout): storage did not answer; the step is abandoned and will not commit"
-            )
+            box["error"] = self._timeout_error(job.step)
         err = box.get("error")
         if err is not None:
             if self.dedupe is not None:
@@ -138,7 +172,29 @@ class BackgroundWriter:
         if self.dedupe is not None:
             self.dedupe.committed(job.step)
         fut.set_result(result)
-        retention.after_commit(self.store, result, self.keep_last)
+        self._after_commit(result)
+
+    def _after_commit(self, result) -> None:
+        """``retention.after_commit`` off the writer's path; skipped while the previous one runs."""
+        if not result.committed_here:
+            return
+        prev = self._after
+        if prev is not None and prev.is_alive():
+            log.warning(
+                "%s: the sweep and retention after the previous commit are still running (storage slow "
+                "or stalled); skipping them after step %d",
+                catalog.where(self.store, result.step),
+                result.step,
+            )
+            return
+        t = threading.Thread(
+            target=retention.after_commit,
+            args=(self.store, result, self.keep_last),
+            name=f"ckptd-after-commit-{result.step}",
+            daemon=True,
+        )
+        self._after = t
+        t.start()
 
     @property
     def stuck(self) -> int:
@@ -149,6 +205,13 @@ class BackgroundWriter:
     def idle(self) -> None:
         """Block until the writer thread has nothing left to do (retention included)."""
         self._thread.submit(lambda: None).result()
+        self._join_after()
+
+    def _join_after(self) -> None:
+        t = self._after
+        if t is not None:
+            t.join()
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
+        self._join_after()

@@ -73,9 +73,12 @@ def run(args: argparse.Namespace) -> int:
             dtype = t.dtype_a or t.dtype_b
         else:
             dtype = f"{t.dtype_a} vs {t.dtype_b}"
-        rows.append([t.key, t.status, shape, dtype, t.different, _num(t.max_abs_diff), _num(t.max_ulps)])
+        ulps = _num(t.max_ulps)
+        if t.cross_zero:  # ulps across zero mean nothing: those pairs are in MAX_REL_DIFF
+            ulps = f"{ulps} ({t.cross_zero} across 0)"
+        rows.append([t.key, t.status, shape, dtype, t.different, _num(t.max_abs_diff), _num(t.max_rel_diff), ulps])
     if rows:
-        print_table(["KEY", "STATUS", "SHAPE", "DTYPE", "DIFFERENT", "MAX_ABS_DIFF", "MAX_ULPS"], rows)
+        print_table(["KEY", "STATUS", "SHAPE", "DTYPE", "DIFFERENT", "MAX_ABS_DIFF", "MAX_REL_DIFF", "MAX_ULPS"], rows)
     for s in report.state:
         print(f"state {s['path']}: {s['a']} != {s['b']}")
     c = report.counts()

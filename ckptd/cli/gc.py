@@ -1,5 +1,6 @@
 """``ckptd gc URI --keep-last K``: delete old checkpoints by the same policy the trainer uses.
 
+``--dry-run`` lists the same steps with the files and bytes under each (a listing, no reads).
 What it deletes: committed checkpoints older than the newest K (never the newest one ``ckptd
 verify`` passed), and partial ones older than the newest commit, each with everything a killed
 writer left in its folder (temp files, empty folders); then the incomplete writes under the root
@@ -68,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
     with job_root(args.uri) as store:
         exists = store.exists_root()
         doomed = retention.select_for_deletion(store, args.keep_last) if exists else []
+        if args.dry_run:
+            # what a real run would remove: the objects under each folder (a listing, no reads)
+            for step in doomed:
+                objs = list(store.list(f"{mf.step_dir(step)}/"))
+                removed[step] = (len(objs), sum(o.size for o in objs))
         if not args.dry_run and exists:
             with Progress("deleting") as progress:
                 for i, step in enumerate(doomed):
@@ -97,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         for step in doomed:
             if args.dry_run:
-                print(f"would delete {mf.step_dir(step)}")
+                n, b = removed[step]
+                print(f"would delete {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
             elif mf.step_dir(step) not in left:
                 n, b = removed[step]
                 print(f"deleted {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
@@ -105,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"aborted incomplete upload {key}")
         if not doomed and not aborted:
             note(f"nothing to delete in {uri}")
+        elif doomed and args.dry_run:
+            print(f"would delete {len(doomed)} checkpoints: {files} files, {human_bytes(nbytes)} ({nbytes} bytes)")
     for path in left:
         error(f"{uri.rstrip('/')}/{path}: still there after deleting (something else is in that folder)")
     return EXIT_FAILED if left else 0

@@ -2,8 +2,10 @@
 
 The VERIFIED column (``verified`` in ``--json``) is the verdict ``ckptd verify`` recorded for the
 step's current commit: ``ok``, ``bad`` or ``unverified`` (never checked, or checked before it
-was saved again); ``-`` for partial steps. A step folder holding no object at all (a writer
-killed before its first write landed) is no checkpoint and is not listed; ``gc`` removes it."""
+was saved again); ``-`` for partial steps. A partial step's BYTES reads "written of expected"
+(``expected_bytes`` in ``--json``, from its manifest; ``?`` before the manifest is written). A
+step folder holding no object at all (a writer killed before its first write landed) is no
+checkpoint and is not listed; ``gc`` removes it."""
 
 from __future__ import annotations
 
@@ -21,6 +23,15 @@ HELP = "list the checkpoints of a job root (step, committed/partial, world size,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_uri(p)
     add_json(p)
+
+
+def _size(i: catalog.CheckpointInfo) -> str:
+    """A committed step's size; a partial one's as written of expected, so that a step that
+    stopped halfway does not look complete (``?``: its manifest is not there yet)."""
+    if i.committed:
+        return human_bytes(i.bytes)
+    expected = "?" if i.expected_bytes is None else human_bytes(i.expected_bytes)
+    return f"{human_bytes(i.bytes)} of {expected}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             i.step,
             "committed" if i.committed else "partial",
             "-" if i.world_size is None else i.world_size,
-            human_bytes(i.bytes),
+            _size(i),
             iso_time(i.time),
             verified[i.step] or "-",
             i.path,

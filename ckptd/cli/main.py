@@ -27,6 +27,9 @@ from storage_backends import StorageError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
+# an optional dependency a command may need -> the extra that installs it
+_EXTRAS = {"torch": "torch", "safetensors": "interop", "fastapi": "server", "uvicorn": "server", "obstore": "s3"}
+
 UNEXPECTED = (RecursionError, TypeError, AttributeError, OverflowError, KeyError, IndexError, ZeroDivisionError)
 
 # subcommand -> module under ckptd.cli (a module cannot be named ``import``: use ``import_``).
@@ -85,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         # complaining about the unflushed stdout at exit.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
+    except ModuleNotFoundError as e:
+        # A command whose optional dependency is not installed (export/import need torch).
+        top = (e.name or "").split(".")[0]
+        extra = _EXTRAS.get(top)
+        if extra is None:
+            raise
+        error(f"ckptd {args.command} needs {top}, which is not installed: pip install 'ckptd[{extra}]'")
         return EXIT_FAILED
     except (CheckpointError, StorageError, OSError, ValueError) as e:
         error(str(e) or type(e).__name__)

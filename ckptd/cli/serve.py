@@ -46,7 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="GROUP",
         help="trainers' group when they run as other users: lease folders 2770 with it (default: 0700)",
     )
-    p.add_argument("--staging-dir", metavar="DIR", help="staging folder (default /dev/shm/ckptd, else a local folder)")
+    p.add_argument(
+        "--staging-dir",
+        metavar="DIR",
+        help="staging folder (default /dev/shm/ckptd/roots-<hash of the --root set>, else a local folder)",
+    )
     p.add_argument(
         "--budget", metavar="SIZE", help="memory for staged snapshots, e.g. 8GiB (default: half the free space)"
     )

@@ -100,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
         out = [_as_json(r, rec) for r, rec in results]
         print_json(out if args.all else out[0])
     bad = [r for r, _ in results if not r.ok]
-    for report in bad:
-        for e in report.errors:
-            error(e)
+    if args.json or not args.all:
+        for report in bad:
+            for e in report.errors:
+                error(e)
     if not args.json:
         for report, _ in results:
             where = f"{uri.rstrip('/')}/{mf.step_dir(report.step)}"
@@ -112,5 +113,10 @@ def run(args: argparse.Namespace) -> int:
                     f"{human_bytes(report.bytes)} ({report.bytes} bytes) checked"
                 )
             elif args.all:
+                # once per bad step: its first error here, the others (--keep-going) below it
                 print(f"{where}: BAD: {report.errors[0]}")
+                for e in report.errors[1:]:
+                    print(f"  also: {e}")
+        if args.all and bad:
+            error(f"{len(bad)} of {len(results)} steps bad: {', '.join(str(r.step) for r in bad)}")
     return EXIT_FAILED if bad else 0

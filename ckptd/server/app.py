@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import shutil
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
 from ckptd.errors import AlreadyCommitted, CheckpointError, CheckpointNotFoundError
+from ckptd.server import jobroots
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
@@ -40,7 +42,7 @@ from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings, default_staging_dir, group_id
-from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
+from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging, open_private_dir
 from storage_backends import StorageError
 
 __all__ = [
@@ -307,6 +309,27 @@ def check_root(body: RootRequest, d: Parts):
     return {"root": d.roots.check(body.root)}
 
 
+@read_only.get("/v1/job-roots", summary="the job roots found at and below a served root (bounded scan, paged)")
+def list_job_roots(
+    request: Request,
+    d: Parts,
+    root: str | None = Query(None, max_length=4096),
+    offset: int = Query(0, ge=0),
+    limit: int = Query(100, ge=1, le=1000),
+):
+    base = d.root_of(root)
+    found = jobroots.shared(request.app.state).get(base)
+    return {
+        "root": base,
+        "count": len(found.roots),
+        "offset": offset,
+        "limit": limit,
+        "truncated": found.truncated,
+        "max_depth": jobroots.MAX_DEPTH,
+        "job_roots": list(found.roots[offset : offset + limit]),
+    }
+
+
 @read_only.get("/v1/checkpoints", summary="every checkpoint of a job root, committed or partial")
 def list_checkpoints(d: Parts, root: str | None = Query(None, max_length=4096)):
     return [i.to_json() for i in catalog.list_checkpoints(d.runner.store(d.root_of(root)))]
@@ -421,7 +444,12 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.staging_dir:
         folder, why = Path(settings.staging_dir), "configured"
     else:
-        folder, why = default_staging_dir(settings.budget)
+        folder, why = default_staging_dir(settings.budget, settings.roots)
+        # The base above the per-roots folders: ours (or refused, as the staging folder would
+        # be), listable by nobody else; others may traverse it to their lease folders only with
+        # --staging-group (the folders below are 0710 then).
+        folder.parent.parent.mkdir(parents=True, exist_ok=True)
+        os.close(open_private_dir(folder.parent, 0o711 if settings.staging_group else 0o700))
     # Only the parent here: Staging creates the folder itself (or adopts one it owns), never
     # exist_ok on a path another local user may have planted.
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -18,13 +18,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, image_chunks, image_nbytes
-from ckptd.dtypes import numpy_dtype, torch_dtype
+from ckptd.dtypes import numpy_dtype
 from ckptd.errors import CheckpointError
-from ckptd.savejob import SaveJob, ShardWrite, format_image
+from ckptd.savejob import SaveJob, ShardWrite, format_image_np
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Lease, is_plain_file_name, read_staged
 from storage_backends.base import InvalidKeyError, check_key
@@ -60,6 +59,7 @@ class Job:
     accepted_at: float = field(default_factory=time.time)
     uploaded_at: float | None = None
     committed_at: float | None = None
+    finished_at: float | None = None  # when it reached its final state (committed, failed, discarded)
     bytes_written: int = 0
     objects_written: int = 0
     committed_here: bool = False
@@ -199,22 +199,23 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
     )
 
 
-def _map(path: Path, nbytes: int) -> torch.Tensor:
-    """The file's bytes as a uint8 tensor over a mapping of it (no copy). O_NOFOLLOW: a file
-    swapped for a symlink after validation is refused, never followed."""
+def _map(path: Path, nbytes: int) -> np.ndarray:
+    """The file's bytes as a uint8 array over a mapping of it (no copy; no torch: the daemon
+    runs without it). O_NOFOLLOW: a file swapped for a symlink after validation is refused,
+    never followed."""
     if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return np.empty(0, dtype=np.uint8)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
             raise CheckpointError(f"staging file {path} changed after hand-off ({st.st_size} bytes, expected {nbytes})")
-        # Private and writable (never written): numpy and torch want writable memory, and a
+        # Private and writable (only the image's index and checksums are written, privately): a
         # read-only fd is enough, so the daemon needs no write permission on trainers' files.
         mm = mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+    return np.frombuffer(mm, dtype=np.uint8)
 
 
 def load(job: Job, folder: Path) -> SaveJob:
@@ -228,11 +229,11 @@ def load(job: Job, folder: Path) -> SaveJob:
             # The trainer laid the data out; the index and the checksums are ours to write (in
             # this private mapping), so a trainer cannot make us commit a mismatched object.
             chunks = image_chunks(layout, coord, layout.itemsize)
-            view = format_image(mapped, layout, chunks, torch_dtype(layout.dtype))
+            view = format_image_np(mapped, layout, chunks, numpy_dtype(layout.dtype))
             out.shards.append(ShardWrite(s["key"], layout, coord, view, mapped))
             continue
         # A numpy view (bfloat16 through ml_dtypes), which is what ``persist.persist`` writes.
-        buf = mapped.numpy().view(numpy_dtype(layout.dtype)).reshape(layout.shard_extent(coord))
+        buf = mapped.view(numpy_dtype(layout.dtype)).reshape(layout.shard_extent(coord))
         out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
         out.metadata.append((m["key"], read_staged(folder / m["file"], m["nbytes"])))

@@ -223,6 +223,22 @@ class Runner:
                 log.warning("staging lease %s: unreadable job journal (%s); freeing it", lease.id, e)
                 self.staging.discard(lease.id)
                 continue
+            try:
+                self.roots.check(job.root)
+            except RootError as e:
+                # Another daemon's entry (a staging folder shared by daemons of other roots):
+                # never uploaded, shown or freed here; its own daemon resumes it.
+                log.warning(
+                    "staging lease %s: leaving job %s of another root alone (%s step %d rank %d): %s",
+                    lease.id,
+                    job.job,
+                    job.root,
+                    job.step,
+                    job.rank,
+                    e,
+                )
+                self.staging.leave(lease.id)
+                continue
             state = rec.get("state")
             if state == "accepted":
                 self._recover_accepted(job, lease)
@@ -293,6 +309,7 @@ class Runner:
             "discarding job %s after a restart: %s step %d rank %d: %s", job.job, job.root, job.step, job.rank, why
         )
         job.state, job.error = "discarded", f"discarded after a daemon restart: {why}"
+        job.finished_at = time.time()
         self._remember(job)
         self.metrics.inc("ckptd_jobs_discarded_total")
         self.staging.discard(lease.id)
@@ -431,8 +448,9 @@ class Runner:
                 self._watching[job.job] = 0.0
 
     def _finish(self, job: Job, state: str, error: str | None = None) -> None:
+        job.finished_at = time.time()  # before the state: a final status has it
         if state == "committed":
-            job.committed_at = time.time()  # before the state: a status that says committed has it
+            job.committed_at = job.finished_at
         job.state, job.error = state, error
         self._notify_final(job.job)
         if state == "committed":

@@ -29,11 +29,13 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from ckptd import catalog
+from ckptd import catalog, donetree
 from ckptd import manifest as mf
 from ckptd import verify as _verify
 from ckptd.catalog import CheckpointInfo
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from ckptd.server import jobroots
+from ckptd.server.jobroots import JobRoots
 from ckptd.server.roots import RootError
 from storage_backends import NotFoundError, StorageError, Store
 
@@ -56,6 +58,7 @@ DEFAULT_ROWS = 25
 MAX_ROOTS = 32  # job roots shown (served roots first, then the roots of recent jobs)
 CHART_SAVES = 30
 FAILURES = 10
+FAILURE_CHARS = 1200  # a failure's reason shown (its middle cut past this; the fix at its end kept)
 ACTIVE = ("queued", "uploading", "uploaded")
 
 
@@ -70,17 +73,29 @@ class Overview:
     """What the page shows, built from the daemon's runner (jobs, staging, roots) and a cache of
     checkpoint rows. One per daemon; safe to call from the server's threads."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, found: JobRoots | None = None):
         self.runner = runner
+        self.found = found or JobRoots(runner)
         self._lock = threading.Lock()
         self._rows: dict[str, dict[int, tuple[CheckpointInfo, float]]] = {}
         self._verified: dict[tuple[str, int], dict] = {}
+        self._reported: dict[tuple[str, int, str], tuple[float, set[int]]] = {}
+        self.more_roots = 0  # job roots found but not shown (past MAX_ROOTS)
 
     def job_roots(self) -> list[str]:
-        roots = list(self.runner.roots.uris)
+        """The job roots found in storage at and below each served root (``jobroots``; the
+        served root itself when none is found), then those of recent jobs; MAX_ROOTS shown."""
+        roots: list[str] = []
+        for base in self.runner.roots.uris:
+            try:
+                below = list(self.found.get(base).roots)
+            except CheckpointError:
+                below = []  # storage did not answer: the row of the served root says why
+            roots += [r for r in (below or [base]) if r not in roots]
         for job in reversed(self.runner.recent(self.runner.HISTORY)):
             if job.root not in roots:
                 roots.append(job.root)
+        self.more_roots = max(0, len(roots) - MAX_ROOTS)
         return roots[:MAX_ROOTS]
 
     def checkpoints(self, root: str, offset: int, limit: int) -> dict:
@@ -159,8 +174,22 @@ class Overview:
             if j["state"] == "uploading" and started and now > started:
                 rate = done / (now - started)
                 eta = (total - done) / rate if rate > 0 else None
-            active.append(j | {"bytes_done": done, "rate": rate, "eta_s": eta, "age_s": now - j["accepted_at"]})
-        failures = [j for j in reversed(recent) if j["state"] in ("failed", "discarded")][:FAILURES]
+            # waiting: since this rank's data was uploaded (its done record written)
+            waiting = now - (j.get("uploaded_at") or j["accepted_at"]) if j["state"] == "uploaded" else None
+            active.append(
+                j
+                | {
+                    "bytes_done": done,
+                    "rate": rate,
+                    "eta_s": eta,
+                    "age_s": now - j["accepted_at"],
+                    "waiting_s": waiting,
+                }
+            )
+        ended = [j for j in reversed(recent) if j["state"] in ("failed", "discarded")]
+        # A newer attempt of the step (a restarted job's) made this one moot: no failure of the save.
+        superseded = [j for j in ended if superseded_by_another(j.get("error"))][:FAILURES]
+        failures = [j for j in ended if not superseded_by_another(j.get("error"))][:FAILURES]
         saves: dict[tuple, dict] = {}
         for j in recent:
             if j["state"] != "committed" or j.get("committed_at") is None:
@@ -176,7 +205,41 @@ class Overview:
         chart = sorted(saves.values(), key=lambda s: s["last"])[-CHART_SAVES:]
         for s in chart:
             s["commit_s"] = s.pop("last") - s.pop("first")
-        return {"active": active, "failures": failures, "saves": chart}
+        return {
+            "active": active,
+            "failures": failures,
+            "superseded": superseded,
+            "saves": chart,
+            "stalled": self._stalled(active),
+        }
+
+    def _stalled(self, active: list[dict]) -> list[dict]:
+        """Steps whose ranks here waited longer than ``stall_after_s`` for the others, with the
+        ranks that wrote no done record (one listing per step, at most every PARTIAL_TTL_S)."""
+        limit = self.runner.settings.stall_after_s
+        steps: dict[tuple[str, int, str], dict] = {}
+        for j in active:
+            if j["waiting_s"] is None or j["waiting_s"] < limit:
+                continue
+            k = (j["root"], j["step"], j["attempt"])
+            s = steps.setdefault(
+                k, {"root": j["root"], "step": j["step"], "attempt": j["attempt"], "world_size": j["world_size"]}
+            )
+            s["waiting_s"] = max(s.get("waiting_s", 0.0), j["waiting_s"])
+        now = time.monotonic()
+        for k, s in steps.items():
+            with self._lock:
+                hit = self._reported.get(k)
+            if hit is None or now - hit[0] >= PARTIAL_TTL_S:
+                try:
+                    hit = (now, donetree.reported_ranks(self.runner.store(k[0]), k[1], k[2]))
+                except (StorageError, CheckpointError, ValueError) as e:
+                    s["error"] = str(e)
+                    continue
+                with self._lock:
+                    self._reported[k] = hit
+            s["missing_ranks"] = sorted(set(range(s["world_size"])) - hit[1])
+        return sorted(steps.values(), key=lambda s: (s["root"], s["step"]))
 
     def build(self, focus_root: str | None, offset: int, limit: int) -> dict:
         staging = self.runner.staging
@@ -198,7 +261,23 @@ class Overview:
                 "awaiting_commit": self.runner.watching,
             },
             **self.jobs(),
+            "more_roots": self.more_roots,
         }
+
+
+# What a job's error says when another attempt of its step took over (the job restarted, a
+# rank saved the step again): ``commit.begin``'s StepClaimed and AlreadyCommitted, the commit
+# watch, and the restart check (``jobs.Runner._superseded``).
+_SUPERSEDED = (
+    "was committed by another attempt",
+    "was superseded by attempt",
+    "a newer attempt of the same step has started",
+    "is already committed; refusing to overwrite",
+)
+
+
+def superseded_by_another(error: str | None) -> bool:
+    return bool(error) and any(p in error for p in _SUPERSEDED)
 
 
 def _read_info(store: Store, step: int) -> CheckpointInfo:
@@ -224,7 +303,7 @@ def _overview(request: Request) -> Overview:
     with _LOCK:
         ov = getattr(state, "overview", None)
         if ov is None:
-            ov = state.overview = Overview(state.daemon.runner)
+            ov = state.overview = Overview(state.daemon.runner, jobroots.shared(state))
         return ov
 
 
@@ -258,8 +337,17 @@ def _secs(s: float | None) -> str:
 
 
 def _line(text: str | None, n: int = 240) -> str:
+    """One line of at most ``n`` characters; a longer one loses its middle, not its end, which
+    is where ckptd's errors say what to do."""
     one = " ".join(str(text or "").split())
-    return one if len(one) <= n else one[: n - 1] + "\u2026"
+    if len(one) <= n:
+        return one
+    tail = n // 2
+    return one[: n - tail - 1] + "\u2026" + one[-tail:]
+
+
+def _count(active: list[dict], state: str) -> int:
+    return sum(1 for j in active if j["state"] == state)
 
 
 def _bar(frac: float) -> str:
@@ -278,11 +366,24 @@ def render(data: dict) -> str:
     out.append('<section id="staging"><h2>Staging</h2><p>')
     out.append(
         f'{_bar(used)} <span id="staging-used">{_e(_bytes(st["staged_bytes"]))} of {_e(_bytes(st["budget"]))}</span>'
-        f" ({used:.0%}), {st['leases']} leases, {st['queue_depth']} queued for upload, "
-        f"{st['awaiting_commit']} waiting for other ranks</p></section>"
+        f" ({used:.0%}), {st['leases']} leases, {_count(data['active'], 'queued')} queued, "
+        f"{_count(data['active'], 'uploading')} uploading, "
+        f"{_count(data['active'], 'uploaded')} waiting for other ranks</p></section>"
     )
 
     out.append('<section id="inflight"><h2>In flight</h2>')
+    for s in data.get("stalled", []):
+        missing = s.get("missing_ranks")
+        who = (
+            f"no done record from rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+            if missing
+            else ("every rank reported; the commit is late" if missing is not None else _line(s.get("error")))
+        )
+        out.append(
+            f'<p class="bad stalled" data-step="{_e(s["step"])}">stalled: {_e(s["root"])} step {_e(s["step"])}: '
+            f"waiting {_e(_secs(s['waiting_s']))} for the other ranks; {_e(who)} "
+            "(a dead node or rank: see docs/operations.md, node loss)</p>"
+        )
     if not data["active"]:
         out.append('<p class="muted">no save in flight</p>')
     else:
@@ -293,7 +394,9 @@ def render(data: dict) -> str:
         for j in data["active"]:
             total = j["bytes_total"]
             frac = j["bytes_done"] / total if total else 1.0
-            state = "waiting for other ranks" if j["state"] == "uploaded" else j["state"]
+            state = j["state"]
+            if j["state"] == "uploaded":
+                state = f"waiting for other ranks for {_secs(j.get('waiting_s'))}"
             rate = "-" if j["rate"] is None else _bytes(j["rate"]) + "/s"
             out.append(
                 f'<tr class="job" data-step="{_e(j["step"])}"><td class="err">{_e(j["root"])}</td>'
@@ -313,17 +416,37 @@ def render(data: dict) -> str:
     if not data["failures"]:
         out.append('<p class="muted">none</p>')
     else:
-        out.append("<table><tr><th>time</th><th>job root</th><th>step</th><th>rank</th><th>reason</th></tr>")
+        out.append("<table><tr><th>failed at</th><th>job root</th><th>step</th><th>rank</th><th>reason</th></tr>")
         for j in data["failures"]:
             out.append(
-                f'<tr class="failure"><td>{_e(_time(j["accepted_at"]))}</td><td class="err">{_e(j["root"])}</td>'
+                f'<tr class="failure"><td>{_e(_time(j.get("finished_at") or j["accepted_at"]))}</td>'
+                f'<td class="err">{_e(j["root"])}</td>'
                 f'<td class="num">{_e(j["step"])}</td><td class="num">{_e(j["rank"])}</td>'
-                f'<td class="err bad">{_e(_line(j["error"]))}</td></tr>'
+                f'<td class="err bad">{_e(_line(j["error"], FAILURE_CHARS))}</td></tr>'
             )
         out.append("</table>")
     out.append("</section>")
+    if data.get("superseded"):
+        out.append(
+            '<section id="superseded"><h2>Superseded attempts</h2><p class="muted">another attempt of the '
+            "step took over (a restarted job, a step saved again): nothing to do</p>"
+            "<table><tr><th>superseded at</th><th>job root</th><th>step</th><th>rank</th><th>why</th></tr>"
+        )
+        for j in data["superseded"]:
+            out.append(
+                f'<tr class="superseded"><td>{_e(_time(j.get("finished_at") or j["accepted_at"]))}</td>'
+                f'<td class="err">{_e(j["root"])}</td><td class="num">{_e(j["step"])}</td>'
+                f'<td class="num">{_e(j["rank"])}</td>'
+                f'<td class="err muted">{_e(_line(j["error"], FAILURE_CHARS))}</td></tr>'
+            )
+        out.append("</table></section>")
 
     out.append('<section id="roots"><h2>Checkpoints</h2>')
+    if data.get("more_roots"):
+        out.append(
+            f'<p class="muted" id="more-roots">{_e(data["more_roots"])} more job roots not shown '
+            "(GET /v1/job-roots lists them, paged)</p>"
+        )
     for r in data["roots"]:
         out.append(f'<div class="root" data-root="{_e(r["root"])}"><h3>{_e(r["root"])}</h3>')
         if "error" in r:
@@ -394,8 +517,15 @@ def _chart(saves: list[dict]) -> str:
         f'<text x="4" y="{top + 8}">{_e(_secs(tmax))}</text><text x="4" y="{top + ph}">0 s</text>',
         f'<text x="{left + pw + 6}" y="{top + 8}">{_e(_bytes(bmax))}</text>',
     ]
+    last_label, last_x = None, -1e9
     for i, s in enumerate(saves):
         x = left + i * slot + slot / 2
+        # a step's label once (saves of one step, attempts or roots, sit side by side), and none
+        # closer than 28 px to the previous one; the tooltip names every bar
+        label = ""
+        if s["step"] != last_label and x - last_x >= 28:
+            label = f'<text x="{x:.1f}" y="{top + ph + 14}" text-anchor="middle">{_e(s["step"])}</text>'
+            last_label, last_x = s["step"], x
         hb = ph * s["blocked_s"] / tmax
         hc = ph * s["commit_s"] / tmax
         yb = top + ph * (1 - s.get("bytes", 0) / bmax)
@@ -407,8 +537,7 @@ def _chart(saves: list[dict]) -> str:
             f'<g class="save"><title>{_e(tip)}</title>'
             f'<rect x="{x - bw:.1f}" y="{top + ph - hb:.1f}" width="{bw:.1f}" height="{hb:.1f}" fill="#e09b3d"/>'
             f'<rect x="{x:.1f}" y="{top + ph - hc:.1f}" width="{bw:.1f}" height="{hc:.1f}" fill="#3d6fd1"/>'
-            f'<circle cx="{x:.1f}" cy="{yb:.1f}" r="3" fill="#0a7d2c"/>'
-            f'<text x="{x:.1f}" y="{top + ph + 14}" text-anchor="middle">{_e(s["step"])}</text></g>'
+            f'<circle cx="{x:.1f}" cy="{yb:.1f}" r="3" fill="#0a7d2c"/>{label}</g>'
         )
     ly = h - 6
     parts.append(

@@ -3,6 +3,7 @@ the defaults (pydantic-settings). ``CKPTD_ROOTS='["s3://bucket/jobs"]'`` is ``--
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -11,7 +12,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "default_staging_dir", "group_id", "parse_size"]
+__all__ = ["Settings", "default_staging_dir", "group_id", "parse_size", "roots_key"]
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B?|B)?\s*", re.IGNORECASE)
 
@@ -41,7 +42,8 @@ class Settings(BaseSettings):
         None, description="the trainers' group: lease folders 2770 with it, else 0700 (one user for both)"
     )
     staging_dir: str | None = Field(
-        None, description="where snapshots are staged; default /dev/shm/ckptd, else a local folder"
+        None,
+        description="where snapshots are staged; default /dev/shm/ckptd/roots-<hash of the roots>, else a local folder",
     )
     budget: int | None = Field(None, description="bytes of staged snapshots; default half the staging filesystem")
     upload_workers: int = Field(2, ge=1, description="jobs uploaded at once")
@@ -61,6 +63,9 @@ class Settings(BaseSettings):
     abort_uploads_older_than_s: float = Field(
         86400.0, ge=0, description="the sweep aborts incomplete uploads begun longer ago than this"
     )
+    stall_after_s: float = Field(
+        300.0, gt=0, description="the status page flags a step whose ranks wait this long for the others"
+    )
     log_level: str = "info"
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.
@@ -79,17 +84,33 @@ def group_id(name: str | None) -> int | None:
         raise ValueError(f"no such group {name!r} (--staging-group)") from None
 
 
-def default_staging_dir(budget: int | None) -> tuple[Path, str]:
-    """(folder, why). /dev/shm when it exists and has room for the budget (or 1 GiB when no
-    budget is set), else a folder under the user's cache."""
+def roots_key(roots: list[str]) -> str:
+    """The name of the default staging folder of a daemon serving ``roots``: one folder per set
+    of served roots, so a daemon never adopts the journal of a daemon that served other roots
+    (their snapshots are not its to upload). Order and spelling (trailing ``/``) do not matter."""
+    from ckptd.server.roots import normalize
+
+    norm = set()
+    for r in roots:
+        scheme, comps = normalize(r)
+        norm.add(f"{scheme}://{'/'.join(comps)}")
+    norm = sorted(norm)
+    return "roots-" + hashlib.sha256("\n".join(norm).encode()).hexdigest()[:16]
+
+
+def default_staging_dir(budget: int | None, roots: list[str]) -> tuple[Path, str]:
+    """(folder, why): ``<base>/roots-<hash of the served roots>``, the base /dev/shm/ckptd when
+    /dev/shm exists and has room for the budget (or 1 GiB when no budget is set), else a folder
+    under the user's cache."""
     shm = Path("/dev/shm")
     need = budget if budget is not None else 2**30
+    key = roots_key(roots)
     if shm.is_dir() and os.access(shm, os.W_OK):
         free = shutil.disk_usage(shm).free
         if free >= need:
-            return shm / "ckptd", "shared memory"
+            return shm / "ckptd" / key, "shared memory, keyed by the served roots"
         why = f"/dev/shm has {free} bytes free, the budget needs {need}"
     else:
         why = "/dev/shm is not available"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckptd" / "staging"
-    return cache, f"local folder ({why})"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckptd" / "staging" / key
+    return cache, f"local folder keyed by the served roots ({why})"

@@ -446,6 +446,12 @@ class Staging:
             if lease is not None:
                 self._free(lease)
 
+    def leave(self, lease_id: str) -> None:
+        """Stop tracking a recovered lease without touching its files (an entry this daemon must
+        not act on: another daemon's, for a root it does not serve)."""
+        with self._lock:
+            self._leases.pop(lease_id, None)
+
     def expire(self) -> list[str]:
         """Free client-owned leases whose client stopped heartbeating. Returns their ids."""
         now = time.monotonic()

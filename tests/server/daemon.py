@@ -24,7 +24,9 @@ class Daemon:
     """``ckptd serve`` in a subprocess. ``env`` adds ``CKPTD_*`` settings (e.g. the test-only
     ``CKPTD_FAULT_UPLOAD_DELAY_S``). Stopped by its pid, never by name."""
 
-    def __init__(self, roots: list[str], staging: Path, log: Path, *, token_file: Path | None = None, **env: str):
+    def __init__(
+        self, roots: list[str], staging: Path | None, log: Path, *, token_file: Path | None = None, **env: str
+    ):
         self.roots, self.staging, self.log_path = roots, staging, log
         self.token_file = token_file
         self.env = env
@@ -42,7 +44,8 @@ class Daemon:
             args = [sys.executable, "-m", "ckptd.cli.main", "serve", "--port", str(self.port)]
             for r in self.roots:
                 args += ["--root", r]
-            args += ["--staging-dir", str(self.staging)]
+            if self.staging is not None:  # None: the daemon's default staging folder
+                args += ["--staging-dir", str(self.staging)]
             if self.token_file is not None:
                 args += ["--token-file", str(self.token_file)]
             else:  # loopback, one user: the tests' own choice, made explicit as the CLI requires
