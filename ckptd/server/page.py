@@ -266,7 +266,7 @@ class Overview:
 
 
 # What a job's error says when another attempt of its step took over (the job restarted, a
-# rank saved the step again): ``commit.begin``'s StepClaimed and AlreadyCommitted, the commit
+# rank saved the step again): ``claims.begin``'s StepClaimed and AlreadyCommitted, the commit
 # watch, and the restart check (``jobs.Runner._superseded``).
 _SUPERSEDED = (
     "was committed by another attempt",
