@@ -267,12 +267,13 @@ class Overview:
 
 # What a job's error says when another attempt of its step took over (the job restarted, a
 # rank saved the step again): ``claims.begin``'s StepClaimed and AlreadyCommitted, the commit
-# watch, and the restart check (``jobs.Runner._superseded``).
+# check (``commit._claimed_manifest``), the commit watch, and the restart check (``jobs.Runner._superseded``).
 _SUPERSEDED = (
     "was committed by another attempt",
     "was superseded by attempt",
     "a newer attempt of the same step has started",
     "is already committed; refusing to overwrite",
+    "the step is claimed by job",  # commit._claimed_manifest: another attempt owns the step now
 )
 
 
