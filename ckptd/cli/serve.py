@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
-import stat
 
 from ckptd.cli.common import UsageError, positive_int
 from ckptd.errors import CheckpointError
@@ -103,8 +101,6 @@ def run(args: argparse.Namespace) -> int:
             settings.host,
             settings.port,
         )
-    else:
-        _check_token_file(settings.token_file, log)
     sock = _listen(settings.host, settings.port)
     if settings.fault_upload_delay_s:
         logging.getLogger("ckptd.server").warning(
@@ -113,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         app = create_app(settings)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:  # ValueError: the token file (read_token)
         sock.close()
         raise UsageError(str(e)) from None
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False)
@@ -137,12 +133,3 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise CheckpointError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
-
-
-def _check_token_file(path: str, log: logging.Logger) -> None:
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return  # create_app reports it
-    if mode & stat.S_IROTH:
-        log.warning("token file %s is readable by every local user (mode %o): chmod o-r it", path, stat.S_IMODE(mode))

@@ -20,7 +20,9 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import shutil
+import stat
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,12 +192,47 @@ def _error(status: int, detail: str, headers: dict | None = None) -> JSONRespons
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
+MAX_TOKEN_FILE_BYTES = 4096
+
+
 def read_token(path: str | None) -> str | None:
+    """The bearer token in ``path`` (``--token-file``). Refused (ValueError, one line) when the
+    file is not a regular file, is larger than ``MAX_TOKEN_FILE_BYTES``, is empty, or is writable by
+    its group or by others: whoever can write it can replace the token with one they know. A token
+    that every local user can read is logged as a WARNING. The checks and the read use one
+    descriptor (``fstat``), so the file checked is the file read."""
     if path is None:
         return None
-    token = Path(path).read_text().strip()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"cannot read token file {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"token file {path} is not a regular file")
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = "every local user" if mode & stat.S_IWOTH else "its group"
+            raise ValueError(
+                f"refusing token file {path}: it is writable by {who} (mode {mode:o}), who could replace "
+                f"the token with one they know; chmod go-w {path} (0600, or 0640 for the trainers' group)"
+            )
+        if st.st_size > MAX_TOKEN_FILE_BYTES:
+            raise ValueError(f"token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token")
+        raw = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read token file {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"token file {path} is not UTF-8 text") from None
     if not token:
         raise ValueError(f"token file {path} is empty")
+    if mode & stat.S_IROTH:
+        log.warning("token file %s is readable by every local user (mode %o): chmod o-r it", path, mode)
     return token
 
 
