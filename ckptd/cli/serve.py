@@ -16,10 +16,10 @@ import argparse
 import logging
 import socket
 
-from ckptd.cli.common import UsageError, positive_int
+from ckptd.cli.common import UsageError, positive_int, printable
 from ckptd.errors import CheckpointError
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "OneLineFormatter", "add_arguments", "run"]
 
 HELP = "run the daemon that uploads and commits snapshots handed off by trainers"
 
@@ -90,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
             "refusing to serve without authentication: give --token-file F (a token readable only by the "
             "daemon and the trainers), or --insecure-no-auth to let anyone who can connect hand off and commit"
         )
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
+    logging.basicConfig(level=settings.log_level.upper(), force=True)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log = logging.getLogger("ckptd.server")
     if settings.token_file is None:
         log.warning(
@@ -133,3 +133,13 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise CheckpointError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
+
+
+class OneLineFormatter(logging.Formatter):
+    """Every log message is one line: job roots, keys and error texts come from clients and
+    storage, so control characters in the message (a root named ``x\\n... INFO forged``, an escape
+    sequence) are written as escapes (``printable``). A traceback keeps its own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)

@@ -27,6 +27,7 @@ from ckptd.cli.common import (
     job_root,
     note,
     print_json,
+    printable,
 )
 from ckptd.errors import CheckpointError
 
@@ -112,5 +113,5 @@ def run(args: argparse.Namespace) -> int:
                     f"{human_bytes(report.bytes)} ({report.bytes} bytes) checked"
                 )
             elif args.all:
-                print(f"{where}: BAD: {report.errors[0]}")
+                print(f"{where}: BAD: {printable(report.errors[0])}")
     return EXIT_FAILED if bad else 0
