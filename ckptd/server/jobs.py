@@ -37,7 +37,7 @@ from ckptd.server.metrics import Metrics
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings
 from ckptd.server.staging import Lease, LeaseBusy, Staging
-from storage_backends import StorageError, Store, open_store
+from storage_backends import StorageError, Store
 from storage_backends.base import data_size
 
 __all__ = ["Runner"]
@@ -105,7 +105,7 @@ class Runner:
         with self._lock:
             st = self._stores.get(root)
             if st is None:
-                st = self._stores[root] = open_store(root)
+                st = self._stores[root] = self.roots.open_store(root)
             return st
 
     def get(self, job_id: str) -> Job | None:
