@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -136,8 +137,13 @@ class JobRequest(BaseModel):
 
 class Guard:
     """Bearer-token check (every path but ``/healthz`` and the status page's data-free shell,
-    ``page.PUBLIC_PATHS``; constant-time compare) and a body
-    size limit (``Content-Length`` checked up front; chunked bodies counted as they arrive)."""
+    ``page.PUBLIC_PATHS``; constant-time compare), a cross-site check, and a body size limit
+    (``Content-Length`` checked up front; chunked bodies counted as they arrive).
+
+    Cross-site: a browser that a web page from elsewhere drives sends ``Origin`` (and
+    ``Sec-Fetch-Site``) with every POST; a request that changes anything (any method but GET and
+    HEAD) from another origin is 403, with or without a token (``--insecure-no-auth`` has none
+    to forge). Trainers and the CLI send neither header."""
 
     def __init__(self, app, token: str | None, max_body: int):
         self.app = app
@@ -148,6 +154,8 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        if scope["method"] not in ("GET", "HEAD") and _cross_site(headers):
+            return await _send(send, 403, {"detail": "cross-site request refused (Origin is not this daemon)"})
         if self.token is not None and scope["path"] != "/healthz" and scope["path"] not in PUBLIC_PATHS:
             auth = headers.get(b"authorization", b"")
             scheme, _, given = auth.partition(b" ")
@@ -179,6 +187,22 @@ class Guard:
 
             return await self.app(scope, replay, send)
         return await self.app(scope, receive, send)
+
+
+def _cross_site(headers: dict[bytes, bytes]) -> bool:
+    """True when a browser says the request comes from a page of another origin."""
+    site = headers.get(b"sec-fetch-site")
+    if site is not None and site.strip().lower() not in (b"same-origin", b"none"):
+        return True
+    origin = headers.get(b"origin")
+    if origin is None:
+        return False
+    host = headers.get(b"host", b"").strip().lower()
+    try:
+        parts = urlsplit(origin.decode("latin-1").strip())
+    except ValueError:
+        return True
+    return parts.scheme not in ("http", "https") or parts.netloc.lower().encode("latin-1") != host
 
 
 async def _send(send, status: int, obj: dict, extra: list | None = None) -> None:
