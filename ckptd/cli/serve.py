@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="retention after each commit the daemon writes (default: none; trainers cannot override it)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        metavar="N",
+        help="open client connections at most (default 1024, kept below the open-files limit)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
 
 
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from ckptd.server.app import create_app
+    from ckptd.server.conns import ConnectionLimits, guarded_protocol
     from ckptd.server.settings import Settings, parse_size
 
     given = {
@@ -76,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         "upload_workers": args.upload_workers,
         "keep_last": args.keep_last,
         "log_level": args.log_level,
+        "max_connections": args.max_connections,
     }
     try:
         if args.budget is not None:
@@ -112,10 +120,58 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, OSError, ValueError) as e:  # ValueError: the token file (read_token)
         sock.close()
         raise UsageError(str(e)) from None
-    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False)
+    limits = ConnectionLimits(
+        _connection_cap(settings.max_connections, log),
+        settings.max_pending_per_client,
+        settings.request_timeout_s,
+        app.state.token,
+    )
+    metrics = app.state.daemon.metrics
+    metrics.gauge("ckptd_connections", "open client connections", lambda: len(limits.open))
+    metrics.gauge(
+        "ckptd_connections_evicted",
+        "pending connections closed to make room (slow or idle clients)",
+        lambda: limits.evicted,
+    )
+    metrics.gauge(
+        "ckptd_connections_timed_out",
+        "connections closed for not sending a whole request in time",
+        lambda: limits.timed_out,
+    )
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        access_log=False,
+        http=guarded_protocol(limits),
+        timeout_keep_alive=settings.keep_alive_s,
+    )
     server = uvicorn.Server(config)
     server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+# Open files kept for everything but client connections: staged files, uploads, stores, logs.
+FD_RESERVE = 256
+
+
+def _connection_cap(wanted: int, log: logging.Logger) -> int:
+    """Raise the open-files soft limit to the hard one, and keep ``FD_RESERVE`` descriptors of
+    it for everything but connections: more connections than that would starve uploads of files
+    and stop the server accepting anyone (``ckptd.server.conns``)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
+    cap = wanted if soft == resource.RLIM_INFINITY else min(wanted, max(16, soft - FD_RESERVE))
+    if cap < wanted:
+        log.warning("at most %d connections (open-files limit %d); --max-connections asked for %d", cap, soft, wanted)
+    return cap
 
 
 def _listen(host: str, port: int) -> socket.socket:

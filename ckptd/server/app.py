@@ -512,6 +512,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.daemon = Daemon(roots, runner, staging, metrics, folder)
+    app.state.token = token  # for the connection limits (``ckptd.server.conns``): who is known
     app.add_middleware(Guard, token=token, max_body=settings.max_body_bytes)
     for exc_type, handler in HANDLERS.items():
         app.add_exception_handler(exc_type, handler)
