@@ -7,7 +7,13 @@ finish (up to 30 s); what is left is journalled and resumed at the next start.
 Authentication is explicit: without ``--token-file`` the daemon refuses to start unless
 ``--insecure-no-auth`` (``CKPTD_INSECURE_NO_AUTH=1``) says that every local user, and every host
 that reaches the address, may hand off snapshots; it then logs one WARNING saying so. The port is
-bound before anything else happens, so a taken port is one error line and exit 1.
+bound before anything else happens, so a taken port is one error line and exit 1. A token file
+its group or others can write is refused (exit 2).
+
+Slow or idle clients cannot starve it (``ckptd.server.conns``): requests must arrive whole within
+``CKPTD_REQUEST_TIMEOUT_S``, connections are capped (``--max-connections``, below the open-files
+limit, which is raised to its hard value), and over a cap the oldest connection that has not yet
+delivered an authenticated request is closed. Log messages are escaped to one line each.
 """
 
 from __future__ import annotations
