@@ -72,7 +72,11 @@ def test_half_open_connections_do_not_starve_health_checks_or_hand_offs(tmp_path
         with Checkpointer(root + "/run", daemon=d.url) as ck:
             assert ck.save(2, small_state(2)).result().committed_here
         assert catalog.committed_steps(open_store(root + "/run")) == [1, 2]
-        assert d.metric("ckptd_connections_evicted") >= 2 * FLOOD - CAP
+        # every flooding connection but at most CAP was closed by the daemon: evicted to make
+        # room, or timed out (those of the first wave still pending when the second came)
+        closed = d.metric("ckptd_connections_evicted") + d.metric("ckptd_connections_timed_out")
+        assert closed >= 2 * FLOOD - CAP
+        assert d.metric("ckptd_connections_evicted") > 0
         assert d.metric("ckptd_connections") <= CAP
     finally:
         for s in socks:
