@@ -8,6 +8,7 @@ connections, and turns every other failure into a one-line StorageError naming t
 
 from __future__ import annotations
 
+import http.client
 import os
 import random
 import re
@@ -21,6 +22,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError, SSLError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.loaders import Loader, create_loader
+from urllib3.exceptions import HTTPError as Urllib3Error
 
 from storage_backends.base import NotFoundError, StorageError
 
@@ -66,7 +68,18 @@ class Truncated(Exception):
     """A response body ended early; retried like a broken connection."""
 
 
-_TRANSIENT = (BotoConnectionError, HTTPClientError, IncompleteReadError, Truncated)
+# A broken connection, whoever notices it: botocore wraps most of these, but an error response
+# whose body is cut (a 404 to a GetObject, read while botocore parses it) reaches us as a raw
+# urllib3 ``ProtocolError``, and a socket error while streaming a body as an ``OSError``.
+_TRANSIENT = (
+    BotoConnectionError,
+    HTTPClientError,
+    IncompleteReadError,
+    Truncated,
+    Urllib3Error,
+    http.client.HTTPException,
+    OSError,
+)
 
 
 def env_size(name: str, default: int) -> int:

@@ -143,9 +143,24 @@ class LocalStore(Store):
     (``LinkRefused``) and is never deleted through; a FIFO or a device file is not an object.
     """
 
-    def __init__(self, root: str, direct_io: bool | None = None) -> None:
+    def __init__(self, root: str, direct_io: bool | None = None, *, below: str | None = None) -> None:
+        """``below``: a folder the root lies inside (a daemon's served root, the root a request
+        named below it). Then only ``below`` itself may be a link: every folder from it down to the
+        root is opened (or made) one level at a time with ``O_NOFOLLOW``, so a link planted on the
+        way (``served/link/theirjob``) is never followed, for reads, writes and deletes alike."""
         self.root = os.path.abspath(root)
         self.uri = self.root
+        self._below: str | None = None
+        self._below_parts: tuple[str, ...] = ()
+        if below is not None:
+            base = os.path.abspath(below)
+            rel = os.path.relpath(self.root, base)
+            if rel == os.curdir:
+                rel = ""
+            if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+                raise StorageError(f"{self.root} is not inside {base}")
+            self._below = base
+            self._below_parts = tuple(p for p in rel.split(os.sep) if p)
         # Folders made by put_deferred, durable after the next sync (or the next durable put below
         # them, which fsyncs their parents first).
         self._deferred_dirs: set[str] = set()
@@ -174,13 +189,7 @@ class LocalStore(Store):
         parent's descriptor. ``create``: missing levels are made (with the root), their names made
         durable (fsync of the parent) unless ``durable=False``, which leaves that to ``sync``.
         Raises OSError: ENOENT for a missing level, ELOOP/ENOTDIR for a link or a file."""
-        try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if not create:
-                raise
-            os.makedirs(self.root, exist_ok=True)
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = self._root_fd(create)
         path = self.root
         try:
             for name in parts:
@@ -211,6 +220,43 @@ class LocalStore(Store):
             os.close(fd)
             raise
         return fd
+
+    def _root_fd(self, create: bool = False) -> int:
+        """A descriptor of the root folder. The root itself may be a link, unless the store was
+        made with ``below``: then only that folder may be, and each level under it is opened (or
+        made, durably) with ``O_NOFOLLOW``; a link there raises OSError ELOOP or ENOTDIR."""
+        top = self.root if self._below is None else self._below
+        try:
+            fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.makedirs(top, exist_ok=True)
+            fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in self._below_parts:
+                try:
+                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, 0o777, dir_fd=fd)
+                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
+                    os.fsync(fd)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _root_exists(self) -> bool:
+        try:
+            os.close(self._root_fd())
+        except OSError:
+            return False
+        return True
 
     @contextlib.contextmanager
     def _parent(self, key: str, create: bool = False, durable: bool = True) -> Iterator[tuple[int, str]]:
@@ -478,7 +524,7 @@ class LocalStore(Store):
         return sorted(names), sorted(folders)
 
     def exists_root(self) -> bool:
-        return os.path.isdir(self.root)
+        return self._root_exists()
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -493,11 +539,12 @@ class LocalStore(Store):
     def sync(self) -> None:
         """Make every earlier ``put_deferred`` durable: ``syncfs(2)`` on the root's filesystem
         (all dirty data and metadata of that filesystem), falling back to ``sync(2)``."""
-        if not os.path.isdir(self.root):
+        try:
+            fd = self._root_fd()
+        except OSError:
             return
         with self._dirs_lock:
             pending = set(self._deferred_dirs)
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             if _syncfs is None or _syncfs(fd) != 0:
                 os.sync()

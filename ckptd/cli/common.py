@@ -3,12 +3,18 @@ a progress bar.
 
 Output contract: results go to stdout (a table for humans, one JSON document with ``--json``);
 errors, notes and progress go to stderr, so ``ckptd ls --json URI | jq`` always sees clean JSON.
+
+Names, keys, reasons and messages come from storage that someone else may write: every string
+printed for humans goes through ``printable`` (``print_table``, ``note`` and ``error`` apply it),
+so a planted newline cannot forge a line and a planted escape sequence never reaches the
+terminal. ``--json`` output is JSON-escaped already.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +43,7 @@ __all__ = [
     "positive_int",
     "print_json",
     "print_table",
+    "printable",
     "shape_str",
     "step_arg",
 ]
@@ -102,6 +109,16 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 # -------------------------------------------------------------------------------------- output
 
+# C0 and C1 controls (newline, carriage return, ESC, ...), DEL, and the Unicode line separators
+# and bidirectional overrides that reorder or break what a terminal shows.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: Any) -> str:
+    """``str(text)`` with every control character written as a Python escape (``\\n``,
+    ``\\x1b``, ``\\u202e``): safe to print on one line of a terminal or a log."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
 
 def print_json(obj: Any, out: TextIO | None = None) -> None:
     out = out or sys.stdout
@@ -112,7 +129,7 @@ def print_json(obj: Any, out: TextIO | None = None) -> None:
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO | None = None) -> None:
     """Left-aligned columns, two spaces apart; numeric-looking cells right-aligned."""
     out = out or sys.stdout
-    cells = [[str(h) for h in headers], *[[str(c) for c in r] for r in rows]]
+    cells = [[printable(h) for h in headers], *[[printable(c) for c in r] for r in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     right = [all(isinstance(r[i], int | float) for r in rows) and bool(rows) for i in range(len(headers))]
     for r in cells:
@@ -123,13 +140,13 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: Text
 def error(message: str) -> None:
     """One line on stderr, prefixed ``ckptd: error:``; newlines in the message are flattened so
     one error is always one line."""
-    line = " ".join(str(message).split()) or "unknown error"
+    line = printable(" ".join(str(message).split())) or "unknown error"
     sys.stderr.write(f"{PREFIX}error: {line}\n")
     sys.stderr.flush()
 
 
 def note(message: str) -> None:
-    sys.stderr.write(f"{PREFIX}{message}\n")
+    sys.stderr.write(f"{PREFIX}{printable(message)}\n")
 
 
 def human_bytes(n: int | None) -> str:

@@ -18,6 +18,7 @@ from ckptd.cli.common import (
     job_root,
     print_json,
     print_table,
+    printable,
     shape_str,
     step_arg,
 )
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if rows:
         print_table(["KEY", "STATUS", "SHAPE", "DTYPE", "DIFFERENT", "MAX_ABS_DIFF", "MAX_REL_DIFF", "MAX_ULPS"], rows)
     for s in report.state:
-        print(f"state {s['path']}: {s['a']} != {s['b']}")
+        print(printable(f"state {s['path']}: {s['a']} != {s['b']}"))
     c = report.counts()
     parts = [f"{c.get(k, 0)} {k.replace('_', ' ')}" for k in ("equal", "different", "mismatch", "only_a", "only_b")]
     state = "equal" if not report.state else f"{len(report.state)} differences"

@@ -29,6 +29,7 @@ from ckptd.cli.common import (
     note,
     positive_int,
     print_json,
+    printable,
 )
 
 __all__ = ["HELP", "add_arguments", "duration", "run"]
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 n, b = removed[step]
                 print(f"deleted {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
         for key in aborted:
-            print(f"aborted incomplete upload {key}")
+            print(f"aborted incomplete upload {printable(key)}")
         if not doomed and not aborted:
             note(f"nothing to delete in {uri}")
         elif doomed and args.dry_run:

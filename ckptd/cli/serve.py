@@ -7,21 +7,25 @@ finish (up to 30 s); what is left is journalled and resumed at the next start.
 Authentication is explicit: without ``--token-file`` the daemon refuses to start unless
 ``--insecure-no-auth`` (``CKPTD_INSECURE_NO_AUTH=1``) says that every local user, and every host
 that reaches the address, may hand off snapshots; it then logs one WARNING saying so. The port is
-bound before anything else happens, so a taken port is one error line and exit 1.
+bound before anything else happens, so a taken port is one error line and exit 1. A token file
+its group or others can write is refused (exit 2).
+
+Slow or idle clients cannot starve it (``ckptd.server.conns``): requests must arrive whole within
+``CKPTD_REQUEST_TIMEOUT_S``, connections are capped (``--max-connections``, below the open-files
+limit, which is raised to its hard value), and over a cap the oldest connection that has not yet
+delivered an authenticated request is closed. Log messages are escaped to one line each.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
-import stat
 
-from ckptd.cli.common import UsageError, positive_int
+from ckptd.cli.common import UsageError, positive_int, printable
 from ckptd.errors import CheckpointError
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "OneLineFormatter", "add_arguments", "run"]
 
 HELP = "run the daemon that uploads and commits snapshots handed off by trainers"
 
@@ -61,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="retention after each commit the daemon writes (default: none; trainers cannot override it)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        metavar="N",
+        help="open client connections at most (default 1024, kept below the open-files limit)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
 
 
@@ -69,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from ckptd.server.app import create_app
+    from ckptd.server.conns import ConnectionLimits, guarded_protocol
     from ckptd.server.settings import Settings, parse_size
 
     given = {
@@ -82,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         "upload_workers": args.upload_workers,
         "keep_last": args.keep_last,
         "log_level": args.log_level,
+        "max_connections": args.max_connections,
     }
     try:
         if args.budget is not None:
@@ -96,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
             "refusing to serve without authentication: give --token-file F (a token readable only by the "
             "daemon and the trainers), or --insecure-no-auth to let anyone who can connect hand off and commit"
         )
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
+    logging.basicConfig(level=settings.log_level.upper(), force=True)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log = logging.getLogger("ckptd.server")
     if settings.token_file is None:
         log.warning(
@@ -107,8 +119,6 @@ def run(args: argparse.Namespace) -> int:
             settings.host,
             settings.port,
         )
-    else:
-        _check_token_file(settings.token_file, log)
     sock = _listen(settings.host, settings.port)
     if settings.fault_upload_delay_s:
         logging.getLogger("ckptd.server").warning(
@@ -117,13 +127,61 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         app = create_app(settings)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:  # ValueError: the token file (read_token)
         sock.close()
         raise UsageError(str(e)) from None
-    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False)
+    limits = ConnectionLimits(
+        _connection_cap(settings.max_connections, log),
+        settings.max_pending_per_client,
+        settings.request_timeout_s,
+        app.state.token,
+    )
+    metrics = app.state.daemon.metrics
+    metrics.gauge("ckptd_connections", "open client connections", lambda: len(limits.open))
+    metrics.gauge(
+        "ckptd_connections_evicted",
+        "pending connections closed to make room (slow or idle clients)",
+        lambda: limits.evicted,
+    )
+    metrics.gauge(
+        "ckptd_connections_timed_out",
+        "connections closed for not sending a whole request in time",
+        lambda: limits.timed_out,
+    )
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        access_log=False,
+        http=guarded_protocol(limits),
+        timeout_keep_alive=settings.keep_alive_s,
+    )
     server = uvicorn.Server(config)
     server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+# Open files kept for everything but client connections: staged files, uploads, stores, logs.
+FD_RESERVE = 256
+
+
+def _connection_cap(wanted: int, log: logging.Logger) -> int:
+    """Raise the open-files soft limit to the hard one, and keep ``FD_RESERVE`` descriptors of
+    it for everything but connections: more connections than that would starve uploads of files
+    and stop the server accepting anyone (``ckptd.server.conns``)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
+    cap = wanted if soft == resource.RLIM_INFINITY else min(wanted, max(16, soft - FD_RESERVE))
+    if cap < wanted:
+        log.warning("at most %d connections (open-files limit %d); --max-connections asked for %d", cap, soft, wanted)
+    return cap
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -143,10 +201,11 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _check_token_file(path: str, log: logging.Logger) -> None:
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return  # create_app reports it
-    if mode & stat.S_IROTH:
-        log.warning("token file %s is readable by every local user (mode %o): chmod o-r it", path, stat.S_IMODE(mode))
+class OneLineFormatter(logging.Formatter):
+    """Every log message is one line: job roots, keys and error texts come from clients and
+    storage, so control characters in the message (a root named ``x\\n... INFO forged``, an escape
+    sequence) are written as escapes (``printable``). A traceback keeps its own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)

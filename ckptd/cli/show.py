@@ -15,6 +15,7 @@ from ckptd.cli.common import (
     job_root,
     print_json,
     print_table,
+    printable,
     shape_str,
 )
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         f"{len(tensors)} tensors, {human_bytes(m.nbytes)}"
     )
     kinds = ", ".join(f"{k} ({v})" for k, v in state_summary(m).items())
-    print(f"state: {kinds or '-'}")
+    print(f"state: {printable(kinds or '-')}")
     headers = ["KEY", "SHAPE", "DTYPE", "SHARD", "CHUNK", "BYTES", "PATH"]
     with_placements = any(t.placements for t in tensors)
     if with_placements:

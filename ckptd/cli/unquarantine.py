@@ -9,7 +9,7 @@ import argparse
 
 from ckptd import catalog
 from ckptd import quarantine as _q
-from ckptd.cli.common import add_json, add_uri, job_root, print_json, step_arg
+from ckptd.cli.common import add_json, add_uri, job_root, print_json, printable, step_arg
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -30,5 +30,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rec)
     else:
-        print(f"restored {where} from {_q.FOLDER}/{rec['id']}/ (committed again)")
+        print(f"restored {where} from {_q.FOLDER}/{printable(rec['id'])}/ (committed again)")
     return 0

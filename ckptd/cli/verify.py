@@ -27,6 +27,7 @@ from ckptd.cli.common import (
     job_root,
     note,
     print_json,
+    printable,
 )
 from ckptd.errors import CheckpointError
 
@@ -114,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             elif args.all:
                 # once per bad step: its first error here, the others (--keep-going) below it
-                print(f"{where}: BAD: {report.errors[0]}")
+                print(f"{where}: BAD: {printable(report.errors[0])}")
                 for e in report.errors[1:]:
-                    print(f"  also: {e}")
+                    print(f"  also: {printable(e)}")
         if args.all and bad:
             error(f"{len(bad)} of {len(results)} steps bad: {', '.join(str(r.step) for r in bad)}")
     return EXIT_FAILED if bad else 0

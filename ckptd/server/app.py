@@ -22,10 +22,12 @@ import json
 import logging
 import os
 import shutil
+import stat
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -135,8 +137,13 @@ class JobRequest(BaseModel):
 
 class Guard:
     """Bearer-token check (every path but ``/healthz`` and the status page's data-free shell,
-    ``page.PUBLIC_PATHS``; constant-time compare) and a body
-    size limit (``Content-Length`` checked up front; chunked bodies counted as they arrive)."""
+    ``page.PUBLIC_PATHS``; constant-time compare), a cross-site check, and a body size limit
+    (``Content-Length`` checked up front; chunked bodies counted as they arrive).
+
+    Cross-site: a browser that a web page from elsewhere drives sends ``Origin`` (and
+    ``Sec-Fetch-Site``) with every POST; a request that changes anything (any method but GET and
+    HEAD) from another origin is 403, with or without a token (``--insecure-no-auth`` has none
+    to forge). Trainers and the CLI send neither header."""
 
     def __init__(self, app, token: str | None, max_body: int):
         self.app = app
@@ -147,6 +154,8 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        if scope["method"] not in ("GET", "HEAD") and _cross_site(headers):
+            return await _send(send, 403, {"detail": "cross-site request refused (Origin is not this daemon)"})
         if self.token is not None and scope["path"] != "/healthz" and scope["path"] not in PUBLIC_PATHS:
             auth = headers.get(b"authorization", b"")
             scheme, _, given = auth.partition(b" ")
@@ -180,6 +189,22 @@ class Guard:
         return await self.app(scope, receive, send)
 
 
+def _cross_site(headers: dict[bytes, bytes]) -> bool:
+    """True when a browser says the request comes from a page of another origin."""
+    site = headers.get(b"sec-fetch-site")
+    if site is not None and site.strip().lower() not in (b"same-origin", b"none"):
+        return True
+    origin = headers.get(b"origin")
+    if origin is None:
+        return False
+    host = headers.get(b"host", b"").strip().lower()
+    try:
+        parts = urlsplit(origin.decode("latin-1").strip())
+    except ValueError:
+        return True
+    return parts.scheme not in ("http", "https") or parts.netloc.lower().encode("latin-1") != host
+
+
 async def _send(send, status: int, obj: dict, extra: list | None = None) -> None:
     data = json.dumps(obj).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(extra or [])]
@@ -191,12 +216,47 @@ def _error(status: int, detail: str, headers: dict | None = None) -> JSONRespons
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
+MAX_TOKEN_FILE_BYTES = 4096
+
+
 def read_token(path: str | None) -> str | None:
+    """The bearer token in ``path`` (``--token-file``). Refused (ValueError, one line) when the
+    file is not a regular file, is larger than ``MAX_TOKEN_FILE_BYTES``, is empty, or is writable by
+    its group or by others: whoever can write it can replace the token with one they know. A token
+    that every local user can read is logged as a WARNING. The checks and the read use one
+    descriptor (``fstat``), so the file checked is the file read."""
     if path is None:
         return None
-    token = Path(path).read_text().strip()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"cannot read token file {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"token file {path} is not a regular file")
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = "every local user" if mode & stat.S_IWOTH else "its group"
+            raise ValueError(
+                f"refusing token file {path}: it is writable by {who} (mode {mode:o}), who could replace "
+                f"the token with one they know; chmod go-w {path} (0600, or 0640 for the trainers' group)"
+            )
+        if st.st_size > MAX_TOKEN_FILE_BYTES:
+            raise ValueError(f"token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token")
+        raw = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read token file {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"token file {path} is not UTF-8 text") from None
     if not token:
         raise ValueError(f"token file {path} is empty")
+    if mode & stat.S_IROTH:
+        log.warning("token file %s is readable by every local user (mode %o): chmod o-r it", path, mode)
     return token
 
 
@@ -478,6 +538,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.daemon = Daemon(roots, runner, staging, metrics, folder)
+    app.state.token = token  # for the connection limits (``ckptd.server.conns``): who is known
     app.add_middleware(Guard, token=token, max_body=settings.max_body_bytes)
     for exc_type, handler in HANDLERS.items():
         app.add_exception_handler(exc_type, handler)

@@ -43,7 +43,7 @@ from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings
 from ckptd.server.shared_claim import SharedClaim
 from ckptd.server.staging import Lease, LeaseBusy, Staging
-from storage_backends import StorageError, Store, open_store
+from storage_backends import StorageError, Store
 from storage_backends.base import data_size
 
 __all__ = ["Runner"]
@@ -121,7 +121,7 @@ class Runner:
         with self._lock:
             st = self._stores.get(root)
             if st is None:
-                st = self._stores[root] = open_store(root)
+                st = self._stores[root] = self.roots.open_store(root)
             return st
 
     def get(self, job_id: str) -> Job | None:

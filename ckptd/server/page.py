@@ -10,6 +10,13 @@ Everything shown is escaped here, on the server (``html.escape``), because job r
 error messages come from clients and storage. The shell's Content-Security-Policy allows no
 inline script, so a string that escaped escaping still could not run.
 
+A job root is someone else's to write: its records are parsed strictly (``_read_info``: a
+``time`` or ``bytes`` that is not a number makes that step an "unreadable" row) and each root is
+built and rendered on its own, so one broken root shows an error row and never blanks the page.
+``POST /v1/page/verify`` needs the ``X-Ckptd-Page`` header, which a cross-site form cannot send
+(and the daemon's ``Guard`` refuses a foreign ``Origin``), so even without a token another web
+page cannot make a browser start verifies.
+
 Cost of a refresh: per job root one listing of the root (``catalog.steps``), plus the commit
 record of steps not seen before. Committed checkpoints are immutable, so their rows are cached
 for the daemon's life; partial ones are re-read at most every ``PARTIAL_TTL_S`` and only when
@@ -20,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import html
+import logging
+import math
 import threading
 import time
 from datetime import UTC, datetime
@@ -39,9 +48,14 @@ from ckptd.server.jobroots import JobRoots
 from ckptd.server.roots import RootError
 from storage_backends import NotFoundError, StorageError, Store
 
-__all__ = ["CSP", "PUBLIC_PATHS", "Overview", "render", "router"]
+__all__ = ["CSP", "PAGE_HEADER", "PUBLIC_PATHS", "Overview", "render", "router"]
+
+log = logging.getLogger("ckptd.server")
 
 router = APIRouter()
+
+# The header the page's script sends with every request; required for verify (a form cannot send it).
+PAGE_HEADER = "X-Ckptd-Page"
 
 # Served without a token: they carry no data (the Guard lets these paths through).
 PUBLIC_PATHS = frozenset({"/", "/static/status.js", "/static/status.css"})
@@ -111,7 +125,10 @@ class Overview:
         rows = [self._row(store, root, s, now) for s in window]
         newest_good = None
         for s in newest_first:
-            info = self._info(store, root, s, now)
+            try:
+                info = self._info(store, root, s, now)
+            except (CheckpointError, StorageError):
+                continue
             if info.committed and self._verdict(root, s).get("ok", True):
                 newest_good = s
                 break
@@ -135,7 +152,13 @@ class Overview:
         return info
 
     def _row(self, store: Store, root: str, step: int, now: float) -> dict:
-        info = self._info(store, root, step, now)
+        try:
+            info = self._info(store, root, step, now)
+        except (CheckpointError, StorageError) as e:
+            return {"step": step, "committed": False, "world_size": None, "bytes": None, "time": None} | {
+                "state": "unreadable",
+                "error": str(e),
+            }
         out = info.to_json()
         verdict = self._verdict(root, step)
         if not info.committed:
@@ -250,6 +273,9 @@ class Overview:
                 roots.append(self.checkpoints(r, off, limit))
             except (CheckpointError, StorageError, RootError) as e:
                 roots.append({"root": r, "error": str(e)})
+            except Exception as e:  # noqa: BLE001 - one root's data never blanks the page for all
+                log.warning("status page: job root %s: %r", r, e)
+                roots.append({"root": r, "error": f"cannot show this root: {type(e).__name__}: {e}"})
         return {
             "time": time.time(),
             "roots": roots,
@@ -286,7 +312,15 @@ def _read_info(store: Store, step: int) -> CheckpointInfo:
     folder = mf.step_dir(step)
     commit = catalog.read_commit(store, step)
     if commit is not None:
-        return CheckpointInfo(step, True, commit.get("world_size"), commit.get("bytes"), commit.get("time"), folder)
+        where = f"{store.uri.rstrip('/')}/{folder}/{mf.COMMIT}"
+        return CheckpointInfo(
+            step,
+            True,
+            _field(commit, "world_size", where, least=1),
+            _field(commit, "bytes", where),
+            _field(commit, "time", where, real=True),
+            folder,
+        )
     ws = None
     with contextlib.suppress(NotFoundError, ValueError, AttributeError, CheckpointError):
         where = catalog.where(store, step)
@@ -294,6 +328,20 @@ def _read_info(store: Store, step: int) -> CheckpointInfo:
     objs = list(store.list(f"{folder}/"))
     mtime = max((o.mtime for o in objs), default=None)
     return CheckpointInfo(step, False, ws, sum(o.size for o in objs), mtime, folder)
+
+
+def _field(record: dict, name: str, where: str, least: int = 0, real: bool = False) -> float | int | None:
+    """``record[name]``: absent is None; else an int (a finite float too when ``real``) of at
+    least ``least``, or CheckpointError. ``True`` is no number here."""
+    value = record.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if real and isinstance(value, float):
+        ok = math.isfinite(value)
+    if not ok or value < least:
+        raise CheckpointError(f"{where}: {name!r} is {_line(repr(value), 60)}, not a number >= {least}")
+    return value
 
 
 _LOCK = threading.Lock()
@@ -449,49 +497,60 @@ def render(data: dict) -> str:
             "(GET /v1/job-roots lists them, paged)</p>"
         )
     for r in data["roots"]:
-        out.append(f'<div class="root" data-root="{_e(r["root"])}"><h3>{_e(r["root"])}</h3>')
-        if "error" in r:
-            out.append(f'<p class="bad err">{_e(_line(r["error"]))}</p></div>')
-            continue
-        good = r["newest_good_step"]
-        out.append(
-            f'<p>newest good step: <span class="newest">{_e("none" if good is None else good)}</span>'
-            f' <span class="muted">({r["count"]} checkpoints)</span></p>'
-        )
-        if r["checkpoints"]:
-            out.append(
-                "<table><tr><th>step</th><th>state</th><th>world size</th><th>size</th><th>time (UTC)</th>"
-                "<th></th></tr>"
-            )
-            for c in r["checkpoints"]:
-                verify = ""
-                if c["committed"]:
-                    verify = (
-                        f'<button type="button" class="linkish" data-action="verify" data-root="{_e(r["root"])}"'
-                        f' data-step="{_e(c["step"])}">verify</button>'
-                    )
-                title = ""
-                if c.get("verify") and not c["verify"]["ok"]:
-                    title = f' title="{_e(_line("; ".join(c["verify"]["errors"])))}"'
-                out.append(
-                    f'<tr class="ckpt" data-step="{_e(c["step"])}"><td class="num">{_e(c["step"])}</td>'
-                    f'<td class="state state-{_e(c["state"])}"{title}>{_e(c["state"])}</td>'
-                    f'<td class="num">{_e(c["world_size"] if c["world_size"] is not None else "-")}</td>'
-                    f'<td class="num">{_e(_bytes(c["bytes"]))}</td><td>{_e(_time(c["time"]))}</td>'
-                    f"<td>{verify}</td></tr>"
-                )
-            out.append("</table>")
-        nav = []
-        if r["offset"] > 0:
-            nav.append(_page_button(r["root"], max(0, r["offset"] - r["limit"]), "newer"))
-        if r["offset"] + r["limit"] < r["count"]:
-            nav.append(_page_button(r["root"], r["offset"] + r["limit"], "older"))
-        if nav:
-            first = r["offset"] + 1
-            last = min(r["count"], r["offset"] + r["limit"])
-            out.append(f"<p>{' '.join(nav)} <span class='muted'>rows {first}-{last} of {r['count']}</span></p>")
-        out.append("</div>")
+        try:
+            out.append(_root_html(r))
+        except Exception as e:  # noqa: BLE001 - one root's data never blanks the page for all
+            log.warning("status page: job root %s: %r", r.get("root"), e)
+            out.append(_root_html({"root": r.get("root"), "error": f"cannot show this root: {type(e).__name__}"}))
     out.append("</section>")
+    return "".join(out)
+
+
+def _root_html(r: dict) -> str:
+    """One job root's block: its checkpoints, or the error that hides them."""
+    out = [f'<div class="root" data-root="{_e(r["root"])}"><h3>{_e(r["root"])}</h3>']
+    if "error" in r:
+        out.append(f'<p class="bad err">{_e(_line(r["error"]))}</p></div>')
+        return "".join(out)
+    good = r["newest_good_step"]
+    out.append(
+        f'<p>newest good step: <span class="newest">{_e("none" if good is None else good)}</span>'
+        f' <span class="muted">({r["count"]} checkpoints)</span></p>'
+    )
+    if r["checkpoints"]:
+        out.append(
+            "<table><tr><th>step</th><th>state</th><th>world size</th><th>size</th><th>time (UTC)</th><th></th></tr>"
+        )
+        for c in r["checkpoints"]:
+            verify = ""
+            if c["committed"]:
+                verify = (
+                    f'<button type="button" class="linkish" data-action="verify" data-root="{_e(r["root"])}"'
+                    f' data-step="{_e(c["step"])}">verify</button>'
+                )
+            title = ""
+            if c.get("error"):
+                title = f' title="{_e(_line(c["error"]))}"'
+            if c.get("verify") and not c["verify"]["ok"]:
+                title = f' title="{_e(_line("; ".join(c["verify"]["errors"])))}"'
+            out.append(
+                f'<tr class="ckpt" data-step="{_e(c["step"])}"><td class="num">{_e(c["step"])}</td>'
+                f'<td class="state state-{_e(c["state"])}"{title}>{_e(c["state"])}</td>'
+                f'<td class="num">{_e(c["world_size"] if c["world_size"] is not None else "-")}</td>'
+                f'<td class="num">{_e(_bytes(c["bytes"]))}</td><td>{_e(_time(c["time"]))}</td>'
+                f"<td>{verify}</td></tr>"
+            )
+        out.append("</table>")
+    nav = []
+    if r["offset"] > 0:
+        nav.append(_page_button(r["root"], max(0, r["offset"] - r["limit"]), "newer"))
+    if r["offset"] + r["limit"] < r["count"]:
+        nav.append(_page_button(r["root"], r["offset"] + r["limit"], "older"))
+    if nav:
+        first = r["offset"] + 1
+        last = min(r["count"], r["offset"] + r["limit"])
+        out.append(f"<p>{' '.join(nav)} <span class='muted'>rows {first}-{last} of {r['count']}</span></p>")
+    out.append("</div>")
     return "".join(out)
 
 
@@ -603,6 +662,8 @@ def page(
 
 @router.post("/v1/page/verify", summary="re-read every chunk of a committed step; the page shows the verdict")
 def verify(request: Request, root: str = Query(max_length=4096), step: int = Query(ge=0)):
+    if request.headers.get(PAGE_HEADER) != "1":
+        return JSONResponse({"detail": f"verify needs the {PAGE_HEADER}: 1 header (the status page sends it)"}, 403)
     ov = _overview(request)
     try:
         ov.runner.roots.check(root)

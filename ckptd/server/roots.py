@@ -3,13 +3,24 @@
 A request names one job root URI. It is accepted when it is a served root or lies below one
 (``--root s3://bucket/jobs`` serves ``s3://bucket/jobs/run-7``), compared component by component
 after normalising, so ``s3://bucket/jobs-evil`` or ``/srv/ckpt/../etc`` never pass.
+
+On a filesystem the names below a served root are the job's users' to make, links included: a
+link ``served/link -> /elsewhere`` must not let a request reach ``/elsewhere/theirjob``. So a
+request whose path below its served root passes through a link is refused (``check``), and the
+store the daemon opens for such a root (``open_store``) opens every level below the served root
+with ``O_NOFOLLOW`` (``LocalStore(below=...)``), so a link planted after the check is not followed
+either. The served root itself may be a link: the operator chose it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from urllib.parse import unquote, urlsplit
+
+from storage_backends import Store, open_store
 
 __all__ = ["RootError", "Roots", "normalize"]
 
@@ -56,11 +67,59 @@ class Roots:
         self._norm = [normalize(u) for u in uris]
 
     def check(self, uri: str) -> str:
+        self._served(uri)
+        return uri
+
+    def _served(self, uri: str, links: bool = True) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+        """(scheme, the served root's components, the request's) of the most specific served
+        root containing ``uri``; for a folder (``links``), checks that nothing below the served
+        root is a link."""
         scheme, comps = normalize(uri)
+        best = None
         for s, c in self._norm:
-            if s == scheme and comps[: len(c)] == c:
-                return uri
-        raise RootError(f"job root {uri!r} is not served by this daemon (serving: {', '.join(self.uris)})")
+            if s == scheme and comps[: len(c)] == c and (best is None or len(c) > len(best)):
+                best = c
+        if best is None:
+            raise RootError(f"job root {uri!r} is not served by this daemon (serving: {', '.join(self.uris)})")
+        if scheme == "file" and links:
+            _no_links_below(uri, best, comps)
+        return scheme, best, comps
+
+    def open_store(self, uri: str) -> Store:
+        """The store of a served job root: for a folder below a served folder, one that never
+        follows a link below the served root (``LocalStore(below=...)``). Not the ``lstat`` walk
+        of ``check``: the store's ``O_NOFOLLOW`` opens are what hold, whenever a link appears."""
+        scheme, base, comps = self._served(uri, links=False)
+        if scheme != "file":
+            return open_store(uri)
+        from storage_backends.local import LocalStore
+
+        return LocalStore("/" + "/".join(comps), below="/" + "/".join(base))
 
     def only(self) -> str | None:
         return self.uris[0] if len(self.uris) == 1 else None
+
+
+def _no_links_below(uri: str, base: tuple[str, ...], comps: tuple[str, ...]) -> None:
+    """RootError when a folder on the way from the served root ``base`` to ``comps`` is a link
+    or not a folder; missing levels are fine (a first save creates them)."""
+    path = "/" + "/".join(base)
+    for name in comps[len(base) :]:
+        path = f"{path}/{name}"
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno == errno.ENOTDIR:
+                break
+            raise RootError(f"job root {uri!r}: cannot check {path}: {e.strerror or e}") from None
+        if stat.S_ISLNK(mode):
+            raise RootError(
+                f"job root {uri!r} is not served by this daemon: {path} is a symbolic link below the served root"
+            )
+        if not stat.S_ISDIR(mode):
+            break
+    else:
+        return
+    raise RootError(f"job root {uri!r}: {path} is not a folder")

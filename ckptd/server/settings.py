@@ -57,6 +57,15 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a wait for memory that sees no progress this long is granted"
     )
     max_body_bytes: int = Field(16 * 2**20, ge=1024)
+    # Connection limits (``ckptd.server.conns``): slow or idle clients cannot starve the daemon.
+    max_connections: int = Field(
+        1024, ge=1, description="open connections at most (kept below the open-files limit at start)"
+    )
+    max_pending_per_client: int = Field(
+        64, ge=1, description="connections from one address that have not yet sent a whole request"
+    )
+    request_timeout_s: float = Field(30.0, gt=0, description="a request's headers and body must arrive within this")
+    keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
     housekeeping_interval_s: float = Field(
         3600.0, gt=0, description="how often incomplete S3 multipart uploads under the served roots are swept"
     )

@@ -35,7 +35,7 @@ def _client(tmp_path, root, token=None) -> TestClient:
         budget=1 << 20,
         token_file=str(token_file) if token_file else None,
     )
-    return TestClient(create_app(settings))
+    return TestClient(create_app(settings), headers={"X-Ckptd-Page": "1"})  # as the page's script sends
 
 
 def test_names_from_storage_are_escaped(tmp_path):

@@ -12,7 +12,8 @@
   let timer = null;
 
   function headers() {
-    const h = { Accept: "application/json" };
+    // X-Ckptd-Page: verify needs it, and a page of another site cannot send it (no CORS here)
+    const h = { Accept: "application/json", "X-Ckptd-Page": "1" };
     const t = sessionStorage.getItem(KEY);
     if (t) h.Authorization = "Bearer " + t;
     return h;
