@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, inline_value
+from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, inlinable, inline_value
 from ckptd.dtypes import zarr_dtype
 from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
 from ckptd.savejob import SaveJob, ShardWrite, format_image
@@ -218,7 +218,7 @@ def take(
         plan = kp.grid
         local = local_tensor(t).detach()
         on_cuda = local.is_cuda
-        if not sh.global_shape and not on_cuda:
+        if not sh.global_shape and not on_cuda and inlinable(plan.layout.dtype):
             # A CPU scalar (an optimizer's step count) goes into its zarr.json's fill_value and
             # the manifest instead of a chunk object of a few bytes: one object, not two. Rank 0
             # (manifest) and the writer (zarr.json) each decide from their own replica's value.
@@ -255,12 +255,13 @@ def take(
         for j, tr in plan.transfers_of(key, rank):
             tag = n * stride + j
             if tr.src == rank:
-                p2p.append((tag, "send", tr.dst, local[tr.box.relative_to(sh.local_box)].contiguous(), None))
+                piece = local[tr.box.relative_to(sh.local_box)].contiguous()
+                p2p.append((tag, "send", tr.dst, _wire(piece), None))
             if tr.dst == rank:
                 coord = tuple(a // s for a, s in zip(tr.box.start, plan.layout.shard_shape, strict=True))
                 buf, box = bufs[coord]
                 tmp = torch.empty(tr.box.shape, dtype=t.dtype, device=local.device)
-                p2p.append((tag, "recv", tr.src, tmp, (buf, tr.box.relative_to(box))))
+                p2p.append((tag, "recv", tr.src, _wire(tmp), (buf, tr.box.relative_to(box))))
     copy_all(copies, pool)
     if cuda_used:
         ev = torch.cuda.Event()
@@ -282,6 +283,14 @@ def _copy_cuda(dst: torch.Tensor, src: torch.Tensor, stager: Stager) -> None:
         src.record_stream(stream)
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the communication backends take it: float8 and float4 tensors as their bytes
+    (gloo has no such types), the same memory either way."""
+    if t.element_size() == 1 and str(t.dtype).startswith(("torch.float8", "torch.float4")):
+        return t.view(torch.uint8)
+    return t
+
+
 def _exchange(p2p) -> None:
     ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tag) for tag, kind, peer, t, _ in p2p]
     for w in dist.batch_isend_irecv(ops):
@@ -289,4 +298,5 @@ def _exchange(p2p) -> None:
     for _, kind, _, tensor, target in p2p:
         if kind == "recv":
             buf, where = target
-            buf[where].copy_(tensor)
+            dst = buf[where]
+            dst.copy_(tensor.view(dst.dtype))
