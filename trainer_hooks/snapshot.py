@@ -32,7 +32,7 @@ from ckptd.savejob import SaveJob, ShardWrite, format_image
 from storage_backends import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat
 from trainer_hooks.hostcopy import copy_all
-from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
+from trainer_hooks.sharding import Sharding, local_tensor
 
 __all__ = ["Planner", "Stager", "staged_image_chunks", "take"]
 
@@ -213,7 +213,7 @@ def take(
     stride = 4 * world_size + 4
     cuda_used = False
     for n, (key, t) in enumerate(flat.tensors.items()):
-        sh = sharding_of(t)
+        sh = flat.sharding(key)
         kp = planner.key_plan(key, t, sh, rank, pinned=key not in flat.synced)
         plan = kp.grid
         local = local_tensor(t).detach()
@@ -255,13 +255,12 @@ def take(
         for j, tr in plan.transfers_of(key, rank):
             tag = n * stride + j
             if tr.src == rank:
-                piece = local[tr.box.relative_to(sh.local_box)].contiguous()
-                p2p.append((tag, "send", tr.dst, _wire(piece), None))
+                p2p.append((tag, "send", tr.dst, local[tr.box.relative_to(sh.local_box)].contiguous(), None))
             if tr.dst == rank:
                 coord = tuple(a // s for a, s in zip(tr.box.start, plan.layout.shard_shape, strict=True))
                 buf, box = bufs[coord]
                 tmp = torch.empty(tr.box.shape, dtype=t.dtype, device=local.device)
-                p2p.append((tag, "recv", tr.src, _wire(tmp), (buf, tr.box.relative_to(box))))
+                p2p.append((tag, "recv", tr.src, tmp, (buf, tr.box.relative_to(box))))
     copy_all(copies, pool)
     if cuda_used:
         ev = torch.cuda.Event()
@@ -283,14 +282,6 @@ def _copy_cuda(dst: torch.Tensor, src: torch.Tensor, stager: Stager) -> None:
         src.record_stream(stream)
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the communication backends take it: float8 and float4 tensors as their bytes
-    (gloo has no such types), the same memory either way."""
-    if t.element_size() == 1 and str(t.dtype).startswith(("torch.float8", "torch.float4")):
-        return t.view(torch.uint8)
-    return t
-
-
 def _exchange(p2p) -> None:
     ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tag) for tag, kind, peer, t, _ in p2p]
     for w in dist.batch_isend_irecv(ops):
@@ -298,5 +289,4 @@ def _exchange(p2p) -> None:
     for _, kind, _, tensor, target in p2p:
         if kind == "recv":
             buf, where = target
-            dst = buf[where]
-            dst.copy_(tensor.view(dst.dtype))
+            buf[where].copy_(tensor)
