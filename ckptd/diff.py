@@ -33,7 +33,7 @@ from storage_backends import Store
 __all__ = ["BLOCK_BYTES", "DiffReport", "TensorDiff", "diff"]
 
 BLOCK_BYTES = 64 << 20
-_INT_OF = {2: np.int16, 4: np.int32, 8: np.int64}
+_INT_OF = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 @dataclass
@@ -165,7 +165,7 @@ def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int):
 def _buffers(cache: dict, dtype: np.dtype, box: Box, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """Views of shape ``box.shape`` over two reusable flat buffers of the block size."""
     n = box.volume
-    key = dtype.str
+    key = dtype  # not dtype.str: every ml_dtypes float8 type is "|V1"
     cur = cache.get(key)
     if cur is None or cur[0].size < n:
         cache.clear()  # one dtype's pair at a time: memory stays at two blocks
@@ -177,7 +177,9 @@ def _buffers(cache: dict, dtype: np.dtype, box: Box, block_bytes: int) -> tuple[
 def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
     """Fold one block's differences into ``td``."""
     itemsize = a.dtype.itemsize
-    floating = a.dtype.kind == "f" or a.dtype.name == "bfloat16"
+    # ml_dtypes' floats (bfloat16, float8_*) are numpy kind "V": compared by their bits too, so
+    # that two NaNs with the same bits are equal
+    floating = a.dtype.kind == "f" or a.dtype.name == "bfloat16" or a.dtype.name.startswith("float8")
     if a.dtype.kind == "b":
         ia, ib = a.view(np.uint8), b.view(np.uint8)
     elif floating:
@@ -203,7 +205,11 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
             td.max_abs_diff = float("nan")
         else:
             td.max_abs_diff = max(td.max_abs_diff, m)
-        td.max_ulps = max(td.max_ulps or 0, _max_ulps(ia[neq], ib[neq]))
+        if a.dtype.name == "float8_e8m0fnu":  # no sign bit: the bits are the exponent, in order
+            ulps = int(np.abs(ia[neq].view(np.uint8).astype(np.int64) - ib[neq].view(np.uint8).astype(np.int64)).max())
+        else:
+            ulps = _max_ulps(ia[neq], ib[neq])
+        td.max_ulps = max(td.max_ulps or 0, ulps)
     else:
         wa, wb = ia[neq], ib[neq]
         if a.dtype.kind == "u" and itemsize == 8:

@@ -194,3 +194,26 @@ def _cli(*args) -> subprocess.CompletedProcess:
         cwd=ROOT,
         timeout=300,
     )
+
+
+def test_diff_compares_float8_by_bits(tmp_path):
+    """``ckptd diff``: two saves of the same float8 bits (NaNs included) are equal; one bit
+    flipped is one element 1 ULP apart, its distance in float8_e4m3fn's own values (a buffer
+    of another 1-byte float8 type beside it is not reused for it)."""
+    a = bits("float8_e4m3fn", (16, 16))
+    scales = bits("float8_e8m0fnu", (16, 16), seed=1)
+    b = a.clone()
+    i = int((a.view(torch.uint8).reshape(-1) == 2).nonzero()[0])
+    b.view(torch.uint8).view(-1)[i] = 3  # 2**-8 -> 1.5 * 2**-8 in float8_e4m3fn (subnormals)
+    for root, t in (("a", a), ("same", a.clone()), ("b", b)):
+        with Checkpointer(str(tmp_path / root)) as ck:
+            ck.save(1, {"s": {"e8": scales, "w": t}}).result()
+    same = _cli("diff", "--json", tmp_path / "a", tmp_path / "same")
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert json.loads(same.stdout)["equal"] is True
+    run = _cli("diff", "--json", tmp_path / "a", tmp_path / "b")
+    assert run.returncode == 1, run.stderr
+    rows = {t["key"]: t for t in json.loads(run.stdout)["tensors"]}
+    assert rows["s/e8"]["status"] == "equal"
+    assert rows["s/w"]["different"] == 1 and rows["s/w"]["max_ulps"] == 1
+    assert rows["s/w"]["max_abs_diff"] == pytest.approx(2.0**-9)
