@@ -74,6 +74,17 @@ def _check(optim, model) -> dict[torch.Tensor, str]:
             "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not supported: construct it with "
             "overlap_with_ddp=False (the default) to checkpoint it"
         )
+    if dist.get_world_size(optim.process_group) != dist.get_world_size():
+        # Each replica group would hold (and write) its own copy of every partition.
+        raise CheckpointError(
+            "a ZeroRedundancyOptimizer over a subgroup of the job is not supported: give it the "
+            "whole job's process group (the default), or save only one replica group's state"
+        )
+    if any(type(p).__name__ == "DTensor" for g in optim.param_groups for p in g["params"]):
+        raise CheckpointError(
+            "a ZeroRedundancyOptimizer over DTensor parameters is not supported; use FSDP2 (fully_shard), "
+            "whose optimizer state ckptd shards by itself"
+        )
     fqn = _fqns(model)
     missing = [p for g in optim.param_groups for p in g["params"] if p not in fqn]
     if missing:

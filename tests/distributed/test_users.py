@@ -52,10 +52,10 @@ def zero_saved(tmp_path_factory):
     return out, root, saved
 
 
-@pytest.mark.parametrize("dst", [2, 1, 3])
-def test_zero_redundancy_optimizer_restores_bitwise_at_any_world_size(zero_saved, dst):
+@pytest.mark.parametrize("dst,in_place", [(2, False), (1, False), (3, False), (3, True)])
+def test_zero_redundancy_optimizer_restores_bitwise_at_any_world_size(zero_saved, dst, in_place):
     out, root, saved = zero_saved
-    results = launch.run(dst, "zero_restore", out, scenarios=SCENARIOS, root=root, dist=True)
+    results = launch.run(dst, "zero_restore", out, scenarios=SCENARIOS, root=root, dist=True, in_place=in_place)
     r0 = results[0]
     assert r0["step"] == 2
     assert r0["mismatches"] == [], r0["mismatches"]
@@ -90,3 +90,11 @@ def test_a_zero_checkpoint_restores_into_a_plain_optimizer(zero_saved):
             assert torch.equal(sd["state"][i][k], v), (i, k)
     for k, v in ref["params"].items():
         assert torch.equal(net.state_dict()[k], v), k
+
+
+def test_zero_set_ups_that_cannot_be_saved_say_what_to_do(tmp_path):
+    results = launch.run(2, "zero_refusals", tmp_path, scenarios=SCENARIOS, root=str(tmp_path / "ck"))
+    for r in results:
+        assert "overlap_with_ddp=False" in r["overlap"]
+        assert "subgroup of the job is not supported" in r["subgroup"]
+        assert r["latest"] is None

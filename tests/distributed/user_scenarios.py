@@ -202,12 +202,12 @@ def zero_save(root: str, out: str, steps: int = 3, dist: bool = True) -> dict:
     return {"losses": losses, "next_loss": next_loss}
 
 
-def zero_restore(root: str, out: str, dist: bool = True) -> dict:
+def zero_restore(root: str, out: str, dist: bool = True, in_place: bool = False) -> dict:
     """Restore into a differently initialised DDP + ZeRO at this world size; compare with the
     consolidated reference bitwise; then one more step, compared with the uninterrupted run."""
     state = _zero_state(seed=123)
     with Checkpointer(root) as ck:
-        step = ck.restore(state)
+        step = ck.restore(state, in_place=in_place)
     owned = sum(len(s) for s in state["optim"].optim.state.values())
     got = _consolidated(state)
     next_loss = _zero_train(state, step + 1)
@@ -223,3 +223,29 @@ def zero_restore(root: str, out: str, dist: bool = True) -> dict:
             float((v.float() - after["params"][k].float()).abs().max()) for k, v in ref["after_next"]["params"].items()
         )
     return result
+
+
+def zero_refusals(root: str, out: str) -> dict:
+    """The ZeRO set-ups ckptd does not save: each a CheckpointError, nothing committed."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ckptd.errors import CheckpointError
+
+    rank, ws = world()
+    errors = {}
+    model = DDP(nn.Linear(4, 3))
+    overlap = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+    )
+    groups = [dist.new_group([r]) for r in range(ws)]  # every rank makes every group
+    sub = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, process_group=groups[rank])
+    with Checkpointer(root) as ck:
+        for name, optim in (("overlap", overlap), ("subgroup", sub)):
+            try:
+                ck.save(1, {"model": model, "optim": optim}).result()
+                errors[name] = None
+            except CheckpointError as e:
+                errors[name] = str(e)
+        errors["latest"] = ck.latest_step()
+    return errors
