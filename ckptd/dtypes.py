@@ -8,9 +8,9 @@ project needs 2.6).
 The float8 types are stored under their own zarr v3 names (the names torch, ml_dtypes and
 tensorstore share): tensorstore (0.1.86, tested) reads and writes every one of them, each byte as it
 is, and numpy sees them as ``ml_dtypes`` types. zarr-python (3.1) has no float8 data type.
-``float8_e8m0fnu`` needs torch >= 2.7 (``torch_dtype`` says so where torch lacks it).
+A torch too old to have one of these types gets a ``CheckpointError`` from ``torch_dtype``.
 
-``float4_e2m1fn_x2`` (torch >= 2.8: two FP4 values packed in one byte, low nibble first) has
+``float4_e2m1fn_x2`` (two FP4 values packed in one byte) has
 no zarr v3 data type with the same element: tensorstore's ``float4_e2m1fn`` is one value per
 element. It is stored as ``uint8`` (one element per byte, the tensor's shape, the bytes
 unchanged) and its ``zarr.json`` names the torch dtype in the attribute
