@@ -157,6 +157,23 @@ def test_export_to_safetensors_of_each_type(tmp_path):
         assert same_bits(load_file(tmp_path / f"{name}.safetensors")["w"], t), name
 
 
+def test_import_of_a_float8_safetensors_file(tmp_path):
+    """A safetensors file of F8 tensors (as ``safetensors.torch.save_file`` writes it) imports
+    and restores bitwise."""
+    from safetensors.torch import save_file
+
+    tensors = {name: bits(name, (7, 3), seed=i).contiguous() for i, name in enumerate(SAFETENSORS)}
+    save_file(tensors, tmp_path / "in.safetensors")
+    root = str(tmp_path / "job")
+    run = _cli("import", "--format", "safetensors", "--step", 1, tmp_path / "in.safetensors", root)
+    assert run.returncode == 0, run.stderr
+    got = {"model": {k: torch.zeros_like(v.view(torch.uint8)).view(v.dtype) for k, v in tensors.items()}}
+    with Checkpointer(root) as ck:
+        assert ck.restore(got) == 1
+    for k, v in tensors.items():
+        assert same_bits(got["model"][k], v), k
+
+
 @pytest.mark.parametrize("name", ["float8_e8m0fnu", "float4_e2m1fn_x2"])
 def test_export_of_a_type_safetensors_lacks_is_one_clear_error(tmp_path, name):
     root = str(tmp_path / "job")
