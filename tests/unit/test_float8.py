@@ -64,11 +64,12 @@ def saved(tmp_path_factory) -> tuple[str, dict]:
     return root, state
 
 
-def test_every_float8_dtype_restores_bitwise(saved):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_every_float8_dtype_restores_bitwise(saved, in_place):
     root, state = saved
     fresh = fp8_state(seed=100)
     with Checkpointer(root) as ck:
-        assert ck.restore(fresh) == 1
+        assert ck.restore(fresh, in_place=in_place) == 1
     for k, v in state["fp8"].items():
         assert same_bits(fresh["fp8"][k], v), k
     for k, v in state["model"].state_dict().items():
