@@ -118,7 +118,7 @@ def float8_restore(root: str, out: str) -> dict:
 # ------------------------------------------------------------------------------ ZeRO
 
 
-def _zero_state(seed: int):
+def _zero_state(seed: int, bucket_view: bool = False):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -132,6 +132,7 @@ def _zero_state(seed: int):
         optimizer_class=torch.optim.Adam,
         lr=1e-2,
         foreach=False,
+        parameters_as_bucket_view=bucket_view,
     )
     return {"model": model, "optim": optim}
 
@@ -189,8 +190,8 @@ def _differences(want: dict, got: dict) -> list[str]:
     return out
 
 
-def zero_save(root: str, out: str, steps: int = 3, dist: bool = True) -> dict:
-    state = _zero_state(seed=0)
+def zero_save(root: str, out: str, steps: int = 3, dist: bool = True, bucket_view: bool = False) -> dict:
+    state = _zero_state(seed=0, bucket_view=bucket_view)
     losses = [_zero_train(state, s) for s in range(steps)]
     with Checkpointer(root) as ck:
         ck.save(steps - 1, state).result()
@@ -202,10 +203,10 @@ def zero_save(root: str, out: str, steps: int = 3, dist: bool = True) -> dict:
     return {"losses": losses, "next_loss": next_loss}
 
 
-def zero_restore(root: str, out: str, dist: bool = True, in_place: bool = False) -> dict:
+def zero_restore(root: str, out: str, dist: bool = True, in_place: bool = False, bucket_view: bool = False) -> dict:
     """Restore into a differently initialised DDP + ZeRO at this world size; compare with the
     consolidated reference bitwise; then one more step, compared with the uninterrupted run."""
-    state = _zero_state(seed=123)
+    state = _zero_state(seed=123, bucket_view=bucket_view)
     with Checkpointer(root) as ck:
         step = ck.restore(state, in_place=in_place)
     owned = sum(len(s) for s in state["optim"].optim.state.values())
