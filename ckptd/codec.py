@@ -29,7 +29,7 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
-from ckptd.dtypes import NUMPY, numpy_dtype
+from ckptd.dtypes import DTYPE_ATTRIBUTE, NUMPY, STORED_AS, numpy_dtype, stored_name
 from ckptd.errors import CheckpointError, CorruptChunkError
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "image_chunks",
     "image_nbytes",
     "init_image",
+    "inlinable",
     "inline_value",
     "parse_inline",
     "seal_image",
@@ -74,10 +75,21 @@ def crc_bytes(data) -> bytes:
     return struct.pack("<I", _crc32c.crc32c(data))
 
 
+def inlinable(dtype: str) -> bool:
+    """Whether a 0-d array of ``dtype`` may carry its value in ``fill_value`` (``inline_value``).
+
+    Not float8 nor float4: tensorstore 0.1.86 parses a JSON number ``fill_value`` of
+    ``float8_e8m0fnu`` wrongly (1.0 reads back as byte 63, 2**-64), and ``float4_e2m1fn_x2`` has
+    no scalar value in torch; their 0-d arrays keep a chunk object of one byte."""
+    return dtype in NUMPY and not dtype.startswith(("float8", "float4"))
+
+
 def inline_value(dtype: str, value) -> Any:
     """``value`` (a Python scalar read from a 0-d tensor) as the JSON ``fill_value`` that stores
     it exactly, or None if it has no exact form there (NaN, whose bits JSON would not keep, and
-    complex numbers): such a scalar keeps its chunk object."""
+    complex numbers; any dtype that is not ``inlinable``): such a scalar keeps its chunk object."""
+    if not inlinable(dtype):
+        return None
     if dtype == "bool":
         return bool(value)
     if dtype.startswith(("int", "uint")):
@@ -96,6 +108,7 @@ def parse_inline(value) -> Any:
 
 
 def _fill_value(dtype: str):
+    dtype = stored_name(dtype)
     if dtype == "bool":
         return False
     if dtype.startswith(("float", "bfloat", "complex")):
@@ -217,16 +230,19 @@ class ArrayLayout:
             ]
         else:
             codecs = inner
+        attributes = dict(attributes or {})
+        if self.dtype in STORED_AS:  # the torch dtype that the stored data type stands for
+            attributes[DTYPE_ATTRIBUTE] = self.dtype
         return {
             "zarr_format": 3,
             "node_type": "array",
             "shape": list(self.shape),
-            "data_type": self.dtype,
+            "data_type": stored_name(self.dtype),
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.shard_shape)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
             "fill_value": _fill_value(self.dtype) if fill_value is None else fill_value,
             "codecs": codecs,
-            "attributes": attributes or {},
+            "attributes": attributes,
         }
 
     def to_json(self) -> dict:
@@ -266,7 +282,13 @@ class ArrayLayout:
             names = [c["name"] for c in inner]
             if names != ["bytes", "crc32c"]:
                 raise CheckpointError(f"unsupported codec chain {names}")
-            return cls(shape, meta["data_type"], grid, chunk)
+            dtype = meta["data_type"]
+            named = (meta.get("attributes") or {}).get(DTYPE_ATTRIBUTE)
+            if named is not None:
+                if STORED_AS.get(named) != dtype:
+                    raise CheckpointError(f"zarr.json: attribute {DTYPE_ATTRIBUTE}={named!r} with data_type {dtype!r}")
+                dtype = named
+            return cls(shape, dtype, grid, chunk)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"malformed zarr.json: {e!r}") from None
 

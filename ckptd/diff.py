@@ -37,7 +37,7 @@ from storage_backends import Store
 __all__ = ["BLOCK_BYTES", "DiffReport", "TensorDiff", "diff"]
 
 BLOCK_BYTES = 64 << 20
-_INT_OF = {2: np.int16, 4: np.int32, 8: np.int64}
+_INT_OF = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 @dataclass
@@ -172,7 +172,7 @@ def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int):
 def _buffers(cache: dict, dtype: np.dtype, box: Box, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """Views of shape ``box.shape`` over two reusable flat buffers of the block size."""
     n = box.volume
-    key = dtype.str
+    key = dtype  # not dtype.str: every ml_dtypes float8 type is "|V1"
     cur = cache.get(key)
     if cur is None or cur[0].size < n:
         cache.clear()  # one dtype's pair at a time: memory stays at two blocks
@@ -184,7 +184,9 @@ def _buffers(cache: dict, dtype: np.dtype, box: Box, block_bytes: int) -> tuple[
 def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
     """Fold one block's differences into ``td``."""
     itemsize = a.dtype.itemsize
-    floating = a.dtype.kind == "f" or a.dtype.name == "bfloat16"
+    # ml_dtypes' floats (bfloat16, float8_*) are numpy kind "V": compared by their bits too, so
+    # that two NaNs with the same bits are equal
+    floating = a.dtype.kind == "f" or a.dtype.name == "bfloat16" or a.dtype.name.startswith("float8")
     if a.dtype.kind == "b":
         ia, ib = a.view(np.uint8), b.view(np.uint8)
     elif floating:
@@ -217,10 +219,14 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
         if rel.size:
             td.max_rel_diff = max(td.max_rel_diff or 0.0, float(rel.max()))
         wa, wb = ia[neq], ib[neq]
-        cross = ((wa < 0) != (wb < 0)) & (fa != 0) & (fb != 0) & ~np.isnan(fa) & ~np.isnan(fb)
-        td.cross_zero += int(np.count_nonzero(cross))
-        if not cross.all():
-            td.max_ulps = max(td.max_ulps or 0, _max_ulps(wa[~cross], wb[~cross]))
+        if a.dtype.name == "float8_e8m0fnu":  # no sign bit: the bits are the exponent, in order
+            ulps = int(np.abs(wa.view(np.uint8).astype(np.int64) - wb.view(np.uint8).astype(np.int64)).max())
+            td.max_ulps = max(td.max_ulps or 0, ulps)
+        else:
+            cross = ((wa < 0) != (wb < 0)) & (fa != 0) & (fb != 0) & ~np.isnan(fa) & ~np.isnan(fb)
+            td.cross_zero += int(np.count_nonzero(cross))
+            if not cross.all():
+                td.max_ulps = max(td.max_ulps or 0, _max_ulps(wa[~cross], wb[~cross]))
     else:
         wa, wb = ia[neq], ib[neq]
         if a.dtype.kind == "u" and itemsize == 8:

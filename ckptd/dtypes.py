@@ -5,6 +5,18 @@ a tensor of it has. ``bfloat16`` is the zarr v3 extension name that tensorstore 
 knows it through ``ml_dtypes``. The unsigned types wider than 8 bits need torch >= 2.3 (the
 project needs 2.6).
 
+The float8 types are stored under their own zarr v3 names (the names torch, ml_dtypes and
+tensorstore share): tensorstore (0.1.86, tested) reads and writes every one of them, each byte as it
+is, and numpy sees them as ``ml_dtypes`` types. zarr-python (3.1) has no float8 data type.
+A torch too old to have one of these types gets a ``CheckpointError`` from ``torch_dtype``.
+
+``float4_e2m1fn_x2`` (two FP4 values packed in one byte) has
+no zarr v3 data type with the same element: tensorstore's ``float4_e2m1fn`` is one value per
+element. It is stored as ``uint8`` (one element per byte, the tensor's shape, the bytes
+unchanged) and its ``zarr.json`` names the torch dtype in the attribute
+``"ckptd_dtype": "float4_e2m1fn_x2"`` (``STORED_AS``, ``DTYPE_ATTRIBUTE``): readers without
+ckptd see the packed bytes, ckptd (manifest, restore, ``ckptd show``) the torch dtype.
+
 This module imports no torch: the torch side of the table is looked up from names, so format
 code stays torch-free, and only a caller that already holds tensors makes torch load
 (``torch_dtype``, ``as_numpy``).
@@ -24,9 +36,20 @@ from ckptd.errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NUMPY", "as_numpy", "numpy_dtype", "torch_dtype", "zarr_dtype", "zarr_name"]
+__all__ = [
+    "DTYPE_ATTRIBUTE",
+    "NUMPY",
+    "STORED_AS",
+    "as_numpy",
+    "numpy_dtype",
+    "stored_name",
+    "torch_dtype",
+    "zarr_dtype",
+    "zarr_name",
+]
 
-# zarr v3 data_type -> numpy dtype. The torch dtype of each is ``torch.<zarr name>``.
+# ckptd dtype name -> numpy dtype. The torch dtype of each is ``torch.<name>``; the zarr v3
+# ``data_type`` is the name itself except where ``STORED_AS`` says otherwise.
 NUMPY: Mapping[str, np.dtype] = MappingProxyType(
     {
         "bool": np.dtype(np.bool_),
@@ -44,9 +67,24 @@ NUMPY: Mapping[str, np.dtype] = MappingProxyType(
         "float64": np.dtype(np.float64),
         "complex64": np.dtype(np.complex64),
         "complex128": np.dtype(np.complex128),
+        "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+        "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
+        "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+        "float8_e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
+        "float8_e8m0fnu": np.dtype(ml_dtypes.float8_e8m0fnu),
+        "float4_e2m1fn_x2": np.dtype(np.uint8),
     }
 )
-_BY_NUMPY = {dt: name for name, dt in NUMPY.items()}
+# The names whose zarr v3 ``data_type`` differs: the zarr.json names the ckptd dtype in the
+# attribute ``DTYPE_ATTRIBUTE``.
+STORED_AS: Mapping[str, str] = MappingProxyType({"float4_e2m1fn_x2": "uint8"})
+DTYPE_ATTRIBUTE = "ckptd_dtype"
+_BY_NUMPY = {dt: name for name, dt in NUMPY.items() if name not in STORED_AS}
+
+_WORKAROUND = (
+    "supported dtypes: {names}. Store another dtype as its bits (t.view(torch.uint8), or the "
+    "integer type of its width) or converted (t.to(torch.float32)), and convert back after restore"
+)
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -65,26 +103,43 @@ def zarr_name(dtype: np.dtype) -> str:
         raise CheckpointError(f"unsupported dtype {dtype}") from None
 
 
+def stored_name(name: str) -> str:
+    """The zarr v3 ``data_type`` that ckptd dtype ``name`` is written as."""
+    return STORED_AS.get(name, name)
+
+
 def zarr_dtype(dtype: torch.dtype, key: str = "") -> str:
-    """The zarr data type of a torch dtype (``key`` names the tensor in the error)."""
+    """The ckptd dtype name of a torch dtype (``key`` names the tensor in the error)."""
     name = str(dtype).removeprefix("torch.")
     if name not in NUMPY:
-        raise CheckpointError(f"key {key!r}: tensors of dtype {dtype} cannot be stored")
+        raise CheckpointError(
+            f"key {key!r}: tensors of dtype {dtype} cannot be stored; " + _WORKAROUND.format(names=", ".join(NUMPY))
+        )
     return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of zarr data type ``name``."""
+    """The torch dtype of ckptd dtype ``name``."""
     import torch
 
     numpy_dtype(name)  # the same error for a name outside the table
-    return getattr(torch, name)
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointError(f"dtype {name!r} needs a newer torch than {torch.__version__}")
+    return dt
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view of a contiguous CPU tensor (bfloat16 through ml_dtypes)."""
-    import torch
+    """A zero-copy numpy view of a contiguous CPU tensor (bfloat16 and float8 through ml_dtypes,
+    float4_e2m1fn_x2 as its bytes): torch's ``numpy()`` knows none of them, so they go through
+    the integer type of their width."""
+    name = str(t.dtype).removeprefix("torch.")
+    if name == "bfloat16" or name in _VIA_BYTES:
+        import torch
 
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        width = torch.int16 if name == "bfloat16" else torch.uint8
+        return t.view(width).numpy().view(NUMPY[name])
     return t.numpy()
+
+
+_VIA_BYTES = frozenset(n for n in NUMPY if n.startswith(("float8", "float4")))

@@ -255,10 +255,14 @@ class Checkpointer:
         strict: bool = True,
         in_place: bool = False,
         fallback: bool = False,
+        require: bool = False,
     ) -> int | None:
         """Restore ``state`` in place from ``step`` (the latest committed if None). Collective.
 
-        Returns the restored step, or None if the job root has no committed checkpoint. On any
+        Returns the restored step, or None if the job root has no committed checkpoint: rank 0
+        then logs one WARNING naming the root (a mistyped root would otherwise start the job
+        from scratch without a word), and ``require=True`` raises ``CheckpointNotFoundError``
+        naming it on every rank instead, for jobs that must resume. On any
         error every rank raises ``CheckpointError`` and ``state`` is left as it was.
         Entries of the checkpoint that ``state`` lacks are not restored (``{"model": m}`` from a
         full training checkpoint); inside each entry given, ``strict=False`` skips keys present
@@ -281,9 +285,18 @@ class Checkpointer:
             got, self.last_restore_skipped = restore_fallback(
                 self.store, self.coord, state, strict, self._io, in_place=in_place
             )
-            return got
-        self.last_restore_skipped = []
-        return restore_state(self.store, self.coord, state, step, strict, self._io, in_place=in_place)
+        else:
+            self.last_restore_skipped = []
+            got = restore_state(self.store, self.coord, state, step, strict, self._io, in_place=in_place)
+        if got is None:  # every rank got the same answer from rank 0
+            if require:
+                raise CheckpointNotFoundError(
+                    f"{self.root_uri}: no committed checkpoint to restore (restore(require=True)); "
+                    "check the root, or resume without require to start from scratch"
+                )
+            if self.rank == 0:
+                log.warning("restore: %s has no committed checkpoint; starting from scratch", self.root_uri)
+        return got
 
     def latest_step(self) -> int | None:
         try:

@@ -27,7 +27,8 @@ from ckptd import jsonenc
 from ckptd.dtypes import as_numpy, zarr_dtype
 from ckptd.errors import CheckpointError, StateMismatchError
 from ckptd.manifest import key_of
-from trainer_hooks.sharding import local_tensor
+from trainer_hooks import zero
+from trainer_hooks.sharding import Sharding, local_tensor, owned_sharding, sharding_of
 
 # as_numpy: re-exported for callers that imported it from here (it lives in ckptd.dtypes)
 __all__ = ["Flat", "apply", "as_numpy", "flatten"]
@@ -52,11 +53,26 @@ class Flat:
     computed from those gradients. Every other tensor (buffers such as BatchNorm's running
     statistics, which each DDP rank updates with its own batch; user tensors) may differ between
     replicas, so a save writes it from the lowest rank that holds it -- the rank DDP broadcasts
-    buffers from at the next forward."""
+    buffers from at the next forward.
+
+    ``owned``: keys held whole by one rank only (the value: its global rank), the state of a
+    ``ZeroRedundancyOptimizer`` (``trainer_hooks.zero``); on the other ranks ``tensors`` has a
+    ``meta`` tensor of its shape and dtype. ``sharding(key)`` is where each key's data is."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     tree: dict[str, dict] = field(default_factory=dict)
     synced: set[str] = field(default_factory=set)
+    owned: dict[str, int] = field(default_factory=dict)
+
+    def sharding(self, key: str) -> Sharding:
+        owner = self.owned.get(key)
+        t = self.tensors[key]
+        return sharding_of(t) if owner is None else owned_sharding(tuple(t.shape), owner)
+
+    def holds(self, key: str) -> bool:
+        """Whether this rank has the data of ``key`` (all but the other ranks' owned keys)."""
+        owner = self.owned.get(key)
+        return owner is None or self.tensors[key].device.type != "meta"
 
 
 def _trained_model(optim: torch.optim.Optimizer, state: dict) -> torch.nn.Module | None:
@@ -84,6 +100,8 @@ def _paired_state_dicts(state: dict[str, Any]) -> dict[int, dict]:
     (FQN maps over every parameter) then runs once instead of twice per save."""
     owner: dict[int, list] = {}
     for o in state.values():
+        if zero.is_zero(o):  # flattened by ``trainer_hooks.zero``, never by get_state_dict
+            continue
         if isinstance(o, torch.optim.Optimizer) and (m := _trained_model(o, state)) is not None:
             owner.setdefault(id(m), [m]).append(o)
     out: dict[int, dict] = {}
@@ -108,14 +126,20 @@ def flatten(state: dict[str, Any]) -> Flat:
         flat.tensors[key] = t
         if (optimizer and path[1] == "state") or _storage(t) in params:
             flat.synced.add(key)
+        if optimizer and path[1] == "state" and (path[2], path[3]) in owned:
+            flat.owned[key] = owned[(path[2], path[3])]
         return key
 
     paired = _paired_state_dicts(state)
+    owned: dict[tuple[str, str], int] = {}  # (fqn, state name) -> owner, of the optimizer being encoded
     for name, v in state.items():
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"top-level state keys must be non-empty strings, got {name!r}")
         if isinstance(v, torch.nn.Module):
             kind, data = MODULE, paired[id(v)] if id(v) in paired else get_model_state_dict(v)
+        elif isinstance(v, torch.optim.Optimizer) and zero.is_zero(v):
+            kind = OPTIMIZER
+            data, owned, _ = zero.state_dict(v, _model_of(v, state, name))
         elif isinstance(v, torch.optim.Optimizer):
             kind = OPTIMIZER
             data = paired[id(v)] if id(v) in paired else get_optimizer_state_dict(_model_of(v, state, name), v)
@@ -133,7 +157,7 @@ def flatten(state: dict[str, Any]) -> Flat:
             params = {_storage(p) for p in v.parameters()} - {0} if kind == MODULE else set()
             optimizer = kind == OPTIMIZER
             enc = _encode_fqn_tree(kind, data, name, on_tensor)
-            params, optimizer = set(), False
+            params, optimizer, owned = set(), False, {}
         else:
             enc = jsonenc.encode(data, on_tensor, (name,))
         flat.tree[name] = {"kind": kind, "data": enc}
@@ -186,6 +210,8 @@ def apply(
             data = _drop_missing(jsonenc.decode(entry["data"], tensor))
             if isinstance(v, torch.nn.Module):
                 set_model_state_dict(v, data, options=opts)
+            elif isinstance(v, torch.optim.Optimizer) and zero.is_zero(v):
+                zero.load(v, _model_of(v, state, name), data, undo)
             elif isinstance(v, torch.optim.Optimizer):
                 undo.append(_optimizer_undo(v))
                 # Not strict here: the caller has matched the keys already, and a parameter

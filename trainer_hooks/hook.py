@@ -74,14 +74,17 @@ class CheckpointHook:
     def _on_signal(self, signum, frame) -> None:
         self.signalled = signum
 
-    def resume(self) -> int:
+    def resume(self, require: bool = False) -> int:
         """Restore the latest committed checkpoint if there is one; the step to start from.
+
+        With none, rank 0 logs a WARNING naming the root and training starts at step 0;
+        ``require=True`` raises ``CheckpointNotFoundError`` instead (``Checkpointer.restore``).
 
         With ``fallback=True`` a corrupt latest checkpoint does not stop the job: it resumes
         from the newest one that restores (``Checkpointer.restore(fallback=True)``). The bad
         steps after it stay committed, and a save refuses to overwrite a committed step:
         retire them first (``ckptd quarantine``), or the job fails when it reaches them."""
-        step = self.ckpt.restore(self.state, fallback=self.fallback)
+        step = self.ckpt.restore(self.state, fallback=self.fallback, require=require)
         if step is None:
             return 0
         self.last_saved = step

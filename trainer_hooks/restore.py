@@ -36,8 +36,9 @@ from storage_backends import StorageError, Store, open_store
 from trainer_hooks import hostcopy, rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import apply, flatten
-from trainer_hooks.sharding import is_dtensor, local_tensor, sharding_of
+from trainer_hooks.sharding import is_dtensor, local_tensor
 from trainer_hooks.storage_swap import can_swap_memory, exchange, settle
+from trainer_hooks.zero import local_optimizer
 
 __all__ = ["restore_state", "validate"]
 
@@ -252,7 +253,11 @@ def _restore_step(
     m = saved = None
     # A fresh optimizer gets state (a zero-gradient step) when it is flattened; a failed restore
     # takes that away again, so the optimizer is left as the caller gave it.
-    fresh = [o for o in state.values() if isinstance(o, torch.optim.Optimizer) and not o.state]
+    fresh = [
+        local_optimizer(o)
+        for o in state.values()
+        if isinstance(o, torch.optim.Optimizer) and not local_optimizer(o).state
+    ]
     reading = False  # whether this rank began to read chunks (into the state, with in_place)
     try:
         m = _load_manifest(src, coord, step)
@@ -261,9 +266,10 @@ def _restore_step(
         keys = validate(m, flat, where, strict)
         reader = CheckpointReader(src, mf.step_dir(step))
         requests, outs = [], {}
+        keys = [k for k in keys if flat.holds(k)]  # another rank's partition of a ZeRO optimizer: not read here
         for k in keys:
             t = flat.tensors[k]
-            sh = sharding_of(t)
+            sh = flat.sharding(k)
             live = local_tensor(t).detach()
             if in_place and live.device.type == "cpu" and live.is_contiguous():
                 out = live  # read straight into the state's own tensor

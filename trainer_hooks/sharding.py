@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - torch >= 2.6 has both
     DTensor = None
     _compute_local_shape_and_global_offset = None
 
-__all__ = ["Sharding", "is_dtensor", "local_tensor", "sharding_of", "world"]
+__all__ = ["Sharding", "is_dtensor", "local_tensor", "owned_sharding", "sharding_of", "world"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -78,6 +78,21 @@ def _plain_sharding(shape: tuple[int, ...], ws: int) -> Sharding:
     return Sharding(shape, Box.full(shape), ("replicated", shape, ws), "replicated" if ws > 1 else "")
 
 
+def owned_sharding(shape: tuple[int, ...], owner: int) -> Sharding:
+    """A tensor held whole by global rank ``owner`` only (a ZeroRedundancyOptimizer's state of a
+    parameter in ``owner``'s partition): the other ranks hold no block of it."""
+    rank, ws = world()
+    return _owned_sharding(shape, owner, rank, ws)
+
+
+@lru_cache(maxsize=65536)
+def _owned_sharding(shape: tuple[int, ...], owner: int, rank: int, ws: int) -> Sharding:
+    if not 0 <= owner < ws:
+        raise CheckpointError(f"a tensor owned by rank {owner} in a job of {ws} ranks")
+    box = Box.full(shape) if rank == owner else Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+    return Sharding(shape, box, ("owned", shape, owner, ws), f"rank {owner}")
+
+
 # Per device mesh (a job has a handful, alive for the whole run): its ranks in mesh order, its
 # shape and this rank's coordinate. Reading them off the mesh costs a tensor flatten + tolist per
 # call, which every save and restore would otherwise pay per tensor.
@@ -124,6 +139,10 @@ def _blocks(sig: tuple) -> tuple[Box, ...]:
     if sig[0] == "replicated":
         _, shape, ws = sig
         return tuple(Box.full(shape) for _ in range(ws))
+    if sig[0] == "owned":
+        _, shape, owner, ws = sig
+        empty = Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+        return tuple(Box.full(shape) if r == owner else empty for r in range(ws))
     _, shape, mesh_shape, ranks, placements, ws = sig
     empty = Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
     out = [empty] * ws

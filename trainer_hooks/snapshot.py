@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, inline_value
+from ckptd.codec import ArrayLayout, image_chunks, image_nbytes, inlinable, inline_value
 from ckptd.dtypes import zarr_dtype
 from ckptd.layout import GATHER_SMALL_BYTES, Box, Grid, plan_grid
 from ckptd.savejob import SaveJob, ShardWrite, format_image
 from storage_backends import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat
 from trainer_hooks.hostcopy import copy_all
-from trainer_hooks.sharding import Sharding, local_tensor, sharding_of
+from trainer_hooks.sharding import Sharding, local_tensor
 
 __all__ = ["Planner", "Stager", "staged_image_chunks", "take"]
 
@@ -213,12 +213,12 @@ def take(
     stride = 4 * world_size + 4
     cuda_used = False
     for n, (key, t) in enumerate(flat.tensors.items()):
-        sh = sharding_of(t)
+        sh = flat.sharding(key)
         kp = planner.key_plan(key, t, sh, rank, pinned=key not in flat.synced)
         plan = kp.grid
         local = local_tensor(t).detach()
         on_cuda = local.is_cuda
-        if not sh.global_shape and not on_cuda:
+        if not sh.global_shape and not on_cuda and inlinable(plan.layout.dtype):
             # A CPU scalar (an optimizer's step count) goes into its zarr.json's fill_value and
             # the manifest instead of a chunk object of a few bytes: one object, not two. Rank 0
             # (manifest) and the writer (zarr.json) each decide from their own replica's value.

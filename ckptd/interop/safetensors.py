@@ -62,6 +62,12 @@ _DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F64": torch.float64,
     "C64": torch.complex64,
+    # The float8 types that safetensors' torch side (0.8) reads; float8_e8m0fnu and
+    # float4_e2m1fn_x2 it does not, so an export of them is refused (``write``).
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -232,7 +238,11 @@ def write(
     stand_ins, skipped = flat_tensors(saved, as_key)
     for n, t in stand_ins.items():
         if t.dtype not in _NAMES:
-            raise CheckpointError(f"{saved.where}: tensor {n!r} has dtype {t.dtype}, which safetensors cannot hold")
+            raise CheckpointError(
+                f"{saved.where}: tensor {n!r} has dtype {t.dtype}, which safetensors cannot hold "
+                f"(it holds {', '.join(str(d).removeprefix('torch.') for d in _NAMES)}); "
+                "export with --format torch (a torch.save file) or dcp instead"
+            )
     names = list(stand_ins)
     sizes = {n: _nbytes(stand_ins[n]) for n in names}
     shards = shard(names, sizes, max_shard_bytes)
