@@ -8,11 +8,18 @@ Authentication is explicit: without ``--token-file`` the daemon refuses to start
 ``--insecure-no-auth`` (``CKPTD_INSECURE_NO_AUTH=1``) says that every local user, and every host
 that reaches the address, may hand off snapshots; it then logs one WARNING saying so. The port is
 bound before anything else happens, so a taken port is one error line and exit 1.
+
+Tenants: the daemon also listens on a Unix socket (``--socket``, by default ``ckptd.sock`` in the
+staging folder), where the kernel names each caller's uid; trainers of several local users hand
+off through it (``daemon="unix:///dev/shm/ckptd/ckptd.sock"``), and each one's leases, jobs and
+job roots are its own (``ckptd.server.tenancy``). Over TCP, leases and hand-offs need
+``--trust-tcp`` (one trusted party: a single-user node, a port private to one pod).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -48,6 +55,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--staging-dir", metavar="DIR", help="staging folder (default /dev/shm/ckptd, else a local folder)")
     p.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="Unix socket for trainers, which names each caller's uid (default: ckptd.sock in the staging folder)",
+    )
+    p.add_argument(
+        "--trust-tcp",
+        action="store_true",
+        help="let TCP callers (with the token) use leases and hand-offs: everyone who can connect is one party",
+    )
+    p.add_argument(
+        "--bind",
+        action="append",
+        metavar="ROOT=USER",
+        help="the job root ROOT (and every root below it) belongs to USER (repeatable; overrides first use)",
+    )
+    p.add_argument(
         "--budget", metavar="SIZE", help="memory for staged snapshots, e.g. 8GiB (default: half the free space)"
     )
     p.add_argument("--upload-workers", type=positive_int, metavar="N", help="jobs uploaded at once (default 2)")
@@ -66,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ckptd.server.app import create_app
     from ckptd.server.settings import Settings, parse_size
+    from ckptd.server.tenancy import listen_unix, peer_protocol
 
     given = {
         "roots": args.root,
@@ -75,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         "insecure_no_auth": args.insecure_no_auth or None,
         "staging_group": args.staging_group,
         "staging_dir": args.staging_dir,
+        "socket": args.socket,
+        "trust_tcp": args.trust_tcp or None,
+        "binds": args.bind,
         "upload_workers": args.upload_workers,
         "keep_last": args.keep_last,
         "log_level": args.log_level,
@@ -113,12 +140,33 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         app = create_app(settings)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:
         sock.close()
         raise UsageError(str(e)) from None
-    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False)
+    daemon = app.state.daemon
+    try:
+        unix = listen_unix(daemon.socket_path)
+    except (OSError, RuntimeError) as e:
+        sock.close()
+        daemon.staging.close()
+        raise UsageError(f"cannot listen on {daemon.socket_path}: {getattr(e, 'strerror', None) or e}") from None
+    log.info("trainers hand off through unix://%s (the kernel names each caller)", daemon.socket_path)
+    if settings.trust_tcp and settings.token_file is not None:
+        log.warning(
+            "--trust-tcp: every holder of the token who reaches %s:%d may use leases and hand-offs for any job "
+            "root; tenants of this node are one trusted party",
+            settings.host,
+            settings.port,
+        )
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, http=peer_protocol(AutoHTTPProtocol))
     server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock, unix])
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(daemon.socket_path)
     return 0 if server.started else 1
 
 

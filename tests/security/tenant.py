@@ -20,6 +20,7 @@ Commands on stdin, one JSON object per line; one JSON reply per line on stdout:
 
 from __future__ import annotations
 
+import contextlib
 import encodings.idna  # noqa: F401 - http.client encodes host names with it, lazily
 import hashlib
 import json
@@ -101,10 +102,8 @@ def main() -> None:
             out = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
         print(json.dumps(out), flush=True)
     if ckpt is not None:
-        try:
+        with contextlib.suppress(Exception):  # a refused save may be reported again at close
             ckpt.close()
-        except Exception:  # noqa: BLE001 - a refused save may be reported again at close
-            pass
 
 
 if __name__ == "__main__":
