@@ -16,20 +16,23 @@ group mode of a daemon without those capabilities (``CKPTD_ISOLATE_TENANTS=0``).
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.security.conftest import REPO, env
-from tests.server.daemon import Daemon
+from tests.server.daemon import Daemon, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -143,7 +146,14 @@ def node(tenants, request):
         sock = Path(daemon.socket_url[len("unix://") :])
         addr = daemon.socket_url if sock.exists() else daemon.url
         try:
-            yield {"daemon": daemon, "addr": addr, "roots": roots, "tenant": tenant, "users": tenants}
+            yield {
+                "daemon": daemon,
+                "addr": addr,
+                "roots": roots,
+                "tenant": tenant,
+                "users": tenants,
+                "isolated": isolate,
+            }
         finally:
             for t in started:
                 t.close()
@@ -187,6 +197,9 @@ def test_bob_cannot_swap_alices_staged_weights(node):
     assert got["digest"] == _expected(got["step"]), (swapped, saved, got, node["daemon"].logs())
     assert got["step"] == 2, (swapped, saved, got)
     assert not any(swapped), "bob could rename a file over alice's staged shard"
+    logs = node["daemon"].log_path.read_text()
+    warned = [line for line in logs.splitlines() if "not isolated from each other" in line]
+    assert len(warned) == (0 if node["isolated"] else 1), logs
 
 
 # ------------------------------------------------------------------------------------- (b)
@@ -233,3 +246,147 @@ def test_bob_cannot_hand_off_into_alices_root(node, alice_via):
     assert not (Path(root) / f"step_{FORGED_STEP:010d}").exists()
     got = alice(op="restore", root=root)
     assert got == {"step": 1, "digest": _expected(1)}, got
+
+
+# ------------------------------------------------------------------------ owners, operators
+
+
+def _operator(node) -> httpx.Client:
+    """root on the daemon's socket: an operator (sees and may do everything)."""
+    sock = node["addr"][len("unix://") :]
+    return httpx.Client(
+        transport=httpx.HTTPTransport(uds=sock),
+        base_url="http://ckptd",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
+
+
+def test_a_lease_and_its_jobs_are_its_owners_only(node):
+    alice, root = node["tenant"](ALICE), str(node["roots"][ALICE])
+    assert alice(op="open", root=root, daemon=node["addr"]) == {"ok": True}
+    assert alice(op="save", step=1, seed=1) == {"ok": True}
+    lease = alice(op="lease")["lease"]
+    with _operator(node) as op:
+        jobs = op.get("/v1/jobs").json()
+    job = next(j for j in jobs if j["lease"] == lease)
+    assert job["uid"] == node["users"][ALICE].pw_uid
+    bob = node["tenant"](BOB)
+
+    def call(method, path, body=None, addr=node["addr"]):
+        return bob(op="http", daemon=addr, method=method, path=path, body=body)["status"]
+
+    for path in ("acquire", "heartbeat"):
+        assert call("POST", f"/v1/leases/{lease}/{path}") == 403, path
+    assert call("POST", f"/v1/leases/{lease}/grow", {"bytes": 1}) == 403
+    assert call("DELETE", f"/v1/leases/{lease}") == 403
+    handoff = {
+        "lease": lease,
+        "root": str(node["roots"][BOB]),
+        "step": 5,
+        "attempt": "bob",
+        "rank": 0,
+        "world_size": 1,
+        "shards": [],
+    }
+    assert call("POST", "/v1/jobs", handoff) == 403
+    assert call("GET", f"/v1/jobs/{job['job']}") == 404
+    # over TCP (not trusted): no leases, no hand-offs, no jobs shown
+    tcp = node["daemon"].url
+    new = {"root": str(node["roots"][BOB]), "rank": 0, "bytes": 1, "client": "b"}
+    assert call("POST", "/v1/leases", new, tcp) == 403
+    assert call("POST", f"/v1/leases/{lease}/heartbeat", addr=tcp) == 403
+    r = bob(op="http", daemon=tcp, method="GET", path="/v1/jobs")
+    assert r["status"] == 200 and r["body"] == {"items": []}, r
+    # nor listings or verifies of her root, on either address
+    for addr in (node["addr"], tcp):
+        assert call("GET", f"/v1/checkpoints?root={root}", addr=addr) == 403
+        assert call("POST", f"/v1/page/verify?root={root}&step=1", addr=addr) == 403
+    # her lease still works for her
+    assert alice(op="save", step=2, seed=2) == {"ok": True}
+    assert alice(op="restore", root=root) == {"step": 2, "digest": _expected(2)}
+
+
+def test_an_operator_binds_a_root(node):
+    # The node's daemon has no --bind: restart it with one (same staging, same port).
+    d = node["daemon"]
+    shared = d.roots[0] + "/shared"
+    os.mkdir(shared, 0o755)  # root's: neither alice nor bob can write it
+    d.stop()
+    d.env["CKPTD_BINDS"] = json.dumps([f"{shared}={ALICE}"])
+    d.start(port=d.port)
+    alice, bob = node["tenant"](ALICE), node["tenant"](BOB)
+    assert alice(op="open", root=shared, daemon=node["addr"]) == {"ok": True}
+    assert alice(op="save", step=1, seed=1) == {"ok": True}
+    assert bob(op="open", root=shared + "/inner", daemon=node["addr"]) == {"ok": True}
+    r = bob(op="save", step=2, seed=666)
+    assert "403" in r.get("error", ""), r
+    assert alice(op="restore", root=shared) == {"step": 1, "digest": _expected(1)}
+    with _operator(node) as op:  # root reads any root
+        assert op.get("/v1/checkpoints", params={"root": shared}).status_code == 200
+
+
+def test_a_restarted_daemon_resumes_a_tenants_hand_off(node):
+    d = node["daemon"]
+    d.stop()
+    d.env["CKPTD_FAULT_UPLOAD_DELAY_S"] = "2"
+    d.start(port=d.port)
+    alice, root = node["tenant"](ALICE), str(node["roots"][ALICE])
+    assert alice(op="open", root=root, daemon=node["addr"]) == {"ok": True}
+    # the save's reply comes once it is committed: send it, kill the daemon mid-upload
+    alice.proc.stdin.write(json.dumps({"op": "save", "step": 1, "seed": 1}) + "\n")
+    alice.proc.stdin.flush()
+
+    def uploading():
+        with contextlib.suppress(httpx.HTTPError), _operator(node) as op:
+            return any(j["state"] == "uploading" for j in op.get("/v1/jobs").json())
+        return False
+
+    wait_for(uploading, "alice's upload", 120, logs=d.logs)
+    d.kill()
+    d.env.pop("CKPTD_FAULT_UPLOAD_DELAY_S")
+    d.start(port=d.port)
+    assert json.loads(alice.proc.stdout.readline()) == {"ok": True}, d.logs()
+    assert "resuming job" in d.logs()
+    assert alice(op="restore", root=root) == {"step": 1, "digest": _expected(1)}
+    assert alice(op="save", step=2, seed=2) == {"ok": True}
+    assert alice(op="restore", root=root) == {"step": 2, "digest": _expected(2)}
+
+
+def test_a_staged_file_of_another_user_is_refused(tmp_path, tenants):
+    """Group mode's second line of defence: a file in the lease not owned by its uid (as a
+    rename by another member would leave, were the sticky bit gone) fails the hand-off."""
+    from ckptd.server.handoff import BadJob, validate
+    from ckptd.server.roots import Roots
+    from ckptd.server.staging import Staging
+
+    alice, bob = tenants[ALICE], tenants[BOB]
+    s = Staging(tmp_path / "stg", 1 << 20, group=grp.getgrnam(GROUP).gr_gid)
+    try:
+        lease = s.create(str(tmp_path / "jobs"), 0, 64, 64, "t", uid=alice.pw_uid, gid=alice.pw_gid)
+        assert stat.S_IMODE(os.stat(lease.dir).st_mode) == 0o3770
+        f = lease.dir / "w.bin"
+        f.write_bytes(b"\0" * 16)
+        os.chown(f, bob.pw_uid, bob.pw_gid)
+        req = {
+            "root": str(tmp_path / "jobs"),
+            "step": 1,
+            "attempt": "a",
+            "rank": 0,
+            "world_size": 1,
+            "shards": [
+                {
+                    "key": "w",
+                    "layout": {"shape": [4], "dtype": "float32", "shard_shape": [4], "chunk_shape": [4]},
+                    "coord": [0],
+                    "file": "w.bin",
+                }
+            ],
+            "metadata": [],
+        }
+        with pytest.raises(BadJob, match=f"belongs to uid {bob.pw_uid}"):
+            validate(req, lease, Roots([str(tmp_path / "jobs")]))
+        os.chown(f, alice.pw_uid, alice.pw_gid)
+        assert validate(req, lease, Roots([str(tmp_path / "jobs")])).uid == alice.pw_uid
+    finally:
+        s.close()
