@@ -267,13 +267,13 @@ class Staging:
         self.group = group
         self.private = private
         # Trainers only need to reach their own lease folder (and the socket) by path: x, no r.
-        if private:
-            self.dir_mode = 0o710 if group is not None else 0o711
-            self.lease_mode = 0o700
+        if group is not None:
+            self.dir_mode = 0o710
         else:
-            self.dir_mode = 0o710 if group is not None else 0o700
-            # sticky: a member of the group cannot rename or delete another member's files
-            self.lease_mode = 0o3770 if group is not None else 0o700
+            self.dir_mode = 0o711 if private else 0o700
+        # A folder the daemon keeps (no caller uid to give it to, or no capability to give it):
+        # sticky, so that a member of the group cannot rename or delete another member's files.
+        self.lease_mode = 0o3770 if group is not None else 0o700
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         _check_ancestors(self.folder)
         self._root_fd = open_private_dir(self.folder, self.dir_mode, group)
@@ -388,7 +388,10 @@ class Staging:
             lease_id = uuid.uuid4().hex[:16]
             folder = self.leases_dir / lease_id
             give = self.private and uid is not None and uid != os.geteuid()
-            fd = open_private_dir(lease_id, self.lease_mode, None if give else self.group, dir_fd=self._leases_fd)
+            if give:
+                fd = open_private_dir(lease_id, 0o700, dir_fd=self._leases_fd)
+            else:
+                fd = open_private_dir(lease_id, self.lease_mode, self.group, dir_fd=self._leases_fd)
             try:
                 lease = Lease(lease_id, folder, root, rank, granted, active=True, uid=uid)
                 write_json_atomic(
