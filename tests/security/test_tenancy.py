@@ -213,7 +213,8 @@ def test_bob_cannot_read_alices_staged_weights(node):
     bob = node["tenant"](BOB)
     # bob asks the daemon for the jobs, on every address it has
     seen = []
-    for addr in {node["addr"], node["daemon"].url}:
+    unix = node["addr"][len("unix://") :]
+    for addr in {node["addr"], "http+unix://" + unix.replace("/", "%2F"), node["daemon"].url}:
         r = bob(op="http", daemon=addr, method="GET", path="/v1/jobs")
         seen.append(json.dumps(r))
     assert not any(lease["lease"] in s for s in seen), seen
@@ -390,3 +391,40 @@ def test_a_staged_file_of_another_user_is_refused(tmp_path, tenants):
         assert validate(req, lease, Roots([str(tmp_path / "jobs")])).uid == alice.pw_uid
     finally:
         s.close()
+
+
+def test_the_first_writer_binds_a_shared_root_across_restarts(node):
+    """A root both tenants may write (their group's, 2775): the first to hand off owns it; the
+    binding outlives a daemon restart."""
+    d = node["daemon"]
+    common = Path(d.roots[0]) / "common"
+    common.mkdir()
+    os.chown(common, 0, grp.getgrnam(GROUP).gr_gid)
+    os.chmod(common, 0o2775)
+    alice, bob = node["tenant"](ALICE), node["tenant"](BOB)
+    assert alice(op="open", root=str(common), daemon=node["addr"]) == {"ok": True}
+    assert alice(op="save", step=1, seed=1) == {"ok": True}
+    for restart in (False, True):
+        if restart:
+            d.kill()
+            d.start(port=d.port)
+        assert bob(op="open", root=str(common), daemon=node["addr"]) == {"ok": True}
+        r = bob(op="save", step=2 + restart, seed=666)
+        assert "403" in r.get("error", ""), (restart, r)
+    assert alice(op="save", step=5, seed=5) == {"ok": True}  # and still hers
+    assert alice(op="restore", root=str(common)) == {"step": 5, "digest": _expected(5)}
+
+
+def test_bad_bindings_stop_the_daemon_with_one_line(tmp_path):
+    from tests.security.conftest import assert_one_line_error, cli
+
+    staging = tmp_path / "stg"
+    base = ["serve", "--root", tmp_path / "jobs", "--insecure-no-auth", "--port", "0", "--staging-dir", staging]
+    line = assert_one_line_error(cli(*base, "--bind", "no-user-here"), rc=(2,))
+    assert "ROOT=USER" in line
+    line = assert_one_line_error(cli(*base, "--bind", f"{tmp_path}/jobs=no-such-user-xyz"), rc=(2,))
+    assert "no such user" in line
+    staging.mkdir(mode=0o700, exist_ok=True)
+    (staging / "bindings.json").write_text('{"roots": [{"uid": "alice"}]}')
+    line = assert_one_line_error(cli(*base), rc=(2,))
+    assert "bindings" in line and "malformed" in line
