@@ -56,12 +56,21 @@ class _UnixConnection(http.client.HTTPConnection):
 
     def connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dfd = None
         try:
             sock.settimeout(self.timeout)
-            sock.connect(self._path)
+            path = self._path
+            if len(os.fsencode(path)) >= 108:  # longer than a socket address holds
+                head, name = os.path.split(path)
+                dfd = os.open(head, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                path = f"/proc/self/fd/{dfd}/{name}"
+            sock.connect(path)
         except OSError:
             sock.close()
             raise
+        finally:
+            if dfd is not None:
+                os.close(dfd)
         self.sock = sock
 
 

@@ -68,6 +68,7 @@ SOCKET_NAME = "ckptd.sock"
 BINDINGS_FILE = "bindings.json"
 MAX_BINDINGS_BYTES = 4 << 20
 _CAP_CHOWN, _CAP_DAC_OVERRIDE = 0, 1
+_SUN_PATH_MAX = 108  # bytes of a Unix socket address's path, with its NUL
 
 
 class Forbidden(Exception):
@@ -134,7 +135,14 @@ def listen_unix(path: Path) -> socket.socket:
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(str(path))
+        if len(os.fsencode(path)) < _SUN_PATH_MAX:
+            sock.bind(str(path))
+        else:  # longer than a socket address holds: bind through a descriptor of its folder
+            dfd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                sock.bind(f"/proc/self/fd/{dfd}/{path.name}")
+            finally:
+                os.close(dfd)
         os.chmod(path, 0o666)
         sock.set_inheritable(True)
     except OSError:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.security.conftest import REPO, env
 from tests.server.daemon import Daemon, wait_for
@@ -428,3 +429,18 @@ def test_bad_bindings_stop_the_daemon_with_one_line(tmp_path):
     (staging / "bindings.json").write_text('{"roots": [{"uid": "alice"}]}')
     line = assert_one_line_error(cli(*base), rc=(2,))
     assert "bindings" in line and "malformed" in line
+
+
+def test_a_staging_path_longer_than_a_socket_address_still_serves_its_socket(tmp_path):
+    """Unix socket addresses hold 107 bytes; the daemon and the client reach a longer path
+    through a descriptor of its folder."""
+    from trainer_hooks import Checkpointer
+
+    staging = tmp_path / ("s" * 100) / "staging"
+    staging.parent.mkdir()
+    root = str(tmp_path / "jobs")
+    with Daemon([root], staging, tmp_path / "d.log") as d:
+        assert len(d.socket_url) > 120
+        with Checkpointer(root, daemon=d.socket_url) as ckpt:
+            ckpt.save(1, {"w": torch.ones(4)}).result()
+        assert Path(root, "step_0000000001", "commit.json").exists()
