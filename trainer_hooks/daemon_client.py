@@ -1,7 +1,10 @@
 """The trainer side's HTTP client of ``ckptd serve``: JSON over keep-alive HTTP/1.1.
 
-Only the standard library speaks HTTP here, so training needs no HTTP package. The client
-sends ``Authorization: Bearer`` with the token from ``CKPTD_TOKEN`` or the file named by
+Only the standard library speaks HTTP here, so training needs no HTTP package. The daemon's
+address is ``http://host:port`` or its Unix socket, ``unix:///path/to/ckptd.sock`` (or
+``http+unix://`` with the path percent-encoded as the host), where the kernel tells the daemon
+which local user calls: on a node shared by several users, leases and hand-offs go there. The
+client sends ``Authorization: Bearer`` with the token from ``CKPTD_TOKEN`` or the file named by
 ``CKPTD_TOKEN_FILE``. ``DaemonClient.call`` waits out a restarting daemon when asked to
 (``patient``); ``call_waiting`` also waits while the daemon's staging budget is full (429).
 Used by ``daemon_stager`` (leases) and ``daemon_sink`` (jobs, polling); safe to call from
@@ -14,10 +17,11 @@ import http.client
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ckptd.errors import CheckpointError
 
@@ -43,17 +47,65 @@ class DaemonUnreachable(CheckpointError):
     pass
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a Unix stream socket (the daemon's ``--socket``)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dfd = None
+        try:
+            sock.settimeout(self.timeout)
+            path = self._path
+            if len(os.fsencode(path)) >= 108:  # longer than a socket address holds
+                head, name = os.path.split(path)
+                dfd = os.open(head, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                path = f"/proc/self/fd/{dfd}/{name}"
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            raise
+        finally:
+            if dfd is not None:
+                os.close(dfd)
+        self.sock = sock
+
+
+def _unix_path(url: str) -> str | None:
+    """The socket path of ``unix:///path`` or ``http+unix://%2Fpath``; None for other URLs."""
+    if url.startswith("unix://"):
+        path = url[len("unix://") :]
+    elif url.startswith("http+unix://"):
+        path = unquote(url[len("http+unix://") :].split("/", 1)[0])
+    else:
+        return None
+    if not path.startswith("/"):
+        raise CheckpointError(f"daemon socket must be an absolute path (unix:///path/to/ckptd.sock), got {url!r}")
+    return path
+
+
 class _Http:
     """JSON requests over keep-alive HTTP/1.1, one connection per thread."""
 
     def __init__(self, url: str, token: str | None, timeout: float = 30.0):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise CheckpointError(f"daemon must be an http://host:port URL, got {url!r}")
         self.url = url.rstrip("/")
-        self._cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port = parts.hostname, parts.port
-        self._base = parts.path.rstrip("/")
+        path = _unix_path(url)
+        if path is not None:
+            self._new = lambda: _UnixConnection(path, timeout)
+            self._base = ""
+        else:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise CheckpointError(
+                    f"daemon must be an http://host:port URL or unix:///path/to/ckptd.sock, got {url!r}"
+                )
+            cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            host, port = parts.hostname, parts.port
+            self._new = lambda: cls(host, port, timeout=timeout)
+            self._base = parts.path.rstrip("/")
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -69,7 +121,7 @@ class _Http:
         for attempt in range(2):
             conn = getattr(self._local, "conn", None)
             if conn is None:
-                conn = self._local.conn = self._cls(self._host, self._port, timeout=self._timeout)
+                conn = self._local.conn = self._new()
                 with self._lock:
                     self._all.append(conn)
             try:

@@ -34,19 +34,21 @@ __all__ = ["DaemonStager"]
 
 
 # Staged files are created, never opened if they exist (O_EXCL: a name someone planted, a link
-# above all, is refused instead of written through), and readable by the owner and the group
-# only: the lease folder is 0700 (or 2770 with the trainers' group when the daemon runs as
-# another user of it), and the daemon only reads.
+# above all, is refused instead of written through). In a lease folder this user owns (the
+# daemon gave it to us, or runs as us) they are 0600: nobody else reads them but the daemon, by
+# its capabilities. In a folder of the trainers' group (a daemon of another user without those
+# capabilities; 3770) they are 0640, for the daemon to read, and the group's members can too.
 _CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-STAGED_FILE_MODE = 0o640
+STAGED_FILE_MODE = 0o640  # in a folder of the group
+PRIVATE_FILE_MODE = 0o600  # in a folder of our own
 
 
-def _write_new(path, data: bytes) -> None:
+def _write_new(path, data: bytes, mode: int = STAGED_FILE_MODE) -> None:
     """Replace ``path`` with a new file holding ``data``: the old name (a file of the previous
     save, or a link planted in its place) is unlinked, never followed."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    fd = os.open(path, _CREATE, STAGED_FILE_MODE)
+    fd = os.open(path, _CREATE, mode)
     try:
         view = memoryview(data)
         while view:
@@ -80,6 +82,7 @@ class DaemonStager(Stager):
         self.lease_ttl = 60.0  # as the daemon granted it: the sink heartbeats well within it
         self.lease_id: str | None = None
         self._dir: Path | None = None
+        self._file_mode = STAGED_FILE_MODE
         self._granted = 0
         self._files: dict[tuple[str, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
         # object images among them: (key, coord) -> (layout, dtype, chunked view of the file)
@@ -158,7 +161,7 @@ class DaemonStager(Stager):
         self._ensure(self._allocated() + nbytes)
         name = f"{self._counter:08d}.bin"
         self._counter += 1
-        fd = os.open(self._dir / name, _CREATE, STAGED_FILE_MODE)
+        fd = os.open(self._dir / name, _CREATE, self._file_mode)
         try:
             os.ftruncate(fd, nbytes)
         finally:
@@ -235,6 +238,11 @@ class DaemonStager(Stager):
                 },
             )
             self.lease_id, self._dir = body["lease"], Path(body["dir"])
+            try:
+                mine = os.stat(self._dir).st_uid == os.geteuid()
+            except OSError:
+                mine = False  # a folder we cannot stat we cannot write either: the create says why
+            self._file_mode = PRIVATE_FILE_MODE if mine else STAGED_FILE_MODE
             self.lease_ttl = float(body.get("ttl_s", 60.0))
         else:
             need = total - self._granted
@@ -275,7 +283,7 @@ class DaemonStager(Stager):
             path = self._dir / name
             seen = previous.get(name)
             if seen is None or seen[0] != data or _identity(path) != seen[1]:
-                _write_new(path, data)
+                _write_new(path, data, self._file_mode)
                 seen = (data, _identity(path))
             written[name] = seen
             metadata.append({"key": key, "file": name})

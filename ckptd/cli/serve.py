@@ -14,12 +14,21 @@ Slow or idle clients cannot starve it (``ckptd.server.conns``): requests must ar
 ``CKPTD_REQUEST_TIMEOUT_S``, connections are capped (``--max-connections``, below the open-files
 limit, which is raised to its hard value), and over a cap the oldest connection that has not yet
 delivered an authenticated request is closed. Log messages are escaped to one line each.
+
+Tenants: the daemon also listens on a Unix socket (``--socket``, by default ``ckptd.sock`` in the
+staging folder), where the kernel names each caller's uid; trainers of several local users hand
+off through it (``daemon="unix://<staging folder>/ckptd.sock"``, the path the daemon logs at
+start; give ``--staging-dir`` or ``--socket`` for a fixed one), and each one's leases, jobs and
+job roots are its own (``ckptd.server.tenancy``). Over TCP, leases and hand-offs need
+``--trust-tcp`` (one trusted party: a single-user node, a port private to one pod).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import socket
 
 from ckptd.cli.common import UsageError, positive_int, printable
@@ -56,6 +65,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="staging folder (default /dev/shm/ckptd/roots-<hash of the --root set>, else a local folder)",
     )
     p.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="Unix socket for trainers, which names each caller's uid (default: ckptd.sock in the staging folder)",
+    )
+    p.add_argument(
+        "--trust-tcp",
+        action="store_true",
+        help="let TCP callers (with the token) use leases and hand-offs: everyone who can connect is one party",
+    )
+    p.add_argument(
+        "--bind",
+        action="append",
+        metavar="ROOT=USER",
+        help="the job root ROOT (and every root below it) belongs to USER (repeatable; overrides first use)",
+    )
+    p.add_argument(
         "--budget", metavar="SIZE", help="memory for staged snapshots, e.g. 8GiB (default: half the free space)"
     )
     p.add_argument("--upload-workers", type=positive_int, metavar="N", help="jobs uploaded at once (default 2)")
@@ -81,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from ckptd.server.app import create_app
     from ckptd.server.conns import ConnectionLimits, guarded_protocol
     from ckptd.server.settings import Settings, parse_size
+    from ckptd.server.tenancy import listen_unix, peer_protocol
 
     given = {
         "roots": args.root,
@@ -90,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
         "insecure_no_auth": args.insecure_no_auth or None,
         "staging_group": args.staging_group,
         "staging_dir": args.staging_dir,
+        "socket": args.socket,
+        "trust_tcp": args.trust_tcp or None,
+        "binds": args.bind,
         "upload_workers": args.upload_workers,
         "keep_last": args.keep_last,
         "log_level": args.log_level,
@@ -148,15 +177,34 @@ def run(args: argparse.Namespace) -> int:
         "connections closed for not sending a whole request in time",
         lambda: limits.timed_out,
     )
+    daemon = app.state.daemon
+    try:
+        unix = listen_unix(daemon.socket_path)
+    except (OSError, RuntimeError) as e:
+        sock.close()
+        daemon.staging.close()
+        raise UsageError(f"cannot listen on {daemon.socket_path}: {getattr(e, 'strerror', None) or e}") from None
+    log.info("trainers hand off through unix://%s (the kernel names each caller)", daemon.socket_path)
+    if settings.trust_tcp and settings.token_file is not None:
+        log.warning(
+            "--trust-tcp: every holder of the token who reaches %s:%d may use leases and hand-offs for any job "
+            "root; tenants of this node are one trusted party",
+            settings.host,
+            settings.port,
+        )
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,
         access_log=False,
-        http=guarded_protocol(limits),
+        http=peer_protocol(guarded_protocol(limits)),
         timeout_keep_alive=settings.keep_alive_s,
     )
     server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock, unix])
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(daemon.socket_path)
     return 0 if server.started else 1
 
 

@@ -2,10 +2,12 @@
 staging folder before the first request, so a daemon that cannot start says so at once.
 
 Errors are JSON ``{"detail": "..."}``: 400 a malformed request, a root not served, keys or paths
-escaping the job root or the staging lease; 401 a missing or wrong bearer token; 404 unknown
-lease, job or step; 409 a lease the daemon is still uploading from, or a step already committed;
-413 a body over the limit; 429 (with ``Retry-After``) the staging budget is full -- the client
-waits and asks again; 502 the job root's storage failed or holds something unreadable.
+escaping the job root or the staging lease; 401 a missing or wrong bearer token; 403 a lease,
+job or job root of another local user, or a lease or hand-off over TCP that the daemon does not
+trust (``ckptd.server.tenancy``); 404 unknown lease, job or step; 409 a lease the daemon is
+still uploading from, or a step already committed; 413 a body over the limit; 429 (with
+``Retry-After``) the staging budget is full -- the client waits and asks again; 502 the job
+root's storage failed or holds something unreadable.
 
 Routes live on the ``APIRouter``s listed in ``ROUTERS`` and reach the daemon's parts through the
 ``Daemon`` dependency; a new group of routes is a router plus one entry there. Routes raise the
@@ -45,6 +47,7 @@ from ckptd.server.page import router as page
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings, default_staging_dir, group_id
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging, open_private_dir
+from ckptd.server.tenancy import SOCKET_NAME, Caller, Forbidden, Tenancy, can_isolate
 from storage_backends import StorageError
 
 __all__ = [
@@ -272,6 +275,8 @@ class Daemon:
     staging: Staging
     metrics: Metrics
     staging_dir: Path
+    tenancy: Tenancy | None = None
+    socket_path: Path | None = None  # the Unix socket ``ckptd serve`` listens on (None: none)
 
     def root_of(self, root: str | None) -> str:
         """The job root a request names, or the only one served when it names none."""
@@ -292,12 +297,29 @@ def _daemon(request: Request) -> Daemon:
 Parts = Annotated[Daemon, Depends(_daemon)]
 
 
+def _caller(request: Request) -> Caller:
+    return request.app.state.daemon.tenancy.caller(request.scope)
+
+
+Who = Annotated[Caller, Depends(_caller)]
+
+
+def _own_lease(d: Daemon, who: Caller, lease_id: str, what: str):
+    """The lease, if ``who`` may use it (403 if it is another uid's; 404 if there is none)."""
+    d.tenancy.identified(who, what)
+    lease = d.staging.get(lease_id)
+    if not d.tenancy.owns(who, lease.uid):
+        raise Forbidden(f"lease {lease_id} belongs to another user: {who} may not use it")
+    return lease
+
+
 # ------------------------------------------------------------------------------- errors
 
 # Error type -> HTTP status, looked up along the raised exception's MRO (so a subclass listed
 # here wins over its base: CheckpointNotFoundError is 404, any other CheckpointError 502).
 ERRORS: dict[type[Exception], int] = {
     RootError: 400,  # a root not served, or not a valid root
+    Forbidden: 403,  # another local user's lease, job or job root; an unidentified caller
     BadJob: 400,  # a hand-off that fails validation
     CheckpointNotFoundError: 404,
     LeaseGone: 404,
@@ -391,13 +413,16 @@ def list_job_roots(
 
 
 @read_only.get("/v1/checkpoints", summary="every checkpoint of a job root, committed or partial")
-def list_checkpoints(d: Parts, root: str | None = Query(None, max_length=4096)):
-    return [i.to_json() for i in catalog.list_checkpoints(d.runner.store(d.root_of(root)))]
+def list_checkpoints(d: Parts, who: Who, root: str | None = Query(None, max_length=4096)):
+    r = d.root_of(root)
+    d.tenancy.check_read(who, r)
+    return [i.to_json() for i in catalog.list_checkpoints(d.runner.store(r))]
 
 
 @read_only.get("/v1/checkpoints/{step}", summary="one checkpoint: commit state and, if committed, its tensors")
-def get_checkpoint(step: int, d: Parts, root: str | None = Query(None, max_length=4096)):
+def get_checkpoint(step: int, d: Parts, who: Who, root: str | None = Query(None, max_length=4096)):
     r = d.root_of(root)
+    d.tenancy.check_read(who, r)
     store = d.runner.store(r)
     info = next((i for i in catalog.list_checkpoints(store) if i.step == step), None)
     if info is None:
@@ -420,29 +445,37 @@ leases = APIRouter()
 
 
 @leases.post("/v1/leases", summary="reserve staging memory; 429 while the budget is full")
-def create_lease(body: LeaseRequest, d: Parts):
+def create_lease(body: LeaseRequest, d: Parts, who: Who):
+    d.tenancy.identified(who, "a staging lease")
     r = d.roots.check(body.root)
-    return d.staging.create(r, body.rank, body.bytes, body.want, body.client).info(d.staging.ttl)
+    d.tenancy.check_write(who, r, bind=False)
+    gid = who.peer.gid if who.peer is not None else None
+    return d.staging.create(r, body.rank, body.bytes, body.want, body.client, who.uid, gid).info(d.staging.ttl)
 
 
 @leases.post("/v1/leases/{lease_id}/acquire", summary="start a save in a lease handed back by the daemon")
-def acquire_lease(lease_id: str, d: Parts):
+def acquire_lease(lease_id: str, d: Parts, who: Who):
+    _own_lease(d, who, lease_id, "a staging lease")
     return d.staging.acquire(lease_id).info(d.staging.ttl)
 
 
 @leases.post("/v1/leases/{lease_id}/grow", summary="more staging memory for a lease; 429 while full")
-def grow_lease(lease_id: str, body: GrowRequest, d: Parts):
+def grow_lease(lease_id: str, body: GrowRequest, d: Parts, who: Who):
+    _own_lease(d, who, lease_id, "a staging lease")
     return d.staging.grow(lease_id, body.bytes, body.want).info(d.staging.ttl)
 
 
 @leases.post("/v1/leases/{lease_id}/heartbeat", summary="the lease's client is alive")
-def heartbeat_lease(lease_id: str, d: Parts):
+def heartbeat_lease(lease_id: str, d: Parts, who: Who):
+    _own_lease(d, who, lease_id, "a staging lease")
     return d.staging.heartbeat(lease_id).info(d.staging.ttl)
 
 
 @leases.delete("/v1/leases/{lease_id}", status_code=204, summary="the client is done with its lease")
-def release_lease(lease_id: str, d: Parts):
-    d.staging.release(lease_id)
+def release_lease(lease_id: str, d: Parts, who: Who):
+    with contextlib.suppress(LeaseGone):
+        _own_lease(d, who, lease_id, "a staging lease")
+        d.staging.release(lease_id)
     return Response(status_code=204)
 
 
@@ -452,25 +485,29 @@ jobs = APIRouter()
 
 
 @jobs.post("/v1/jobs", summary="hand off one rank's snapshot; from the 200 on the daemon owns it")
-def submit_job(body: JobRequest, d: Parts):
+def submit_job(body: JobRequest, d: Parts, who: Who):
+    _own_lease(d, who, body.lease, "a hand-off")
+    d.tenancy.check_write(who, d.roots.check(body.root), bind=True)
     return d.runner.accept(body.model_dump()).status()
 
 
-@jobs.get("/v1/jobs", summary="recent jobs")
-def list_jobs(d: Parts, limit: int = Query(100, ge=1, le=4096)):
-    return [j.status() for j in d.runner.recent(limit)]
+@jobs.get("/v1/jobs", summary="recent jobs: the caller's own (an operator's: all)")
+def list_jobs(d: Parts, who: Who, limit: int = Query(100, ge=1, le=4096)):
+    mine = [j for j in d.runner.recent(d.runner.HISTORY) if d.tenancy.owns(who, j.uid)]
+    return [j.status() for j in mine[-limit:]]
 
 
 @jobs.get("/v1/jobs/{job_id}", summary="a job's state: queued, uploading, uploaded, committed, failed, discarded")
 async def get_job(
     job_id: str,
     d: Parts,
+    who: Who,
     wait: float = Query(
         0.0, ge=0, le=60, description="long poll: answer as soon as the job is final, or after this many seconds"
     ),
 ):
     job = d.runner.get(job_id)
-    if job is None:
+    if job is None or not d.tenancy.owns(who, job.uid):
         return _error(404, f"no job {job_id!r}")
     if wait and job.state not in FINAL:
         # Woken by the upload thread the moment the job is final: no polling on the event loop
@@ -501,20 +538,38 @@ ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page)
 def create_app(settings: Settings) -> FastAPI:
     roots = Roots(settings.roots)
     token = read_token(settings.token_file)
+    isolate = can_isolate() if settings.isolate_tenants is None else settings.isolate_tenants
     if settings.staging_dir:
         folder, why = Path(settings.staging_dir), "configured"
     else:
         folder, why = default_staging_dir(settings.budget, settings.roots)
         # The base above the per-roots folders: ours (or refused, as the staging folder would
         # be), listable by nobody else; others may traverse it to their lease folders only with
-        # --staging-group (the folders below are 0710 then).
+        # --staging-group or per-user lease folders (tenants reach their own lease folders and the
+        # Unix socket through it).
         folder.parent.parent.mkdir(parents=True, exist_ok=True)
-        os.close(open_private_dir(folder.parent, 0o711 if settings.staging_group else 0o700))
+        os.close(open_private_dir(folder.parent, 0o711 if settings.staging_group or isolate else 0o700))
     # Only the parent here: Staging creates the folder itself (or adopts one it owns), never
     # exist_ok on a path another local user may have planted.
     folder.parent.mkdir(parents=True, exist_ok=True)
     budget = settings.budget if settings.budget is not None else shutil.disk_usage(folder.parent).free // 2
-    staging = Staging(folder, budget, settings.lease_ttl_s, settings.budget_stall_s, group_id(settings.staging_group))
+    if isolate and not can_isolate():
+        raise RuntimeError("CKPTD_ISOLATE_TENANTS needs CAP_CHOWN and CAP_DAC_OVERRIDE (see deploy/systemd)")
+    group = group_id(settings.staging_group)
+    staging = Staging(folder, budget, settings.lease_ttl_s, settings.budget_stall_s, group, private=isolate)
+    try:
+        # Without a token everyone who connects is trusted anyway (--insecure-no-auth).
+        tenancy = Tenancy(folder, settings.trust_tcp or token is None, settings.binds)
+    except BaseException:
+        staging.close()
+        raise
+    if group is not None and not isolate:
+        log.warning(
+            "tenants on this node are not isolated from each other: without CAP_CHOWN and CAP_DAC_OVERRIDE "
+            "lease folders are shared with group %s, whose members can read each other's staged weights "
+            "(see deploy/systemd/ckptd.service)",
+            settings.staging_group,
+        )
     metrics = Metrics()
     runner = Runner(settings, roots, staging, metrics)
     runner.recover()
@@ -537,7 +592,8 @@ def create_app(settings: Settings) -> FastAPI:
         description="Owns every handed-off snapshot from hand-off to commit.",
         lifespan=lifespan,
     )
-    app.state.daemon = Daemon(roots, runner, staging, metrics, folder)
+    sock = Path(settings.socket) if settings.socket else folder / SOCKET_NAME
+    app.state.daemon = Daemon(roots, runner, staging, metrics, folder, tenancy, sock)
     app.state.token = token  # for the connection limits (``ckptd.server.conns``): who is known
     app.add_middleware(Guard, token=token, max_body=settings.max_body_bytes)
     for exc_type, handler in HANDLERS.items():

@@ -1,7 +1,9 @@
 """A hand-off: one rank's part of one checkpoint, described in JSON, its buffers in the files of
 a staging lease. ``validate`` turns a request into a ``Job`` or refuses it (``BadJob``, HTTP 400):
 a root not served, keys escaping the checkpoint folder or reserved for the commit protocol, file
-names that are not plain names inside the lease, symlinks, sizes that do not match the layout.
+names that are not plain names inside the lease, symlinks, files another user owns than the
+lease's (``Lease.uid``: the daemon never commits bytes that another local user wrote or could
+have replaced), sizes that do not match the layout.
 ``load`` maps the files into the ``SaveJob`` that ``ckptd.persist.persist`` writes.
 """
 
@@ -53,6 +55,7 @@ class Job:
     metadata: list[dict]
     done: dict
     writer: str | None = None  # the job id that claims the step (None: the attempt id)
+    uid: int | None = None  # the lease's owner (who handed off); its staged files must be theirs
     commit_timeout: float = 1800.0
     state: str = "queued"
     error: str | None = None
@@ -106,6 +109,8 @@ def _file_size(lease: Lease, name: str, what: str) -> int:
         raise BadJob(f"{what}: staging file {name!r} does not exist in {lease.dir}") from None
     if not stat.S_ISREG(st.st_mode):
         raise BadJob(f"{what}: staging file {name!r} is not a regular file")
+    if lease.uid is not None and st.st_uid != lease.uid:
+        raise BadJob(f"{what}: staging file {name!r} belongs to uid {st.st_uid}, not to the lease's uid {lease.uid}")
     return st.st_size
 
 
@@ -195,14 +200,15 @@ def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -
         metadata=metadata,
         done=_shallow(req.get("done") or {}, "done"),
         writer=req.get("writer"),
+        uid=lease.uid,
         commit_timeout=float(req.get("commit_timeout") or 1800.0),
     )
 
 
-def _map(path: Path, nbytes: int) -> np.ndarray:
+def _map(path: Path, nbytes: int, owner: int | None = None) -> np.ndarray:
     """The file's bytes as a uint8 array over a mapping of it (no copy; no torch: the daemon
     runs without it). O_NOFOLLOW: a file swapped for a symlink after validation is refused,
-    never followed."""
+    never followed; so is one of another user than ``owner``."""
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -210,6 +216,8 @@ def _map(path: Path, nbytes: int) -> np.ndarray:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
             raise CheckpointError(f"staging file {path} changed after hand-off ({st.st_size} bytes, expected {nbytes})")
+        if owner is not None and st.st_uid != owner:
+            raise CheckpointError(f"staging file {path} belongs to uid {st.st_uid}, not to the lease's uid {owner}")
         # Private and writable (only the image's index and checksums are written, privately): a
         # read-only fd is enough, so the daemon needs no write permission on trainers' files.
         mm = mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -224,7 +232,7 @@ def load(job: Job, folder: Path) -> SaveJob:
     for s in job.shards:
         layout = ArrayLayout.from_json(s["layout"])
         coord = tuple(s["coord"])
-        mapped = _map(folder / s["file"], s["nbytes"])
+        mapped = _map(folder / s["file"], s["nbytes"], job.uid)
         if s.get("image"):
             # The trainer laid the data out; the index and the checksums are ours to write (in
             # this private mapping), so a trainer cannot make us commit a mismatched object.
@@ -236,7 +244,7 @@ def load(job: Job, folder: Path) -> SaveJob:
         buf = mapped.view(numpy_dtype(layout.dtype)).reshape(layout.shard_extent(coord))
         out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
-        out.metadata.append((m["key"], read_staged(folder / m["file"], m["nbytes"])))
+        out.metadata.append((m["key"], read_staged(folder / m["file"], m["nbytes"], owner=job.uid)))
     return out
 
 
@@ -249,4 +257,6 @@ def intact(job: Job, folder: Path) -> str | None:
             return f"staging file {f['file']} is missing"
         if not stat.S_ISREG(st.st_mode) or st.st_size != f["nbytes"]:
             return f"staging file {f['file']} has {st.st_size} bytes, expected {f['nbytes']}"
+        if job.uid is not None and st.st_uid != job.uid:
+            return f"staging file {f['file']} belongs to uid {st.st_uid}, not to the lease's uid {job.uid}"
     return None

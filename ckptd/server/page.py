@@ -46,6 +46,7 @@ from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.server import jobroots
 from ckptd.server.jobroots import JobRoots
 from ckptd.server.roots import RootError
+from ckptd.server.tenancy import Forbidden
 from storage_backends import NotFoundError, StorageError, Store
 
 __all__ = ["CSP", "PAGE_HEADER", "PUBLIC_PATHS", "Overview", "render", "router"]
@@ -667,9 +668,13 @@ def verify(request: Request, root: str = Query(max_length=4096), step: int = Que
     ov = _overview(request)
     try:
         ov.runner.roots.check(root)
+        tenancy = request.app.state.daemon.tenancy  # another user's root: 403 (ckptd.server.tenancy)
+        tenancy.check_read(tenancy.caller(request.scope), root)
         return ov.verify(root, step)
     except RootError as e:
         return JSONResponse({"detail": str(e)}, status_code=400)
+    except Forbidden as e:
+        return JSONResponse({"detail": str(e)}, status_code=403)
     except CheckpointNotFoundError as e:
         return JSONResponse({"detail": str(e)}, status_code=404)
     except (CheckpointError, StorageError) as e:

@@ -46,6 +46,16 @@ class Settings(BaseSettings):
         description="where snapshots are staged; default /dev/shm/ckptd/roots-<hash of the roots>, else a local folder",
     )
     budget: int | None = Field(None, description="bytes of staged snapshots; default half the staging filesystem")
+    socket: str | None = Field(
+        None, description="the Unix socket trainers hand off through (the kernel names them); default: in staging"
+    )
+    trust_tcp: bool = Field(
+        False, description="TCP callers (token holders) may use leases and hand-offs: one trusted party"
+    )
+    binds: list[str] = Field(default_factory=list, description="ROOT=USER: job roots bound by the operator (--bind)")
+    isolate_tenants: bool | None = Field(
+        None, description="per-user lease folders (needs CAP_CHOWN, CAP_DAC_OVERRIDE); default: when possible"
+    )
     upload_workers: int = Field(2, ge=1, description="jobs uploaded at once")
     io_threads: int = Field(16, ge=1, description="puts in flight at once, over all jobs")
     keep_last: int | None = Field(

@@ -27,8 +27,17 @@ user owns; every folder below is opened relative to its parent's descriptor with
 deleted with ``rmtree(dir_fd=...)`` (never through a link), and made private: mode 0700, or 0770
 with the trainers' group (``--staging-group``) so that daemon and trainers may run as different
 users of that group. Files the daemon reads from a lease (``read_staged``) are opened with
-``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` (regular file, expected size) before a byte
-is read from that descriptor, so a file swapped for a link or a FIFO after validation is refused.
+``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` (regular file, expected size, and the
+lease owner's file) before a byte is read from that descriptor, so a file swapped for a link, a
+FIFO or another user's file after validation is refused.
+
+Tenants (``private``, see ``ckptd.server.tenancy``): a daemon that may chown (``CAP_CHOWN`` and
+``CAP_DAC_OVERRIDE``) gives each lease folder to the uid that asked for it, mode 0700: no other
+local user can list, read, replace or add a staged file. Its journal files in there stay the
+daemon's (a file the tenant put in their place is not read). Without that capability, lease
+folders of the trainers' group are 3770: the sticky bit keeps group members from renaming or
+deleting each other's files, and a staged file not owned by the lease's uid is refused; but
+group members can read each other's staged bytes, and the daemon warns at start.
 
 Concurrency: every public method may be called from any thread; one lock guards the lease table.
 """
@@ -106,6 +115,7 @@ class Lease:
     release_after_job: bool = False
     job: str | None = None
     started_at: float = field(default_factory=time.time)  # the save in it began (create or acquire)
+    uid: int | None = None  # who created it (SO_PEERCRED); None: a trusted TCP caller
 
     def info(self, ttl: float) -> dict:
         return {
@@ -161,17 +171,20 @@ class StagingFileError(OSError):
     """A staged file is not what the hand-off said (a link, a FIFO, another size)."""
 
 
-def read_staged(path: Path, nbytes: int | None = None, cap: int = MAX_JOURNAL_BYTES) -> bytes:
+def read_staged(path: Path, nbytes: int | None = None, cap: int = MAX_JOURNAL_BYTES, owner: int | None = None) -> bytes:
     """The bytes of a file in the staging area, read safely: ``O_NOFOLLOW`` (a link is refused,
     never followed: ``/proc/self/environ`` must not end up in a checkpoint), ``O_NONBLOCK`` (a FIFO
     cannot hang the daemon), then ``fstat`` on that descriptor: a regular file, of ``nbytes``
-    bytes when given, at most ``cap``; then every byte is read from that same descriptor. Raises
+    bytes when given, at most ``cap``, owned by ``owner`` when given (another user's file, a hard
+    link to one above all, is refused); then every byte is read from that same descriptor. Raises
     OSError (ELOOP, ENOENT, ...) or ``StagingFileError``."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise StagingFileError(f"staging file {path} is not a regular file")
+        if owner is not None and st.st_uid != owner:
+            raise StagingFileError(f"staging file {path} belongs to uid {st.st_uid}, not to uid {owner}")
         if nbytes is not None and st.st_size != nbytes:
             raise StagingFileError(f"staging file {path} changed: {st.st_size} bytes, expected {nbytes}")
         if st.st_size > cap:
@@ -236,17 +249,31 @@ def open_private_dir(name: str | Path, mode: int, gid: int | None = None, dir_fd
 
 class Staging:
     """``group``: the trainers' group id when trainers run as other users than the daemon (lease
-    folders 2770 and that group); None: daemon and trainers share one user (folders 0700)."""
+    folders 3770 and that group); None: daemon and trainers share one user (folders 0700).
+    ``private``: lease folders are given to the uid that creates them (0700; needs CAP_CHOWN and
+    CAP_DAC_OVERRIDE), and any local user (or the group's) may reach theirs."""
 
     def __init__(
-        self, folder: Path, budget: int, lease_ttl_s: float = 60.0, stall_s: float = 30.0, group: int | None = None
+        self,
+        folder: Path,
+        budget: int,
+        lease_ttl_s: float = 60.0,
+        stall_s: float = 30.0,
+        group: int | None = None,
+        private: bool = False,
     ):
         self.folder = Path(folder).absolute()
         self.leases_dir = self.folder / "leases"
         self.group = group
-        # Trainers of the group only need to reach their own lease folder by its path: x, no r.
-        self.dir_mode = 0o710 if group is not None else 0o700
-        self.lease_mode = 0o2770 if group is not None else 0o700
+        self.private = private
+        # Trainers only need to reach their own lease folder (and the socket) by path: x, no r.
+        if group is not None:
+            self.dir_mode = 0o710
+        else:
+            self.dir_mode = 0o711 if private else 0o700
+        # A folder the daemon keeps (no caller uid to give it to, or no capability to give it):
+        # sticky, so that a member of the group cannot rename or delete another member's files.
+        self.lease_mode = 0o3770 if group is not None else 0o700
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         _check_ancestors(self.folder)
         self._root_fd = open_private_dir(self.folder, self.dir_mode, group)
@@ -351,16 +378,33 @@ class Staging:
 
     # --------------------------------------------------------------------- client requests
 
-    def create(self, root: str, rank: int, need: int, want: int, ticket: str) -> Lease:
+    def create(
+        self, root: str, rank: int, need: int, want: int, ticket: str, uid: int | None = None, gid: int | None = None
+    ) -> Lease:
+        """A new lease of ``uid`` (None: a trusted TCP caller's). With ``private`` its folder is
+        given to ``uid`` (mode 0700) once the daemon's journal file is in it."""
         with self._lock:
             granted = self._grant(None, need, max(need, want), ticket)
             lease_id = uuid.uuid4().hex[:16]
             folder = self.leases_dir / lease_id
-            os.close(open_private_dir(lease_id, self.lease_mode, self.group, dir_fd=self._leases_fd))
-            lease = Lease(lease_id, folder, root, rank, granted, active=True)
-            write_json_atomic(
-                folder / LEASE_FILE, {"lease": lease_id, "root": root, "rank": rank, "created": time.time()}
-            )
+            give = self.private and uid is not None and uid != os.geteuid()
+            if give:
+                fd = open_private_dir(lease_id, 0o700, dir_fd=self._leases_fd)
+            else:
+                fd = open_private_dir(lease_id, self.lease_mode, self.group, dir_fd=self._leases_fd)
+            try:
+                lease = Lease(lease_id, folder, root, rank, granted, active=True, uid=uid)
+                write_json_atomic(
+                    folder / LEASE_FILE,
+                    {"lease": lease_id, "root": root, "rank": rank, "uid": uid, "created": time.time()},
+                )
+                if give:
+                    os.fchown(fd, uid, gid if gid is not None else -1)
+            except BaseException:
+                os.close(fd)
+                self._remove(lease_id)
+                raise
+            os.close(fd)
             self._leases[lease_id] = lease
             return lease
 
@@ -495,10 +539,14 @@ class Staging:
                     st = os.stat(name, dir_fd=self._leases_fd, follow_symlinks=False)
                     if not LEASE_ID.fullmatch(name) or not stat.S_ISDIR(st.st_mode):
                         raise ValueError("not a lease folder")
-                    if st.st_uid != os.geteuid():
+                    # the journal is the daemon's own file: one its tenant put there is not read
+                    meta = json.loads(read_staged(folder / LEASE_FILE, owner=os.geteuid()))
+                    uid = meta.get("uid")
+                    if uid is not None and not isinstance(uid, int):
+                        raise ValueError("malformed uid")
+                    if st.st_uid != os.geteuid() and not (self.private and st.st_uid == uid):
                         raise ValueError(f"owned by uid {st.st_uid}")
-                    meta = json.loads(read_staged(folder / LEASE_FILE))
-                    lease = Lease(meta["lease"], folder, meta["root"], int(meta["rank"]), folder_bytes(folder))
+                    lease = Lease(meta["lease"], folder, meta["root"], int(meta["rank"]), folder_bytes(folder), uid=uid)
                     if lease.id != name or not isinstance(lease.root, str):
                         raise ValueError("lease id does not match its folder")
                 except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
@@ -508,7 +556,7 @@ class Staging:
                 job = None
                 with contextlib.suppress(FileNotFoundError):
                     try:
-                        job = json.loads(read_staged(folder / JOB_FILE))
+                        job = json.loads(read_staged(folder / JOB_FILE, owner=os.geteuid()))
                     except (OSError, ValueError, RecursionError) as e:
                         log.warning("staging folder %s: unreadable job journal (%s); ignoring it", folder, e)
                 if not isinstance(job, dict):

@@ -22,13 +22,23 @@ SCENARIOS = "tests.server.daemon_scenarios"
 
 class Daemon:
     """``ckptd serve`` in a subprocess. ``env`` adds ``CKPTD_*`` settings (e.g. the test-only
-    ``CKPTD_FAULT_UPLOAD_DELAY_S``). Stopped by its pid, never by name."""
+    ``CKPTD_FAULT_UPLOAD_DELAY_S``). Stopped by its pid, never by name. ``trust_tcp``: with a
+    token, lease and hand-off routes over TCP need ``--trust-tcp`` (one trusted party, as these
+    tests are); the tenancy tests turn it off and reach the daemon through ``socket_url``."""
 
     def __init__(
-        self, roots: list[str], staging: Path | None, log: Path, *, token_file: Path | None = None, **env: str
+        self,
+        roots: list[str],
+        staging: Path | None,
+        log: Path,
+        *,
+        token_file: Path | None = None,
+        trust_tcp: bool = True,
+        **env: str,
     ):
         self.roots, self.staging, self.log_path = roots, staging, log
         self.token_file = token_file
+        self.trust_tcp = trust_tcp
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.port = 0
@@ -36,6 +46,11 @@ class Daemon:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def socket_url(self) -> str:
+        """The daemon's Unix socket (its default place, in the staging folder)."""
+        return f"unix://{Path(self.staging).absolute()}/ckptd.sock"
 
     def start(self, timeout: float = 90.0, port: int | None = None) -> Daemon:
         """Start on ``port`` (a restart on the same address), or on a free one."""
@@ -48,6 +63,8 @@ class Daemon:
                 args += ["--staging-dir", str(self.staging)]
             if self.token_file is not None:
                 args += ["--token-file", str(self.token_file)]
+                if self.trust_tcp:
+                    args += ["--trust-tcp"]
             else:  # loopback, one user: the tests' own choice, made explicit as the CLI requires
                 args += ["--insecure-no-auth"]
             env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **self.env}

@@ -1,0 +1,335 @@
+"""Who calls the daemon, and what each caller may touch (docs/security.md, "Tenants").
+
+The token says that a caller may talk to the daemon at all; it is shared by every trainer of the
+node, so it cannot tell them apart. The kernel can: the daemon also listens on a Unix socket
+(``--socket``, by default ``ckptd.sock`` in its staging folder, mode 0666) and reads each
+connection's ``SO_PEERCRED`` (pid, uid, gid of the process that connected), which a caller cannot
+forge. ``peer_protocol`` puts it into every request's ``scope["state"]`` (uvicorn copies the
+protocol's ``app_state`` into each request's scope); a TCP connection carries none.
+
+Rules, enforced by the routes (``ckptd.server.app``) with ``Tenancy``:
+
+* **Operators** -- uid 0, the daemon's own uid, and TCP callers when the daemon trusts TCP
+  (``--trust-tcp``, or no token at all: one trusted party) -- may do everything.
+* **Leases and hand-offs need an identity**: over TCP they are refused (403) unless TCP is
+  trusted. A lease belongs to the uid that created it; another uid's acquire, grow, heartbeat,
+  release or hand-off of it is 403, and ``GET /v1/jobs`` shows a caller only its own jobs.
+* **A job root belongs to the uid that first handed off into it** (persisted in
+  ``bindings.json`` in the staging folder), or to the user an operator named with
+  ``--bind ROOT=USER`` (which also covers every root below ROOT). Hand-offs, leases, listings and
+  verifies of a root inside a root bound to another uid are 403. To bind a local root a caller
+  must be able to write it (or, if it does not exist yet, the folder that would hold it) by its
+  mode bits, so the daemon never writes where its caller could not; nor may a new binding contain
+  a root bound to someone else. An S3 root has no owner the daemon could check: the first
+  identity to hand off binds it (bind tenants' prefixes with ``--bind`` where that matters).
+
+The bindings file lives in the daemon's own staging folder (no other user can write there); it is
+written through a fresh ``O_EXCL | O_NOFOLLOW`` file renamed into place and read with
+``O_NOFOLLOW``, a size cap and an owner check; an unreadable one stops the daemon at start
+(failing closed: a daemon that forgot its bindings would hand roots to the next caller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pwd
+import socket
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.server.roots import RootError, normalize
+from ckptd.server.staging import StagingError, read_staged, write_json_atomic
+
+__all__ = [
+    "BINDINGS_FILE",
+    "Caller",
+    "Forbidden",
+    "PEER_KEY",
+    "Peer",
+    "SOCKET_NAME",
+    "Tenancy",
+    "can_isolate",
+    "listen_unix",
+    "parse_bind",
+    "peer_protocol",
+]
+
+log = logging.getLogger("ckptd.tenancy")
+
+PEER_KEY = "ckptd_peer"
+SOCKET_NAME = "ckptd.sock"
+BINDINGS_FILE = "bindings.json"
+MAX_BINDINGS_BYTES = 4 << 20
+_CAP_CHOWN, _CAP_DAC_OVERRIDE = 0, 1
+_SUN_PATH_MAX = 108  # bytes of a Unix socket address's path, with its NUL
+
+
+class Forbidden(Exception):
+    """The caller may not touch this lease, job or root: HTTP 403."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """What the kernel says about the process at the other end of a Unix socket connection."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class Caller:
+    peer: Peer | None  # None: a TCP connection, which names nobody
+    operator: bool
+
+    @property
+    def uid(self) -> int | None:
+        return self.peer.uid if self.peer is not None else None
+
+    def __str__(self) -> str:
+        if self.peer is None:
+            return "a TCP caller"
+        return f"uid {self.peer.uid} ({_user_name(self.peer.uid)}, pid {self.peer.pid})"
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def peer_protocol(base: type) -> type:
+    """A subclass of uvicorn's HTTP protocol class ``base`` that reads ``SO_PEERCRED`` once per
+    Unix socket connection into the state every request of that connection sees."""
+
+    class PeerCredProtocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport) -> None:
+            state = {k: v for k, v in self.app_state.items() if k != PEER_KEY}
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family == socket.AF_UNIX:
+                raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                state[PEER_KEY] = Peer(*struct.unpack("3i", raw))
+            self.app_state = state  # per connection: uvicorn copies it into each request's scope
+            super().connection_made(transport)
+
+    PeerCredProtocol.__name__ = f"PeerCred{base.__name__}"
+    return PeerCredProtocol
+
+
+def listen_unix(path: Path) -> socket.socket:
+    """A Unix socket bound at ``path``, mode 0666 (any local user may connect; the kernel names
+    them). A socket left by a previous daemon of this user is replaced; anything else is refused."""
+    path = Path(path)
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise StagingError(f"socket path {path} exists and is not a socket of this daemon's user: refusing it")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if len(os.fsencode(path)) < _SUN_PATH_MAX:
+            sock.bind(str(path))
+        else:  # longer than a socket address holds: bind through a descriptor of its folder
+            dfd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                sock.bind(f"/proc/self/fd/{dfd}/{path.name}")
+            finally:
+                os.close(dfd)
+        os.chmod(path, 0o666)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def can_isolate() -> bool:
+    """True when this process may give lease folders to other users and still read and delete
+    what they stage there: ``CAP_CHOWN`` and ``CAP_DAC_OVERRIDE`` (root has both)."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
+    except OSError:
+        return os.geteuid() == 0
+    need = (1 << _CAP_CHOWN) | (1 << _CAP_DAC_OVERRIDE)
+    return caps & need == need
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """``ROOT=USER`` (a user name or uid) -> (root, uid); ValueError when malformed."""
+    root, sep, user = text.rpartition("=")
+    if not sep or not root or not user:
+        raise ValueError(f"--bind {text!r}: expected ROOT=USER")
+    try:
+        uid = int(user) if user.isdigit() else pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise ValueError(f"--bind {text!r}: no such user {user!r}") from None
+    normalize(root)
+    return root, uid
+
+
+def _key(root: str) -> tuple[str, tuple[str, ...]]:
+    return normalize(root)
+
+
+def _inside(inner: tuple[str, tuple[str, ...]], outer: tuple[str, tuple[str, ...]]) -> bool:
+    return inner[0] == outer[0] and inner[1][: len(outer[1])] == outer[1]
+
+
+def _may_write(uid: int, gids: set[int], st: os.stat_result) -> bool:
+    """Whether ``uid`` (with groups ``gids``) may create names in the folder ``st``, by its mode
+    bits (write and search), as the kernel decides for a process without capabilities."""
+    if uid == 0:
+        return True
+    if st.st_uid == uid:
+        bits = st.st_mode >> 6
+    elif st.st_gid in gids:
+        bits = st.st_mode >> 3
+    else:
+        bits = st.st_mode
+    return bits & 0o3 == 0o3
+
+
+def _groups(peer: Peer) -> set[int]:
+    try:
+        return {peer.gid, *os.getgrouplist(pwd.getpwuid(peer.uid).pw_name, peer.gid)}
+    except KeyError:
+        return {peer.gid}
+
+
+class Tenancy:
+    """The callers' rights: operators, lease owners, job root bindings (see the module doc)."""
+
+    def __init__(self, folder: Path, trust_tcp: bool, binds: list[str] | None = None):
+        self.trust_tcp = trust_tcp
+        self.path = Path(folder) / BINDINGS_FILE
+        self._me = os.geteuid()
+        self._lock = threading.Lock()
+        self._bound: dict[tuple[str, tuple[str, ...]], dict] = {}
+        self._load()
+        self._operator_binds: dict[tuple[str, tuple[str, ...]], dict] = {}
+        for text in binds or []:
+            root, uid = parse_bind(text)
+            self._operator_binds[_key(root)] = {"uid": uid, "root": root, "by": "--bind"}
+
+    # ------------------------------------------------------------------------- callers
+
+    def caller(self, scope: dict) -> Caller:
+        peer = (scope.get("state") or {}).get(PEER_KEY)
+        if peer is None:
+            return Caller(None, self.trust_tcp)
+        return Caller(peer, peer.uid in (0, self._me))
+
+    def identified(self, caller: Caller, what: str) -> None:
+        """Leases and hand-offs: the caller must be named by the kernel, or TCP trusted."""
+        if caller.peer is None and not caller.operator:
+            raise Forbidden(
+                f"{what} needs the daemon's Unix socket (unix://.../{SOCKET_NAME}), where the kernel names the "
+                "caller: this daemon does not trust TCP callers with that (--trust-tcp)"
+            )
+
+    def owns(self, caller: Caller, uid: int | None) -> bool:
+        """Whether ``caller`` may act on a lease or job of ``uid`` (None: made by a trusted TCP
+        caller, which only operators may touch)."""
+        return caller.operator or (caller.peer is not None and caller.peer.uid == uid)
+
+    def lease_uid(self, caller: Caller) -> int | None:
+        """The uid a new lease belongs to."""
+        return caller.uid
+
+    # --------------------------------------------------------------------------- roots
+
+    def _bindings(self) -> dict:
+        return {**self._bound, **self._operator_binds}
+
+    def _holder(self, key) -> tuple[tuple, dict] | None:
+        """The innermost binding that ``key`` lies inside (or is), if any."""
+        best = None
+        for k, b in self._bindings().items():
+            if _inside(key, k) and (best is None or len(k[1]) > len(best[0][1])):
+                best = (k, b)
+        return best
+
+    def check_read(self, caller: Caller, root: str) -> None:
+        """Listings and verifies of ``root``: refused (403) inside another identity's root."""
+        if caller.operator:
+            return
+        with self._lock:
+            held = self._holder(_key(root))
+        if held is not None and held[1]["uid"] != caller.uid:
+            raise Forbidden(f"job root {root} belongs to {self._who(held)}: {caller} may not read it")
+
+    def check_write(self, caller: Caller, root: str, bind: bool) -> None:
+        """Leases and hand-offs for ``root``: refused (403) inside another identity's root, or
+        when ``root`` is unbound and the caller could not write it itself (local roots) or it
+        holds another identity's root. ``bind``: record the caller as the root's owner."""
+        if caller.operator:
+            return
+        self.identified(caller, "a hand-off")
+        key = _key(root)
+        with self._lock:
+            held = self._holder(key)
+            if held is not None:
+                if held[1]["uid"] != caller.uid:
+                    raise Forbidden(f"job root {root} belongs to {self._who(held)}: {caller} may not write it")
+                return
+            for k, b in self._bindings().items():
+                if _inside(k, key) and b["uid"] != caller.uid:
+                    raise Forbidden(f"job root {root} holds {self._who((k, b))}: {caller} may not write it")
+            if key[0] == "file":
+                self._check_local(caller, root, key)
+            if bind:
+                self._bound[key] = {"uid": caller.uid, "root": root, "time": time.time()}
+                self._save()
+                log.info("job root %s bound to %s", root, caller)
+
+    def _check_local(self, caller: Caller, root: str, key) -> None:
+        path = Path("/" + "/".join(key[1]))
+        while True:
+            try:
+                st = os.stat(path)  # the root itself may be a link: the operator served it
+                break
+            except FileNotFoundError:
+                if path.parent == path:
+                    raise Forbidden(f"job root {root}: no folder above it exists") from None
+                path = path.parent
+            except OSError as e:
+                raise Forbidden(f"job root {root}: cannot check who may write {path} ({e.strerror})") from None
+        if not stat.S_ISDIR(st.st_mode) or not _may_write(caller.uid, _groups(caller.peer), st):
+            raise Forbidden(
+                f"job root {root}: {caller} cannot write {path} itself, so the daemon does not write it on its behalf"
+            )
+
+    def _who(self, held: tuple[tuple, dict]) -> str:
+        k, b = held
+        how = " (--bind)" if b.get("by") == "--bind" else ""
+        return f"uid {b['uid']} ({_user_name(b['uid'])}){how}"
+
+    # ------------------------------------------------------------------------- storage
+
+    def _load(self) -> None:
+        try:
+            raw = read_staged(self.path, cap=MAX_BINDINGS_BYTES, owner=self._me)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            raise StagingError(f"cannot read the job root bindings {self.path} ({e}): fix or remove it") from None
+        try:
+            doc = json.loads(raw)
+            for b in doc["roots"]:
+                if not isinstance(b["uid"], int) or not isinstance(b["root"], str):
+                    raise TypeError("a binding needs an integer uid and a root")
+                self._bound[_key(b["root"])] = {"uid": b["uid"], "root": b["root"], "time": b.get("time")}
+        except (ValueError, KeyError, TypeError, RecursionError, RootError) as e:
+            raise StagingError(f"job root bindings {self.path} are malformed ({e}): fix or remove it") from None
+
+    def _save(self) -> None:
+        write_json_atomic(self.path, {"version": 1, "roots": list(self._bound.values())})

@@ -1,0 +1,110 @@
+"""A trainer of one tenant, run as that local user, for ``test_tenancy.py``.
+
+``python -m tests.security.tenant USER WORKDIR`` is started as root: it imports everything it will
+use and runs one in-process save and restore on a scratch root in ``WORKDIR`` (so that nothing is
+imported later: the interpreter and its packages live under ``/root``, which other users cannot
+read), then drops to ``USER`` for good (its groups, then gid and uid: real, effective and saved)
+before it talks to the daemon. From there on the kernel sees a process of that user: the daemon's
+``SO_PEERCRED``, file owners and every permission check are the user's.
+
+Commands on stdin, one JSON object per line; one JSON reply per line on stdout:
+
+* ``{"op": "open", "root": R, "daemon": URL}``: a ``Checkpointer(R, daemon=URL)``;
+* ``{"op": "save", "step": N, "seed": S}``: save ``state(S)`` as step N and wait for its commit;
+* ``{"op": "lease"}``: the staging lease the open Checkpointer holds (id and folder);
+* ``{"op": "restore", "root": R}``: an in-process restore of R's latest step: the step and a
+  digest of the restored tensor;
+* ``{"op": "http", "daemon": URL, "method": M, "path": P, "body": B}``: one request;
+* ``{"op": "quit"}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import encodings.idna  # noqa: F401 - http.client encodes host names with it, lazily
+import hashlib
+import json
+import os
+import pwd
+import sys
+import traceback
+
+import torch
+
+import trainer_hooks.daemon_client as daemon_client
+import trainer_hooks.daemon_sink  # noqa: F401 - imported while the interpreter is readable
+from trainer_hooks import Checkpointer
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 32, generator=g)}}
+
+
+def digest(st: dict) -> str:
+    return hashlib.sha256(st["model"]["w"].contiguous().numpy().tobytes()).hexdigest()
+
+
+def restore(root: str) -> dict:
+    target = {"model": {"w": torch.zeros(64, 32)}}
+    with Checkpointer(root) as ckpt:
+        step = ckpt.restore(target)
+    return {"step": step, "digest": digest(target) if step is not None else None}
+
+
+def drop_to(user: str) -> None:
+    pw = pwd.getpwnam(user)
+    os.setgroups(os.getgrouplist(pw.pw_name, pw.pw_gid))
+    os.setresgid(pw.pw_gid, pw.pw_gid, pw.pw_gid)
+    os.setresuid(pw.pw_uid, pw.pw_uid, pw.pw_uid)
+    assert os.getresuid() == (pw.pw_uid,) * 3
+
+
+def main() -> None:
+    user, work = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    scratch = os.path.join(work, f"warmup-{os.getpid()}")
+    with Checkpointer(scratch) as ckpt:  # every module of a save and a restore, imported now
+        ckpt.save(1, state(0)).result()
+    restore(scratch)
+    drop_to(user)
+    os.umask(0o022)
+    os.environ["HOME"] = work
+    os.chdir(work)
+    ckpt = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "open":
+                ckpt = Checkpointer(cmd["root"], daemon=cmd["daemon"])
+                out = {"ok": True}
+            elif op == "save":
+                ckpt.save(cmd["step"], state(cmd["seed"])).result(timeout=120)
+                out = {"ok": True}
+            elif op == "lease":
+                stager = ckpt._stager
+                out = {"lease": stager.lease_id, "dir": str(stager._dir)}
+            elif op == "restore":
+                out = restore(cmd["root"])
+            elif op == "http":
+                client = daemon_client.DaemonClient(cmd["daemon"], 0)
+                try:
+                    status, body, _ = client.call(cmd["method"], cmd["path"], cmd.get("body"))
+                finally:
+                    client.close()
+                out = {"status": status, "body": body}
+            elif op == "quit":
+                break
+            else:
+                out = {"error": f"unknown op {op}"}
+        except Exception as e:  # noqa: BLE001 - the test reads the error
+            out = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        print(json.dumps(out), flush=True)
+    if ckpt is not None:
+        with contextlib.suppress(Exception):  # a refused save may be reported again at close
+            ckpt.close()
+
+
+if __name__ == "__main__":
+    main()
