@@ -202,27 +202,51 @@ def _runtime_s(text: str) -> int:
 def test_requeued_job_restarted_early_is_never_refused(cluster, tmp_path):
     """Requeue, restart before Slurm's requeue hold ends, five times in a row: every restart runs.
 
-    ``StartTime=now`` here fails when the restart falls in the second of the requeue: slurmd
-    refuses the launch ("Job N already killed, do not launch batch job") and the job ends FAILED.
-    ``start_requeued`` starts it at the first whole second after the old run left the node."""
+    Each requeue is made at the worst moment: at the start of a whole second, the restart asked
+    for as soon as the old run has left the node, so a launch can still fall in the second of the
+    kill. There ``StartTime=now`` fails (seen here on the first try): slurmd refuses the launch
+    ("Job N already killed, do not launch batch job") and the job ends FAILED.
+    ``start_requeued`` starts it once the clock has left the second in which the old run left the
+    node."""
     restarts = 5
     out = tmp_path / "out"
-    script = f'echo "run ${{SLURM_RESTART_COUNT:-0}}"; [ "${{SLURM_RESTART_COUNT:-0}}" -ge {restarts} ] && exit 0'
-    script += "; scontrol requeue $SLURM_JOB_ID; sleep 60"
+    script = 'echo "run ${SLURM_RESTART_COUNT:-0}"; sleep 300'
     job = cluster.sbatch(["--requeue", "--open-mode=append", f"--output={out}", "--wrap", script])
-    for n in range(1, restarts + 1):
-        info = cluster.job(job)
-        assert info["JobState"] != "FAILED", (info, out.read_text(), cluster.logs())
-        left_at = cluster.wait_requeued(job, n, timeout=120)
-        # held by Slurm (the requeue hold) until started here
-        assert cluster.job(job)["Reason"] == "BeginTime"
-        cluster.start_requeued(job, left_at)
-    info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == str(restarts), (info, cluster.logs())
+    try:
+        for n in range(restarts + 1):
+            _wait_running(cluster, job, restarts=n)
+            if n == restarts:
+                break
+            # To provoke the race, not to wait for anything: the kill early in a whole second,
+            # and 2 s after the launch, so that slurmctld's scheduler (at most one pass per
+            # sched_min_interval = 2 s) runs at once when the job is made eligible.
+            launched = time.time()
+            while time.time() < launched + 2 or time.time() % 1 > 0.05:
+                time.sleep(0.005)
+            cluster.run(["scontrol", "requeue", str(job)])
+            left_at = cluster.wait_requeued(job, n + 1, timeout=120, poll=0.02)
+            assert cluster.job(job)["Reason"] == "BeginTime"  # held by Slurm until started here
+            cluster.start_requeued(job, left_at)
+    finally:
+        cluster.run(["scancel", str(job)], check=False)
+    assert "already killed" not in (cluster.dir / "log" / "slurmd.log").read_text()
+    deadline = time.monotonic() + 60  # the last run's line, once its output is written
+    while f"run {restarts}" not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert [line for line in out.read_text().splitlines() if line.startswith("run ")] == [
         f"run {n}" for n in range(restarts + 1)
     ]
-    assert "already killed" not in (cluster.dir / "log" / "slurmd.log").read_text()
+
+
+def _wait_running(cluster: SlurmCluster, job: int, restarts: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = cluster.job(job)
+        if info["JobState"] == "RUNNING" and int(info["Restarts"]) == restarts:
+            return
+        assert info["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), (info, cluster.logs())
+        assert time.monotonic() < deadline, (info, cluster.logs())
+        time.sleep(0.2)
 
 
 def test_plain_scancel_saves_and_the_job_stays_cancelled(cluster, tmp_path):
