@@ -17,6 +17,12 @@ import torch
 
 def main() -> None:
     out, stage = Path(sys.argv[1]), int(sys.argv[2])
+    # DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce (``deepspeed_shm_comm``,
+    # ~9 minutes of C++ on 2 cores) when the first engine starts, unless the op is marked
+    # incompatible, which is what DeepSpeed itself does where it cannot build it: then every
+    # collective goes through torch.distributed (gloo here). ZeRO's partitioning, checkpoint
+    # files and ``ds_to_universal`` are the same either way; only the all-reduce kernel differs.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     cfg = {

@@ -220,6 +220,48 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
         out = self.run(["scontrol", "show", "job", "-o", str(job_id)]).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
+    def wait_requeued(self, job_id: int, restarts: int, timeout: float = 240.0, poll: float = 0.5) -> float:
+        """Wait until the job is pending again after its ``restarts``-th requeue *and* its previous
+        run has left the node (no job on it, none completing); return the wall-clock time at which
+        that was seen.
+
+        Why both: changing or starting the job while its old run still completes lets slurmctld
+        start the new run and then book the old batch script's exit status against it. The time
+        returned bounds the second in which slurmd revoked the old run's credential (the revoke
+        comes with the terminate request, before the processes are killed and the node is idle);
+        ``start_requeued`` needs it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job_id)
+            if info["JobState"] == "PENDING" and int(info["Restarts"]) == restarts and self._node_idle_only():
+                return time.time()
+            if info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                raise RuntimeError(f"job {job_id} ended ({info['JobState']}) instead of requeueing:\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not requeued (state {info['JobState']}):\n{self.logs()}")
+            time.sleep(poll)
+
+    def start_requeued(self, job_id: int, left_node_at: float, *updates: str) -> None:
+        """Start a requeued job now rather than after Slurm's requeue hold, safely.
+
+        After a requeue slurmctld holds the job (``Reason=BeginTime``) for ``cred_expire + 1``
+        seconds (121 by default). The hold is what keeps a restart from being refused: slurmd
+        records the killed run's credential as revoked with a one-second timestamp and refuses
+        any launch whose credential was created in that second or before ("Job N already
+        killed, do not launch batch job"; the job then ends FAILED). ``StartTime=now`` right
+        after the requeue loses that race whenever the restart falls in the same second. So this
+        waits until the clock has left the second of ``left_node_at`` (``wait_requeued``'s
+        result, at or after the revoke), less than a second, and only then asks for
+        ``StartTime=now``: every credential for the new run is created in a later second than
+        the revoke, whatever the scheduler's timing. (An explicit ``StartTime`` one second
+        ahead is as safe, but no event wakes the scheduler when that second comes: the job
+        waits for its periodic pass, up to a minute.) ``updates`` (e.g. a new size) go in the
+        same ``scontrol update``."""
+        revoked_second_over = int(left_node_at) + 1
+        while (wait := revoked_second_over - time.time()) > 0:  # the condition is the clock itself
+            time.sleep(wait)
+        self.run(["scontrol", "update", f"JobId={job_id}", *updates, "StartTime=now"])
+
     def wait_state(self, job_id: int, states: set[str], timeout: float) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         while True:

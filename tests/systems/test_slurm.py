@@ -80,20 +80,13 @@ def _out(job: int, tail: int = 6000) -> str:
     return f.read_text(errors="replace")[-tail:] if f.exists() else "(no output)"
 
 
-def _wait_requeued(cluster: SlurmCluster, job: int, restarts: int, timeout=240.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = cluster.job(job)
-        # pending again, and the previous run's processes gone from the node: changing the job
-        # while it still completes lets slurmctld start the new run and then book the old
-        # batch script's exit status against it (seen: the new run marked FAILED at once)
-        if info["JobState"] == "PENDING" and int(info["Restarts"]) == restarts and cluster._node_idle_only():
-            return info
-        if info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            raise AssertionError(f"job {job} ended ({info['JobState']}) instead of requeueing:\n{_out(job)}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"job {job} not requeued (state {info['JobState']}):\n{_out(job)}")
-        time.sleep(0.5)
+def _wait_requeued(cluster: SlurmCluster, job: int, restarts: int) -> float:
+    """Pending again and the previous run gone from the node (``SlurmCluster.wait_requeued``);
+    the job's output in the failure message."""
+    try:
+        return cluster.wait_requeued(job, restarts)
+    except (RuntimeError, TimeoutError) as e:
+        raise AssertionError(f"{e}\n{_out(job)}") from None
 
 
 def test_sbatch_recipe_preempted_and_time_limited_resumes_at_4_3_2_tasks_exactly(cluster, tmp_path):
@@ -139,22 +132,23 @@ def test_sbatch_recipe_preempted_and_time_limited_resumes_at_4_3_2_tasks_exactly
     # The ranks stay held at STOP_AT_4 until the signal comes (the scheduler may take a while).
     _wait_all_ranks_at(logs, STOP_AT_4, 4, cluster, job)
     high = cluster.sbatch(["--partition=high", "--ntasks=8", "--output=/dev/null", "--wrap", "sleep 1"])
-    _wait_requeued(cluster, job, restarts=1)
+    left_at = _wait_requeued(cluster, job, restarts=1)  # (the node idle: `high` has run too)
     hold.write_text(str(STOP_AT_3))
     cluster.wait_state(high, {"COMPLETED"}, timeout=240)
 
-    # 2. Requeued; resized to 3 tasks while pending. Then the time limit comes near: 1 minute
+    # 2. Requeued; resized to 3 tasks while pending, and started without waiting out Slurm's
+    # requeue hold, safely (SlurmCluster.start_requeued). Then the time limit comes near: 1 minute
     # left, less than the recipe's --signal=B:USR1@120, so slurmctld sends USR1 to the shell.
-    cluster.run(["scontrol", "update", f"JobId={job}", *_size(3), "StartTime=now"])
+    cluster.start_requeued(job, left_at, *_size(3))
     _wait_all_ranks_at(logs, STOP_AT_3, 3, cluster, job)
     # (the ranks stay held at STOP_AT_3 until the signal comes)
     run_s = _runtime_s(cluster.job(job)["RunTime"])
     cluster.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={run_s // 60 + 2}"])
-    _wait_requeued(cluster, job, restarts=2)
+    left_at = _wait_requeued(cluster, job, restarts=2)
 
     # 3. Resized to 2 tasks, the time limit restored: runs to the end of the epoch.
     hold.unlink()
-    cluster.run(["scontrol", "update", f"JobId={job}", *_size(2), "TimeLimit=30", "StartTime=now"])
+    cluster.start_requeued(job, left_at, *_size(2), "TimeLimit=30")
     info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     output = _out(job, tail=10**7)
     assert info["JobState"] == "COMPLETED", output[-6000:]
@@ -203,6 +197,56 @@ def _runtime_s(text: str) -> int:
     days, _, hms = text.rpartition("-")
     h, m, s = (int(x) for x in hms.split(":"))
     return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def test_requeued_job_restarted_early_is_never_refused(cluster, tmp_path):
+    """Requeue, restart before Slurm's requeue hold ends, five times in a row: every restart runs.
+
+    Each requeue is made at the worst moment: at the start of a whole second, the restart asked
+    for as soon as the old run has left the node, so a launch can still fall in the second of the
+    kill. There ``StartTime=now`` fails (seen here on the first try): slurmd refuses the launch
+    ("Job N already killed, do not launch batch job") and the job ends FAILED.
+    ``start_requeued`` starts it once the clock has left the second in which the old run left the
+    node."""
+    restarts = 5
+    out = tmp_path / "out"
+    script = 'echo "run ${SLURM_RESTART_COUNT:-0}"; sleep 300'
+    job = cluster.sbatch(["--requeue", "--open-mode=append", f"--output={out}", "--wrap", script])
+    try:
+        for n in range(restarts + 1):
+            _wait_running(cluster, job, restarts=n)
+            if n == restarts:
+                break
+            # To provoke the race, not to wait for anything: the kill early in a whole second,
+            # and 2 s after the launch, so that slurmctld's scheduler (at most one pass per
+            # sched_min_interval = 2 s) runs at once when the job is made eligible.
+            launched = time.time()
+            while time.time() < launched + 2 or time.time() % 1 > 0.05:
+                time.sleep(0.005)
+            cluster.run(["scontrol", "requeue", str(job)])
+            left_at = cluster.wait_requeued(job, n + 1, timeout=120, poll=0.02)
+            assert cluster.job(job)["Reason"] == "BeginTime"  # held by Slurm until started here
+            cluster.start_requeued(job, left_at)
+    finally:
+        cluster.run(["scancel", str(job)], check=False)
+    assert "already killed" not in (cluster.dir / "log" / "slurmd.log").read_text()
+    deadline = time.monotonic() + 60  # the last run's line, once its output is written
+    while f"run {restarts}" not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [line for line in out.read_text().splitlines() if line.startswith("run ")] == [
+        f"run {n}" for n in range(restarts + 1)
+    ]
+
+
+def _wait_running(cluster: SlurmCluster, job: int, restarts: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = cluster.job(job)
+        if info["JobState"] == "RUNNING" and int(info["Restarts"]) == restarts:
+            return
+        assert info["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), (info, cluster.logs())
+        assert time.monotonic() < deadline, (info, cluster.logs())
+        time.sleep(0.2)
 
 
 def test_plain_scancel_saves_and_the_job_stays_cancelled(cluster, tmp_path):
