@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckptd import catalog, jsonenc, plans
+from ckptd import catalog, jsonenc, pins, plans
 from ckptd import manifest as mf
 from ckptd.dtypes import as_numpy, zarr_dtype
 from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
@@ -67,7 +67,7 @@ def _load_manifest(store: Store, coord: Coordinator, step: int) -> mf.Manifest:
     err: Exception | None = None
     if coord.rank == 0:
         try:
-            got = catalog.load_manifest(store, step)
+            got = pins.load_manifest(store, step)
         except (CheckpointError, StorageError) as e:
             err, got = e, ("error", str(e))
     got = coord.broadcast(got)
@@ -76,6 +76,17 @@ def _load_manifest(store: Store, coord: Coordinator, step: int) -> mf.Manifest:
     if isinstance(got, tuple):
         raise CheckpointError(got[1])
     return got
+
+
+def _pins_of(store: Store, m: mf.Manifest, step: int, where: str, pool: ThreadPoolExecutor) -> pins.Pins | None:
+    """The pins of the done records of the ranks that wrote the shards this rank reads
+    (``ckptd.pins``); None for a step committed before pins (``m.pinned`` is False), whose
+    chunks are checked by their own crc32c only. The manifest does not say which rank wrote
+    which shard, so every done record of the committing attempt is read (N GETs per rank, in
+    parallel on ``pool``)."""
+    if not getattr(m, "pinned", False):
+        return None
+    return pins.read_ranks(store, step, m.attempt, range(m.world_size), where, pool)
 
 
 def _planned_store(store: Store, coord: Coordinator, step: int) -> Store:
@@ -259,7 +270,7 @@ def _restore_step(
         saved = m if src is store else _load_manifest(store, coord, step)  # its done records hold the RNG
         flat = flatten(state)
         keys = validate(m, flat, where, strict)
-        reader = CheckpointReader(src, mf.step_dir(step))
+        reader = CheckpointReader(src, mf.step_dir(step), pins=_pins_of(src, m, step, where, pool))
         requests, outs = [], {}
         for k in keys:
             t = flat.tensors[k]
