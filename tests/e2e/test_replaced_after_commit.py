@@ -31,10 +31,7 @@ def roots(request, tmp_path):
     """(the job root, a scratch root for the other job) on one backend."""
     if request.param == "local":
         return str(tmp_path / "job"), str(tmp_path / "other")
-    if request.param == "moto":
-        root = request.getfixturevalue("s3_bucket")
-    else:
-        root = request.getfixturevalue("rgw_bucket")
+    root = request.getfixturevalue("s3_bucket" if request.param == "moto" else "rgw_bucket")
     return root, root.rsplit("/", 1)[0] + "/other"
 
 
@@ -63,3 +60,37 @@ def test_an_object_replaced_after_the_commit_is_caught(roots, capsys):
         assert torch.equal(got["w"], torch.zeros(SHAPE))  # a failed restore leaves the state as it was
         assert ck.restore(got, fallback=True) == 1
     assert torch.equal(got["w"], value(1, 0))
+
+
+def test_a_changed_done_record_or_metadata_object_fails_verify(tmp_path):
+    """The done records' pins must sum to commit.json's: a done record swapped for one that
+    pins the replaced object is caught; so is a zarr.json changed after the commit."""
+    import json
+
+    from ckptd import donetree
+    from ckptd.verify import verify
+
+    root = str(tmp_path / "job")
+    with Checkpointer(root) as ck:
+        ck.save(2, {"w": value(2, 0)}).result()
+    store = open_store(root)
+    assert verify(store, 2).ok
+    (rec_key,) = [o.key for o in store.list("step_0000000002/_done/") if "/t1/" in o.key]
+    rec = json.loads(store.get(rec_key))
+    size, _ = rec["pins"]["shards"][SHARD]
+    rec["pins"]["shards"][SHARD] = [size, "AAAAAA=="]
+    store.put(rec_key, json.dumps(rec).encode())
+    report = verify(store, 2)
+    assert not report.ok and "a done record was changed after the commit" in report.errors[0]
+    store.delete(rec_key)
+    store.put(donetree.record_key(2, rec_key.split("/")[2], 0, rec), json.dumps(rec).encode())
+    assert not verify(store, 2).ok  # renamed to match its new content: the sum still differs
+
+    with Checkpointer(str(tmp_path / "two")) as ck:
+        ck.save(2, {"w": value(2, 0)}).result()
+    two = open_store(str(tmp_path / "two"))
+    meta = json.loads(two.get("step_0000000002/arrays/w/zarr.json"))
+    meta["attributes"] = {"changed": True}
+    two.put("step_0000000002/arrays/w/zarr.json", json.dumps(meta).encode())
+    report = verify(two, 2)
+    assert not report.ok and any("arrays/w/zarr.json differs" in e for e in report.errors), report.errors
