@@ -183,14 +183,14 @@ def load_manifest(store: Store, step: int) -> mf.Manifest:
         raise CheckpointError(f"{where}: committed but the manifest is missing") from None
     except StorageError as e:
         raise CheckpointError(f"{where}: cannot read the manifest ({e})") from None
+    m = mf.Manifest.from_bytes(data, where)  # what is wrong with it, if anything, said as before
+    if m.step != step:
+        raise CheckpointError(f"{where}: manifest says step {m.step}")
     sha = commit.get("manifest_sha256")
     if isinstance(sha, str) and hashlib.sha256(data).hexdigest() != sha:
         raise CorruptChunkError(
             f"{where}: {mf.MANIFEST} differs from what its committing attempt wrote (sha256 in commit.json)"
         )
-    m = mf.Manifest.from_bytes(data, where)
-    if m.step != step:
-        raise CheckpointError(f"{where}: manifest says step {m.step}")
     if m.attempt and commit.get("attempt") not in (None, m.attempt):
         raise CorruptChunkError(
             f"{where}: {mf.MANIFEST} names attempt {m.attempt!r}, commit.json {commit.get('attempt')!r}"
