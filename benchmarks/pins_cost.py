@@ -5,7 +5,7 @@
   (``expected_shards`` + a sha256 sum over every shard key, the check up to issue 26) and after
   (``commit.expected_digest``, O(arrays));
 * a restore's extra requests: the LISTs and GETs of done records one restoring rank makes to
-  load the pins of the shards it reads (``restore._pins_of`` against a counting in-memory
+  load the pins of the shards it reads (``restore.pins_for`` against a counting in-memory
   store holding N done records), for a save at N ranks restored at M.
 
 Run: ``python -m benchmarks.pins_cost [--arrays 300 900] [--ranks 4096] [--restore-at 1024 4096]``
@@ -72,7 +72,7 @@ class CountingStore(MemoryStore):
 
 
 def restore_requests(arrays: int, ranks: int, restore_at: int, rank: int) -> dict:
-    from trainer_hooks.restore import _pins_of
+    from trainer_hooks.restore import pins_for
 
     m = manifest(arrays, ranks)
     m.pinned = True
@@ -84,7 +84,7 @@ def restore_requests(arrays: int, ranks: int, restore_at: int, rank: int) -> dic
     shape = next(iter(m.tensors.values())).layout.shape
     box = _fsdp(shape, restore_at)[rank]
     requests = [ReadRequest(e, box, np.empty(box.shape, np.float32)) for e in m.tensors.values()]
-    _pins_of(store, m, 1, "bench", None, requests)
+    pins_for(store, m, 1, "bench", None, requests)
     return {
         "arrays": arrays,
         "saved_at": ranks,

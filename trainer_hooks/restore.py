@@ -40,7 +40,7 @@ from trainer_hooks.flatten import apply, flatten
 from trainer_hooks.sharding import is_dtensor, local_tensor, sharding_of
 from trainer_hooks.storage_swap import can_swap_memory, exchange, settle
 
-__all__ = ["restore_state", "validate"]
+__all__ = ["pins_for", "restore_state", "validate"]
 
 log = logging.getLogger("ckptd.restore")
 
@@ -79,7 +79,7 @@ def _load_manifest(store: Store, coord: Coordinator, step: int) -> mf.Manifest:
     return got
 
 
-def _pins_of(
+def pins_for(
     store: Store, m: mf.Manifest, step: int, where: str, pool: ThreadPoolExecutor, requests: list[ReadRequest]
 ) -> pins.Pins | None:
     """The pins of the done records of the ranks that wrote the shards this rank reads
@@ -294,7 +294,7 @@ def _restore_step(
                 out = torch.empty(sh.local_box.shape, dtype=t.dtype)
             outs[k] = (live, out)
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
-        reader = CheckpointReader(src, mf.step_dir(step), pins=_pins_of(src, m, step, where, pool, requests))
+        reader = CheckpointReader(src, mf.step_dir(step), pins=pins_for(src, m, step, where, pool, requests))
         reading = True
         # The fresh buffers' pages are faulted in ahead of the reader threads (``hostcopy``).
         with hostcopy.prefaulting([out for live, out in outs.values() if out is not live]):
