@@ -42,7 +42,16 @@ from ckptd import manifest as mf
 from ckptd.errors import CheckpointError, CorruptChunkError
 from storage_backends import NotFoundError, StorageError, Store
 
-__all__ = ["Pins", "check_meta", "commit_digest", "load_manifest", "read_all", "read_ranks", "shard_pin"]
+__all__ = [
+    "Pins",
+    "check_meta",
+    "commit_digest",
+    "committed",
+    "load_manifest",
+    "read_all",
+    "read_ranks",
+    "shard_pin",
+]
 
 
 @dataclass
@@ -197,3 +206,17 @@ def load_manifest(store: Store, step: int) -> mf.Manifest:
         )
     m.pinned = commit_digest(commit) is not None
     return m
+
+
+def committed(store: Store, step: int, threads: int = 8) -> Pins | None:
+    """Every pin of committed ``step``, their sum checked against its commit record
+    (:func:`read_all`), for readers of whole checkpoints (``ckptd export``, ``diff``, ``reshard
+    --rechunk``); None for a step committed before pins."""
+    rec = catalog.read_commit(store, step)
+    if commit_digest(rec) is None:
+        return None
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return read_all(store, step, rec, catalog.where(store, step), pool)
+    except StorageError as e:  # NotFoundError included: a record listed, then gone
+        raise CheckpointError(f"{catalog.where(store, step)}: cannot read the done records' pins ({e})") from None
