@@ -3,14 +3,14 @@ latency of O(log N) round trips, with no folder hotter than ``FANOUT`` ranks.
 
 Each rank, once its data is durable, writes its done record, then climbs::
 
-    _done/<attempt>/t1/<g>/r<rank>.<bytes>.<objects>.<digest>.json   rank's done record
-    _done/<attempt>/t2/<h>/n<g>.<bytes>.<objects>.<digest>.json      group g of t1 is complete
+    _done/<attempt>/t1/<g>/r<rank>.<bytes>.<objects>.<digest>.<pins>.json   rank's done record
+    _done/<attempt>/t2/<h>/n<g>.<bytes>.<objects>.<digest>.<pins>.json      group g of t1 is complete
     ...
     commit.json                                               the root is complete
 
 Node ``(l, i)`` (level l >= 1) covers ranks ``[i * F**l, (i + 1) * F**l)``; its children (nodes
 of level l - 1, ranks at level 0) live in the folder ``t<l>/<i>/``. A child's totals (bytes and
-objects written, and a 64-bit sum of hashes of the shard keys written, :class:`Totals`) are in
+objects written, a sum of hashes of the shard keys written and one of the pins, :class:`Totals`) are in
 its *name*, so a LIST of one folder (at most ``FANOUT`` keys: one page)
 tells whether the node is complete and what it sums to, with no GET. The root is level
 ``L = levels(N)``, the smallest L with ``F**L >= N``; its completion is the commit.
