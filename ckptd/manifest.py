@@ -212,6 +212,8 @@ class Manifest:
     created: float = field(default_factory=time.time)
     layout: dict[str, Any] = field(default_factory=dict)  # how the job was laid out at save
     format_version: int = FORMAT_VERSION
+    # Not stored: whether the commit record has pins for readers to check (``ckptd.pins``).
+    pinned: bool = field(default=False, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -87,7 +87,7 @@ def pins_for(
     restoring a save of N; every record where an entry has no ``writers``. None for a step
     committed before pins (``m.pinned`` is False), whose chunks are checked by their own
     crc32c only. The records are read in parallel on ``pool``."""
-    if not getattr(m, "pinned", False):
+    if not m.pinned:
         return None
     ranks: set[int] = set()
     for req in requests:
