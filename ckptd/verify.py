@@ -167,8 +167,6 @@ def verify(
     pins = None
     try:
         pins = _pins(store, m.step, where, threads)
-        if pins is not None:
-            report.errors += pinsmod.check_meta(store, m.step, pins, where)
     except (StorageError, CheckpointError) as e:
         report.errors.append(f"{where}: cannot check the pins of the committing attempt ({e})")
     tasks = []
@@ -192,6 +190,8 @@ def verify(
         if entry.layout.nbytes == 0 or entry.value is not None:
             continue  # no data, or an inline scalar (its value is in zarr.json and the manifest)
         tasks += [(entry, c) for c in entry.layout.shard_coords()]
+    if pins is not None:  # after what each object says of itself: what only the pins catch
+        report.errors += pinsmod.check_meta(store, m.step, pins, where)
     if report.errors and not keep_going:
         return report
     done = 0
