@@ -106,7 +106,12 @@ def read_all(store: Store, step: int, commit: dict, where: str, pool: ThreadPool
     changed, added or removed after the commit). O(N) GETs: ``ckptd verify``."""
     attempt = commit.get("attempt")
     prefix = f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/"
-    keys = sorted(o.key for o in store.list(prefix) if "/r" in o.key[len(prefix) :])
+    first: dict[int, str] = {}  # a rank that wrote its record twice counts once, as in the climb
+    for key in sorted(o.key for o in store.list(prefix)):
+        head = key.rsplit("/", 1)[-1].split(".", 1)[0]
+        if head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
+            first.setdefault(int(head[1:]), key)
+    keys = [first[r] for r in sorted(first)]
     recs = _records(store, keys, where, pool)
     out, total = Pins(), 0
     for key, rec in zip(keys, recs, strict=True):
@@ -135,9 +140,9 @@ def read_ranks(
         folder = donetree.folder(step, attempt, 1, g)
         found = {}
         for o in store.list(folder):
-            name = o.key[len(folder) :]
-            if name.startswith("r") and name[1:7].isdigit():
-                found.setdefault(int(name[1:7]), o.key)
+            head = o.key[len(folder) :].split(".", 1)[0]
+            if head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
+                found.setdefault(int(head[1:]), o.key)
         for r in ranks:
             if r // donetree.FANOUT == g:
                 if r not in found:
