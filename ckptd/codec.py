@@ -46,6 +46,7 @@ __all__ = [
     "decode_index",
     "encode_shard",
     "image_chunks",
+    "image_crcs",
     "image_nbytes",
     "init_image",
     "inlinable",
@@ -388,6 +389,15 @@ def seal_image(layout: ArrayLayout, image: np.ndarray, chunks: int) -> None:
     mv = memoryview(image)
     for k in range(chunks):
         struct.pack_into("<I", mv, k * stride + c, _crc32c.crc32c(mv[k * stride : k * stride + c]))
+
+
+def image_crcs(layout: ArrayLayout, image: np.ndarray, chunks: int) -> bytes:
+    """The crc32c of each part of a sealed image, as stored: each chunk's, then (sharded) the
+    index's -- what ``encode_shard``'s checksum buffers hold for the same shard."""
+    c, stride = layout.chunk_nbytes, layout.chunk_nbytes + CRC_BYTES
+    mv = memoryview(image).cast("B")
+    out = b"".join(bytes(mv[k * stride + c : k * stride + c + CRC_BYTES]) for k in range(chunks))
+    return out + bytes(mv[-CRC_BYTES:]) if layout.sharded else out
 
 
 def decode_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> np.ndarray:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd import catalog
+from ckptd import catalog, pins
 from ckptd import manifest as mf
 from ckptd.layout import Box
 from ckptd.reader import CheckpointReader, ReadRequest
@@ -111,8 +111,12 @@ def diff(
     ma = catalog.load_manifest(store_a, step_a)
     mb = catalog.load_manifest(store_b, step_b)
     report = DiffReport(store_a.uri, ma.step, store_b.uri, mb.step)
-    ra = CheckpointReader(store_a, mf.step_dir(ma.step), catalog.where(store_a, ma.step))
-    rb = CheckpointReader(store_b, mf.step_dir(mb.step), catalog.where(store_b, mb.step))
+    ra = CheckpointReader(
+        store_a, mf.step_dir(ma.step), catalog.where(store_a, ma.step), pins.committed(store_a, ma.step)
+    )
+    rb = CheckpointReader(
+        store_b, mf.step_dir(mb.step), catalog.where(store_b, mb.step), pins.committed(store_b, mb.step)
+    )
     keys = sorted(ma.tensors.keys() | mb.tensors.keys())
     pairs = [(ma.tensors[k], mb.tensors[k]) for k in keys if k in ma.tensors and k in mb.tensors]
     comparable = {a.key for a, b in pairs if a.layout.shape == b.layout.shape and a.layout.dtype == b.layout.dtype}

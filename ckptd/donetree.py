@@ -3,14 +3,14 @@ latency of O(log N) round trips, with no folder hotter than ``FANOUT`` ranks.
 
 Each rank, once its data is durable, writes its done record, then climbs::
 
-    _done/<attempt>/t1/<g>/r<rank>.<bytes>.<objects>.<digest>.json   rank's done record
-    _done/<attempt>/t2/<h>/n<g>.<bytes>.<objects>.<digest>.json      group g of t1 is complete
+    _done/<attempt>/t1/<g>/r<rank>.<bytes>.<objects>.<digest>.<pins>.json   rank's done record
+    _done/<attempt>/t2/<h>/n<g>.<bytes>.<objects>.<digest>.<pins>.json      group g of t1 is complete
     ...
     commit.json                                               the root is complete
 
 Node ``(l, i)`` (level l >= 1) covers ranks ``[i * F**l, (i + 1) * F**l)``; its children (nodes
 of level l - 1, ranks at level 0) live in the folder ``t<l>/<i>/``. A child's totals (bytes and
-objects written, and a 64-bit sum of hashes of the shard keys written, :class:`Totals`) are in
+objects written, a sum of hashes of the shard keys written and one of the pins, :class:`Totals`) are in
 its *name*, so a LIST of one folder (at most ``FANOUT`` keys: one page)
 tells whether the node is complete and what it sums to, with no GET. The root is level
 ``L = levels(N)``, the smallest L with ``F**L >= N``; its completion is the commit.
@@ -33,6 +33,18 @@ single ``commit.json`` polled by everyone within S3's rate would take seconds. A
 still checks ``commit.json`` itself in a random ``NOTICE_GROUP / N`` of its polls, in case the
 committer died before writing the notices.
 
+Pins (issue 26): a done record also pins what its rank wrote (``pins``: per shard object its
+size and the crc32c of each part as stored, per metadata object its sha256; :func:`make_pins`),
+and its name carries a sixth field, a 64-bit sum of hashes of the pins (:func:`pin_digest`),
+which the tree sums like the others; the commit record stores the root's sum. A reader that
+recomputes the sum from the records' contents and finds the commit's knows it holds exactly
+the pins the committing attempt wrote. Records without pins (older writers) have five fields.
+
+The shard digest is a polynomial hash of (array path, shard coordinate) modulo the prime
+``P = 2**61 - 1`` (:func:`shard_hash`): the sum over an array's whole shard grid has a closed
+form (:func:`grid_digest`), so the committer compares the root with the manifest in O(arrays),
+never walking N x A shard keys (issue 31 item 2).
+
 At N = 4096 (F = 64) the last rank's path to the commit is 5 requests (done record, LIST, node,
 LIST, commit); a save costs about 2N + 2N/F requests in the tree.
 
@@ -45,7 +57,9 @@ record, and :func:`count_done` (``ckptd verify``'s ``commit.check_consistency``)
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import functools
 import hashlib
 import json
 from collections.abc import Iterable
@@ -60,19 +74,108 @@ MASK = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class Totals:
-    """What a complete subtree adds up to: bytes and objects written, and the sum (mod 2**64)
-    of :func:`shard_digest` of every rank's shard keys."""
+    """What a complete subtree adds up to: bytes and objects written, the sum (mod ``P``) of
+    :func:`shard_hash` of every rank's shard keys, and the sum (mod 2**64) of the ranks'
+    :func:`pin_digest` (None when a record of the subtree has no pins: an older writer)."""
 
     bytes: int
     objects: int
     digest: int
+    pins: int | None = None
+
+
+P = (1 << 61) - 1  # a Mersenne prime: the shard digest lives in the field Z/P
+
+
+def _h(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
+@functools.lru_cache(maxsize=64)
+def _base(dim: int) -> int:
+    """The polynomial hash's base for coordinate ``dim``: fixed, pseudo-random, not 0 or 1."""
+    return 2 + _h(f"ckptd shard digest base {dim}".encode()) % (P - 3)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _path_hash(path: str) -> int:
+    return 1 + _h(path.encode()) % (P - 1)
+
+
+def _split_shard_key(key: str) -> tuple[str, tuple[int, ...]] | None:
+    """(array path, shard coordinate) of a shard key ``<path>/c/<i>/<j>...`` (``<path>/c`` for
+    a 0-d array). Coordinates are digits, so the last ``/c/`` is the separator; None if the key
+    is not of that form."""
+    if key.endswith("/c"):
+        return key[:-2], ()
+    path, sep, tail = key.rpartition("/c/")
+    if not sep or not path:
+        return None
+    parts = tail.split("/")
+    if not all(p.isascii() and p.isdigit() for p in parts):
+        return None
+    return path, tuple(int(p) for p in parts)
+
+
+def shard_hash(key: str) -> int:
+    """The hash of one shard key: ``H(path) * prod_d g_d ** c_d`` mod ``P`` for the shard at
+    coordinate ``c`` of the array at ``path``. Equal sums mean (up to a chance of about
+    grid size / 2**61) equal multisets; a key of another form hashes as a whole (it is never
+    expected, so it only ever makes a sum differ)."""
+    parsed = _split_shard_key(key)
+    if parsed is None:
+        return _h(b"other:" + key.encode()) % P
+    path, coord = parsed
+    h = _path_hash(path)
+    for d, c in enumerate(coord):
+        h = h * pow(_base(d), c, P) % P
+    return h
 
 
 def shard_digest(keys: Iterable[str]) -> int:
-    """A 64-bit sum of the keys' hashes: equal sums mean (up to a 2**-64 chance) equal
-    multisets, so the root compares what all ranks wrote with what the manifest needs without
-    reading anyone's list."""
-    return sum(int.from_bytes(hashlib.sha256(k.encode()).digest()[:8], "big") for k in keys) & MASK
+    """The sum (mod ``P``) of :func:`shard_hash` of ``keys``: the root compares what all ranks
+    wrote with what the manifest needs (:func:`grid_digest`) without reading anyone's list."""
+    return sum(shard_hash(k) for k in keys) % P
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _geometric(g: int, n: int) -> int:
+    """1 + g + ... + g**(n-1) mod P (g != 1)."""
+    return (pow(g, n, P) - 1) * pow(g - 1, P - 2, P) % P
+
+
+def grid_digest(path: str, grid_shape: tuple[int, ...]) -> int:
+    """:func:`shard_digest` of every shard of a grid, in O(ndim log n) instead of O(shards):
+    the sum over the grid of ``H(path) * prod_d g_d ** c_d`` factors into a product of
+    geometric series, one per dimension."""
+    h = _path_hash(path)
+    for d, n in enumerate(grid_shape):
+        h = h * _geometric(_base(d), n) % P
+    return h
+
+
+def pin_digest(pins: dict | None) -> int | None:
+    """A 64-bit sum of hashes of every pin of a done record (None without pins): the tree sums
+    it; the commit record keeps the root's sum."""
+    if not isinstance(pins, dict):
+        return None
+    total = 0
+    for kind in ("shards", "meta"):
+        for key, pin in sorted((pins.get(kind) or {}).items()):
+            total += _h(json.dumps([kind, key, pin], separators=(",", ":")).encode())
+    return total & MASK
+
+
+def make_pins(shards: dict[str, tuple[int, bytes]], meta: dict[str, bytes]) -> dict:
+    """The ``pins`` of a done record: ``shards`` maps a shard key to (object size, the
+    crc32c bytes of each part as stored, concatenated: the inner chunks in storage order, then
+    the index's for a sharded object), ``meta`` a metadata key to its bytes. Shard pins are
+    ``[size, base64 of the little-endian uint32 crcs]``, metadata pins the sha256 hex."""
+    return {
+        "v": 1,
+        "shards": {k: [size, base64.b64encode(crcs).decode()] for k, (size, crcs) in shards.items()},
+        "meta": {k: hashlib.sha256(data).hexdigest() for k, data in meta.items()},
+    }
 
 
 def levels(world_size: int) -> int:
@@ -94,13 +197,23 @@ def folder(step: int, attempt: str, level: int, index: int) -> str:
 
 
 def _name(kind: str, index: int, t: Totals) -> str:
-    return f"{kind}{index:06d}.{t.bytes}.{t.objects}.{t.digest:016x}.json"
+    pins = "" if t.pins is None else f".{t.pins:016x}"
+    return f"{kind}{index:06d}.{t.bytes}.{t.objects}.{t.digest:016x}{pins}.json"
+
+
+def record_totals(record: dict) -> Totals:
+    """What a done record adds to the tree, from its contents."""
+    return Totals(
+        int(record.get("bytes", 0)),
+        int(record.get("objects", 0)),
+        shard_digest(record.get("shards", ())),
+        pin_digest(record.get("pins")),
+    )
 
 
 def record_key(step: int, attempt: str, rank: int, record: dict) -> str:
     """Where rank's done record ``record`` goes (its totals are in the name)."""
-    t = Totals(int(record.get("bytes", 0)), int(record.get("objects", 0)), shard_digest(record.get("shards", ())))
-    return folder(step, attempt, 1, rank // FANOUT) + _name("r", rank, t)
+    return folder(step, attempt, 1, rank // FANOUT) + _name("r", rank, record_totals(record))
 
 
 def node_key(step: int, attempt: str, level: int, index: int, t: Totals) -> str:
@@ -110,15 +223,28 @@ def node_key(step: int, attempt: str, level: int, index: int, t: Totals) -> str:
 def _parse(name: str) -> tuple[int, Totals] | None:
     """(child id, totals) from a child's name; None for anything else."""
     parts = name.split(".")
-    if len(parts) != 5 or len(parts[0]) < 2 or parts[0][0] not in "rn" or parts[4] != "json":
+    if len(parts) not in (5, 6) or len(parts[0]) < 2 or parts[0][0] not in "rn" or parts[-1] != "json":
         return None
     try:
         ids, nbytes, objects, digest = int(parts[0][1:]), int(parts[1]), int(parts[2]), int(parts[3], 16)
+        pins = int(parts[4], 16) if len(parts) == 6 else None
     except ValueError:
         return None
-    if min(ids, nbytes, objects, digest) < 0 or digest > MASK:
+    if min(ids, nbytes, objects, digest) < 0 or digest > MASK or (pins is not None and not 0 <= pins <= MASK):
         return None
-    return ids, Totals(nbytes, objects, digest)
+    return ids, Totals(nbytes, objects, digest, pins)
+
+
+def sum_totals(parts: Iterable[Totals]) -> Totals:
+    """The totals of a subtree from its children's (pins None if any child has none)."""
+    parts = list(parts)
+    pins = None if any(t.pins is None for t in parts) else sum(t.pins for t in parts) & MASK
+    return Totals(
+        sum(t.bytes for t in parts),
+        sum(t.objects for t in parts),
+        sum(t.digest for t in parts) % P,
+        pins,
+    )
 
 
 def write_done(store: Store, step: int, attempt: str, rank: int, record: dict) -> str:
@@ -148,14 +274,12 @@ def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, com
                 kids.setdefault(parsed[0], parsed[1])
         if len(kids) < hi - lo:
             return False
-        total = Totals(
-            sum(t.bytes for t in kids.values()),
-            sum(t.objects for t in kids.values()),
-            sum(t.digest for t in kids.values()) & MASK,
-        )
+        total = sum_totals(kids.values())
         if level == top:
             return commit(total)
         node = {"bytes": total.bytes, "objects": total.objects, "digest": f"{total.digest:016x}"}
+        if total.pins is not None:
+            node["pins"] = f"{total.pins:016x}"
         store.put_if_absent(node_key(step, attempt, level, index, total), json.dumps(node).encode())
         level, index = level + 1, index // FANOUT
 
@@ -238,15 +362,22 @@ def _load(store: Store, key: str) -> dict:
 __all__ = [
     "FANOUT",
     "NOTICE_GROUP",
+    "P",
     "Totals",
     "attempts",
     "climb",
     "count_done",
     "done_record_key",
+    "grid_digest",
     "levels",
+    "make_pins",
     "notice_keys",
+    "pin_digest",
     "read_done_record",
     "record_key",
+    "record_totals",
     "shard_digest",
+    "shard_hash",
+    "sum_totals",
     "write_done",
 ]

@@ -49,6 +49,7 @@ __all__ = [
     "plan_reads",
     "plan_writes",
     "read_cost",
+    "shard_index",
     "stable_hash",
 ]
 
@@ -205,6 +206,14 @@ def interval_grid(intervals: set[tuple[int, int]], extent: int) -> int | None:
     return s if intervals == cells else None
 
 
+def shard_index(layout: ArrayLayout, coord: Sequence[int]) -> int:
+    """A shard's index in C order over the layout's shard grid."""
+    idx = 0
+    for c, g in zip(coord, layout.grid_shape, strict=True):
+        idx = idx * g + c
+    return idx
+
+
 @dataclass(frozen=True)
 class Grid:
     """The key-independent part of a write plan: the zarr layout and, per shard, the ranks that
@@ -224,6 +233,7 @@ class Grid:
     gather: bool = False
     _mine: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
     _block_of: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # gather: rank -> piece
+    _runs: dict = field(default_factory=dict, repr=False, compare=False)  # writer_runs of a key-free plan
 
     def __post_init__(self):
         mine: dict[int, list[int]] = {}
@@ -252,6 +262,40 @@ class Grid:
             i = (ranks.index(rank) - stable_hash(key)) % len(ranks)
             return [self.coords[i]] if i < len(self.coords) else []
         return [self.coords[i] for i in self._mine.get(rank, ()) if self.writer(key, i) == rank]
+
+    def writer_runs(self, key: str) -> tuple[tuple[int, int, int], ...]:
+        """Which rank writes each shard of tensor ``key``, compactly, for the manifest (a restore
+        reads the done records of those ranks only, ``ckptd.pins``): runs ``(first, rank,
+        count)`` meaning shards ``first .. first + count - 1`` (C order over the shard grid) are
+        written by ranks ``rank .. rank + count - 1``. One run for an FSDP grid, two for a split
+        replicated tensor. Key-independent plans are computed once per grid; a split over a
+        contiguous range of ranks in O(1); anything else in O(shards) once per key and job."""
+        if self.split and self.candidates:
+            ranks = self.candidates[0]
+            n, count = len(ranks), len(self.coords)
+            if ranks == tuple(range(ranks[0], ranks[0] + n)):
+                h = stable_hash(key) % n  # shard i -> ranks[(h + i) % n]
+                head = min(count, n - h)
+                runs = [(0, ranks[0] + h, head)]
+                if count > head:
+                    runs.append((head, ranks[0], count - head))
+                return tuple(runs)
+        if all(len(c) == 1 for c in self.candidates):
+            runs = self._runs.get(None)
+            if runs is None:
+                runs = self._runs[None] = self._compute_runs(key)
+            return runs
+        return self._compute_runs(key)
+
+    def _compute_runs(self, key: str) -> tuple[tuple[int, int, int], ...]:
+        pairs = sorted((shard_index(self.layout, c), self.writer(key, i)) for i, c in enumerate(self.coords))
+        runs: list[list[int]] = []
+        for idx, rank in pairs:
+            if runs and idx == runs[-1][0] + runs[-1][2] and rank == runs[-1][1] + runs[-1][2]:
+                runs[-1][2] += 1
+            else:
+                runs.append([idx, rank, 1])
+        return tuple(tuple(r) for r in runs)
 
     def meta_writer(self, key: str) -> int:
         """The rank that writes the array's zarr.json: the writer of its first shard."""

@@ -101,6 +101,7 @@ PLANS = "_plans"
 
 
 MAX_STEP = 10**10 - 1  # a step folder names its step in exactly 10 digits
+MAX_WRITER_RUNS = 1 << 16  # runs of a tensor entry's ``writers`` (more: no mapping is kept)
 
 
 def step_dir(step: int) -> str:
@@ -160,10 +161,23 @@ class TensorEntry:
     # A 0-d array saved without a chunk object: its value (``codec.inline_value``), which is also
     # the ``fill_value`` of its zarr.json, so zarr readers see the same number.
     value: Any = None
+    # Which rank wrote which shard (``layout.Grid.writer_runs``): runs (first shard in C order,
+    # its rank, count), ranks consecutive within a run. A restore reads the pins of those ranks'
+    # done records only (``ckptd.pins``); None (older checkpoints, ``CheckpointWriter``): all.
+    writers: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def path(self) -> str:
         return array_path(self.key)
+
+    def writer_of(self, shard_index: int) -> int | None:
+        """The rank that wrote the shard at C-order index ``shard_index``, or None if unknown."""
+        if self.writers is None:
+            return None
+        for first, rank, count in self.writers:  # few runs: one or two per tensor
+            if first <= shard_index < first + count:
+                return rank + shard_index - first
+        return None
 
     def to_json(self) -> dict:
         return {
@@ -173,11 +187,19 @@ class TensorEntry:
             "nbytes": self.layout.nbytes,
             "placements": self.placements,
             **({} if self.value is None else {"value": self.value}),
+            **({} if self.writers is None else {"writers": [list(r) for r in self.writers]}),
         }
 
     @classmethod
     def from_json(cls, d: dict) -> TensorEntry:
-        return cls(d["key"], ArrayLayout.from_json(d), d.get("placements", ""), d.get("value"))
+        writers = d.get("writers")
+        if writers is not None:
+            if not isinstance(writers, list) or len(writers) > MAX_WRITER_RUNS:
+                raise ValueError("writers must be a list of at most 2**16 runs")
+            if not all(isinstance(r, list) and len(r) == 3 and all(is_count(x) for x in r) for r in writers):
+                raise ValueError("writers must hold [first shard, rank, count] runs of non-negative integers")
+            writers = tuple(tuple(r) for r in writers)
+        return cls(d["key"], ArrayLayout.from_json(d), d.get("placements", ""), d.get("value"), writers)
 
 
 @dataclass
@@ -190,6 +212,8 @@ class Manifest:
     created: float = field(default_factory=time.time)
     layout: dict[str, Any] = field(default_factory=dict)  # how the job was laid out at save
     format_version: int = FORMAT_VERSION
+    # Not stored: whether the commit record has pins for readers to check (``ckptd.pins``).
+    pinned: bool = field(default=False, compare=False)
 
     @property
     def nbytes(self) -> int:

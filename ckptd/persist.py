@@ -48,7 +48,7 @@ import numpy as np
 from ckptd import catalog, donetree
 from ckptd import manifest as mf
 from ckptd.claims import LEADER, begin, check_abort, check_writer, follow_claim, lead_claim
-from ckptd.codec import encode_shard, seal_image
+from ckptd.codec import encode_shard, image_crcs, seal_image
 from ckptd.commit import climb, wait_commit
 from ckptd.errors import CheckpointError, SaveAborted
 from ckptd.savejob import SaveJob
@@ -140,7 +140,7 @@ def persist(
         follow_claim(store, part.step, part.attempt, writer, part.rank, commit_timeout, abort)
     written: list[str] = []
     try:
-        nbytes, shard_keys = _write_data(store, part, pool, dedupe, to_numpy, where, written, abort)
+        nbytes, shard_keys, pins = _write_data(store, part, pool, dedupe, to_numpy, where, written, abort)
         t_written = time.perf_counter()
         try:
             store.sync()
@@ -158,6 +158,7 @@ def persist(
         "bytes": nbytes,
         "objects": len(written),
         "shards": shard_keys,
+        "pins": pins,
         "time": time.time(),
     }
     try:
@@ -177,13 +178,16 @@ def persist(
 
 def _write_data(
     store: Store, part: SaveJob, pool: ThreadPoolExecutor, dedupe, to_numpy, where: str, written: list[str], abort
-) -> tuple[int, list[str]]:
+) -> tuple[int, list[str], dict]:
     """Put every shard and metadata object of ``part`` (not yet durable: one ``sync`` follows;
     on a filesystem that is one syncfs instead of an fsync per file and folder). Appends each
-    key to ``written`` before putting it (a failed put may leave it). Returns the bytes written
-    and the shard object keys (relative to the step folder) for the done record."""
+    key to ``written`` before putting it (a failed put may leave it). Returns the bytes written,
+    the shard object keys (relative to the step folder) and the pins of every object for the
+    done record (``donetree.make_pins``: the crc32c of each part of a shard as encoded, which
+    a deduplicated shard shares with its source since its bytes are the same)."""
     folder = mf.step_dir(part.step)
     lock = threading.Lock()
+    shard_pins: dict[str, tuple[int, bytes]] = {}
 
     def put(key: str, data) -> None:
         check_abort(abort, where)
@@ -200,8 +204,14 @@ def _write_data(
         if sw.image is not None:  # staged as the object itself: checksum it in place, send it whole
             data = to_numpy(sw.image)
             seal_image(sw.layout, data, sw.chunks)
+            bufs = [memoryview(data)]
+            pin = image_crcs(sw.layout, data, sw.chunks)
         else:
             data = to_numpy(sw.buffer)
+            bufs = encode_shard(sw.layout, sw.coord, data)
+            pin = b"".join(bytes(b) for b in bufs[1::2])  # each chunk's crc, then the index's
+        with lock:
+            shard_pins[sw.object_key] = (data_size(bufs), pin)
         if dedupe is not None:
             digest = dedupe.digest(sw, data)
             check_abort(abort, where)
@@ -209,7 +219,6 @@ def _write_data(
                 with lock:
                     written.append(key)
                 return 0  # unchanged since the last commit: linked/copied, no bytes written
-        bufs = [memoryview(data)] if sw.image is not None else encode_shard(sw.layout, sw.coord, data)
         put(key, bufs)
         return data_size(bufs)
 
@@ -228,7 +237,8 @@ def _write_data(
         if isinstance(err, SaveAborted):
             raise err
         raise CheckpointError(f"{where}: rank {part.rank} failed to write its data: {err}") from err
-    return nbytes, [sw.object_key for sw in part.shards]
+    pins = donetree.make_pins(shard_pins, dict(part.metadata))
+    return nbytes, [sw.object_key for sw in part.shards], pins
 
 
 def clean_up(store: Store, where: str, rank: int, keys: list[str]) -> None:

@@ -25,6 +25,7 @@ from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, crc32c, decode_chunk, dec
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import Box, ShardRead, chunk_box, plan_reads
 from ckptd.manifest import TensorEntry
+from ckptd.pins import Pins, shard_pin
 from storage_backends import NotFoundError, StorageError, Store
 
 __all__ = ["COALESCE_GAP", "CheckpointReader", "ReadRequest", "ReadStats"]
@@ -49,12 +50,32 @@ class ReadRequest:
 class CheckpointReader:
     """Reads arrays of one checkpoint folder (``prefix``, e.g. ``step_0000000100/``)."""
 
-    def __init__(self, store: Store, prefix: str, where: str | None = None):
+    def __init__(self, store: Store, prefix: str, where: str | None = None, pins: Pins | None = None):
+        """``pins``: the pins of the committing attempt's done records that cover the shards
+        to read (``ckptd.pins``): every chunk's stored crc32c (and a shard index's) must then
+        equal the one its writer pinned, else ``CorruptChunkError`` naming the object. None:
+        each chunk is checked against its own crc32c only (a step committed before pins)."""
         self.store = store
         self.prefix = prefix.rstrip("/") + "/"
         self.where = where or f"{store.uri.rstrip('/')}/{self.prefix.rstrip('/')}"
         self.stats = ReadStats()
+        self.pins = pins
         self._lock = threading.Lock()
+
+    def _check_pinned(self, entry: TensorEntry, shard: Sequence[int], off: int | None, crc) -> None:
+        """The crc32c stored after the part at offset ``off`` (None: the shard index) against
+        its pin: parts are stored back to back, so the part at ``off`` is the
+        ``off // (chunk bytes + 4)``-th one, the index the last."""
+        if self.pins is None:
+            return
+        rel = f"{entry.path}/{entry.layout.shard_key(shard)}"
+        _, crcs = shard_pin(self.pins, rel, self._name(entry, shard))
+        k = len(crcs) // CRC_BYTES - 1 if off is None else off // (entry.layout.chunk_nbytes + CRC_BYTES)
+        if bytes(crc) != crcs[k * CRC_BYTES : (k + 1) * CRC_BYTES]:
+            raise CorruptChunkError(
+                f"{self._name(entry, shard)}: object {self.prefix}{rel} differs from what its committing attempt "
+                "wrote (a crc32c pinned in its done record differs: replaced after the commit)"
+            )
 
     def _count(self, nbytes: int) -> None:
         with self._lock:
@@ -77,7 +98,9 @@ class CheckpointReader:
         except StorageError as e:
             raise CorruptChunkError(f"{self._name(entry, shard)}: cannot read shard index ({e})") from None
         self._count(len(data))
-        return decode_index(layout, data, self._name(entry, shard))
+        index = decode_index(layout, data, self._name(entry, shard))
+        self._check_pinned(entry, shard, None, data[-CRC_BYTES:])
+        return index
 
     def read_shard(self, req: ReadRequest, sr: ShardRead) -> None:
         """Fill the part of ``req.out`` that shard ``sr.shard`` holds.
@@ -149,7 +172,9 @@ class CheckpointReader:
         layout = req.entry.layout
         mv = memoryview(blob)
         for off, n, c in group:
-            chunk = decode_chunk(layout, mv[off - start : off - start + n], self._name(req.entry, shard, c))
+            part = mv[off - start : off - start + n]
+            chunk = decode_chunk(layout, part, self._name(req.entry, shard, c))
+            self._check_pinned(req.entry, shard, off, part[-CRC_BYTES:])
             _place(req, chunk, chunk_box(layout, shard, c))
 
     def _read_scatter(self, req: ReadRequest, shard, key: str, group, start: int) -> bool:
@@ -181,19 +206,22 @@ class CheckpointReader:
                 body = memoryview(dst.reshape(-1).view(np.uint8))
                 crc = memoryview(crcs)[i * CRC_BYTES : (i + 1) * CRC_BYTES]
                 views += [body, crc]
-                direct.append((body, crc, c))
+                direct.append((body, crc, c, off))
             else:
                 scratch = memoryview(np.empty(n_chunk, np.uint8))
                 views.append(scratch)
-                staged.append((scratch, c, cbox))
+                staged.append((scratch, c, cbox, off))
             pos = off + n
         self.store.get_range_into(key, start, views)
         self._count(pos - start)
-        for body, crc, c in direct:
+        for body, crc, c, off in direct:
             if crc32c(body) != struct.unpack("<I", crc)[0]:
                 raise CorruptChunkError(f"{self._name(req.entry, shard, c)}: crc32c mismatch (corrupt chunk)")
-        for scratch, c, cbox in staged:
-            _place(req, decode_chunk(layout, scratch, self._name(req.entry, shard, c)), cbox)
+            self._check_pinned(req.entry, shard, off, crc)
+        for scratch, c, cbox, off in staged:
+            chunk = decode_chunk(layout, scratch, self._name(req.entry, shard, c))
+            self._check_pinned(req.entry, shard, off, scratch[-CRC_BYTES:])
+            _place(req, chunk, cbox)
         return True
 
     def read(self, requests: Iterable[ReadRequest], pool: ThreadPoolExecutor | None = None) -> None:

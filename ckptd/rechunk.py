@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ckptd import catalog
+from ckptd import catalog, pins
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
 from ckptd.layout import Box
@@ -94,7 +94,7 @@ def rechunk(
         for key, e in m.tensors.items()
     }
     total = sum(sum(1 for _ in lay.shard_coords()) for lay in layouts.values() if lay.nbytes)
-    reader = CheckpointReader(store, mf.step_dir(m.step), catalog.where(store, m.step))
+    reader = CheckpointReader(store, mf.step_dir(m.step), catalog.where(store, m.step), pins.committed(store, m.step))
     info = {"world_size": target.world_size, "layout": target.to_json(), "rechunked_from": _source_of(m)}
     done = 0
     with open_store(uri) as sub:

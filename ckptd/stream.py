@@ -82,6 +82,8 @@ class CheckpointWriter:
         self._max_pending = max_pending_bytes
         self._committed = False
         self._shards: list[str] = []
+        self._shard_pins: dict[str, tuple[int, bytes]] = {}  # the done record's pins (donetree.make_pins)
+        self._meta: dict[str, bytes] = {}
         self._written: list[str] = []
         self.writer = writer or f"ckptd@{socket.gethostname()}"
         claims.begin(store, step, self.attempt, claims.check_writer(self.writer))
@@ -106,6 +108,7 @@ class CheckpointWriter:
             raise CheckpointError(f"key {key!r} written twice")
         self.entries[key] = mf.TensorEntry(key, layout, placements)
         meta = mf.dumps(layout.metadata())
+        self._meta[f"{mf.array_path(key)}/zarr.json"] = meta
         self._put(f"{mf.array_path(key)}/zarr.json", meta, len(meta))
 
     def write_shard(self, key: str, coord: tuple[int, ...], block: np.ndarray) -> None:
@@ -113,8 +116,11 @@ class CheckpointWriter:
         The block must stay unchanged until ``close``/``commit`` (it is written asynchronously)."""
         layout = self.entries[key].layout
         bufs = encode_shard(layout, coord, block)
-        self._shards.append(f"{mf.array_path(key)}/{layout.shard_key(coord)}")
-        self._put(f"{mf.array_path(key)}/{layout.shard_key(coord)}", bufs, sum(memoryview(b).nbytes for b in bufs))
+        name = f"{mf.array_path(key)}/{layout.shard_key(coord)}"
+        size = sum(memoryview(b).nbytes for b in bufs)
+        self._shards.append(name)
+        self._shard_pins[name] = (size, b"".join(bytes(b) for b in bufs[1::2]))
+        self._put(name, bufs, size)
 
     def write_tensor(self, key: str, array, layout: ArrayLayout | None = None, placements: str = "") -> None:
         """Write a whole tensor (numpy array or CPU torch tensor)."""
@@ -141,6 +147,7 @@ class CheckpointWriter:
             layout=self.layout_info,
         )
         for key, data in persist.manifest_objects(m):
+            self._meta[key] = data
             self._put(key, data, len(data))
         self._drain()
         self.store.sync()  # everything above is durable before any done record
@@ -153,6 +160,7 @@ class CheckpointWriter:
                 "bytes": self.bytes if mine else 0,
                 "objects": self.objects if mine else 0,
                 "shards": self._shards if mine else [],
+                "pins": donetree.make_pins(self._shard_pins, self._meta) if mine else donetree.make_pins({}, {}),
             }
             self._written.append(donetree.record_key(self.step, self.attempt, rank, rec))
             committed = commit.finish_rank(self.store, self.step, self.attempt, rank, self.world_size, rec, extra)

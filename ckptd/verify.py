@@ -1,7 +1,11 @@
 """Re-read every chunk of a committed checkpoint and check it.
 
 Checks that the commit record, the manifest, the step's newest claim and the done records all
-name one attempt (``ckptd.commit.check_consistency``: a step mixed by two writers fails). Then,
+name one attempt (``ckptd.commit.check_consistency``: a step mixed by two writers fails). Where
+the commit record has pins (``ckptd.pins``): the done records' pins sum to the commit's, every
+metadata object matches its sha256 and every shard object its size and the crc32c of each of
+its parts as the committing attempt wrote them (an object replaced after the commit by
+another attempt's, validly encoded, fails here and nowhere else). Then,
 per array: ``zarr.json`` exists and matches the manifest; every shard object of the grid
 exists; each shard index passes its crc32c and points inside the object; every chunk that lies
 inside the array is present with the right size and passes its crc32c. Shards are read whole
@@ -20,6 +24,7 @@ import numpy as np
 
 from ckptd import catalog, commit
 from ckptd import manifest as mf
+from ckptd import pins as pinsmod
 from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, decode_chunk, decode_index
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import chunk_box
@@ -48,10 +53,40 @@ def _max_object_bytes(layout: ArrayLayout) -> int:
     return math.prod(layout.chunks_per_shard) * (layout.chunk_nbytes + CRC_BYTES) + layout.index_nbytes
 
 
-def _check_shard(store: Store, prefix: str, entry: mf.TensorEntry, coord: tuple[int, ...], where: str) -> int:
+def _check_pin(layout: ArrayLayout, mv: memoryview, pin: tuple[int, bytes], name: str, key: str) -> None:
+    """The object against its pin (``ckptd.pins``): its size, and the crc32c stored after each
+    part (chunks back to back in storage order, then the index) against the ones written."""
+    size, crcs = pin
+    if mv.nbytes != size:
+        raise CorruptChunkError(
+            f"{name}: object {key} is {mv.nbytes} bytes, its committing attempt wrote {size} (replaced after the "
+            "commit)"
+        )
+    n = layout.chunk_nbytes + CRC_BYTES
+    parts = (len(crcs) // CRC_BYTES) - (1 if layout.sharded else 0)
+    stored = b"".join(bytes(mv[k * n + n - CRC_BYTES : k * n + n]) for k in range(parts))
+    stored += bytes(mv[-CRC_BYTES:]) if layout.sharded else b""
+    if stored != crcs:
+        k = next(i for i in range(0, len(crcs), CRC_BYTES) if stored[i : i + CRC_BYTES] != crcs[i : i + CRC_BYTES])
+        part = "its index" if layout.sharded and k // CRC_BYTES == parts else f"its chunk #{k // CRC_BYTES}"
+        raise CorruptChunkError(
+            f"{name}: object {key} differs from what its committing attempt wrote ({part}: crc32c pinned in the done "
+            "record differs; the object was replaced after the commit)"
+        )
+
+
+def _check_shard(
+    store: Store,
+    prefix: str,
+    entry: mf.TensorEntry,
+    coord: tuple[int, ...],
+    where: str,
+    pins: pinsmod.Pins | None = None,
+) -> int:
     layout: ArrayLayout = entry.layout
     key = f"{prefix}/{entry.path}/{layout.shard_key(coord)}"
     name = f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}"
+    pin = None if pins is None else pinsmod.shard_pin(pins, f"{entry.path}/{layout.shard_key(coord)}", name)
     try:
         data = store.get(key, limit=_max_object_bytes(layout))
     except NotFoundError:
@@ -59,13 +94,21 @@ def _check_shard(store: Store, prefix: str, entry: mf.TensorEntry, coord: tuple[
     except StorageError as e:
         raise CorruptChunkError(f"{name}: unreadable ({e})") from None
     mv = memoryview(data)
+    _check_layout(layout, mv, coord, name)  # the object's own structure and crc32c first, then
+    if pin is not None:  # what only the pins catch: another attempt's valid object
+        _check_pin(layout, mv, pin, name, key)
+    return len(data)
+
+
+def _check_layout(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], name: str) -> None:
+    """The shard's index, each chunk's place and crc32c (what the object says of itself)."""
     if not layout.sharded:
         decode_chunk(layout, mv, name)
-        return len(data)
-    if len(data) < layout.index_nbytes:
-        raise CorruptChunkError(f"{name}: object of {len(data)} bytes is shorter than its index")
+        return
+    if mv.nbytes < layout.index_nbytes:
+        raise CorruptChunkError(f"{name}: object of {mv.nbytes} bytes is shorter than its index")
     index = decode_index(layout, bytes(mv[-layout.index_nbytes :]), name)
-    body = len(data) - layout.index_nbytes
+    body = mv.nbytes - layout.index_nbytes
     start, stop = layout.shard_box(coord)
     present = tuple(-(-(b - a) // c) for a, b, c in zip(start, stop, layout.chunk_shape, strict=True))
     for c in _chunk_coords(layout):
@@ -86,7 +129,17 @@ def _check_shard(store: Store, prefix: str, entry: mf.TensorEntry, coord: tuple[
                 "are stored back to back in C order); the shard was rewritten by another tool"
             )
         decode_chunk(layout, mv[off : off + n], f"{name} chunk {c}")
-    return len(data)
+
+
+def _pins(store: Store, step: int, where: str, threads: int) -> pinsmod.Pins | None:
+    """The pins of every done record of the committing attempt, their sum checked against the
+    commit record (``ckptd.pins.read_all``); None for a step committed before pins, whose
+    objects are checked by their own crc32c only. Raises CheckpointError on a mismatch."""
+    rec = catalog.read_commit(store, step)
+    if pinsmod.commit_digest(rec) is None:
+        return None
+    with ThreadPoolExecutor(threads) as pool:
+        return pinsmod.read_all(store, step, rec, where, pool)
 
 
 def _chunk_coords(layout: ArrayLayout):
@@ -111,6 +164,11 @@ def verify(
         report.errors += commit.check_consistency(store, m.step, m)
     except (StorageError, CheckpointError) as e:
         report.errors.append(f"{where}: cannot check the commit records ({e})")
+    pins = None
+    try:
+        pins = _pins(store, m.step, where, threads)
+    except (StorageError, CheckpointError) as e:
+        report.errors.append(f"{where}: cannot check the pins of the committing attempt ({e})")
     tasks = []
     for entry in m.tensors.values():
         report.arrays += 1
@@ -132,11 +190,13 @@ def verify(
         if entry.layout.nbytes == 0 or entry.value is not None:
             continue  # no data, or an inline scalar (its value is in zarr.json and the manifest)
         tasks += [(entry, c) for c in entry.layout.shard_coords()]
+    if pins is not None:  # after what each object says of itself: what only the pins catch
+        report.errors += pinsmod.check_meta(store, m.step, pins, where)
     if report.errors and not keep_going:
         return report
     done = 0
     with ThreadPoolExecutor(threads) as pool:
-        futures = [pool.submit(_check_shard, store, prefix, e, c, where) for e, c in tasks]
+        futures = [pool.submit(_check_shard, store, prefix, e, c, where, pins) for e, c in tasks]
         try:
             for f in futures:
                 try:

@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from ckptd import catalog, jsonenc, plans
+from ckptd import catalog, jsonenc, pins, plans
 from ckptd import manifest as mf
 from ckptd.dtypes import as_numpy, zarr_dtype
 from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
+from ckptd.layout import plan_reads, shard_index
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import StorageError, Store, open_store
 from trainer_hooks import hostcopy, rng
@@ -40,7 +41,7 @@ from trainer_hooks.sharding import is_dtensor, local_tensor
 from trainer_hooks.storage_swap import can_swap_memory, exchange, settle
 from trainer_hooks.zero import local_optimizer
 
-__all__ = ["restore_state", "validate"]
+__all__ = ["pins_for", "restore_state", "validate"]
 
 log = logging.getLogger("ckptd.restore")
 
@@ -68,7 +69,7 @@ def _load_manifest(store: Store, coord: Coordinator, step: int) -> mf.Manifest:
     err: Exception | None = None
     if coord.rank == 0:
         try:
-            got = catalog.load_manifest(store, step)
+            got = pins.load_manifest(store, step)
         except (CheckpointError, StorageError) as e:
             err, got = e, ("error", str(e))
     got = coord.broadcast(got)
@@ -77,6 +78,29 @@ def _load_manifest(store: Store, coord: Coordinator, step: int) -> mf.Manifest:
     if isinstance(got, tuple):
         raise CheckpointError(got[1])
     return got
+
+
+def pins_for(
+    store: Store, m: mf.Manifest, step: int, where: str, pool: ThreadPoolExecutor, requests: list[ReadRequest]
+) -> pins.Pins | None:
+    """The pins of the done records of the ranks that wrote the shards this rank reads
+    (``ckptd.pins``), found from the manifest's ``writers``: about N/M records for a rank of M
+    restoring a save of N; every record where an entry has no ``writers``. None for a step
+    committed before pins (``m.pinned`` is False), whose chunks are checked by their own
+    crc32c only. The records are read in parallel on ``pool``."""
+    if not m.pinned:
+        return None
+    ranks: set[int] = set()
+    for req in requests:
+        e = req.entry
+        if e.value is not None or e.layout.nbytes == 0:
+            continue
+        for sr in plan_reads(e.layout, req.want):
+            r = e.writer_of(shard_index(e.layout, sr.shard))
+            if r is None:
+                return pins.read_ranks(store, step, m.attempt, range(m.world_size), where, pool)
+            ranks.add(r)
+    return pins.read_ranks(store, step, m.attempt, ranks, where, pool)
 
 
 def _planned_store(store: Store, coord: Coordinator, step: int) -> Store:
@@ -264,7 +288,6 @@ def _restore_step(
         saved = m if src is store else _load_manifest(store, coord, step)  # its done records hold the RNG
         flat = flatten(state)
         keys = validate(m, flat, where, strict)
-        reader = CheckpointReader(src, mf.step_dir(step))
         requests, outs = [], {}
         keys = [k for k in keys if flat.holds(k)]  # another rank's partition of a ZeRO optimizer: not read here
         for k in keys:
@@ -277,6 +300,7 @@ def _restore_step(
                 out = torch.empty(sh.local_box.shape, dtype=t.dtype)
             outs[k] = (live, out)
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
+        reader = CheckpointReader(src, mf.step_dir(step), pins=pins_for(src, m, step, where, pool, requests))
         reading = True
         # The fresh buffers' pages are faulted in ahead of the reader threads (``hostcopy``).
         with hostcopy.prefaulting([out for live, out in outs.values() if out is not live]):

@@ -179,14 +179,21 @@ class Planner:
                 dst = own.relative_to(box) if own is not None else None
                 src = own.relative_to(sh.local_box) if own is not None else None
                 shards.append((coord, box, dst, src, own == box))
+            runs = grid.writer_runs(key) if rank == 0 else None  # rank 0 writes the manifest
             kp = _KeyPlan(
                 grid,
-                mf.TensorEntry(key, grid.layout, sh.placements),
+                mf.TensorEntry(key, grid.layout, sh.placements, writers=_bounded(runs)),
                 (f"{mf.array_path(key)}/zarr.json", meta) if grid.meta_writer(key) == rank else None,
                 tuple(shards),
             )
             self._keys[kk] = kp
         return kp
+
+
+def _bounded(runs):
+    """Writer runs the manifest keeps (``TensorEntry.writers``); None past the cap (a restore
+    then reads every done record's pins)."""
+    return runs if runs is not None and len(runs) <= mf.MAX_WRITER_RUNS else None
 
 
 def take(

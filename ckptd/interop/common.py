@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ckptd import catalog, jsonenc
+from ckptd import catalog, jsonenc, pins
 from ckptd import manifest as mf
 from ckptd.dtypes import as_numpy, torch_dtype, zarr_dtype
 from ckptd.errors import CheckpointError
@@ -218,7 +218,7 @@ class SavedCheckpoint:
         self.manifest = catalog.load_manifest(store, step)
         self.step = self.manifest.step
         self.where = catalog.where(store, self.step)
-        self.reader = CheckpointReader(store, mf.step_dir(self.step))
+        self.reader = CheckpointReader(store, mf.step_dir(self.step), pins=pins.committed(store, self.step))
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-export")
         self._keys: dict[int, tuple[torch.Tensor, str]] = {}
 

@@ -5,6 +5,7 @@ to the bucket (or the shared folder) would, read back by the real CLI and ``rest
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 
@@ -24,6 +25,11 @@ def _edit(path, fn):
     d = json.loads(path.read_text())
     fn(d)
     path.write_text(json.dumps(d))
+    if path.name == "manifest.json":  # an attacker who can write the bucket re-pins it in commit.json
+        commit = path.parent / "commit.json"
+        c = json.loads(commit.read_text())
+        c["manifest_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        commit.write_text(json.dumps(c))
 
 
 def _restore(root, state=None, **kw):
@@ -186,9 +192,13 @@ def test_hostile_records_are_one_clean_error(tmp_path, capsys, name):
     assert "Traceback" not in p.stderr and p.returncode in (0, 1), p.stderr
 
 
-def test_hostile_done_record_only_skips_rng(root):
+def test_hostile_done_record_is_one_clean_error(root):
+    # The done record pins what its rank wrote (issue 26): without it the step cannot be checked,
+    # so restore refuses it with one clear error (it used to restore without the RNG state).
     done = next((root / STEP / "_done").rglob("*.json"))
     done.write_text(DEEP)
-    assert _restore(root) == 1
+    with pytest.raises(CheckpointError, match="done record"):
+        _restore(root)
     os.unlink(done)
-    assert _restore(root) == 1
+    with pytest.raises(CheckpointError, match="done record"):
+        _restore(root)

@@ -1,0 +1,111 @@
+"""What pins cost and save (issue 26 part 1, issue 31 item 2), measured on the real code:
+
+* the commit's shard check: CPU seconds to compare the done tree's shard digest with the
+  manifest's, at A arrays x N ranks (each array one shard per rank, as FSDP saves it), before
+  (``expected_shards`` + a sha256 sum over every shard key, the check up to issue 26) and after
+  (``commit.expected_digest``, O(arrays));
+* a restore's extra requests: the LISTs and GETs of done records one restoring rank makes to
+  load the pins of the shards it reads (``restore.pins_for`` against a counting in-memory
+  store holding N done records), for a save at N ranks restored at M.
+
+Run: ``python -m benchmarks.pins_cost [--arrays 300 900] [--ranks 4096] [--restore-at 1024 4096]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+
+import numpy as np
+
+from ckptd import commit, donetree
+from ckptd import manifest as mf
+from ckptd.layout import Box, plan_grid
+from ckptd.reader import ReadRequest
+from storage_backends.memory import MemoryStore
+
+
+def _fsdp(shape, n):
+    step = -(-shape[0] // n)
+    return [Box((min(r * step, shape[0]), 0), (min((r + 1) * step, shape[0]), shape[1])) for r in range(n)]
+
+
+def manifest(arrays: int, ranks: int) -> mf.Manifest:
+    shape = (ranks * 256, 256)  # 256 KiB per rank and array: one shard each
+    grid = plan_grid(shape, 4, "float32", _fsdp(shape, ranks))
+    tensors = {}
+    for i in range(arrays):
+        key = f"model/layers.{i}.weight"
+        tensors[key] = mf.TensorEntry(key, grid.layout, writers=grid.writer_runs(key))
+    return mf.Manifest(1, ranks, tensors, {}, "a")
+
+
+def _old_digest(keys) -> int:
+    return sum(int.from_bytes(hashlib.sha256(k.encode()).digest()[:8], "big") for k in keys) & ((1 << 64) - 1)
+
+
+def commit_check(arrays: int, ranks: int) -> dict:
+    m = manifest(arrays, ranks)
+    t = time.process_time()
+    _old_digest(commit.expected_shards(m))
+    before = time.process_time() - t
+    t = time.process_time()
+    commit.expected_digest(m)
+    after = time.process_time() - t
+    return {"arrays": arrays, "ranks": ranks, "before_cpu_s": round(before, 3), "after_cpu_s": round(after, 6)}
+
+
+class CountingStore(MemoryStore):
+    def __init__(self, uri):
+        super().__init__(uri)
+        self.gets = self.lists = 0
+
+    def get(self, key, limit=None):
+        self.gets += 1
+        return super().get(key, limit)
+
+    def list(self, prefix=""):
+        self.lists += 1
+        return super().list(prefix)
+
+
+def restore_requests(arrays: int, ranks: int, restore_at: int, rank: int) -> dict:
+    from trainer_hooks.restore import pins_for
+
+    m = manifest(arrays, ranks)
+    m.pinned = True
+    store = CountingStore(f"memory://pins-{arrays}-{ranks}-{restore_at}")
+    for r in range(ranks):
+        rec = {"rank": r, "bytes": 0, "objects": 0, "shards": [], "pins": donetree.make_pins({}, {})}
+        store.put(donetree.record_key(1, "a", r, rec), json.dumps(rec).encode())
+    store.gets = store.lists = 0
+    shape = next(iter(m.tensors.values())).layout.shape
+    box = _fsdp(shape, restore_at)[rank]
+    requests = [ReadRequest(e, box, np.empty(box.shape, np.float32)) for e in m.tensors.values()]
+    pins_for(store, m, 1, "bench", None, requests)
+    return {
+        "arrays": arrays,
+        "saved_at": ranks,
+        "restored_at": restore_at,
+        "rank": rank,
+        "done_record_gets": store.gets,
+        "lists": store.lists,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arrays", type=int, nargs="+", default=[300, 900])
+    p.add_argument("--ranks", type=int, default=4096)
+    p.add_argument("--restore-at", type=int, nargs="+", default=[4096, 1024, 64])
+    a = p.parse_args(argv)
+    for arrays in a.arrays:
+        print(json.dumps(commit_check(arrays, a.ranks)))
+    for m in a.restore_at:
+        print(json.dumps(restore_requests(a.arrays[0], a.ranks, m, m // 2)))
+
+
+if __name__ == "__main__":
+    main()
