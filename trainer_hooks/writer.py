@@ -18,10 +18,12 @@ it.
 
 After a commit (``retention.after_commit``: the sweep of the committed step, retention) runs on a
 thread of its own, never the writer's: storage that stalls after a commit must not hold the next
-save in the queue, where no deadline would apply. At most one runs at a time; a commit that
-finds the previous one still running skips its own (retention of the next commit covers it;
-``gc`` and the daemon's housekeeping abort stale uploads the skipped sweep would have), so a
-stalled store never piles threads up.
+save in the queue, where no deadline would apply. At most one such thread runs at a time: a
+commit that finds it busy queues its result, and the thread, once done, takes every queued
+result (each step's sweep, then retention once, for the newest), so ``keep_last`` always holds
+once the store answers and a stalled store never piles threads up. At most ``AFTER_QUEUE``
+results wait; past that the oldest one's sweep is dropped with a warning (retention still runs
+for a newer one; ``gc`` and the daemon's housekeeping abort stale uploads it would have).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from trainer_hooks.snapshot import Stager
 __all__ = ["BackgroundWriter"]
 
 log = logging.getLogger("ckptd.writer")
+
+AFTER_QUEUE = 8  # committed results waiting for their sweep and retention while one runs
 
 
 class BackgroundWriter:
@@ -73,7 +77,8 @@ class BackgroundWriter:
         self._failed: list[int] = []  # steps whose save failed: reclaimed at the next save
         self._abandoned: list[tuple[int, threading.Thread]] = []  # saves past their deadline
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-writer")
-        self._after: threading.Thread | None = None  # the running after_commit, if any
+        self._after: threading.Thread | None = None  # the thread running after_commit, if any
+        self._after_queue: list = []  # results waiting for it (under _lock)
 
     def stager(self) -> Stager:
         return Stager()
@@ -175,26 +180,38 @@ class BackgroundWriter:
         self._after_commit(result)
 
     def _after_commit(self, result) -> None:
-        """``retention.after_commit`` off the writer's path; skipped while the previous one runs."""
+        """``retention.after_commit`` off the writer's path: queued for the one after-commit
+        thread, started here if it is not running."""
         if not result.committed_here:
             return
-        prev = self._after
-        if prev is not None and prev.is_alive():
-            log.warning(
-                "%s: the sweep and retention after the previous commit are still running (storage slow "
-                "or stalled); skipping them after step %d",
-                catalog.where(self.store, result.step),
-                result.step,
-            )
-            return
-        t = threading.Thread(
-            target=retention.after_commit,
-            args=(self.store, result, self.keep_last),
-            name=f"ckptd-after-commit-{result.step}",
-            daemon=True,
-        )
-        self._after = t
+        with self._lock:
+            self._after_queue.append(result)
+            if len(self._after_queue) > AFTER_QUEUE:
+                dropped = self._after_queue.pop(0)
+                log.warning(
+                    "%s: the sweep and retention after earlier commits are still running (storage slow or "
+                    "stalled); not sweeping step %d (gc aborts what it would have)",
+                    catalog.where(self.store, dropped.step),
+                    dropped.step,
+                )
+            if self._after is not None:
+                return  # the running thread takes it before it ends
+            t = self._after = threading.Thread(target=self._drain_after, name="ckptd-after-commit", daemon=True)
         t.start()
+
+    def _drain_after(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._after_queue = self._after_queue, []
+                if not batch:
+                    self._after = None  # under the lock: a commit queued after this starts a new one
+                    return
+            for i, result in enumerate(batch):  # each step's sweep; retention once, for the newest
+                keep = self.keep_last if i == len(batch) - 1 else None
+                try:
+                    retention.after_commit(self.store, result, keep)
+                except Exception:  # best effort, as after_commit itself is: never kill the thread
+                    log.exception("%s: sweep and retention failed", catalog.where(self.store, result.step))
 
     @property
     def stuck(self) -> int:
@@ -208,8 +225,11 @@ class BackgroundWriter:
         self._join_after()
 
     def _join_after(self) -> None:
-        t = self._after
-        if t is not None:
+        while True:
+            with self._lock:
+                t = self._after
+            if t is None:
+                return
             t.join()
 
     def shutdown(self) -> None:
