@@ -209,8 +209,12 @@ def restore_state(
     pool: ThreadPoolExecutor,
     restore_rng: bool = True,
     in_place: bool = False,
+    tiers: Any = None,
 ) -> int | None:
-    """``in_place``: read straight into the state's CPU tensors instead of fresh buffers (no
+    """``tiers``: a ``trainer_hooks.tiered.TieredRestore``: chunks are read from the nearest
+    memory tier that holds the committed step, else from ``store``.
+
+    ``in_place``: read straight into the state's CPU tensors instead of fresh buffers (no
     second copy of the state in memory, no page faults on new buffers); tensors on a GPU go
     through a host buffer each and are copied into place. The state is still checked against the
     manifest before any byte is read, but a read that fails midway (an I/O error, a corrupt
@@ -229,6 +233,7 @@ def restore_state(
         restore_rng=restore_rng,
         in_place=in_place,
         planned=asked is None,
+        tiers=tiers,
     )
 
 
@@ -243,6 +248,7 @@ def _restore_step(
     restore_rng: bool,
     in_place: bool,
     planned: bool,
+    tiers: Any = None,
 ) -> int:
     """Restore committed ``step`` (read from its reshard plan's copy when ``planned``)."""
     src = _planned_store(store, coord, step) if planned else store
@@ -259,7 +265,12 @@ def _restore_step(
         saved = m if src is store else _load_manifest(store, coord, step)  # its done records hold the RNG
         flat = flatten(state)
         keys = validate(m, flat, where, strict)
-        reader = CheckpointReader(src, mf.step_dir(step))
+        # Memory tiers hold the step as committed (not a rechunked copy); the commit checked that
+        # the manifest names the committing attempt, and tiers must serve that attempt's objects.
+        if tiers is not None and src is store and m.attempt:
+            reader = tiers.reader(src, mf.step_dir(step), step, m.attempt)
+        else:
+            reader = CheckpointReader(src, mf.step_dir(step))
         requests, outs = [], {}
         for k in keys:
             t = flat.tensors[k]
@@ -275,6 +286,8 @@ def _restore_step(
         # The fresh buffers' pages are faulted in ahead of the reader threads (``hostcopy``).
         with hostcopy.prefaulting([out for live, out in outs.values() if out is not live]):
             reader.read(requests, pool)
+        if tiers is not None and src is store and m.attempt:
+            tiers.report(reader)
         for k in keys:
             t = flat.tensors[k]
             live, out = outs.pop(k)
@@ -330,6 +343,7 @@ def restore_fallback(
     pool: ThreadPoolExecutor,
     restore_rng: bool = True,
     in_place: bool = False,
+    tiers: Any = None,
 ) -> tuple[int | None, list[tuple[int, str]]]:
     """The newest committed step that restores cleanly, and the newer steps skipped with why.
 
@@ -375,6 +389,7 @@ def restore_fallback(
                 restore_rng=restore_rng,
                 in_place=in_place,
                 planned=step == newest,
+                tiers=tiers,
             )
         except StateMismatchError:
             raise
