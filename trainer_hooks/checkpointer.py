@@ -53,9 +53,9 @@ class Checkpointer:
     hands each snapshot to a running ``ckptd serve``, which persists and commits it even if this
     process dies right after ``save`` returned; ``restore`` then reads each shard from the nearest
     memory tier that holds the committed step (this node's daemon, its peers, then the job root;
-    ``trainer_hooks.tiered``; ``tiered_restore=False``: always the job root). ``keep_last``: retention, applied after each
-    commit by this job (rank 0's background thread; never deletes the newest committed
-    checkpoint or one being written).
+    ``trainer_hooks.tiered``; ``tiered_restore=False``: always the job root). ``keep_last``:
+    retention, applied after each commit by this job (rank 0's background thread; never deletes
+    the newest committed checkpoint or one being written).
     ``incremental``: shards whose content (sha256) has not changed since this process's previous
     committed save are hard-linked (filesystem) or server-side copied (S3) instead of written
     again; each checkpoint stays complete and independently readable, and ``gc`` stays correct.

@@ -78,6 +78,7 @@ def read_object(
     start: int = Query(),
     length: int = Query(ge=0, le=1 << 34),
 ):
+    _tiers(request).count("object_requests")
     delay = request.app.state.settings_fault_tier_delay_s
     if delay:
         time.sleep(delay)  # tests only (CKPTD_FAULT_TIER_DELAY_S): a slow peer

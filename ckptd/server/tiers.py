@@ -126,6 +126,7 @@ class Tiers:
             "replica_push_failures": 0,
             "replicas_received": 0,
             "bytes_served": 0,
+            "object_requests": 0,
             "restore_bytes_local": 0,
             "restore_bytes_peer": 0,
             "restore_bytes_root": 0,
@@ -134,7 +135,7 @@ class Tiers:
 
     # ------------------------------------------------------------------------- accounting
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
 
@@ -160,6 +161,7 @@ class Tiers:
             "ckptd_tier_replicas_pushed_total": ("hot copies replicated to a peer", counter("replicas_pushed")),
             "ckptd_tier_replica_push_failures_total": ("replica pushes that failed", counter("replica_push_failures")),
             "ckptd_tier_bytes_served_total": ("tier bytes served to restoring ranks", counter("bytes_served")),
+            "ckptd_tier_object_requests_total": ("ranged reads of tier objects asked", counter("object_requests")),
             "ckptd_restore_bytes_local_total": (
                 "restored bytes ranks read from their own daemon",
                 counter("restore_bytes_local"),
@@ -331,11 +333,11 @@ class Tiers:
                 self._push(peer, group)
             except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
                 group.pushed[peer] = f"failed: {e}"
-                self._count("replica_push_failures")
+                self.count("replica_push_failures")
                 log.warning("memory tier: replica of %s step %d to %s failed: %s", group.root, group.step, peer, e)
             else:
                 group.pushed[peer] = "complete"
-                self._count("replicas_pushed")
+                self.count("replicas_pushed")
                 log.info("memory tier: %s step %d replicated to %s", group.root, group.step, peer)
 
     def _push(self, peer: str, group: Copy) -> None:
@@ -351,7 +353,7 @@ class Tiers:
         }
         conn = _connect(peer, self.timeout_s)
         try:
-            reply = _request(conn, peer, "POST", "/v1/tiers/replicas", self.token, json.dumps(body).encode())
+            reply = _request(conn, peer, "POST", "/v1/tiers/replicas", self.token, json.dumps(body).encode(), _JSON)
             rid = reply["replica"]
             for key, buf in objects.items():
                 mv = memoryview(buf)
@@ -360,7 +362,7 @@ class Tiers:
                         raise RuntimeError("a newer step committed during the push")
                     q = f"/v1/tiers/replicas/{rid}?key={quote(key, safe='')}&offset={off}"
                     _request(conn, peer, "PUT", q, self.token, mv[off : off + PIECE_BYTES])
-            _request(conn, peer, "POST", f"/v1/tiers/replicas/{rid}/seal", self.token, b"{}")
+            _request(conn, peer, "POST", f"/v1/tiers/replicas/{rid}/seal", self.token, b"{}", _JSON)
         finally:
             conn.close()
 
@@ -379,7 +381,7 @@ class Tiers:
         total = sum(s for s, _ in expected.values())
         self._expire_incoming()
         if not self.staging.reserve(total):
-            self._count("degraded")
+            self.count("degraded")
             log.warning(
                 "memory tier: no room for the replica of %s step %d from %s (%d bytes): not kept",
                 root,
@@ -500,8 +502,13 @@ def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
     return cls(parts.hostname, parts.port, timeout=timeout)
 
 
-def _request(conn, url: str, method: str, path: str, token: str | None, body) -> dict:
-    headers = {"Content-Type": "application/octet-stream"}
+_JSON = "application/json"
+
+
+def _request(
+    conn, url: str, method: str, path: str, token: str | None, body, ctype: str = "application/octet-stream"
+) -> dict:
+    headers = {"Content-Type": ctype}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     conn.request(method, urlsplit(url).path.rstrip("/") + path, body=body, headers=headers)
