@@ -123,9 +123,12 @@ class TierStore:
 
 class _Tier:
     def __init__(self, store: TierStore, kind: str, prefix: str):
-        self.store, self.kind = store, kind
-        self.reader = CheckpointReader(store, prefix, where=f"{store.name} (memory tier)")  # type: ignore[arg-type]
+        self.store, self.kind, self.prefix = store, kind, prefix
         self.dead = False
+
+    def reader(self) -> CheckpointReader:
+        """A reader of this tier for one shard: its byte count is the shard's alone."""
+        return CheckpointReader(self.store, self.prefix, where=f"{self.store.name} (memory tier)")  # type: ignore[arg-type]
 
 
 class TieredReader(CheckpointReader):
@@ -135,16 +138,19 @@ class TieredReader(CheckpointReader):
     def __init__(self, store: Store, prefix: str, holders: dict[str, list[_Tier]]):
         super().__init__(store, prefix)
         self._holders = holders
-        self._tiers = list({id(t): t for ts in holders.values() for t in ts}.values())
         self._tlock = threading.Lock()
+        self._bytes = {"local": 0, "peer": 0}  # bytes of the shards each tier kind served
         self.skipped = 0  # shard reads a tier failed and a later tier (or the root) served
 
     def read_shard(self, req: ReadRequest, sr) -> None:
         for tier in self._holders.get(self._object(req.entry, sr.shard), ()):
             if tier.dead:
                 continue
+            reader = tier.reader()
             try:
-                tier.reader.read_shard(req, sr)  # every chunk checked against its crc32c
+                reader.read_shard(req, sr)  # every chunk checked against its crc32c
+                with self._tlock:
+                    self._bytes[tier.kind] += reader.stats.bytes_read
                 return
             except TierUnavailable as e:
                 with self._tlock:
@@ -160,11 +166,10 @@ class TieredReader(CheckpointReader):
         super().read_shard(req, sr)  # the job root: the chunks the plan reads, checked the same way
 
     def tier_bytes(self) -> dict[str, int]:
-        """Bytes read per tier kind: ``local`` (own daemon), ``peer``, ``root`` (chunks only)."""
-        out = {"local": 0, "peer": 0, "root": self.stats.bytes_read}
-        for t in self._tiers:
-            out[t.kind] += t.reader.stats.bytes_read
-        return out
+        """Chunk bytes each tier served: ``local`` (own daemon), ``peer``, ``root``; bytes a tier
+        sent that failed a check count for none (the tier that then served the shard counts)."""
+        with self._tlock:
+            return {**self._bytes, "root": self.stats.bytes_read}
 
 
 class TieredRestore:

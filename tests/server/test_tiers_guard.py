@@ -29,9 +29,9 @@ def _call(
     req.add_header("Content-Type", ctype)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read(), dict(r.headers)
+            return r.status, r.read(), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, e.read(), dict(e.headers)
+        return e.code, e.read(), e.headers
 
 
 def _begin(url: str, root: str, objects: list[dict], token: str | None = TOKEN):
