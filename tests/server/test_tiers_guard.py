@@ -11,6 +11,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import pytest
+
 from ckptd.codec import crc32c
 from ckptd.server.staging import Staging
 from ckptd.server.tiers import Tiers, replica_targets
@@ -143,3 +145,45 @@ def test_replica_targets_follow_the_ring():
     assert replica_targets(ring, None, 1) == ["http://a:1"]
     assert replica_targets(ring, "http://a:1", 5) == ["http://b:1", "http://c:1"]
     assert replica_targets(ring, "http://a:1", 0) == []
+
+
+def test_a_reader_refuses_bytes_of_another_step_or_attempt():
+    """A peer that answers with bytes of another attempt (a stale copy of the same step) or of
+    the wrong length is refused by the reading rank, whatever the bytes."""
+    import http.server
+    import threading
+
+    from trainer_hooks.tiered import TierStore, TierUnavailable
+
+    answer = {"attempt": "att1", "body": b"12345678"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("X-Ckptd-Step", "2")
+            self.send_header("X-Ckptd-Attempt", answer["attempt"])
+            self.send_header("Content-Length", str(len(answer["body"])))
+            self.end_headers()
+            self.wfile.write(answer["body"])
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        store = TierStore(url, "peer", "file:///job", 2, "att1", None, 5.0)
+        assert store.get_range(KEY, 0, 8) == b"12345678"
+        answer["attempt"] = "att0"
+        with pytest.raises(TierUnavailable, match="another step or attempt"):
+            store.get_range(KEY, 0, 8)
+        answer["attempt"], answer["body"] = "att1", b"1234"
+        with pytest.raises(TierUnavailable, match="4 bytes where 8"):
+            store.get_range(KEY, 0, 8)
+        answer["body"] = b"x" * 100
+        with pytest.raises(TierUnavailable, match="at most 8"):
+            store.get_range(KEY, 0, 8)
+    finally:
+        server.shutdown()
+        server.server_close()
