@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     peers: list[str] = Field(default_factory=list, description="the node daemons of the job, in ring order (--peers)")
     advertise: str | None = Field(None, description="this daemon's URL as the peers know it (--advertise)")
     replicas: int = Field(1, ge=0, description="peers each hot copy is pushed to (the next ones in the ring)")
-    tier_timeout_s: float = Field(30.0, gt=0, description="a replica push's socket timeout")
+    replica_timeout_s: float = Field(30.0, gt=0, description="a replica push's socket timeout")
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.
     fault_upload_delay_s: float = 0.0

@@ -479,7 +479,7 @@ class Tiers:
                 if begin < 0 or length < 0 or begin + length > size:
                     raise ValueError(f"range {start}+{length} is outside {key!r} ({size} bytes)")
                 self.counters["bytes_served"] += length
-                return bytes(buf[begin : begin + length])
+                return bytes(memoryview(buf)[begin : begin + length])  # one copy
         return None
 
     def describe(self, root: str | None = None) -> dict:
