@@ -260,17 +260,18 @@ def _restore_step(
     # takes that away again, so the optimizer is left as the caller gave it.
     fresh = [o for o in state.values() if isinstance(o, torch.optim.Optimizer) and not o.state]
     reading = False  # whether this rank began to read chunks (into the state, with in_place)
+    tiered = None  # the memory tiers' reader of this step (``trainer_hooks.tiered``), if any
     try:
         m = _load_manifest(src, coord, step)
         saved = m if src is store else _load_manifest(store, coord, step)  # its done records hold the RNG
-        flat = flatten(state)
-        keys = validate(m, flat, where, strict)
         # Memory tiers hold the step as committed (not a rechunked copy); the commit checked that
         # the manifest names the committing attempt, and tiers must serve that attempt's objects.
+        # Collective (rank 0 asks the peers): here, where every rank gets the same manifest.
         if tiers is not None and src is store and m.attempt:
-            reader = tiers.reader(src, mf.step_dir(step), step, m.attempt)
-        else:
-            reader = CheckpointReader(src, mf.step_dir(step))
+            tiered = tiers.reader(src, mf.step_dir(step), step, m.attempt, coord)
+        flat = flatten(state)
+        keys = validate(m, flat, where, strict)
+        reader = CheckpointReader(src, mf.step_dir(step)) if tiered is None else tiered
         requests, outs = [], {}
         for k in keys:
             t = flat.tensors[k]
@@ -286,8 +287,8 @@ def _restore_step(
         # The fresh buffers' pages are faulted in ahead of the reader threads (``hostcopy``).
         with hostcopy.prefaulting([out for live, out in outs.values() if out is not live]):
             reader.read(requests, pool)
-        if tiers is not None and src is store and m.attempt:
-            tiers.report(reader)
+        if tiered is not None:
+            tiers.report(tiered)
         for k in keys:
             t = flat.tensors[k]
             live, out = outs.pop(k)

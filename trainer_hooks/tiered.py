@@ -183,34 +183,56 @@ class TieredRestore:
         self.last: dict[str, int] = {}
         self._token = _token()
 
-    def reader(self, store: Store, prefix: str, step: int, attempt: str) -> TieredReader:
-        """The reader of committed ``step`` (whose commit record names ``attempt``). A tier that
-        cannot say what it holds is left out; with none, every shard comes from the root."""
-        own = TierStore(
-            self.daemon_url, f"daemon {self.daemon_url}", self.root_uri, step, attempt, self._token, self.timeout_s
-        )
+    def reader(self, store: Store, prefix: str, step: int, attempt: str, coord=None) -> TieredReader:
+        """The reader of committed ``step`` (whose commit record names ``attempt``). Collective
+        when ``coord`` is given (every rank calls it once; it never raises): each rank asks its
+        own daemon what it holds, rank 0 alone asks the peers its daemon names and broadcasts
+        their answers (one request per peer per restore, not per rank). A tier that cannot say
+        what it holds is left out; with none, every shard comes from the root."""
         holders: dict[str, list[_Tier]] = {}
         peers: list[str] = []
         try:
+            own = TierStore(
+                self.daemon_url, f"daemon {self.daemon_url}", self.root_uri, step, attempt, self._token, self.timeout_s
+            )
             keys, peers = own.keys()
             local = _Tier(own, "local", prefix)
             for k in keys:
                 holders.setdefault(k, []).append(local)
-        except TierUnavailable as e:
+        except Exception as e:  # noqa: BLE001 - a tier never fails a restore (and rank 0 must reach the broadcast)
             log.warning("restore: this node's daemon holds no tier copy: %s", e)
-        for url in peers:
+        held: dict[str, list[str]] = {}
+        if coord is None or coord.rank == 0:
+            held = self._ask_peers(peers, step, attempt)
+        if coord is not None:
+            held = coord.broadcast(held)
+        for url, keys in sorted(held.items()):
             if url.rstrip("/") == self.daemon_url:
-                continue
-            peer = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
-            try:
-                keys, _ = peer.keys()
-            except TierUnavailable as e:
-                log.warning("restore: skipping the memory tier of peer %s: %s", url, e)
-                continue
-            tier = _Tier(peer, "peer", prefix)
+                continue  # this rank's own daemon: asked above, read as the nearest tier
+            tier = _Tier(
+                TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s), "peer", prefix
+            )
             for k in keys:
                 holders.setdefault(k, []).append(tier)
         return TieredReader(store, prefix, holders)
+
+    def _ask_peers(self, peers: list[str], step: int, attempt: str) -> dict[str, list[str]]:
+        """peer URL -> the objects it holds complete for (step, attempt); peers that do not
+        answer are left out (logged)."""
+        held: dict[str, list[str]] = {}
+        for url in peers:
+            url = url.rstrip("/")
+            if url == self.daemon_url or url in held:
+                continue
+            try:
+                peer = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
+                keys, _ = peer.keys()
+            except Exception as e:  # noqa: BLE001 - a peer never fails a restore
+                log.warning("restore: skipping the memory tier of peer %s: %s", url, e)
+                continue
+            if keys:
+                held[url] = sorted(keys)
+        return held
 
     def report(self, reader: TieredReader) -> dict[str, int]:
         """Record and log the bytes the restore read per tier; tell the daemon (``/metrics``)."""
