@@ -53,6 +53,10 @@ def _metric(d: Daemon, name: str) -> float:
     return d.metric(name, TOKEN)
 
 
+def _url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
 def _daemon(tmp: Path, name: str, root: str, port: int, peers: list[str], **env: str) -> Daemon:
     d = Daemon(
         [root],
@@ -135,8 +139,8 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
     os.chmod(tmp_path / "token", 0o600)
     root = f"file://{tmp_path / 'job'}"
     out = tmp_path / "out"
-    pa, pb, pc = launch.free_port(), launch.free_port(), launch.free_port()
-    urls = [f"http://127.0.0.1:{p}" for p in (pa, pb)]
+    pa, pb = launch.free_port(), launch.free_port()
+    urls = [_url(pa), _url(pb)]
     a = _daemon(tmp_path, "a", root, pa, urls)
     b = _daemon(tmp_path, "b", root, pb, urls)
     c = None
@@ -191,7 +195,8 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
 
         # Restore at 2 ranks on a new node c (empty memory; peers a and the dead b): every shard
         # from peer a by ranged reads, b skipped, nothing from the job root.
-        c = _daemon(tmp_path, "c", root, pc, [urls[0], urls[1], f"http://127.0.0.1:{pc}"])
+        pc = launch.free_port()  # every daemon start below on a fresh port: none waits for a port to free
+        c = _daemon(tmp_path, "c", root, pc, [urls[0], urls[1], _url(pc)])
         res = _run(2, "restore_tiered", out / "r2", daemon=c.url, root=root, ref=str(out / "ref_step2.pt"))
         got = _check(res, 2)
         assert got["root"] == 0 and got["local"] == 0 and got["peer"] > 0, got
@@ -201,7 +206,7 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         # from the peer; the values are the committed ones.
         bad = _CorruptingPeer(a.url)
         try:
-            c = _daemon(tmp_path, "c", root, pc, [bad.url])
+            c = _daemon(tmp_path, "c", root, launch.free_port(), [bad.url])
             res = _run(2, "restore_tiered", out / "rbad", daemon=c.url, root=root, ref=str(out / "ref_step2.pt"))
             got = _check(res, 2)
             assert bad.corrupted["key"] is not None
@@ -222,9 +227,10 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         # Step 2 in a's memory again: a 2-rank job on node a saves it under a second root.
         root2 = f"file://{tmp_path / 'job2'}"
         a.stop()
-        a = _daemon(tmp_path, "a", root2, pa, [urls[0], f"http://127.0.0.1:{pc}"], CKPTD_FAULT_TIER_DELAY_S="3")
+        pa, pc = launch.free_port(), launch.free_port()
+        a = _daemon(tmp_path, "a", root2, pa, [_url(pa), _url(pc)], CKPTD_FAULT_TIER_DELAY_S="3")
         _run(2, "save_steps", out / "s2", daemons=[a.url], root=root2, steps=[2])
-        c = _daemon(tmp_path, "c", root2, pc, [urls[0], f"http://127.0.0.1:{pc}"])
+        c = _daemon(tmp_path, "c", root2, pc, [_url(pa), _url(pc)])
         procs = launch.spawn(
             2,
             "restore_tiered",
