@@ -137,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
             "fault injection on: every shard put sleeps %.2f s (CKPTD_FAULT_UPLOAD_DELAY_S, for tests only)",
             settings.fault_upload_delay_s,
         )
+    if settings.fault_tier_delay_s:
+        logging.getLogger("ckptd.server").warning(
+            "fault injection on: every tier object read sleeps %.2f s (CKPTD_FAULT_TIER_DELAY_S, for tests only)",
+            settings.fault_tier_delay_s,
+        )
     try:
         app = create_app(settings)
     except (RuntimeError, OSError, ValueError) as e:  # ValueError: the token file (read_token)

@@ -519,7 +519,15 @@ def create_app(settings: Settings) -> FastAPI:
     staging = Staging(folder, budget, settings.lease_ttl_s, settings.budget_stall_s, group_id(settings.staging_group))
     metrics = Metrics()
     runner = Runner(settings, roots, staging, metrics)
-    tiers = Tiers(staging, settings.peers, settings.advertise, settings.replicas, token, settings.replica_timeout_s)
+    tiers = Tiers(
+        staging,
+        settings.peers,
+        settings.advertise,
+        settings.replicas,
+        token,
+        settings.replica_timeout_s,
+        settings.tiers,
+    )
     runner.tiers = tiers if settings.tiers else None
     for name, (text, fn) in tiers.gauges().items():
         metrics.gauge(name, text, fn)

@@ -108,7 +108,13 @@ class Tiers:
         replicas: int,
         token: str | None,
         timeout_s: float = 30.0,
+        enabled: bool = True,
     ):
+        for url in [*peers, *([me] if me else [])]:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"peer daemon must be an http(s)://host:port URL, got {url!r} (--peers, --advertise)")
+        self.enabled = enabled  # False (--no-tiers): no hot copies, no replicas accepted
         self.staging = staging
         self.peers = [p.rstrip("/") for p in peers]
         self.me = me.rstrip("/") if me else None
@@ -367,8 +373,10 @@ class Tiers:
             conn.close()
 
     def begin_replica(self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list) -> str:
-        """A peer starts pushing a replica; ValueError for a malformed one, False-y budget is
-        raised by the caller as 429. Returns the replica id."""
+        """A peer starts pushing a replica. Returns its id, or "" when it is not kept (no room in
+        the budget, or tiers off): HTTP 429. ValueError for a malformed one."""
+        if not self.enabled:
+            return ""
         if len(objects) > MAX_OBJECTS:
             raise ValueError(f"a replica of {len(objects)} objects is over {MAX_OBJECTS}")
         prefix = f"{mf.step_dir(step)}/{mf.ARRAYS}/"
