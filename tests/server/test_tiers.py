@@ -2,8 +2,9 @@
 one token): a 4-rank gloo job, 2 ranks per node, saves through its two node daemons, which keep
 hot copies and replicate them to each other. Then one node fails (SIGKILL of its daemon and its
 ranks) and the job restores at 3 and at 2 ranks, bitwise, with no chunk byte read from the job
-root; then again with a peer that serves a corrupted chunk, with stale replicas, and with a peer
-killed during the restore: the chunks come from the job root, the values stay bitwise equal."""
+root; then again with a peer that serves a corrupted chunk, with stale replicas, with a peer
+slower than the readers' deadline, and with a peer killed during the restore: the chunks come
+from the job root, the values stay bitwise equal."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ SCENARIOS = "tests.server.tier_scenarios"
 TOKEN = "tier-test-token-0123456789"
 
 
-def _run(world: int, scenario: str, out: Path, **args) -> list[dict]:
-    procs = launch.spawn(world, scenario, args, out, {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
+def _run(world: int, scenario: str, out: Path, env: dict | None = None, **args) -> list[dict]:
+    procs = launch.spawn(world, scenario, args, out, {"CKPTD_TOKEN": TOKEN, **(env or {})}, scenarios=SCENARIOS)
     return launch.wait(procs, out, scenario, timeout=600)
 
 
@@ -231,15 +232,24 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         a = _daemon(tmp_path, "a", root2, pa, [_url(pa), _url(pc)], CKPTD_FAULT_TIER_DELAY_S="3")
         _run(2, "save_steps", out / "s2", daemons=[a.url], root=root2, steps=[2])
         c = _daemon(tmp_path, "c", root2, pc, [_url(pa), _url(pc)])
+        ref2 = str(out / "s2" / "ref_step2.pt")
+        # A peer slower than the readers' deadline: skipped after its first timeout, every shard
+        # from the job root.
+        res = _run(
+            2, "restore_tiered", out / "rslow", {"CKPTD_TIER_TIMEOUT_S": "1"}, daemon=c.url, root=root2, ref=ref2
+        )
+        got = _check(res, 2)
+        assert got["root"] > 0 and got["peer"] == 0, got
         procs = launch.spawn(
             2,
             "restore_tiered",
-            {"daemon": c.url, "root": root2, "ref": str(out / "s2" / "ref_step2.pt")},
+            {"daemon": c.url, "root": root2, "ref": ref2},
             out / "rkill",
             {"CKPTD_TOKEN": TOKEN},
             scenarios=SCENARIOS,
         )
-        wait_for(lambda: _metric(a, "ckptd_tier_object_requests_total") >= 1, "a first tier read", 300, procs)
+        before = _metric(a, "ckptd_tier_object_requests_total")
+        wait_for(lambda: _metric(a, "ckptd_tier_object_requests_total") > before, "a first tier read", 300, procs)
         a.kill()
         res = launch.wait(procs, out / "rkill", "restore_tiered", timeout=600)
         got = _check(res, 2)
