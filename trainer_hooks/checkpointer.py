@@ -51,9 +51,11 @@ class Checkpointer:
 
     ``daemon``: None persists from a background thread of this process; ``"http://host:port"``
     hands each snapshot to a running ``ckptd serve``, which persists and commits it even if this
-    process dies right after ``save`` returned. ``keep_last``: retention, applied after each
-    commit by this job (rank 0's background thread; never deletes the newest committed
-    checkpoint or one being written).
+    process dies right after ``save`` returned; ``restore`` then reads each shard from the nearest
+    memory tier that holds the committed step (this node's daemon, its peers, then the job root;
+    ``trainer_hooks.tiered``; ``tiered_restore=False``: always the job root). ``keep_last``:
+    retention, applied after each commit by this job (rank 0's background thread; never deletes
+    the newest committed checkpoint or one being written).
     ``incremental``: shards whose content (sha256) has not changed since this process's previous
     committed save are hard-linked (filesystem) or server-side copied (S3) instead of written
     again; each checkpoint stays complete and independently readable, and ``gc`` stays correct.
@@ -87,6 +89,7 @@ class Checkpointer:
         incremental: bool = False,
         save_timeout: float = 1800.0,
         job_id: str | None = None,
+        tiered_restore: bool = True,
     ):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
@@ -137,6 +140,13 @@ class Checkpointer:
             else None
         )
         self._stager = self._sink.stager()
+        # With a daemon, restores read each shard from the nearest memory tier that holds the
+        # committed step (``trainer_hooks.tiered``); bytes per tier in ``last_restore_tiers``.
+        self._tiers = None
+        if daemon is not None and tiered_restore:
+            from trainer_hooks.tiered import TieredRestore
+
+            self._tiers = TieredRestore(daemon, root_uri)
 
     # ------------------------------------------------------------------------------ save
 
@@ -283,11 +293,13 @@ class Checkpointer:
             if step is not None:
                 raise CheckpointError("restore: fallback=True picks the step itself; do not pass step")
             got, self.last_restore_skipped = restore_fallback(
-                self.store, self.coord, state, strict, self._io, in_place=in_place
+                self.store, self.coord, state, strict, self._io, in_place=in_place, tiers=self._tiers
             )
         else:
             self.last_restore_skipped = []
-            got = restore_state(self.store, self.coord, state, step, strict, self._io, in_place=in_place)
+            got = restore_state(
+                self.store, self.coord, state, step, strict, self._io, in_place=in_place, tiers=self._tiers
+            )
         if got is None:  # every rank got the same answer from rank 0
             if require:
                 raise CheckpointNotFoundError(
@@ -297,6 +309,12 @@ class Checkpointer:
             if self.rank == 0:
                 log.warning("restore: %s has no committed checkpoint; starting from scratch", self.root_uri)
         return got
+
+    @property
+    def last_restore_tiers(self) -> dict[str, int]:
+        """Chunk bytes the last restore read from this node's daemon (``local``), from peer
+        daemons (``peer``) and from the job root (``root``); {} without memory tiers."""
+        return dict(self._tiers.last) if self._tiers is not None else {}
 
     def latest_step(self) -> int | None:
         try:

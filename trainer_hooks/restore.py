@@ -234,8 +234,12 @@ def restore_state(
     pool: ThreadPoolExecutor,
     restore_rng: bool = True,
     in_place: bool = False,
+    tiers: Any = None,
 ) -> int | None:
-    """``in_place``: read straight into the state's CPU tensors instead of fresh buffers (no
+    """``tiers``: a ``trainer_hooks.tiered.TieredRestore``: chunks are read from the nearest
+    memory tier that holds the committed step, else from ``store``.
+
+    ``in_place``: read straight into the state's CPU tensors instead of fresh buffers (no
     second copy of the state in memory, no page faults on new buffers); tensors on a GPU go
     through a host buffer each and are copied into place. The state is still checked against the
     manifest before any byte is read, but a read that fails midway (an I/O error, a corrupt
@@ -254,6 +258,7 @@ def restore_state(
         restore_rng=restore_rng,
         in_place=in_place,
         planned=asked is None,
+        tiers=tiers,
     )
 
 
@@ -268,6 +273,7 @@ def _restore_step(
     restore_rng: bool,
     in_place: bool,
     planned: bool,
+    tiers: Any = None,
 ) -> int:
     """Restore committed ``step`` (read from its reshard plan's copy when ``planned``)."""
     src = _planned_store(store, coord, step) if planned else store
@@ -283,9 +289,15 @@ def _restore_step(
         if isinstance(o, torch.optim.Optimizer) and not local_optimizer(o).state
     ]
     reading = False  # whether this rank began to read chunks (into the state, with in_place)
+    tiered = None  # the memory tiers' reader of this step (``trainer_hooks.tiered``), if any
     try:
         m = _load_manifest(src, coord, step)
         saved = m if src is store else _load_manifest(store, coord, step)  # its done records hold the RNG
+        # Memory tiers hold the step as committed (not a rechunked copy); the commit checked that
+        # the manifest names the committing attempt, and tiers must serve that attempt's objects.
+        # Collective (rank 0 asks the peers): here, where every rank gets the same manifest.
+        if tiers is not None and src is store and m.attempt:
+            tiered = tiers.reader(src, mf.step_dir(step), step, m.attempt, coord)
         flat = flatten(state)
         keys = validate(m, flat, where, strict)
         requests, outs = [], {}
@@ -300,11 +312,18 @@ def _restore_step(
                 out = torch.empty(sh.local_box.shape, dtype=t.dtype)
             outs[k] = (live, out)
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
-        reader = CheckpointReader(src, mf.step_dir(step), pins=pins_for(src, m, step, where, pool, requests))
+        pins = pins_for(src, m, step, where, pool, requests)
+        if tiered is not None:  # every chunk a tier serves is checked against the writers' pins too
+            tiered.pins = pins
+            reader = tiered
+        else:
+            reader = CheckpointReader(src, mf.step_dir(step), pins=pins)
         reading = True
         # The fresh buffers' pages are faulted in ahead of the reader threads (``hostcopy``).
         with hostcopy.prefaulting([out for live, out in outs.values() if out is not live]):
             reader.read(requests, pool)
+        if tiered is not None:
+            tiers.report(tiered)
         for k in keys:
             t = flat.tensors[k]
             live, out = outs.pop(k)
@@ -360,6 +379,7 @@ def restore_fallback(
     pool: ThreadPoolExecutor,
     restore_rng: bool = True,
     in_place: bool = False,
+    tiers: Any = None,
 ) -> tuple[int | None, list[tuple[int, str]]]:
     """The newest committed step that restores cleanly, and the newer steps skipped with why.
 
@@ -405,6 +425,7 @@ def restore_fallback(
                 restore_rng=restore_rng,
                 in_place=in_place,
                 planned=step == newest,
+                tiers=tiers,
             )
         except StateMismatchError:
             raise

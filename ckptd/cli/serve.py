@@ -96,6 +96,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="open client connections at most (default 1024, kept below the open-files limit)",
     )
+    p.add_argument(
+        "--peers",
+        metavar="URL,...",
+        help="the node daemons of the job in ring order (may include this one): hot copies are replicated to them",
+    )
+    p.add_argument("--advertise", metavar="URL", help="this daemon's URL as its peers know it (its place in --peers)")
+    p.add_argument("--replicas", type=int, metavar="K", help="peers each hot copy is pushed to (default 1; 0: none)")
+    p.add_argument("--no-tiers", action="store_true", help="keep no hot copy of committed steps in memory")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
 
 
@@ -123,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
         "keep_last": args.keep_last,
         "log_level": args.log_level,
         "max_connections": args.max_connections,
+        "peers": [u.strip() for u in args.peers.split(",") if u.strip()] if args.peers else None,
+        "advertise": args.advertise,
+        "replicas": args.replicas,
+        "tiers": False if args.no_tiers else None,
     }
     try:
         if args.budget is not None:
@@ -153,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("ckptd.server").warning(
             "fault injection on: every shard put sleeps %.2f s (CKPTD_FAULT_UPLOAD_DELAY_S, for tests only)",
             settings.fault_upload_delay_s,
+        )
+    if settings.fault_tier_delay_s:
+        logging.getLogger("ckptd.server").warning(
+            "fault injection on: every tier object read sleeps %.2f s (CKPTD_FAULT_TIER_DELAY_S, for tests only)",
+            settings.fault_tier_delay_s,
         )
     try:
         app = create_app(settings)

@@ -9,6 +9,8 @@ Modules, one job each:
 * ``handoff``: validation of a hand-off request and mapping of its files;
 * ``jobs``: the upload through ``ckptd.persist.persist`` (the one
   commit protocol), commit watching, retries;
+* ``tiers``: the memory tier: the hot copy of the newest committed step, replicas pushed to and
+  received from peer daemons, all within the staging budget; ``peers``: its routes;
 * ``metrics``: Prometheus counters;
 * ``app``: the FastAPI application (routes, auth, body limits).
 

@@ -44,10 +44,12 @@ from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
 from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
+from ckptd.server.peers import router as peers
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings, default_staging_dir, group_id
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging, open_private_dir
 from ckptd.server.tenancy import SOCKET_NAME, Caller, Forbidden, Tenancy, can_isolate
+from ckptd.server.tiers import Tiers
 from storage_backends import StorageError
 
 __all__ = [
@@ -529,7 +531,7 @@ async def get_job(
 
 
 # Every group of routes the daemon serves, in this order.
-ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page)
+ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers)
 
 
 # ---------------------------------------------------------------------------------- app
@@ -572,6 +574,18 @@ def create_app(settings: Settings) -> FastAPI:
         )
     metrics = Metrics()
     runner = Runner(settings, roots, staging, metrics)
+    tiers = Tiers(
+        staging,
+        settings.peers,
+        settings.advertise,
+        settings.replicas,
+        token,
+        settings.replica_timeout_s,
+        settings.tiers,
+    )
+    runner.tiers = tiers if settings.tiers else None
+    for name, (text, fn) in tiers.gauges().items():
+        metrics.gauge(name, text, fn)
     runner.recover()
     metrics.gauge("ckptd_queue_depth", "handed-off snapshots not yet uploaded", lambda: runner.queue_depth)
     metrics.gauge("ckptd_jobs_awaiting_commit", "uploaded snapshots waiting for other ranks", lambda: runner.watching)
@@ -594,6 +608,8 @@ def create_app(settings: Settings) -> FastAPI:
     )
     sock = Path(settings.socket) if settings.socket else folder / SOCKET_NAME
     app.state.daemon = Daemon(roots, runner, staging, metrics, folder, tenancy, sock)
+    app.state.tiers = tiers
+    app.state.settings_fault_tier_delay_s = settings.fault_tier_delay_s
     app.state.token = token  # for the connection limits (``ckptd.server.conns``): who is known
     app.add_middleware(Guard, token=token, max_body=settings.max_body_bytes)
     for exc_type, handler in HANDLERS.items():

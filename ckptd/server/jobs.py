@@ -58,19 +58,24 @@ class _Counted:
     put of a shard (a key under ``arrays/``) sleeps that long first, so a test can kill the
     daemon in the middle of its writes."""
 
-    def __init__(self, store: Store, job: Job, fault_delay_s: float = 0.0):
+    def __init__(self, store: Store, job: Job, fault_delay_s: float = 0.0, tee: Callable | None = None):
         self._store, self._job, self._fault_delay_s = store, job, fault_delay_s
+        self._tee = tee  # the memory tier's copy of each put (``server.tiers``), or None
         self._lock = threading.Lock()  # puts run on the io pool: ``+=`` alone would lose updates
 
     def put(self, key, data):
         self._fault_delay(key)
         self._store.put(key, data)
         self._add(data)
+        if self._tee is not None:
+            self._tee(key, data)
 
     def put_deferred(self, key, data):
         self._fault_delay(key)
         self._store.put_deferred(key, data)
         self._add(data)
+        if self._tee is not None:
+            self._tee(key, data)
 
     def _fault_delay(self, key: str) -> None:
         if self._fault_delay_s > 0 and f"/{mf.ARRAYS}/" in key:
@@ -97,6 +102,7 @@ class Runner:
         self.roots = roots
         self.staging = staging
         self.metrics = metrics
+        self.tiers: Any = None  # ``server.tiers.Tiers`` when the memory tier is on (set by create_app)
         self._lock = threading.Lock()
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._stores: dict[str, Store] = {}
@@ -352,7 +358,8 @@ class Runner:
         lease = self.staging.get(job.lease)
         job.state = "uploading"
         job.upload_started_at, job.bytes_uploaded = time.time(), 0
-        store: Any = _Counted(self.store(job.root), job, self.settings.fault_upload_delay_s)
+        tee = None if self.tiers is None else self.tiers.recorder(job.root, job.step, job.attempt, job.rank)
+        store: Any = _Counted(self.store(job.root), job, self.settings.fault_upload_delay_s, tee)
         result, err = self._upload_with_retries(job, store, lease)
         if result is None:
             if self._stop.is_set() and err is None:
@@ -452,6 +459,8 @@ class Runner:
         if state == "committed":
             job.committed_at = job.finished_at
         job.state, job.error = state, error
+        if self.tiers is not None:  # the hot copy: promoted on commit, dropped on failure
+            (self.tiers.committed if state == "committed" else self.tiers.failed)(job.root, job.step, job.attempt)
         self._notify_final(job.job)
         if state == "committed":
             self.metrics.inc("ckptd_jobs_committed_total")

@@ -86,9 +86,17 @@ class Settings(BaseSettings):
         300.0, gt=0, description="the status page flags a step whose ranks wait this long for the others"
     )
     log_level: str = "info"
+    # The memory tier (``server.tiers``): hot copies of committed steps, replicated to peers.
+    tiers: bool = Field(True, description="keep the newest committed step's shard objects in memory")
+    peers: list[str] = Field(default_factory=list, description="the node daemons of the job, in ring order (--peers)")
+    advertise: str | None = Field(None, description="this daemon's URL as the peers know it (--advertise)")
+    replicas: int = Field(1, ge=0, description="peers each hot copy is pushed to (the next ones in the ring)")
+    replica_timeout_s: float = Field(30.0, gt=0, description="a replica push's socket timeout")
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.
     fault_upload_delay_s: float = 0.0
+    # For tests only: every tier object read sleeps this long first (a slow peer).
+    fault_tier_delay_s: float = 0.0
 
 
 def group_id(name: str | None) -> int | None:

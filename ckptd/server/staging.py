@@ -56,6 +56,7 @@ import stat
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -297,6 +298,11 @@ class Staging:
         self._waiters: dict[str, tuple[float, float]] = {}  # ticket -> (first refusal, last refusal)
         self._progress = time.monotonic()  # last time memory was freed or a job moved on
         self.refusals = 0
+        # The memory tier's copies (``server.tiers``) count against the same budget: bytes held
+        # through ``reserve``; ``reclaim(nbytes) -> freed`` drops copies when a lease needs room
+        # (called under this lock: it must not call back into Staging).
+        self._reserved = 0
+        self.reclaim: Callable[[int], int] | None = None
 
     # ------------------------------------------------------------------------- accounting
 
@@ -304,6 +310,26 @@ class Staging:
     def staged_bytes(self) -> int:
         with self._lock:
             return sum(lease.bytes for lease in self._leases.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return self._reserved
+
+    def reserve(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` of the budget for the memory tier if they fit without freeing a lease
+        and without going over; False otherwise (the tier then keeps no copy: persist only)."""
+        with self._lock:
+            staged = sum(lease.bytes for lease in self._leases.values()) + self._reserved
+            if staged + nbytes > self.budget or self._pressure(time.monotonic()):
+                return False
+            self._reserved += nbytes
+            return True
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved = max(0, self._reserved - nbytes)
+            self._progress = time.monotonic()
 
     @property
     def lease_count(self) -> int:
@@ -330,7 +356,7 @@ class Staging:
         """Bytes granted (``want`` if it fits, else ``need``), or BudgetFull. Holds the lock."""
         now = time.monotonic()
         self._pressure(now)
-        staged = sum(lease.bytes for lease in self._leases.values())
+        staged = sum(lease.bytes for lease in self._leases.values()) + self._reserved
         if staged + need > self.budget:
             idle = [x for x in self._leases.values() if x is not me and x.owner == "client" and not x.active]
             for x in sorted(idle, key=lambda x: x.touched):
@@ -339,6 +365,10 @@ class Staging:
                 log.info("freeing idle lease %s (%d bytes) to make room for %d bytes", x.id, x.bytes, need)
                 staged -= x.bytes
                 self._free(x)
+        if staged + need > self.budget and self._reserved and self.reclaim is not None:
+            freed = min(self.reclaim(staged + need - self.budget), self._reserved)  # a save beats a tier copy
+            self._reserved -= freed
+            staged -= freed
         free = self.budget - staged
         if want <= free:
             granted = want

@@ -1,0 +1,147 @@
+"""The memory tier's routes (``server.tiers``): what a daemon holds, ranged reads of it for
+restoring ranks, and the replica pushes of its peers.
+
+Every route needs the daemon token (``app.Guard``) and names a served root. Objects are looked
+up in the tier's table by (root, step, attempt, key): no route turns a request into a path, so
+none can read outside (or inside) the staging folder. A read answers with the step and attempt
+of the copy in ``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the reader checks both against the commit
+record and every chunk against its crc32c (``trainer_hooks.tiered``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from ckptd.server.tiers import MAX_OBJECTS
+
+__all__ = ["ReplicaRequest", "RestoredReport", "router"]
+
+router = APIRouter()
+
+_ROOT = Query(min_length=1, max_length=4096)
+_STEP = Query(ge=0, le=10**10 - 1)
+_ATTEMPT = Query(min_length=1, max_length=64)
+
+
+class ReplicaObject(BaseModel):
+    key: str = Field(min_length=1, max_length=4096)
+    size: int = Field(ge=0)
+    crc32c: int = Field(ge=0, lt=2**32)
+
+
+class ReplicaRequest(BaseModel):
+    root: str = Field(min_length=1, max_length=4096)
+    step: int = Field(ge=0, le=10**10 - 1)
+    attempt: str = Field(min_length=1, max_length=64)
+    source: str = Field(min_length=1, max_length=4096)
+    ranks: list[int] = Field(default_factory=list, max_length=1 << 20)
+    objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
+
+
+class RestoredReport(BaseModel):
+    local: int = Field(0, ge=0)
+    peer: int = Field(0, ge=0)
+    root: int = Field(0, ge=0)
+
+
+def _tiers(request: Request):
+    return request.app.state.tiers
+
+
+def _root(request: Request, root: str) -> str:
+    return request.app.state.daemon.roots.check(root)
+
+
+def _readable_root(request: Request, root: str) -> str:
+    """A served root the caller may read: hot copies are a tenant's weights, so the tenancy rule
+    of the checkpoint routes holds here too (``ckptd.server.tenancy``: 403 inside another
+    identity's root)."""
+    r = _root(request, root)
+    tenancy = request.app.state.daemon.tenancy
+    tenancy.check_read(tenancy.caller(request.scope), r)
+    return r
+
+
+@router.get("/v1/tiers", summary="the hot copies and replicas this daemon holds, and its peers")
+def describe(request: Request, root: str | None = Query(None, max_length=4096)):
+    return _tiers(request).describe(None if root is None else _root(request, root))
+
+
+@router.get("/v1/tiers/keys", summary="the shard objects held complete for exactly (root, step, attempt)")
+def held_keys(request: Request, root: str = _ROOT, step: int = _STEP, attempt: str = _ATTEMPT):
+    t = _tiers(request)
+    keys = t.keys(_readable_root(request, root), step, attempt)
+    return {"step": step, "attempt": attempt, "keys": keys, "peers": t.peers}
+
+
+@router.get("/v1/tiers/object", summary="a byte range of a held shard object")
+def read_object(
+    request: Request,
+    root: str = _ROOT,
+    step: int = _STEP,
+    attempt: str = _ATTEMPT,
+    key: str = Query(min_length=1, max_length=4096),
+    start: int = Query(),
+    length: int = Query(ge=0, le=1 << 34),
+):
+    _tiers(request).count("object_requests")
+    delay = request.app.state.settings_fault_tier_delay_s
+    if delay:
+        time.sleep(delay)  # tests only (CKPTD_FAULT_TIER_DELAY_S): a slow peer
+    try:
+        data = _tiers(request).read(_readable_root(request, root), step, attempt, key, start, length)
+    except ValueError as e:
+        return JSONResponse({"detail": str(e)}, status_code=416)
+    if data is None:
+        return JSONResponse({"detail": f"no complete copy of step {step} attempt {attempt} holds {key!r}"}, 404)
+    headers = {"X-Ckptd-Step": str(step), "X-Ckptd-Attempt": attempt}
+    return Response(data, media_type="application/octet-stream", headers=headers)
+
+
+@router.post("/v1/tiers/replicas", summary="a peer starts pushing its hot copy; 429 when it does not fit")
+def begin_replica(body: ReplicaRequest, request: Request):
+    root = _root(request, body.root)
+    try:
+        rid = _tiers(request).begin_replica(
+            root, body.step, body.attempt, body.source, body.ranks, [o.model_dump() for o in body.objects]
+        )
+    except ValueError as e:
+        return JSONResponse({"detail": str(e)}, status_code=400)
+    if not rid:
+        return JSONResponse({"detail": "no room in the staging budget for this replica"}, status_code=429)
+    return {"replica": rid}
+
+
+@router.put("/v1/tiers/replicas/{rid}", summary="one piece of one object of a replica")
+async def put_piece(
+    rid: str, request: Request, key: str = Query(min_length=1, max_length=4096), offset: int = Query(ge=0)
+):
+    data = await request.body()
+    try:
+        _tiers(request).put_piece(rid, key, offset, data)
+    except KeyError as e:
+        return JSONResponse({"detail": str(e.args[0])}, status_code=404)
+    except ValueError as e:
+        return JSONResponse({"detail": str(e)}, status_code=400)
+    return {"received": len(data)}
+
+
+@router.post("/v1/tiers/replicas/{rid}/seal", summary="the replica is whole: check every object's crc32c")
+def seal_replica(rid: str, request: Request):
+    try:
+        _tiers(request).seal(rid)
+    except KeyError as e:
+        return JSONResponse({"detail": str(e.args[0])}, status_code=404)
+    except ValueError as e:
+        return JSONResponse({"detail": str(e)}, status_code=400)
+    return {"replica": rid, "complete": True}
+
+
+@router.post("/v1/tiers/restored", summary="a rank reports the bytes its restore read from each tier")
+def restored(body: RestoredReport, request: Request):
+    _tiers(request).restored(body.local, body.peer, body.root)
+    return {"ok": True}

@@ -1,0 +1,530 @@
+"""The memory tier: the node's hot copy of the newest committed step, and its peers' replicas.
+
+Hot copy: while a job uploads, every shard object it puts (keys under ``step_*/arrays/``) is
+copied into this daemon's memory (``Tiers.recorder``); when the job's step commits with the
+job's attempt, the copies of all the jobs of that (root, step, attempt) become the root's *hot
+copy* and the previous one is released. A failed or superseded attempt's copies are dropped.
+Hot copies are exact copies of committed objects: the manifest, the layout and the crc32c of
+every chunk stored in each object stay the only truth, and a reader checks every chunk against
+them (``trainer_hooks.tiered``).
+
+Replication: each new hot copy is pushed to the ``replicas`` daemons that follow this one in
+``--peers`` (a ring; the list may name this daemon, found by ``--advertise``), authenticated with
+the daemon token: ``POST /v1/tiers/replicas`` (the objects, their sizes and whole-object
+crc32c), then the bytes in pieces, then ``seal``. The receiver holds a replica only once every
+object arrived whole and matches its crc32c; until then it serves nothing of it. It keeps one
+replica per (root, source daemon), the newest step.
+
+Budget: every byte of a copy (hot, replica, or pending) is held through
+``Staging.reserve``: a copy that does not fit is not kept (the step is then persist-only on
+this node: one WARNING per step and ``ckptd_tier_degraded_total``), and a lease that needs room
+reclaims copies (replicas first, then hot copies) before a save waits. A copy never makes a
+save fail or wait.
+
+Serving (``server.peers``): objects are looked up by (root, step, attempt, key) in this table,
+never by a path: no tier route can read a file. Only complete copies are served.
+
+Concurrency: one lock guards the tables; it is never held while calling into ``Staging``
+(``Staging`` calls ``reclaim`` under its own lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import quote, urlsplit
+
+from ckptd import manifest as mf
+from ckptd.codec import crc32c
+from ckptd.server.staging import Staging
+from storage_backends.base import as_buffers, data_size
+
+__all__ = ["Copy", "PIECE_BYTES", "Tiers", "replica_targets"]
+
+log = logging.getLogger("ckptd.tiers")
+
+PIECE_BYTES = 8 << 20  # replica bytes per request: under the daemon's body limit
+MAX_OBJECTS = 1 << 16  # objects in one replica at most
+INCOMING_TTL_S = 600.0  # a replica whose pusher stopped sending is dropped after this
+
+
+@dataclass
+class Copy:
+    """The shard objects of one (root, step, attempt) held in memory."""
+
+    root: str
+    step: int
+    attempt: str
+    source: str  # "self" for a hot copy, the pushing daemon's URL for a replica
+    objects: dict[str, bytearray] = field(default_factory=dict)
+    expected: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica: key -> (size, crc32c)
+    filled: dict[str, int] = field(default_factory=dict)  # replica: bytes received per key
+    ranks: set[int] = field(default_factory=set)
+    bytes: int = 0
+    complete: bool = False
+    degraded: bool = False  # a hot copy that did not fit: none kept for this step
+    dropped: bool = False
+    created: float = field(default_factory=time.monotonic)
+    pushed: dict[str, str] = field(default_factory=dict)  # peer -> "complete" or why not
+
+    def info(self) -> dict:
+        return {
+            "root": self.root,
+            "step": self.step,
+            "attempt": self.attempt,
+            "source": self.source,
+            "ranks": sorted(self.ranks),
+            "bytes": self.bytes,
+            "objects": len(self.objects),
+            "complete": self.complete,
+            "replicated_to": dict(self.pushed),
+        }
+
+
+def replica_targets(peers: list[str], me: str | None, k: int) -> list[str]:
+    """The ``k`` daemons after ``me`` in the ring ``peers`` (the first ``k`` when ``me`` is not
+    in it), never ``me`` itself."""
+    ring = [p.rstrip("/") for p in peers]
+    mine = (me or "").rstrip("/")
+    if mine in ring:
+        i = ring.index(mine)
+        ring = ring[i + 1 :] + ring[:i]
+    return [p for p in ring if p != mine][: max(0, k)]
+
+
+class Tiers:
+    def __init__(
+        self,
+        staging: Staging,
+        peers: list[str],
+        me: str | None,
+        replicas: int,
+        token: str | None,
+        timeout_s: float = 30.0,
+        enabled: bool = True,
+    ):
+        for url in [*peers, *([me] if me else [])]:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"peer daemon must be an http(s)://host:port URL, got {url!r} (--peers, --advertise)")
+        self.enabled = enabled  # False (--no-tiers): no hot copies, no replicas accepted
+        self.staging = staging
+        self.peers = [p.rstrip("/") for p in peers]
+        self.me = me.rstrip("/") if me else None
+        self.targets = replica_targets(self.peers, self.me, replicas)
+        self.token = token
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int, str], Copy] = {}
+        self._hot: dict[str, Copy] = {}
+        self._replicas: dict[tuple[str, str], Copy] = {}
+        self._incoming: dict[str, Copy] = {}
+        self.counters = {
+            "degraded": 0,  # steps whose hot copy or replica did not fit the budget
+            "replicas_pushed": 0,
+            "replica_push_failures": 0,
+            "replicas_received": 0,
+            "bytes_served": 0,
+            "object_requests": 0,
+            "restore_bytes_local": 0,
+            "restore_bytes_peer": 0,
+            "restore_bytes_root": 0,
+        }
+        staging.reclaim = self._reclaim
+
+    # ------------------------------------------------------------------------- accounting
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
+        """Metric name -> (help, value) for ``Metrics.gauge``."""
+
+        def held(kind: str) -> Callable[[], float]:
+            def fn() -> float:
+                with self._lock:
+                    copies = self._hot.values() if kind == "hot" else self._replicas.values()
+                    return float(sum(c.bytes for c in copies))
+
+            return fn
+
+        def counter(name: str) -> Callable[[], float]:
+            return lambda: float(self.counters[name])
+
+        return {
+            "ckptd_tier_hot_bytes": ("bytes of hot copies of committed steps held", held("hot")),
+            "ckptd_tier_replica_bytes": ("bytes of complete replicas of peers' hot copies held", held("replica")),
+            "ckptd_tier_replicas": ("complete replicas held", lambda: float(len(self._replicas))),
+            "ckptd_tier_degraded_total": ("copies not kept for lack of budget (persist only)", counter("degraded")),
+            "ckptd_tier_replicas_pushed_total": ("hot copies replicated to a peer", counter("replicas_pushed")),
+            "ckptd_tier_replica_push_failures_total": ("replica pushes that failed", counter("replica_push_failures")),
+            "ckptd_tier_bytes_served_total": ("tier bytes served to restoring ranks", counter("bytes_served")),
+            "ckptd_tier_object_requests_total": ("ranged reads of tier objects asked", counter("object_requests")),
+            "ckptd_restore_bytes_local_total": (
+                "restored bytes ranks read from their own daemon",
+                counter("restore_bytes_local"),
+            ),
+            "ckptd_restore_bytes_peer_total": (
+                "restored bytes ranks read from peer daemons",
+                counter("restore_bytes_peer"),
+            ),
+            "ckptd_restore_bytes_root_total": (
+                "restored bytes ranks read from the job root",
+                counter("restore_bytes_root"),
+            ),
+        }
+
+    def restored(self, local: int, peer: int, root: int) -> None:
+        """A rank reports what its restore read from each tier."""
+        with self._lock:
+            self.counters["restore_bytes_local"] += local
+            self.counters["restore_bytes_peer"] += peer
+            self.counters["restore_bytes_root"] += root
+
+    def _release(self, copies: list[Copy]) -> None:
+        """Give the budget of dropped copies back (outside the lock)."""
+        for c in copies:
+            if c.bytes:
+                self.staging.unreserve(c.bytes)
+
+    def _drop(self, c: Copy) -> Copy:
+        """Mark ``c`` dropped and forget its bytes. Holds the lock; release it after."""
+        c.dropped = True
+        c.objects.clear()
+        return c
+
+    def _reclaim(self, nbytes: int) -> int:
+        """Called by Staging under its lock when a lease needs room: drop copies (incoming and
+        replicas, then pending, then hot) until ``nbytes`` are freed; return the bytes freed
+        (Staging takes them off its reservation itself)."""
+        freed = 0
+        with self._lock:
+            order = [
+                *[(self._incoming, k) for k in self._incoming],
+                *[(self._replicas, k) for k in self._replicas],
+                *[(self._pending, k) for k in self._pending],
+                *[(self._hot, k) for k in self._hot],
+            ]
+            for table, k in order:
+                if freed >= nbytes:
+                    break
+                c = table.pop(k)
+                freed += c.bytes
+                c.bytes = 0
+                self._drop(c)
+                self.counters["degraded"] += 1
+                log.warning(
+                    "dropping the memory-tier copy of %s step %d (from %s): a save needs the staging memory",
+                    c.root,
+                    c.step,
+                    c.source,
+                )
+        return freed
+
+    # ---------------------------------------------------------------------------- hot copy
+
+    def recorder(self, root: str, step: int, attempt: str, rank: int) -> Callable[[str, object], None]:
+        """A function the upload calls with every (key, data) it put; shard objects are copied."""
+        prefix = f"{mf.step_dir(step)}/{mf.ARRAYS}/"
+
+        def tee(key: str, data) -> None:
+            if key.startswith(prefix):
+                try:
+                    self._add_pending(root, step, attempt, rank, key, data)
+                except Exception:  # noqa: BLE001 - a copy must never fail a save
+                    log.exception("memory tier: cannot copy %s", key)
+
+        return tee
+
+    def _add_pending(self, root: str, step: int, attempt: str, rank: int, key: str, data) -> None:
+        n = data_size(data)
+        gid = (root, step, attempt)
+        with self._lock:
+            group = self._pending.setdefault(gid, Copy(root, step, attempt, "self"))
+            group.ranks.add(rank)
+            if group.degraded:
+                return
+            old = group.objects.pop(key, None)  # a retried put
+            if old is not None:
+                group.bytes -= len(old)
+        if old is not None:
+            self.staging.unreserve(len(old))
+        if not self.staging.reserve(n):
+            self._degrade(gid, f"{n} more bytes do not fit the staging budget")
+            return
+        buf = bytearray(n)
+        pos = 0
+        for v in as_buffers(data):
+            buf[pos : pos + v.nbytes] = v.cast("B")
+            pos += v.nbytes
+        with self._lock:
+            if not group.dropped and not group.degraded:
+                group.objects[key] = buf
+                group.bytes += n
+                return
+        self.staging.unreserve(n)
+
+    def _degrade(self, gid: tuple[str, int, str], why: str) -> None:
+        with self._lock:
+            group = self._pending.get(gid)
+            if group is None or group.degraded:
+                return
+            group.degraded = True
+            freed, group.bytes = group.bytes, 0
+            group.objects.clear()
+            self.counters["degraded"] += 1
+        log.warning(
+            "memory tier: no hot copy of %s step %d on this node (%s): the step is persist-only here",
+            gid[0],
+            gid[1],
+            why,
+        )
+        if freed:
+            self.staging.unreserve(freed)
+
+    def committed(self, root: str, step: int, attempt: str) -> None:
+        """A job of (root, step, attempt) committed: its group becomes the root's hot copy, the
+        older one is released, and the new one is pushed to the peers."""
+        release: list[Copy] = []
+        with self._lock:
+            group = self._pending.pop((root, step, attempt), None)
+            if group is None:
+                return  # promoted by another job of the group, or never recorded
+            for gid in [g for g in self._pending if g[0] == root and g[1] <= step]:
+                release.append(self._drop(self._pending.pop(gid)))
+            old = self._hot.get(root)
+            if group.degraded or (old is not None and old.step >= step):
+                release.append(self._drop(group))
+                group = None
+            else:
+                if old is not None:
+                    release.append(self._drop(self._hot.pop(root)))
+                group.complete = True
+                self._hot[root] = group
+        self._release(release)
+        if group is not None:
+            log.info(
+                "memory tier: hot copy of %s step %d (%d objects, %d bytes, ranks %s)",
+                root,
+                step,
+                len(group.objects),
+                group.bytes,
+                sorted(group.ranks),
+            )
+            if self.targets:
+                threading.Thread(target=self._push_all, args=(group,), name="ckptd-tier-push", daemon=True).start()
+
+    def failed(self, root: str, step: int, attempt: str) -> None:
+        """A job of (root, step, attempt) failed: its step is not this attempt's; drop the copies."""
+        with self._lock:
+            group = self._pending.pop((root, step, attempt), None)
+            if group is not None:
+                self._drop(group)
+        if group is not None:
+            self._release([group])
+
+    # --------------------------------------------------------------------------- replicas
+
+    def _push_all(self, group: Copy) -> None:
+        for peer in self.targets:
+            try:
+                self._push(peer, group)
+            except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
+                group.pushed[peer] = f"failed: {e}"
+                self.count("replica_push_failures")
+                log.warning("memory tier: replica of %s step %d to %s failed: %s", group.root, group.step, peer, e)
+            else:
+                group.pushed[peer] = "complete"
+                self.count("replicas_pushed")
+                log.info("memory tier: %s step %d replicated to %s", group.root, group.step, peer)
+
+    def _push(self, peer: str, group: Copy) -> None:
+        with self._lock:
+            objects = dict(group.objects)  # the bytearrays themselves; a dropped copy clears the dict only
+        body = {
+            "root": group.root,
+            "step": group.step,
+            "attempt": group.attempt,
+            "source": self.me or "unnamed",
+            "ranks": sorted(group.ranks),
+            "objects": [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()],
+        }
+        conn = _connect(peer, self.timeout_s)
+        try:
+            reply = _request(conn, peer, "POST", "/v1/tiers/replicas", self.token, json.dumps(body).encode(), _JSON)
+            rid = reply["replica"]
+            for key, buf in objects.items():
+                mv = memoryview(buf)
+                for off in range(0, len(buf), PIECE_BYTES):
+                    if group.dropped:
+                        raise RuntimeError("a newer step committed during the push")
+                    q = f"/v1/tiers/replicas/{rid}?key={quote(key, safe='')}&offset={off}"
+                    _request(conn, peer, "PUT", q, self.token, mv[off : off + PIECE_BYTES])
+            _request(conn, peer, "POST", f"/v1/tiers/replicas/{rid}/seal", self.token, b"{}", _JSON)
+        finally:
+            conn.close()
+
+    def begin_replica(self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list) -> str:
+        """A peer starts pushing a replica. Returns its id, or "" when it is not kept (no room in
+        the budget, or tiers off): HTTP 429. ValueError for a malformed one."""
+        if not self.enabled:
+            return ""
+        if len(objects) > MAX_OBJECTS:
+            raise ValueError(f"a replica of {len(objects)} objects is over {MAX_OBJECTS}")
+        prefix = f"{mf.step_dir(step)}/{mf.ARRAYS}/"
+        expected: dict[str, tuple[int, int]] = {}
+        for o in objects:
+            key, size, crc = o["key"], int(o["size"]), int(o["crc32c"])
+            if not key.startswith(prefix) or ".." in key.split("/") or size < 0 or not 0 <= crc < 2**32:
+                raise ValueError(f"replica object {key!r} is not a shard object of step {step}")
+            expected[key] = (size, crc)
+        total = sum(s for s, _ in expected.values())
+        self._expire_incoming()
+        if not self.staging.reserve(total):
+            self.count("degraded")
+            log.warning(
+                "memory tier: no room for the replica of %s step %d from %s (%d bytes): not kept",
+                root,
+                step,
+                source,
+                total,
+            )
+            return ""
+        rid = uuid.uuid4().hex
+        c = Copy(root, step, attempt, source, expected=expected, ranks=set(ranks), bytes=total)
+        c.objects = {k: bytearray(s) for k, (s, _) in expected.items()}
+        c.filled = dict.fromkeys(expected, 0)
+        with self._lock:
+            self._incoming[rid] = c
+        return rid
+
+    def put_piece(self, rid: str, key: str, offset: int, data: bytes) -> None:
+        with self._lock:
+            c = self._incoming.get(rid)
+            if c is None:
+                raise KeyError(f"no replica {rid!r} being received")
+            if key not in c.expected:
+                raise ValueError(f"replica {rid}: {key!r} is not one of its objects")
+            if offset != c.filled[key] or offset + len(data) > c.expected[key][0]:
+                raise ValueError(f"replica {rid}: piece at {offset} of {key!r} out of order or past its end")
+            c.objects[key][offset : offset + len(data)] = data
+            c.filled[key] += len(data)
+
+    def seal(self, rid: str) -> None:
+        """Every object arrived whole and matches its crc32c: the replica counts from now on."""
+        with self._lock:
+            c = self._incoming.pop(rid, None)
+        if c is None:
+            raise KeyError(f"no replica {rid!r} being received")
+        bad = [k for k, (size, crc) in c.expected.items() if c.filled[k] != size or crc32c(c.objects[k]) != crc]
+        if bad:
+            with self._lock:
+                self._drop(c)
+            self._release([c])
+            raise ValueError(f"replica {rid}: {len(bad)} objects incomplete or failing their crc32c, e.g. {bad[0]!r}")
+        release = []
+        with self._lock:
+            old = self._replicas.get((c.root, c.source))
+            if old is not None and old.step > c.step:
+                release.append(self._drop(c))
+            else:
+                if old is not None:
+                    release.append(self._drop(self._replicas.pop((c.root, c.source))))
+                c.complete = True
+                self._replicas[(c.root, c.source)] = c
+                self.counters["replicas_received"] += 1
+        self._release(release)
+        if c.complete:
+            log.info(
+                "memory tier: replica of %s step %d from %s complete (%d bytes)", c.root, c.step, c.source, c.bytes
+            )
+
+    def _expire_incoming(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            gone = [
+                self._drop(self._incoming.pop(r))
+                for r, c in list(self._incoming.items())
+                if now - c.created > INCOMING_TTL_S
+            ]
+        self._release(gone)
+
+    # ----------------------------------------------------------------------------- serving
+
+    def holding(self, root: str, step: int, attempt: str) -> list[Copy]:
+        """The complete copies (hot first) of exactly (root, step, attempt)."""
+        with self._lock:
+            out = [c for c in [self._hot.get(root)] if c is not None]
+            out += [c for (r, _), c in self._replicas.items() if r == root]
+            return [c for c in out if c.complete and not c.dropped and c.step == step and c.attempt == attempt]
+
+    def keys(self, root: str, step: int, attempt: str) -> list[str]:
+        found: set[str] = set()
+        for c in self.holding(root, step, attempt):
+            found.update(c.objects)
+        return sorted(found)
+
+    def read(self, root: str, step: int, attempt: str, key: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes at ``start`` (negative: from the end) of a held object; None when no
+        complete copy of (root, step, attempt) holds ``key``; ValueError for a range past its end."""
+        with self._lock:
+            for c in [self._hot.get(root), *[c for (r, _), c in self._replicas.items() if r == root]]:
+                if c is None or not c.complete or c.dropped or c.step != step or c.attempt != attempt:
+                    continue
+                buf = c.objects.get(key)
+                if buf is None:
+                    continue
+                size = len(buf)
+                begin = size + start if start < 0 else start
+                if begin < 0 or length < 0 or begin + length > size:
+                    raise ValueError(f"range {start}+{length} is outside {key!r} ({size} bytes)")
+                self.counters["bytes_served"] += length
+                return bytes(memoryview(buf)[begin : begin + length])  # one copy
+        return None
+
+    def describe(self, root: str | None = None) -> dict:
+        with self._lock:
+            hot = [c.info() for r, c in self._hot.items() if root is None or r == root]
+            reps = [c.info() for (r, _), c in self._replicas.items() if root is None or r == root]
+        return {
+            "peers": self.peers,
+            "advertise": self.me,
+            "replicate_to": self.targets,
+            "hot": hot,
+            "replicas": reps,
+            "reserved_bytes": self.staging.reserved_bytes,
+        }
+
+
+def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    return cls(parts.hostname, parts.port, timeout=timeout)
+
+
+_JSON = "application/json"
+
+
+def _request(
+    conn, url: str, method: str, path: str, token: str | None, body, ctype: str = "application/octet-stream"
+) -> dict:
+    headers = {"Content-Type": ctype}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    conn.request(method, urlsplit(url).path.rstrip("/") + path, body=body, headers=headers)
+    resp = conn.getresponse()
+    raw = resp.read()
+    if resp.status != 200:
+        detail = raw[:200].decode(errors="replace")
+        raise RuntimeError(f"{method} {path.split('?')[0]}: HTTP {resp.status} {detail}")
+    with contextlib.suppress(ValueError):
+        return json.loads(raw) if raw else {}
+    return {}

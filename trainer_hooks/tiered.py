@@ -1,0 +1,257 @@
+"""Tiered restore reads: each shard range from the nearest tier that holds the committed step.
+
+``TieredRestore(daemon_url, root_uri)`` is handed to ``restore_state``; for the committed step
+(and attempt, from the commit record the manifest was written with) it asks this rank's daemon
+and the peers that daemon names (``GET /v1/tiers/keys``) which shard objects they hold complete,
+then reads every shard of the restore's plan (``layout.plan_reads``, unchanged: any world size)
+from the first of: its own node's daemon, a peer daemon (ranged reads), the job root.
+
+Trust: a tier is a cache, never a source of truth. Every chunk read from a tier is checked
+against the crc32c stored with it, and every answer must carry the step and attempt of the
+commit record (``X-Ckptd-Step`` / ``X-Ckptd-Attempt``) and exactly the bytes asked for. A tier
+that is gone or slower than ``timeout_s`` is skipped for the rest of the restore; a shard that
+fails any check is read again from the next tier, at last from the job root. So a tier can make
+a restore slower, never make it fail or return other values than the job root holds.
+
+Thread safety: ``TieredReader.read_shard`` runs on the restore's pool; tier state (dead or
+alive) and the per-tier byte counts are guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from urllib.parse import quote, urlencode, urlsplit
+
+from ckptd.errors import CheckpointError
+from ckptd.reader import CheckpointReader, ReadRequest
+from storage_backends import StorageError, Store
+from storage_backends.base import as_writable_buffers
+from trainer_hooks.daemon_client import _token
+
+__all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierStore", "TieredReader", "TieredRestore"]
+
+log = logging.getLogger("ckptd.tiered")
+
+DEFAULT_TIER_TIMEOUT_S = 10.0  # a peer slower than this per request is skipped (CKPTD_TIER_TIMEOUT_S)
+MAX_KEYS_REPLY = 256 << 20
+
+
+class TierUnavailable(Exception):  # noqa: N818 - not a StorageError: the reader must not turn it into a bad chunk
+    """A tier did not answer, or answered something other than the committed bytes: the tier is
+    skipped for the rest of the restore."""
+
+
+class TierStore:
+    """The read side of one daemon's memory tier for one (root, step, attempt), shaped like the
+    ``Store`` methods ``CheckpointReader`` reads chunks with."""
+
+    def __init__(self, url: str, name: str, root: str, step: int, attempt: str, token: str | None, timeout_s: float):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CheckpointError(f"tier daemon must be an http://host:port URL, got {url!r}")
+        self.url, self.name, self.uri = url.rstrip("/"), name, url
+        self._cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port, self._base = parts.hostname, parts.port, parts.path.rstrip("/")
+        self.root, self.step, self.attempt = root, step, attempt
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def _get(self, path: str, cap: int) -> tuple[int, dict, bytes]:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._cls(self._host, self._port, timeout=self.timeout_s)
+        try:
+            conn.request("GET", self._base + path, headers=self._headers)
+            resp = conn.getresponse()
+            length = resp.getheader("Content-Length")
+            if length is None or not length.isdigit() or int(length) > cap:
+                conn.close()
+                self._local.conn = None
+                raise TierUnavailable(f"{self.name}: reply of {length} bytes where at most {cap} were asked")
+            return resp.status, dict(resp.getheaders()), resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            self._local.conn = None
+            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
+
+    def keys(self) -> tuple[set[str], list[str]]:
+        """(the objects this tier holds complete for the step, the peers it names)."""
+        q = urlencode({"root": self.root, "step": self.step, "attempt": self.attempt})
+        status, _, raw = self._get(f"/v1/tiers/keys?{q}", MAX_KEYS_REPLY)
+        if status != 200:
+            raise TierUnavailable(f"{self.name}: GET /v1/tiers/keys answered {status}")
+        try:
+            body = json.loads(raw)
+            keys = {k for k in body["keys"] if isinstance(k, str)}
+            peers = [p for p in body.get("peers", []) if isinstance(p, str)]
+        except (ValueError, KeyError, TypeError) as e:
+            raise TierUnavailable(f"{self.name}: malformed keys reply ({e})") from None
+        if body.get("step") != self.step or body.get("attempt") != self.attempt:
+            raise TierUnavailable(f"{self.name}: keys reply is for another step or attempt")
+        return keys, peers
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        q = f"root={quote(self.root, safe='')}&step={self.step}&attempt={quote(self.attempt, safe='')}"
+        q += f"&key={quote(key, safe='')}&start={start}&length={length}"
+        status, headers, raw = self._get(f"/v1/tiers/object?{q}", length)
+        if status != 200:
+            raise TierUnavailable(f"{self.name}: {key} answered {status}")
+        h = {k.lower(): v for k, v in headers.items()}
+        if h.get("x-ckptd-step") != str(self.step) or h.get("x-ckptd-attempt") != self.attempt:
+            raise TierUnavailable(f"{self.name}: {key} came from another step or attempt than the commit record's")
+        if len(raw) != length:
+            raise TierUnavailable(f"{self.name}: {key}: {len(raw)} bytes where {length} were asked")
+        return raw
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return [self.get_range(key, s, n) for s, n in ranges]
+
+    def get_range_into(self, key: str, start: int, buffers) -> None:
+        views = as_writable_buffers(buffers)
+        data = memoryview(self.get_range(key, start, sum(v.nbytes for v in views)))
+        pos = 0
+        for v in views:
+            v[:] = data[pos : pos + v.nbytes]
+            pos += v.nbytes
+
+
+class _Tier:
+    def __init__(self, store: TierStore, kind: str, prefix: str):
+        self.store, self.kind, self.prefix = store, kind, prefix
+        self.dead = False
+
+    def reader(self, pins=None) -> CheckpointReader:
+        """A reader of this tier for one shard: its byte count is the shard's alone; every chunk
+        is checked against ``pins`` (the committing attempt's, ``ckptd.pins``) where given."""
+        return CheckpointReader(self.store, self.prefix, where=f"{self.store.name} (memory tier)", pins=pins)  # type: ignore[arg-type]
+
+
+class TieredReader(CheckpointReader):
+    """A ``CheckpointReader`` of the job root that reads each shard from the first tier holding
+    it (``holders``: object key -> tiers, nearest first) and falls back to the root."""
+
+    def __init__(self, store: Store, prefix: str, holders: dict[str, list[_Tier]]):
+        super().__init__(store, prefix)
+        self._holders = holders
+        self._tlock = threading.Lock()
+        self._bytes = {"local": 0, "peer": 0}  # bytes of the shards each tier kind served
+        self.skipped = 0  # shard reads a tier failed and a later tier (or the root) served
+
+    def read_shard(self, req: ReadRequest, sr) -> None:
+        for tier in self._holders.get(self._object(req.entry, sr.shard), ()):
+            if tier.dead:
+                continue
+            reader = tier.reader(self.pins)
+            try:
+                reader.read_shard(req, sr)  # every chunk checked against its crc32c
+                with self._tlock:
+                    self._bytes[tier.kind] += reader.stats.bytes_read
+                return
+            except TierUnavailable as e:
+                with self._tlock:
+                    self.skipped += 1
+                    first = not tier.dead
+                    tier.dead = True
+                if first:
+                    log.warning("restore: skipping the memory tier %s: %s", tier.store.name, e)
+            except (CheckpointError, StorageError) as e:  # a bad chunk: this shard from the next tier
+                with self._tlock:
+                    self.skipped += 1
+                log.warning("restore: %s; reading that shard from the next tier", e)
+        super().read_shard(req, sr)  # the job root: the chunks the plan reads, checked the same way
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Chunk bytes each tier served: ``local`` (own daemon), ``peer``, ``root``; bytes a tier
+        sent that failed a check count for none (the tier that then served the shard counts)."""
+        with self._tlock:
+            return {**self._bytes, "root": self.stats.bytes_read}
+
+
+class TieredRestore:
+    """Builds the ``TieredReader`` of each restore and keeps what the last one read per tier."""
+
+    def __init__(self, daemon_url: str, root_uri: str, timeout_s: float | None = None):
+        self.daemon_url = daemon_url.rstrip("/")
+        self.root_uri = root_uri
+        env = os.environ.get("CKPTD_TIER_TIMEOUT_S")
+        self.timeout_s = timeout_s if timeout_s is not None else float(env) if env else DEFAULT_TIER_TIMEOUT_S
+        self.last: dict[str, int] = {}
+        self._token = _token()
+
+    def reader(self, store: Store, prefix: str, step: int, attempt: str, coord=None) -> TieredReader:
+        """The reader of committed ``step`` (whose commit record names ``attempt``). Collective
+        when ``coord`` is given (every rank calls it once; it never raises): each rank asks its
+        own daemon what it holds, rank 0 alone asks the peers its daemon names and broadcasts
+        their answers (one request per peer per restore, not per rank). A tier that cannot say
+        what it holds is left out; with none, every shard comes from the root."""
+        holders: dict[str, list[_Tier]] = {}
+        peers: list[str] = []
+        try:
+            own = TierStore(
+                self.daemon_url, f"daemon {self.daemon_url}", self.root_uri, step, attempt, self._token, self.timeout_s
+            )
+            keys, peers = own.keys()
+            local = _Tier(own, "local", prefix)
+            for k in keys:
+                holders.setdefault(k, []).append(local)
+        except Exception as e:  # noqa: BLE001 - a tier never fails a restore (and rank 0 must reach the broadcast)
+            log.warning("restore: this node's daemon holds no tier copy: %s", e)
+        held: dict[str, list[str]] = {}
+        if coord is None or coord.rank == 0:
+            held = self._ask_peers(peers, step, attempt)
+        if coord is not None:
+            held = coord.broadcast(held)
+        for url, keys in sorted(held.items()):
+            if url.rstrip("/") == self.daemon_url:
+                continue  # this rank's own daemon: asked above, read as the nearest tier
+            tier = _Tier(
+                TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s), "peer", prefix
+            )
+            for k in keys:
+                holders.setdefault(k, []).append(tier)
+        return TieredReader(store, prefix, holders)
+
+    def _ask_peers(self, peers: list[str], step: int, attempt: str) -> dict[str, list[str]]:
+        """peer URL -> the objects it holds complete for (step, attempt); peers that do not
+        answer are left out (logged)."""
+        held: dict[str, list[str]] = {}
+        for url in peers:
+            url = url.rstrip("/")
+            if url == self.daemon_url or url in held:
+                continue
+            try:
+                peer = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
+                keys, _ = peer.keys()
+            except Exception as e:  # noqa: BLE001 - a peer never fails a restore
+                log.warning("restore: skipping the memory tier of peer %s: %s", url, e)
+                continue
+            if keys:
+                held[url] = sorted(keys)
+        return held
+
+    def report(self, reader: TieredReader) -> dict[str, int]:
+        """Record and log the bytes the restore read per tier; tell the daemon (``/metrics``)."""
+        self.last = reader.tier_bytes()
+        log.info(
+            "restore read %d bytes from this node's daemon, %d from peers, %d from the job root",
+            self.last["local"],
+            self.last["peer"],
+            self.last["root"],
+        )
+        own = TierStore(self.daemon_url, "daemon", self.root_uri, 0, "", self._token, self.timeout_s)
+        try:
+            conn = own._cls(own._host, own._port, timeout=self.timeout_s)
+            body = json.dumps(self.last).encode()
+            headers = {**own._headers, "Content-Type": "application/json"}
+            conn.request("POST", own._base + "/v1/tiers/restored", body=body, headers=headers)
+            conn.getresponse().read()
+            conn.close()
+        except (OSError, http.client.HTTPException) as e:
+            log.debug("restore: could not report tier bytes to the daemon: %s", e)
+        return self.last
