@@ -10,7 +10,6 @@ inside the array is present with the right size and passes its crc32c. Shards ar
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ import numpy as np
 
 from ckptd import catalog, commit
 from ckptd import manifest as mf
-from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, decode_chunk, decode_index
+from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, check_metadata, decode_chunk, decode_index, max_object_bytes
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import chunk_box
 from storage_backends import NotFoundError, StorageError, Store
@@ -41,19 +40,12 @@ class VerifyReport:
         return not self.errors
 
 
-def _max_object_bytes(layout: ArrayLayout) -> int:
-    """The largest a shard (or plain chunk) object of this layout can be: read no more."""
-    if not layout.sharded:
-        return layout.chunk_nbytes + CRC_BYTES
-    return math.prod(layout.chunks_per_shard) * (layout.chunk_nbytes + CRC_BYTES) + layout.index_nbytes
-
-
 def _check_shard(store: Store, prefix: str, entry: mf.TensorEntry, coord: tuple[int, ...], where: str) -> int:
     layout: ArrayLayout = entry.layout
     key = f"{prefix}/{entry.path}/{layout.shard_key(coord)}"
     name = f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}"
     try:
-        data = store.get(key, limit=_max_object_bytes(layout))
+        data = store.get(key, limit=max_object_bytes(layout))
     except NotFoundError:
         raise CorruptChunkError(f"{name}: shard object is missing") from None
     except StorageError as e:
@@ -116,15 +108,7 @@ def verify(
         report.arrays += 1
         try:
             meta = mf.read_json(store, f"{prefix}/{entry.path}/zarr.json", where, "zarr.json")
-            if not isinstance(meta, dict):
-                raise CheckpointError("not a JSON object")
-            if ArrayLayout.from_metadata(meta) != entry.layout:
-                report.errors.append(f"{where}: array {entry.path!r}: zarr.json disagrees with the manifest")
-            elif entry.value is not None and meta.get("fill_value") != entry.value:
-                report.errors.append(
-                    f"{where}: array {entry.path!r}: fill_value {meta.get('fill_value')!r} of zarr.json is not "
-                    f"the saved value {entry.value!r}"
-                )
+            check_metadata(meta, entry.layout, entry.value)  # the codecs ckptd writes, nothing else
         except NotFoundError:
             report.errors.append(f"{where}: array {entry.path!r}: zarr.json is missing")
         except (ValueError, CheckpointError) as e:
