@@ -32,12 +32,15 @@ import torch
 from ckptd.dtypes import as_numpy
 from ckptd.errors import CheckpointError
 from ckptd.interop.common import (
+    MAX_TENSORS,
+    TRIM_BYTES,
     ExportResult,
     ImportTree,
     Item,
     Progress,
     SavedCheckpoint,
     _no_progress,
+    check_count,
     check_output,
     flat_tensors,
     release_file_pages,
@@ -114,7 +117,9 @@ def _from_index(index: str) -> tuple[list[str], dict[str, str]]:
     return files, weight_map
 
 
-def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
+def read(src: str, as_key: str = "model", max_tensors: int = MAX_TENSORS) -> tuple[ImportTree, Any]:
+    """The tree of ``src``'s tensors. More than ``max_tensors`` in all is refused as soon as a
+    header is read, before a stand-in is made for any."""
     safe_open = _safe_open()
     files, weight_map = _files(src)
     tree = ImportTree(info={"format": "safetensors", "path": os.path.abspath(src)})
@@ -127,6 +132,7 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
                 if md:
                     metadata[os.path.basename(path)] = dict(md)
                 names = f.keys()  # a safe_open handle is not iterable
+                check_count(len(tensors) + len(names), max_tensors, path)
                 for name in names:
                     if weight_map is not None and weight_map.get(name) != os.path.basename(path):
                         continue  # the index says another shard holds it
@@ -153,13 +159,20 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
 
     def load(items: list[Item]) -> Iterator[tuple[Item, torch.Tensor]]:
         handles: dict[str, Any] = {}
+        touched: dict[str, int] = {}  # bytes read from each file since its pages were released
         try:
             for it in items:
                 path, name = it.source
                 if path not in handles:
                     handles[path] = safe_open(path, framework="pt").__enter__()
                 yield it, handles[path].get_tensor(name)
-                release_file_pages(path)
+                touched[path] = touched.get(path, 0) + it.nbytes
+                if touched[path] >= TRIM_BYTES:  # not per tensor: each release reads the mappings
+                    release_file_pages(path)
+                    touched[path] = 0
+            for path, n in touched.items():
+                if n:
+                    release_file_pages(path)
         finally:
             for h in handles.values():
                 h.__exit__(None, None, None)
