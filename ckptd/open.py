@@ -39,8 +39,17 @@ from zarr.core.buffer.core import default_buffer_prototype
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.codec import CRC_BYTES, check_metadata, max_object_bytes
-from ckptd.errors import CheckpointError
+from ckptd.codec import (
+    CRC_BYTES,
+    EMPTY,
+    ArrayLayout,
+    check_metadata,
+    crc32c,
+    decode_chunk,
+    decode_index,
+    max_object_bytes,
+)
+from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import Box
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import NotFoundError, StorageError, Store, open_store
@@ -167,6 +176,30 @@ def open_group(uri: str, step: int | None = None):
         raise CheckpointError(f"{uri} step {s}: zarr cannot open the checkpoint folder: {e}") from None
 
 
+def _check_crc(data: bytes, name: str) -> None:
+    """Checked here, so that zarr never meets a corrupt chunk (it would raise a ValueError)."""
+    if len(data) < CRC_BYTES or crc32c(memoryview(data)[:-CRC_BYTES]) != int.from_bytes(data[-CRC_BYTES:], "little"):
+        raise CorruptChunkError(f"{name}: crc32c mismatch (corrupt chunk or shard index)")
+
+
+def _check_object(layout: ArrayLayout, data: bytes, name: str) -> None:
+    """A whole chunk object (plain layout) or shard object, as ``verify`` checks it: the index
+    and every chunk it points to pass their crc32c, and each lies inside the object."""
+    if not layout.sharded:
+        decode_chunk(layout, data, name)
+        return
+    if len(data) < layout.index_nbytes:
+        raise CorruptChunkError(f"{name}: object of {len(data)} bytes is shorter than its index")
+    index = decode_index(layout, data[-layout.index_nbytes :], name)
+    body, mv = len(data) - layout.index_nbytes, memoryview(data)
+    for off, n in index.reshape(-1, 2).tolist():
+        if off == EMPTY and n == EMPTY:
+            continue
+        if n != layout.chunk_nbytes + CRC_BYTES or off + n > body:
+            raise CorruptChunkError(f"{name}: index entry ({off}, {n}) is out of bounds")
+        decode_chunk(layout, mv[off : off + n], name)
+
+
 class ConfinedZarrStore(ZarrStore):
     """A read-only zarr-python store over one committed checkpoint folder of a ckptd ``Store``.
 
@@ -260,9 +293,12 @@ class ConfinedZarrStore(ZarrStore):
             return None
         layout, full = entry.layout, f"{self._folder}/{key}"
         longest = max(layout.chunk_nbytes + CRC_BYTES, layout.index_nbytes if layout.sharded else 0)
+        name = f"{self._where}: {key}"
         try:
             if byte_range is None:
-                return self._store.get(full, limit=max_object_bytes(layout))
+                data = self._store.get(full, limit=max_object_bytes(layout))
+                _check_object(layout, data, name)
+                return data
             if isinstance(byte_range, RangeByteRequest):
                 start, length = byte_range.start, byte_range.end - byte_range.start
             elif isinstance(byte_range, SuffixByteRequest):
@@ -277,7 +313,9 @@ class ConfinedZarrStore(ZarrStore):
                     f"{self._where}: {key}: a read of {length} bytes asked for; a chunk or an index of "
                     f"this array is at most {longest}"
                 )
-            return self._store.get_range(full, start, length)
+            data = self._store.get_range(full, start, length)
+            _check_crc(data, name)  # a chunk and a shard index alike: their bytes, then their crc32c
+            return data
         except NotFoundError:
             if entry.value is not None or layout.nbytes == 0:
                 return None  # an inline scalar or an empty array: no chunk object, by design
