@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ckptd import manifest as mf
 from ckptd.dtypes import as_numpy
 from ckptd.errors import CheckpointError
 from ckptd.interop.common import (
@@ -47,10 +48,12 @@ from ckptd.interop.common import (
     staged_output,
     trim_heap,
 )
+from storage_backends import NotFoundError, StorageError, open_store
 
-__all__ = ["INDEX", "SINGLE", "read", "shard", "write"]
+__all__ = ["INDEX", "MAX_INDEX_BYTES", "SINGLE", "read", "shard", "write"]
 
 INDEX = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # an index of 100,000 tensors is about 10 MB
 SINGLE = "model.safetensors"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -100,10 +103,14 @@ def _files(src: str) -> tuple[list[str], dict[str, str] | None]:
 
 
 def _from_index(index: str) -> tuple[list[str], dict[str, str]]:
+    # Read as every record is: through a store (no link, no FIFO), capped before reading.
+    folder, name = os.path.split(os.path.abspath(index))
     try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        doc = mf.read_json(open_store(folder), name, index, "safetensors index", MAX_INDEX_BYTES)
+        weight_map = doc["weight_map"]
+    except NotFoundError:
+        raise CheckpointError(f"{index}: no such file (or not a regular file)") from None
+    except (StorageError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: weight_map is not an object")

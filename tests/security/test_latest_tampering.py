@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from ckptd.errors import CheckpointError
 from tests.security.conftest import REPO, assert_one_line_error, cli, env, make_root, small_state
 from trainer_hooks import Checkpointer
 
@@ -170,3 +171,26 @@ def test_a_quarantined_commit_record_that_is_not_json_is_refused(tmp_path):
     assert not (root / "step_0000000002" / "commit.json").exists()
     shutil.rmtree(root / "step_0000000002", ignore_errors=True)
     assert _restore(root) == 1
+
+
+def test_a_sparse_safetensors_index_is_refused_by_its_cap(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    with open(src / "model.safetensors.index.json", "wb") as f:
+        f.truncate(SPARSE)
+    p, rss = _peak_rss_mb("import", src, "--format", "safetensors", tmp_path / "job", "--step", 1)
+    line = assert_one_line_error(p, rc=(1,))
+    assert "safetensors index" in line and "more than" in line, line
+    assert rss < RSS_MB
+
+
+def test_a_sparse_ray_pointer_is_refused_by_its_cap(tmp_path):
+    ray_train = pytest.importorskip("ray.train")
+    from trainer_hooks.ray import CKPTD_CHECKPOINT_FILE, ckptd_step
+
+    with open(tmp_path / CKPTD_CHECKPOINT_FILE, "wb") as f:
+        f.truncate(SPARSE)
+    with pytest.raises(CheckpointError, match="more than"):
+        ckptd_step(ray_train.Checkpoint.from_directory(str(tmp_path)))
+    (tmp_path / CKPTD_CHECKPOINT_FILE).write_text('{"root": "/r", "step": 3}')
+    assert ckptd_step(ray_train.Checkpoint.from_directory(str(tmp_path))) == ("/r", 3)
