@@ -40,6 +40,7 @@ __all__ = [
     "MAX_NDIM",
     "MAX_SMALL_GRID",
     "MIN_AVG_CHUNK_BYTES",
+    "check_metadata",
     "crc32c",
     "crc_bytes",
     "decode_chunk",
@@ -51,6 +52,7 @@ __all__ = [
     "init_image",
     "inlinable",
     "inline_value",
+    "max_object_bytes",
     "parse_inline",
     "seal_image",
 ]
@@ -292,6 +294,37 @@ class ArrayLayout:
             return cls(shape, dtype, grid, chunk)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"malformed zarr.json: {e!r}") from None
+
+
+_ABSENT = object()
+
+
+def check_metadata(meta: Any, layout: ArrayLayout, value: Any = None) -> None:
+    """CheckpointError unless ``meta`` (a parsed ``zarr.json``) is what ckptd writes for
+    ``layout`` (``value``: an inline scalar's ``fill_value``): the same shape, data type, grid,
+    key encoding and codecs (``bytes`` and ``crc32c``, inside ``sharding_indexed`` when sharded,
+    for the chunks and the index alike). Only ``attributes`` may differ (a JSON object).
+
+    Why exact: tensorstore and zarr-python decode whatever codecs a ``zarr.json`` names, so a
+    crafted one adds a gzip or zstd codec and a small chunk that decompresses to gigabytes
+    before any size is checked. With ckptd's codecs a decoded chunk is exactly as large as its
+    stored bytes, which the readers cap. ``verify`` and the torch-free readers share this check."""
+    if not isinstance(meta, dict):
+        raise CheckpointError("zarr.json is not a JSON object")
+    attributes = meta.get("attributes", _ABSENT)
+    want = layout.metadata(attributes if isinstance(attributes, dict) else {}, fill_value=value)
+    for k in sorted(set(want) | set(meta), key=str):
+        got, exp = meta.get(k, _ABSENT), want.get(k, _ABSENT)
+        if got is _ABSENT or exp is _ABSENT or got != exp or type(got) is not type(exp) and k != "fill_value":
+            shown = "absent" if got is _ABSENT else repr(got)[:120]
+            raise CheckpointError(f"zarr.json field {str(k)[:40]!r} is {shown}, not what ckptd writes for this array")
+
+
+def max_object_bytes(layout: ArrayLayout) -> int:
+    """The largest a shard (or plain chunk) object of this layout can be: read no more."""
+    if not layout.sharded:
+        return layout.chunk_nbytes + CRC_BYTES
+    return math.prod(layout.chunks_per_shard) * (layout.chunk_nbytes + CRC_BYTES) + layout.index_nbytes
 
 
 def _padded(region: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -14,15 +14,26 @@ Rules:
   it). It walks the chain to its end E; if T > E it appends T (``put_if_absent`` of
   ``after_E``; on a lost race it follows the winner and tries again). So the chain is strictly
   increasing and every committed step is <= some element of the chain.
-- ``latest_step(store)`` walks from the hint (else ``first``) to the end E of the chain. If E is
-  committed it is the newest committed step: every committed step is <= some element <= E. If
-  E is not committed (its commit is in flight, or its save died after linking), or there is no
-  chain (an empty root, or one written before the chain existed), or the walk is longer than
-  ``MAX_WALK`` or malformed, it answers by listing the root, as before.
-- ``set_hint`` after a successful commit moves the hint forward, so a walk is 1 GET of the hint,
-  1 GET of the missing link after it, and 1 HEAD of that step's commit record.
+- ``latest_step(store)`` starts at the hint (else walks from ``first`` to the end of the
+  chain) and lists the step folders that sort after that start (``Store.list_dir_after``: one
+  request on S3 whatever the steps before it). The newest committed one of those, else the
+  start itself if committed, is the newest committed step: every committed step is either
+  after the start or at most the start. If neither is committed (a forged hint, or the end's
+  save died after linking), or there is no chain (an empty root, or one written before the
+  chain existed), or the walk or the folders after the start exceed ``MAX_WALK``, or a value is
+  malformed, it answers by listing the root, as before.
+- ``set_hint`` after a successful commit moves the hint forward, so a read is 1 GET of the
+  hint, 1 LIST of the folders after it (none, or a save in flight), and 1 HEAD of a commit record.
 - Links are never deleted: retention removes checkpoints, never numbers of the chain (a few
   bytes per save). A deleted chain end reads as "not committed" and falls back to listing.
+
+The chain is a hint, never the authority: anyone who can write the root can write ``_latest/``.
+The answer above holds whatever the hint and the links say (a link dropped and the hint
+pointed back only adds the skipped steps' folders to the short listing after the start); a
+forged value only costs requests. Each value is read with a cap of ``MAX_VALUE_BYTES`` and must
+be a step (at most 10 digits); anything else (a huge or deeply nested hint, a step of 11
+digits, a link that does not increase) is ignored: readers list, ``link`` starts from
+``first.json`` and the commit proceeds without the chain if that is malformed too.
 
 A root written by an older ckptd has no chain; the first commit by this version seeds
 ``first`` with the larger of its own step and the newest step found by listing. Every writer of
@@ -34,13 +45,14 @@ from __future__ import annotations
 
 import json
 
-from ckptd.manifest import COMMIT, step_dir
-from storage_backends import NotFoundError, Store
+from ckptd.manifest import COMMIT, MAX_STEP, parse_step_dir, step_dir
+from storage_backends import NotFoundError, StorageError, Store
 
 LATEST = "_latest"
 FIRST = f"{LATEST}/first.json"
 HINT = f"{LATEST}/hint.json"
 MAX_WALK = 64
+MAX_VALUE_BYTES = 64  # a step is at most 10 digits; a hint or link longer than this is forged
 
 
 def link_key(step: int) -> str:
@@ -48,13 +60,20 @@ def link_key(step: int) -> str:
 
 
 def _read_step(store: Store, key: str) -> int | None:
-    """The step stored at ``key``; None if absent. A malformed value raises ValueError."""
+    """The step stored at ``key``; None if absent. A malformed value (over ``MAX_VALUE_BYTES``,
+    not JSON, not a step of at most 10 digits) or an unreadable one raises ValueError: the
+    chain then does not answer. A FIFO or a device in a local root reads as absent."""
     try:
-        data = store.get(key)
+        data = store.get(key, limit=MAX_VALUE_BYTES)
     except NotFoundError:
         return None
-    value = json.loads(data)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    except StorageError as e:  # over the cap (forged), or unreachable: the chain cannot answer
+        raise ValueError(f"{key}: unreadable ({e})") from None
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        raise ValueError(f"{key}: not a step: {data[:40]!r}") from None
+    if type(value) is not int or not 0 <= value <= MAX_STEP:
         raise ValueError(f"{key}: not a step: {data[:40]!r}")
     return value
 
@@ -63,9 +82,16 @@ def _dumps(step: int) -> bytes:
     return str(step).encode()
 
 
-def _start(store: Store) -> int | None:
-    start = _read_step(store, HINT)
-    return start if start is not None else _read_step(store, FIRST)
+def _hint(store: Store) -> int | None:
+    """The hint, or None when it is absent or malformed (a hint is never worth failing for)."""
+    try:
+        return _read_step(store, HINT)
+    except ValueError:
+        return None
+
+
+def _committed(store: Store, step: int) -> bool:
+    return store.exists(f"{step_dir(step)}/{COMMIT}")
 
 
 def link(store: Store, step: int, newest_by_listing) -> bool:
@@ -74,10 +100,16 @@ def link(store: Store, step: int, newest_by_listing) -> bool:
 
     ``newest_by_listing(store)`` is the newest committed step found by listing, used once per
     root to seed the chain of a root that has none."""
-    try:
-        cur = _start(store)
-    except ValueError:
+    cur = _hint(store)
+    if cur is not None and cur > step:
+        # A hint is a committed element of the chain, so ``step`` is below the end: not on it.
+        # A hint above ``step`` that is not committed is forged (or its step was deleted):
+        # start from the first element instead, so that saves are linked again.
+        if _committed(store, cur):
+            return False
         cur = None
+    if cur is None:
+        cur = _read_step(store, FIRST)
     if cur is None:
         base = newest_by_listing(store)
         first = step if base is None or step > base else base
@@ -109,25 +141,47 @@ def set_hint(store: Store, step: int) -> None:
 
 def latest_from_chain(store: Store) -> tuple[bool, int | None]:
     """(True, newest committed step) when the chain answers; (False, None) when the caller must
-    list (no chain, a malformed or too long walk, or an end that is not committed)."""
+    list (no chain, a malformed or too long walk, more than ``MAX_WALK`` step folders after the
+    start, or nothing committed at or after it). Loops are bounded, never recursive.
+
+    Starts at the hint (else walks from ``first`` to the chain's end), then asks for the step
+    folders that sort after the start: the newest committed one of those, else the start if it
+    is committed, is the newest committed step. The answer never depends on the links or the
+    hint being honest, only its cost does."""
     try:
-        cur = _start(store)
+        cur = _hint(store)
         if cur is None:
-            return False, None
-        for _ in range(MAX_WALK):
-            nxt = _read_step(store, link_key(cur))
-            if nxt is None:
-                break
-            if nxt <= cur:
+            cur = _read_step(store, FIRST)
+            for _ in range(MAX_WALK):
+                if cur is None or (nxt := _read_step(store, link_key(cur))) is None:
+                    break
+                if nxt <= cur:
+                    return False, None
+                cur = nxt
+            else:
                 return False, None
-            cur = nxt
-        else:
-            return False, None
     except ValueError:
         return False, None
-    if store.exists(f"{step_dir(cur)}/{COMMIT}"):
-        return True, cur
-    return False, None
+    if cur is None:
+        return False, None
+    _, folders = store.list_dir_after("", step_dir(cur))
+    later = [s for f in folders if (s := parse_step_dir(f)) is not None and s > cur]
+    if len(later) > MAX_WALK:
+        return False, None
+    for s in sorted(later, reverse=True):
+        if _committed(store, s):
+            return True, s
+    return (True, cur) if _committed(store, cur) else (False, None)
 
 
-__all__ = ["FIRST", "HINT", "LATEST", "MAX_WALK", "latest_from_chain", "link", "link_key", "set_hint"]
+__all__ = [
+    "FIRST",
+    "HINT",
+    "LATEST",
+    "MAX_VALUE_BYTES",
+    "MAX_WALK",
+    "latest_from_chain",
+    "link",
+    "link_key",
+    "set_hint",
+]

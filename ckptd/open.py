@@ -1,28 +1,60 @@
 """Reading a checkpoint without torch: its arrays as tensorstore handles or a zarr-python group.
 
 Every tensor of a checkpoint is a zarr v3 array of its global shape (``manifest.py``), so
-tensorstore's ``zarr3`` driver and zarr-python open it with no code of ours; what they cannot
-know is which step folders are committed. Both helpers therefore resolve the step through
+tensorstore's ``zarr3`` driver and zarr-python could open it with no code of ours; what they
+cannot know is which step folders are committed, and they trust the folder: they follow links
+(a linked array folder, ``arrays/`` or shard returned another root's values), block on a FIFO,
+read ``/dev/zero`` until memory runs out, and decode whatever codecs a ``zarr.json`` names (a
+9.9 MiB gzip chunk cost 4.3 GB). So both helpers resolve the step through
 ``catalog.resolve_step`` first (the latest committed step when ``step`` is None; a partial or
-missing step is a ``CheckpointNotFoundError``) and only then hand out a read-only handle.
+missing step is a ``CheckpointNotFoundError``), check each array's ``zarr.json`` with
+``codec.check_metadata`` (exactly the codecs ckptd writes, as ``ckptd verify`` does) before a
+handle to it exists, and hand out handles whose every read goes through ckptd's own store:
 
-S3 settings come from the variables boto3 reads (``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
-``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-``AWS_SESSION_TOKEN``). Nothing here imports torch.
+* ``open_array``: a read-only ``tensorstore.virtual_chunked`` TensorStore whose chunks are read
+  by ``reader.CheckpointReader`` (what restore uses): each object is a regular file reached
+  from the root without a link (``LocalStore``), each read is one chunk's exact size, and each
+  chunk's crc32c is checked.
+* ``open_group``: zarr-python over ``ConfinedZarrStore``, which serves only the checkpoint's own
+  keys (its group nodes, its arrays' checked ``zarr.json``, their chunk objects) with the same
+  store and caps: an object larger than its layout allows, a range longer than a chunk or an
+  index, and anything that is not a regular file below the root are refused.
+
+Checks happen at each read, not once at open, so a file swapped for a link afterwards is still
+refused. S3 settings come from the variables boto3 reads (``AWS_ENDPOINT_URL_S3`` /
+``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.abc.store import Store as ZarrStore
+from zarr.core.buffer.core import default_buffer_prototype
+
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.errors import CheckpointError
-from storage_backends import StorageError, open_store
+from ckptd.codec import (
+    CRC_BYTES,
+    EMPTY,
+    ArrayLayout,
+    check_metadata,
+    crc32c,
+    decode_chunk,
+    decode_index,
+    max_object_bytes,
+)
+from ckptd.errors import CheckpointError, CorruptChunkError
+from ckptd.layout import Box
+from ckptd.reader import CheckpointReader, ReadRequest
+from storage_backends import NotFoundError, StorageError, Store, open_store
 
-__all__ = ["kvstore_spec", "open_array", "open_group"]
+__all__ = ["ConfinedZarrStore", "kvstore_spec", "open_array", "open_group"]
 
 
 def _location(uri: str) -> tuple[str, str, str]:
@@ -36,19 +68,36 @@ def _location(uri: str) -> tuple[str, str, str]:
     raise CheckpointError(f"{uri}: open_array/open_group read file paths and s3:// URIs, not {parts.scheme}://")
 
 
-def _resolve(uri: str, step: int | None) -> tuple[int, mf.Manifest, str]:
-    """The committed step, its manifest and the S3 endpoint the store resolved (or "")."""
+def _resolve(uri: str, step: int | None) -> tuple[Store, int, mf.Manifest]:
+    """The store (left open: the handle reads through it), the committed step and its manifest."""
+    _location(uri)
     try:
         store = open_store(uri)
     except (StorageError, ValueError) as e:
         raise CheckpointError(f"{uri}: {e}") from None
-    with store:
-        try:
-            s = catalog.resolve_step(store, step)
-            m = catalog.load_manifest(store, s)
-        except StorageError as e:
-            raise CheckpointError(f"{uri}: {e}") from None
-        return s, m, getattr(store, "endpoint_url", "") or ""
+    try:
+        s = catalog.resolve_step(store, step)
+        return store, s, catalog.load_manifest(store, s)
+    except StorageError as e:
+        store.close()
+        raise CheckpointError(f"{uri}: {e}") from None
+    except BaseException:
+        store.close()
+        raise
+
+
+def _checked_metadata(store: Store, folder: str, entry: mf.TensorEntry, where: str) -> dict:
+    """The array's ``zarr.json``, read capped and checked as ``ckptd verify`` checks it."""
+    try:
+        meta = mf.read_json(store, f"{folder}/{entry.path}/zarr.json", where, "zarr.json")
+        check_metadata(meta, entry.layout, entry.value)
+    except NotFoundError:
+        raise CheckpointError(f"{where}: array {entry.key!r}: zarr.json is missing") from None
+    except StorageError as e:
+        raise CheckpointError(f"{where}: array {entry.key!r}: cannot read zarr.json ({e})") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: array {entry.key!r}: refusing to open it: {e}") from None
+    return meta
 
 
 def _region() -> str:
@@ -60,7 +109,8 @@ def _join(*parts: str) -> str:
 
 
 def kvstore_spec(uri: str, path: str, endpoint: str = "") -> dict[str, Any]:
-    """The tensorstore kvstore spec of ``path`` (a folder relative to the job root ``uri``)."""
+    """The tensorstore kvstore spec of ``path`` (a folder relative to the job root ``uri``).
+    For trusted roots only: tensorstore's own drivers follow links and decode any codec."""
     kind, bucket, prefix = _location(uri)
     if kind == "file":
         return {"driver": "file", "path": os.path.join(prefix, path) + "/"}
@@ -89,56 +139,241 @@ def open_array(uri: str, key: str, step: int | None = None):
 
     Indexing it reads only the chunks needed: ``open_array(uri, key)[0:8].read().result()`` is a
     numpy array (bfloat16 as ``ml_dtypes.bfloat16``). Raises ``CheckpointError`` when the step is
-    not committed or the key is not in it."""
+    not committed, the key is not in it, or its ``zarr.json`` is not what ckptd writes; a read
+    of a chunk that is corrupt, missing, oversized or not a regular file below the root fails
+    with tensorstore's error carrying ckptd's message."""
     import tensorstore as ts
 
-    s, m, endpoint = _resolve(uri, step)
+    store, s, m = _resolve(uri, step)
+    where = catalog.where(store, s)
     entry = m.tensors.get(key)
     if entry is None:
         near = sorted(k for k in m.tensors if k.split("/")[0] == key.split("/")[0])[:5]
         hint = f"; keys like it: {', '.join(near)}" if near else f"; it has {len(m.tensors)} arrays (ckptd show)"
-        raise CheckpointError(f"{catalog.where(open_store(uri), s)}: no array {key!r}{hint}")
-    spec = {"driver": "zarr3", "kvstore": kvstore_spec(uri, f"{mf.step_dir(s)}/{entry.path}", endpoint)}
+        store.close()
+        raise CheckpointError(f"{where}: no array {key!r}{hint}")
+    folder = mf.step_dir(s)
     try:
-        return ts.open(spec, read=True, write=False, open=True).result()
-    except ValueError as e:
-        raise CheckpointError(f"{uri} step {s}: tensorstore cannot open array {key!r}: {e}") from None
+        _checked_metadata(store, folder, entry, where)
+    except BaseException:
+        store.close()
+        raise
+    layout = entry.layout
+    reader = CheckpointReader(store, folder, where)
+
+    def read(domain, array, _params) -> None:
+        reader.read([ReadRequest(entry, Box(tuple(domain.inclusive_min), tuple(domain.exclusive_max)), array)])
+
+    return ts.virtual_chunked(
+        read,
+        dtype=ts.dtype(layout.np_dtype),
+        domain=ts.IndexDomain(shape=layout.shape),
+        chunk_layout=ts.ChunkLayout(read_chunk_shape=layout.chunk_shape),
+    )
 
 
 def open_group(uri: str, step: int | None = None):
     """The committed ``step`` (the latest when None) as a read-only zarr-python group; its
-    arrays are ``group["arrays/model/layers.0.weight"]``. Local roots use zarr's ``LocalStore``;
-    S3 roots zarr's ``ObjectStore`` over ``obstore`` (``pip install obstore``, in the ``s3``
-    extra). zarr-python has no bfloat16 data type: open those arrays with :func:`open_array`."""
+    arrays are ``group["arrays/model/layers.0.weight"]``. It reads through ckptd's own store
+    (:class:`ConfinedZarrStore`), on a local root and on S3 alike; opening an array whose
+    ``zarr.json`` is not what ckptd writes raises ``CheckpointError``. zarr-python has no
+    bfloat16 data type: open those arrays with :func:`open_array`."""
     import zarr
 
-    s, _, endpoint = _resolve(uri, step)
-    kind, bucket, prefix = _location(uri)
-    folder = mf.step_dir(s)
-    if kind == "file":
-        store = zarr.storage.LocalStore(os.path.join(prefix, folder), read_only=True)
-    else:
-        try:
-            from obstore.store import S3Store
-        except ImportError:
-            raise CheckpointError(
-                "open_group on s3:// needs obstore (pip install obstore, or ckptd[s3]); open_array reads S3 without it"
-            ) from None
-        env = os.environ
-        config = {"region": _region()}
-        for name, var in (
-            ("access_key_id", "AWS_ACCESS_KEY_ID"),
-            ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-            ("session_token", "AWS_SESSION_TOKEN"),
-        ):
-            if env.get(var):
-                config[name] = env[var]
-        if endpoint:
-            config["endpoint"] = endpoint
-        client = {"allow_http": True} if endpoint.startswith("http://") else None
-        s3 = S3Store(bucket, prefix=_join(prefix, folder), config=config, client_options=client)
-        store = zarr.storage.ObjectStore(s3, read_only=True)
+    store, s, m = _resolve(uri, step)
     try:
-        return zarr.open_group(store=store, mode="r")
+        return zarr.open_group(store=ConfinedZarrStore(store, s, m), mode="r")
     except (ValueError, FileNotFoundError, KeyError) as e:
+        store.close()
         raise CheckpointError(f"{uri} step {s}: zarr cannot open the checkpoint folder: {e}") from None
+
+
+def _check_crc(data: bytes, name: str) -> None:
+    """Checked here, so that zarr never meets a corrupt chunk (it would raise a ValueError)."""
+    if len(data) < CRC_BYTES or crc32c(memoryview(data)[:-CRC_BYTES]) != int.from_bytes(data[-CRC_BYTES:], "little"):
+        raise CorruptChunkError(f"{name}: crc32c mismatch (corrupt chunk or shard index)")
+
+
+def _check_object(layout: ArrayLayout, data: bytes, name: str) -> None:
+    """A whole chunk object (plain layout) or shard object, as ``verify`` checks it: the index
+    and every chunk it points to pass their crc32c, and each lies inside the object."""
+    if not layout.sharded:
+        decode_chunk(layout, data, name)
+        return
+    if len(data) < layout.index_nbytes:
+        raise CorruptChunkError(f"{name}: object of {len(data)} bytes is shorter than its index")
+    index = decode_index(layout, data[-layout.index_nbytes :], name)
+    body, mv = len(data) - layout.index_nbytes, memoryview(data)
+    for off, n in index.reshape(-1, 2).tolist():
+        if off == EMPTY and n == EMPTY:
+            continue
+        if n != layout.chunk_nbytes + CRC_BYTES or off + n > body:
+            raise CorruptChunkError(f"{name}: index entry ({off}, {n}) is out of bounds")
+        decode_chunk(layout, mv[off : off + n], name)
+
+
+class ConfinedZarrStore(ZarrStore):
+    """A read-only zarr-python store over one committed checkpoint folder of a ckptd ``Store``.
+
+    It serves the folder's keys that the manifest accounts for and nothing else: the group
+    nodes (``zarr.json`` of the folder and of each group above an array, checked to be groups),
+    each array's ``zarr.json`` once ``codec.check_metadata`` accepts it (then served from the
+    checked copy, so it cannot change under zarr), and chunk objects of the array's grid, read
+    with a cap of the layout's largest object; a byte range may be no longer than a chunk with
+    its checksum or a shard index. Every read goes through the ckptd store: on a local root a
+    link, a FIFO or a device below the root is no object. A refusal raises ``CheckpointError``.
+    """
+
+    supports_writes = False
+    supports_deletes = False
+    supports_partial_writes = False
+    supports_listing = True
+
+    def __init__(self, store: Store, step: int, manifest: mf.Manifest) -> None:
+        super().__init__(read_only=True)
+        self._store = store
+        self._folder = mf.step_dir(step)
+        self._where = catalog.where(store, step)
+        self._arrays = {e.path: e for e in manifest.tensors.values()}
+        self._groups = {""} | {
+            "/".join(parts[:i]) for p in self._arrays for parts in [p.split("/")] for i in range(1, len(parts))
+        }
+        self._meta: dict[str, bytes] = {}
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+    __hash__ = object.__hash__
+
+    def __str__(self) -> str:
+        return f"{self._store.uri.rstrip('/')}/{self._folder}"
+
+    def with_read_only(self, read_only: bool = False):
+        if not read_only:
+            raise CheckpointError(f"{self}: a committed checkpoint is read-only")
+        return self
+
+    def _node(self, key: str) -> bytes | None:
+        """The bytes of a ``zarr.json`` key: a checked group node or array metadata; None for a
+        key the checkpoint has no node at."""
+        path = key[: -len("zarr.json")].rstrip("/")
+        if path in self._meta:
+            return self._meta[path]
+        full = f"{self._folder}/{key}"
+        if path in self._arrays:
+            data = mf.dumps(_checked_metadata(self._store, self._folder, self._arrays[path], self._where))
+        elif path in self._groups:
+            try:
+                node = mf.read_json(self._store, full, self._where, "group zarr.json")
+            except NotFoundError:
+                return None
+            if not isinstance(node, dict) or node.get("node_type") != "group" or node.get("zarr_format") != 3:
+                raise CheckpointError(f"{self._where}: {key} is not a zarr v3 group node")
+            attrs = node.get("attributes")
+            data = mf.group_metadata(attrs if isinstance(attrs, dict) else {})
+        else:
+            return None
+        self._meta[path] = data
+        return data
+
+    def _chunk(self, key: str) -> mf.TensorEntry | None:
+        """The array whose chunk object ``key`` is, if it is one of its grid."""
+        if key.endswith("/c"):
+            path, coords = key[:-2], []
+        else:
+            path, sep, rest = key.rpartition("/c/")
+            if not sep:
+                return None
+            coords = rest.split("/")
+            if not all(c.isascii() and c.isdigit() and len(c) < 12 for c in coords):
+                return None
+        entry = self._arrays.get(path)
+        if entry is None or len(coords) != len(entry.layout.shape):
+            return None
+        if not all(int(c) < g for c, g in zip(coords, entry.layout.grid_shape, strict=True)):
+            return None
+        return entry
+
+    def _get(self, key: str, byte_range) -> bytes | None:
+        if key == "zarr.json" or key.endswith("/zarr.json"):
+            data = self._node(key)
+            if data is None or byte_range is None:
+                return data
+            raise CheckpointError(f"{self._where}: a byte range of {key} was asked for")
+        entry = self._chunk(key)
+        if entry is None:
+            return None
+        layout, full = entry.layout, f"{self._folder}/{key}"
+        longest = max(layout.chunk_nbytes + CRC_BYTES, layout.index_nbytes if layout.sharded else 0)
+        name = f"{self._where}: {key}"
+        try:
+            if byte_range is None:
+                data = self._store.get(full, limit=max_object_bytes(layout))
+                _check_object(layout, data, name)
+                return data
+            if isinstance(byte_range, RangeByteRequest):
+                start, length = byte_range.start, byte_range.end - byte_range.start
+            elif isinstance(byte_range, SuffixByteRequest):
+                start, length = -byte_range.suffix, byte_range.suffix
+            elif isinstance(byte_range, OffsetByteRequest):
+                size = self._store.head(full).size
+                start, length = byte_range.offset, size - byte_range.offset
+            else:
+                raise CheckpointError(f"{self._where}: unknown byte range {byte_range!r}")
+            if not 0 <= length <= longest:
+                raise CheckpointError(
+                    f"{self._where}: {key}: a read of {length} bytes asked for; a chunk or an index of "
+                    f"this array is at most {longest}"
+                )
+            data = self._store.get_range(full, start, length)
+            _check_crc(data, name)  # a chunk and a shard index alike: their bytes, then their crc32c
+            return data
+        except NotFoundError:
+            if entry.value is not None or layout.nbytes == 0:
+                return None  # an inline scalar or an empty array: no chunk object, by design
+            # zarr would read an absent chunk as zeros: in a committed checkpoint it is damage
+            raise CheckpointError(
+                f"{self._where}: {key}: missing, or not a regular file reached without a link"
+            ) from None
+        except StorageError as e:
+            raise CheckpointError(f"{self._where}: {key}: {e}") from None
+
+    async def get(self, key: str, prototype=None, byte_range=None):
+        data = await asyncio.to_thread(self._get, key, byte_range)
+        if data is None:
+            return None
+        return (prototype or default_buffer_prototype()).buffer.from_bytes(data)
+
+    async def get_partial_values(self, prototype, key_ranges):
+        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
+
+    async def exists(self, key: str) -> bool:
+        return await self.get(key) is not None
+
+    async def set(self, key: str, value, byte_range=None) -> None:
+        raise CheckpointError(f"{self}: a committed checkpoint is read-only")
+
+    async def delete(self, key: str) -> None:
+        raise CheckpointError(f"{self}: a committed checkpoint is read-only")
+
+    def _listing(self, prefix: str) -> list[str]:
+        keys = {"zarr.json"} | {f"{g}/zarr.json" for g in self._groups if g}
+        keys |= {f"{p}/zarr.json" for p in self._arrays}
+        return sorted(k for k in keys if k.startswith(prefix))
+
+    async def list(self):
+        for k in self._listing(""):
+            yield k
+
+    async def list_prefix(self, prefix: str):
+        for k in self._listing(prefix):
+            yield k
+
+    async def list_dir(self, prefix: str):
+        prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
+        seen = set()
+        for k in self._listing(prefix):
+            head = k[len(prefix) :].split("/", 1)[0]
+            if head not in seen:
+                seen.add(head)
+                yield head

@@ -111,7 +111,11 @@ def unquarantine(store: Store, step: int, qid: str | None = None) -> dict:
         objects = [o for o in store.list(src) if o.key[len(src) :] not in (RECORD, mf.COMMIT)]
         for info in objects:
             store.copy(info.key, f"{folder}/{info.key[len(src) :]}")
-        if not store.put_if_absent(f"{folder}/{mf.COMMIT}", store.get(src + mf.COMMIT)):
+        # the record put back is read capped and must parse, as every reader of it will
+        record = store.get(src + mf.COMMIT, limit=mf.MAX_RECORD_BYTES)
+        if not isinstance(mf.loads(record, where, "quarantined commit record"), dict):
+            raise CheckpointError(f"{where}: the quarantined commit record is not a JSON object")
+        if not store.put_if_absent(f"{folder}/{mf.COMMIT}", record):
             raise CheckpointError(f"{where}: committed by someone else meanwhile; the quarantined copy stays")
         store.purge(src)
     except NotFoundError as e:

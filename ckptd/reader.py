@@ -128,6 +128,8 @@ class CheckpointReader:
             off, n = (int(x) for x in index[c])
             if off == EMPTY and n == EMPTY:
                 raise CorruptChunkError(f"{self._name(entry, sr.shard, c)}: chunk is absent from the shard")
+            if n != layout.chunk_nbytes + CRC_BYTES:  # read no more than a chunk: the index is data
+                raise CorruptChunkError(f"{self._name(entry, sr.shard, c)}: index entry ({off}, {n}) is out of bounds")
             spans.append((off, n, c))
         self._read_spans(req, sr.shard, spans)
 

@@ -14,7 +14,6 @@ inside the array is present with the right size and passes its crc32c. Shards ar
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ import numpy as np
 from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd import pins as pinsmod
-from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, decode_chunk, decode_index
+from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, check_metadata, decode_chunk, decode_index, max_object_bytes
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import chunk_box
 from storage_backends import NotFoundError, StorageError, Store
@@ -44,13 +43,6 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.errors
-
-
-def _max_object_bytes(layout: ArrayLayout) -> int:
-    """The largest a shard (or plain chunk) object of this layout can be: read no more."""
-    if not layout.sharded:
-        return layout.chunk_nbytes + CRC_BYTES
-    return math.prod(layout.chunks_per_shard) * (layout.chunk_nbytes + CRC_BYTES) + layout.index_nbytes
 
 
 def _check_pin(layout: ArrayLayout, mv: memoryview, pin: tuple[int, bytes], name: str, key: str) -> None:
@@ -88,7 +80,7 @@ def _check_shard(
     name = f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}"
     pin = None if pins is None else pinsmod.shard_pin(pins, f"{entry.path}/{layout.shard_key(coord)}", name)
     try:
-        data = store.get(key, limit=_max_object_bytes(layout))
+        data = store.get(key, limit=max_object_bytes(layout))
     except NotFoundError:
         raise CorruptChunkError(f"{name}: shard object is missing") from None
     except StorageError as e:
@@ -174,15 +166,7 @@ def verify(
         report.arrays += 1
         try:
             meta = mf.read_json(store, f"{prefix}/{entry.path}/zarr.json", where, "zarr.json")
-            if not isinstance(meta, dict):
-                raise CheckpointError("not a JSON object")
-            if ArrayLayout.from_metadata(meta) != entry.layout:
-                report.errors.append(f"{where}: array {entry.path!r}: zarr.json disagrees with the manifest")
-            elif entry.value is not None and meta.get("fill_value") != entry.value:
-                report.errors.append(
-                    f"{where}: array {entry.path!r}: fill_value {meta.get('fill_value')!r} of zarr.json is not "
-                    f"the saved value {entry.value!r}"
-                )
+            check_metadata(meta, entry.layout, entry.value)  # the codecs ckptd writes, nothing else
         except NotFoundError:
             report.errors.append(f"{where}: array {entry.path!r}: zarr.json is missing")
         except (ValueError, CheckpointError) as e:

@@ -243,6 +243,13 @@ class Store(abc.ABC):
         without a trailing slash. This is how checkpoints are found without listing every
         chunk."""
 
+    def list_dir_after(self, prefix: str, after: str) -> tuple[list[str], list[str]]:
+        """``list_dir(prefix)`` without the entries that sort at or before ``after`` (a name
+        relative to ``prefix``). S3 asks for the later ones alone (``StartAfter``): one request
+        when few follow, however many come before. Other stores filter a whole listing."""
+        names, folders = self.list_dir(prefix)
+        return [n for n in names if n > after], [f for f in folders if f > after]
+
     def head(self, key: str) -> ObjectInfo:
         """Size and mtime of one object. Raises NotFoundError."""
         check_key(key)

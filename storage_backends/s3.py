@@ -465,6 +465,15 @@ class S3Store(Store):
             folders += [p["Prefix"][strip:].rstrip("/") for p in page.get("CommonPrefixes", [])]
         return sorted(names), sorted(f for f in folders if f)
 
+    def list_dir_after(self, prefix: str, after: str) -> tuple[list[str], list[str]]:
+        prefix = check_dir_prefix(prefix)
+        strip = len(self._prefix) + len(prefix)
+        names, folders = [], []
+        for page in self._pages(prefix, Delimiter="/", StartAfter=self._prefix + prefix + after):
+            names += [o["Key"][strip:] for o in page.get("Contents", []) if o["Key"][strip:] > after]
+            folders += [p["Prefix"][strip:].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        return sorted(names), sorted(f for f in folders if f > after)
+
     def exists_root(self) -> bool:
         try:
             self._call("HeadBucket", "", self._client.head_bucket, Bucket=self.bucket)

@@ -529,10 +529,16 @@ class SimulatedStore(Store):
         return gen()
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        return self._list_dir(check_dir_prefix(prefix), None)
+
+    def list_dir_after(self, prefix: str, after: str) -> tuple[list[str], list[str]]:
         prefix = check_dir_prefix(prefix)
+        names, folders = self._list_dir(prefix, prefix + after)  # S3's StartAfter
+        return [n for n in names if n > after], [f for f in folders if f > after]
+
+    def _list_dir(self, prefix: str, after: str | None) -> tuple[list[str], list[str]]:
         names: list[str] = []
         folders: list[str] = []
-        after = None
         while True:
             objects, subs, after = self._request("LIST", prefix, lambda a=after: self._page(prefix, a, True))
             names += [o.key[len(prefix) :] for o in objects]

@@ -289,6 +289,17 @@ class StoreConformance:
         assert store.list_dir("ckpt/step-1/") == (["commit"], ["data"])
         assert store.list_dir("missing/") == ([], [])
 
+    def test_list_dir_after(self, store: Store) -> None:
+        """What ``list_dir`` gives, less what sorts at or before ``after``: the latest-step
+        reader trusts it to see every step folder after its start."""
+        for k in ["r/step_01/a", "r/step_02/a", "r/step_02/b/c", "r/step_10/a", "r/step_2", "r/z/a", "r/_l/x"]:
+            store.put(k, b"x")
+        assert store.list_dir_after("r/", "step_02") == (["step_2"], ["step_10", "z"])
+        assert store.list_dir_after("r", "step_01") == (["step_2"], ["step_02", "step_10", "z"])
+        assert store.list_dir_after("r/", "") == store.list_dir("r/")
+        assert store.list_dir_after("r/", "zz") == ([], [])
+        assert store.list_dir_after("missing/", "a") == ([], [])
+
     def test_get_limit(self, store: Store) -> None:
         """``get(key, limit=)`` refuses a larger object (before reading it) and returns one at
         the limit: metadata readers rely on it against huge or endless objects."""

@@ -48,6 +48,9 @@ try:
 except ImportError:  # pragma: no cover - an optional extra
     raise ImportError("trainer_hooks.ray needs Ray Train: pip install 'ckptd[ray]'") from None
 
+from ckptd import manifest as mf
+from ckptd.errors import CheckpointError
+from storage_backends import NotFoundError, open_store
 from trainer_hooks.checkpointer import Checkpointer
 from trainer_hooks.hook import CheckpointHook
 
@@ -72,9 +75,14 @@ def ckptd_step(checkpoint: ray.train.Checkpoint | None) -> tuple[str, int] | Non
     """``(root, step)`` from a checkpoint that ``report_committed`` made; None for None."""
     if checkpoint is None:
         return None
-    with checkpoint.as_directory() as d:
-        record = json.loads((Path(d) / CKPTD_CHECKPOINT_FILE).read_text())
-    return record["root"], int(record["step"])
+    with checkpoint.as_directory() as d, open_store(d) as store:
+        try:  # capped and without links, as every record ckptd reads from storage
+            record = mf.read_json(store, CKPTD_CHECKPOINT_FILE, d, "Ray checkpoint pointer", limit=64 * 1024)
+        except NotFoundError:
+            raise CheckpointError(f"{d}: no {CKPTD_CHECKPOINT_FILE} (not a checkpoint report_committed made)") from None
+    if not isinstance(record, dict) or not isinstance(record.get("root"), str) or not mf.is_count(record.get("step")):
+        raise CheckpointError(f"{d}: {CKPTD_CHECKPOINT_FILE} is not a ckptd pointer")
+    return record["root"], record["step"]
 
 
 class RayCheckpointHook(CheckpointHook):

@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="state key for a flat state dict (torch, safetensors) or for DCP top-level tensors (default: model)",
     )
     p.add_argument(
+        "--max-tensors",
+        type=int,
+        default=None,
+        metavar="N",
+        help="refuse a source of more than N tensors (default 250000; each tensor is an array to write)",
+    )
+    p.add_argument(
         "--trust-pickle",
         action="store_true",
         help="allow unpickling DCP's .metadata (a pickle can run code: only for a SRC you would torch.load)",
@@ -36,7 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     with job_root(args.uri) as store, Progress(f"importing {args.format}") as progress:
         res = import_checkpoint(
-            args.src, args.format, store, args.step, args.as_key, progress, trust_pickle=args.trust_pickle
+            args.src,
+            args.format,
+            store,
+            args.step,
+            args.as_key,
+            progress,
+            trust_pickle=args.trust_pickle,
+            max_tensors=args.max_tensors,
         )
     for text in res.notes:
         note(text)

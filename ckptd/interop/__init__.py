@@ -40,14 +40,18 @@ def import_checkpoint(
     progress: Progress | None = None,
     *,
     trust_pickle: bool = False,
+    max_tensors: int | None = None,
 ) -> ImportResult:
     """Write the checkpoint at ``src`` (format ``fmt``) into ``store`` as committed step ``step``.
 
     A DCP folder's ``.metadata`` is a pickle that only torch's unpickler reads, and unpickling can
     run code stored in it: ``dcp`` is refused unless the caller says it trusts ``src``
     (``trust_pickle=True``, ``ckptd import --trust-pickle``). The other formats unpickle nothing
-    (``weights_only=True``)."""
-    from ckptd.interop.common import _no_progress, write_import
+    (``weights_only=True``). More than ``max_tensors`` tensors (default
+    ``common.MAX_TENSORS``) is refused before anything is written."""
+    from ckptd.interop.common import MAX_TENSORS, _no_progress, write_import
+
+    max_tensors = MAX_TENSORS if max_tensors is None else max_tensors
 
     if fmt not in IMPORT_FORMATS:
         raise CheckpointError(f"unknown import format {fmt!r} (one of {', '.join(IMPORT_FORMATS)})")
@@ -58,8 +62,9 @@ def import_checkpoint(
             "would torch.load"
         )
     module = importlib.import_module(f"ckptd.interop.{IMPORT_FORMATS[fmt]}")
-    tree, load = module.read(src, as_key)
-    return write_import(store, step, tree, load, progress or _no_progress)
+    # safetensors counts its tensors from the headers, before making a stand-in for any
+    tree, load = module.read(src, as_key, max_tensors) if fmt == "safetensors" else module.read(src, as_key)
+    return write_import(store, step, tree, load, progress or _no_progress, max_tensors)
 
 
 def export_checkpoint(

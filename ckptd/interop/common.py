@@ -51,9 +51,12 @@ __all__ = [
     "ImportTree",
     "Item",
     "Loader",
+    "MAX_TENSORS",
     "Progress",
     "SavedCheckpoint",
+    "TRIM_BYTES",
     "WRITE_BEHIND_BYTES",
+    "check_count",
     "check_output",
     "flat_tensors",
     "one_line",
@@ -71,6 +74,24 @@ __all__ = [
 WRITE_BEHIND_BYTES = 32 * 1024 * 1024
 
 Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
+
+# An import's cost grows with its tensor count, not only its bytes: each tensor is an array (its
+# zarr.json, a manifest row, at least one put). A source's metadata is a few dozen bytes per
+# tensor, so a 20 MB safetensors header described 300,000 empty tensors and kept ``ckptd
+# import`` busy for over 20 minutes. The largest published models have under 100,000 tensors
+# (DeepSeek-V3: about 92,000); ``ckptd import --max-tensors`` raises the bound.
+MAX_TENSORS = 250_000
+# Heap trims and page releases run once per this many bytes of tensors, not once per tensor:
+# each walks the whole heap or the process's mappings.
+TRIM_BYTES = 16 * 1024 * 1024
+
+
+def check_count(n: int, max_tensors: int, where: str) -> None:
+    """CheckpointError when a source holds more than ``max_tensors`` tensors."""
+    if n > max_tensors:
+        raise CheckpointError(
+            f"{where}: {n} tensors, more than the {max_tensors} an import accepts (--max-tensors to allow more)"
+        )
 
 
 def _no_progress(done: int, total: int) -> None:
@@ -169,13 +190,17 @@ def write_import(
     tree: ImportTree,
     load: Loader,
     progress: Progress = _no_progress,
+    max_tensors: int = MAX_TENSORS,
 ) -> ImportResult:
     """Write ``tree`` as committed checkpoint ``step``, fetching tensors through ``load``.
+    More than ``max_tensors`` tensors is refused before anything is written.
 
     The step must not be committed yet (checked before any data is read). A failure leaves a
     partial folder that nothing restores and the next attempt replaces."""
     state, items = tree.encode()
+    check_count(len(items), max_tensors, tree.info.get("path", "source"))
     total_bytes = sum(it.nbytes for it in items)
+    since_trim = 0
     with CheckpointWriter(
         store, step, layout_info={"imported_from": tree.info}, max_pending_bytes=WRITE_BEHIND_BYTES
     ) as w:
@@ -189,7 +214,10 @@ def write_import(
                 )
             w.write_tensor(it.key, t)
             del t
-            trim_heap()
+            since_trim += it.nbytes
+            if since_trim >= TRIM_BYTES:  # not per tensor: malloc_trim walks the whole heap
+                trim_heap()
+                since_trim = 0
             done += 1
             progress(done, len(items))
         if done != len(items):

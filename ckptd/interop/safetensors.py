@@ -29,25 +29,31 @@ from typing import Any
 
 import torch
 
+from ckptd import manifest as mf
 from ckptd.dtypes import as_numpy
 from ckptd.errors import CheckpointError
 from ckptd.interop.common import (
+    MAX_TENSORS,
+    TRIM_BYTES,
     ExportResult,
     ImportTree,
     Item,
     Progress,
     SavedCheckpoint,
     _no_progress,
+    check_count,
     check_output,
     flat_tensors,
     release_file_pages,
     staged_output,
     trim_heap,
 )
+from storage_backends import NotFoundError, StorageError, open_store
 
-__all__ = ["INDEX", "SINGLE", "read", "shard", "write"]
+__all__ = ["INDEX", "MAX_INDEX_BYTES", "SINGLE", "read", "shard", "write"]
 
 INDEX = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # an index of 100,000 tensors is about 10 MB
 SINGLE = "model.safetensors"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -103,10 +109,14 @@ def _files(src: str) -> tuple[list[str], dict[str, str] | None]:
 
 
 def _from_index(index: str) -> tuple[list[str], dict[str, str]]:
+    # Read as every record is: through a store (no link, no FIFO), capped before reading.
+    folder, name = os.path.split(os.path.abspath(index))
     try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        doc = mf.read_json(open_store(folder), name, index, "safetensors index", MAX_INDEX_BYTES)
+        weight_map = doc["weight_map"]
+    except NotFoundError:
+        raise CheckpointError(f"{index}: no such file (or not a regular file)") from None
+    except (StorageError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: weight_map is not an object")
@@ -120,7 +130,9 @@ def _from_index(index: str) -> tuple[list[str], dict[str, str]]:
     return files, weight_map
 
 
-def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
+def read(src: str, as_key: str = "model", max_tensors: int = MAX_TENSORS) -> tuple[ImportTree, Any]:
+    """The tree of ``src``'s tensors. More than ``max_tensors`` in all is refused as soon as a
+    header is read, before a stand-in is made for any."""
     safe_open = _safe_open()
     files, weight_map = _files(src)
     tree = ImportTree(info={"format": "safetensors", "path": os.path.abspath(src)})
@@ -133,6 +145,7 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
                 if md:
                     metadata[os.path.basename(path)] = dict(md)
                 names = f.keys()  # a safe_open handle is not iterable
+                check_count(len(tensors) + len(names), max_tensors, path)
                 for name in names:
                     if weight_map is not None and weight_map.get(name) != os.path.basename(path):
                         continue  # the index says another shard holds it
@@ -159,13 +172,20 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
 
     def load(items: list[Item]) -> Iterator[tuple[Item, torch.Tensor]]:
         handles: dict[str, Any] = {}
+        touched: dict[str, int] = {}  # bytes read from each file since its pages were released
         try:
             for it in items:
                 path, name = it.source
                 if path not in handles:
                     handles[path] = safe_open(path, framework="pt").__enter__()
                 yield it, handles[path].get_tensor(name)
-                release_file_pages(path)
+                touched[path] = touched.get(path, 0) + it.nbytes
+                if touched[path] >= TRIM_BYTES:  # not per tensor: each release reads the mappings
+                    release_file_pages(path)
+                    touched[path] = 0
+            for path, n in touched.items():
+                if n:
+                    release_file_pages(path)
         finally:
             for h in handles.values():
                 h.__exit__(None, None, None)

@@ -27,6 +27,7 @@ import torch
 
 from ckptd.errors import CheckpointError
 from ckptd.interop.common import (
+    TRIM_BYTES,
     ExportResult,
     ImportTree,
     Item,
@@ -85,10 +86,15 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
     tree.add(as_key, "dict", dict(obj))
 
     def load(items: list[Item]) -> Iterator[tuple[Item, torch.Tensor]]:
+        touched = 0  # bytes read since the mapping's pages were released: per 16 MiB, not per tensor
         for it in items:
             yield it, it.source
-            if mapped:
+            touched += it.nbytes
+            if mapped and touched >= TRIM_BYTES:
                 release_file_pages(src)
+                touched = 0
+        if mapped and touched:
+            release_file_pages(src)
 
     return tree, load
 

@@ -144,10 +144,13 @@ def test_a_chain_end_that_never_committed_falls_back_to_listing():
     store = MemoryStore()
     assert _commit(store, 100)
     assert latest.link(store, 200, catalog.latest_step_by_listing)  # its save died after linking
-    assert latest.latest_from_chain(store) == (False, None)
+    assert latest.latest_from_chain(store) == (True, 100)  # the hint, and nothing after it
     assert catalog.latest_step(store) == 100
     assert _commit(store, 150)  # the job resumed from 100 and saves 150 < 200: not linked
-    assert catalog.latest_step(store) == 150  # the chain cannot answer; listing does
+    assert catalog.latest_step(store) == 150  # a folder after the hint
+    store.delete(latest.HINT)
+    assert latest.latest_from_chain(store) == (False, None)  # the chain's end never committed
+    assert catalog.latest_step(store) == 150  # listing
     assert _commit(store, 300)
     assert latest.latest_from_chain(store) == (True, 300)
 

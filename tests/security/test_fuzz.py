@@ -266,3 +266,132 @@ def test_daemon_deep_bodies_and_tampered_root(daemon):
             assert r.status_code < 500 or r.status_code == 502, (path, r.status_code, r.text)
             assert r.status_code != 500, (path, r.text)
         assert c.get("/healthz").status_code == 200
+
+
+# ------------------------------------------------------------- torch-free readers (issue 27)
+
+CHUNK = f"{STEP}/arrays/model/w/c/0/0"
+BYTES_MUTATION = st.tuples(
+    st.sampled_from(["flip", "truncate", "append", "replace"]), st.integers(0, 1 << 12), st.binary(max_size=64)
+)
+READER_TARGETS = [
+    "arrays/model/w/zarr.json",
+    "arrays/model/big/zarr.json",
+    "arrays/model/zarr.json",
+    "zarr.json",
+    "manifest.json",
+    "chunk",
+    "shard",
+]
+
+
+def _mutate_bytes(data: bytes, how: str, at: int, extra: bytes) -> bytes:
+    at = at % (len(data) + 1)
+    if how == "flip":
+        return data[:at] + bytes([data[at] ^ 0x5A]) + data[at + 1 :] if at < len(data) else data + b"\0"
+    if how == "truncate":
+        return data[:at]
+    if how == "append":
+        return data + extra
+    return data[:at] + extra + data[at + len(extra) :]
+
+
+def _reader_state() -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(3)  # "big" is sharded: 15 inner chunks and an index
+    return {"model": {"w": torch.randn(16, 8, generator=g), "big": torch.randn(300, 1000, generator=g)}}
+
+
+@pytest.fixture(scope="module")
+def pristine_reader_root(tmp_path_factory):
+    from trainer_hooks import Checkpointer
+
+    root = tmp_path_factory.mktemp("fuzz-open") / "pristine"
+    ckpt = Checkpointer(str(root))
+    try:
+        ckpt.save(1, _reader_state()).result()
+    finally:
+        ckpt.close()
+    return root
+
+
+@SETTINGS
+@given(
+    target=st.sampled_from(READER_TARGETS),
+    json_mutation=MUTATION,
+    bytes_mutation=BYTES_MUTATION,
+    how=st.sampled_from(["array", "group"]),
+    key=st.sampled_from(["model/w", "model/big"]),
+)
+def test_open_array_and_open_group_on_mutated_files_raise_only_checkpoint_error(
+    pristine_reader_root, target, json_mutation, bytes_mutation, how, key
+):
+    import numpy as np
+
+    import ckptd
+
+    want = _reader_state()["model"][key.split("/")[1]].numpy()
+    with tempfile.TemporaryDirectory(prefix="ckptd-fuzz-open-") as tmp:
+        root = Path(tmp) / "root"
+        shutil.copytree(pristine_reader_root, root, symlinks=True)
+        if target in ("chunk", "shard"):
+            path = root / (CHUNK if target == "chunk" else CHUNK.replace("model/w", "model/big"))
+            data = path.read_bytes()
+            at = bytes_mutation[1] * (97 if target == "shard" else 1)  # reach the index too
+            path.write_bytes(_mutate_bytes(data, bytes_mutation[0], at, bytes_mutation[2]))
+        else:
+            path = root / STEP / target
+            path.write_text(json.dumps(_mutate(json.loads(path.read_text()), *json_mutation)))
+        try:
+            if how == "array":
+                got = np.asarray(ckptd.open_array(str(root), key).read().result())
+            else:
+                got = np.asarray(ckptd.open_group(str(root))[f"arrays/{key}"][...])
+        except CheckpointError:
+            return  # the one error type; anything else fails the test
+        # Read without an error: then they are the saved values, never others.
+        assert got.shape == want.shape and np.array_equal(got, want), (target, json_mutation, bytes_mutation)
+
+
+# ------------------------------------------------------------------ the _latest chain (issue 27)
+
+CHAIN_VALUE = (
+    JSON.map(lambda v: json.dumps(v).encode())
+    | st.integers(-(2**40), 2**40).map(lambda n: str(n).encode())
+    | st.sampled_from([b"", b"[" * 5000, b"9" * 11, b"9999999999", b"2", b"1", b"3", b"0", b"4 ", b"1e3", b"true"])
+    | st.binary(max_size=32)
+)
+CHAIN_KEYS = ["hint.json", "first.json", "after_0000000001.json", "after_0000000002.json", "after_0000000003.json"]
+
+
+@pytest.fixture(scope="module")
+def pristine_chain_root(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fuzz-chain")
+    return make_root(base / "pristine", steps=(1, 2, 3))
+
+
+@SETTINGS
+@given(edits=st.lists(st.tuples(st.sampled_from(CHAIN_KEYS), st.none() | CHAIN_VALUE), min_size=1, max_size=5))
+def test_a_mutated_latest_chain_never_changes_the_restored_step(pristine_chain_root, edits):
+    import torch
+
+    from trainer_hooks import Checkpointer
+
+    with tempfile.TemporaryDirectory(prefix="ckptd-fuzz-chain-") as tmp:
+        root = Path(tmp) / "root"
+        shutil.copytree(pristine_chain_root, root, symlinks=True)
+        for name, value in edits:  # None: the object deleted (a dropped link)
+            path = root / "_latest" / name
+            path.unlink(missing_ok=True)
+            if value is not None:
+                path.write_bytes(value)
+        state = {"model": {"w": torch.zeros(16, 8), "b": torch.zeros(8)}, "meta": {"epoch": -1}}
+        ckpt = Checkpointer(str(root))
+        try:
+            assert ckpt.latest_step() == 3, edits
+            assert ckpt.restore(state) == 3 and state["meta"]["epoch"] == 3, edits
+            ckpt.save(4, {"model": {"w": torch.ones(16, 8), "b": torch.ones(8)}, "meta": {"epoch": 4}}).result()
+            assert ckpt.latest_step() == 4, edits
+        finally:
+            ckpt.close()
