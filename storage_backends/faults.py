@@ -390,6 +390,13 @@ class FailingStore(Store):
         self._check(key)
         return self._store.put_if_absent(key, data)
 
+    def put_new(self, key: str, data: Data) -> object:
+        self._check(key)
+        return self._store.put_new(key, data)
+
+    def delete_if(self, key: str, tag: object) -> bool:
+        return self._store.delete_if(key, tag)
+
     def __getattr__(self, name):
         return getattr(self._store, name)
 

@@ -72,6 +72,12 @@ class _Counted:
         self._store.put_deferred(key, data)
         self._add(data)
 
+    def put_new(self, key, data):
+        self._fault_delay(key)
+        tag = self._store.put_new(key, data)
+        self._add(data)
+        return tag
+
     def _fault_delay(self, key: str) -> None:
         if self._fault_delay_s > 0 and f"/{mf.ARRAYS}/" in key:
             time.sleep(self._fault_delay_s)
