@@ -76,6 +76,10 @@ WRITER_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 
 
 DEFAULT_STALE_S = 900.0
+DEFAULT_LEASE_S = 60.0
+
+# A claim file name: six digits, or more without a leading zero (total: 999999 -> 1000000).
+_CLAIM_NAME = re.compile(r"(\d{6}|[1-9]\d{6,17})\.json")
 
 
 def stale_after() -> float:
@@ -86,6 +90,26 @@ def stale_after() -> float:
         return float(raw) if raw else DEFAULT_STALE_S
     except ValueError:
         raise CheckpointError(f"CKPTD_STALE_ATTEMPT_S={raw!r}: expected a number of seconds") from None
+
+
+def lease_s() -> float:
+    """Seconds after its attempt's last heartbeat (or its claim) before another writer may take
+    a step over: ``CKPTD_CLAIM_LEASE_S`` (default 60), or ``CKPTD_STALE_ATTEMPT_S`` if that is
+    shorter (it stays the bound it always was); the heartbeat renews it every quarter."""
+    raw = os.environ.get("CKPTD_CLAIM_LEASE_S", "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_LEASE_S
+    except ValueError:
+        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a positive number of seconds")
+    return min(value, stale_after())
+
+
+def clamp(t: float, now: float) -> float:
+    """A time read from storage, clamped to ``now``: a claim or heartbeat dated in the future
+    (a forged file time, a skewed clock) counts as written now, never as alive for years."""
+    return min(t, now) if t == t else 0.0  # NaN: as old as can be
 
 
 def check_writer(writer: str) -> str:
@@ -110,7 +134,7 @@ def claims(store: Store, step: int) -> list[tuple[int, dict]]:
     out = []
     for o in store.list(prefix):
         name = o.key[len(prefix) :]
-        if not re.fullmatch(r"\d{6}\.json", name):
+        if not _CLAIM_NAME.fullmatch(name):
             continue
         try:
             data = store.get(o.key, limit=mf.MAX_RECORD_BYTES)
@@ -122,7 +146,7 @@ def claims(store: Store, step: int) -> list[tuple[int, dict]]:
             rec = mf.loads(data, prefix, "claim")
         except CheckpointError:
             rec = {}
-        out.append((int(name[:6]), rec if isinstance(rec, dict) else {}))
+        out.append((int(name[:-5]), rec if isinstance(rec, dict) else {}))
     return sorted(out, key=lambda x: x[0])
 
 
@@ -142,15 +166,63 @@ def _idle_seconds(store: Store, step: int) -> float:
         (o.mtime for o in store.list(prefix) if not (o.key.startswith(outcomes) and "/" in o.key[len(outcomes) :])),
         default=0.0,
     )
-    return time.time() - newest
+    now = time.time()
+    return now - clamp(newest, now)
 
 
-def begin(store: Store, step: int, attempt: str, writer: str) -> None:
+def alive_prefix(step: int, attempt: str) -> str:
+    """Where the ranks of ``attempt`` renew their lease on ``step`` (beside the outcomes)."""
+    return f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/alive/"
+
+
+def lease_age(store: Store, step: int, n: int, attempt: str) -> float:
+    """Seconds since claim ``n`` of ``step`` or a heartbeat of ``attempt`` (the claim's) was last
+    written, every time clamped to now."""
+    now = time.time()
+    times = [o.mtime for o in store.list(claim_key(step, n))]
+    times += [o.mtime for o in store.list(f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/")]
+    return now - max((clamp(t, now) for t in times), default=0.0)
+
+
+class Heartbeat:
+    """Renews ``attempt``'s lease on ``step`` while a rank writes it: a small thread re-puts
+    ``<step>/_claims/<attempt>/alive/<rank>.json`` every quarter of the lease. Stop it (or leave
+    the ``with`` block) when the rank's part is done. A failed renewal is logged, never raised:
+    the lease then runs out, which only allows another writer to fence this one off."""
+
+    def __init__(self, store: Store, step: int, attempt: str, rank: int, period: float | None = None):
+        self._store = store
+        self._key = f"{alive_prefix(step, attempt)}{rank:06d}.json"
+        self._period = period if period is not None else max(0.05, lease_s() / 4)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ckptd-heartbeat-{step}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self._store.put(self._key, mf.dumps({"time": time.time()}))
+            except (StorageError, OSError) as e:
+                log.warning("cannot renew the lease %s: %s", self._key, e)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
+def begin(store: Store, step: int, attempt: str, writer: str, *, sole: bool = True) -> None:
     """Claim ``step`` for (``writer``, ``attempt``) before writing a byte of it; see the module
     docstring for the rule. Called by every rank of the attempt (it is idempotent across them).
-    Raises AlreadyCommitted, StepClaimed or CheckpointError; writes nothing but a claim."""
+    Raises AlreadyCommitted, StepClaimed or CheckpointError; writes nothing but a claim, and on a
+    takeover deletes what the superseded attempts left (:func:`clear_superseded`). ``sole``: no
+    rank of this attempt writes before this call returns (rank 0's claim, the daemon's); False
+    (``persist(claim="each")``) keeps objects as new as the claim, which another rank of the
+    attempt may have written already."""
     where = catalog.where(store, step)
-    record = mf.dumps({"writer": writer, "attempt": attempt, "time": time.time()})
+    record = mf.dumps({"writer": writer, "attempt": attempt, "time": time.time(), "lease": lease_s()})
     try:
         for _ in range(16):
             if store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
@@ -170,25 +242,68 @@ def begin(store: Store, step: int, attempt: str, writer: str) -> None:
                 )
             other = rec.get("writer") or "an unknown writer"
             if rec.get("writer") != writer:
-                idle = _idle_seconds(store, step)
-                limit = stale_after()
+                idle, limit, what = liveness(store, step, n, rec)
                 if idle < limit:
                     raise StepClaimed(
                         f"{where}: step {step} is being written by job {other!r} (attempt "
-                        f"{rec.get('attempt')!r}, last write {idle:.0f} s ago); refusing to write it as job "
-                        f"{writer!r}: two writers on one job root. Stop the other job, or wait "
-                        f"{limit:.0f} s (CKPTD_STALE_ATTEMPT_S) if it is dead"
+                        f"{rec.get('attempt')!r}, {what} {idle:.0f} s ago); refusing to write it as job "
+                        f"{writer!r}: two writers on one job root. Stop the other job; if it is dead, "
+                        f"its claim expires {limit:.0f} s after its {what}, or retire it now with "
+                        f"`ckptd fence {store.uri} --job {other}`"
                     )
-                log.warning("%s: taking over step %d from job %r, idle for %.0f s", where, step, other, idle)
+                log.warning("%s: taking over step %d from job %r, %s %.0f s ago", where, step, other, what, idle)
             if store.put_if_absent(claim_key(step, n + 1), record):
                 if rec.get("writer") == writer:
                     log.info(
                         "%s: attempt %s replaces this job's earlier attempt %s", where, attempt, rec.get("attempt")
                     )
+                clear_superseded(store, step, where, None if sole else claim_key(step, n + 1))
                 return
         raise CheckpointError(f"{where}: could not claim step {step}: too many concurrent claims")
     except StorageError as e:
         raise CheckpointError(f"{where}: cannot claim step {step}: {e}") from e
+
+
+def liveness(store: Store, step: int, n: int, rec: dict) -> tuple[float, float, str]:
+    """(seconds since the owner of claim ``n`` was last seen alive, the limit past which it may
+    be taken over, what was seen). A claim with a lease (this version's) is alive while its
+    attempt renews it (:class:`Heartbeat`); an older claim (no lease) by its step's newest data
+    write, up to ``CKPTD_STALE_ATTEMPT_S``."""
+    if isinstance(rec.get("lease"), int | float) and isinstance(rec.get("attempt"), str):
+        attempt = rec["attempt"]
+        if WRITER_RE.match(attempt):
+            return lease_age(store, step, n, attempt), lease_s(), "last heartbeat"
+    return _idle_seconds(store, step), stale_after(), "last write"
+
+
+def clear_superseded(store: Store, step: int, where: str, newer_than: str | None = None) -> int:
+    """Remove every object the superseded attempts left in ``step`` (data, metadata, done
+    records; never ``commit.json`` and nothing under ``_claims/``: the claims, and the small
+    attempt-scoped outcome and heartbeat records, which a superseded attempt's ranks still read
+    to learn at once that they were superseded) right after this
+    attempt's claim superseded them and before it writes a byte: with create-only data writes a
+    late write of theirs then either lands before ours (our create fails: the save fails, never
+    mixed) or fails. A commit record found here means the step was committed meanwhile:
+    AlreadyCommitted, nothing deleted. ``newer_than`` (a claim key): objects written since that
+    claim (storage times) are kept -- the claimant's own ranks may be writing already."""
+    folder = f"{mf.step_dir(step)}/"
+    claims_prefix = f"{folder}{CLAIMS}/"
+    since = store.head(newer_than).mtime if newer_than is not None else None
+    doomed = []
+    for o in store.list(folder):
+        if since is not None and o.mtime >= since:
+            continue
+        rel = o.key[len(folder) :]
+        if rel == mf.COMMIT:
+            raise AlreadyCommitted(f"{where}: step {step} was committed by the attempt being taken over")
+        if o.key.startswith(claims_prefix):
+            continue
+        doomed.append(o.key)
+    for key in doomed:
+        store.delete(key)
+    if doomed:
+        log.warning("%s: removed %d objects of the superseded attempts before writing", where, len(doomed))
+    return len(doomed)
 
 
 # -- one claim per attempt (issue 17): rank 0 claims, the others read its outcome ----------------
@@ -295,7 +410,7 @@ def trusted(claimed_at: float) -> bool:
     without a :func:`begin` of one's own: for a quarter of ``CKPTD_STALE_ATTEMPT_S``. Past that,
     another writer may have taken a step that looked idle over, so a rank that writes on a go
     that old could mix its data into that writer's."""
-    return time.time() - claimed_at <= stale_after() / 4
+    return time.time() - claimed_at <= min(stale_after(), lease_s()) / 4
 
 
 def _read_outcome(store: Store, key: str, attempt: str, writer: str, where: str) -> dict | None:
@@ -349,7 +464,15 @@ def reclaim(store: Store, steps: list[int], writer: str) -> list[int]:
 
 
 __all__ = [
+    "DEFAULT_LEASE_S",
     "DEFAULT_STALE_S",
+    "Heartbeat",
+    "alive_prefix",
+    "clamp",
+    "clear_superseded",
+    "lease_age",
+    "lease_s",
+    "liveness",
     "LEADER",
     "OUTCOME_GROUP",
     "begin",
