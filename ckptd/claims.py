@@ -106,10 +106,17 @@ def lease_s() -> float:
     return min(value, stale_after())
 
 
+MAX_SKEW_S = 60.0  # how far ahead of this host's clock a storage time may be and still count
+
+
 def clamp(t: float, now: float) -> float:
-    """A time read from storage, clamped to ``now``: a claim or heartbeat dated in the future
-    (a forged file time, a skewed clock) counts as written now, never as alive for years."""
-    return min(t, now) if t == t else 0.0  # NaN: as old as can be
+    """A time read from storage, clamped to ``now``: a claim or heartbeat dated up to
+    ``MAX_SKEW_S`` in the future (a storage clock ahead of ours) counts as written now; one
+    dated further ahead (a forged file time) is no evidence of anything and counts as never
+    written (0), not as alive for years -- read at every check, "now" would never expire."""
+    if t != t or t > now + MAX_SKEW_S:  # NaN, or absurdly far ahead
+        return 0.0
+    return min(t, now)
 
 
 def check_writer(writer: str) -> str:
@@ -467,6 +474,7 @@ __all__ = [
     "DEFAULT_LEASE_S",
     "DEFAULT_STALE_S",
     "Heartbeat",
+    "MAX_SKEW_S",
     "alive_prefix",
     "clamp",
     "clear_superseded",
