@@ -275,7 +275,10 @@ def liveness(store: Store, step: int, n: int, rec: dict) -> tuple[float, float, 
     """(seconds since the owner of claim ``n`` was last seen alive, the limit past which it may
     be taken over, what was seen). A claim with a lease (this version's) is alive while its
     attempt renews it (:class:`Heartbeat`); an older claim (no lease) by its step's newest data
-    write, up to ``CKPTD_STALE_ATTEMPT_S``."""
+    write, up to ``CKPTD_STALE_ATTEMPT_S``. An operator's fencing claim (``ckptd fence``,
+    ``ckptd.fencing``) is never alive."""
+    if rec.get("writer") == "ckptd-fence" and isinstance(rec.get("fenced"), str):
+        return float("inf"), 0.0, "fencing claim (ckptd fence), written"
     if isinstance(rec.get("lease"), int | float) and isinstance(rec.get("attempt"), str):
         attempt = rec["attempt"]
         if WRITER_RE.match(attempt):

@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "show": "show",
     "verify": "verify",
     "gc": "gc",
+    "fence": "fence",
     "quarantine": "quarantine",
     "unquarantine": "unquarantine",
     "serve": "serve",

@@ -119,7 +119,7 @@ def test_a_stopped_local_writer_never_mixes_or_deletes_the_new_commit(tmp_path, 
         if a.poll() is None:
             os.kill(a.pid, signal.SIGCONT)
             a.kill()
-            a.wait()
+            a.communicate()
     err = json.loads((out / "result.json").read_text())["error"]
     assert err is not None, "the late writer was told its save committed"
     # neither A's late writes nor its cleanup touched B's commit
