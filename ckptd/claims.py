@@ -18,11 +18,26 @@ the newest claim (:func:`owner`). A claimant that finds the newest claim naming:
 * another attempt of its *own writer* (the same job restarted after preemption, or a save of
   this step that failed): takes the step over by creating claim ``n+1`` -- unless its own
   attempt already held an older claim (it was superseded: it never takes the step back);
-* another writer, whose step folder has seen no write for ``CKPTD_STALE_ATTEMPT_S`` seconds
-  (default 900, i.e. the other job is dead; :func:`stale_after`): takes it over the same way,
-  with a warning;
-* another writer, recently active: refuses with :class:`StepClaimed`, naming that job, and
-  writes and deletes nothing.
+* another writer whose lease ran out (:func:`liveness`): takes it over the same way, with a
+  warning. Liveness is a lease, not the age of data: every rank of an attempt renews it while it
+  writes (:class:`Heartbeat`: ``<step>/_claims/<attempt>/alive/<rank>.json`` re-put every
+  quarter lease), and the claim is dead once its newest heartbeat (or the claim itself) is
+  older than ``CKPTD_CLAIM_LEASE_S`` (60 s; :func:`lease_s`). A claim written by an older
+  version (no ``lease`` field) falls back to the step's newest data write and
+  ``CKPTD_STALE_ATTEMPT_S`` (900 s; :func:`stale_after`), which also caps the lease. Every time
+  read from storage is clamped to now (:func:`clamp`: a time far in the future is no evidence
+  of life); an operator's fencing claim (``ckptd fence``) is never alive;
+* another writer, alive: refuses with :class:`StepClaimed`, naming that job and the
+  ``ckptd fence`` command, and writes and deletes nothing.
+
+A claim that supersedes another attempt (a takeover, of either kind) first removes everything
+the superseded attempts left in the step but the ``_claims/`` records (:func:`clear_superseded`)
+-- before a byte of its own is written. Data is written create-only (``Store.put_new``), so a
+late write of a superseded attempt either lands before ours (our create fails: the save fails
+and a retry takes over again, never mixed) or fails; and a superseded attempt deletes nothing
+in its cleanup (``persist.clean_up``). Claim numbers are total: ``<n>.json`` is six digits or
+more (``999999`` is followed by ``1000000``, read back like any other). The argument in full:
+``docs/reliability.md``, "Fencing".
 
 A committed step is never claimed again (:class:`AlreadyCommitted`, before a byte is written).
 The in-process writer remembers steps whose save failed and, at its next save (after the
@@ -454,16 +469,20 @@ def check_abort(abort: threading.Event | None, where: str) -> None:
 # ---------------------------------------------------------------------------------- reclaim
 
 
-def reclaim(store: Store, steps: list[int], writer: str) -> list[int]:
+def reclaim(store: Store, steps: list[int], writer: str, attempts: set[str] | None = None) -> list[int]:
     """Delete the folders of ``steps`` that are still partial and whose newest claim is
-    ``writer``'s: leftovers of this writer's failed saves. Call it only when no rank of the
-    writer can still be writing them (the in-process writer: at its next save). Best effort:
-    failures are logged. Returns the steps deleted."""
+    ``writer``'s -- and, given ``attempts``, one of those attempts (the caller's own failed
+    saves: a restarted process of the same job that took a step over since is another attempt,
+    whose data is not ours to delete): leftovers of this writer's failed saves. Call it only
+    when no rank of those attempts can still be writing them (the in-process writer: at its
+    next save). Best effort: failures are logged. Returns the steps deleted."""
     gone = []
     for step in steps:
         try:
             rec = owner(store, step)
             if store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}") or rec is None or rec.get("writer") != writer:
+                continue
+            if attempts is not None and rec.get("attempt") not in attempts:
                 continue
             n = store.delete_prefix(f"{mf.step_dir(step)}/")
             log.warning("removed %d objects of this job's failed save %s", n, catalog.where(store, step))

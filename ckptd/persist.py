@@ -11,7 +11,8 @@ step, on every rank, on a background thread::
       1. claim          rank 0: claims.lead_claim; the others: claims.follow_claim (one begin per
                         attempt); claim="each": claims.begin on every rank; claim="caller": the
                         caller claimed (the daemon: server.shared_claim.SharedClaim)
-      2. write data     shards + metadata with put_deferred, in parallel (_write_data)
+      2. write data     shards + metadata with put_new (create-only), in parallel (_write_data),
+                        while a Heartbeat renews the attempt's lease on the step
       3. store.sync()   one durability barrier for all of it
       4. done record    donetree.write_done: this rank's data is durable
       5. commit.climb   climb the done tree; the rank that completes it checks the step and

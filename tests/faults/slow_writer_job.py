@@ -1,7 +1,7 @@
 """A writer that stalls in the middle of its save, for the slow-writer tests:
 ``python -m tests.faults.slow_writer_job ROOT JOB_ID SEED STEP OUT``.
 
-Saves ``state(SEED)`` at STEP as job JOB_ID. Its first data write (a shard under ``arrays/``)
+Saves ``state(SEED)`` at STEP as job JOB_ID. Its first shard write (``arrays/.../c/...``)
 writes ``OUT/writing`` and then blocks reading a line from stdin, so the test can SIGSTOP the
 process there (its lease heartbeat stops with it), let another job take the step over, SIGCONT
 it and release its remaining writes with a line on stdin. What became of the save goes to
@@ -31,7 +31,7 @@ def main(root: str, job_id: str, seed: int, step: int, out: Path) -> None:
     held = []
 
     def put_new(key, data):
-        if "/arrays/" in key and first.acquire(blocking=False):
+        if "/arrays/" in key and "/c/" in key and first.acquire(blocking=False):  # a shard, not a zarr.json
             held.append(key)
             (out / "writing").write_text(key)
             sys.stdin.readline()  # held here (a slow disk, a GC pause) until the test says go
