@@ -562,10 +562,13 @@ class S3Store(Store):
             raise ExistsError(f"{self._where(key)}: exists; a create-only write never replaces it") from None
 
     def _multipart_conditional(self, key: str, size: int) -> bool:
-        """Whether a create-only put of ``size`` bytes may be a multipart upload here."""
+        """Whether a create-only put of ``size`` bytes may be a multipart upload here. A probe
+        that failed before deciding (the store refused it) is raised, not taken for a no."""
         try:
             self._require_conditional_complete(key, size)
         except StorageError:
+            if self._conditional_complete is None:
+                raise
             return False
         return True
 
@@ -630,6 +633,10 @@ class S3Store(Store):
                     self._conditional_complete = True
                     with contextlib.suppress(StorageError):
                         self._abort(probe, uid)
+                except BaseException:  # the probe itself failed (undecided): leave no upload behind
+                    with contextlib.suppress(StorageError):
+                        self._abort(probe, uid)
+                    raise
             finally:
                 with contextlib.suppress(StorageError):
                     self._call("DeleteObject", "", c.delete_object, Bucket=b, Key=probe)
