@@ -63,10 +63,11 @@ def _protocol_modules() -> list:
 
 
 @contextlib.contextmanager
-def virtual_time(clock: VirtualClock):
+def virtual_time(clock: VirtualClock, epoch: float | None = None):
+    """The protocol modules read ``clock`` (from ``epoch``, VirtualTime's default if None)."""
     saved = [(m, m.time) for m in _protocol_modules() if hasattr(m, "time")]
     for m, _ in saved:
-        m.time = VirtualTime(clock)
+        m.time = VirtualTime(clock) if epoch is None else VirtualTime(clock, epoch)
     try:
         yield
     finally:
