@@ -127,7 +127,12 @@ def test_a_stopped_local_writer_never_mixes_or_deletes_the_new_commit(tmp_path, 
 
 
 @pytest.mark.s3
-def test_an_s3_writer_whose_puts_land_late_never_mixes_the_new_commit(s3_target, short_lease, monkeypatch):
+@pytest.mark.parametrize("save_timeout", [1800.0, 1.0], ids=["waiting", "abandoned"])
+def test_an_s3_writer_whose_puts_land_late_never_mixes_the_new_commit(
+    s3_target, short_lease, monkeypatch, save_timeout
+):
+    """ "abandoned": A's save_timeout expires while its PUTs are held (its future fails at once);
+    its writes land later, and then its cleanup runs -- and must delete nothing of B's."""
     held = FaultPlan(
         rules=[
             Rule(lambda r: r.op == "PutObject" and "/arrays/" in r.path, "late", times=10**6),
@@ -138,7 +143,7 @@ def test_an_s3_writer_whose_puts_land_late_never_mixes_the_new_commit(s3_target,
     with FaultProxy(s3_target.url, held) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         monkeypatch.setenv("CKPTD_S3_MAX_ATTEMPTS", "1")
-        ck_a = Checkpointer(s3_target.root, job_id="job-a")  # A talks to S3 through the proxy
+        ck_a = Checkpointer(s3_target.root, job_id="job-a", save_timeout=save_timeout)  # through the proxy
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3_target.url)
         try:
             fut = ck_a.save(3, state(1))
@@ -152,6 +157,10 @@ def test_an_s3_writer_whose_puts_land_late_never_mixes_the_new_commit(s3_target,
             proxy.release_late()  # A's held PUTs land now, after B's commit
             with pytest.raises(Exception):  # noqa: B017 - A learns its save failed
                 fut.result(timeout=240)
+            assert bool(ck_a._sink._abandoned) == (save_timeout < 10)
+            for _, t in ck_a._sink._abandoned:  # an abandoned save's thread: its late writes, its cleanup
+                t.join(240)
+                assert not t.is_alive()
         finally:
             proxy.release_late()
             ck_a.close()
