@@ -4,7 +4,10 @@ The same events and invariants as the CI campaign (``tests/faults/test_campaign.
 ``tests.faults.campaign``), in the hundreds: trainers, ``ckptd gc`` and ``ckptd serve`` killed
 with SIGKILL at random points; saves through a fault proxy failing 10% and 50% of S3 requests
 (500, 503 SlowDown, resets, responses cut or lost after the request took effect, delays,
-stalls); a tmpfs filled up at random points of a save. After every event every committed step
+stalls); a tmpfs filled up at random points of a save; slow writers SIGSTOPped mid-save whose
+step another job (or the same job id, restarted) takes over after their lease, then resumed;
+S3 writers partitioned but for their data PUTs, held by a proxy of their own until another job
+committed their step. After every event every committed step
 is verified and the newest restored bitwise; an invariant that fails is counted and quoted, the
 campaign goes on. ``--minutes`` bounds the wall time: phases run in turn, each its share.
 
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--s3-saves", type=int, default=20, help="saves run to completion at each fault rate")
     ap.add_argument("--rates", default="0.1,0.5", help="S3 request fault rates")
     ap.add_argument("--daemon-kills", type=int, default=10)
+    ap.add_argument(
+        "--slow-writers", type=int, default=10, help="writers SIGSTOPped mid-save, taken over, resumed (half same id)"
+    )
+    ap.add_argument("--partitions", type=int, default=6, help="S3 writers cut off but for their held data PUTs")
     ap.add_argument("--disk-full", type=int, default=20, help="saves into a nearly full tmpfs")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temp folder, removed)")
     ap.add_argument("--out", default="docs/reliability.md", help="markdown file whose table is replaced")
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     violations: list[str] = []
     start = time.monotonic()
     end = start + args.minutes * 60
-    weights = {"local": 4, "s3": 4, "daemon": 1.5, "disk": 1}
+    weights = {"local": 4, "slow": 1, "s3": 4, "partition": 1, "daemon": 1.5, "disk": 1}
     proxy_counts: Counter[str] = Counter()
 
     def budget(name: str) -> float:
@@ -107,6 +114,19 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(Exception):
             camp.run_trainer(root, 2)
             camp.check(root)
+
+        # 1b. slow writers: SIGSTOPped mid-save, their step taken over, resumed (issue 26)
+        sroot = Root(str(work / "slow"), {})
+        k = 0
+
+        def slow_event():
+            nonlocal k
+            k += 1
+            camp.slow_writer(sroot, same_id=k % 2 == 0)
+
+        with contextlib.suppress(Exception):
+            camp.run_trainer(sroot, 1)
+        _phase(camp, "slow writers and same-id restarts", budget("slow"), args.slow_writers, slow_event, violations)
 
         # 2. S3 through the fault proxy
         with moto_env() as url:
@@ -149,6 +169,16 @@ def main(argv: list[str] | None = None) -> int:
                         camp.counts[f"{key} at {rate:.0%} S3 faults"] += camp.counts[key] - before[key]
                 with contextlib.suppress(Exception):
                     camp.check(s3)
+                # 2b. partitioned writers (their own proxy holds their data PUTs): no random faults
+                proxy.set_plan(FaultPlan())
+                _phase(
+                    camp,
+                    "partitioned writers",
+                    budget("partition"),
+                    args.partitions,
+                    lambda: camp.partition(s3),
+                    violations,
+                )
                 proxy_counts = Counter(proxy.counters)
 
         # 3. the daemon

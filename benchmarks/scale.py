@@ -63,10 +63,11 @@ def _protocol_modules() -> list:
 
 
 @contextlib.contextmanager
-def virtual_time(clock: VirtualClock):
+def virtual_time(clock: VirtualClock, epoch: float | None = None):
+    """The protocol modules read ``clock`` (from ``epoch``, VirtualTime's default if None)."""
     saved = [(m, m.time) for m in _protocol_modules() if hasattr(m, "time")]
     for m, _ in saved:
-        m.time = VirtualTime(clock)
+        m.time = VirtualTime(clock) if epoch is None else VirtualTime(clock, epoch)
     try:
         yield
     finally:
@@ -130,7 +131,7 @@ def _persist(store, job, keep_last, on_result=None, pool=None):
     retention by the committing rank."""
     from ckptd import persist, retention
 
-    result = persist.persist(store, job, pool or InlinePool(), commit_timeout=COMMIT_TIMEOUT[0])
+    result = persist.persist(store, job, pool or InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], heartbeat=False)
     if on_result is not None:
         on_result(result)
     retention.after_commit(store, result, keep_last)
@@ -179,7 +180,9 @@ def _daemon_job(store, job, keep_last, daemon: _Daemon, clock: VirtualClock, on_
         raise AlreadyCommitted(f"step {job.step} is committed")
     daemon.claim.committed(store, "sim", job.step)  # Runner._upload: committed (by this attempt) already?
     daemon.claim.claim(store, "sim", job.step, job.attempt, job.attempt)
-    result = persist.persist(store, job, InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller")
+    result = persist.persist(
+        store, job, InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller", heartbeat=False
+    )
     if not result.committed_here:
         daemon.watching += 1
         if daemon.poller:
@@ -291,20 +294,20 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
             committers.append(r)
 
     # The rank's data is durable when its last data PUT is answered: record those times.
-    orig_put = store.put_deferred
+    orig_put = store.put_new
 
-    def put_deferred(key, data):
+    def put_new(key, data):
         if "/arrays/" in key:
             r = int(key.split("/c/")[1].split("/")[0])
             if "/arrays/t0/" in key:  # the bulk of its upload, whose requests are not the subject
                 claimed[r] = clock.time() - starts[r]  # its claim is settled: it may write
                 clock.sleep(times[r])
-            orig_put(key, data)
+            tag = orig_put(key, data)
             durable[r] = max(durable[r], clock.time())
-        else:
-            orig_put(key, data)
+            return tag
+        return orig_put(key, data)
 
-    store.put_deferred = put_deferred  # type: ignore[method-assign]
+    store.put_new = put_new  # type: ignore[method-assign]
     commit_key = f"{mf.step_dir(step)}/{mf.COMMIT}"
     commit_at: list[float] = []
     orig_pia = store.put_if_absent

@@ -18,11 +18,26 @@ the newest claim (:func:`owner`). A claimant that finds the newest claim naming:
 * another attempt of its *own writer* (the same job restarted after preemption, or a save of
   this step that failed): takes the step over by creating claim ``n+1`` -- unless its own
   attempt already held an older claim (it was superseded: it never takes the step back);
-* another writer, whose step folder has seen no write for ``CKPTD_STALE_ATTEMPT_S`` seconds
-  (default 900, i.e. the other job is dead; :func:`stale_after`): takes it over the same way,
-  with a warning;
-* another writer, recently active: refuses with :class:`StepClaimed`, naming that job, and
-  writes and deletes nothing.
+* another writer whose lease ran out (:func:`liveness`): takes it over the same way, with a
+  warning. Liveness is a lease, not the age of data: every rank of an attempt renews it while it
+  writes (:class:`Heartbeat`: ``<step>/_claims/<attempt>/alive/<rank>.json`` re-put every
+  quarter lease), and the claim is dead once its newest heartbeat (or the claim itself) is
+  older than ``CKPTD_CLAIM_LEASE_S`` (60 s; :func:`lease_s`). A claim written by an older
+  version (no ``lease`` field) falls back to the step's newest data write and
+  ``CKPTD_STALE_ATTEMPT_S`` (900 s; :func:`stale_after`), which also caps the lease. Every time
+  read from storage is clamped to now (:func:`clamp`: a time far in the future is no evidence
+  of life); an operator's fencing claim (``ckptd fence``) is never alive;
+* another writer, alive: refuses with :class:`StepClaimed`, naming that job and the
+  ``ckptd fence`` command, and writes and deletes nothing.
+
+A claim that supersedes another attempt (a takeover, of either kind) first removes everything
+the superseded attempts left in the step but the ``_claims/`` records (:func:`clear_superseded`)
+-- before a byte of its own is written. Data is written create-only (``Store.put_new``), so a
+late write of a superseded attempt either lands before ours (our create fails: the save fails
+and a retry takes over again, never mixed) or fails; and a superseded attempt deletes nothing
+in its cleanup (``persist.clean_up``). Claim numbers are total: ``<n>.json`` is six digits or
+more (``999999`` is followed by ``1000000``, read back like any other). The argument in full:
+``docs/reliability.md``, "Fencing".
 
 A committed step is never claimed again (:class:`AlreadyCommitted`, before a byte is written).
 The in-process writer remembers steps whose save failed and, at its next save (after the
@@ -76,6 +91,10 @@ WRITER_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 
 
 DEFAULT_STALE_S = 900.0
+DEFAULT_LEASE_S = 60.0
+
+# A claim file name: six digits, or more without a leading zero (total: 999999 -> 1000000).
+_CLAIM_NAME = re.compile(r"(\d{6}|[1-9]\d{6,17})\.json")
 
 
 def stale_after() -> float:
@@ -86,6 +105,33 @@ def stale_after() -> float:
         return float(raw) if raw else DEFAULT_STALE_S
     except ValueError:
         raise CheckpointError(f"CKPTD_STALE_ATTEMPT_S={raw!r}: expected a number of seconds") from None
+
+
+def lease_s() -> float:
+    """Seconds after its attempt's last heartbeat (or its claim) before another writer may take
+    a step over: ``CKPTD_CLAIM_LEASE_S`` (default 60), or ``CKPTD_STALE_ATTEMPT_S`` if that is
+    shorter (it stays the bound it always was); the heartbeat renews it every quarter."""
+    raw = os.environ.get("CKPTD_CLAIM_LEASE_S", "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_LEASE_S
+    except ValueError:
+        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a positive number of seconds")
+    return min(value, stale_after())
+
+
+MAX_SKEW_S = 60.0  # how far ahead of this host's clock a storage time may be and still count
+
+
+def clamp(t: float, now: float) -> float:
+    """A time read from storage, clamped to ``now``: a claim or heartbeat dated up to
+    ``MAX_SKEW_S`` in the future (a storage clock ahead of ours) counts as written now; one
+    dated further ahead (a forged file time) is no evidence of anything and counts as never
+    written (0), not as alive for years -- read at every check, "now" would never expire."""
+    if t != t or t > now + MAX_SKEW_S:  # NaN, or absurdly far ahead
+        return 0.0
+    return min(t, now)
 
 
 def check_writer(writer: str) -> str:
@@ -110,7 +156,7 @@ def claims(store: Store, step: int) -> list[tuple[int, dict]]:
     out = []
     for o in store.list(prefix):
         name = o.key[len(prefix) :]
-        if not re.fullmatch(r"\d{6}\.json", name):
+        if not _CLAIM_NAME.fullmatch(name):
             continue
         try:
             data = store.get(o.key, limit=mf.MAX_RECORD_BYTES)
@@ -122,7 +168,7 @@ def claims(store: Store, step: int) -> list[tuple[int, dict]]:
             rec = mf.loads(data, prefix, "claim")
         except CheckpointError:
             rec = {}
-        out.append((int(name[:6]), rec if isinstance(rec, dict) else {}))
+        out.append((int(name[:-5]), rec if isinstance(rec, dict) else {}))
     return sorted(out, key=lambda x: x[0])
 
 
@@ -142,15 +188,63 @@ def _idle_seconds(store: Store, step: int) -> float:
         (o.mtime for o in store.list(prefix) if not (o.key.startswith(outcomes) and "/" in o.key[len(outcomes) :])),
         default=0.0,
     )
-    return time.time() - newest
+    now = time.time()
+    return now - clamp(newest, now)
 
 
-def begin(store: Store, step: int, attempt: str, writer: str) -> None:
+def alive_prefix(step: int, attempt: str) -> str:
+    """Where the ranks of ``attempt`` renew their lease on ``step`` (beside the outcomes)."""
+    return f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/alive/"
+
+
+def lease_age(store: Store, step: int, n: int, attempt: str) -> float:
+    """Seconds since claim ``n`` of ``step`` or a heartbeat of ``attempt`` (the claim's) was last
+    written, every time clamped to now."""
+    now = time.time()
+    times = [o.mtime for o in store.list(claim_key(step, n))]
+    times += [o.mtime for o in store.list(f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/")]
+    return now - max((clamp(t, now) for t in times), default=0.0)
+
+
+class Heartbeat:
+    """Renews ``attempt``'s lease on ``step`` while a rank writes it: a small thread re-puts
+    ``<step>/_claims/<attempt>/alive/<rank>.json`` every quarter of the lease. Stop it (or leave
+    the ``with`` block) when the rank's part is done. A failed renewal is logged, never raised:
+    the lease then runs out, which only allows another writer to fence this one off."""
+
+    def __init__(self, store: Store, step: int, attempt: str, rank: int, period: float | None = None):
+        self._store = store
+        self._key = f"{alive_prefix(step, attempt)}{rank:06d}.json"
+        self._period = period if period is not None else max(0.05, lease_s() / 4)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ckptd-heartbeat-{step}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self._store.put(self._key, mf.dumps({"time": time.time()}))
+            except (StorageError, OSError) as e:
+                log.warning("cannot renew the lease %s: %s", self._key, e)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
+def begin(store: Store, step: int, attempt: str, writer: str, *, sole: bool = True) -> None:
     """Claim ``step`` for (``writer``, ``attempt``) before writing a byte of it; see the module
     docstring for the rule. Called by every rank of the attempt (it is idempotent across them).
-    Raises AlreadyCommitted, StepClaimed or CheckpointError; writes nothing but a claim."""
+    Raises AlreadyCommitted, StepClaimed or CheckpointError; writes nothing but a claim, and on a
+    takeover deletes what the superseded attempts left (:func:`clear_superseded`). ``sole``: no
+    rank of this attempt writes before this call returns (rank 0's claim, the daemon's); False
+    (``persist(claim="each")``) keeps objects as new as the claim, which another rank of the
+    attempt may have written already."""
     where = catalog.where(store, step)
-    record = mf.dumps({"writer": writer, "attempt": attempt, "time": time.time()})
+    record = mf.dumps({"writer": writer, "attempt": attempt, "time": time.time(), "lease": lease_s()})
     try:
         for _ in range(16):
             if store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
@@ -170,25 +264,71 @@ def begin(store: Store, step: int, attempt: str, writer: str) -> None:
                 )
             other = rec.get("writer") or "an unknown writer"
             if rec.get("writer") != writer:
-                idle = _idle_seconds(store, step)
-                limit = stale_after()
+                idle, limit, what = liveness(store, step, n, rec)
                 if idle < limit:
                     raise StepClaimed(
                         f"{where}: step {step} is being written by job {other!r} (attempt "
-                        f"{rec.get('attempt')!r}, last write {idle:.0f} s ago); refusing to write it as job "
-                        f"{writer!r}: two writers on one job root. Stop the other job, or wait "
-                        f"{limit:.0f} s (CKPTD_STALE_ATTEMPT_S) if it is dead"
+                        f"{rec.get('attempt')!r}, {what} {idle:.0f} s ago); refusing to write it as job "
+                        f"{writer!r}: two writers on one job root. Stop the other job; if it is dead, "
+                        f"its claim expires {limit:.0f} s after its {what}, or retire it now with "
+                        f"`ckptd fence {store.uri} --job {other}`"
                     )
-                log.warning("%s: taking over step %d from job %r, idle for %.0f s", where, step, other, idle)
+                log.warning("%s: taking over step %d from job %r, %s %.0f s ago", where, step, other, what, idle)
             if store.put_if_absent(claim_key(step, n + 1), record):
                 if rec.get("writer") == writer:
                     log.info(
                         "%s: attempt %s replaces this job's earlier attempt %s", where, attempt, rec.get("attempt")
                     )
+                clear_superseded(store, step, where, None if sole else claim_key(step, n + 1))
                 return
         raise CheckpointError(f"{where}: could not claim step {step}: too many concurrent claims")
     except StorageError as e:
         raise CheckpointError(f"{where}: cannot claim step {step}: {e}") from e
+
+
+def liveness(store: Store, step: int, n: int, rec: dict) -> tuple[float, float, str]:
+    """(seconds since the owner of claim ``n`` was last seen alive, the limit past which it may
+    be taken over, what was seen). A claim with a lease (this version's) is alive while its
+    attempt renews it (:class:`Heartbeat`); an older claim (no lease) by its step's newest data
+    write, up to ``CKPTD_STALE_ATTEMPT_S``. An operator's fencing claim (``ckptd fence``,
+    ``ckptd.fencing``) is never alive."""
+    if rec.get("writer") == "ckptd-fence" and isinstance(rec.get("fenced"), str):
+        return float("inf"), 0.0, "fencing claim (ckptd fence), written"
+    if isinstance(rec.get("lease"), int | float) and isinstance(rec.get("attempt"), str):
+        attempt = rec["attempt"]
+        if WRITER_RE.match(attempt):
+            return lease_age(store, step, n, attempt), lease_s(), "last heartbeat"
+    return _idle_seconds(store, step), stale_after(), "last write"
+
+
+def clear_superseded(store: Store, step: int, where: str, newer_than: str | None = None) -> int:
+    """Remove every object the superseded attempts left in ``step`` (data, metadata, done
+    records; never ``commit.json`` and nothing under ``_claims/``: the claims, and the small
+    attempt-scoped outcome and heartbeat records, which a superseded attempt's ranks still read
+    to learn at once that they were superseded) right after this
+    attempt's claim superseded them and before it writes a byte: with create-only data writes a
+    late write of theirs then either lands before ours (our create fails: the save fails, never
+    mixed) or fails. A commit record found here means the step was committed meanwhile:
+    AlreadyCommitted, nothing deleted. ``newer_than`` (a claim key): objects written since that
+    claim (storage times) are kept -- the claimant's own ranks may be writing already."""
+    folder = f"{mf.step_dir(step)}/"
+    claims_prefix = f"{folder}{CLAIMS}/"
+    since = store.head(newer_than).mtime if newer_than is not None else None
+    doomed = []
+    for o in store.list(folder):
+        if since is not None and o.mtime >= since:
+            continue
+        rel = o.key[len(folder) :]
+        if rel == mf.COMMIT:
+            raise AlreadyCommitted(f"{where}: step {step} was committed by the attempt being taken over")
+        if o.key.startswith(claims_prefix):
+            continue
+        doomed.append(o.key)
+    for key in doomed:
+        store.delete(key)
+    if doomed:
+        log.warning("%s: removed %d objects of the superseded attempts before writing", where, len(doomed))
+    return len(doomed)
 
 
 # -- one claim per attempt (issue 17): rank 0 claims, the others read its outcome ----------------
@@ -295,7 +435,7 @@ def trusted(claimed_at: float) -> bool:
     without a :func:`begin` of one's own: for a quarter of ``CKPTD_STALE_ATTEMPT_S``. Past that,
     another writer may have taken a step that looked idle over, so a rank that writes on a go
     that old could mix its data into that writer's."""
-    return time.time() - claimed_at <= stale_after() / 4
+    return time.time() - claimed_at <= min(stale_after(), lease_s()) / 4
 
 
 def _read_outcome(store: Store, key: str, attempt: str, writer: str, where: str) -> dict | None:
@@ -329,16 +469,20 @@ def check_abort(abort: threading.Event | None, where: str) -> None:
 # ---------------------------------------------------------------------------------- reclaim
 
 
-def reclaim(store: Store, steps: list[int], writer: str) -> list[int]:
+def reclaim(store: Store, steps: list[int], writer: str, attempts: set[str] | None = None) -> list[int]:
     """Delete the folders of ``steps`` that are still partial and whose newest claim is
-    ``writer``'s: leftovers of this writer's failed saves. Call it only when no rank of the
-    writer can still be writing them (the in-process writer: at its next save). Best effort:
-    failures are logged. Returns the steps deleted."""
+    ``writer``'s -- and, given ``attempts``, one of those attempts (the caller's own failed
+    saves: a restarted process of the same job that took a step over since is another attempt,
+    whose data is not ours to delete): leftovers of this writer's failed saves. Call it only
+    when no rank of those attempts can still be writing them (the in-process writer: at its
+    next save). Best effort: failures are logged. Returns the steps deleted."""
     gone = []
     for step in steps:
         try:
             rec = owner(store, step)
             if store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}") or rec is None or rec.get("writer") != writer:
+                continue
+            if attempts is not None and rec.get("attempt") not in attempts:
                 continue
             n = store.delete_prefix(f"{mf.step_dir(step)}/")
             log.warning("removed %d objects of this job's failed save %s", n, catalog.where(store, step))
@@ -349,7 +493,16 @@ def reclaim(store: Store, steps: list[int], writer: str) -> list[int]:
 
 
 __all__ = [
+    "DEFAULT_LEASE_S",
     "DEFAULT_STALE_S",
+    "Heartbeat",
+    "MAX_SKEW_S",
+    "alive_prefix",
+    "clamp",
+    "clear_superseded",
+    "lease_age",
+    "lease_s",
+    "liveness",
     "LEADER",
     "OUTCOME_GROUP",
     "begin",

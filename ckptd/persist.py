@@ -11,7 +11,8 @@ step, on every rank, on a background thread::
       1. claim          rank 0: claims.lead_claim; the others: claims.follow_claim (one begin per
                         attempt); claim="each": claims.begin on every rank; claim="caller": the
                         caller claimed (the daemon: server.shared_claim.SharedClaim)
-      2. write data     shards + metadata with put_deferred, in parallel (_write_data)
+      2. write data     shards + metadata with put_new (create-only), in parallel (_write_data),
+                        while a Heartbeat renews the attempt's lease on the step
       3. store.sync()   one durability barrier for all of it
       4. done record    donetree.write_done: this rank's data is durable
       5. commit.climb   climb the done tree; the rank that completes it checks the step and
@@ -47,13 +48,13 @@ import numpy as np
 
 from ckptd import catalog, donetree
 from ckptd import manifest as mf
-from ckptd.claims import LEADER, begin, check_abort, check_writer, follow_claim, lead_claim
+from ckptd.claims import LEADER, Heartbeat, begin, check_abort, check_writer, follow_claim, lead_claim, owner
 from ckptd.codec import encode_shard, image_crcs, seal_image
 from ckptd.commit import climb, wait_commit
 from ckptd.errors import CheckpointError, SaveAborted
 from ckptd.savejob import SaveJob
-from storage_backends import StorageError, Store
-from storage_backends.base import data_size
+from storage_backends import ExistsError, StorageError, Store
+from storage_backends.base import as_buffers, data_size
 
 log = logging.getLogger("ckptd.persist")
 
@@ -94,6 +95,7 @@ def persist(
     to_numpy: Callable[[Any], np.ndarray] = np.asarray,
     abort: threading.Event | None = None,
     claim: str = "leader",
+    heartbeat: bool = True,
 ) -> SaveResult:
     """Claim the step, write one rank's ``part`` of it and commit it if it is the last rank.
     Runs on a background thread (the in-process writer's or a daemon upload worker), never on
@@ -121,7 +123,11 @@ def persist(
     ``"caller"``: the caller has already claimed the step for this attempt and writer (the
     daemon: :meth:`SharedClaim.claim`, one ``begin`` per attempt for all the ranks it serves);
     ``persist`` claims nothing and writes at once. The fencing still holds at the commit: the
-    newest claim must name the attempt."""
+    newest claim must name the attempt.
+
+    ``heartbeat``: renew the attempt's lease on the step while this rank writes
+    (:class:`ckptd.claims.Heartbeat`, a small thread); False only for simulations whose clock
+    is virtual (``benchmarks.scale``), where no real thread may touch the store."""
     if claim not in ("leader", "each", "caller"):
         raise ValueError(f"claim={claim!r}: expected 'leader', 'each' or 'caller'")
     t0 = time.perf_counter()
@@ -133,14 +139,29 @@ def persist(
     if claim == "caller":
         pass
     elif claim == "each" or part.world_size == 1:
-        begin(store, part.step, part.attempt, writer)
+        begin(store, part.step, part.attempt, writer, sole=part.world_size == 1)
     elif part.rank == LEADER:
         lead_claim(store, part.step, part.attempt, writer, part.world_size, pool)
     else:
         follow_claim(store, part.step, part.attempt, writer, part.rank, commit_timeout, abort)
-    written: list[str] = []
+    beat = Heartbeat(store, part.step, part.attempt, part.rank) if heartbeat else None
+    if beat is not None:
+        beat.__enter__()  # renews the attempt's lease until this rank's part is done
     try:
-        nbytes, shard_keys, pins = _write_data(store, part, pool, dedupe, to_numpy, where, written, abort)
+        return _persist_claimed(
+            store, part, pool, writer, where, dedupe, to_numpy, abort, commit_timeout, wait, t0, started_at
+        )
+    finally:
+        if beat is not None:
+            beat.__exit__()
+
+
+def _persist_claimed(store, part, pool, writer, where, dedupe, to_numpy, abort, commit_timeout, wait, t0, started_at):
+    """Steps 2-6 of :func:`persist`, once the step is claimed (under the attempt's heartbeat)."""
+    written: list[str] = []
+    tags: dict[str, object] = {}  # key -> identity of the object this rank created (put_new)
+    try:
+        nbytes, shard_keys, pins = _write_data(store, part, pool, dedupe, to_numpy, where, written, abort, tags)
         t_written = time.perf_counter()
         try:
             store.sync()
@@ -148,7 +169,7 @@ def persist(
             raise CheckpointError(f"{where}: rank {part.rank} failed to make its data durable: {e}") from e
         check_abort(abort, where)
     except BaseException:
-        clean_up(store, where, part.rank, written)
+        clean_up(store, where, part.rank, written, tags, step=part.step, attempt=part.attempt)
         raise
     t_synced = time.perf_counter()
     record = {
@@ -177,14 +198,25 @@ def persist(
 
 
 def _write_data(
-    store: Store, part: SaveJob, pool: ThreadPoolExecutor, dedupe, to_numpy, where: str, written: list[str], abort
+    store: Store,
+    part: SaveJob,
+    pool: ThreadPoolExecutor,
+    dedupe,
+    to_numpy,
+    where: str,
+    written: list[str],
+    abort,
+    tags: dict[str, object],
 ) -> tuple[int, list[str], dict]:
     """Put every shard and metadata object of ``part`` (not yet durable: one ``sync`` follows;
     on a filesystem that is one syncfs instead of an fsync per file and folder). Appends each
-    key to ``written`` before putting it (a failed put may leave it). Returns the bytes written,
-    the shard object keys (relative to the step folder) and the pins of every object for the
-    done record (``donetree.make_pins``: the crc32c of each part of a shard as encoded, which
-    a deduplicated shard shares with its source since its bytes are the same)."""
+    key to ``written`` before putting it (a failed put may leave it) and the identity of each
+    object it created to ``tags``. Writes are create-only (``put_new``): a key already taken --
+    a superseded attempt's late write landed before ours -- fails the save, never mixes it.
+    Returns the bytes written, the shard object keys (relative to the step folder) and the pins
+    of every object for the done record (``donetree.make_pins``: the crc32c of each part of a
+    shard as encoded, which a deduplicated shard shares with its source since its bytes are the
+    same)."""
     folder = mf.step_dir(part.step)
     lock = threading.Lock()
     shard_pins: dict[str, tuple[int, bytes]] = {}
@@ -193,7 +225,14 @@ def _write_data(
         check_abort(abort, where)
         with lock:
             written.append(key)
-        store.put_deferred(key, data)
+        try:
+            tag = store.put_new(key, data)
+        except ExistsError:
+            if not _holds(store, key, data):
+                raise
+            return  # an earlier try of this attempt (a retried persist) wrote these very bytes
+        with lock:
+            tags[key] = tag
 
     def put_meta(key: str, data: bytes) -> int:
         put(f"{folder}/{key}", data)
@@ -236,18 +275,74 @@ def _write_data(
     if err is not None:
         if isinstance(err, SaveAborted):
             raise err
+        if isinstance(err, ExistsError):
+            raise CheckpointError(
+                f"{where}: rank {part.rank} found an object of step {part.step} written by another attempt "
+                f"({err}): a superseded writer of step {part.step} is still writing; retried saves will take "
+                "it over"
+            ) from err
         raise CheckpointError(f"{where}: rank {part.rank} failed to write its data: {err}") from err
     pins = donetree.make_pins(shard_pins, dict(part.metadata))
     return nbytes, [sw.object_key for sw in part.shards], pins
 
 
-def clean_up(store: Store, where: str, rank: int, keys: list[str]) -> None:
+def _holds(store: Store, key: str, data) -> bool:
+    """Whether the object at ``key`` is exactly ``data`` (read back in 8 MiB ranges): a put
+    retried with the same attempt (the daemon's upload retries, a resumed job) meets what its
+    first try wrote. Identical bytes are harmless whoever wrote them; it is not this call's
+    object, so it gets no identity and this rank's cleanup never deletes it."""
+    views = as_buffers(data)
+    size = sum(v.nbytes for v in views)
+    try:
+        if store.head(key).size != size:
+            return False
+        pos = 0
+        for v in views:
+            for off in range(0, v.nbytes, 8 << 20):
+                part = v[off : off + (8 << 20)]
+                if store.get_range(key, pos, part.nbytes) != part:
+                    return False
+                pos += part.nbytes
+    except StorageError:
+        return False
+    return True
+
+
+def clean_up(
+    store: Store,
+    where: str,
+    rank: int,
+    keys: list[str],
+    tags: dict[str, object] | None = None,
+    *,
+    step: int | None = None,
+    attempt: str | None = None,
+) -> None:
     """Best effort: delete what this rank wrote of a save that failed before its done record
-    (a disk-full episode must not leave partial data that blocks the next saves)."""
+    (a disk-full episode must not leave partial data that blocks the next saves).
+
+    With ``tags`` (the identities ``put_new`` returned), only those objects, each with
+    ``delete_if``: never by key alone, so an object another attempt wrote under the same key
+    since is kept. With ``step`` and ``attempt``: an attempt whose claim is no longer the
+    step's newest (it was superseded: another writer owns the step now) deletes nothing."""
+    if step is not None and attempt is not None:
+        try:
+            rec = owner(store, step)
+        except (StorageError, CheckpointError) as e:
+            log.warning(
+                "%s: rank %d's save failed; cannot tell who owns the step (%s): deleting nothing", where, rank, e
+            )
+            return
+        if rec is None or rec.get("attempt") != attempt:
+            log.warning("%s: rank %d's save failed and its attempt was superseded: deleting nothing", where, rank)
+            return
     failed = 0
     for key in keys:
         try:
-            store.delete(key)
+            if tags is None:
+                store.delete(key)
+            elif key not in tags or not store.delete_if(key, tags[key]):
+                failed += 1
         except StorageError:
             failed += 1
     if keys:

@@ -88,13 +88,18 @@ class CheckpointWriter:
         self._shard_pins: dict[str, tuple[int, bytes]] = {}  # the done record's pins (donetree.make_pins)
         self._meta: dict[str, bytes] = {}
         self._written: list[str] = []
+        self._tags: dict[str, object] = {}  # identities of the objects put_new created, for clean_up
         self.writer = writer or f"ckptd@{socket.gethostname()}"
         claims.begin(store, step, self.attempt, claims.check_writer(self.writer))
+        self._heartbeat = claims.Heartbeat(store, step, self.attempt, 0).__enter__()  # renews the lease
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-stream")
+
+    def _put_new(self, key: str, data) -> None:
+        self._tags[key] = self.store.put_new(key, data)  # create-only: never over another writer's
 
     def _put(self, key: str, data, nbytes: int) -> None:
         self._written.append(f"{self._folder}/{key}")
-        self._pending.append((self._pool.submit(self.store.put_deferred, f"{self._folder}/{key}", data), nbytes))
+        self._pending.append((self._pool.submit(self._put_new, f"{self._folder}/{key}", data), nbytes))
         self._pending_bytes += nbytes
         self.bytes += nbytes
         self.objects += 1
@@ -180,6 +185,7 @@ class CheckpointWriter:
             self._drain()
         finally:
             self._pool.shutdown(wait=True)
+            self._heartbeat.__exit__()
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -193,7 +199,8 @@ class CheckpointWriter:
                 self.close()
         finally:
             if not self._committed:
-                persist.clean_up(self.store, catalog.where(self.store, self.step), 0, self._written)
+                where = catalog.where(self.store, self.step)
+                persist.clean_up(self.store, where, 0, self._written, self._tags, step=self.step, attempt=self.attempt)
 
 
 def _as_numpy(array) -> np.ndarray:

@@ -39,6 +39,8 @@ class VerifyReport:
     objects: int = 0
     bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    # what does not make the step bad but should be known: objects no committed attempt owns
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -161,6 +163,7 @@ def verify(
         pins = _pins(store, m.step, where, threads)
     except (StorageError, CheckpointError) as e:
         report.errors.append(f"{where}: cannot check the pins of the committing attempt ({e})")
+    report.warnings += _unowned_warnings(store, m, where)
     tasks = []
     for entry in m.tensors.values():
         report.arrays += 1
@@ -198,6 +201,19 @@ def verify(
             # only for the few being read instead of re-reading the whole checkpoint.
             pool.shutdown(wait=False, cancel_futures=True)
     return report
+
+
+def _unowned_warnings(store: Store, m: mf.Manifest, where: str) -> list[str]:
+    """One warning per object of the step that its committing attempt does not own
+    (``ckptd.fencing.unowned``: a superseded attempt's leftovers or late writes)."""
+    from ckptd import fencing
+
+    try:
+        rec = catalog.read_commit(store, m.step) or {}
+        keys = fencing.unowned(store, m, rec.get("attempt"))
+    except (StorageError, CheckpointError) as e:
+        return [f"{where}: cannot list the step's objects ({e})"]
+    return [f"{where}: {key!r}: an object no committed attempt owns (a superseded writer's)" for key in keys]
 
 
 # -------------------------------------------------------------------------- verification records

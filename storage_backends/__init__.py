@@ -7,6 +7,7 @@
 from storage_backends._direct import DIRECT_MIN_BYTES  # the local store writes objects this large with O_DIRECT
 from storage_backends.base import (
     Data,
+    ExistsError,
     InvalidKeyError,
     NotFoundError,
     ObjectInfo,
@@ -23,6 +24,7 @@ from storage_backends.registry import UnknownSchemeError, open_store, register_s
 __all__ = [
     "DIRECT_MIN_BYTES",
     "Data",
+    "ExistsError",
     "InvalidKeyError",
     "LocalStore",
     "MemoryStore",

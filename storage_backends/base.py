@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Data",
+    "ExistsError",
     "InvalidKeyError",
     "NotFoundError",
     "ObjectInfo",
@@ -48,6 +49,10 @@ class NotFoundError(StorageError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message
         return str(self.args[0]) if self.args else "not found"
+
+
+class ExistsError(StorageError):
+    """A create-only write (``put_new``) found the key taken by another object."""
 
 
 class InvalidKeyError(StorageError, ValueError):
@@ -192,6 +197,23 @@ class Store(abc.ABC):
         puts are durable anyway (S3, memory) just put; the filesystem saves an fsync per file and
         per folder. The commit protocol writes data this way, then syncs, then commits."""
         self.put(key, data)
+
+    def put_new(self, key: str, data: Data) -> object:
+        """Create the object only if the key does not exist (a late or concurrent writer can
+        never replace it), durable like ``put_deferred`` (once a later ``sync`` returns). Returns
+        an identity tag of the object this call created, for ``delete_if``; raises ExistsError
+        if the key is taken. Backends override it (a hard link on a filesystem, ``If-None-Match``
+        on S3); the default is ``put_if_absent``, whose tag (None) lets nobody delete it."""
+        if not self.put_if_absent(key, data):
+            raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it")
+        return None
+
+    def delete_if(self, key: str, tag: object) -> bool:
+        """Delete ``key`` only if it is still the object whose ``put_new`` returned ``tag`` (an
+        inode on a filesystem, an ETag on S3), never by key alone: a late cleanup must not remove
+        another writer's object that took the key since. True if this call deleted it; False if
+        the key holds another object, is gone, or the backend cannot tell (tag None)."""
+        return False
 
     def sync(self) -> None:  # noqa: B027 - optional hook
         """Make every earlier ``put_deferred`` of this store durable."""

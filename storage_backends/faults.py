@@ -16,6 +16,9 @@ client goes through it; per request it forwards, or injects one fault:
 ``delay``   sleeps ``delay_s``, then forwards
 ``stall``   never answers: holds the connection, reading nothing, until ``stall_s`` passes or
             the proxy stops, then closes (a stalled endpoint)
+``late``    holds the request until ``release_late()``, then forwards it and answers: a slow
+            writer's write (a GC pause, a partition, a throttled link) that lands long after it
+            was sent, whatever happened to the key meanwhile
 ==========  ===========================================================================
 
 Which requests: ``rules`` first (each a predicate on the ``Request``, a fault and how many times,
@@ -51,7 +54,7 @@ from storage_backends.base import Data, StorageError, Store
 
 __all__ = ["FailingStore", "FaultPlan", "FaultProxy", "KINDS", "Request", "Rule", "tmpfs_mount"]
 
-KINDS = ("500", "503", "reset", "cut", "lost", "delay")
+KINDS = ("500", "503", "reset", "cut", "lost", "delay")  # the random kinds; rules may also use "late"
 
 _ERROR_BODY = {
     "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
@@ -128,6 +131,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self._stalled = threading.Event()
+        self._late = threading.Event()
         self._stop = threading.Event()
         self._sock = socket.create_server(("127.0.0.1", 0))
         self._sock.settimeout(0.2)
@@ -151,6 +155,10 @@ class FaultProxy:
 
     def resume(self) -> None:
         self._stalled.clear()
+
+    def release_late(self) -> None:
+        """Forward every request held by a ``late`` rule, and the later ones at once."""
+        self._late.set()
 
     def faults(self) -> int:
         with self._lock:
@@ -252,6 +260,11 @@ class FaultProxy:
             return False
         if kind == "delay":
             time.sleep(plan.delay_s)
+        if kind == "late":
+            while not self._late.wait(0.05):
+                if self._stop.is_set():
+                    _reset(conn)
+                    return False
         response = self._forward(req, raw)
         if kind == "lost":
             _reset(conn)
@@ -389,6 +402,13 @@ class FailingStore(Store):
     def put_if_absent(self, key: str, data: Data) -> bool:
         self._check(key)
         return self._store.put_if_absent(key, data)
+
+    def put_new(self, key: str, data: Data) -> object:
+        self._check(key)
+        return self._store.put_new(key, data)
+
+    def delete_if(self, key: str, tag: object) -> bool:
+        return self._store.delete_if(key, tag)
 
     def __getattr__(self, name):
         return getattr(self._store, name)

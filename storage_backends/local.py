@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from storage_backends._direct import DIRECT_MIN_BYTES, BouncePool, DirectUnsupported, open_direct, write_direct
 from storage_backends.base import (
     Data,
+    ExistsError,
     NotFoundError,
     ObjectInfo,
     StorageError,
@@ -117,6 +118,10 @@ def _preadv_all(fd: int, views: list[memoryview], pos: int) -> int:
         total += n
         i, off = _advance(views, i, off, n)
     return total
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class LinkRefused(StorageError):
@@ -588,6 +593,62 @@ class LocalStore(Store):
             hint = " (the filesystem does not support hard links)" if e.errno in _NO_LINK_ERRNOS else ""
             raise self._write_error("put_if_absent", key, e, hint) from None
         return won
+
+    def put_new(self, key: str, data: Data) -> tuple[int, int, int, int]:
+        """Create-only, durable at the next ``sync``: the temp file is hard-linked to the key's
+        name (``link(2)`` fails with EEXIST: ExistsError, nothing replaced), never renamed over
+        it, then unlinked. Returns the file's (st_dev, st_ino, st_mtime_ns, st_size), its identity
+        for ``delete_if`` (the inode number alone may be reused by a file made after ours)."""
+        views = as_buffers(data)
+        try:
+            fd, tmp, name = self._make_temp(key, self._fill(views, durable=False), durable=False)
+            try:
+                try:
+                    st = os.stat(tmp, dir_fd=fd, follow_symlinks=False)
+                    os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it") from None
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            hint = " (the filesystem does not support hard links)" if e.errno in _NO_LINK_ERRNOS else ""
+            raise self._write_error("put_new", key, e, hint) from None
+        return _identity(st)
+
+    def delete_if(self, key: str, tag: object) -> bool:
+        """Rename the name aside to a temp name of our own, check the file's identity there,
+        unlink it if it is ``tag``, else link it back (create-only) and drop the aside name: no
+        other writer's file is ever removed, even one that took the key a moment ago. (An aside
+        name a crash leaves behind is a temp file: ``purge`` removes it.)"""
+        if not isinstance(tag, tuple) or len(tag) != 4:
+            return False
+        try:
+            with self._parent(key) as (dfd, name):
+                aside = self._tmp_name(name)
+                try:
+                    os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                    return False
+                st = os.stat(aside, dir_fd=dfd, follow_symlinks=False)
+                ours = _identity(st) == tag and stat.S_ISREG(st.st_mode)
+                if not ours:
+                    try:
+                        os.link(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                    except FileExistsError:
+                        log.warning("%s: %r was taken again while checking it; left %r aside", self.uri, key, aside)
+                        return False
+                os.unlink(aside, dir_fd=dfd)
+                os.fsync(dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP or isinstance(e, FileNotFoundError | NotADirectoryError):
+                return False
+            raise self._fail("delete_if", f"{key!r}", e) from None
+        if ours:
+            self._prune(check_key(key).split("/")[:-1])
+        return ours
 
     def copy(self, src_key: str, dst_key: str) -> None:
         try:

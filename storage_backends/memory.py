@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from storage_backends.base import (
     Data,
+    ExistsError,
     NotFoundError,
     ObjectInfo,
     Store,
@@ -108,10 +109,28 @@ class MemoryStore(Store):
             self._ns.objects[key] = (blob, time.time())
         return True
 
+    def put_new(self, key: str, data: Data) -> object:
+        """Check-and-set under the lock; the tag is the entry itself (compared by identity)."""
+        check_key(key)
+        entry = (b"".join(as_buffers(data)), time.time())
+        with self._ns.lock:
+            if key in self._ns.objects:
+                raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it")
+            self._ns.objects[key] = entry
+        return entry
+
     def delete(self, key: str) -> None:
         check_key(key)
         with self._ns.lock:
             self._ns.objects.pop(key, None)
+
+    def delete_if(self, key: str, tag: object) -> bool:
+        check_key(key)
+        with self._ns.lock:
+            if tag is None or self._ns.objects.get(key) is not tag:
+                return False
+            del self._ns.objects[key]
+        return True
 
     def delete_prefix(self, prefix: str) -> int:
         check_prefix(prefix)

@@ -68,6 +68,7 @@ from storage_backends._s3_calls import (
 )
 from storage_backends.base import (
     Data,
+    ExistsError,
     NotFoundError,
     ObjectInfo,
     StorageError,
@@ -531,6 +532,72 @@ class S3Store(Store):
                 return False
         return True
 
+    def put_new(self, key: str, data: Data) -> str:
+        """Create-only: PutObject with ``If-None-Match: *`` (a 412 is ExistsError, unless the
+        object there carries this call's token: a retried PUT whose first try landed). Above the
+        multipart threshold a multipart upload whose Complete carries the condition, where the
+        server honours it (probed once, see ``_require_conditional_complete``); where it does
+        not (Ceph RGW 16.2), one PutObject up to ``max_put_size``. Returns the ETag of the
+        object created, its identity for ``delete_if``."""
+        full = self._full(key)
+        views = as_buffers(data)
+        size = sum(v.nbytes for v in views)
+        token = secrets.token_hex(16)
+        meta = {_WRITER_META: token}
+        try:
+            if size > self.multipart_threshold and self._multipart_conditional(key, size):
+                return self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
+            if size > self.max_put_size:
+                self._require_conditional_complete(key, size)
+            resp = self._call(
+                "PutObject",
+                key,
+                self._client.put_object,
+                Bucket=self.bucket,
+                Key=full,
+                Body=_join(views),
+                IfNoneMatch="*",
+                Metadata=meta,
+            )
+            self._saw_checksum(resp)
+            return str(resp.get("ETag", ""))
+        except PreconditionFailed:
+            try:
+                head = self._head(key)
+            except NotFoundError:
+                head = {}
+            if head.get("Metadata", {}).get(_WRITER_META) == token:
+                return str(head.get("ETag", ""))
+            raise ExistsError(f"{self._where(key)}: exists; a create-only write never replaces it") from None
+
+    def _multipart_conditional(self, key: str, size: int) -> bool:
+        """Whether a create-only put of ``size`` bytes may be a multipart upload here. A probe
+        that failed before deciding (the store refused it) is raised, not taken for a no."""
+        try:
+            self._require_conditional_complete(key, size)
+        except StorageError:
+            if self._conditional_complete is None:
+                raise
+            return False
+        return True
+
+    def delete_if(self, key: str, tag: object) -> bool:
+        """Delete ``key`` only if its ETag is still ``tag``: a HEAD compares it (servers that
+        ignore ``If-Match`` on DeleteObject, e.g. Ceph RGW 16.2, rely on that alone, leaving the
+        window between the HEAD and the DELETE), then DeleteObject carries ``If-Match`` (AWS S3
+        and moto refuse with 412 if the object changed in that window)."""
+        if not isinstance(tag, str) or not tag:
+            return False
+        try:
+            if self._head(key).get("ETag") != tag:
+                return False
+            self._call(
+                "DeleteObject", key, self._client.delete_object, Bucket=self.bucket, Key=self._full(key), IfMatch=tag
+            )
+        except (NotFoundError, PreconditionFailed, NoSuchBucket):
+            return False
+        return True
+
     def _saw_checksum(self, resp: dict) -> None:
         """After a PUT of a body: a response that echoes its CRC32 shows the server checks it,
         so later bodies need no SHA-256 signature over http (the module's docstring). Until then
@@ -575,6 +642,10 @@ class S3Store(Store):
                     self._conditional_complete = True
                     with contextlib.suppress(StorageError):
                         self._abort(probe, uid)
+                except BaseException:  # the probe itself failed (undecided): leave no upload behind
+                    with contextlib.suppress(StorageError):
+                        self._abort(probe, uid)
+                    raise
             finally:
                 with contextlib.suppress(StorageError):
                     self._call("DeleteObject", "", c.delete_object, Bucket=b, Key=probe)
@@ -598,7 +669,7 @@ class S3Store(Store):
         size: int,
         metadata: dict[str, str] | None = None,
         if_none_match: bool = False,
-    ) -> None:
+    ) -> str:
         full = self._full(key)
         token = (metadata or {}).get(_WRITER_META) or secrets.token_hex(16)
         meta = {**(metadata or {}), _WRITER_META: token}
@@ -665,7 +736,7 @@ class S3Store(Store):
             )
             extra = {"IfNoneMatch": "*"} if if_none_match else {}
             try:
-                self._call(
+                done = self._call(
                     "CompleteMultipartUpload",
                     key,
                     self._client.complete_multipart_upload,
@@ -684,6 +755,8 @@ class S3Store(Store):
                     ours = False
                 if not ours:
                     raise
+                return self._head(key).get("ETag", "")
+            return str(done.get("ETag", ""))
         except BaseException:
             # Parts of an unfinished upload are stored (and billed) until aborted.
             with contextlib.suppress(StorageError):

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from storage_backends.base import (
     Data,
+    ExistsError,
     NotFoundError,
     ObjectInfo,
     StorageError,
@@ -442,6 +443,37 @@ class SimulatedStore(Store):
                 return self._tokens.get(key) == token
 
         return self._request("PUT", key, apply, len(blob))
+
+    def put_new(self, key: str, data: Data) -> object:
+        check_key(key)
+        blob = b"".join(as_buffers(data))
+        token = next(self._token)
+
+        def apply() -> bool:
+            with self._lock:
+                if self.inner.put_if_absent(key, blob):
+                    self._tokens[key] = token
+                    self._index_add(key)
+                    return True
+                return self._tokens.get(key) == token  # a retry after a lost response
+
+        if not self._request("PUT", key, apply, len(blob)):
+            raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it")
+        return token
+
+    def delete_if(self, key: str, tag: object) -> bool:
+        check_key(key)
+
+        def apply() -> bool:
+            with self._lock:
+                if tag is None or self._tokens.get(key) != tag:
+                    return False
+                self.inner.delete(key)
+                self._tokens.pop(key, None)
+                self._index_remove(key)
+                return True
+
+        return self._request("DELETE", key, apply)
 
     def delete(self, key: str) -> None:
         check_key(key)

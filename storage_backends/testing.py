@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from storage_backends.base import InvalidKeyError, NotFoundError, ObjectInfo, StorageError, Store
+from storage_backends.base import ExistsError, InvalidKeyError, NotFoundError, ObjectInfo, StorageError, Store
 
 __all__ = ["FilesystemConformance", "INVALID_KEYS", "StoreConformance", "assert_empty_store"]
 
@@ -105,6 +105,47 @@ class StoreConformance:
         store.sync()
         assert store.get("d/e/f") == b"new" and store.get("d/e/g") == b"x"
         assert [i.key for i in store.list("d/")] == ["d/e/f", "d/e/g"]
+
+    def test_put_new_is_create_only(self, store: Store) -> None:
+        # put_new creates, never replaces: a second writer of the key gets ExistsError and the
+        # first object stays (also a large one, which a backend may upload in parts).
+        big = _payload(self.large_size, 7)
+        store.put_new("n/a", [b"first", memoryview(b"!")])
+        store.put_new("n/big", big)
+        for key, data in (("n/a", b"second"), ("n/big", b"x" * 10)):
+            with pytest.raises(ExistsError):
+                store.put_new(key, data)
+        store.put("n/c", b"by put")
+        with pytest.raises(ExistsError):
+            store.put_new("n/c", b"late")
+        store.sync()
+        assert store.get("n/a") == b"first!" and store.get("n/big") == big and store.get("n/c") == b"by put"
+        assert [i.key for i in store.list("n/")] == ["n/a", "n/big", "n/c"]
+
+    def test_put_new_races_have_one_winner(self, store: Store) -> None:
+        def attempt(i: int) -> bool:
+            try:
+                store.put_new("race/new", f"writer {i}".encode())
+            except ExistsError:
+                return False
+            return True
+
+        assert sum(_run_threads(8, attempt)) == 1
+
+    def test_delete_if_removes_only_its_own_object(self, store: Store) -> None:
+        tag = store.put_new("di/k", b"mine")
+        store.sync()
+        assert store.delete_if("di/k", tag) is True
+        assert not store.exists("di/k")
+        assert store.delete_if("di/k", tag) is False  # gone: nothing to do
+        # The key was taken again by another writer: a late cleanup with the old tag keeps it.
+        old = store.put_new("di/j", b"old writer")
+        store.delete("di/j")
+        store.put_new("di/j", b"new writer")
+        assert store.delete_if("di/j", old) is False
+        assert store.get("di/j") == b"new writer"
+        assert store.delete_if("di/j", None) is False  # no identity: never by key alone
+        assert store.get("di/j") == b"new writer"
 
     def test_put_copies_caller_buffer(self, store: Store) -> None:
         buf = bytearray(b"original")

@@ -74,7 +74,7 @@ class BackgroundWriter:
         self.dedupe = persist.Dedupe() if incremental else None
         self._stuck = 0  # saves abandoned at their deadline whose thread has not returned yet
         self._lock = threading.Lock()
-        self._failed: list[int] = []  # steps whose save failed: reclaimed at the next save
+        self._failed: list[tuple[int, str]] = []  # (step, attempt) of failed saves: reclaimed at the next save
         self._abandoned: list[tuple[int, threading.Thread]] = []  # saves past their deadline
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-writer")
         self._after: threading.Thread | None = None  # the thread running after_commit, if any
@@ -120,7 +120,7 @@ class BackgroundWriter:
             return
         # The caller submits only after the collective of save(), which every rank reaches
         # after its previous save ended: no rank of this job still writes the failed steps.
-        failed, self._failed = [s for s in self._failed if s != job.step], []
+        failed, self._failed = [(s, a) for s, a in self._failed if s != job.step], []
         self._abandoned = [(s, t) for s, t in self._abandoned if t.is_alive()]
         if any(s == job.step for s, _ in self._abandoned):
             # Its late puts could land over this attempt's: refuse rather than risk a mix.
@@ -137,7 +137,7 @@ class BackgroundWriter:
         def run() -> None:  # everything that talks to storage, under the save's deadline
             try:
                 if failed:
-                    claims.reclaim(self.store, failed, self.writer)
+                    claims.reclaim(self.store, [s for s, _ in failed], self.writer, {a for _, a in failed})
                 box["result"] = persist.persist(
                     self.store,
                     job,
@@ -170,7 +170,7 @@ class BackgroundWriter:
             if self.dedupe is not None:
                 self.dedupe.failed()
             if not isinstance(err, AlreadyCommitted | StepClaimed):
-                self._failed.append(job.step)  # not ours to reclaim otherwise
+                self._failed.append((job.step, job.attempt))  # not ours to reclaim otherwise
             fut.set_exception(err)
             return
         result = box["result"]

@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "show": "show",
     "verify": "verify",
     "gc": "gc",
+    "fence": "fence",
     "quarantine": "quarantine",
     "unquarantine": "unquarantine",
     "serve": "serve",

@@ -78,6 +78,7 @@ def _as_json(report: _verify.VerifyReport, recorded: bool) -> dict:
         "objects": report.objects,
         "bytes": report.bytes,
         "errors": report.errors,
+        "warnings": report.warnings,
         "recorded": recorded,
     }
 
@@ -100,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = [_as_json(r, rec) for r, rec in results]
         print_json(out if args.all else out[0])
+    for report, _ in results:
+        for w in report.warnings:
+            note(f"warning: {w}")
     bad = [r for r, _ in results if not r.ok]
     if args.json or not args.all:
         for report in bad:

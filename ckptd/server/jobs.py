@@ -77,6 +77,14 @@ class _Counted:
         if self._tee is not None:
             self._tee(key, data)
 
+    def put_new(self, key, data):
+        self._fault_delay(key)
+        tag = self._store.put_new(key, data)
+        self._add(data)
+        if self._tee is not None:
+            self._tee(key, data)
+        return tag
+
     def _fault_delay(self, key: str) -> None:
         if self._fault_delay_s > 0 and f"/{mf.ARRAYS}/" in key:
             time.sleep(self._fault_delay_s)

@@ -236,13 +236,13 @@ def save_then_hang(root: str, out: str, delay: float = 0.5) -> dict:
     train_step(state, 0, dp_rank, dp_size)
     ck.save(1, state).result()
     train_step(state, 1, dp_rank, dp_size)
-    real_put = ck.store.put_deferred  # how the writer puts data (made durable by one sync)
+    real_put = ck.store.put_new  # how the writer puts data (create-only, made durable by one sync)
 
     def slow_put(key, data):
         time.sleep(delay)
         return real_put(key, data)
 
-    ck.store.put_deferred = slow_put
+    ck.store.put_new = slow_put
     ck.save(2, state)
     Path(out, f"save_returned_{world()[0]}").write_text("1")
     time.sleep(600)

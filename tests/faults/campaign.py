@@ -7,7 +7,10 @@ every event the job root is checked against the invariants of issue 14:
 * the newest committed step restores bitwise (the values are rebuilt from the step's seed);
 * a failed save failed its future with one ``CheckpointError`` (the trainer logs it);
 * after ``gc`` nothing is left but the kept steps and a partial newer than the newest commit (a
-  save that may still be running: gc leaves those), no temp file, no incomplete upload.
+  save that may still be running: gc leaves those), no temp file, no incomplete upload;
+* a slow writer (SIGSTOPped mid-save, or partitioned from S3 but for its data PUTs) whose step
+  another writer took over after its lease is told its save failed, and its late writes leave
+  the new commit whole (``slow_writer``, ``partition``).
 
 ``tests/faults/test_campaign.py`` runs a short campaign in CI; ``python -m benchmarks.faults``
 the long one. Both count what happened in ``Campaign.counts``.
@@ -209,6 +212,87 @@ class Campaign:
             d.stop()
         self.check(root)
 
+    def slow_writer(self, root: Root, same_id: bool, lease_s: float = 1.0) -> None:
+        """A slow writer and a second writer of its step (issue 26 part 1), on a local root: A
+        saves with a slow disk (each data file sits as a temp file before its link) and is
+        SIGSTOPped mid-save (a GC pause, a frozen node: no heartbeat either); B -- another job,
+        or the same job id restarted (``same_id``) -- saves the same step, which it gets once
+        A's lease ran out (at once for the same id); then A is SIGCONTed and its late writes
+        land. A's save must fail with one clear error and B's commit stay whole."""
+        step = root.next_step
+        a_env = {"TORCHELASTIC_RUN_ID": "campaign-slow-a", "CKPTD_CLAIM_LEASE_S": str(lease_s)}
+        b_env = {**a_env, "TORCHELASTIC_RUN_ID": "campaign-slow-a" if same_id else "campaign-slow-b"}
+        p, prog = self.trainer(root, 1, env=a_env, slow_rename_s=0.5)
+        folder = Path(root.uri) / mf.step_dir(step)
+        deadline = time.monotonic() + 120
+        while not _has_temp_file(folder):
+            if not p.is_alive() or time.monotonic() > deadline:
+                raise InvariantError(f"the slow writer of step {step} never started writing")
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            self._save_when_free(root, step, b_env)
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        p.join(300)
+        if p.is_alive():
+            kill(p)
+            raise InvariantError(f"the late writer of step {step} never finished")
+        lines = _progress(prog)
+        if not any(x.startswith(f"fail {step} ") for x in lines):
+            raise InvariantError(f"the late writer of step {step} was told its save committed: {lines}")
+        self._account(root, lines)
+        self.counts["slow writers stopped, taken over, resumed" + (" (same job id)" if same_id else "")] += 1
+        self.check(root)
+
+    def partition(self, root: Root, lease_s: float = 1.0) -> None:
+        """A writer cut off from S3 but for its data PUTs (issue 26 part 1): its own fault
+        proxy holds every shard PUT until released and fails every lease renewal; another job
+        takes the step over once the lease ran out and commits; then the held PUTs land."""
+        from storage_backends.faults import FaultPlan, FaultProxy, Rule
+
+        step = root.next_step
+        direct = root.env["CAMPAIGN_DIRECT_ENDPOINT"]
+        plan = FaultPlan(
+            rules=[
+                Rule(lambda r: r.op == "PutObject" and "/arrays/" in r.path, "late", times=10**6),
+                Rule(lambda r: "/alive/" in r.path, "500", times=10**6),
+            ]
+        )
+        env = {"CKPTD_CLAIM_LEASE_S": str(lease_s), "CKPTD_S3_MAX_ATTEMPTS": "2"}
+        with FaultProxy(direct, plan) as cut:
+            a_env = {**env, "TORCHELASTIC_RUN_ID": "campaign-cut-a", "AWS_ENDPOINT_URL": cut.url}
+            p, prog = self.trainer(root, 1, env=a_env)
+            deadline = time.monotonic() + 120
+            while cut.counters["fault:late"] < 1:
+                if not p.is_alive() or time.monotonic() > deadline:
+                    raise InvariantError(f"the partitioned writer of step {step} never sent a shard")
+                time.sleep(0.01)
+            try:
+                self._save_when_free(root, step, {**env, "TORCHELASTIC_RUN_ID": "campaign-cut-b"})
+            finally:
+                cut.release_late()
+            p.join(300)
+            if p.is_alive():
+                kill(p)
+                raise InvariantError(f"the partitioned writer of step {step} never finished")
+        lines = _progress(prog)
+        if not any(x.startswith(f"fail {step} ") for x in lines):
+            raise InvariantError(f"the partitioned writer of step {step} was told its save committed: {lines}")
+        self._account(root, lines)
+        self.counts["partitions: writer cut off, taken over, its PUTs landed late"] += 1
+        self.check(root)
+
+    def _save_when_free(self, root: Root, step: int, env: dict, tries: int = 200) -> None:
+        """Another writer saves ``step`` (a trainer of one save per try) until it commits; its
+        refusals while the first writer's lease lasts are expected, one clear error each."""
+        for _ in range(tries):
+            lines = self.run_trainer(Root(root.uri, root.env, root.big, step), 1, env=env)
+            if any(x.startswith(f"ok {step} ") for x in lines):
+                return
+            time.sleep(0.2)
+        raise InvariantError(f"{root.uri}: nobody could take step {step} over from a stopped writer")
+
     # ------------------------------------------------------------------ invariants
 
     def check(self, root: Root, *, gc: bool = True) -> int | None:
@@ -274,6 +358,13 @@ class Campaign:
         leftovers = _leftovers(store, root.uri, committed)
         if leftovers:
             raise InvariantError(f"{root.uri}: left behind after gc: {leftovers[:5]}")
+
+
+def _has_temp_file(folder: Path) -> bool:
+    try:
+        return any(".tmp." in f.name for f in folder.rglob("*"))
+    except OSError:  # a folder renamed or removed under the walk
+        return False
 
 
 def _daemon_env(root: Root) -> dict:

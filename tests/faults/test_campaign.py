@@ -144,6 +144,27 @@ def test_campaign_two_writers_on_one_root_are_refused_never_mixed(tmp_path):
     assert refused, f"the second writer was never refused: {fails}"
 
 
+def test_campaign_slow_writers_and_same_id_restarts(tmp_path):
+    """A writer SIGSTOPped mid-save, its step taken over after its lease by another job, then by
+    the same job id restarted; it resumes and its late writes land: every invariant holds."""
+    camp = Campaign(tmp_path / "work", seed=SEED)
+    root = Root(str(tmp_path / "job"), {})
+    camp.run_trainer(root, 1)
+    camp.slow_writer(root, same_id=False)
+    camp.slow_writer(root, same_id=True)
+    assert camp.counts["slow writers stopped, taken over, resumed"] == 1
+    assert camp.counts["slow writers stopped, taken over, resumed (same job id)"] == 1
+
+
+@pytest.mark.s3
+def test_campaign_partitioned_writer(tmp_path, s3_root):
+    root, _ = s3_root
+    camp = Campaign(tmp_path / "work", seed=SEED)
+    camp.run_trainer(root, 1)
+    camp.partition(root)
+    assert camp.counts["partitions: writer cut off, taken over, its PUTs landed late"] == 1
+
+
 def _assert_nothing_but(root: Path, newest: int) -> None:
     """After a clean save and gc: only the kept steps, not one temp file anywhere."""
     names = sorted(os.listdir(root))

@@ -65,8 +65,8 @@ def trainer(
 ) -> None:
     """Save steps ``first .. first+count-1`` of ``campaign_state``, one after the other, each
     waited for. Appends ``begin N`` / ``ok N`` / ``fail N <error>`` lines to ``progress``.
-    ``slow_rename_s``: an injected slow disk: every file of a save is written, then sits as a
-    temp file that long before it is renamed into place. ``hang``: after the last save, wait
+    ``slow_rename_s``: an injected slow disk: every data file of a save is written, then sits
+    as a temp file that long before it is linked into place. ``hang``: after the last save, wait
     to be killed."""
     os.environ.update(env or {})
     logging.basicConfig(level=logging.CRITICAL)
@@ -74,13 +74,15 @@ def trainer(
 
     ck = Checkpointer(root, keep_last=keep_last, daemon=daemon, commit_timeout=120)
     if slow_rename_s:
-        real = ck.store._replace
+        real = ck.store._make_temp
 
-        def slow_replace(*args, **kwargs):
-            time.sleep(slow_rename_s)
-            return real(*args, **kwargs)
+        def slow_make_temp(key, *args, **kwargs):
+            made = real(key, *args, **kwargs)  # the complete temp file, not yet linked into place
+            if "/_claims/" not in key and "/_done/" not in key:  # the save's data and metadata
+                time.sleep(slow_rename_s)
+            return made
 
-        ck.store._replace = slow_replace
+        ck.store._make_temp = slow_make_temp
     for step in range(first, first + count):
         _note(progress, f"begin {step}")
         t0 = time.monotonic()

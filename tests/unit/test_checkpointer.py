@@ -223,16 +223,16 @@ def test_failed_background_save_is_raised_not_lost(tmp_path):
     state = make()
     ck = Checkpointer(str(root))
     ck.save(1, state).result()
-    real_put, real_deferred = ck.store.put, ck.store.put_deferred
+    real_put, real_new = ck.store.put, ck.store.put_new
 
     def broken_put(key, data):  # an injected fault: the disk is full
         raise OSError(28, "No space left on device")
 
-    ck.store.put = ck.store.put_deferred = broken_put
+    ck.store.put = ck.store.put_new = broken_put
     ck.save(2, state)  # the snapshot is taken; persisting fails in the background
     with pytest.raises(CheckpointError, match="earlier save \\(step 2\\) failed"):
         ck.save(3, state)
-    ck.store.put, ck.store.put_deferred = real_put, real_deferred
+    ck.store.put, ck.store.put_new = real_put, real_new
     fut = ck.save(3, state)
     fut.result()
     ck.close()

@@ -1,0 +1,109 @@
+"""Issue 28 items 1-2: a dead job's claims retired by the operator (``ckptd fence``), the resume
+warning that names the command, and a re-saved step holding nothing of the attempt it took over
+(``ckptd verify`` warns about objects no committed attempt owns)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ckptd import catalog, claims, donetree
+from ckptd import manifest as mf
+from ckptd.errors import StepClaimed
+from ckptd.verify import verify
+from storage_backends import open_store
+from tests.faults.slow_writer_job import state
+from tests.faults.test_slow_writer import ROOT, assert_holds, start_writer, wait_until
+from trainer_hooks import Checkpointer
+from trainer_hooks.hook import CheckpointHook
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def ckptd(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        [sys.executable, "-m", "ckptd.cli.main", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def objects(root: str, step: int) -> set[str]:
+    store = open_store(root)
+    try:
+        folder = f"{mf.step_dir(step)}/"
+        return {o.key[len(folder) :] for o in store.list(folder) if not o.key.startswith(f"{folder}{mf.CLAIMS}/")}
+    finally:
+        store.close()
+
+
+def test_fence_lets_a_resubmitted_job_save_the_dead_jobs_step(tmp_path, caplog):
+    root = str(tmp_path / "root")
+    with Checkpointer(root, job_id="job-a") as ck:
+        ck.save(4, state(0)).result(timeout=120)
+    out = tmp_path / "a"
+    out.mkdir()
+    a = start_writer(root, "job-a", 1, 5, out)
+    try:
+        wait_until(lambda: (out / "writing").exists() or a.poll() is not None, "writer A to start writing")
+        assert a.poll() is None, a.stdout.read()
+        # a live writer is never fenced off early
+        r = ckptd("fence", root, "--job", "job-a")
+        assert r.returncode == 1 and "refusing to fence a live writer" in r.stderr, r.stderr
+    finally:
+        a.send_signal(signal.SIGKILL)  # the node dies
+        a.communicate()
+    # the job is resubmitted under a new id: it resumes from step 4 and is told what is in its way
+    with Checkpointer(root, job_id="job-b") as ck, caplog.at_level(logging.WARNING, "ckptd.hook"):
+        hook = CheckpointHook(ck, state(0), every_n_steps=None, save_on_signal=False)
+        try:
+            assert hook.resume() == 5
+        finally:
+            hook.close()
+        with pytest.raises(StepClaimed, match="ckptd fence"):  # within the dead job's lease
+            ck.save(5, state(2)).result(timeout=120)
+    warned = [r.getMessage() for r in caplog.records if r.name == "ckptd.hook" and "ckptd fence" in r.getMessage()]
+    assert len(warned) == 1 and f"ckptd fence {open_store(root).uri} --job job-a" in warned[0], warned
+    r = ckptd("fence", root, "--job", "job-a", "--force")  # the operator knows the node is dead
+    assert r.returncode == 0 and "fenced step 5 of job 'job-a'" in r.stdout, r.stderr
+    assert ckptd("fence", root, "--job", "job-a").stderr.strip().endswith("no partial step of job 'job-a' in " + root)
+    with Checkpointer(root, job_id="job-b") as ck:  # at once, not a lease later
+        ck.save(5, state(2)).result(timeout=120)
+    assert_holds(root, 5, 2, "job-b")
+    store = open_store(root)
+    report = verify(store, 5)
+    assert report.ok and report.warnings == [], report
+    store.close()
+
+
+def test_a_resaved_step_keeps_nothing_of_the_attempt_it_took_over(tmp_path):
+    # A 4-rank attempt of step 3 died half-way: shards of ranks 2 and 3 (which a 2-rank save never
+    # writes), rank 0's metadata, a done record. The job restarts and saves step 3 again.
+    root = str(tmp_path / "root")
+    store = open_store(root)
+    claims.begin(store, 3, "dead", "job-a")
+    folder = mf.step_dir(3)
+    dead = {"arrays/t/w0/c/2/0", "arrays/t/w0/c/3/0", "manifest.json", "zarr.json"}
+    for key in dead:
+        store.put(f"{folder}/{key}", b"the dead attempt's bytes")
+    rec = {"rank": 2, "writer": "job-a", "bytes": 1, "objects": 1, "shards": []}
+    done = donetree.write_done(store, 3, "dead", 2, rec)
+    with Checkpointer(root, job_id="job-a") as ck:  # the same job restarted: takes over at once
+        ck.save(3, state(5)).result(timeout=120)
+    assert_holds(root, 3, 5, "job-a")
+    left = objects(root, 3)
+    assert not {"arrays/t/w0/c/2/0", "arrays/t/w0/c/3/0", done[len(folder) + 1 :]} & left, left
+    assert store.get(f"{folder}/manifest.json") != b"the dead attempt's bytes"
+    assert verify(store, 3).warnings == []
+    # an object landing after the commit (a late write of a superseded writer) is reported
+    store.put(f"{folder}/arrays/t/w0/c/7/0", b"late")
+    report = verify(store, 3)
+    assert report.ok and len(report.warnings) == 1 and "c/7/0" in report.warnings[0], report
+    r = ckptd("verify", root, "--step", "3")
+    assert r.returncode == 0 and "no committed attempt owns" in r.stderr, r.stderr
+    assert catalog.committed_steps(store) == [3]
+    store.close()

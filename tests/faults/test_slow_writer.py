@@ -1,0 +1,186 @@
+"""A writer that is slow but alive, then late (issue 26 part 1): its step is taken over only
+after its lease ran out, and its late writes can neither replace nor delete what the new owner
+committed. Real processes stopped with SIGSTOP on a local root; real S3 requests held by the
+fault proxy in front of moto (and Ceph RGW where it runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd import catalog, claims
+from ckptd import manifest as mf
+from ckptd.errors import StepClaimed
+from ckptd.verify import verify
+from storage_backends import open_store
+from storage_backends.faults import FaultPlan, FaultProxy, Rule
+from tests.faults.slow_writer_job import state
+from trainer_hooks import Checkpointer
+
+ROOT = Path(__file__).resolve().parents[2]
+LEASE = "2"
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def short_lease(monkeypatch):
+    monkeypatch.setenv("CKPTD_CLAIM_LEASE_S", LEASE)
+    monkeypatch.setenv("CKPTD_STALE_ATTEMPT_S", LEASE)  # what the data-age takeover used before
+
+
+def wait_until(cond, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def save_when_free(root: str, job_id: str, seed: int, step: int, timeout: float = 120.0) -> int:
+    """Save ``step`` as ``job_id``, retrying while the step is claimed by a live writer (one
+    fresh Checkpointer per try); returns how many tries were refused."""
+    refused = 0
+    deadline = time.monotonic() + timeout
+    while True:
+        with Checkpointer(root, job_id=job_id) as ck:
+            try:
+                ck.save(step, state(seed)).result(timeout=120)
+                return refused
+            except StepClaimed:
+                refused += 1
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{job_id} could not save step {step} in {timeout} s")
+        time.sleep(0.1)
+
+
+def assert_holds(root: str, step: int, seed: int, job_id: str) -> None:
+    """The committed step is ``job_id``'s, verifies, and restores its values bitwise."""
+    store = open_store(root)
+    try:
+        assert catalog.read_commit(store, step)["writer"] == job_id
+        report = verify(store, step)
+        assert report.ok, report.errors
+    finally:
+        store.close()
+    got = {"t": {k: torch.zeros(32, 32) for k in state(0)["t"]}, "seed": None}
+    with Checkpointer(root) as ck:
+        assert ck.restore(got, step=step) == step
+    want = state(seed)
+    assert got["seed"] == seed
+    for k, t in want["t"].items():
+        assert torch.equal(got["t"][k], t), f"step {step}: {k} is not {job_id}'s"
+
+
+def start_writer(root: str, job_id: str, seed: int, step: int, out: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.faults.slow_writer_job", root, job_id, str(seed), str(step), str(out)],
+        env=env,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("same_id", [False, True], ids=["another_job", "same_job_restarted"])
+def test_a_stopped_local_writer_never_mixes_or_deletes_the_new_commit(tmp_path, short_lease, same_id):
+    root = str(tmp_path / "root")
+    out = tmp_path / "a"
+    out.mkdir()
+    a = start_writer(root, "job-a", 1, 5, out)
+    try:
+        wait_until(lambda: (out / "writing").exists() or a.poll() is not None, "writer A to start writing")
+        assert a.poll() is None, a.stdout.read()
+        b_id = "job-a" if same_id else "job-b"
+        if not same_id:
+            # A is slow but alive (its heartbeat renews its lease): B is refused, not let in
+            with Checkpointer(root, job_id=b_id) as ck, pytest.raises(StepClaimed, match="last heartbeat"):
+                ck.save(5, state(2)).result(timeout=120)
+        os.kill(a.pid, signal.SIGSTOP)  # A stops (a GC pause, a frozen node): no more heartbeats
+        save_when_free(root, b_id, 2, 5)  # B takes over once A's lease ran out, and commits
+        assert_holds(root, 5, 2, b_id)
+        os.kill(a.pid, signal.SIGCONT)  # A wakes up and finishes its writes, late
+        a.stdin.write("go\n")
+        a.stdin.flush()
+        log, _ = a.communicate(timeout=240)
+        assert a.returncode == 0, log[-4000:]
+    finally:
+        if a.poll() is None:
+            os.kill(a.pid, signal.SIGCONT)
+            a.kill()
+            a.communicate()
+    err = json.loads((out / "result.json").read_text())["error"]
+    assert err is not None, "the late writer was told its save committed"
+    # neither A's late writes nor its cleanup touched B's commit
+    assert_holds(root, 5, 2, b_id)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("save_timeout", [1800.0, 1.0], ids=["waiting", "abandoned"])
+def test_an_s3_writer_whose_puts_land_late_never_mixes_the_new_commit(
+    s3_target, short_lease, monkeypatch, save_timeout
+):
+    """ "abandoned": A's save_timeout expires while its PUTs are held (its future fails at once);
+    its writes land later, and then its cleanup runs -- and must delete nothing of B's."""
+    held = FaultPlan(
+        rules=[
+            Rule(lambda r: r.op == "PutObject" and "/arrays/" in r.path, "late", times=10**6),
+        ]
+    )
+    partitioned = []
+    held.rules.append(Rule(lambda r: bool(partitioned) and "/alive/" in r.path, "500", times=10**6))
+    with FaultProxy(s3_target.url, held) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        monkeypatch.setenv("CKPTD_S3_MAX_ATTEMPTS", "1")
+        ck_a = Checkpointer(s3_target.root, job_id="job-a", save_timeout=save_timeout)  # through the proxy
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_target.url)
+        try:
+            fut = ck_a.save(3, state(1))
+            wait_until(lambda: proxy.counters["fault:late"] >= 1, "A's first data write to be held")
+            # alive (heartbeats pass), its data slow: B is refused
+            with Checkpointer(s3_target.root, job_id="job-b") as ck, pytest.raises(StepClaimed):
+                ck.save(3, state(2)).result(timeout=120)
+            partitioned.append(1)  # A can no longer renew its lease, its data PUTs still in flight
+            save_when_free(s3_target.root, "job-b", 2, 3)
+            assert_holds(s3_target.root, 3, 2, "job-b")
+            proxy.release_late()  # A's held PUTs land now, after B's commit
+            with pytest.raises(Exception):  # noqa: B017 - A learns its save failed
+                fut.result(timeout=240)
+            assert bool(ck_a._sink._abandoned) == (save_timeout < 10)
+            for _, t in ck_a._sink._abandoned:  # an abandoned save's thread: its late writes, its cleanup
+                t.join(240)
+                assert not t.is_alive()
+        finally:
+            proxy.release_late()
+            ck_a.close()
+        assert proxy.counters["fault:late"] >= 1
+    assert_holds(s3_target.root, 3, 2, "job-b")
+
+
+def test_forged_claims_do_not_block_saves(tmp_path, short_lease):
+    # a claim dated 10 years ahead, then one numbered 999999: the next claim is 1000000 (read
+    # back), and each forged claim only blocks for a lease
+    root = str(tmp_path / "root")
+    store = open_store(root)
+    store.put(claims.claim_key(4, 0), mf.dumps({"writer": "mallory", "attempt": "m1", "time": 4e9}))
+    future = time.time() + 10 * 365 * 86400
+    path = tmp_path / "root" / mf.step_dir(4) / mf.CLAIMS / "000000.json"
+    os.utime(path, (future, future))
+    save_when_free(root, "job-b", 2, 4)
+    assert_holds(root, 4, 2, "job-b")
+    store.put(claims.claim_key(6, 999999), mf.dumps({"writer": "mallory", "attempt": "m2", "time": 4e9}))
+    save_when_free(root, "job-b", 3, 6)
+    assert [n for n, _ in claims.claims(store, 6)] == [999999, 1000000]
+    assert_holds(root, 6, 3, "job-b")
+    store.close()
