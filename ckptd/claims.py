@@ -76,6 +76,7 @@ import logging
 import os
 import random
 import re
+import shlex
 import threading
 import time
 
@@ -266,12 +267,17 @@ def begin(store: Store, step: int, attempt: str, writer: str, *, sole: bool = Tr
             if rec.get("writer") != writer:
                 idle, limit, what = liveness(store, step, n, rec)
                 if idle < limit:
+                    named = isinstance(rec.get("writer"), str) and WRITER_RE.match(rec["writer"])
+                    retire = (
+                        f"or retire it now with `ckptd fence {shlex.quote(store.uri)} --job {rec['writer']}`"
+                        if named
+                        else f"its claim record {claim_key(step, n)} names no job (damaged or forged)"
+                    )
                     raise StepClaimed(
                         f"{where}: step {step} is being written by job {other!r} (attempt "
                         f"{rec.get('attempt')!r}, {what} {idle:.0f} s ago); refusing to write it as job "
                         f"{writer!r}: two writers on one job root. Stop the other job; if it is dead, "
-                        f"its claim expires {limit:.0f} s after its {what}, or retire it now with "
-                        f"`ckptd fence {store.uri} --job {other}`"
+                        f"its claim expires {limit:.0f} s after its {what}; {retire}"
                     )
                 log.warning("%s: taking over step %d from job %r, %s %.0f s ago", where, step, other, what, idle)
             if store.put_if_absent(claim_key(step, n + 1), record):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -395,3 +396,60 @@ def test_a_mutated_latest_chain_never_changes_the_restored_step(pristine_chain_r
             assert ckpt.latest_step() == 4, edits
         finally:
             ckpt.close()
+
+
+# -- forged claims (issue 27 item 5): whatever a root writer plants under a step's _claims/, a
+# claim either goes through (and then the claimant really owns the step) or is one CheckpointError;
+# a claim dated past, in the future or stamped with absurd numbers never blocks the step for good.
+
+CLAIM_NAME = (
+    st.sampled_from(["000000.json", "000001.json", "999999.json", "1000000.json", "000002.json"])
+    | (st.integers(min_value=0, max_value=10**18).map(lambda n: f"{n:06d}.json"))
+    | st.sampled_from(["x.json", "0000001.json", "-00001.json", "000001.jsonx", "alive"])
+)
+CLAIM_BODY = (
+    JSON.map(lambda v: json.dumps(v).encode())
+    | st.fixed_dictionaries(
+        {
+            "writer": st.sampled_from(["other-job", "fuzz-job", "", 7]),
+            "attempt": st.sampled_from(["a1", "a2", "", None]),
+            "time": st.sampled_from([0, -1, 1e12, 4e9, 1e308, "now"]),
+            "lease": st.sampled_from([0, -5, 1e300, 60, "x"]),
+        }
+    ).map(lambda d: json.dumps(d).encode())
+    | st.binary(max_size=64)
+)
+# file times: far past, far future (10 years), now; None keeps the write's own time
+CLAIM_MTIME = st.none() | st.sampled_from([0.0, 1.0, 315_360_000.0, -315_360_000.0])
+
+
+@SETTINGS
+@given(planted=st.lists(st.tuples(CLAIM_NAME, CLAIM_BODY, CLAIM_MTIME), min_size=1, max_size=6))
+def test_forged_claims_give_a_claim_or_one_checkpoint_error(planted):
+    import time as _time
+
+    from ckptd import claims
+    from ckptd.errors import StepClaimed
+    from storage_backends import open_store
+
+    with tempfile.TemporaryDirectory(prefix="ckptd-fuzz-claims-") as tmp:
+        folder = Path(tmp) / "root" / "step_0000000002" / "_claims"
+        folder.mkdir(parents=True)
+        for name, body, shift in planted:
+            path = folder / name
+            path.write_bytes(body)
+            if shift is not None:  # a forged file time: this far from now (0.0: the epoch)
+                t = shift if shift in (0.0, 1.0) else _time.time() + shift
+                os.utime(path, (t, t))
+        with open_store(str(Path(tmp) / "root")) as store:
+            try:
+                claims.begin(store, 2, "fuzz-attempt", "fuzz-job")
+            except StepClaimed as e:
+                # refused only for a claim that looks alive, and never with a negative age
+                ages = re.findall(r"(?:last write|last heartbeat|written) (-?[\d.e+]+) s ago", str(e))
+                assert ages and all(float(a) >= 0 for a in ages), str(e)
+            except CheckpointError:
+                pass
+            else:
+                rec = claims.owner(store, 2)
+                assert rec is not None and rec.get("attempt") == "fuzz-attempt", (planted, rec)
