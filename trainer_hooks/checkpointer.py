@@ -70,6 +70,10 @@ class Checkpointer:
     has its own bounds); the sweep and retention after a commit run off that path. A save whose storage does
     not answer fails its future with "storage did not answer" within this bound and is
     abandoned (it never commits afterwards); ``save`` itself never talks to storage.
+    ``max_step_jump``: ``save`` refuses a step more than this past the newest committed step
+    this Checkpointer restored or committed (a typo'd or corrupted step number would count as the
+    newest for retention and push every real step out); default ``CKPTD_MAX_STEP_JUMP``, else
+    1000000; None or 0: no bound. The daemon bounds hand-offs the same way (``--max-step-jump``).
     ``job_id``: this job's writer identity, which claims every step it saves so that a second
     job writing the same root is refused instead of mixed (``ckptd.commit``). Default:
     ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID`` when set (the same across restarts of the job,
@@ -87,6 +91,7 @@ class Checkpointer:
         incremental: bool = False,
         save_timeout: float = 1800.0,
         job_id: str | None = None,
+        max_step_jump: int | None = -1,
     ):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
@@ -103,6 +108,14 @@ class Checkpointer:
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.job_id = claims.check_writer(self.coord.broadcast(job_id or _default_job_id()))
         self._committed_steps: set[int] = set()  # saved and committed by this Checkpointer
+        if max_step_jump == -1:
+            max_step_jump = retention.max_step_jump_default()
+        if max_step_jump is not None and max_step_jump < 0:
+            raise CheckpointError(f"max_step_jump must be >= 0 or None, got {max_step_jump}")
+        self.max_step_jump = max_step_jump or None
+        # The newest committed step this Checkpointer knows of (restored, or committed by it):
+        # the base of the max_step_jump bound, known without a storage call in save().
+        self._newest_known: int | None = None
         self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
         # The snapshot's copies (``hostcopy``): a pool of their own, never queued behind I/O.
         self._copier = ThreadPoolExecutor(hostcopy.COPIERS, thread_name_prefix="ckptd-copy")
@@ -202,6 +215,12 @@ class Checkpointer:
             err = f"an earlier save (step {earlier}) failed: {cause}"
         elif step in self._committed_steps:
             err = f"{catalog.where(self.store, step)}: step {step} is already committed; refusing to overwrite"
+        elif self.max_step_jump and self._newest_known is not None and step > self._newest_known + self.max_step_jump:
+            err = (
+                f"{catalog.where(self.store, step)}: step {step} is {step - self._newest_known} steps past the newest "
+                f"committed step {self._newest_known}, more than max_step_jump={self.max_step_jump}; refusing it "
+                "(pass a larger max_step_jump, or set CKPTD_MAX_STEP_JUMP, if the job numbers its steps that way)"
+            )
         lo_hi = self.coord.all_max([step, -step])
         if lo_hi[0] != -lo_hi[1]:
             err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"
@@ -229,6 +248,7 @@ class Checkpointer:
             exc = Future.exception(fut)  # the base method: does not mark it as observed
             if exc is None:
                 self._committed_steps.add(step)
+                self._newest_known = max(step, self._newest_known or step)
             elif not fut.observed:
                 self._unreported.append((step, exc))
 
@@ -281,9 +301,17 @@ class Checkpointer:
             got, self.last_restore_skipped = restore_fallback(
                 self.store, self.coord, state, strict, self._io, in_place=in_place
             )
+            newest = max([got or 0, *(s for s, _ in self.last_restore_skipped)]) if got is not None else None
+            self._know(newest)
             return got
         self.last_restore_skipped = []
-        return restore_state(self.store, self.coord, state, step, strict, self._io, in_place=in_place)
+        got = restore_state(self.store, self.coord, state, step, strict, self._io, in_place=in_place)
+        self._know(got)
+        return got
+
+    def _know(self, step: int | None) -> None:
+        if step is not None:
+            self._newest_known = max(step, self._newest_known if self._newest_known is not None else step)
 
     def latest_step(self) -> int | None:
         try:

@@ -211,6 +211,12 @@ class Runner:
                 f"{catalog.where(self.store(job.root), job.step)}: step {job.step} is already committed; "
                 "refusing the hand-off"
             )
+        try:  # an absurd step would count as the newest for retention (issue 26 part 2)
+            retention.check_step_jump(self.store(job.root), job.step, self.settings.max_step_jump or None)
+        except StorageError as e:
+            raise BadJob(f"{job.root}: cannot check step {job.step} ({e})") from None
+        except CheckpointError as e:
+            raise BadJob(str(e)) from None
 
     def recover(self) -> None:
         """Resume or discard what a previous daemon journalled in the staging folder."""
