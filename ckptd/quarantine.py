@@ -127,25 +127,25 @@ def unquarantine(store: Store, step: int, qid: str | None = None, force: bool = 
         raise CheckpointNotFoundError(f"{where}: no quarantined copy" + (f" named {qid!r}" if qid else ""))
     rec = candidates[-1]
     src = f"{FOLDER}/{rec['id']}/"
-    qtime = rec.get("time")
-    if not force:
-        if isinstance(qtime, bool) or not isinstance(qtime, int | float):
-            raise CheckpointError(
-                f"{where}: the quarantine record of {rec['id']} has no time; pass --force to put it back"
-            )
-        later = saved_since(store, step, qtime)
-        if later:
-            raise CheckpointError(
-                f"{where}: steps {', '.join(map(str, later[:5]))} were committed after {rec['id']} was quarantined, so "
-                f"step {step} was (or may have been) saved again since; refusing to put the old copy back "
-                "(--force to do it anyway)"
-            )
     try:
         if any(True for _ in store.list(f"{folder}/")):
             raise CheckpointError(
                 f"{where}: the step folder is not empty (step {step} was saved again, or a save is "
                 "running); quarantine or delete that checkpoint first"
             )
+        qtime = rec.get("time")
+        if not force:
+            if isinstance(qtime, bool) or not isinstance(qtime, int | float):
+                raise CheckpointError(
+                    f"{where}: the quarantine record of {rec['id']} has no time; pass --force to put it back"
+                )
+            later = saved_since(store, step, qtime)
+            if later:
+                raise CheckpointError(
+                    f"{where}: steps {', '.join(map(str, later[:5]))} were committed after {rec['id']} "
+                    f"was quarantined, so step {step} was (or may have been) saved again since; refusing to put "
+                    "the old copy back (--force to do it anyway)"
+                )
         objects = [o for o in store.list(src) if o.key[len(src) :] not in (RECORD, mf.COMMIT)]
         for info in objects:
             store.copy(info.key, f"{folder}/{info.key[len(src) :]}")

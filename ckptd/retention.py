@@ -134,10 +134,10 @@ def check_restorable(store: Store, step: int) -> str | None:
     """Cheap check that a committed step can be restored: None if it passes, else why not.
 
     Reads the commit record and the manifest and lists the step's objects (no chunk is read):
-    the commit record is a JSON object, the manifest loads and names the step, every array has
-    its ``zarr.json`` and every shard object the layout implies exists with the exact size the
-    layout implies. It catches lost, truncated and cut objects; a byte flipped inside a chunk
-    needs ``ckptd verify``."""
+    the commit record is a JSON object, the manifest loads and names the step, and every shard
+    object the manifest's layouts imply exists with the exact size the layout implies (what a
+    restore reads; ``zarr.json`` is for other readers, which ``ckptd verify`` checks). It catches
+    lost, truncated and cut objects; a byte flipped inside a chunk needs ``ckptd verify``."""
     where = catalog.where(store, step)
     try:
         if catalog.read_commit(store, step) is None:
@@ -148,8 +148,6 @@ def check_restorable(store: Store, step: int) -> str | None:
     except (CheckpointError, StorageError, ValueError) as e:
         return str(e)
     for entry in m.tensors.values():
-        if f"{prefix}/{entry.path}/{mf.GROUP}" not in sizes:
-            return f"{where}: array {entry.path!r}: zarr.json is missing"
         layout = entry.layout
         if layout.nbytes == 0 or entry.value is not None:
             continue
