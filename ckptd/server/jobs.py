@@ -321,8 +321,12 @@ class Runner:
         self.staging.discard(lease.id)
 
     def _superseded(self, job: Job) -> str | None:
-        """Why a journalled job must not be finished: its step committed, or a newer attempt
-        of the same step started (its shards would overwrite that attempt's)."""
+        """Why a journalled job must not be finished: its step committed by another attempt, a
+        newer attempt of the same step started (its shards would overwrite that attempt's), or
+        the root committed a newer step since (issue 28 item 3: the step was saved again and then
+        deleted by retention, or was abandoned; a partial older than the newest commit can no
+        longer complete, as ``ckptd.retention`` assumes, so resuming it would only resurrect a
+        deleted step as a partial)."""
         try:
             store = self.store(job.root)
             commit = catalog.read_commit(store, job.step)
@@ -330,6 +334,12 @@ class Runner:
                 return None if commit.get("attempt") == job.attempt else "the step was committed by another attempt"
             if donetree.attempts(store, job.step) - {job.attempt}:
                 return "a newer attempt of the same step has started"
+            newest = catalog.latest_step_by_listing(store)  # not the _latest hint: rare, and exact
+            if newest is not None and newest > job.step:
+                return (
+                    f"the root has committed step {newest} since (step {job.step} was saved again and deleted, "
+                    "or can no longer complete)"
+                )
         except (StorageError, CheckpointError) as e:
             return f"cannot check its checkpoint folder ({e})"
         if time.time() - job.accepted_at > job.commit_timeout:
