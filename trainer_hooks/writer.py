@@ -74,6 +74,8 @@ class BackgroundWriter:
         self._abandoned: list[tuple[int, threading.Thread]] = []  # saves past their deadline
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-writer")
         self._after: threading.Thread | None = None  # the running after_commit, if any
+        self._after_next = None  # the newest commit whose after_commit waits for the running one
+        self._after_busy = False  # under self._lock: an after_commit thread is running its loop
 
     def stager(self) -> Stager:
         return Stager()
@@ -175,26 +177,41 @@ class BackgroundWriter:
         self._after_commit(result)
 
     def _after_commit(self, result) -> None:
-        """``retention.after_commit`` off the writer's path; skipped while the previous one runs."""
+        """``retention.after_commit`` off the writer's path. While the previous one runs (storage
+        slow or stalled), the newest commit's waits for it (one at most: a newer one replaces
+        it) and runs when it ends, so a slow sweep never delays a save and never skips the
+        retention of the last commit (it used to be skipped, leaving old steps behind)."""
         if not result.committed_here:
             return
-        prev = self._after
-        if prev is not None and prev.is_alive():
-            log.warning(
-                "%s: the sweep and retention after the previous commit are still running (storage slow "
-                "or stalled); skipping them after step %d",
-                catalog.where(self.store, result.step),
-                result.step,
+        with self._lock:
+            if self._after_busy:
+                self._after_next = result
+                log.warning(
+                    "%s: the sweep and retention after the previous commit are still running (storage slow "
+                    "or stalled); those of step %d run when it ends",
+                    catalog.where(self.store, result.step),
+                    result.step,
+                )
+                return
+            self._after_busy = True
+            t = threading.Thread(
+                target=self._after_loop, args=(result,), name=f"ckptd-after-commit-{result.step}", daemon=True
             )
-            return
-        t = threading.Thread(
-            target=retention.after_commit,
-            args=(self.store, result, self.keep_last),
-            name=f"ckptd-after-commit-{result.step}",
-            daemon=True,
-        )
-        self._after = t
+            self._after = t
         t.start()
+
+    def _after_loop(self, result) -> None:
+        try:
+            while result is not None:
+                retention.after_commit(self.store, result, self.keep_last)
+                with self._lock:
+                    result, self._after_next = self._after_next, None
+                    if result is None:
+                        self._after_busy = False
+        except BaseException:
+            with self._lock:
+                self._after_busy = False
+            raise
 
     @property
     def stuck(self) -> int:
