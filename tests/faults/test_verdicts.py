@@ -234,3 +234,33 @@ def test_unquarantine_refuses_when_the_step_was_saved_again_and_gcd(job):
     assert "verified: bad" in out.stdout
     rows = {r["step"]: r["verified"] for r in json.loads(cli("ls", root, "--json").stdout)}
     assert rows[3] == "bad"
+
+
+def test_two_ranks_fall_back_past_recorded_and_malformed_verdicts_in_step(tmp_path):
+    """Fallback reads each step's verdict on rank 0 when its turn comes; both ranks make the same
+    collectives and land on the same step."""
+    import sys
+
+    from tests.local_launch import log_tails, spawn_ranks, wait_ranks
+
+    root = str(tmp_path / "job")
+    repo = Path(__file__).resolve().parents[2]
+
+    def run(phase: str) -> None:
+        logs = lambda r: tmp_path / f"{phase}{r}.log"  # noqa: E731
+        procs = spawn_ranks(
+            2,
+            [sys.executable, "-m", "tests.faults.fallback_ranks", phase, root, str(tmp_path)],
+            logs,
+            cwd=repo,
+            pythonpath=repo,
+        )
+        assert wait_ranks(procs, 240) == [0, 0], log_tails(logs, 2)
+
+    run("save")
+    flip_byte(chunk_files(root, 3)[0])
+    assert cli("verify", root, "--all").returncode == 1  # records 3 bad
+    (step_path(root, 2) / "_verify.json").write_text(json.dumps({"step": 2, "ok": False}))  # malformed
+    run("restore")
+    docs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert docs[0] == docs[1] == {"step": 2, "w": 2.0, "skipped": [3]}
