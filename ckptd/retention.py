@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptd.retention")
 
 
-def after_commit(store: Store, result: SaveResult, keep_last: int | None) -> None:
+def after_commit(store: Store, result: SaveResult, keep_last: int | None, max_step_jump: int | None = -1) -> None:
     """Retention by the writer that wrote the commit record (the in-process writer, the daemon's
     committing worker), after it has reported the commit (so retention delays neither the
     caller nor the result). With a daemon, the trainer's rank 0 also applies its own
@@ -59,7 +59,7 @@ def after_commit(store: Store, result: SaveResult, keep_last: int | None) -> Non
     if result.started_at is not None:
         sweep_leftovers(store, result.step, before=result.started_at)
     if keep_last:
-        apply_retention(store, keep_last)
+        apply_retention(store, keep_last, max_step_jump)
 
 
 def sweep_leftovers(store: Store, step: int, before: float) -> None:
@@ -74,10 +74,13 @@ def sweep_leftovers(store: Store, step: int, before: float) -> None:
         log.info("removed %d incomplete writes a killed attempt left in step %d", len(gone), step)
 
 
-def apply_retention(store: Store, keep_last: int) -> None:
-    """Retention after a commit; its failure never fails the save that triggered it."""
+def apply_retention(store: Store, keep_last: int, max_step_jump: int | None = -1) -> None:
+    """Retention after a commit; its failure never fails the save that triggered it.
+    ``max_step_jump``: -1 for :func:`max_step_jump_default`, None for no bound."""
     try:
-        deleted = retain(store, keep_last, max_step_jump=max_step_jump_default())
+        if max_step_jump == -1:
+            max_step_jump = max_step_jump_default()
+        deleted = retain(store, keep_last, max_step_jump=max_step_jump)
         if deleted:
             log.info("retention removed steps %s", deleted)
     except (CheckpointError, StorageError) as e:

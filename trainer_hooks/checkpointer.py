@@ -149,6 +149,7 @@ class Checkpointer:
             if daemon is not None and keep_last and self.rank == 0
             else None
         )
+        self._sink.max_step_jump = self.max_step_jump  # the bound its retention after a commit counts with
         self._stager = self._sink.stager()
 
     # ------------------------------------------------------------------------------ save
@@ -232,7 +233,7 @@ class Checkpointer:
     def _retain_after(self, fut: Future) -> None:
         if Future.exception(fut) is None:  # the base method: does not mark it as observed
             with contextlib.suppress(RuntimeError):  # closing: the next job's commit retains
-                self._retention.submit(retention.apply_retention, self.store, self.keep_last)
+                self._retention.submit(retention.apply_retention, self.store, self.keep_last, self.max_step_jump)
 
     def _raise_unreported(self) -> None:
         if self._unreported:

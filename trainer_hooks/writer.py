@@ -76,6 +76,7 @@ class BackgroundWriter:
         self._after: threading.Thread | None = None  # the running after_commit, if any
         self._after_next = None  # the newest commit whose after_commit waits for the running one
         self._after_busy = False  # under self._lock: an after_commit thread is running its loop
+        self.max_step_jump: int | None = -1  # retention's bound (Checkpointer sets it; -1: the default)
 
     def stager(self) -> Stager:
         return Stager()
@@ -203,7 +204,7 @@ class BackgroundWriter:
     def _after_loop(self, result) -> None:
         try:
             while result is not None:
-                retention.after_commit(self.store, result, self.keep_last)
+                retention.after_commit(self.store, result, self.keep_last, self.max_step_jump)
                 with self._lock:
                     result, self._after_next = self._after_next, None
                     if result is None:

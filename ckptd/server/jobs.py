@@ -457,7 +457,7 @@ class Runner:
             self._claims.saw_commit(job.root, job.step, {"attempt": job.attempt})
             self._finish(job, "committed")
             if isinstance(result, SaveResult):
-                retention.after_commit(store, result, self.settings.keep_last)
+                retention.after_commit(store, result, self.settings.keep_last, self.settings.max_step_jump or None)
         else:
             job.state = "uploaded"
             with self._lock:
