@@ -1,9 +1,15 @@
 """Retention: which checkpoints of a job root are deleted, and the sweep after a commit.
 
-Invariant: retention never deletes the newest committed step, the newest step ``ckptd verify``
-passed, a step being written (``protect``), or any step newer than the newest commit; a
-checkpoint is deleted commit record first (``catalog.delete_checkpoint``), so a half-deleted one
-reads as partial. Its failure never fails the save that triggered it.
+Invariant: retention never deletes the newest committed step, the newest step that passes
+:func:`check_restorable` (so a root always keeps a step that restores as far as a cheap check can
+tell, with or without ``ckptd verify``), the newest such step ``ckptd verify`` did not record bad,
+the newest step it recorded ok, a step being written (``protect``), any step newer than the newest
+commit, or a step that jumped more than ``max_step_jump`` past the committed step before it
+(kept, and not counted among the newest ``keep_last``: a step number out of nowhere never pushes
+real steps out). Verify records only ever add to what is kept, so a forged one cannot make
+retention delete what it would keep without one. A checkpoint is deleted commit record first
+(``catalog.delete_checkpoint``), so a half-deleted one reads as partial. Its failure never fails
+the save that triggered it.
 
 Who applies it: the writer that wrote the commit record (:func:`after_commit`: the in-process
 writer, the ``ckptd serve`` daemon, ``benchmarks.scale``), the trainer's rank 0
