@@ -195,18 +195,22 @@ def record_key(step: int) -> str:
 
 
 def judged_digest(store: Store, step: int) -> str | None:
-    """sha256 over the step's commit record and manifest bytes (each length-prefixed), or None
-    when either is missing or unreadable: what a verdict on ``step`` is bound to."""
+    """sha256 over the step's commit record and manifest bytes (each length-prefixed; a missing
+    or oversized manifest as a marker of its own, so a step whose manifest is gone can still be
+    recorded bad), or None when the commit record is missing or either cannot be read: what a
+    verdict on ``step`` is bound to."""
     prefix = mf.step_dir(step)
     h = hashlib.sha256()
     try:
-        for key, limit in (
-            (f"{prefix}/{mf.COMMIT}", mf.MAX_RECORD_BYTES),
-            (f"{prefix}/{mf.MANIFEST}", mf.MAX_MANIFEST_BYTES),
-        ):
-            data = store.get(key, limit=limit)
-            h.update(len(data).to_bytes(8, "big"))
-            h.update(data)
+        data = store.get(f"{prefix}/{mf.COMMIT}", limit=mf.MAX_RECORD_BYTES)
+        h.update(len(data).to_bytes(8, "big") + data)
+        try:
+            data = store.get(f"{prefix}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES)
+            h.update(len(data).to_bytes(8, "big") + data)
+        except NotFoundError:
+            h.update(b"\xff" * 8 + b"manifest missing")
+        except (StorageError, CheckpointError):  # oversized, a special file, or storage failing:
+            h.update(b"\xff" * 8 + b"manifest unreadable")  # void once it reads again
     except (NotFoundError, StorageError, CheckpointError):
         return None
     return h.hexdigest()
