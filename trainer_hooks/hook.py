@@ -109,8 +109,9 @@ class CheckpointHook:
             try:
                 if self.last_saved != step and not self._over_bad_step(step):
                     self.ckpt.save(step, self.state)
+                    self.ckpt.wait()
+                    self.last_saved = step
                 self.ckpt.wait()
-                self.last_saved = step
             finally:
                 self.close()  # the handlers go back even when the save failed
             raise SystemExit(self.exit_code)
