@@ -311,7 +311,11 @@ class Checkpointer:
         return got
 
     def _know(self, step: int | None) -> None:
+        """After a restore of ``step``: the newest step known, and forget the steps this
+        Checkpointer committed after it (they were quarantined, or are bad and still committed:
+        then the claim in storage refuses them), so a step quarantined since saves again."""
         if step is not None:
+            self._committed_steps = {s for s in self._committed_steps if s <= step}
             self._newest_known = max(step, self._newest_known if self._newest_known is not None else step)
 
     def latest_step(self) -> int | None:

@@ -53,3 +53,19 @@ def test_a_hand_off_far_past_the_newest_commit_is_refused(tmp_path):
         with Checkpointer(root, daemon=d.url, max_step_jump=None) as ck:
             ck.save(2, state(2)).result()  # within the bound
             assert ck.latest_step() == 2
+
+
+def test_a_quarantined_step_saves_again_through_the_same_checkpointer(tmp_path):
+    """The same in-process cache: a Checkpointer that committed step 3 refused to save it again
+    after it was quarantined and the job went back to step 2."""
+    root = str(tmp_path / "job")
+    with Checkpointer(root) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, state(step)).result()
+        flip_byte(chunk_files(root, 3)[0])
+        assert cli("quarantine", root, "--step", "3", "--reason", "crc32c mismatch").returncode == 0
+        got = state(0)
+        assert ck.restore(got, fallback=True) == 2
+        ck.save(3, state(33)).result()  # refused "already committed" before the fix
+        again = state(0)
+        assert ck.restore(again) == 3 and torch.equal(again["w"], state(33)["w"])
