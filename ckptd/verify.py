@@ -257,7 +257,7 @@ def _malformed(rec: object, step: int) -> str | None:
         return "'ok' is not true or false"
     judged = rec.get("judged")
     if not isinstance(judged, str) or len(judged) != _DIGEST_HEX or any(c not in "0123456789abcdef" for c in judged):
-        return "no 'judged' digest (written by an older ckptd, or not by ckptd verify)"
+        return "no valid 'judged' digest"
     t = rec.get("time")
     if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < 1e11:
         return "'time' is not a time"
@@ -296,6 +296,8 @@ def read_record(store: Store, step: int, commit: dict | None = None) -> dict | N
     except (StorageError, CheckpointError, ValueError) as e:
         _warn_once(store, step, str(e))
         return None
+    if isinstance(rec, dict) and "judged" not in rec and "commit_time" in rec:
+        return None  # written by a ckptd before verdicts were bound to bytes: unverified, quietly
     why = _malformed(rec, step)
     if why is not None:
         _warn_once(store, step, why)

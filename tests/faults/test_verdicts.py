@@ -143,8 +143,8 @@ def test_forged_verdicts_only_ever_make_gc_keep_more(job, tmp_path):
 def test_malformed_verdicts_are_ignored_with_one_warning(job, record, caplog):
     root, saved = job
     commit = json.loads((step_path(root, 3) / "commit.json").read_text())
-    if isinstance(record, dict):  # the bindings the previous reader checked, copied
-        record = record | {"attempt": commit["attempt"], "commit_time": commit["time"]}
+    if isinstance(record, dict):  # the bindings the previous reader checked, copied, and a digest
+        record = record | {"attempt": commit["attempt"], "commit_time": commit["time"], "judged": "0" * 64}
     (step_path(root, 3) / "_verify.json").write_text(json.dumps(record))
     with Checkpointer(root) as ck, caplog.at_level(logging.WARNING, logger="ckptd.verify"):
         for seed in (60, 61):  # twice: still one warning
@@ -164,6 +164,12 @@ def test_malformed_verdicts_are_ignored_with_one_warning(job, record, caplog):
 
 def test_a_verdict_is_bound_to_the_bytes_it_judged(job):
     root, saved = job
+    # a record of the format before the binding (attempt and commit time only): unverified
+    commit = json.loads((step_path(root, 3) / "commit.json").read_text())
+    legacy = {"step": 3, "ok": False, "attempt": commit["attempt"], "commit_time": commit["time"], "time": 1.0e9}
+    (step_path(root, 3) / "_verify.json").write_text(json.dumps(legacy | {"arrays": 1, "objects": 1, "bytes": 1}))
+    rows = {r["step"]: r["verified"] for r in json.loads(cli("ls", root, "--json").stdout)}
+    assert rows[3] == "unverified"
     out = cli("verify", root, "--all")
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {r["step"]: r["verified"] for r in json.loads(cli("ls", root, "--json").stdout)}
