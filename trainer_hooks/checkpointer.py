@@ -303,20 +303,22 @@ class Checkpointer:
                 self.store, self.coord, state, strict, self._io, in_place=in_place
             )
             newest = max([got or 0, *(s for s, _ in self.last_restore_skipped)]) if got is not None else None
-            self._know(newest)
+            self._know(got, newest)
             return got
         self.last_restore_skipped = []
         got = restore_state(self.store, self.coord, state, step, strict, self._io, in_place=in_place)
-        self._know(got)
+        self._know(got, got)
         return got
 
-    def _know(self, step: int | None) -> None:
-        """After a restore of ``step``: the newest step known, and forget the steps this
-        Checkpointer committed after it (they were quarantined, or are bad and still committed:
-        then the claim in storage refuses them), so a step quarantined since saves again."""
-        if step is not None:
-            self._committed_steps = {s for s in self._committed_steps if s <= step}
-            self._newest_known = max(step, self._newest_known if self._newest_known is not None else step)
+    def _know(self, restored: int | None, newest: int | None) -> None:
+        """After a restore of ``restored`` (``newest``: the newest committed step seen, skipped
+        ones included): forget the steps this Checkpointer committed after the restored one
+        (quarantined since, or bad and still committed: then the claim in storage refuses them),
+        so a step quarantined since saves again; and raise the base of the max_step_jump bound."""
+        if restored is not None:
+            self._committed_steps = {s for s in self._committed_steps if s <= restored}
+        if newest is not None:
+            self._newest_known = max(newest, self._newest_known if self._newest_known is not None else newest)
 
     def latest_step(self) -> int | None:
         try:
