@@ -91,8 +91,33 @@ def list_quarantined(store: Store) -> list[dict]:
     return sorted(out, key=lambda r: r["id"].split(".", 1)[-1])
 
 
-def unquarantine(store: Store, step: int, qid: str | None = None) -> dict:
-    """Put back the newest quarantined copy of ``step`` (or the one named ``qid``)."""
+def saved_since(store: Store, step: int, since: float) -> list[int]:
+    """Committed steps numbered ``step`` or later whose commit record is younger than ``since``
+    (a wall-clock time): evidence that the job's history moved past ``step`` after it was
+    quarantined, so its number was, or may have been, saved again (and perhaps gc'd since)."""
+    out = []
+    for s in catalog.committed_steps(store):
+        if s < step:
+            continue
+        try:
+            commit = catalog.read_commit(store, s)
+        except CheckpointError:
+            out.append(s)  # an unreadable commit record proves nothing either way: count it
+            continue
+        t = commit.get("time") if commit is not None else None
+        if commit is not None and (isinstance(t, bool) or not isinstance(t, int | float) or t > since):
+            out.append(s)
+    return out
+
+
+def unquarantine(store: Store, step: int, qid: str | None = None, force: bool = False) -> dict:
+    """Put back the newest quarantined copy of ``step`` (or the one named ``qid``).
+
+    Refused when the step folder holds anything, and (unless ``force``) when a step numbered
+    ``step`` or later was committed after the copy was quarantined (:func:`saved_since`): the
+    step was, or may have been, saved again and that save removed by ``gc`` since, and putting
+    the old copy back would restore a checkpoint from a history the job left. The copy's verify
+    record (``_verify.json``) comes back with it, so a copy recorded bad still shows bad."""
     folder = mf.step_dir(step)
     where = catalog.where(store, step)
     candidates = [r for r in list_quarantined(store) if r.get("step") == step and not r.get("incomplete")]
@@ -108,6 +133,19 @@ def unquarantine(store: Store, step: int, qid: str | None = None) -> dict:
                 f"{where}: the step folder is not empty (step {step} was saved again, or a save is "
                 "running); quarantine or delete that checkpoint first"
             )
+        qtime = rec.get("time")
+        if not force:
+            if isinstance(qtime, bool) or not isinstance(qtime, int | float):
+                raise CheckpointError(
+                    f"{where}: the quarantine record of {rec['id']} has no time; pass --force to put it back"
+                )
+            later = saved_since(store, step, qtime)
+            if later:
+                raise CheckpointError(
+                    f"{where}: steps {', '.join(map(str, later[:5]))} were committed after {rec['id']} "
+                    f"was quarantined, so step {step} was (or may have been) saved again since; refusing to put "
+                    "the old copy back (--force to do it anyway)"
+                )
         objects = [o for o in store.list(src) if o.key[len(src) :] not in (RECORD, mf.COMMIT)]
         for info in objects:
             store.copy(info.key, f"{folder}/{info.key[len(src) :]}")

@@ -1,9 +1,15 @@
 """Retention: which checkpoints of a job root are deleted, and the sweep after a commit.
 
-Invariant: retention never deletes the newest committed step, the newest step ``ckptd verify``
-passed, a step being written (``protect``), or any step newer than the newest commit; a
-checkpoint is deleted commit record first (``catalog.delete_checkpoint``), so a half-deleted one
-reads as partial. Its failure never fails the save that triggered it.
+Invariant: retention never deletes the newest committed step, the newest step that passes
+:func:`check_restorable` (so a root always keeps a step that restores as far as a cheap check can
+tell, with or without ``ckptd verify``), the newest such step ``ckptd verify`` did not record bad,
+the newest step it recorded ok, a step being written (``protect``), any step newer than the newest
+commit, or a step that jumped more than ``max_step_jump`` past the committed step before it
+(kept, and not counted among the newest ``keep_last``: a step number out of nowhere never pushes
+real steps out). Verify records only ever add to what is kept, so a forged one cannot make
+retention delete what it would keep without one. A checkpoint is deleted commit record first
+(``catalog.delete_checkpoint``), so a half-deleted one reads as partial. Its failure never fails
+the save that triggered it.
 
 Who applies it: the writer that wrote the commit record (:func:`after_commit`: the in-process
 writer, the ``ckptd serve`` daemon, ``benchmarks.scale``), the trainer's rank 0
@@ -23,11 +29,14 @@ every reader imports, imports neither ``verify`` nor the commit protocol.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptd import catalog
 from ckptd import manifest as mf
+from ckptd.codec import CRC_BYTES
 from ckptd.errors import CheckpointError
 from ckptd.verify import read_record
 from storage_backends import StorageError, Store
@@ -38,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptd.retention")
 
 
-def after_commit(store: Store, result: SaveResult, keep_last: int | None) -> None:
+def after_commit(store: Store, result: SaveResult, keep_last: int | None, max_step_jump: int | None = -1) -> None:
     """Retention by the writer that wrote the commit record (the in-process writer, the daemon's
     committing worker), after it has reported the commit (so retention delays neither the
     caller nor the result). With a daemon, the trainer's rank 0 also applies its own
@@ -56,7 +65,7 @@ def after_commit(store: Store, result: SaveResult, keep_last: int | None) -> Non
     if result.started_at is not None:
         sweep_leftovers(store, result.step, before=result.started_at)
     if keep_last:
-        apply_retention(store, keep_last)
+        apply_retention(store, keep_last, max_step_jump)
 
 
 def sweep_leftovers(store: Store, step: int, before: float) -> None:
@@ -71,10 +80,13 @@ def sweep_leftovers(store: Store, step: int, before: float) -> None:
         log.info("removed %d incomplete writes a killed attempt left in step %d", len(gone), step)
 
 
-def apply_retention(store: Store, keep_last: int) -> None:
-    """Retention after a commit; its failure never fails the save that triggered it."""
+def apply_retention(store: Store, keep_last: int, max_step_jump: int | None = -1) -> None:
+    """Retention after a commit; its failure never fails the save that triggered it.
+    ``max_step_jump``: -1 for :func:`max_step_jump_default`, None for no bound."""
     try:
-        deleted = retain(store, keep_last)
+        if max_step_jump == -1:
+            max_step_jump = max_step_jump_default()
+        deleted = retain(store, keep_last, max_step_jump=max_step_jump)
         if deleted:
             log.info("retention removed steps %s", deleted)
     except (CheckpointError, StorageError) as e:
@@ -84,34 +96,166 @@ def apply_retention(store: Store, keep_last: int) -> None:
 # ------------------------------------------------------------------------------ selection
 
 
-def select_for_deletion(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """The steps ``retain`` would delete, ascending; deletes nothing (``ckptd gc --dry-run``).
+DEFAULT_MAX_STEP_JUMP = 1_000_000
 
-    Keeps the newest ``keep_last`` committed checkpoints; selects older committed ones, and
-    partial ones older than the newest commit (they can no longer complete: one save is in
-    flight per job and a newer one committed). Never selects the newest committed step, the newest
-    step ``ckptd verify`` passed (see ``newest_verified``), a step in ``protect`` (being
-    written), or any step newer than the newest commit."""
+
+def max_step_jump_default() -> int | None:
+    """``CKPTD_MAX_STEP_JUMP`` (0: no bound) else :data:`DEFAULT_MAX_STEP_JUMP`."""
+    import os
+
+    raw = os.environ.get("CKPTD_MAX_STEP_JUMP", "").strip()
+    if not raw:
+        return DEFAULT_MAX_STEP_JUMP
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 10:
+        raise CheckpointError(f"CKPTD_MAX_STEP_JUMP={raw[:40]!r}: expected a whole number of steps (0: no bound)")
+    return int(raw) or None
+
+
+def check_step_jump(store: Store, step: int, max_jump: int | None) -> None:
+    """Refuse to write ``step`` when it lies more than ``max_jump`` steps past the job's newest
+    committed step (a typo, or a forged hand-off of step 9999999999 that retention would then
+    count as the newest and delete every other step for). No bound when ``max_jump`` is None or
+    the root has no commit."""
+    if not max_jump:
+        return
+    newest = catalog.latest_step(store)
+    if newest is not None and step > newest + max_jump:
+        raise CheckpointError(
+            f"{catalog.where(store, step)}: step {step} is {step - newest} steps past the newest committed step "
+            f"{newest}, more than max_step_jump={max_jump}; refusing it (raise max_step_jump, or "
+            "CKPTD_MAX_STEP_JUMP, if the job really numbers its steps that way)"
+        )
+
+
+def trusted_steps(committed: list[int], max_jump: int | None) -> tuple[list[int], list[int]]:
+    """Split ascending ``committed`` at the first step more than ``max_jump`` past the one
+    before it: (the steps retention counts, the steps that appeared out of nowhere). Retention
+    keeps the latter and never lets them push older steps out."""
+    if not max_jump:
+        return committed, []
+    for i in range(1, len(committed)):
+        if committed[i] - committed[i - 1] > max_jump:
+            return committed[:i], committed[i:]
+    return committed, []
+
+
+def check_restorable(store: Store, step: int) -> str | None:
+    """Cheap check that a committed step can be restored: None if it passes, else why not.
+
+    Reads the commit record and the manifest and lists the step's objects (no chunk is read):
+    the commit record is a JSON object, the manifest loads and names the step, and every shard
+    object the manifest's layouts imply exists with the exact size the layout implies (what a
+    restore reads; ``zarr.json`` is for other readers, which ``ckptd verify`` checks). It catches
+    lost, truncated and cut objects; a byte flipped inside a chunk needs ``ckptd verify``."""
+    where = catalog.where(store, step)
+    try:
+        if catalog.read_commit(store, step) is None:
+            return "no commit record"
+        m = catalog.load_manifest(store, step)
+        prefix = mf.step_dir(step)
+        sizes = {o.key: o.size for o in store.list(f"{prefix}/{mf.ARRAYS}/")}
+    except (CheckpointError, StorageError, ValueError) as e:
+        return str(e)
+    for entry in m.tensors.values():
+        layout = entry.layout
+        if layout.nbytes == 0 or entry.value is not None:
+            continue
+        per_chunk = layout.chunk_nbytes + CRC_BYTES
+        for coord in layout.shard_coords():
+            key = f"{prefix}/{entry.path}/{layout.shard_key(coord)}"
+            if layout.sharded:
+                start, stop = layout.shard_box(coord)
+                present = math.prod(-(-(b - a) // c) for a, b, c in zip(start, stop, layout.chunk_shape, strict=True))
+                want = present * per_chunk + layout.index_nbytes
+            else:
+                want = per_chunk
+            got = sizes.get(key)
+            if got is None:
+                return f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}: missing"
+            if got != want:
+                name = f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}"
+                return f"{name}: {got} bytes, the layout implies {want}"
+    return None
+
+
+@dataclass
+class Plan:
+    """What retention keeps and deletes, and why (``ckptd gc`` prints it)."""
+
+    doomed: list[int] = field(default_factory=list)
+    restorable: int | None = None  # newest committed step that passes check_restorable
+    failed: dict[int, str] = field(default_factory=dict)  # newer committed steps that did not, why
+    out_of_nowhere: list[int] = field(default_factory=list)
+
+
+def plan(
+    store: Store,
+    keep_last: int,
+    protect: set[int] | frozenset[int] = frozenset(),
+    max_step_jump: int | None = DEFAULT_MAX_STEP_JUMP,
+) -> Plan:
+    """The retention plan; deletes nothing (``ckptd gc --dry-run``).
+
+    Keeps the newest ``keep_last`` committed checkpoints, counted among the steps that did not
+    jump more than ``max_step_jump`` past the committed step before them (those that did are kept
+    and ignored); selects older committed ones, and partial ones older than the newest commit
+    (they can no longer complete: one save is in flight per job and a newer one committed).
+
+    Never selects: the newest committed step; the newest step that passes
+    :func:`check_restorable` (whatever any verify record says), so a root always keeps a step
+    that restores as far as a cheap check can tell; the newest such step that ``ckptd verify``
+    did not record bad; the newest step ``ckptd verify`` recorded ok; a step in ``protect``
+    (being written); any step newer than the newest commit. Verify records only ever add to what
+    is kept: a forged record can make gc keep more, never delete what it would keep without one."""
     if keep_last < 1:
         raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    out = Plan()
     all_steps = catalog.steps(store)
     committed = [s for s in all_steps if store.exists(f"{mf.step_dir(s)}/{mf.COMMIT}")]
     if not committed:
-        return []
-    keep = set(committed[-keep_last:]) | set(protect)
-    verified = newest_verified(store, committed)
+        return out
+    counted, out.out_of_nowhere = trusted_steps(committed, max_step_jump)
+    keep = set(counted[-keep_last:]) | set(protect) | set(out.out_of_nowhere)
+    vetted_found = False
+    for s in reversed(counted):
+        why = check_restorable(store, s)
+        if why is not None:
+            out.failed[s] = why
+            continue
+        if out.restorable is None:
+            out.restorable = s
+            keep.add(s)
+        rec = read_record(store, s)
+        if rec is None or rec["ok"]:
+            keep.add(s)  # the newest restorable step verify did not record bad
+            vetted_found = True
+            break
+    if not vetted_found and out.restorable is None:
+        log.warning("%s: no committed step passes the restorability check; retention keeps every step", store.uri)
+        keep |= set(committed)
+    verified = newest_verified(store, counted)
     if verified is not None:
         keep.add(verified)
     newest = committed[-1]
-    return [s for s in all_steps if s < newest and s not in keep]
+    out.doomed = [s for s in all_steps if s < newest and s not in keep]
+    return out
+
+
+def select_for_deletion(
+    store: Store,
+    keep_last: int,
+    protect: set[int] | frozenset[int] = frozenset(),
+    max_step_jump: int | None = DEFAULT_MAX_STEP_JUMP,
+) -> list[int]:
+    """The steps ``retain`` would delete, ascending (:func:`plan`)."""
+    return plan(store, keep_last, protect, max_step_jump).doomed
 
 
 def newest_verified(store: Store, committed: list[int]) -> int | None:
     """The newest of ``committed`` whose ``ckptd verify`` record says it passed, or None.
 
-    Retention keeps it whatever ``keep_last`` says: when newer checkpoints turn out corrupt it
-    is the one to fall back to, and it must not be deleted in favour of a newer bad one. Costs
-    one GET per committed step newer than it (retention keeps those few)."""
+    Retention keeps it whatever ``keep_last`` says (it only adds to what is kept). Costs one GET
+    per committed step newer than it (retention keeps those few)."""
     for s in reversed(committed):
         rec = read_record(store, s)
         if rec is not None and rec["ok"]:
@@ -119,12 +263,31 @@ def newest_verified(store: Store, committed: list[int]) -> int | None:
     return None
 
 
-def retain(store: Store, keep_last: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+def retain(
+    store: Store,
+    keep_last: int,
+    protect: set[int] | frozenset[int] = frozenset(),
+    max_step_jump: int | None = DEFAULT_MAX_STEP_JUMP,
+) -> list[int]:
     """Apply retention: delete what :func:`select_for_deletion` selects. Returns deleted steps."""
-    doomed = select_for_deletion(store, keep_last, protect)
+    doomed = select_for_deletion(store, keep_last, protect, max_step_jump)
     for s in doomed:
         catalog.delete_checkpoint(store, s)
     return doomed
 
 
-__all__ = ["after_commit", "apply_retention", "newest_verified", "retain", "select_for_deletion", "sweep_leftovers"]
+__all__ = [
+    "DEFAULT_MAX_STEP_JUMP",
+    "Plan",
+    "after_commit",
+    "apply_retention",
+    "check_restorable",
+    "check_step_jump",
+    "max_step_jump_default",
+    "newest_verified",
+    "plan",
+    "retain",
+    "select_for_deletion",
+    "sweep_leftovers",
+    "trusted_steps",
+]

@@ -14,6 +14,8 @@ inside the array is present with the right size and passes its crc32c. Shards ar
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +33,8 @@ from storage_backends import NotFoundError, StorageError, Store
 
 __all__ = ["VerifyReport", "verify"]
 
+log = logging.getLogger("ckptd.verify")
+
 
 @dataclass
 class VerifyReport:
@@ -41,6 +45,7 @@ class VerifyReport:
     errors: list[str] = field(default_factory=list)
     # what does not make the step bad but should be known: objects no committed attempt owns
     warnings: list[str] = field(default_factory=list)
+    judged: str | None = None  # judged_digest() of the step when verify began (what a record binds)
 
     @property
     def ok(self) -> bool:
@@ -150,10 +155,12 @@ def verify(
     keep_going: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
+    step = catalog.resolve_step(store, step)
+    judged = judged_digest(store, step)
     m = catalog.load_manifest(store, step)
     prefix = mf.step_dir(m.step)
     where = catalog.where(store, m.step)
-    report = VerifyReport(m.step)
+    report = VerifyReport(m.step, judged=judged)
     try:
         report.errors += commit.check_consistency(store, m.step, m)
     except (StorageError, CheckpointError) as e:
@@ -221,34 +228,77 @@ def _unowned_warnings(store: Store, m: mf.Manifest, where: str) -> list[str]:
 # ``ckptd verify`` leaves its verdict beside the checkpoint it checked, in ``_verify.json`` of
 # the step folder, written after the commit and never part of it: the commit record counts the
 # bytes of the done records, readers and ``verify`` go through the manifest, so nothing reads
-# this file but ``ls``, ``gc`` and ``restore(fallback=True)``. It names the commit's attempt and
-# time, so a record left by an earlier checkpoint of the same step number (quarantined, then
-# saved again) never vouches for the new one.
+# this file but ``ls``, ``gc``, the daemon's status page and ``restore(fallback=True)``.
+#
+# Invariants (issue 27 item 3):
+# - A verdict is bound to the bytes it judged: ``judged`` is the sha256 of the step's commit
+#   record and manifest as ``verify`` read them before checking. A record whose ``judged`` is not
+#   the digest of the step's current commit record and manifest (a record left by an earlier
+#   checkpoint of the same step number, quarantined then saved again; one copied from another
+#   step; one whose records were replaced since) is ignored: the step reads as unverified.
+# - A record is parsed strictly (every field present, of its type, within its bounds); a
+#   malformed one is ignored with one WARNING, never a KeyError or TypeError in a caller.
+# - The binding is no signature: whoever can read the step and put objects under it can write a
+#   matching record. So nothing destructive trusts an "ok": ``gc`` keeps what it would keep with no
+#   record at all (``ckptd.retention``), and a record can only make it keep more.
 
 RECORD = "_verify.json"
 MAX_RECORD_ERRORS = 5
+MAX_ERROR_CHARS = 4096
+_DIGEST_HEX = 64
+_warned: set[tuple[str, int]] = set()  # (root, step) whose malformed record was already logged
+_MAX_WARNED = 4096
 
 
 def record_key(step: int) -> str:
     return f"{mf.step_dir(step)}/{RECORD}"
 
 
+def judged_digest(store: Store, step: int) -> str | None:
+    """sha256 over the step's commit record and manifest bytes (each length-prefixed; a missing
+    or oversized manifest as a marker of its own, so a step whose manifest is gone can still be
+    recorded bad), or None when the commit record is missing or either cannot be read: what a
+    verdict on ``step`` is bound to."""
+    prefix = mf.step_dir(step)
+    h = hashlib.sha256()
+    try:
+        data = store.get(f"{prefix}/{mf.COMMIT}", limit=mf.MAX_RECORD_BYTES)
+        h.update(len(data).to_bytes(8, "big") + data)
+        try:
+            data = store.get(f"{prefix}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES)
+            h.update(len(data).to_bytes(8, "big") + data)
+        except NotFoundError:
+            h.update(b"\xff" * 8 + b"manifest missing")
+        except (StorageError, CheckpointError):  # oversized, a special file, or storage failing:
+            h.update(b"\xff" * 8 + b"manifest unreadable")  # void once it reads again
+    except (NotFoundError, StorageError, CheckpointError):
+        return None
+    return h.hexdigest()
+
+
 def write_record(store: Store, report: VerifyReport) -> dict:
     """Record ``report`` for its step; returns the record. Raises CheckpointError when the step
-    is no longer committed (quarantined or deleted meanwhile): a verdict needs its commit."""
-    commit = catalog.read_commit(store, report.step)
-    if commit is None:
+    is no longer committed (quarantined or deleted meanwhile) or its records changed since
+    ``verify`` read them: a verdict needs the commit it judged."""
+    judged = judged_digest(store, report.step)
+    if judged is None:
         raise CheckpointError(f"{catalog.where(store, report.step)}: no longer committed; verdict not recorded")
+    if report.judged is not None and report.judged != judged:
+        raise CheckpointError(
+            f"{catalog.where(store, report.step)}: commit record or manifest changed while verifying; "
+            "verdict not recorded"
+        )
+    commit = catalog.read_commit(store, report.step) or {}
     rec = {
         "step": report.step,
         "ok": report.ok,
-        "attempt": commit.get("attempt"),
-        "commit_time": commit.get("time"),
+        "judged": judged,
+        "attempt": commit.get("attempt") if isinstance(commit.get("attempt"), str) else None,
         "time": time.time(),
         "arrays": report.arrays,
         "objects": report.objects,
         "bytes": report.bytes,
-        "errors": report.errors[:MAX_RECORD_ERRORS],
+        "errors": [e[:MAX_ERROR_CHARS] for e in report.errors[:MAX_RECORD_ERRORS]],
     }
     try:
         store.put(record_key(report.step), mf.dumps(rec))
@@ -257,19 +307,63 @@ def write_record(store: Store, report: VerifyReport) -> dict:
     return rec
 
 
+def _malformed(rec: object, step: int) -> str | None:
+    """What is wrong with a parsed record, or None."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    if rec.get("step") != step or not mf.is_count(rec.get("step")):
+        return f"names step {rec.get('step')!r}"
+    if not isinstance(rec.get("ok"), bool):
+        return "'ok' is not true or false"
+    judged = rec.get("judged")
+    if not isinstance(judged, str) or len(judged) != _DIGEST_HEX or any(c not in "0123456789abcdef" for c in judged):
+        return "no valid 'judged' digest"
+    t = rec.get("time")
+    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < 1e11:
+        return "'time' is not a time"
+    for k in ("arrays", "objects", "bytes"):
+        if not mf.is_count(rec.get(k)):
+            return f"{k!r} is not a count"
+    errors = rec.get("errors")
+    if not isinstance(errors, list) or len(errors) > MAX_RECORD_ERRORS:
+        return "'errors' is not a list of at most 5 messages"
+    if not all(isinstance(e, str) and len(e) <= MAX_ERROR_CHARS for e in errors):
+        return "'errors' holds something other than messages"
+    if rec["ok"] == bool(errors):
+        return "'ok' disagrees with 'errors'"
+    return None
+
+
+def _warn_once(store: Store, step: int, why: str) -> None:
+    key = (store.uri, step)
+    if key in _warned:
+        return
+    if len(_warned) >= _MAX_WARNED:
+        _warned.clear()
+    _warned.add(key)
+    log.warning("%s/%s: ignoring the verify record: %s", catalog.where(store, step), RECORD, why)
+
+
 def read_record(store: Store, step: int, commit: dict | None = None) -> dict | None:
-    """The verdict recorded for ``step``'s current commit, or None (never verified, or the
-    record is unreadable or belongs to another commit). ``commit``: the commit record if the
-    caller already read it."""
+    """The verdict recorded for ``step``'s current commit record and manifest, or None (never
+    verified, unreadable, malformed, or bound to other bytes). ``commit`` is accepted for the
+    callers that already read it; the binding is checked against the bytes in storage."""
+    del commit
     try:
         rec = mf.read_json(store, record_key(step), catalog.where(store, step), "verify record")
-        commit = commit if commit is not None else catalog.read_commit(store, step)
-    except (NotFoundError, StorageError, ValueError, CheckpointError):
+    except NotFoundError:
         return None
-    if not isinstance(rec, dict) or commit is None or not isinstance(rec.get("ok"), bool):
+    except (StorageError, CheckpointError, ValueError) as e:
+        _warn_once(store, step, str(e))
         return None
-    if rec.get("attempt") != commit.get("attempt") or rec.get("commit_time") != commit.get("time"):
+    if isinstance(rec, dict) and "judged" not in rec and "commit_time" in rec:
+        return None  # written by a ckptd before verdicts were bound to bytes: unverified, quietly
+    why = _malformed(rec, step)
+    if why is not None:
+        _warn_once(store, step, why)
         return None
+    if rec["judged"] != judged_digest(store, step):
+        return None  # a verdict on other bytes: this commit is unverified
     return rec
 
 

@@ -72,6 +72,10 @@ class Checkpointer:
     has its own bounds); the sweep and retention after a commit run off that path. A save whose storage does
     not answer fails its future with "storage did not answer" within this bound and is
     abandoned (it never commits afterwards); ``save`` itself never talks to storage.
+    ``max_step_jump``: ``save`` refuses a step more than this past the newest committed step
+    this Checkpointer restored or committed (a typo'd or corrupted step number would count as the
+    newest for retention and push every real step out); default ``CKPTD_MAX_STEP_JUMP``, else
+    1000000; None or 0: no bound. The daemon bounds hand-offs the same way (``--max-step-jump``).
     ``job_id``: this job's writer identity, which claims every step it saves so that a second
     job writing the same root is refused instead of mixed (``ckptd.commit``). Default:
     ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID`` when set (the same across restarts of the job,
@@ -90,6 +94,7 @@ class Checkpointer:
         save_timeout: float = 1800.0,
         job_id: str | None = None,
         tiered_restore: bool = True,
+        max_step_jump: int | None = -1,
     ):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
@@ -106,6 +111,14 @@ class Checkpointer:
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.job_id = claims.check_writer(self.coord.broadcast(job_id or _default_job_id()))
         self._committed_steps: set[int] = set()  # saved and committed by this Checkpointer
+        if max_step_jump == -1:
+            max_step_jump = retention.max_step_jump_default()
+        if max_step_jump is not None and max_step_jump < 0:
+            raise CheckpointError(f"max_step_jump must be >= 0 or None, got {max_step_jump}")
+        self.max_step_jump = max_step_jump or None
+        # The newest committed step this Checkpointer knows of (restored, or committed by it):
+        # the base of the max_step_jump bound, known without a storage call in save().
+        self._newest_known: int | None = None
         self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
         # The snapshot's copies (``hostcopy``): a pool of their own, never queued behind I/O.
         self._copier = ThreadPoolExecutor(hostcopy.COPIERS, thread_name_prefix="ckptd-copy")
@@ -139,6 +152,7 @@ class Checkpointer:
             if daemon is not None and keep_last and self.rank == 0
             else None
         )
+        self._sink.max_step_jump = self.max_step_jump  # the bound its retention after a commit counts with
         self._stager = self._sink.stager()
         # With a daemon, restores read each shard from the nearest memory tier that holds the
         # committed step (``trainer_hooks.tiered``); bytes per tier in ``last_restore_tiers``.
@@ -212,6 +226,12 @@ class Checkpointer:
             err = f"an earlier save (step {earlier}) failed: {cause}"
         elif step in self._committed_steps:
             err = f"{catalog.where(self.store, step)}: step {step} is already committed; refusing to overwrite"
+        elif self.max_step_jump and self._newest_known is not None and step > self._newest_known + self.max_step_jump:
+            err = (
+                f"{catalog.where(self.store, step)}: step {step} is {step - self._newest_known} steps past the newest "
+                f"committed step {self._newest_known}, more than max_step_jump={self.max_step_jump}; refusing it "
+                "(pass a larger max_step_jump, or set CKPTD_MAX_STEP_JUMP, if the job numbers its steps that way)"
+            )
         lo_hi = self.coord.all_max([step, -step])
         if lo_hi[0] != -lo_hi[1]:
             err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"
@@ -223,7 +243,7 @@ class Checkpointer:
     def _retain_after(self, fut: Future) -> None:
         if Future.exception(fut) is None:  # the base method: does not mark it as observed
             with contextlib.suppress(RuntimeError):  # closing: the next job's commit retains
-                self._retention.submit(retention.apply_retention, self.store, self.keep_last)
+                self._retention.submit(retention.apply_retention, self.store, self.keep_last, self.max_step_jump)
 
     def _raise_unreported(self) -> None:
         if self._unreported:
@@ -239,6 +259,7 @@ class Checkpointer:
             exc = Future.exception(fut)  # the base method: does not mark it as observed
             if exc is None:
                 self._committed_steps.add(step)
+                self._newest_known = max(step, self._newest_known or step)
             elif not fut.observed:
                 self._unreported.append((step, exc))
 
@@ -295,11 +316,14 @@ class Checkpointer:
             got, self.last_restore_skipped = restore_fallback(
                 self.store, self.coord, state, strict, self._io, in_place=in_place, tiers=self._tiers
             )
+            newest = max([got or 0, *(s for s, _ in self.last_restore_skipped)]) if got is not None else None
         else:
             self.last_restore_skipped = []
             got = restore_state(
                 self.store, self.coord, state, step, strict, self._io, in_place=in_place, tiers=self._tiers
             )
+            newest = got
+        self._know(got, newest)
         if got is None:  # every rank got the same answer from rank 0
             if require:
                 raise CheckpointNotFoundError(
@@ -309,6 +333,16 @@ class Checkpointer:
             if self.rank == 0:
                 log.warning("restore: %s has no committed checkpoint; starting from scratch", self.root_uri)
         return got
+
+    def _know(self, restored: int | None, newest: int | None) -> None:
+        """After a restore of ``restored`` (``newest``: the newest committed step seen, skipped
+        ones included): forget the steps this Checkpointer committed after the restored one
+        (quarantined since, or bad and still committed: then the claim in storage refuses them),
+        so a step quarantined since saves again; and raise the base of the max_step_jump bound."""
+        if restored is not None:
+            self._committed_steps = {s for s in self._committed_steps if s <= restored}
+        if newest is not None:
+            self._newest_known = max(newest, self._newest_known if self._newest_known is not None else newest)
 
     @property
     def last_restore_tiers(self) -> dict[str, int]:

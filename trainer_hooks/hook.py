@@ -22,6 +22,9 @@ import signal
 import threading
 from typing import Any
 
+from ckptd import manifest as mf
+from ckptd.errors import CheckpointError
+from storage_backends import StorageError
 from trainer_hooks.checkpointer import Checkpointer
 
 __all__ = ["CheckpointHook", "STOP_SIGNALS"]
@@ -64,6 +67,7 @@ class CheckpointHook:
         # every rank makes the same collectives even where handlers could not be installed.
         self._watch = save_on_signal
         self._previous: dict[int, Any] = {}
+        self._skipped: set[int] = set()  # committed steps the fallback resume skipped as bad
         if save_on_signal:
             if threading.current_thread() is threading.main_thread():
                 for sig in STOP_SIGNALS:
@@ -82,10 +86,14 @@ class CheckpointHook:
 
         With ``fallback=True`` a corrupt latest checkpoint does not stop the job: it resumes
         from the newest one that restores (``Checkpointer.restore(fallback=True)``). The bad
-        steps after it stay committed, and a save refuses to overwrite a committed step:
-        retire them first (``ckptd quarantine``), or the job fails when it reaches them."""
+        steps after it stay committed until an operator quarantines them (``ckptd quarantine``);
+        when the job reaches one that is still committed, the hook does not save over it (a
+        save refuses to overwrite a committed step): it logs a warning naming the step and the
+        command, and the next periodic save goes on. Once quarantined, the step is saved again
+        as usual. So the runbook's order (fallback resume, then quarantine) works either way."""
         step = self.ckpt.restore(self.state, fallback=self.fallback, require=require)
         self._warn_partial_steps_of_others(-1 if step is None else step)
+        self._skipped = {s for s, _ in self.ckpt.last_restore_skipped} if self.fallback else set()
         if step is None:
             return 0
         self.last_saved = step
@@ -126,16 +134,44 @@ class CheckpointHook:
         if stop:
             log.warning("stop requested (signal): saving step %d and exiting", step)
             try:
-                if self.last_saved != step:
+                if self.last_saved != step and not self._over_bad_step(step):
                     self.ckpt.save(step, self.state)
+                    self.ckpt.wait()
+                    self.last_saved = step
                 self.ckpt.wait()
-                self.last_saved = step
             finally:
                 self.close()  # the handlers go back even when the save failed
             raise SystemExit(self.exit_code)
-        if due:
+        if due and not self._over_bad_step(step):
             self.ckpt.save(step, self.state)
             self.last_saved = step
+
+    def _over_bad_step(self, step: int) -> bool:
+        """Whether ``step`` is a bad step the fallback resume skipped and it is still committed
+        (rank 0 looks, every rank gets its answer: all ranks skip the save or none)."""
+        if step not in self._skipped:
+            return False
+        still = None
+        if self.ckpt.rank == 0:
+            try:
+                still = self.ckpt.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}")
+            except StorageError as e:
+                still = f"cannot check step {step} ({e})"
+        still = self.ckpt.coord.broadcast(still)
+        if isinstance(still, str):
+            raise CheckpointError(still)
+        if not still:
+            self._skipped.discard(step)  # quarantined meanwhile: save it as usual
+            return False
+        log.warning(
+            "not saving step %d: it is committed but did not restore when the job resumed (%s); "
+            "retire it with `ckptd quarantine %s --step %d` so the job can save that step again",
+            step,
+            dict(self.ckpt.last_restore_skipped).get(step, "skipped by fallback"),
+            self.ckpt.root_uri,
+            step,
+        )
+        return True
 
     def close(self) -> None:
         """Wait for the last save and put the previous signal handlers back."""

@@ -398,18 +398,23 @@ def restore_fallback(
     order: Any = None
     if coord.rank == 0:
         try:
-            order = []
-            for s in reversed(catalog.committed_steps(store)):
-                rec = _verify.read_record(store, s)
-                order.append((s, None if rec is None or rec["ok"] else "; ".join(rec["errors"][:1]) or "recorded bad"))
+            order = list(reversed(catalog.committed_steps(store)))
         except (CheckpointError, StorageError) as e:
             order = ("error", str(e))
     order = coord.broadcast(order)
     if isinstance(order, tuple):
         raise CheckpointError(order[1])
     skipped: list[tuple[int, str]] = []
-    newest = order[0][0] if order else None
-    for step, bad in order:
+    newest = order[0] if order else None
+    for step in order:
+        # Rank 0 reads the step's verdict only when the step's turn comes (a verdict is checked
+        # against the step's commit record and manifest: reading them for every older step up
+        # front would cost a manifest per step); every rank gets the same answer.
+        bad: Any = None
+        if coord.rank == 0:
+            rec = _verify.read_record(store, step)
+            bad = None if rec is None or rec["ok"] else "; ".join(rec["errors"][:1]) or "recorded bad"
+        bad = coord.broadcast(bad)
         if bad is not None:
             skipped.append((step, f"ckptd verify recorded it bad: {bad}"))
             log.warning("restore: skipping step %d: ckptd verify recorded it bad (%s)", step, bad)

@@ -79,6 +79,7 @@ class BackgroundWriter:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-writer")
         self._after: threading.Thread | None = None  # the thread running after_commit, if any
         self._after_queue: list = []  # results waiting for it (under _lock)
+        self.max_step_jump: int | None = -1  # retention's bound (Checkpointer sets it; -1: the default)
 
     def stager(self) -> Stager:
         return Stager()
@@ -209,7 +210,7 @@ class BackgroundWriter:
             for i, result in enumerate(batch):  # each step's sweep; retention once, for the newest
                 keep = self.keep_last if i == len(batch) - 1 else None
                 try:
-                    retention.after_commit(self.store, result, keep)
+                    retention.after_commit(self.store, result, keep, self.max_step_jump)
                 except Exception:  # best effort, as after_commit itself is: never kill the thread
                     log.exception("%s: sweep and retention failed", catalog.where(self.store, result.step))
 

@@ -1,14 +1,21 @@
 """``ckptd gc URI --keep-last K``: delete old checkpoints by the same policy the trainer uses.
 
 ``--dry-run`` lists the same steps with the files and bytes under each (a listing, no reads).
-What it deletes: committed checkpoints older than the newest K (never the newest one ``ckptd
-verify`` passed), and partial ones older than the newest commit, each with everything a killed
-writer left in its folder (temp files, empty folders); then the incomplete writes under the root
-older than ``--abort-uploads-older-than``: S3 multipart uploads, and on a filesystem the temp
-files of writers killed before their rename, wherever they are (inside committed steps too).
+What it deletes: committed checkpoints older than the newest K, and partial ones older than the
+newest commit, each with everything a killed writer left in its folder (temp files, empty
+folders); then the incomplete writes under the root older than ``--abort-uploads-older-than``:
+S3 multipart uploads, and on a filesystem the temp files of writers killed before their rename,
+wherever they are (inside committed steps too).
 A partial folder newer than the newest commit is left alone: it may be a save in flight. What
 it prints is counted from what was removed, and a step whose folder is still there afterwards
 is reported and fails the command.
+
+What it never deletes (``ckptd.retention.plan``): the newest step that passes a cheap
+restorability check (commit record, manifest, every shard object present at the size its layout
+implies; no prior ``ckptd verify`` needed), the newest such step ``ckptd verify`` did not record
+bad, the newest step it recorded ok, and steps that jumped more than ``--max-step-jump`` past the
+committed step before them (kept, and not counted among the newest K). Verify records only add to
+what is kept, so a forged one cannot make gc delete a step it would keep without it.
 """
 
 from __future__ import annotations
@@ -60,6 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "begun longer ago than this "
         "(default 24h; 0: all, only when no save is running)",
     )
+    p.add_argument(
+        "--max-step-jump",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a committed step more than N past the one before it is kept and not counted among the newest K "
+        "(default: CKPTD_MAX_STEP_JUMP, else 1000000; 0: no bound)",
+    )
     add_json(p)
 
 
@@ -67,9 +82,20 @@ def run(args: argparse.Namespace) -> int:
     removed: dict[int, tuple[int, int]] = {}
     left: list[str] = []
     aborted: list[str] = []
+    max_jump = retention.max_step_jump_default() if args.max_step_jump is None else (args.max_step_jump or None)
     with job_root(args.uri) as store:
         exists = store.exists_root()
-        doomed = retention.select_for_deletion(store, args.keep_last) if exists else []
+        plan = retention.plan(store, args.keep_last, max_step_jump=max_jump) if exists else retention.Plan()
+        doomed = plan.doomed
+        for step, why in sorted(plan.failed.items(), reverse=True):
+            note(f"{mf.step_dir(step)} fails the restorability check ({printable(why)}); not counted as restorable")
+        if plan.restorable is not None and plan.failed:
+            note(f"keeping {mf.step_dir(plan.restorable)}: the newest step that passes the check")
+        if plan.out_of_nowhere:
+            steps = ", ".join(str(s) for s in plan.out_of_nowhere)
+            note(
+                f"steps {steps} jumped more than {max_jump} past the step before them: kept, not counted in --keep-last"
+            )
         if args.dry_run:
             # what a real run would remove: the objects under each folder (a listing, no reads)
             for step in doomed:
@@ -99,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
                 "left_behind": left,
                 "aborted_uploads": aborted,
                 "kept": kept,
+                "restorable": plan.restorable,
+                "not_restorable": {str(s): w for s, w in plan.failed.items()},
+                "out_of_nowhere": plan.out_of_nowhere,
             }
         )
     else:

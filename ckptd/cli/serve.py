@@ -91,6 +91,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="retention after each commit the daemon writes (default: none; trainers cannot override it)",
     )
     p.add_argument(
+        "--max-step-jump",
+        type=int,
+        metavar="N",
+        help="refuse a hand-off of a step more than N past its root's newest committed step "
+        "(default CKPTD_MAX_STEP_JUMP, else 1000000; 0: no bound)",
+    )
+    p.add_argument(
         "--max-connections",
         type=positive_int,
         metavar="N",
@@ -129,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         "binds": args.bind,
         "upload_workers": args.upload_workers,
         "keep_last": args.keep_last,
+        "max_step_jump": args.max_step_jump,
         "log_level": args.log_level,
         "max_connections": args.max_connections,
         "peers": [u.strip() for u in args.peers.split(",") if u.strip()] if args.peers else None,

@@ -225,6 +225,12 @@ class Runner:
                 f"{catalog.where(self.store(job.root), job.step)}: step {job.step} is already committed; "
                 "refusing the hand-off"
             )
+        try:  # an absurd step would count as the newest for retention (issue 26 part 2)
+            retention.check_step_jump(self.store(job.root), job.step, self.settings.max_step_jump or None)
+        except StorageError as e:
+            raise BadJob(f"{job.root}: cannot check step {job.step} ({e})") from None
+        except CheckpointError as e:
+            raise BadJob(str(e)) from None
 
     def recover(self) -> None:
         """Resume or discard what a previous daemon journalled in the staging folder."""
@@ -329,8 +335,12 @@ class Runner:
         self.staging.discard(lease.id)
 
     def _superseded(self, job: Job) -> str | None:
-        """Why a journalled job must not be finished: its step committed, or a newer attempt
-        of the same step started (its shards would overwrite that attempt's)."""
+        """Why a journalled job must not be finished: its step committed by another attempt, a
+        newer attempt of the same step started (its shards would overwrite that attempt's), or
+        the root committed a newer step since (issue 28 item 3: the step was saved again and then
+        deleted by retention, or was abandoned; a partial older than the newest commit can no
+        longer complete, as ``ckptd.retention`` assumes, so resuming it would only resurrect a
+        deleted step as a partial)."""
         try:
             store = self.store(job.root)
             commit = catalog.read_commit(store, job.step)
@@ -338,6 +348,12 @@ class Runner:
                 return None if commit.get("attempt") == job.attempt else "the step was committed by another attempt"
             if donetree.attempts(store, job.step) - {job.attempt}:
                 return "a newer attempt of the same step has started"
+            newest = catalog.latest_step_by_listing(store)  # not the _latest hint: rare, and exact
+            if newest is not None and newest > job.step:
+                return (
+                    f"the root has committed step {newest} since (step {job.step} was saved again and deleted, "
+                    "or can no longer complete)"
+                )
         except (StorageError, CheckpointError) as e:
             return f"cannot check its checkpoint folder ({e})"
         if time.time() - job.accepted_at > job.commit_timeout:
@@ -456,7 +472,7 @@ class Runner:
             self._claims.saw_commit(job.root, job.step, {"attempt": job.attempt})
             self._finish(job, "committed")
             if isinstance(result, SaveResult):
-                retention.after_commit(store, result, self.settings.keep_last)
+                retention.after_commit(store, result, self.settings.keep_last, self.settings.max_step_jump or None)
         else:
             job.state = "uploaded"
             with self._lock:

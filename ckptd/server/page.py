@@ -69,6 +69,7 @@ _HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
 
 REFRESH_S = 2.0
 PARTIAL_TTL_S = 5.0
+VERDICT_TTL_S = 5.0  # a recorded verdict is read again after this (a CLI verify, a quarantine)
 DEFAULT_ROWS = 25
 MAX_ROOTS = 32  # job roots shown (served roots first, then the roots of recent jobs)
 CHART_SAVES = 30
@@ -93,7 +94,9 @@ class Overview:
         self.found = found or JobRoots(runner)
         self._lock = threading.Lock()
         self._rows: dict[str, dict[int, tuple[CheckpointInfo, float]]] = {}
-        self._verified: dict[tuple[str, int], dict] = {}
+        # (root, step) -> (monotonic time read, the recorded verdict or None): a short-lived
+        # cache of ``ckptd.verify.read_record``, the one source of verdicts (issue 28 item 9)
+        self._verified: dict[tuple[str, int], tuple[float, dict | None]] = {}
         self._reported: dict[tuple[str, int, str], tuple[float, set[int]]] = {}
         self.more_roots = 0  # job roots found but not shown (past MAX_ROOTS)
 
@@ -130,7 +133,7 @@ class Overview:
                 info = self._info(store, root, s, now)
             except (CheckpointError, StorageError):
                 continue
-            if info.committed and self._verdict(root, s).get("ok", True):
+            if info.committed and self._verdict(store, root, s, now).get("ok", True):
                 newest_good = s
                 break
         return {
@@ -161,7 +164,7 @@ class Overview:
                 "error": str(e),
             }
         out = info.to_json()
-        verdict = self._verdict(root, step)
+        verdict = self._verdict(store, root, step, now) if info.committed else {}
         if not info.committed:
             out["state"] = "partial"
         elif verdict:
@@ -171,18 +174,41 @@ class Overview:
             out["state"] = "committed"
         return out
 
-    def _verdict(self, root: str, step: int) -> dict:
+    def _verdict(self, store: Store, root: str, step: int, now: float) -> dict:
+        """The verdict ``ckptd verify`` recorded for the step's current commit (``_verify.json``,
+        bound to the commit record and manifest it judged: what ``ls``, ``gc`` and
+        ``restore(fallback=True)`` read), {} when none; re-read after VERDICT_TTL_S, so a
+        quarantine, a re-save or a CLI ``verify`` shows at the next refreshes."""
         with self._lock:
-            return dict(self._verified.get((root, step), {}))
+            hit = self._verified.get((root, step))
+        if hit is None or now - hit[0] > VERDICT_TTL_S:
+            rec = _verify.read_record(store, step)
+            hit = (now, rec)
+            with self._lock:
+                for k in [k for k, v in self._verified.items() if now - v[0] > VERDICT_TTL_S]:
+                    del self._verified[k]
+                self._verified[(root, step)] = hit
+        rec = hit[1]
+        if rec is None:
+            return {}
+        return {"ok": rec["ok"], "time": rec["time"], "bytes": rec["bytes"], "errors": rec["errors"][:3]}
 
     def verify(self, root: str, step: int) -> dict:
-        """Re-read every chunk of a committed step (``ckptd verify``) and remember the verdict."""
+        """Re-read every chunk of a committed step (``ckptd verify``) and record the verdict in
+        the root, as ``ckptd verify --record`` does (the one source of verdicts); ``recorded``
+        is False, with the reason, when the root cannot take it (the page then has nothing to
+        show)."""
         store = self.runner.store(root)
         report = _verify.verify(store, step, threads=4)
         verdict = {"ok": report.ok, "time": time.time(), "bytes": report.bytes, "errors": report.errors[:3]}
+        try:
+            _verify.write_record(store, report)
+            recorded, why = True, None
+        except CheckpointError as e:
+            recorded, why = False, str(e)
         with self._lock:
-            self._verified[(root, report.step)] = verdict
-        return {"root": root, "step": report.step, **verdict}
+            self._verified.pop((root, report.step), None)
+        return {"root": root, "step": report.step, **verdict, "recorded": recorded, "not_recorded": why}
 
     def jobs(self) -> dict:
         now = time.time()

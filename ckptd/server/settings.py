@@ -61,6 +61,12 @@ class Settings(BaseSettings):
     keep_last: int | None = Field(
         None, ge=1, description="retention the daemon applies after each commit it writes (default: none)"
     )
+    max_step_jump: int = Field(
+        1_000_000,
+        ge=0,
+        description="a hand-off of a step more than this past its root's newest committed step is refused "
+        "(retention would count it as the newest); 0: no bound",
+    )
     upload_retries: int = Field(2, ge=0, description="re-runs of a failed upload before the job fails")
     lease_ttl_s: float = Field(60.0, gt=0, description="an idle lease whose client stopped heartbeating is freed")
     budget_stall_s: float = Field(

@@ -19,7 +19,8 @@ once per attempt for the ranks it serves (a node's, typically 8)::
     4. SharedClaim.saw_commit(...) once the daemon saw the commit record (it is final)
 
 ``committed``/``saw_commit`` are a commit-record cache beside the claim: both bound a node's 2N
-reads of one prefix to one.
+reads of one prefix to one. Only "not committed" is shared as is; a cached "committed" is read
+again before it refuses anyone, so the cache never outlives a quarantine or a gc of the step.
 """
 
 from __future__ import annotations
@@ -118,7 +119,18 @@ class SharedClaim:
                 entry[0].wait()
                 if entry[1] is None:  # that read failed: read again
                     continue
-                return entry[1][1]
+                if entry[1][1] is None:
+                    return None
+                # A shared "committed" is confirmed by a read of this caller's before anyone is
+                # refused on it: the step may have been quarantined or deleted since (issue 28
+                # item 7: a re-save right after a quarantine was refused for a minute). Refusals
+                # are rare, so this costs no read on the common path.
+                rec = catalog.read_commit(store, step)
+                if rec is None:
+                    with self._lock:
+                        if self._reads.get(key) is entry:
+                            del self._reads[key]
+                return rec
             try:
                 rec = catalog.read_commit(store, step)
                 entry[1] = (time.monotonic(), rec)
