@@ -349,6 +349,8 @@ def _restore_step(
     finally:
         if src is not store:
             src.close()
+        if tiered is not None:
+            tiered.close()
     failure = coord.agree(None if err is None else (type(err).__name__, str(err)))
     if failure is None:
         failure, err = _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord, pool)

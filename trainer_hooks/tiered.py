@@ -61,11 +61,22 @@ class TierStore:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s = timeout_s
         self._local = threading.local()
+        self._conns: list = []  # every thread's connection, closed by close()
+        self._conns_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close every thread's connection (a restore ends with its tiers)."""
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
 
     def _get(self, path: str, cap: int) -> tuple[int, dict, bytes]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self._cls(self._host, self._port, timeout=self.timeout_s)
+            with self._conns_lock:
+                self._conns.append(conn)
         try:
             conn.request("GET", self._base + path, headers=self._headers)
             resp = conn.getresponse()
@@ -143,6 +154,11 @@ class TieredReader(CheckpointReader):
         self._bytes = {"local": 0, "peer": 0}  # bytes of the shards each tier kind served
         self.skipped = 0  # shard reads a tier failed and a later tier (or the root) served
 
+    def close(self) -> None:
+        """Close the tiers' connections (the restore is over, read or failed)."""
+        for store in {id(t.store): t.store for tiers in self._holders.values() for t in tiers}.values():
+            store.close()
+
     def read_shard(self, req: ReadRequest, sr) -> None:
         for tier in self._holders.get(self._object(req.entry, sr.shard), ()):
             if tier.dead:
@@ -192,6 +208,7 @@ class TieredRestore:
         what it holds is left out; with none, every shard comes from the root."""
         holders: dict[str, list[_Tier]] = {}
         peers: list[str] = []
+        own = None
         try:
             own = TierStore(
                 self.daemon_url, f"daemon {self.daemon_url}", self.root_uri, step, attempt, self._token, self.timeout_s
@@ -200,8 +217,12 @@ class TieredRestore:
             local = _Tier(own, "local", prefix)
             for k in keys:
                 holders.setdefault(k, []).append(local)
+            if not keys:
+                own.close()  # nothing to read from it
         except Exception as e:  # noqa: BLE001 - a tier never fails a restore (and rank 0 must reach the broadcast)
             log.warning("restore: this node's daemon holds no tier copy: %s", e)
+            if own is not None:
+                own.close()
         held: dict[str, list[str]] = {}
         if coord is None or coord.rank == 0:
             held = self._ask_peers(peers, step, attempt)
@@ -225,12 +246,16 @@ class TieredRestore:
             url = url.rstrip("/")
             if url == self.daemon_url or url in held:
                 continue
+            peer = None
             try:
                 peer = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
                 keys, _ = peer.keys()
             except Exception as e:  # noqa: BLE001 - a peer never fails a restore
                 log.warning("restore: skipping the memory tier of peer %s: %s", url, e)
                 continue
+            finally:
+                if peer is not None:
+                    peer.close()
             if keys:
                 held[url] = sorted(keys)
         return held
