@@ -159,7 +159,14 @@ class InlinePool:
 
 
 COMMIT_TIMEOUT = [3600.0]  # --commit-timeout: how long a rank waits for the commit
+RETENTION_S: dict[int, float] = {}  # rank -> simulated seconds its retention took (the committer's)
 UPLOAD_WORKERS = [10**9]  # --realistic: a daemon's upload_workers (2 by default), else unbounded
+
+
+def _clock_now() -> float:
+    from ckptd import retention
+
+    return retention.time.monotonic()  # the virtual clock while a simulation runs
 
 
 def _persist(store, job, keep_last, on_result=None, pool=None):
@@ -171,7 +178,10 @@ def _persist(store, job, keep_last, on_result=None, pool=None):
     result = persist.persist(store, job, pool or InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], heartbeat=False)
     if on_result is not None:
         on_result(result)
+    t0 = _clock_now()
     retention.after_commit(store, result, keep_last)
+    if result.committed_here:
+        RETENTION_S[job.rank] = _clock_now() - t0
     return result
 
 
@@ -242,7 +252,10 @@ def _daemon_job(store, job, keep_last, daemon: _Daemon, clock: VirtualClock, on_
                 clock.sleep(0.02 * math.ceil(pause / 0.02))
     if on_result is not None:
         on_result(result)
+    t0 = _clock_now()
     retention.after_commit(store, result, keep_last)
+    if result.committed_here:
+        RETENTION_S[job.rank] = _clock_now() - t0
     return result
 
 
@@ -351,9 +364,19 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
     store = new_store(clock, args, seed)
     step = 1000
     prev = list(range(step - 100 * args.previous, step, 100))
+    old_keys = 0
     if prev:
         _commit_previous(store, prev, min(n, 4))
+        if real and n * args.arrays <= args.full_previous_max:
+            # the checkpoint retention deletes after this save, full size: every rank's shards
+            old = mf.step_dir(prev[0])
+            shard = Realistic(n, args.arrays, prev[0], f"a{prev[0]}")
+            for path, layout in shard.grids:
+                for r in range(n):
+                    store.inner.put(f"{old}/{path}/{layout.shard_key((r, 0))}", b"")
+            old_keys = n * args.arrays
         store.reindex()
+    RETENTION_S.clear()
     times = finish_times(n, rng, args.write_s, args.skew, args.straggle_s)
     returned = [0.0] * n
     durable = [0.0] * n
@@ -511,6 +534,15 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         "realistic": real,
         "arrays": args.arrays if real else 0,
         "daemon": per,
+        "previous_full_keys": old_keys,
+        "retention_s": max(RETENTION_S.values(), default=None),
+        "retention_requests": sum(
+            c
+            for (v, pre), c in st.by_prefix.items()
+            if v in ("LIST", "DELETE") and pre.startswith(mf.step_dir(prev[0]))
+        )
+        if prev
+        else 0,
         "chain_requests": len(chain),
         "chain": chain,
         "check_cpu_s": max(check_cpu, default=None),
@@ -816,6 +848,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--io-threads", dest="io_threads", type=int, default=16, help="--realistic: rank 0's I/O threads")
     p.add_argument(
         "--upload-workers", dest="upload_workers", type=int, default=2, help="--realistic: a daemon's upload_workers"
+    )
+    p.add_argument(
+        "--full-previous-max",
+        dest="full_previous_max",
+        type=int,
+        default=1_100_000,
+        help="--realistic: the checkpoint retention deletes holds every rank's shards when N x arrays <= this",
     )
     p.add_argument("--label", default="after")
     p.add_argument("--only", choices=["save", "latest", "restore", "partitions"], action="append")
