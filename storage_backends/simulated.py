@@ -640,7 +640,11 @@ class SimulatedStore(Store):
                     for k in batch:
                         self.inner.delete(k)
                         self._tokens.pop(k, None)
-                        self._index_remove(k)
+                        self._infos.pop(k, None)
+                    # one slice of the sorted index per batch (a key at a time is quadratic)
+                    gone = set(batch)
+                    i, j = bisect.bisect_left(self._keys, batch[0]), bisect.bisect_right(self._keys, batch[-1])
+                    self._keys[i:j] = [k for k in self._keys[i:j] if k not in gone]
 
             self._request("DELETE", batch[0], apply)
         return len(infos), sum(x.size for x in infos)
