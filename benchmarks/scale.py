@@ -160,6 +160,7 @@ class InlinePool:
 
 COMMIT_TIMEOUT = [3600.0]  # --commit-timeout: how long a rank waits for the commit
 RETENTION_S: dict[int, float] = {}  # rank -> simulated seconds its retention took (the committer's)
+IO_THREADS = [None]  # --realistic: a daemon's io_threads (16), else none (its jobs' puts run inline)
 UPLOAD_WORKERS = [10**9]  # --realistic: a daemon's upload_workers (2 by default), else unbounded
 
 
@@ -208,6 +209,8 @@ class _Daemon:
         self.claim = SharedClaim(on_begin=self._begun, event=lambda: _SimEvent(clock))
         self.known, self.watching, self.poller, self.begins = VirtualEvent(clock), 0, False, 0
         self.uploads = ClockSemaphore(clock, UPLOAD_WORKERS[0])  # Settings.upload_workers
+        # Settings.io_threads: the puts of all its jobs (--realistic); else inline, as before
+        self.io = ClockPool(clock, IO_THREADS[0]) if IO_THREADS[0] else InlinePool()
 
     def _begun(self) -> None:
         self.begins += 1
@@ -230,7 +233,7 @@ def _daemon_job(store, job, keep_last, daemon: _Daemon, clock: VirtualClock, on_
     daemon.claim.claim(store, "sim", job.step, job.attempt, job.attempt)
     with daemon.uploads:  # Runner: at most upload_workers jobs upload at once
         result = persist.persist(
-            store, job, InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller", heartbeat=False
+            store, job, daemon.io, commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller", heartbeat=False
         )
     if not result.committed_here:
         daemon.watching += 1
@@ -865,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     COMMIT_TIMEOUT[0] = args.commit_timeout
     UPLOAD_WORKERS[0] = args.upload_workers if args.realistic else 10**9
+    IO_THREADS[0] = args.io_threads if args.realistic else None
     sizes = [int(x) for x in args.sizes.split(",") if x]
     steps = [int(x) for x in args.steps.split(",") if x]
     only = set(args.only or (["save", "partitions"] if args.realistic else ["save", "latest", "restore"]))
