@@ -691,8 +691,9 @@ def simulate_partitions(n: int, args, seed: int = 0) -> dict:
     S3's partitions of the new ``step_N/`` key range (:class:`PartitionModel`): as botocore's
     standard retries send them, then with each mitigation -- ``paced`` (the clients hold their
     PUTs to the capacity they see: botocore's ``retries={"mode": "adaptive"}``), and the range
-    pre-partitioned in 64 (what AWS support does on request for a prefix such as
-    ``<root>/step_``; the keys, and so zarr's view of the checkpoint, do not change)."""
+    of the next step pre-warmed into 64 partitions before the save (sustained requests on
+    ``step_<next>/`` keys for 6 x ``split_after`` seconds: ``warm_s``, ``warm_requests``, by the
+    model's split rule; the keys, and so zarr's view of the checkpoint, do not change)."""
     rng = random.Random(seed)
     times = finish_times(n, rng, args.write_s, args.skew, args.straggle_s)
     offers = [(rng.uniform(0.0, args.start_s), t, args.arrays) for t in times]
@@ -700,10 +701,13 @@ def simulate_partitions(n: int, args, seed: int = 0) -> dict:
     for name, model, paced in (
         ("standard", PartitionModel(), False),
         ("paced", PartitionModel(), True),
-        ("prepartitioned_64", PartitionModel(partitions=64), False),
-        ("prepartitioned_64_paced", PartitionModel(partitions=64), True),
+        ("prewarmed_64", PartitionModel(partitions=64), False),
+        ("prewarmed_64_paced", PartitionModel(partitions=64), True),
     ):
         out[name] = model.drain(offers, paced=paced)
+    m = PartitionModel()
+    out["warm_s"] = 6 * m.split_after  # 1 -> 64 partitions: 6 splits
+    out["warm_requests"] = round(sum(m.busy * m.put_rate * 2**i * m.split_after for i in range(6)))
     return out
 
 
@@ -767,6 +771,46 @@ def plot(results: dict, path: Path) -> None:
     fig.suptitle("ckptd commit protocol on simulated S3 (20 ms median request, LIST 1000/page, 3500/5500 per prefix)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+
+
+def realistic_table(results: dict) -> str:
+    """Markdown tables of the ``--realistic`` runs' saves and partition models, for SCALE.md."""
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    out = [
+        "| N | label | arrays | committed | failed ranks | commit latency s | all ranks know s | check CPU s "
+        "| chain requests | requests/rank | protocol requests/rank | SlowDowns (per folder) "
+        "| wait before first write s (median / max) | retention requests | retention s |",
+        "|" + "---|" * 15,
+    ]
+    rows = [(s["n"], label, s) for label, res in results.items() for s in res.get("save", []) if s.get("realistic")]
+    for n, label, s in sorted(rows, key=lambda r: (r[0], r[1])):
+        out.append(
+            f"| {n} | {label} | {s['arrays']} | {s['committed']} | {s['failed_ranks']} | {f(s['commit_latency_s'])} "
+            f"| {f(s['all_know_s'])} | {f(s['check_cpu_s'], '{:.4f}')} | {s['chain_requests']} "
+            f"| {s['requests_per_rank']:.1f} | {s['protocol_requests_per_rank']:.1f} | {s['slowdowns']} "
+            f"| {f(s['claim_s_median'])} / {f(s['claim_s_max'])} | {s['retention_requests']} "
+            f"| {f(s['retention_s'], '{:.1f}')} |"
+        )
+    out += [
+        "",
+        "| N | data PUTs | mitigation | save's PUTs done at s | SlowDowns | PUTs out of tries (saves failed) "
+        "| splits at s |",
+        "|" + "---|" * 7,
+    ]
+    for res in results.values():
+        for p in res.get("partitions", []):
+            for name in ("standard", "paced", "prewarmed_64", "prewarmed_64_paced"):
+                if name in p:
+                    x = p[name]
+                    splits = ", ".join(f"{t:.0f}" for t in x["splits"]) or "-"
+                    out.append(
+                        f"| {p['n']} | {p['puts']:,} | {name} | {x['seconds']:.1f} | {x['slowdowns']:,} "
+                        f"| {x['exhausted']:,} | {splits} |"
+                    )
+    return "\n".join(out)
 
 
 def table(results: dict) -> str:
@@ -874,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only or (["save", "partitions"] if args.realistic else ["save", "latest", "restore"]))
     allres = json.loads(args.out.read_text()) if args.out.exists() else {}
     if args.table:
-        print(table(allres))
+        print(realistic_table(allres) if args.realistic else table(allres))
         if args.plot:
             plot(allres, args.plot)
         return 0
