@@ -345,6 +345,7 @@ def finish_times(n: int, rng: random.Random, write_s: float, skew: float, stragg
 
 def new_store(clock: VirtualClock, args, seed: int, **kw) -> SimulatedStore:
     faults = {"error_rate": getattr(args, "error_rate", 0.0), "lost_rate": getattr(args, "lost_rate", 0.0)}
+    kw.setdefault("head_after_412", getattr(args, "realistic", False))  # S3Store's HEAD after a 412
     return SimulatedStore(clock, latency=args.latency, sigma=args.sigma, seed=seed, **faults, **kw)
 
 

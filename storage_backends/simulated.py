@@ -28,6 +28,10 @@ S3 behaviours modelled:
   last ``/``), the prefix of a LIST the folder it lists;
 - retries as botocore's "standard" mode does: up to ``attempts`` tries with full-jitter
   exponential backoff; every try is counted and every SlowDown is counted;
+- with ``head_after_412``, the HEAD ``S3Store`` sends after a conditional put's 412, to read its
+  writer token (off by default: the protocol tests' request bounds predate it);
+- ``purge`` as ``S3Store``'s: every LIST page, then one DeleteObjects per 1000 keys;
+  ``abort_stale_uploads`` one ListMultipartUploads;
 - faults: ``error_rate`` transient 500s before the request takes effect, ``lost_rate`` responses
   lost after it took effect (the retry of a conditional put then finds its own object, as
   ``S3Store`` tells by a writer token).
@@ -396,8 +400,10 @@ class SimulatedStore(Store):
         seed: int = 0,
         prefix_of: Callable[[str], str] = folder_of,
         inner: MemoryStore | None = None,
+        head_after_412: bool = False,
     ) -> None:
         self.clock = clock
+        self.head_after_412 = head_after_412
         self.latency, self.sigma, self.bandwidth = latency, sigma, bandwidth
         self.page_size = page_size
         self.limits = {PUT_CLASS: put_limit, GET_CLASS: get_limit}
@@ -560,7 +566,11 @@ class SimulatedStore(Store):
 
     def _ours(self, key: str, token: int) -> bool:
         """After a 412, S3Store HEADs the object for its writer token (a retry after a lost
-        response finds the object its first try wrote): one more request, as on S3."""
+        response finds the object its first try wrote): one more request, as on S3, with
+        ``head_after_412``; without, the answer is free (the store's older model)."""
+        if not self.head_after_412:
+            with self._lock:
+                return self._tokens.get(key) == token
         try:
             return self._request("HEAD", key, lambda: self.inner.head(key) and self._tokens.get(key) == token)
         except NotFoundError:  # the winner's object is already deleted again

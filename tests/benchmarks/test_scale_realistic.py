@@ -28,10 +28,15 @@ def test_tiny_realistic_run_commits_with_o_n_requests_and_counts_slowdowns(tmp_p
         assert s["requests_by_prefix_top"]["PUT arrays"] >= s["n"] * 30 + 30
         assert s["chain"][0].startswith("PUT _done/") and s["chain"][-1] == "PUT commit.json", s["chain"]
         assert s["chain_requests"] == len(s["chain"])
-    # O(N): the requests per rank do not grow with N beyond the fixed costs (rank 0's metadata)
-    assert big["requests_per_rank"] <= small["requests_per_rank"]
-    # one more tree level at 128 ranks than at 16: the chain grows by its PUT and LIST
-    assert big["chain_requests"] == small["chain_requests"] + 2, (small["chain"], big["chain"])
+    # O(N): the protocol's requests per rank stay bounded as N grows 8-fold (the polls for the
+    # commit vary with the order the ranks finish in, so a bound, not an equality)
+    assert big["protocol_requests_per_rank"] <= 2 * small["protocol_requests_per_rank"] + 5, (small, big)
+    assert big["requests_per_rank"] <= small["requests_per_rank"] + 5
+    # one more tree level at 128 ranks than at 16: the chain grows by its PUT and LIST (and by
+    # the HEAD after a 412 where the committer lost the race for a node)
+    chains = [[c for c in s["chain"] if not c.startswith("HEAD ")] for s in (small, big)]
+    assert len(chains[1]) == len(chains[0]) + 2, chains
+    assert chains[1][-7:] == chains[0][-7:]  # the commit rules and the latest-step chain
     parts = {p["n"]: p for p in res["partitions"]}
     assert parts[16]["standard"]["slowdowns"] == 0  # 480 PUTs in a second fit one partition
 
@@ -52,7 +57,7 @@ def test_losing_conditional_put_heads_as_s3store_does():
     """A 412 is followed by a HEAD for the writer token (``S3Store.put_if_absent``), and a purge
     lists then deletes in batches of 1000 keys (DeleteObjects)."""
     clock = VirtualClock()
-    store = SimulatedStore(clock)
+    store = SimulatedStore(clock, head_after_412=True)
     got: list = []
 
     def body() -> None:
