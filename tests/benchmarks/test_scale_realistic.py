@@ -39,6 +39,9 @@ def test_tiny_realistic_run_commits_with_o_n_requests_and_counts_slowdowns(tmp_p
     assert chains[1][-7:] == chains[0][-7:]  # the commit rules and the latest-step chain
     parts = {p["n"]: p for p in res["partitions"]}
     assert parts[16]["standard"]["slowdowns"] == 0  # 480 PUTs in a second fit one partition
+    # 3840 PUTs in ~1.2 s do not: SlowDowns, which pacing and a pre-warmed range avoid
+    assert parts[128]["standard"]["slowdowns"] > 0
+    assert parts[128]["paced"]["slowdowns"] == parts[128]["prewarmed_64"]["slowdowns"] == 0
 
 
 def test_partition_model_counts_slowdowns_and_its_mitigations_remove_them():
