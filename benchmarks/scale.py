@@ -22,6 +22,13 @@ second on one prefix; SlowDowns; restore-planning requests and time at M = N ran
 ``latest_step()`` requests and time against the number of steps in the root.
 Writes ``benchmarks/scale_results.json`` (merged by ``--label``) and, with ``--plot``, the
 chart ``benchmarks/SCALE.png`` comparing the labels.
+
+``--realistic`` (issue 31) runs the job users run instead of the easy one above: a manifest of
+``--arrays`` arrays sharded over the ranks, done records naming and pinning every shard, rank
+0's 16 I/O threads, a daemon's 2 upload workers and 16 I/O threads, the CPU of every simulated
+thread charged to its virtual time (``VirtualClock(cpu_scale=...)``), the S3 store's HEAD after
+a 412 and batch purge, a full-size checkpoint for retention to delete, and the save's data PUTs
+against S3's partitions (:func:`simulate_partitions`). See :class:`Realistic` and SCALE.md.
 """
 
 from __future__ import annotations
