@@ -729,7 +729,12 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
-    styles = {"before": ("tab:red", "--", "o"), "after": ("tab:blue", "-", "s")}
+    styles = {
+        "before": ("tab:red", "--", "o"),
+        "after": ("tab:blue", "-", "s"),
+        "realistic": ("tab:orange", "-", "*"),
+        "realistic-daemon8": ("tab:brown", "-", "P"),
+    }
     others = iter([("tab:green", ":", "^"), ("tab:purple", ":", "v"), ("tab:gray", ":", "D"), ("tab:olive", ":", "x")])
     for label, res in results.items():
         color, ls, marker = styles.get(label) or next(others, ("tab:gray", ":", "^"))
