@@ -22,25 +22,37 @@ second on one prefix; SlowDowns; restore-planning requests and time at M = N ran
 ``latest_step()`` requests and time against the number of steps in the root.
 Writes ``benchmarks/scale_results.json`` (merged by ``--label``) and, with ``--plot``, the
 chart ``benchmarks/SCALE.png`` comparing the labels.
+
+``--realistic`` (issue 31) runs the job users run instead of the easy one above: a manifest of
+``--arrays`` arrays sharded over the ranks, done records naming and pinning every shard, rank
+0's 16 I/O threads, a daemon's 2 upload workers and 16 I/O threads, the CPU of every simulated
+thread charged to its virtual time (``VirtualClock(cpu_scale=...)``), the S3 store's HEAD after
+a 412 and batch purge, a full-size checkpoint for retention to delete, and the save's data PUTs
+against S3's partitions (:func:`simulate_partitions`). See :class:`Realistic` and SCALE.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import math
 import random
 import sys
+import threading
 import time as _real_time
 from concurrent.futures import Future
 from pathlib import Path
 
 from ckptd import catalog
+from ckptd import commit as commit_mod
 from ckptd import manifest as mf
+from ckptd import persist as persist_mod
 from storage_backends.simulated import (
     GET_CLASS,
     PUT_CLASS,
+    PartitionModel,
     SimulatedStore,
     VirtualClock,
     VirtualEvent,
@@ -77,10 +89,13 @@ def virtual_time(clock: VirtualClock, epoch: float | None = None):
 
 class ClockPool:
     """An executor whose tasks are simulated threads of ``clock``: a rank's puts run in parallel,
-    as the I/O pool of a real rank runs them, and ``result()`` waits in simulated time."""
+    as the I/O pool of a real rank runs them, and ``result()`` waits in simulated time. With
+    ``workers``, at most that many tasks run at once (a ``ThreadPoolExecutor(workers)``: rank
+    0's 16 I/O threads), the rest queue in submission order."""
 
-    def __init__(self, clock: VirtualClock) -> None:
-        self.clock = clock
+    def __init__(self, clock: VirtualClock, workers: int | None = None) -> None:
+        self.clock, self.workers, self.running = clock, workers, 0
+        self.queue: list = []
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         f = _ClockFuture(self.clock)
@@ -91,9 +106,37 @@ class ClockPool:
             except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
                 f.set_exception(e)
             f.event.set()
+            self.running -= 1
+            if self.queue:
+                self.running += 1
+                self.clock.spawn(self.queue.pop(0), name="io")
 
-        self.clock.spawn(body, name="io")
+        if self.workers is not None and self.running >= self.workers:
+            self.queue.append(body)
+        else:
+            self.running += 1
+            self.clock.spawn(body, name="io")
         return f
+
+
+class ClockSemaphore:
+    """``threading.Semaphore`` for simulated threads (a daemon's ``upload_workers``)."""
+
+    def __init__(self, clock: VirtualClock, value: int) -> None:
+        self.clock, self.value, self.waiters = clock, value, []
+
+    def __enter__(self):
+        while self.value <= 0:
+            ev = VirtualEvent(self.clock)
+            self.waiters.append(ev)
+            self.clock.wait(ev)
+        self.value -= 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.value += 1
+        if self.waiters:
+            self.waiters.pop(0).set()
 
 
 class _ClockFuture(Future):
@@ -123,6 +166,15 @@ class InlinePool:
 
 
 COMMIT_TIMEOUT = [3600.0]  # --commit-timeout: how long a rank waits for the commit
+RETENTION_S: dict[int, float] = {}  # rank -> simulated seconds its retention took (the committer's)
+IO_THREADS = [None]  # --realistic: a daemon's io_threads (16), else none (its jobs' puts run inline)
+UPLOAD_WORKERS = [10**9]  # --realistic: a daemon's upload_workers (2 by default), else unbounded
+
+
+def _clock_now() -> float:
+    from ckptd import retention
+
+    return retention.time.monotonic()  # the virtual clock while a simulation runs
 
 
 def _persist(store, job, keep_last, on_result=None, pool=None):
@@ -134,7 +186,10 @@ def _persist(store, job, keep_last, on_result=None, pool=None):
     result = persist.persist(store, job, pool or InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], heartbeat=False)
     if on_result is not None:
         on_result(result)
+    t0 = _clock_now()
     retention.after_commit(store, result, keep_last)
+    if result.committed_here:
+        RETENTION_S[job.rank] = _clock_now() - t0
     return result
 
 
@@ -160,6 +215,9 @@ class _Daemon:
 
         self.claim = SharedClaim(on_begin=self._begun, event=lambda: _SimEvent(clock))
         self.known, self.watching, self.poller, self.begins = VirtualEvent(clock), 0, False, 0
+        self.uploads = ClockSemaphore(clock, UPLOAD_WORKERS[0])  # Settings.upload_workers
+        # Settings.io_threads: the puts of all its jobs (--realistic); else inline, as before
+        self.io = ClockPool(clock, IO_THREADS[0]) if IO_THREADS[0] else InlinePool()
 
     def _begun(self) -> None:
         self.begins += 1
@@ -180,9 +238,10 @@ def _daemon_job(store, job, keep_last, daemon: _Daemon, clock: VirtualClock, on_
         raise AlreadyCommitted(f"step {job.step} is committed")
     daemon.claim.committed(store, "sim", job.step)  # Runner._upload: committed (by this attempt) already?
     daemon.claim.claim(store, "sim", job.step, job.attempt, job.attempt)
-    result = persist.persist(
-        store, job, InlinePool(), commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller", heartbeat=False
-    )
+    with daemon.uploads:  # Runner: at most upload_workers jobs upload at once
+        result = persist.persist(
+            store, job, daemon.io, commit_timeout=COMMIT_TIMEOUT[0], wait=False, claim="caller", heartbeat=False
+        )
     if not result.committed_here:
         daemon.watching += 1
         if daemon.poller:
@@ -203,7 +262,10 @@ def _daemon_job(store, job, keep_last, daemon: _Daemon, clock: VirtualClock, on_
                 clock.sleep(0.02 * math.ceil(pause / 0.02))
     if on_result is not None:
         on_result(result)
+    t0 = _clock_now()
     retention.after_commit(store, result, keep_last)
+    if result.committed_here:
+        RETENTION_S[job.rank] = _clock_now() - t0
     return result
 
 
@@ -222,6 +284,62 @@ def _job(step: int, attempt: str, rank: int, world: int, objects: int):
     return SaveJob(step=step, attempt=attempt, rank=rank, world_size=world, metadata=meta)
 
 
+class Realistic:
+    """``--realistic``: the job users run. The manifest holds ``arrays`` arrays sharded over the
+    N ranks (one shard per rank per array, ``benchmarks.pins_cost.manifest``); rank 0 also
+    writes each array's ``zarr.json`` through its I/O pool of ``io_threads`` (16, as
+    ``trainer_hooks.checkpointer``), the group's and the manifest; every rank's done record
+    names its ``arrays`` shard keys and pins them (the real ``donetree.make_pins``), so the
+    records, the tree's digests and the committer's check cost what they cost. Only the
+    shards' bytes are not sent one request at a time: a rank uploads for its ``write_s``
+    (the bulk, as in the default mode) and its ``arrays`` PUTs are counted
+    (``SimulatedStore.bulk_put``); their rate against S3's partitions is
+    :func:`simulate_partitions`'s subject."""
+
+    SHARD_BYTES, CRC = 256 * 1024 + 4, b"\x00\x01\x02\x03"
+
+    def __init__(self, n: int, arrays: int, step: int, attempt: str) -> None:
+        from benchmarks.pins_cost import manifest
+
+        base = manifest(arrays, n)
+        self.manifest = mf.Manifest(step, n, base.tensors, {}, attempt)
+        self.grids = [(e.path, e.layout) for e in base.tensors.values()]
+        self.meta0 = [("zarr.json", mf.group_metadata())]
+        self.meta0 += [(f"{e.path}/zarr.json", mf.dumps(e.layout.metadata())) for e in base.tensors.values()]
+        self.meta0 += [(mf.MANIFEST, self.manifest.to_bytes())]
+
+    def objects(self, n: int) -> int:
+        return n * len(self.grids) + len(self.meta0)
+
+    def job(self, step: int, attempt: str, rank: int, world: int):
+        from ckptd.savejob import SaveJob
+
+        meta = self.meta0 if rank == 0 else []
+        return SaveJob(step=step, attempt=attempt, rank=rank, world_size=world, metadata=list(meta))
+
+    def writer(self, clock: VirtualClock, bulk_s, on_durable):
+        """A stand-in for ``persist._write_data``: the metadata puts are real (create-only, on
+        the rank's pool, alongside its bulk upload of ``bulk_s(rank)`` seconds); returns what
+        the real one returns, for ``arrays`` shards."""
+        from ckptd import donetree
+
+        def write_data(store, part, pool, dedupe, to_numpy, where, written, abort, tags):
+            folder = mf.step_dir(part.step)
+            written += [f"{folder}/{k}" for k, _ in part.metadata]
+            futures = [pool.submit(store.put_new, f"{folder}/{k}", d) for k, d in part.metadata]
+            clock.sleep(bulk_s(part.rank))
+            keys = [f"{path}/{layout.shard_key((part.rank, 0))}" for path, layout in self.grids]
+            store.bulk_put(f"{folder}/arrays/", len(keys))
+            for f in futures:
+                f.result()
+            on_durable(part.rank)
+            written += [f"{folder}/{k}" for k in keys]
+            pins = donetree.make_pins({k: (self.SHARD_BYTES, self.CRC) for k in keys}, dict(part.metadata))
+            return self.SHARD_BYTES * len(keys) + sum(len(d) for _, d in part.metadata), keys, pins
+
+        return write_data
+
+
 def finish_times(n: int, rng: random.Random, write_s: float, skew: float, straggle_s: float) -> list[float]:
     out = []
     for _ in range(n):
@@ -234,6 +352,7 @@ def finish_times(n: int, rng: random.Random, write_s: float, skew: float, stragg
 
 def new_store(clock: VirtualClock, args, seed: int, **kw) -> SimulatedStore:
     faults = {"error_rate": getattr(args, "error_rate", 0.0), "lost_rate": getattr(args, "lost_rate", 0.0)}
+    kw.setdefault("head_after_412", getattr(args, "realistic", False))  # S3Store's HEAD after a 412
     return SimulatedStore(clock, latency=args.latency, sigma=args.sigma, seed=seed, **faults, **kw)
 
 
@@ -251,13 +370,24 @@ def _commit_previous(store: SimulatedStore, steps, world: int) -> None:
 def simulate_save(n: int, args, seed: int = 0) -> dict:
     """One save of ``n`` ranks on a root that already holds ``args.previous`` checkpoints."""
     rng = random.Random(seed)
-    clock = VirtualClock()
+    real = getattr(args, "realistic", False)
+    clock = VirtualClock(cpu_scale=args.cpu_scale if real else 0.0)
     store = new_store(clock, args, seed)
     step = 1000
     prev = list(range(step - 100 * args.previous, step, 100))
+    old_keys = 0
     if prev:
         _commit_previous(store, prev, min(n, 4))
+        if real and n * args.arrays <= args.full_previous_max:
+            # the checkpoint retention deletes after this save, full size: every rank's shards
+            old = mf.step_dir(prev[0])
+            shard = Realistic(n, args.arrays, prev[0], f"a{prev[0]}")
+            for path, layout in shard.grids:
+                for r in range(n):
+                    store.inner.put(f"{old}/{path}/{layout.shard_key((r, 0))}", b"")
+            old_keys = n * args.arrays
         store.reindex()
+    RETENTION_S.clear()
     times = finish_times(n, rng, args.write_s, args.skew, args.straggle_s)
     returned = [0.0] * n
     durable = [0.0] * n
@@ -269,7 +399,8 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
     # Rank 0's I/O pool runs its puts in parallel (it may publish the claim to every group of
     # ranks, as a real thread pool would); the others' run inline (one thread each is cheaper to
     # simulate, and their data puts are one sleep and two requests).
-    pool0 = ClockPool(clock)
+    pool0 = ClockPool(clock, args.io_threads if real else None)
+    realistic = Realistic(n, args.arrays, step, "a") if real else None
     claimed = [0.0] * n  # seconds from a rank's start to its first data put
     per = args.daemon  # ranks per daemon (node); 0: every rank persists in-process
     if per:
@@ -279,8 +410,9 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         # Every rank starts persisting when its snapshot is taken (within ``start_s`` of the
         # others: save() is collective): the claim of the step comes first, then the upload.
         clock.sleep(starts[r])
+        tls.rank = r
         try:
-            job = _job(step, "a", r, n, args.objects)
+            job = realistic.job(step, "a", r, n) if real else _job(step, "a", r, n, args.objects)
             done = lambda _: returned.__setitem__(r, clock.time())  # noqa: E731
             if per:
                 res = _daemon_job(store, job, args.keep_last, daemons[r // per], clock, done)
@@ -307,7 +439,45 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
             return tag
         return orig_put(key, data)
 
-    store.put_new = put_new  # type: ignore[method-assign]
+    if not real:
+        store.put_new = put_new  # type: ignore[method-assign]
+    # Each rank's requests, to tell the committer's chain from its last data PUT to the commit.
+    tls, trace = threading.local(), collections.defaultdict(list)
+    orig_request = store._request
+
+    def _request(verb, key, apply, nbytes=0):
+        r = getattr(tls, "rank", None)
+        if r is not None:
+            trace[r].append((clock.time(), verb, key))
+        return orig_request(verb, key, apply, nbytes)
+
+    store._request = _request  # type: ignore[method-assign]
+    check_cpu: list[float] = []
+    orig_check = commit_mod._check_before_commit
+
+    def check(*a, **kw):
+        t0 = _real_time.thread_time()
+        try:
+            return orig_check(*a, **kw)
+        finally:
+            check_cpu.append(_real_time.thread_time() - t0)
+
+    patches = [(commit_mod, "_check_before_commit", check)]
+    if real:
+
+        def on_durable(r: int) -> None:
+            durable[r] = clock.time()
+
+        def bulk_s(r: int) -> float:
+            claimed[r] = clock.time() - starts[r]
+            if per:  # a node's NIC is shared by the jobs uploading at once: fewer at once, each faster
+                return times[r] * min(UPLOAD_WORKERS[0], per) / per
+            return times[r]
+
+        patches.append((persist_mod, "_write_data", realistic.writer(clock, bulk_s, on_durable)))
+    saved = [(m, a, getattr(m, a)) for m, a, _ in patches]
+    for m, a, f in patches:
+        setattr(m, a, f)
     commit_key = f"{mf.step_dir(step)}/{mf.COMMIT}"
     commit_at: list[float] = []
     orig_pia = store.put_if_absent
@@ -320,18 +490,28 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
 
     store.put_if_absent = put_if_absent  # type: ignore[method-assign]
     wall = _real_time.perf_counter()
-    with virtual_time(clock):
-        for r in range(n):
-            clock.spawn(lambda r=r: rank(r), name=f"rank{r}")
-        clock.run(timeout=args.wall_timeout)
+    try:
+        with virtual_time(clock):
+            for r in range(n):
+                clock.spawn(lambda r=r: rank(r), name=f"rank{r}")
+            clock.run(timeout=args.wall_timeout)
+    finally:
+        for m, a, f in saved:
+            setattr(m, a, f)
     wall = _real_time.perf_counter() - wall
     commit = catalog.read_commit(store.inner, step)
     assert commit is None or commit["world_size"] == n, commit
     assert len(committers) <= 1, f"{len(committers)} ranks think they committed"
     if commit is not None:  # never partial: every rank's done record exists
-        assert commit["objects"] == n * args.objects + 2, commit  # + rank 0's manifest and group
+        want = realistic.objects(n) if real else n * args.objects + 2  # + rank 0's manifest and group
+        assert commit["objects"] == want, (commit, want)
     t_durable = max(durable)
     t_commit = commit_at[0] if commit_at else None
+    # The chain: the committer's requests from its data being durable to commit.json (included).
+    chain = []
+    if committers and t_commit is not None:
+        c = committers[0]
+        chain = [f"{v} {k.split('/', 1)[-1] if '/' in k else k}" for t, v, k in trace[c] if durable[c] <= t < t_commit]
     st = store.stats
     verbs = {v: st.requests[v] for v in ("PUT", "GET", "HEAD", "LIST", "DELETE", "COPY")}
     peak_put, peak_put_prefix = st.peak_rate(PUT_CLASS)
@@ -346,6 +526,8 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         "requests": verbs,
         "requests_total": st.total(),
         "requests_per_rank": st.total() / n,
+        # without the data PUTs (arrays per rank, the same whatever the protocol)
+        "protocol_requests_per_rank": (st.total() - st.by_prefix.get(("PUT", f"{mf.step_dir(step)}/arrays"), 0)) / n,
         "peak_put_per_s": peak_put,
         "peak_put_prefix": peak_put_prefix,
         "peak_get_per_s": peak_get,
@@ -360,7 +542,45 @@ def simulate_save(n: int, args, seed: int = 0) -> dict:
         "claim_s_max": max(claimed),
         "skew_s": max(times) - min(times),
         "wall_s": wall,
+        "realistic": real,
+        "arrays": args.arrays if real else 0,
+        "daemon": per,
+        "previous_full_keys": old_keys,
+        "retention_s": max(RETENTION_S.values(), default=None),
+        "retention_requests": sum(
+            c
+            for (v, pre), c in st.by_prefix.items()
+            if v in ("LIST", "DELETE") and pre.startswith(mf.step_dir(prev[0]))
+        )
+        if prev
+        else 0,
+        "chain_requests": len(chain),
+        "chain": chain,
+        "check_cpu_s": max(check_cpu, default=None),
+        "cpu_charged_s": clock.cpu_charged,
+        "requests_by_prefix_top": _top_prefixes(st),
     }
+
+
+def _top_prefixes(st) -> dict:
+    """Requests by kind of prefix (the step's data, done tree, claims, chain, retention)."""
+    kinds: collections.Counter = collections.Counter()
+    for (verb, pre), c in st.by_prefix.items():
+        kind = (
+            "arrays"
+            if "/arrays" in pre
+            else "_done"
+            if "/_done" in pre
+            else "_claims"
+            if "/_claims" in pre
+            else "_latest"
+            if "_latest" in pre
+            else "step"
+            if pre.startswith("step_")
+            else "root"
+        )
+        kinds[f"{verb} {kind}"] += c
+    return dict(sorted(kinds.items()))
 
 
 def simulate_latest(steps: int, args, seed: int = 0) -> dict:
@@ -474,6 +694,31 @@ def _read_done(store, manifest, rank: int) -> None:
         store.get(mf.done_key(manifest.step, manifest.attempt, rank))
 
 
+def simulate_partitions(n: int, args, seed: int = 0) -> dict:
+    """The data PUTs of one save (``arrays`` per rank, each rank's over its upload time) against
+    S3's partitions of the new ``step_N/`` key range (:class:`PartitionModel`): as botocore's
+    standard retries send them, then with each mitigation -- ``paced`` (the clients hold their
+    PUTs to the capacity they see: botocore's ``retries={"mode": "adaptive"}``), and the range
+    of the next step pre-warmed into 64 partitions before the save (sustained requests on
+    ``step_<next>/`` keys for 6 x ``split_after`` seconds: ``warm_s``, ``warm_requests``, by the
+    model's split rule; the keys, and so zarr's view of the checkpoint, do not change)."""
+    rng = random.Random(seed)
+    times = finish_times(n, rng, args.write_s, args.skew, args.straggle_s)
+    offers = [(rng.uniform(0.0, args.start_s), t, args.arrays) for t in times]
+    out: dict = {"n": n, "arrays": args.arrays, "puts": n * args.arrays, "write_s": max(times)}
+    for name, model, paced in (
+        ("standard", PartitionModel(), False),
+        ("paced", PartitionModel(), True),
+        ("prewarmed_64", PartitionModel(partitions=64), False),
+        ("prewarmed_64_paced", PartitionModel(partitions=64), True),
+    ):
+        out[name] = model.drain(offers, paced=paced)
+    m = PartitionModel()
+    out["warm_s"] = 6 * m.split_after  # 1 -> 64 partitions: 6 splits
+    out["warm_requests"] = round(sum(m.busy * m.put_rate * 2**i * m.split_after for i in range(6)))
+    return out
+
+
 # -- report -----------------------------------------------------------------------------------------
 
 
@@ -484,7 +729,12 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
-    styles = {"before": ("tab:red", "--", "o"), "after": ("tab:blue", "-", "s")}
+    styles = {
+        "before": ("tab:red", "--", "o"),
+        "after": ("tab:blue", "-", "s"),
+        "realistic": ("tab:orange", "-", "*"),
+        "realistic-daemon8": ("tab:brown", "-", "P"),
+    }
     others = iter([("tab:green", ":", "^"), ("tab:purple", ":", "v"), ("tab:gray", ":", "D"), ("tab:olive", ":", "x")])
     for label, res in results.items():
         color, ls, marker = styles.get(label) or next(others, ("tab:gray", ":", "^"))
@@ -534,6 +784,46 @@ def plot(results: dict, path: Path) -> None:
     fig.suptitle("ckptd commit protocol on simulated S3 (20 ms median request, LIST 1000/page, 3500/5500 per prefix)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+
+
+def realistic_table(results: dict) -> str:
+    """Markdown tables of the ``--realistic`` runs' saves and partition models, for SCALE.md."""
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    out = [
+        "| N | label | arrays | committed | failed ranks | commit latency s | all ranks know s | check CPU s "
+        "| chain requests | requests/rank | protocol requests/rank | SlowDowns (per folder) "
+        "| wait before first write s (median / max) | retention requests | retention s |",
+        "|" + "---|" * 15,
+    ]
+    rows = [(s["n"], label, s) for label, res in results.items() for s in res.get("save", []) if s.get("realistic")]
+    for n, label, s in sorted(rows, key=lambda r: (r[0], r[1])):
+        out.append(
+            f"| {n} | {label} | {s['arrays']} | {s['committed']} | {s['failed_ranks']} | {f(s['commit_latency_s'])} "
+            f"| {f(s['all_know_s'])} | {f(s['check_cpu_s'], '{:.4f}')} | {s['chain_requests']} "
+            f"| {s['requests_per_rank']:.1f} | {s['protocol_requests_per_rank']:.1f} | {s['slowdowns']} "
+            f"| {f(s['claim_s_median'])} / {f(s['claim_s_max'])} | {s['retention_requests']} "
+            f"| {f(s['retention_s'], '{:.1f}')} |"
+        )
+    out += [
+        "",
+        "| N | data PUTs | mitigation | save's PUTs done at s | SlowDowns | PUTs out of tries (saves failed) "
+        "| splits at s |",
+        "|" + "---|" * 7,
+    ]
+    for res in results.values():
+        for p in res.get("partitions", []):
+            for name in ("standard", "paced", "prewarmed_64", "prewarmed_64_paced"):
+                if name in p:
+                    x = p[name]
+                    splits = ", ".join(f"{t:.0f}" for t in x["splits"]) or "-"
+                    out.append(
+                        f"| {p['n']} | {p['puts']:,} | {name} | {x['seconds']:.1f} | {x['slowdowns']:,} "
+                        f"| {x['exhausted']:,} | {splits} |"
+                    )
+    return "\n".join(out)
 
 
 def table(results: dict) -> str:
@@ -606,20 +896,42 @@ def main(argv: list[str] | None = None) -> int:
         metavar="K",
         help="ranks persist through ckptd serve daemons of K ranks each (one claim per daemon); 0: in-process",
     )
+    p.add_argument(
+        "--realistic",
+        action="store_true",
+        help="manifests of --arrays arrays sharded over the ranks, real pool sizes, CPU charged (Realistic)",
+    )
+    p.add_argument("--arrays", type=int, default=1000, help="--realistic: arrays in the manifest")
+    p.add_argument(
+        "--cpu-scale", dest="cpu_scale", type=float, default=1.0, help="--realistic: CPU s charged per CPU s"
+    )
+    p.add_argument("--io-threads", dest="io_threads", type=int, default=16, help="--realistic: rank 0's I/O threads")
+    p.add_argument(
+        "--upload-workers", dest="upload_workers", type=int, default=2, help="--realistic: a daemon's upload_workers"
+    )
+    p.add_argument(
+        "--full-previous-max",
+        dest="full_previous_max",
+        type=int,
+        default=1_100_000,
+        help="--realistic: the checkpoint retention deletes holds every rank's shards when N x arrays <= this",
+    )
     p.add_argument("--label", default="after")
-    p.add_argument("--only", choices=["save", "latest", "restore"], action="append")
+    p.add_argument("--only", choices=["save", "latest", "restore", "partitions"], action="append")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--plot", type=Path, nargs="?", const=HERE / "SCALE.png")
     p.add_argument("--table", action="store_true", help="print the markdown tables of --out and stop")
     p.add_argument("--wall-timeout", dest="wall_timeout", type=float, default=3600.0)
     args = p.parse_args(argv)
     COMMIT_TIMEOUT[0] = args.commit_timeout
+    UPLOAD_WORKERS[0] = args.upload_workers if args.realistic else 10**9
+    IO_THREADS[0] = args.io_threads if args.realistic else None
     sizes = [int(x) for x in args.sizes.split(",") if x]
     steps = [int(x) for x in args.steps.split(",") if x]
-    only = set(args.only or ["save", "latest", "restore"])
+    only = set(args.only or (["save", "partitions"] if args.realistic else ["save", "latest", "restore"]))
     allres = json.loads(args.out.read_text()) if args.out.exists() else {}
     if args.table:
-        print(table(allres))
+        print(realistic_table(allres) if args.realistic else table(allres))
         if args.plot:
             plot(allres, args.plot)
         return 0
@@ -641,6 +953,12 @@ def main(argv: list[str] | None = None) -> int:
         for m in sizes:
             r = simulate_restore(m, args)
             res["restore"].append(r)
+            print(json.dumps(r), flush=True)
+    if "partitions" in only:
+        res["partitions"] = []
+        for n in sizes:
+            r = simulate_partitions(n, args)
+            res["partitions"].append(r)
             print(json.dumps(r), flush=True)
     res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "only")}
     args.out.write_text(json.dumps(allres, indent=1, default=str) + "\n")

@@ -28,6 +28,10 @@ S3 behaviours modelled:
   last ``/``), the prefix of a LIST the folder it lists;
 - retries as botocore's "standard" mode does: up to ``attempts`` tries with full-jitter
   exponential backoff; every try is counted and every SlowDown is counted;
+- with ``head_after_412``, the HEAD ``S3Store`` sends after a conditional put's 412, to read its
+  writer token (off by default: the protocol tests' request bounds predate it);
+- ``purge`` as ``S3Store``'s: every LIST page, then one DeleteObjects per 1000 keys;
+  ``abort_stale_uploads`` one ListMultipartUploads;
 - faults: ``error_rate`` transient 500s before the request takes effect, ``lost_rate`` responses
   lost after it took effect (the retry of a conditional put then finds its own object, as
   ``S3Store`` tells by a writer token).
@@ -93,8 +97,14 @@ class VirtualClock:
     order), so a run with seeded randomness is deterministic.
     """
 
-    def __init__(self, stack_size: int = 512 * 1024) -> None:
+    def __init__(self, stack_size: int = 512 * 1024, cpu_scale: float = 0.0) -> None:
         self.now = 0.0
+        # cpu_scale > 0: the CPU time a simulated thread spends between two yields (measured with
+        # time.thread_time, so other threads and processes on the machine do not inflate it) is
+        # charged to its virtual time, times cpu_scale, before it sleeps or waits: the checks of
+        # the code under test then take simulated time in proportion to what they cost here.
+        self.cpu_scale = cpu_scale
+        self.cpu_charged = 0.0  # simulated seconds charged for CPU, over all threads
         self._heap: list[tuple[float, int, threading.Lock]] = []
         self._seq = itertools.count()
         self._tls = threading.local()
@@ -119,6 +129,7 @@ class VirtualClock:
         def body() -> None:
             lock.acquire()  # our first turn
             self._tls.lock = lock
+            self._tls.cpu = time.thread_time()
             try:
                 fn()
             except BaseException as e:  # handed to run()
@@ -143,12 +154,23 @@ class VirtualClock:
         lock = getattr(self._tls, "lock", None)
         if lock is None:
             raise RuntimeError("VirtualClock.sleep called from a thread the clock did not spawn")
-        heapq.heappush(self._heap, (self.now + max(0.0, seconds), next(self._seq), lock))
+        heapq.heappush(self._heap, (self.now + max(0.0, seconds) + self._cpu(), next(self._seq), lock))
         self._next()
         lock.acquire()
+        self._tls.cpu = time.thread_time()
+
+    def _cpu(self) -> float:
+        """The CPU this thread used since its turn began, scaled (0 without ``cpu_scale``)."""
+        if self.cpu_scale <= 0:
+            return 0.0
+        used = max(0.0, time.thread_time() - getattr(self._tls, "cpu", time.thread_time())) * self.cpu_scale
+        self.cpu_charged += used
+        return used
 
     def wait(self, event: VirtualEvent) -> None:
         """Suspend this simulated thread until ``event`` is set (at once if it is)."""
+        if self.cpu_scale > 0 and self.in_simulation():
+            self.sleep(0.0)  # its CPU so far first
         if event.is_set:
             return
         lock = getattr(self._tls, "lock", None)
@@ -157,6 +179,7 @@ class VirtualClock:
         event._waiters.append(lock)
         self._next()
         lock.acquire()
+        self._tls.cpu = time.thread_time()
 
     def _next(self) -> None:
         if self._heap:
@@ -257,6 +280,102 @@ def folder_of(key: str) -> str:
     return key.rpartition("/")[0]
 
 
+@dataclass
+class PartitionModel:
+    """S3's partitions of one key range, as a fluid (rates, not single requests), for the bulk
+    of a save: every object of a new ``step_N/`` sorts after every key written before, so the
+    whole save lands in one partition. A partition accepts ``put_rate`` PUT/s (and
+    ``get_rate`` GET/s); a range kept at least ``busy`` of its capacity for ``split_after``
+    seconds splits in two (AWS: S3 "scales" a prefix under sustained load, over minutes, and
+    answers 503 SlowDown meanwhile), up to ``max_partitions``. ``partitions`` > 1 models a range
+    pre-partitioned before the save.
+
+    :meth:`drain` plays ``clients`` writers through it, each with ``count`` PUTs offered evenly
+    over its ``seconds`` from ``start``; refused PUTs retry as botocore's standard mode does
+    (full-jitter backoff ``min(cap, base * 2**k)``, at most ``attempts`` tries, the mean delay
+    of each retry), or, with ``paced``, each client holds its PUTs to its share of the capacity
+    it last saw (botocore's "adaptive" mode: a client-side token bucket), so none is refused."""
+
+    put_rate: float = 3500.0
+    get_rate: float = 5500.0
+    split_after: float = 120.0
+    busy: float = 0.9
+    max_partitions: int = 1024
+    partitions: int = 1
+    base: float = 1.0
+    cap: float = 20.0
+    attempts: int = 40  # S3Store: botocore's 8 tries x (4 + 1) of its own Caller
+
+    def drain(self, offers: list[tuple[float, float, int]], paced: bool = False, dt: float = 0.05) -> dict:
+        """``offers``: (start s, seconds, PUTs) per client. Returns the time the last PUT was
+        accepted, the SlowDowns (refused tries), the PUTs that exhausted their tries (each
+        fails its rank's save), and the splits with their times."""
+        parts, hot_since, t = self.partitions, None, 0.0
+        total = sum(c for _, _, c in offers)
+        accepted = slowdowns = failed = 0.0
+        retry_att: dict[int, dict[int, float]] = collections.defaultdict(
+            lambda: collections.defaultdict(float)
+        )  # tick -> try -> PUTs
+        backlog = 0.0  # paced: offered but held by the clients' token buckets
+        splits: list[float] = []
+        tick = 0
+        last = 0.0
+        # PUTs offered per tick: each client's count spread evenly over its seconds
+        arrivals = [0.0] * (int(max((a + b for a, b, _ in offers), default=0.0) / dt) + 2)
+        for start, secs, count in offers:
+            i, j = int(start / dt), int((start + secs) / dt)
+            per = count / max(1, j - i + 1)
+            for k in range(i, j + 1):
+                arrivals[k] += per
+        while accepted + failed < total - 1e-6:
+            new = arrivals[tick] if tick < len(arrivals) else 0.0
+            capacity = parts * self.put_rate * dt
+            if paced:
+                backlog += new
+                took = min(backlog, capacity)
+                backlog -= took
+                accepted += took
+                load = took
+            else:
+                by_att = retry_att.pop(tick, {})
+                offered = new + sum(by_att.values())
+                took = min(offered, capacity)
+                accepted += took
+                load = took
+                refused = offered - took
+                slowdowns += refused
+                if refused > 0:
+                    share = refused / offered
+                    for att, n in [(1, new), *by_att.items()]:
+                        back = n * share
+                        if att + 1 > self.attempts:
+                            failed += back
+                            continue
+                        delay = min(self.cap, self.base * 2 ** (att - 1)) / 2
+                        retry_att[tick + max(1, round(delay / dt))][att + 1] += back
+            if took > 0:
+                last = t + dt
+            if load >= self.busy * capacity and parts < self.max_partitions:
+                hot_since = t if hot_since is None else hot_since
+                if t + dt - hot_since >= self.split_after:
+                    parts, hot_since = parts * 2, None
+                    splits.append(round(t + dt, 2))
+            else:
+                hot_since = None
+            t += dt
+            tick += 1
+            if t > 1e6:
+                raise RuntimeError("partition model did not drain")
+        return {
+            "seconds": last,
+            "slowdowns": round(slowdowns),
+            "exhausted": round(failed),
+            "splits": splits,
+            "partitions": parts,
+            "puts": total,
+        }
+
+
 class SimulatedStore(Store):
     """``MemoryStore`` semantics behind S3's latency, paging, rate limits and faults.
 
@@ -281,8 +400,10 @@ class SimulatedStore(Store):
         seed: int = 0,
         prefix_of: Callable[[str], str] = folder_of,
         inner: MemoryStore | None = None,
+        head_after_412: bool = False,
     ) -> None:
         self.clock = clock
+        self.head_after_412 = head_after_412
         self.latency, self.sigma, self.bandwidth = latency, sigma, bandwidth
         self.page_size = page_size
         self.limits = {PUT_CLASS: put_limit, GET_CLASS: get_limit}
@@ -439,10 +560,21 @@ class SimulatedStore(Store):
                     self._tokens[key] = token
                     self._index_add(key)
                     return True
-                # A retry after a lost response finds the object its first try wrote.
-                return self._tokens.get(key) == token
+                return False  # 412 Precondition Failed
 
-        return self._request("PUT", key, apply, len(blob))
+        return self._request("PUT", key, apply, len(blob)) or self._ours(key, token)
+
+    def _ours(self, key: str, token: int) -> bool:
+        """After a 412, S3Store HEADs the object for its writer token (a retry after a lost
+        response finds the object its first try wrote): one more request, as on S3, with
+        ``head_after_412``; without, the answer is free (the store's older model)."""
+        if not self.head_after_412:
+            with self._lock:
+                return self._tokens.get(key) == token
+        try:
+            return self._request("HEAD", key, lambda: self.inner.head(key) and self._tokens.get(key) == token)
+        except NotFoundError:  # the winner's object is already deleted again
+            return False
 
     def put_new(self, key: str, data: Data) -> object:
         check_key(key)
@@ -455,9 +587,9 @@ class SimulatedStore(Store):
                     self._tokens[key] = token
                     self._index_add(key)
                     return True
-                return self._tokens.get(key) == token  # a retry after a lost response
+                return False  # 412; the HEAD tells a retry after a lost response
 
-        if not self._request("PUT", key, apply, len(blob)):
+        if not (self._request("PUT", key, apply, len(blob)) or self._ours(key, token)):
             raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it")
         return token
 
@@ -505,6 +637,42 @@ class SimulatedStore(Store):
             self._request("DELETE", keys[0], apply)
             n += len(keys)
         return n
+
+    def purge(self, prefix: str) -> tuple[int, int]:
+        """As S3Store: LIST every page first, then one DeleteObjects of up to 1000 keys each."""
+        check_prefix(prefix)
+        infos = [i for page in self._pages(prefix) for i in page]
+        for i in range(0, len(infos), 1000):
+            batch = [x.key for x in infos[i : i + 1000]]
+
+            def apply(batch=batch) -> None:
+                with self._lock:
+                    for k in batch:
+                        self.inner.delete(k)
+                        self._tokens.pop(k, None)
+                        self._infos.pop(k, None)
+                    # one slice of the sorted index per batch (a key at a time is quadratic)
+                    gone = set(batch)
+                    i, j = bisect.bisect_left(self._keys, batch[0]), bisect.bisect_right(self._keys, batch[-1])
+                    self._keys[i:j] = [k for k in self._keys[i:j] if k not in gone]
+
+            self._request("DELETE", batch[0], apply)
+        return len(infos), sum(x.size for x in infos)
+
+    def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
+        """One ListMultipartUploads (counted as a LIST) that finds none: the simulation never
+        leaves a multipart upload unfinished."""
+        check_prefix(prefix)
+        self._request("LIST", prefix or "/", lambda: None)
+        return []
+
+    def bulk_put(self, prefix: str, count: int) -> None:
+        """Count ``count`` data PUTs under ``prefix`` without running them one by one (a
+        benchmark's bulk upload, whose time it models itself and whose rate
+        :class:`PartitionModel` judges): stats only, no time, no objects."""
+        with self._lock:
+            self.stats.requests["PUT"] += count
+            self.stats.by_prefix[("PUT", self.prefix_of(prefix + "x"))] += count
 
     def copy(self, src_key: str, dst_key: str) -> None:
         check_key(src_key)
@@ -588,6 +756,7 @@ class SimulatedStore(Store):
 __all__ = [
     "GET_CLASS",
     "PUT_CLASS",
+    "PartitionModel",
     "SimulatedStore",
     "SimulationStalled",
     "SlowDownError",
