@@ -45,8 +45,11 @@ The shard digest is a polynomial hash of (array path, shard coordinate) modulo t
 form (:func:`grid_digest`), so the committer compares the root with the manifest in O(arrays),
 never walking N x A shard keys (issue 31 item 2).
 
-At N = 4096 (F = 64) the last rank's path to the commit is 5 requests (done record, LIST, node,
-LIST, commit); a save costs about 2N + 2N/F requests in the tree.
+At N = 4096 (F = 64) the tree's part of the last rank's path is 4 requests (done record, LIST,
+node, LIST); with the commit's own checks and writes (LIST ``_claims/``, GET claim, GET manifest,
+GET ``_latest/hint.json``, GET next link, PUT link, PUT ``commit.json``) the critical path is 11
+requests, 13 at 8192 (one more level), as ``benchmarks.scale --realistic`` counts them. A save
+costs about 2N + 2N/F requests in the tree.
 
 Old roots: checkpoints committed before this layout keep their flat done records,
 ``_done/<attempt>/rank_<r>.json`` (``manifest.done_key``). Nothing writes that layout any more,
