@@ -7,11 +7,9 @@ Readers go through here so that nothing ever opens a checkpoint without its comm
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 from ckptd import donetree, latest
-from ckptd.codec import CRC_BYTES
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.manifest import (
     COMMIT,
@@ -144,20 +142,12 @@ def _stored_bytes(m: Manifest) -> int:
     """The bytes the shard objects of ``m``'s arrays take once written (each present chunk with
     its crc32c, and the shard index), so a partial step shows how far it got. Metadata objects
     (a few KiB) are not counted."""
-    total = 0
-    for entry in m.tensors.values():
-        layout = entry.layout
-        if layout.nbytes == 0 or entry.value is not None:
-            continue
-        per_chunk = layout.chunk_nbytes + CRC_BYTES
-        for coord in layout.shard_coords():
-            if not layout.sharded:
-                total += per_chunk
-                continue
-            start, stop = layout.shard_box(coord)
-            present = math.prod(-(-(b - a) // c) for a, b, c in zip(start, stop, layout.chunk_shape, strict=True))
-            total += present * per_chunk + layout.index_nbytes
-    return total
+    return sum(
+        entry.layout.object_nbytes(coord)
+        for entry in m.tensors.values()
+        if entry.layout.nbytes and entry.value is None
+        for coord in entry.layout.shard_coords()
+    )
 
 
 def _num(x, kind):

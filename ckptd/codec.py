@@ -210,6 +210,18 @@ class ArrayLayout:
         stop = tuple(min(b + s, n) for b, s, n in zip(start, self.shard_shape, self.shape, strict=True))
         return start, stop
 
+    def object_nbytes(self, coord: Sequence[int]) -> int:
+        """The size of the object of shard ``coord`` as ckptd writes it: each chunk of the grid
+        that lies in the array, with its crc32c, then the shard index (a plain chunk: the one
+        chunk and its crc32c). What ``ls`` sums for a partial step and ``gc``'s restorability
+        check expects of each object."""
+        per_chunk = self.chunk_nbytes + CRC_BYTES
+        if not self.sharded:
+            return per_chunk
+        start, stop = self.shard_box(coord)
+        present = math.prod(-(-(b - a) // c) for a, b, c in zip(start, stop, self.chunk_shape, strict=True))
+        return present * per_chunk + self.index_nbytes
+
     def shard_extent(self, coord: Sequence[int]) -> tuple[int, ...]:
         """The shape of a shard clipped to the array."""
         start, stop = self.shard_box(coord)

@@ -29,14 +29,12 @@ every reader imports, imports neither ``verify`` nor the commit protocol.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.codec import CRC_BYTES
 from ckptd.errors import CheckpointError
 from ckptd.verify import read_record
 from storage_backends import StorageError, Store
@@ -160,15 +158,9 @@ def check_restorable(store: Store, step: int) -> str | None:
         layout = entry.layout
         if layout.nbytes == 0 or entry.value is not None:
             continue
-        per_chunk = layout.chunk_nbytes + CRC_BYTES
         for coord in layout.shard_coords():
             key = f"{prefix}/{entry.path}/{layout.shard_key(coord)}"
-            if layout.sharded:
-                start, stop = layout.shard_box(coord)
-                present = math.prod(-(-(b - a) // c) for a, b, c in zip(start, stop, layout.chunk_shape, strict=True))
-                want = present * per_chunk + layout.index_nbytes
-            else:
-                want = per_chunk
+            want = layout.object_nbytes(coord)
             got = sizes.get(key)
             if got is None:
                 return f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}: missing"

@@ -509,17 +509,7 @@ class S3Store(Store):
             # One PutObject even above the multipart threshold: its If-None-Match is honoured
             # everywhere, CompleteMultipartUpload's is not (Ceph RGW 16.2 overwrites).
             if size <= self.max_put_size:
-                resp = self._call(
-                    "PutObject",
-                    key,
-                    self._client.put_object,
-                    Bucket=self.bucket,
-                    Key=full,
-                    Body=_join(views),
-                    IfNoneMatch="*",
-                    Metadata=meta,
-                )
-                self._saw_checksum(resp)
+                self._put_object_if_none_match(key, full, views, meta)
             else:
                 if self.exists(key):  # don't upload gigabytes only to lose
                     return False
@@ -531,6 +521,21 @@ class S3Store(Store):
             except NotFoundError:  # the winner's object is already deleted again
                 return False
         return True
+
+    def _put_object_if_none_match(self, key: str, full: str, views: list[memoryview], meta: dict) -> dict:
+        """One PutObject with ``If-None-Match: *`` (a 412 raises PreconditionFailed)."""
+        resp = self._call(
+            "PutObject",
+            key,
+            self._client.put_object,
+            Bucket=self.bucket,
+            Key=full,
+            Body=_join(views),
+            IfNoneMatch="*",
+            Metadata=meta,
+        )
+        self._saw_checksum(resp)
+        return resp
 
     def put_new(self, key: str, data: Data) -> str:
         """Create-only: PutObject with ``If-None-Match: *`` (a 412 is ExistsError, unless the
@@ -549,17 +554,7 @@ class S3Store(Store):
                 return self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
             if size > self.max_put_size:
                 self._require_conditional_complete(key, size)
-            resp = self._call(
-                "PutObject",
-                key,
-                self._client.put_object,
-                Bucket=self.bucket,
-                Key=full,
-                Body=_join(views),
-                IfNoneMatch="*",
-                Metadata=meta,
-            )
-            self._saw_checksum(resp)
+            resp = self._put_object_if_none_match(key, full, views, meta)
             return str(resp.get("ETag", ""))
         except PreconditionFailed:
             try:

@@ -30,7 +30,6 @@ from urllib.parse import quote, urlencode, urlsplit
 from ckptd.errors import CheckpointError
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import StorageError, Store
-from storage_backends.base import as_writable_buffers
 from trainer_hooks.daemon_client import _token
 
 __all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierStore", "TieredReader", "TieredRestore"]
@@ -123,13 +122,7 @@ class TierStore:
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         return [self.get_range(key, s, n) for s, n in ranges]
 
-    def get_range_into(self, key: str, start: int, buffers) -> None:
-        views = as_writable_buffers(buffers)
-        data = memoryview(self.get_range(key, start, sum(v.nbytes for v in views)))
-        pos = 0
-        for v in views:
-            v[:] = data[pos : pos + v.nbytes]
-            pos += v.nbytes
+    get_range_into = Store.get_range_into  # through get_range above (checked step, attempt, length)
 
 
 class _Tier:
