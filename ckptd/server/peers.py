@@ -132,8 +132,30 @@ def read_objects(body: BatchReadRequest, request: Request):
         return JSONResponse({"detail": str(e)}, status_code=416)
     if data is None:
         return JSONResponse({"detail": f"no complete copy of step {body.step} attempt {body.attempt} holds them"}, 404)
-    headers = {"X-Ckptd-Step": str(body.step), "X-Ckptd-Attempt": body.attempt}
-    return Response(memoryview(data), media_type="application/octet-stream", headers=headers)
+    headers = {
+        "X-Ckptd-Step": str(body.step),
+        "X-Ckptd-Attempt": body.attempt,
+        "Content-Length": str(sum(len(p) for p in data)),
+    }
+    return _Parts(data, headers)
+
+
+class _Parts(Response):
+    """A reply whose body is sent as the held views themselves, one ASGI message each: no
+    buffer is assembled for a batch."""
+
+    media_type = "application/octet-stream"
+
+    def __init__(self, parts: list[memoryview], headers: dict[str, str]):
+        super().__init__(None, headers=headers)
+        self.parts = [p for p in parts if len(p)]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for i, part in enumerate(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(self.parts)})
+        if not self.parts:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 @router.post("/v1/tiers/replicas", summary="a peer starts pushing its hot copy; 429 when it does not fit")

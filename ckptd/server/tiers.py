@@ -494,9 +494,11 @@ class Tiers:
                 return memoryview(buf).toreadonly()[begin : begin + length]
         return None
 
-    def read_many(self, root: str, step: int, attempt: str, ranges: list[tuple[str, int, int]]) -> bytearray | None:
-        """The concatenation of ``ranges`` ((key, start, length) each, as ``read``) of one complete
-        copy set of (root, step, attempt), in one buffer; None when a key is not held;
+    def read_many(
+        self, root: str, step: int, attempt: str, ranges: list[tuple[str, int, int]]
+    ) -> list[memoryview] | None:
+        """The views (as ``read``: no copy) of ``ranges`` ((key, start, length) each) of the
+        complete copies of (root, step, attempt), in order; None when a key is not held;
         ValueError for a range outside its object or a total over ``MAX_BATCH_BYTES``."""
         total = sum(n for _, _, n in ranges)
         if total > MAX_BATCH_BYTES or any(n < 0 for _, _, n in ranges):
@@ -507,12 +509,7 @@ class Tiers:
             if view is None:
                 return None
             parts.append(view)
-        out = bytearray(total)
-        pos = 0
-        for v in parts:
-            out[pos : pos + len(v)] = v
-            pos += len(v)
-        return out
+        return parts
 
     def describe(self, root: str | None = None) -> dict:
         with self._lock:
