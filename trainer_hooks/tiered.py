@@ -27,6 +27,8 @@ import threading
 from collections.abc import Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
+import numpy as np
+
 from ckptd.codec import CRC_BYTES, parse_inline
 from ckptd.errors import CheckpointError
 from ckptd.layout import plan_reads
@@ -217,10 +219,10 @@ class _Fetched:
 
     def get_range_into(self, key: str, start: int, buffers) -> None:
         views = as_writable_buffers(buffers)
-        data = self._view(key, start, sum(v.nbytes for v in views))
+        data = np.frombuffer(self._view(key, start, sum(v.nbytes for v in views)), np.uint8)
         pos = 0
         for v in views:
-            v[:] = data[pos : pos + v.nbytes]
+            np.frombuffer(v, np.uint8)[:] = data[pos : pos + v.nbytes]  # numpy copies without the GIL
             pos += v.nbytes
 
 
