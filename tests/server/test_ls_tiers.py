@@ -1,6 +1,7 @@
-"""``ckptd ls --daemon URL`` with real daemons on loopback: which steps live in which memory tier
-and where (the node's hot copy, its peer's replica), what is left when a node dies, and a step
-the tiers hold that the job root does not list is ``memory-only``, never committed."""
+"""``ckptd ls --daemon URL`` and the status page with real daemons on loopback: which steps live
+in which memory tier and where (the node's hot copy, its peer's replica), what is left when a
+node dies, and a step the tiers hold that the job root does not list is ``memory-only``, never
+committed."""
 
 from __future__ import annotations
 
@@ -52,6 +53,17 @@ def test_ls_shows_steps_per_tier(tmp_path):
         assert where == [f"hot@{a.url}", f"replica@{c.url}"], rows[2]
         replica = next(t for t in rows[2]["tiers"] if t["kind"] == "replica")
         assert replica["source"] == a.url and replica["ranks"] == [0, 1]
+
+        # The status page of each node shows the same: a's hot copy (replicated to c), c's replica.
+        code, body = a.get("/v1/page", TOKEN)
+        assert code == 200, body
+        html = body["html"]
+        assert '<section id="tiers">' in html and 'class="tier tier-hot" data-step="2"' in html, html
+        assert f"{c.url}: complete" in html
+        code, body = c.get("/v1/page", TOKEN)
+        assert 'class="tier tier-replica" data-step="2"' in body["html"] and f"from {a.url}" in body["html"]
+        code, body = c.get("/v1/overview", TOKEN)
+        assert [r["step"] for r in body["tiers"]["replicas"]] == [2]
 
         table = _ls(root, a.url)
         assert table.returncode == 0, table.stderr
