@@ -249,12 +249,13 @@ class TieredReader(CheckpointReader):
         self.skipped = 0  # shard reads a tier failed and a later tier (or the root) served
 
     def read(self, requests, pool=None) -> None:
-        """Fill every request's ``out``. The shard objects a live tier holds are fetched in
-        batches (one POST ``/v1/tiers/read`` per ``BATCH_BYTES`` of one tier, each batch on the
-        pool with the reads of its shards: the per-request cost of HTTP is paid per batch, and
-        at most a pool's worth of batches is in memory); every chunk is then checked as any
-        read's. A batch that fails marks its tier dead and leaves its shards to the per-shard
-        path (the next tier, at last the job root)."""
+        """Fill every request's ``out``. The shard objects a live tier holds (the ranges of them
+        this rank reads, when under ``BATCH_BYTES``; larger ones are read as one GET per range,
+        straight into the tensors) are fetched in batches (one POST ``/v1/tiers/read`` per
+        ``BATCH_BYTES`` of one tier, each batch on the pool with the reads of its shards: the
+        per-request cost of HTTP is paid per batch, and at most a pool's worth of batches is in
+        memory); every chunk is then checked as any read's. A batch that fails marks its tier
+        dead and leaves its shards to the per-shard path (the next tier, at last the job root)."""
         tasks = []
         for req in requests:
             if req.out.shape != req.want.shape:
@@ -278,6 +279,10 @@ class TieredReader(CheckpointReader):
             got = by_key.setdefault(key, [tier, lo, hi, []])
             got[1], got[2] = min(got[1], lo), max(got[2], hi)
             got[3].append((req, sr))
+        for key in [k for k, v in by_key.items() if v[2] - v[1] > BATCH_BYTES]:
+            # A large range gains nothing from batching and would be held whole in a buffer:
+            # its shards stream straight into the caller's tensors (one GET per coalesced range).
+            plain += by_key.pop(key)[3]
         batches: list[tuple[_Tier, list[str]]] = []
         open_batch: dict[int, tuple[list[str], list[int]]] = {}
         for key, (tier, lo, hi, _) in by_key.items():

@@ -92,7 +92,8 @@ def test_tier_reads_are_batched(tmp_path):
         assert _post(c.url, "/v1/tiers/read", {**body, "attempt": "other"})[0] == 404
 
         # A restore at 1 rank through c reads every shard from c's memory in one request per
-        # CKPTD_TIER_BATCH_BYTES (before batching: one per shard object read, 44 here), bitwise.
+        # CKPTD_TIER_BATCH_BYTES of small objects, one per coalesced range of a larger one
+        # (before batching: one per shard object read and range, 44 here), bitwise.
         before = c.metric("ckptd_tier_object_requests_total", TOKEN)
         batch = 1 << 20
         env = {"CKPTD_TIER_BATCH_BYTES": str(batch)}
@@ -102,6 +103,15 @@ def test_tier_reads_are_batched(tmp_path):
         asked = c.metric("ckptd_tier_object_requests_total", TOKEN) - before
         # one request per `batch` bytes of shard objects (a batch closes past it: one more)
         assert 1 < asked <= got["local"] // batch + 2, (asked, got)
+
+        # With a batch size under some shard objects' size, those are read one GET per range
+        # straight into the tensors and the others batched: still every byte from c, bitwise.
+        before = c.metric("ckptd_tier_object_requests_total", TOKEN)
+        env = {"CKPTD_TIER_BATCH_BYTES": str(4 << 10)}
+        res = _run(1, "restore_tiered", out / "r1s", env, daemon=c.url, root=root, ref=str(out / "s" / "ref_step1.pt"))
+        small = _check(res, 1)
+        assert small == got, (small, got)
+        assert c.metric("ckptd_tier_object_requests_total", TOKEN) - before > asked
     finally:
         kill_all(procs)
         for d in (a, c):
