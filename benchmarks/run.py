@@ -3,7 +3,7 @@
 Prints a table, writes the JSON, a markdown report (``benchmarks/RESULTS.md`` by default; with
 ``--quick``, ``RESULTS-quick.md`` beside the JSON so a smoke run never overwrites the committed
 report) and a PNG chart beside the report. ``--only`` takes a comma-separated list of sections
-(planning, local, incremental, reshard, s3, memory) or local systems (floor, torch, dcp, ckptd,
+(planning, local, incremental, reshard, s3, memory, gpu, tiers) or local systems (floor, torch, dcp, ckptd,
 daemon).
 """
 
@@ -22,7 +22,7 @@ from benchmarks.common import GiB, MiB, drop_cache, fmt_bytes, machine_info, par
 from benchmarks.results import ERROR, Results
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("planning", "local", "incremental", "reshard", "s3", "memory", "gpu")
+SECTIONS = ("planning", "local", "incremental", "reshard", "s3", "memory", "gpu", "tiers")
 LOCAL_SYSTEMS = ("floor", "torch", "dcp", "ckptd", "daemon")
 
 
@@ -77,7 +77,7 @@ def local_selected(a: argparse.Namespace):
 
 
 def run(a: argparse.Namespace) -> Results:
-    from benchmarks import gpu, incremental, inproc, memory, planning, reshard, s3
+    from benchmarks import gpu, incremental, inproc, memory, planning, reshard, s3, tiers
 
     res = Results()
     bench_dir = a.dir or tempfile.mkdtemp(prefix="ckptd-bench-")
@@ -124,6 +124,7 @@ def run(a: argparse.Namespace) -> Results:
     section("s3", lambda: s3.run(res, a.s3_bytes, a.reps, lambda _: True, p("s3_ckptd")))
     section("memory", lambda: memory.run(res, a.mem_bytes, a.mem_saves, bench_dir))
     section("gpu", lambda: gpu.run(res, a.size_bytes, a.reps, bench_dir))
+    section("tiers", lambda: tiers.run(res, a.s3_bytes, a.reps, bench_dir))
     if not want(a, "gpu"):
         gpu.mark_skipped(res, "not selected (--only)")
     res.meta["cache_drop"] = drop_cache.method or "none needed"

@@ -125,5 +125,9 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
                     profile=(pl.get("profile") or {}).get("summary")))  # fmt: skip
     T.append(Target("incremental.bytes", "incremental saves, 90% of bytes frozen: bytes written per save <= 15%",
                     med("incremental.bytes"), 0.15, "<="))  # fmt: skip
+    T.append(Target("tiers.peer", "restore after a node loss from peers' memory <= 0.3x the S3 restore's time",
+                    ratio("tiers.peer"), 0.3, "<=",
+                    detail=f"local disk: {ratio('tiers.disk') or float('nan'):.2f}x, "
+                    f"dcp.load: {ratio('tiers.dcp') or float('nan'):.2f}x of the S3 restore"))  # fmt: skip
     res.targets = T
     return T

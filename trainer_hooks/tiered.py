@@ -27,9 +27,14 @@ import threading
 from collections.abc import Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
+import numpy as np
+
+from ckptd.codec import CRC_BYTES, parse_inline
 from ckptd.errors import CheckpointError
+from ckptd.layout import plan_reads
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import StorageError, Store
+from storage_backends.base import as_writable_buffers
 from trainer_hooks.daemon_client import _token
 
 __all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierStore", "TieredReader", "TieredRestore"]
@@ -38,6 +43,9 @@ log = logging.getLogger("ckptd.tiered")
 
 DEFAULT_TIER_TIMEOUT_S = 10.0  # a peer slower than this per request is skipped (CKPTD_TIER_TIMEOUT_S)
 MAX_KEYS_REPLY = 256 << 20
+BATCH_BYTES = int(
+    os.environ.get("CKPTD_TIER_BATCH_BYTES", 4 << 20)
+)  # shard-object bytes one batched tier read asks for (at most one object more)
 
 
 class TierUnavailable(Exception):  # noqa: N818 - not a StorageError: the reader must not turn it into a bad chunk
@@ -70,24 +78,41 @@ class TierStore:
         for conn in conns:
             conn.close()
 
-    def _get(self, path: str, cap: int) -> tuple[int, dict, bytes]:
+    def _conn(self) -> http.client.HTTPConnection:
+        """This thread's connection to the tier (kept open across requests: one per pool thread)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self._cls(self._host, self._port, timeout=self.timeout_s)
             with self._conns_lock:
                 self._conns.append(conn)
+        return conn
+
+    def _drop_conn(self, conn) -> None:
+        conn.close()
+        self._local.conn = None
+
+    def _open(self, path: str, cap: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, int]:
+        """Send a GET; return the response with its body unread and its Content-Length (at
+        most ``cap``)."""
+        conn = self._conn()
         try:
             conn.request("GET", self._base + path, headers=self._headers)
             resp = conn.getresponse()
-            length = resp.getheader("Content-Length")
-            if length is None or not length.isdigit() or int(length) > cap:
-                conn.close()
-                self._local.conn = None
-                raise TierUnavailable(f"{self.name}: reply of {length} bytes where at most {cap} were asked")
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_conn(conn)
+            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
+        length = resp.getheader("Content-Length")
+        if length is None or not length.isdigit() or int(length) > cap:
+            self._drop_conn(conn)
+            raise TierUnavailable(f"{self.name}: reply of {length} bytes where at most {cap} were asked")
+        return conn, resp, int(length)
+
+    def _get(self, path: str, cap: int) -> tuple[int, dict, bytes]:
+        conn, resp, _ = self._open(path, cap)
+        try:
             return resp.status, dict(resp.getheaders()), resp.read()
         except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            self._local.conn = None
+            self._drop_conn(conn)
             raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
 
     def keys(self) -> tuple[set[str], list[str]]:
@@ -106,23 +131,110 @@ class TierStore:
             raise TierUnavailable(f"{self.name}: keys reply is for another step or attempt")
         return keys, peers
 
-    def get_range(self, key: str, start: int, length: int) -> bytes:
+    def _object_path(self, key: str, start: int, length: int) -> str:
         q = f"root={quote(self.root, safe='')}&step={self.step}&attempt={quote(self.attempt, safe='')}"
-        q += f"&key={quote(key, safe='')}&start={start}&length={length}"
-        status, headers, raw = self._get(f"/v1/tiers/object?{q}", length)
-        if status != 200:
-            raise TierUnavailable(f"{self.name}: {key} answered {status}")
-        h = {k.lower(): v for k, v in headers.items()}
-        if h.get("x-ckptd-step") != str(self.step) or h.get("x-ckptd-attempt") != self.attempt:
+        return f"/v1/tiers/object?{q}&key={quote(key, safe='')}&start={start}&length={length}"
+
+    def _check_reply(self, key: str, resp: http.client.HTTPResponse, got: int, length: int) -> None:
+        if resp.status != 200:
+            raise TierUnavailable(f"{self.name}: {key} answered {resp.status}")
+        if resp.getheader("X-Ckptd-Step") != str(self.step) or resp.getheader("X-Ckptd-Attempt") != self.attempt:
             raise TierUnavailable(f"{self.name}: {key} came from another step or attempt than the commit record's")
-        if len(raw) != length:
-            raise TierUnavailable(f"{self.name}: {key}: {len(raw)} bytes where {length} were asked")
-        return raw
+        if got != length:
+            raise TierUnavailable(f"{self.name}: {key}: {got} bytes where {length} were asked")
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.get_range_into(key, start, [buf])
+        return bytes(buf)
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         return [self.get_range(key, s, n) for s, n in ranges]
 
-    get_range_into = Store.get_range_into  # through get_range above (checked step, attempt, length)
+    def get_range_into(self, key: str, start: int, buffers) -> None:
+        """One GET for the whole range, its body read straight into ``buffers`` (no
+        intermediate copy); the connection stays open for this thread's next read."""
+        views = as_writable_buffers(buffers)
+        length = sum(v.nbytes for v in views)
+        conn, resp, got = self._open(self._object_path(key, start, length), length)
+        try:
+            self._check_reply(key, resp, got, length)  # on failure the connection is dropped unread
+            for v in views:
+                pos = 0
+                while pos < v.nbytes:
+                    n = resp.readinto(v[pos:])
+                    if not n:
+                        raise TierUnavailable(f"{self.name}: {key}: the reply ended early")
+                    pos += n
+        except TierUnavailable:
+            self._drop_conn(conn)
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_conn(conn)
+            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
+
+    def get_batch(self, ranges: Sequence[tuple[str, int, int]]) -> bytearray:
+        """The bytes of ``ranges`` ((key, start, length) each), concatenated: one POST
+        ``/v1/tiers/read``, its body read straight into one buffer."""
+        length = sum(n for _, _, n in ranges)
+        body = {
+            "root": self.root,
+            "step": self.step,
+            "attempt": self.attempt,
+            "ranges": [{"key": k, "start": st, "length": n} for k, st, n in ranges],
+        }
+        conn = self._conn()
+        try:
+            headers = {**self._headers, "Content-Type": "application/json"}
+            conn.request("POST", self._base + "/v1/tiers/read", body=json.dumps(body).encode(), headers=headers)
+            resp = conn.getresponse()
+            got = resp.getheader("Content-Length")
+            got_n = int(got) if got is not None and got.isdigit() else -1
+            self._check_reply(f"a batch of {len(ranges)} ranges", resp, got_n, length)
+            out = bytearray(length)
+            view, pos = memoryview(out), 0
+            while pos < length:
+                n = resp.readinto(view[pos:])
+                if not n:
+                    raise TierUnavailable(f"{self.name}: a batch reply ended early")
+                pos += n
+            return out
+        except TierUnavailable:
+            self._drop_conn(conn)
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_conn(conn)
+            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
+
+
+class _Fetched:
+    """Ranges of shard objects already fetched from one tier (``TieredReader.read``), shaped
+    like the ``Store`` methods ``CheckpointReader`` reads chunks with; a range it does not hold
+    is ``TierUnavailable`` (the shard is then read from the next tier)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.held: dict[str, tuple[int, memoryview]] = {}
+
+    def _view(self, key: str, start: int, length: int) -> memoryview:
+        begin, mv = self.held.get(key, (0, None))
+        if mv is None or start < begin or start + length > begin + len(mv):
+            raise TierUnavailable(f"{self.name}: {key} {start}+{length} was not fetched")
+        return mv[start - begin : start - begin + length]
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return bytes(self._view(key, start, length))
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return [self.get_range(key, s, n) for s, n in ranges]
+
+    def get_range_into(self, key: str, start: int, buffers) -> None:
+        views = as_writable_buffers(buffers)
+        data = np.frombuffer(self._view(key, start, sum(v.nbytes for v in views)), np.uint8)
+        pos = 0
+        for v in views:
+            np.frombuffer(v, np.uint8)[:] = data[pos : pos + v.nbytes]  # numpy copies without the GIL
+            pos += v.nbytes
 
 
 class _Tier:
@@ -152,9 +264,117 @@ class TieredReader(CheckpointReader):
         for store in {id(t.store): t.store for tiers in self._holders.values() for t in tiers}.values():
             store.close()
 
+    def read(self, requests, pool=None) -> None:
+        """Fill every request's ``out``. The shard objects a live tier holds (the ranges of them
+        this rank reads, when under ``BATCH_BYTES``; larger ones are read as one GET per range,
+        straight into the tensors) are fetched in batches (one POST ``/v1/tiers/read`` per
+        ``BATCH_BYTES`` of one tier, each batch on the pool with the reads of its shards: the
+        per-request cost of HTTP is paid per batch, and at most a pool's worth of batches is in
+        memory); every chunk is then checked as any read's. A batch that fails marks its tier
+        dead and leaves its shards to the per-shard path (the next tier, at last the job root)."""
+        tasks = []
+        for req in requests:
+            if req.out.shape != req.want.shape:
+                raise CheckpointError(f"{req.entry.key}: output shape {req.out.shape} != wanted {req.want.shape}")
+            if req.entry.value is not None:
+                req.out[...] = parse_inline(req.entry.value)
+                continue
+            tasks.extend((req, sr) for sr in plan_reads(req.entry.layout, req.want))
+        by_key: dict[str, list] = {}  # key -> [tier, lo, hi, tasks]
+        plain = []
+        for req, sr in tasks:
+            key = self._object(req.entry, sr.shard)
+            tier = next((t for t in self._holders.get(key, ()) if not t.dead), None)
+            if tier is None or not BATCH_BYTES:
+                plain.append((req, sr))
+                continue
+            layout = req.entry.layout
+            n = layout.chunk_nbytes + CRC_BYTES
+            spans = self._computed_spans(layout, sr) if layout.sharded else [(0, n, ())]
+            lo, hi = min(o for o, _, _ in spans), max(o + m for o, m, _ in spans)
+            got = by_key.setdefault(key, [tier, lo, hi, []])
+            got[1], got[2] = min(got[1], lo), max(got[2], hi)
+            got[3].append((req, sr))
+        for key in [k for k, v in by_key.items() if v[2] - v[1] > BATCH_BYTES]:
+            # A large range gains nothing from batching and would be held whole in a buffer:
+            # its shards stream straight into the caller's tensors (one GET per coalesced range).
+            plain += by_key.pop(key)[3]
+        batches: list[tuple[_Tier, list[str]]] = []
+        open_batch: dict[int, tuple[list[str], list[int]]] = {}
+        for key, (tier, lo, hi, _) in by_key.items():
+            keys, size = open_batch.setdefault(id(tier), ([], [0]))
+            if keys and size[0] + hi - lo > BATCH_BYTES:
+                batches.append((tier, keys))
+                keys, size = open_batch[id(tier)] = ([], [0])
+            keys.append(key)
+            size[0] += hi - lo
+        for key_list, _ in open_batch.values():
+            if key_list:
+                batches.append((by_key[key_list[0]][0], key_list))
+
+        def run_batch(tier: _Tier, keys: list[str]) -> None:
+            fetched = None
+            if not tier.dead:
+                ranges = [(k, by_key[k][1], by_key[k][2] - by_key[k][1]) for k in keys]
+                try:
+                    buf = memoryview(tier.store.get_batch(ranges))
+                    fetched = _Fetched(tier.store.name)
+                    pos = 0
+                    for k, lo, n in ranges:
+                        fetched.held[k] = (lo, buf[pos : pos + n])
+                        pos += n
+                except TierUnavailable as e:
+                    self._tier_failed(tier, e)
+            for k in keys:
+                for req, sr in by_key[k][3]:
+                    self._read_one(req, sr, (tier, fetched) if fetched is not None else None)
+
+        jobs = [(run_batch, (t, ks)) for t, ks in batches] + [(self._read_one, (r, sr, None)) for r, sr in plain]
+        if pool is None:
+            for fn, args in jobs:
+                fn(*args)
+            return
+        futures = [pool.submit(fn, *args) for fn, args in jobs]
+        errors = []
+        for f in futures:
+            try:
+                f.result()
+            except CheckpointError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _tier_failed(self, tier: _Tier, e: Exception) -> None:
+        with self._tlock:
+            self.skipped += 1
+            first = not tier.dead
+            tier.dead = True
+        if first:
+            log.warning("restore: skipping the memory tier %s: %s", tier.store.name, e)
+
     def read_shard(self, req: ReadRequest, sr) -> None:
+        self._read_one(req, sr, None)
+
+    def _read_one(self, req: ReadRequest, sr, fetched) -> None:
+        """Read one shard: from the bytes a batch already fetched (``fetched``: (tier, _Fetched)),
+        else (or when those fail a check) from the first other live tier holding it, else from
+        the job root."""
+        source = None  # the tier whose fetched bytes failed: not asked again for this shard
+        if fetched is not None:
+            tier, store = fetched
+            reader = CheckpointReader(store, tier.prefix, where=f"{tier.store.name} (memory tier)", pins=self.pins)  # type: ignore[arg-type]
+            try:
+                reader.read_shard(req, sr)  # every chunk checked against its crc32c
+                with self._tlock:
+                    self._bytes[tier.kind] += reader.stats.bytes_read
+                return
+            except (TierUnavailable, CheckpointError, StorageError) as e:  # a bad chunk, or not fetched
+                with self._tlock:
+                    self.skipped += 1
+                log.warning("restore: %s; reading that shard from the next tier", e)
+                source = tier
         for tier in self._holders.get(self._object(req.entry, sr.shard), ()):
-            if tier.dead:
+            if tier.dead or tier is source:
                 continue
             reader = tier.reader(self.pins)
             try:
@@ -163,12 +383,7 @@ class TieredReader(CheckpointReader):
                     self._bytes[tier.kind] += reader.stats.bytes_read
                 return
             except TierUnavailable as e:
-                with self._tlock:
-                    self.skipped += 1
-                    first = not tier.dead
-                    tier.dead = True
-                if first:
-                    log.warning("restore: skipping the memory tier %s: %s", tier.store.name, e)
+                self._tier_failed(tier, e)
             except (CheckpointError, StorageError) as e:  # a bad chunk: this shard from the next tier
                 with self._tlock:
                     self.skipped += 1

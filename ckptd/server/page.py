@@ -517,6 +517,8 @@ def render(data: dict) -> str:
             )
         out.append("</table></section>")
 
+    if data.get("tiers"):
+        out.append(_tiers_html(data["tiers"]))
     out.append('<section id="roots"><h2>Checkpoints</h2>')
     if data.get("more_roots"):
         out.append(
@@ -530,6 +532,33 @@ def render(data: dict) -> str:
             log.warning("status page: job root %s: %r", r.get("root"), e)
             out.append(_root_html({"root": r.get("root"), "error": f"cannot show this root: {type(e).__name__}"}))
     out.append("</section>")
+    return "".join(out)
+
+
+def _tiers_html(t: dict) -> str:
+    """The memory tier of this daemon (``ckptd.server.tiers``): its hot copies (the steps of the
+    ranks it served, and the peers they were replicated to) and the replicas it holds for peers."""
+    out = ['<section id="tiers"><h2>Memory tiers</h2>']
+    copies = [("hot", c) for c in t.get("hot", [])] + [("replica", c) for c in t.get("replicas", [])]
+    if not copies:
+        out.append('<p class="muted">no step held in memory</p></section>')
+        return "".join(out)
+    out.append(
+        "<table><tr><th>kind</th><th>job root</th><th>step</th><th>ranks</th><th>size</th>"
+        "<th>from / replicated to</th></tr>"
+    )
+    for kind, c in copies:
+        if kind == "hot":
+            where = ", ".join(f"{p}: {s}" for p, s in sorted(c.get("replicated_to", {}).items())) or "-"
+        else:
+            where = f"from {c.get('source')}"
+        out.append(
+            f'<tr class="tier tier-{kind}" data-step="{_e(c["step"])}"><td>{kind}</td>'
+            f'<td class="err">{_e(c["root"])}</td><td class="num">{_e(c["step"])}</td>'
+            f'<td>{_e(", ".join(map(str, c.get("ranks", []))))}</td><td class="num">{_e(_bytes(c["bytes"]))}</td>'
+            f"<td>{_e(_line(where))}</td></tr>"
+        )
+    out.append("</table></section>")
     return "".join(out)
 
 
@@ -657,7 +686,11 @@ def _data(request: Request, root: str | None, offset: int, limit: int) -> dict:
     ov = _overview(request)
     if root is not None:
         ov.runner.roots.check(root)
-    return ov.build(root, offset, limit)
+    data = ov.build(root, offset, limit)
+    tiers = getattr(request.app.state, "tiers", None)
+    if tiers is not None:  # this daemon's memory tier: which steps it holds, for whom, where pushed
+        data["tiers"] = tiers.describe()
+    return data
 
 
 @router.get("/v1/overview", summary="what the status page shows, as JSON")

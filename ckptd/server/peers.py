@@ -16,9 +16,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from ckptd.server.tiers import MAX_OBJECTS
+from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS
 
-__all__ = ["ReplicaRequest", "RestoredReport", "router"]
+__all__ = ["BatchReadRequest", "ReplicaRequest", "RestoredReport", "router"]
 
 router = APIRouter()
 
@@ -40,6 +40,19 @@ class ReplicaRequest(BaseModel):
     source: str = Field(min_length=1, max_length=4096)
     ranks: list[int] = Field(default_factory=list, max_length=1 << 20)
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
+
+
+class RangeModel(BaseModel):
+    key: str = Field(min_length=1, max_length=4096)
+    start: int
+    length: int = Field(ge=0, le=1 << 34)
+
+
+class BatchReadRequest(BaseModel):
+    root: str = Field(min_length=1, max_length=4096)
+    step: int = Field(ge=0, le=10**10 - 1)
+    attempt: str = Field(min_length=1, max_length=64)
+    ranges: list[RangeModel] = Field(min_length=1, max_length=MAX_BATCH_RANGES)
 
 
 class RestoredReport(BaseModel):
@@ -100,6 +113,49 @@ def read_object(
         return JSONResponse({"detail": f"no complete copy of step {step} attempt {attempt} holds {key!r}"}, 404)
     headers = {"X-Ckptd-Step": str(step), "X-Ckptd-Attempt": attempt}
     return Response(data, media_type="application/octet-stream", headers=headers)
+
+
+@router.post("/v1/tiers/read", summary="byte ranges of several held shard objects, concatenated, in one reply")
+def read_objects(body: BatchReadRequest, request: Request):
+    """One request for many ranges (a restoring rank batches the shard objects it reads from one
+    tier): the per-request cost of HTTP is paid once per batch, not once per shard object. All
+    or nothing: 404 when any key is not held complete, 416 for a range outside its object."""
+    t = _tiers(request)
+    t.count("object_requests")
+    delay = request.app.state.settings_fault_tier_delay_s
+    if delay:
+        time.sleep(delay)  # tests only (CKPTD_FAULT_TIER_DELAY_S): a slow peer
+    root = _readable_root(request, body.root)
+    try:
+        data = t.read_many(root, body.step, body.attempt, [(r.key, r.start, r.length) for r in body.ranges])
+    except ValueError as e:
+        return JSONResponse({"detail": str(e)}, status_code=416)
+    if data is None:
+        return JSONResponse({"detail": f"no complete copy of step {body.step} attempt {body.attempt} holds them"}, 404)
+    headers = {
+        "X-Ckptd-Step": str(body.step),
+        "X-Ckptd-Attempt": body.attempt,
+        "Content-Length": str(sum(len(p) for p in data)),
+    }
+    return _Parts(data, headers)
+
+
+class _Parts(Response):
+    """A reply whose body is sent as the held views themselves, one ASGI message each: no
+    buffer is assembled for a batch."""
+
+    media_type = "application/octet-stream"
+
+    def __init__(self, parts: list[memoryview], headers: dict[str, str]):
+        super().__init__(None, headers=headers)
+        self.parts = [p for p in parts if len(p)]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for i, part in enumerate(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(self.parts)})
+        if not self.parts:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 @router.post("/v1/tiers/replicas", summary="a peer starts pushing its hot copy; 429 when it does not fit")

@@ -46,12 +46,14 @@ from ckptd.codec import crc32c
 from ckptd.server.staging import Staging
 from storage_backends.base import as_buffers, data_size
 
-__all__ = ["Copy", "PIECE_BYTES", "Tiers", "replica_targets"]
+__all__ = ["Copy", "MAX_BATCH_BYTES", "MAX_BATCH_RANGES", "PIECE_BYTES", "Tiers", "replica_targets"]
 
 log = logging.getLogger("ckptd.tiers")
 
 PIECE_BYTES = 8 << 20  # replica bytes per request: under the daemon's body limit
 MAX_OBJECTS = 1 << 16  # objects in one replica at most
+MAX_BATCH_BYTES = 256 << 20  # bytes one batched tier read answers at most
+MAX_BATCH_RANGES = 4096  # ranges in one batched tier read at most
 INCOMING_TTL_S = 600.0  # a replica whose pusher stopped sending is dropped after this
 
 
@@ -472,9 +474,11 @@ class Tiers:
             found.update(c.objects)
         return sorted(found)
 
-    def read(self, root: str, step: int, attempt: str, key: str, start: int, length: int) -> bytes | None:
-        """``length`` bytes at ``start`` (negative: from the end) of a held object; None when no
-        complete copy of (root, step, attempt) holds ``key``; ValueError for a range past its end."""
+    def read(self, root: str, step: int, attempt: str, key: str, start: int, length: int) -> memoryview | None:
+        """``length`` bytes at ``start`` (negative: from the end) of a held object, as a read-only
+        view of the copy (no copy: a held object is never written again, and a dropped copy's
+        buffer lives on while a reply still sends from it); None when no complete copy of
+        (root, step, attempt) holds ``key``; ValueError for a range past its end."""
         with self._lock:
             for c in [self._hot.get(root), *[c for (r, _), c in self._replicas.items() if r == root]]:
                 if c is None or not c.complete or c.dropped or c.step != step or c.attempt != attempt:
@@ -487,8 +491,25 @@ class Tiers:
                 if begin < 0 or length < 0 or begin + length > size:
                     raise ValueError(f"range {start}+{length} is outside {key!r} ({size} bytes)")
                 self.counters["bytes_served"] += length
-                return bytes(memoryview(buf)[begin : begin + length])  # one copy
+                return memoryview(buf).toreadonly()[begin : begin + length]
         return None
+
+    def read_many(
+        self, root: str, step: int, attempt: str, ranges: list[tuple[str, int, int]]
+    ) -> list[memoryview] | None:
+        """The views (as ``read``: no copy) of ``ranges`` ((key, start, length) each) of the
+        complete copies of (root, step, attempt), in order; None when a key is not held;
+        ValueError for a range outside its object or a total over ``MAX_BATCH_BYTES``."""
+        total = sum(n for _, _, n in ranges)
+        if total > MAX_BATCH_BYTES or any(n < 0 for _, _, n in ranges):
+            raise ValueError(f"a batch of {total} bytes is over {MAX_BATCH_BYTES}")
+        parts = []
+        for key, start, length in ranges:
+            view = self.read(root, step, attempt, key, start, length)
+            if view is None:
+                return None
+            parts.append(view)
+        return parts
 
     def describe(self, root: str | None = None) -> dict:
         with self._lock:

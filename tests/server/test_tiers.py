@@ -87,7 +87,7 @@ def _check(results: list[dict], step: int) -> dict[str, int]:
 
 class _CorruptingPeer:
     """A peer in front of a real daemon that flips one byte of every answer for one shard
-    object (the first one asked for): the bytes a faulty node would serve."""
+    object or batch of them (the first one asked for): the bytes a faulty node would serve."""
 
     def __init__(self, upstream: str):
         up = urlsplit(upstream)
@@ -96,31 +96,36 @@ class _CorruptingPeer:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's name
+                self._proxy("GET", None)
+
+            def do_POST(self):  # noqa: N802
+                n = int(self.headers.get("Content-Length") or 0)
+                self._proxy("POST", self.rfile.read(n))
+
+            def _proxy(self, method: str, body: bytes | None) -> None:
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
-                conn.request("GET", self.path, headers={"Authorization": self.headers.get("Authorization", "")})
+                headers = {"Authorization": self.headers.get("Authorization", "")}
+                if body is not None:
+                    headers["Content-Type"] = "application/json"
+                conn.request(method, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
-                body = bytearray(resp.read())
-                if self.path.startswith("/v1/tiers/object") and resp.status == 200 and body:
-                    key = [p for p in self.path.split("&") if p.startswith("key=")][0]
+                data = bytearray(resp.read())
+                if resp.status == 200 and data and self.path.startswith(("/v1/tiers/object", "/v1/tiers/read")):
+                    # the first object (or batch of objects) asked for: every answer for it
+                    key = [p for p in self.path.split("&") if p.startswith("key=")][0] if body is None else body
                     with lock:
                         state["key"] = state["key"] or key
                         hit = state["key"] == key
                     if hit:
-                        body[len(body) // 2] ^= 0xFF
+                        data[len(data) // 2] ^= 0xFF
                 self.send_response(resp.status)
                 for h, v in resp.getheaders():
                     if h.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
                         self.send_header(h, v)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(data)
                 conn.close()
-
-            def do_POST(self):  # noqa: N802
-                self.send_response(200)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
 
             def log_message(self, *a):
                 pass

@@ -1,0 +1,88 @@
+"""What the memory tiers hold of one job root, for ``ckptd ls --daemon URL``.
+
+Asks ``GET /v1/tiers`` of the daemon named and of every peer it names (with the daemon token
+from ``CKPTD_TOKEN`` / ``CKPTD_TOKEN_FILE``), and returns, per step, where a copy of it lives:
+``hot@URL`` (the node's own copy, ranks it served) or ``replica@URL`` (a peer's copy, pushed
+from ``source``). Only complete copies are listed: a tier serves nothing else. A daemon that
+does not answer is noted on stderr and left out: the listing is a view, the job root stays the
+only truth of what is committed."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from urllib.parse import urlsplit
+
+from ckptd.errors import CheckpointError
+from ckptd.server.roots import normalize
+
+__all__ = ["tier_copies"]
+
+MAX_REPLY = 16 << 20
+
+
+def _describe(url: str, token: str | None, timeout: float) -> dict:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CheckpointError(f"--daemon must be an http://host:port URL, got {url!r}")
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request(
+            "GET", parts.path.rstrip("/") + "/v1/tiers", headers={"Authorization": f"Bearer {token}"} if token else {}
+        )
+        resp = conn.getresponse()
+        raw = resp.read(MAX_REPLY + 1)
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise OSError(f"GET /v1/tiers answered {resp.status}")
+    if len(raw) > MAX_REPLY:
+        raise OSError(f"GET /v1/tiers answered over {MAX_REPLY} bytes")
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise ValueError("GET /v1/tiers answered no object")
+    return body
+
+
+def tier_copies(
+    root_uri: str, daemon: str, token: str | None, timeout: float = 10.0
+) -> tuple[dict[int, list[dict]], list[str]]:
+    """(step -> the complete copies of it the daemons hold, each ``{"where", "kind", "daemon",
+    "source", "attempt", "ranks", "bytes"}``; the daemons that did not answer, with why)."""
+    want = normalize(root_uri)
+    out: dict[int, list[dict]] = {}
+    failed: list[str] = []
+    todo, seen = [daemon.rstrip("/")], set()
+    while todo:
+        url = todo.pop(0)
+        if url in seen:
+            continue
+        seen.add(url)
+        try:
+            body = _describe(url, token, timeout)
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            failed.append(f"{url}: {e or type(e).__name__}")
+            continue
+        todo += [p.rstrip("/") for p in body.get("peers", []) if isinstance(p, str)]
+        for kind in ("hot", "replicas"):
+            for c in body.get(kind, []):
+                try:
+                    if not c.get("complete") or normalize(c["root"]) != want:
+                        continue
+                    step = int(c["step"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                k = "hot" if kind == "hot" else "replica"
+                out.setdefault(step, []).append(
+                    {
+                        "where": f"{k}@{url}",
+                        "kind": k,
+                        "daemon": url,
+                        "source": c.get("source"),
+                        "attempt": c.get("attempt"),
+                        "ranks": c.get("ranks"),
+                        "bytes": c.get("bytes"),
+                    }
+                )
+    return out, failed
