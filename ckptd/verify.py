@@ -217,6 +217,11 @@ def _unowned_warnings(store: Store, m: mf.Manifest, where: str) -> list[str]:
 
     try:
         rec = catalog.read_commit(store, m.step) or {}
+    except (StorageError, CheckpointError):
+        return []  # an unreadable commit record is already one of the step's errors
+    if not isinstance(rec.get("attempt"), str):
+        return []  # a record naming no attempt is already one of the step's errors (check_consistency)
+    try:
         keys = fencing.unowned(store, m, rec.get("attempt"))
     except (StorageError, CheckpointError) as e:
         return [f"{where}: cannot list the step's objects ({e})"]
