@@ -55,10 +55,10 @@ def run(args: argparse.Namespace) -> int:
         note(f"ignored: {name} (not step_ + 10 digits; never listed, restored or deleted)")
     copies: dict[int, list[dict]] | None = None
     if getattr(args, "daemon", None):
+        from ckptd.cli.common import daemon_token
         from ckptd.cli.tiers_view import tier_copies
-        from trainer_hooks.daemon_client import _token
 
-        copies, failed = tier_copies(uri, args.daemon, _token())
+        copies, failed = tier_copies(uri, args.daemon, daemon_token())
         for why in failed:
             note(f"memory tier not listed: {why}")
     if copies is not None:
