@@ -20,9 +20,9 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from ckptd.auth import daemon_token as _token
 from ckptd.errors import CheckpointError
 
 __all__ = ["DaemonClient", "DaemonUnreachable", "detail"]
@@ -30,17 +30,6 @@ __all__ = ["DaemonClient", "DaemonUnreachable", "detail"]
 log = logging.getLogger("ckptd.daemon_client")
 
 _WAIT_LOG_EVERY_S = 30.0
-
-
-def _token() -> str | None:
-    token = os.environ.get("CKPTD_TOKEN")
-    path = os.environ.get("CKPTD_TOKEN_FILE")
-    if not token and path:
-        try:
-            token = Path(path).read_text().strip()
-        except OSError as e:
-            raise CheckpointError(f"cannot read CKPTD_TOKEN_FILE {path}: {e}") from None
-    return token or None
 
 
 class DaemonUnreachable(CheckpointError):

@@ -25,7 +25,6 @@ from typing import Any, TextIO
 from storage_backends import StorageError, Store, open_store
 
 __all__ = [
-    "daemon_token",
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
@@ -222,22 +221,3 @@ def _isatty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
-
-
-def daemon_token() -> str | None:
-    """The daemon's bearer token for ``ckptd ls --daemon``: ``CKPTD_TOKEN``, else the file
-    ``CKPTD_TOKEN_FILE`` names, as trainers read it (``trainer_hooks.daemon_client``, a layer the
-    CLI may not import); None without either."""
-    import os
-    from pathlib import Path
-
-    from ckptd.errors import CheckpointError
-
-    token = os.environ.get("CKPTD_TOKEN")
-    path = os.environ.get("CKPTD_TOKEN_FILE")
-    if not token and path:
-        try:
-            token = Path(path).read_text().strip()
-        except OSError as e:
-            raise CheckpointError(f"cannot read CKPTD_TOKEN_FILE {path}: {e}") from None
-    return token or None

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         note(f"ignored: {name} (not step_ + 10 digits; never listed, restored or deleted)")
     copies: dict[int, list[dict]] | None = None
     if getattr(args, "daemon", None):
-        from ckptd.cli.common import daemon_token
+        from ckptd.auth import daemon_token
         from ckptd.cli.tiers_view import tier_copies
 
         copies, failed = tier_copies(uri, args.daemon, daemon_token())
