@@ -195,6 +195,7 @@ class Discovery:
         self._lock = threading.Lock()
         self._seen: dict[str, dict[str, tuple[int, str | None]]] = {}  # root -> key -> (size, url or None)
         self._verified: dict[str, float] = {}  # url -> monotonic time of its last passed challenge
+        self._failed: dict[str, float] = {}  # url -> monotonic time of its last failed challenge
         self._rings: dict[str, list[str]] = {}
         self._beat_failed: set[str] = set()
         self._stop = threading.Event()
@@ -298,24 +299,32 @@ class Discovery:
         challenge(conn, url, self.token)
 
     def verify(self, url: str) -> bool:
-        """Whether ``url`` passed the challenge within ``ttl_s`` (else challenge it now)."""
+        """Whether ``url`` passed the challenge within ``ttl_s`` (else challenge it now). A URL
+        that failed is not dialled again for ``ttl_s / 2`` and is logged once until it passes."""
         now = time.monotonic()
         with self._lock:
             at = self._verified.get(url)
+            failed = self._failed.get(url)
         if at is not None and now - at <= self.ttl_s:
             return True
+        if failed is not None and now - failed <= self.ttl_s / 2:
+            return False
         conn = _connect(url, self.timeout_s)
         try:
             challenge(conn, url, self.token)
         except NotVerified as e:
-            log.warning("discovery: not replicating to %s: %s", url, e)
             with self._lock:
                 self._verified.pop(url, None)
+                first = url not in self._failed
+                self._failed[url] = time.monotonic()
+            if first:
+                log.warning("discovery: not replicating to %s", e)
             return False
         finally:
             conn.close()
         with self._lock:
             self._verified[url] = time.monotonic()
+            self._failed.pop(url, None)
         return True
 
     def targets(self, job_root: str, k: int) -> list[str]:
@@ -341,6 +350,7 @@ class Discovery:
         """Read every served root's ring and challenge its members: the verified ones are the
         peers named to restoring ranks."""
         peers: set[str] = set()
+        seen: set[str] = set()
         targets: list[str] = []
         for root in self.roots:
             try:
@@ -352,6 +362,11 @@ class Discovery:
             good = [u for u in order if self.verify(u)]
             peers.update(good)
             targets = targets or good[: self.replicas]
+            seen.update(ring)
+        with self._lock:  # forget the challenges of URLs no ring names any more
+            for table in (self._verified, self._failed):
+                for url in [u for u in table if u not in seen]:
+                    del table[url]
         if self.on_refresh is not None:
             self.on_refresh(sorted(peers | {self.me}), targets)
 

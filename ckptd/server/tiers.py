@@ -543,6 +543,7 @@ class Tiers:
             "hot": hot,
             "replicas": reps,
             "reserved_bytes": self.staging.reserved_bytes,
+            **({"discovery": self.discovery.describe()} if self.discovery is not None else {}),
         }
 
 
