@@ -56,7 +56,7 @@ from ckptd import manifest as mf
 from ckptd.claims import clamp
 from ckptd.server.roots import normalize
 from ckptd.server.tiers import replica_targets
-from storage_backends import StorageError, Store
+from storage_backends import NotFoundError, StorageError, Store
 
 __all__ = [
     "DIR",
@@ -193,6 +193,7 @@ class Discovery:
         self.id = uuid.uuid4().hex
         self.key = f"{DIR}/{self.id}.json"
         self._lock = threading.Lock()
+        self._listing = threading.Lock()
         self._seen: dict[str, dict[str, tuple[int, str | None]]] = {}  # root -> key -> (size, url or None)
         self._verified: dict[str, float] = {}  # url -> monotonic time of its last passed challenge
         self._failed: dict[str, float] = {}  # url -> monotonic time of its last failed challenge
@@ -257,38 +258,49 @@ class Discovery:
 
     def ring(self, root: str) -> list[str]:
         """The sorted URLs of the fresh records under served ``root``, this daemon's included."""
+        with self._listing:  # the refresh thread and replica pushes share the record cache
+            ring = self._ring(root)
+        with self._lock:
+            self._rings[root] = ring
+        return ring
+
+    def _ring(self, root: str) -> list[str]:
         store = self.store_of(root)
         now = time.time()
-        with self._lock:
-            seen = self._seen.setdefault(root, {})
+        seen = self._seen.setdefault(root, {})
         urls = {self.me}
         listed: set[str] = set()
         for o in islice(store.list(f"{DIR}/"), MAX_RECORDS):
-            name = o.key[len(DIR) + 1 :]
             listed.add(o.key)
-            m = _NAME.fullmatch(name)
             known = seen.get(o.key)
             if known is None or known[0] != o.size:
-                url = self._read(store, root, o.key, o.size, m.group(1) if m else None)
+                m = _NAME.fullmatch(o.key[len(DIR) + 1 :])
+                try:
+                    url = self._read(store, root, o.key, o.size, m.group(1) if m else None)
+                except (StorageError, OSError) as e:  # not the record's fault: read it again next time
+                    if not isinstance(e, NotFoundError):  # deleted since the listing: a clean shutdown
+                        log.warning("discovery: cannot read daemon record %s/%s: %s", root, o.key, e)
+                    continue
                 known = seen[o.key] = (o.size, url)
             if known[1] is not None and now - clamp(o.mtime, now) <= self.ttl_s:
                 urls.add(known[1])
         for k in [k for k in seen if k not in listed]:
             del seen[k]
-        ring = sorted(urls)
-        with self._lock:
-            self._rings[root] = ring
-        return ring
+        return sorted(urls)
 
     def _read(self, store: Store, root: str, key: str, size: int, name_id: str | None) -> str | None:
-        """The URL of the record ``key``, or None (logged once: the caller remembers it)."""
+        """The URL of the record ``key``, or None for a bad record (logged once: the caller
+        remembers it). StorageError when storage fails."""
         try:
             if name_id is None:
                 raise ValueError("its name is not <32 hex digits>.json")
             if size > MAX_RECORD_BYTES:
                 raise ValueError(f"{size} bytes is over {MAX_RECORD_BYTES}")
-            return parse_record(store.get(key, limit=MAX_RECORD_BYTES), name_id)
-        except (StorageError, OSError, ValueError) as e:
+            raw = store.get(key, limit=MAX_RECORD_BYTES)
+            if len(raw) > MAX_RECORD_BYTES:
+                raise ValueError(f"{len(raw)} bytes is over {MAX_RECORD_BYTES}")
+            return parse_record(raw, name_id)
+        except ValueError as e:
             log.warning("discovery: ignoring daemon record %s/%s: %s", root, key, e)
             return None
 
