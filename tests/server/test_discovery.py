@@ -2,8 +2,10 @@
 with real daemons on loopback as nodes and the job root on a local folder.
 
 - The ring comes from the ``_daemons/`` records: a 4-rank job over 3 daemons replicates every
-  hot copy to the next daemon of the sorted ring; a SIGKILLed daemon's record goes stale, drops
-  out of the ring, and the next step's replicas go to the re-formed ring.
+  hot copy to the next daemon of the sorted ring; after a SIGKILL of one, a 3-rank restore reads
+  no byte from the job root (the discovered peers are named to the ranks); the dead daemon's
+  record goes stale, drops out of the ring, and the next step's replicas go to the re-formed
+  ring.
 - A forged record pointing at a local HTTP server that logs every request (and relays the
   challenge to a real daemon, the strongest thing it can do without the token) never sees the
   token nor a replica byte; the replicas go to the real peer.
@@ -122,6 +124,22 @@ def test_replicas_follow_the_discovered_ring_and_it_reforms_after_a_node_dies(tm
         (record,) = [p for p in (job / "_daemons").iterdir() if dead.url in p.read_text()]
         alive = [d for d in nodes if d is not dead]
         new_ring = sorted(d.url for d in alive)
+
+        # The job restarts at 3 ranks on a survivor: its daemon names the discovered peers, and
+        # every byte of step 1 comes from the survivors' memory (the dead node's hot copy from
+        # its successor's replica), none from the job root.
+        procs = launch.spawn(
+            3,
+            "restore_tiered",
+            {"daemon": alive[0].url, "root": root, "ref": str(tmp_path / "s1" / "ref_step1.pt")},
+            tmp_path / "r3",
+            {"CKPTD_TOKEN": TOKEN},
+            scenarios=SCENARIOS,
+        )
+        res = launch.wait(procs, tmp_path / "r3", "restore_tiered", timeout=600)
+        assert all(r["step"] == 1 for r in res) and res[0]["mismatches"] == [], res
+        got = {k: sum(r["tiers"][k] for r in res) for k in ("local", "peer", "root")}
+        assert got["root"] == 0 and got["peer"] > 0, got
         wait_for(lambda: all(_ring(d, root) == new_ring for d in alive), "the dead node's record going stale", 120)
         assert record.exists()  # nobody deleted it: it only went stale
 
