@@ -11,11 +11,11 @@ them (``trainer_hooks.tiered``).
 Replication: each new hot copy is pushed to the ``replicas`` daemons that follow this one in
 ``--peers`` (a ring; the list may name this daemon, found by ``--advertise``), authenticated with
 the daemon token: ``POST /v1/tiers/replicas`` (the objects, their sizes and whole-object
-crc32c), then the bytes in pieces, then ``seal``. With ``--discover`` the ring is read from the
-job root instead and every discovered peer must pass a challenge before it sees the token
-(``server.discovery``: ``discovery``, ``targets_for``, ``_dial``). The receiver holds a replica only once every
+crc32c), then the bytes in pieces, then ``seal``. The receiver holds a replica only once every
 object arrived whole and matches its crc32c; until then it serves nothing of it. It keeps one
-replica per (root, source daemon), the newest step.
+replica per (root, source daemon), the newest step. With ``--discover`` the ring is read from
+the job root at each push instead, and a discovered peer must pass a challenge on the push's
+connection before it sees the token (``server.discovery``; here ``targets_for`` and ``_dial``).
 
 Budget: every byte of a copy (hot, replica, or pending) is held through
 ``Staging.reserve``: a copy that does not fit is not kept (the step is then persist-only on
