@@ -26,6 +26,8 @@
                                1024 ranks, that the waiting ranks poll (``donetree.notice_keys``)
       _latest/first.json, _latest/after_<step>.json, _latest/hint.json
                                the chain latest_step walks (``ckptd.latest``)
+      _daemons/<id>.json       a node daemon's discovery record (``ckptd.server.discovery``):
+                               not a checkpoint; listings of steps never see it
 
 A folder without ``commit.json`` is partial: nothing restores it, ``ls`` shows it as partial.
 The commit protocol needs no process group: each rank writes its data, then its done record,
@@ -59,6 +61,7 @@ __all__ = [
     "ARRAYS",
     "CLAIMS",
     "COMMIT",
+    "DAEMONS",
     "DONE",
     "GROUP",
     "MANIFEST",
@@ -98,6 +101,7 @@ ARRAYS = "arrays"
 DONE = "_done"
 CLAIMS = "_claims"  # <step>/_claims/<n>.json: who owns the step (ckptd.claims); <attempt>/<g>/go.json: outcomes
 PLANS = "_plans"
+DAEMONS = "_daemons"  # <job root>/_daemons/<id>.json: node daemons' discovery records (server.discovery)
 
 
 MAX_STEP = 10**10 - 1  # a step folder names its step in exactly 10 digits
@@ -120,8 +124,10 @@ def parse_step_dir(name: str) -> int | None:
 
 def is_reserved(key: str) -> bool:
     """Whether ``key`` (relative to a step folder) belongs to the commit protocol -- the commit
-    record, done records, claims -- and so may not be written as a part's metadata."""
-    return key == COMMIT or key.startswith((f"{DONE}/", f"{CLAIMS}/"))
+    record, done records, claims -- or names the daemons' discovery folder (``DAEMONS``, kept
+    out of every part so that no metadata can look like a daemon record), and so may not be
+    written as a part's metadata."""
+    return key == COMMIT or key.startswith((f"{DONE}/", f"{CLAIMS}/", f"{DAEMONS}/"))
 
 
 def done_key(step: int, attempt: str, rank: int) -> str:

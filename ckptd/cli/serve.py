@@ -109,6 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the node daemons of the job in ring order (may include this one): hot copies are replicated to them",
     )
     p.add_argument("--advertise", metavar="URL", help="this daemon's URL as its peers know it (its place in --peers)")
+    p.add_argument(
+        "--discover",
+        action="store_true",
+        help="find the peers through _daemons/ records under the roots (with --advertise and a token; not --peers)",
+    )
     p.add_argument("--replicas", type=int, metavar="K", help="peers each hot copy is pushed to (default 1; 0: none)")
     p.add_argument("--no-tiers", action="store_true", help="keep no hot copy of committed steps in memory")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
@@ -142,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         "peers": [u.strip() for u in args.peers.split(",") if u.strip()] if args.peers else None,
         "advertise": args.advertise,
         "replicas": args.replicas,
+        "discover": args.discover or None,
         "tiers": False if args.no_tiers else None,
     }
     try:

@@ -39,6 +39,8 @@ from pydantic import BaseModel, Field
 from ckptd import __version__, catalog
 from ckptd.errors import AlreadyCommitted, CheckpointError, CheckpointNotFoundError
 from ckptd.server import jobroots
+from ckptd.server.discovery import HELLO_PATH, Discovery
+from ckptd.server.discovery import router as discovery
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
@@ -161,7 +163,7 @@ class Guard:
         headers = dict(scope["headers"])
         if scope["method"] not in ("GET", "HEAD") and _cross_site(headers):
             return await _send(send, 403, {"detail": "cross-site request refused (Origin is not this daemon)"})
-        if self.token is not None and scope["path"] != "/healthz" and scope["path"] not in PUBLIC_PATHS:
+        if self.token is not None and scope["path"] not in _OPEN_PATHS:
             auth = headers.get(b"authorization", b"")
             scheme, _, given = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
@@ -192,6 +194,11 @@ class Guard:
 
             return await self.app(scope, replay, send)
         return await self.app(scope, receive, send)
+
+
+# Paths that need no token: liveness, the page's data-free shell, and the discovery challenge
+# (answered only with an HMAC bound to this daemon's URL: ``server.discovery``).
+_OPEN_PATHS = frozenset({"/healthz", HELLO_PATH, *PUBLIC_PATHS})
 
 
 def _cross_site(headers: dict[bytes, bytes]) -> bool:
@@ -531,15 +538,56 @@ async def get_job(
 
 
 # Every group of routes the daemon serves, in this order.
-ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers)
+ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers, discovery)
 
 
 # ---------------------------------------------------------------------------------- app
 
 
+def _discovery(settings: Settings, roots: Roots, runner: Runner, tiers: Tiers, token: str | None):
+    """The ``--discover`` part of the memory tier (``server.discovery``), or None."""
+    if not settings.discover:
+        return None
+    finder = Discovery(
+        runner.store,
+        roots.uris,
+        settings.advertise or "",
+        token or "",
+        settings.discover_interval_s,
+        settings.discover_ttl_s,
+        min(settings.replica_timeout_s, 10.0),
+    )
+    finder.replicas = settings.replicas
+
+    def update(peers: list[str], targets: list[str]) -> None:
+        tiers.peers, tiers.targets = peers, targets
+
+    finder.on_refresh = update
+    tiers.discovery = finder
+    log.info("discovery: this daemon (%s) writes _daemons/%s.json under its roots", settings.advertise, finder.id)
+    return finder
+
+
+def _check_discovery(settings: Settings, token: str | None) -> None:
+    """ValueError (one line) for a ``--discover`` the other settings do not allow."""
+    if not settings.discover:
+        return
+    if settings.peers:
+        raise ValueError("--discover and --peers exclude each other: give the ring, or let the daemons find it")
+    if not settings.advertise:
+        raise ValueError("--discover needs --advertise URL: the address peers push replicas to")
+    if token is None:
+        raise ValueError("--discover needs --token-file: discovered peers must prove they hold the token")
+    if not settings.tiers:
+        raise ValueError("--discover has nothing to find peers for with --no-tiers")
+    if settings.discover_ttl_s <= settings.discover_interval_s:
+        raise ValueError("CKPTD_DISCOVER_TTL_S must be longer than CKPTD_DISCOVER_INTERVAL_S")
+
+
 def create_app(settings: Settings) -> FastAPI:
     roots = Roots(settings.roots)
     token = read_token(settings.token_file)
+    _check_discovery(settings, token)
     isolate = can_isolate() if settings.isolate_tenants is None else settings.isolate_tenants
     if settings.staging_dir:
         folder, why = Path(settings.staging_dir), "configured"
@@ -584,6 +632,7 @@ def create_app(settings: Settings) -> FastAPI:
         settings.tiers,
     )
     runner.tiers = tiers if settings.tiers else None
+    finder = _discovery(settings, roots, runner, tiers, token)
     for name, (text, fn) in tiers.gauges().items():
         metrics.gauge(name, text, fn)
     runner.recover()
@@ -596,7 +645,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app):
+        if finder is not None:
+            finder.start()
         yield
+        if finder is not None:
+            finder.close()
         runner.close()
         staging.close()
 

@@ -98,6 +98,11 @@ class Settings(BaseSettings):
     advertise: str | None = Field(None, description="this daemon's URL as the peers know it (--advertise)")
     replicas: int = Field(1, ge=0, description="peers each hot copy is pushed to (the next ones in the ring)")
     replica_timeout_s: float = Field(30.0, gt=0, description="a replica push's socket timeout")
+    discover: bool = Field(
+        False, description="find the peers through _daemons/ records under the served roots (--discover)"
+    )
+    discover_interval_s: float = Field(5.0, gt=0, description="how often this daemon renews its _daemons/ record")
+    discover_ttl_s: float = Field(30.0, gt=0, description="a _daemons/ record older than this is not in the ring")
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.
     fault_upload_delay_s: float = 0.0

@@ -13,7 +13,9 @@ Replication: each new hot copy is pushed to the ``replicas`` daemons that follow
 the daemon token: ``POST /v1/tiers/replicas`` (the objects, their sizes and whole-object
 crc32c), then the bytes in pieces, then ``seal``. The receiver holds a replica only once every
 object arrived whole and matches its crc32c; until then it serves nothing of it. It keeps one
-replica per (root, source daemon), the newest step.
+replica per (root, source daemon), the newest step. With ``--discover`` the ring is read from
+the job root at each push instead, and a discovered peer must pass a challenge on the push's
+connection before it sees the token (``server.discovery``; here ``targets_for`` and ``_dial``).
 
 Budget: every byte of a copy (hot, replica, or pending) is held through
 ``Staging.reserve``: a copy that does not fit is not kept (the step is then persist-only on
@@ -121,6 +123,8 @@ class Tiers:
         self.peers = [p.rstrip("/") for p in peers]
         self.me = me.rstrip("/") if me else None
         self.targets = replica_targets(self.peers, self.me, replicas)
+        self.replicas = replicas
+        self.discovery = None  # server.discovery.Discovery (--discover): the ring from the job root
         self.token = token
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -321,7 +325,7 @@ class Tiers:
                 group.bytes,
                 sorted(group.ranks),
             )
-            if self.targets:
+            if self.targets or self.discovery is not None:
                 threading.Thread(target=self._push_all, args=(group,), name="ckptd-tier-push", daemon=True).start()
 
     def failed(self, root: str, step: int, attempt: str) -> None:
@@ -335,8 +339,25 @@ class Tiers:
 
     # --------------------------------------------------------------------------- replicas
 
+    def targets_for(self, root: str) -> list[str]:
+        """The daemons a hot copy of ``root`` is pushed to: ``--peers``' ring, or the discovered one."""
+        if self.discovery is None:
+            return self.targets
+        return self.discovery.targets(root, self.replicas)
+
+    def _dial(self, peer: str) -> http.client.HTTPConnection:
+        """A connection to ``peer``; to a discovered one only after it passed the challenge on it."""
+        conn = _connect(peer, self.timeout_s)
+        if self.discovery is not None:
+            try:
+                self.discovery.challenge(conn, peer)
+            except BaseException:
+                conn.close()
+                raise
+        return conn
+
     def _push_all(self, group: Copy) -> None:
-        for peer in self.targets:
+        for peer in self.targets_for(group.root):
             try:
                 self._push(peer, group)
             except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
@@ -359,7 +380,7 @@ class Tiers:
             "ranks": sorted(group.ranks),
             "objects": [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()],
         }
-        conn = _connect(peer, self.timeout_s)
+        conn = self._dial(peer)
         try:
             reply = _request(conn, peer, "POST", "/v1/tiers/replicas", self.token, json.dumps(body).encode(), _JSON)
             rid = reply["replica"]
@@ -522,6 +543,7 @@ class Tiers:
             "hot": hot,
             "replicas": reps,
             "reserved_bytes": self.staging.reserved_bytes,
+            **({"discovery": self.discovery.describe()} if self.discovery is not None else {}),
         }
 
 
