@@ -27,7 +27,7 @@ Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3
 by default adaptive pacing (``s3_retry``): after a SlowDown (503, throttling) in a scope (the first
 folder below the root: one step's objects) every thread of the store sends fewer requests per
 second there, a token bucket whose rate halves on a throttle and grows back on successes.
-``CKPTD_S3_RETRY_MODE=standard`` turns pacing off; ``CKPTD_S3_MIN_RATE`` (requests/s, default 1)
+``CKPTD_S3_RETRY_MODE=standard`` turns pacing off; ``CKPTD_S3_MIN_RATE`` (requests/s, default 0.2)
 is the floor a scope's rate is never cut below.
 
 ``purge`` sends its DeleteObjects (1000 keys each) from ``CKPTD_S3_DELETE_WORKERS`` (default 4)
@@ -220,7 +220,7 @@ class S3Store(Store):
         honours If-None-Match (see the module's docstring).
 
         ``retry_mode``: ``"adaptive"`` (default; ``CKPTD_S3_RETRY_MODE``) paces the store after
-        throttling, at no less than ``min_rate`` requests/s per scope (``CKPTD_S3_MIN_RATE``, 1);
+        throttling, at no less than ``min_rate`` requests/s per scope (``CKPTD_S3_MIN_RATE``, 0.2);
         ``"standard"`` only retries. ``delete_workers``: DeleteObjects in flight at once in
         ``purge`` (``CKPTD_S3_DELETE_WORKERS``, 4)."""
         if max_attempts is None:
