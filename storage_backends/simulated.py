@@ -425,8 +425,10 @@ class SimulatedStore(Store):
         prefix_of: Callable[[str], str] = folder_of,
         inner: MemoryStore | None = None,
         head_after_412: bool = False,
+        delete_workers: int = 4,
     ) -> None:
         self.clock = clock
+        self.delete_workers = max(1, delete_workers)
         self.head_after_412 = head_after_412
         self.latency, self.sigma, self.bandwidth = latency, sigma, bandwidth
         self.page_size = page_size
@@ -663,11 +665,39 @@ class SimulatedStore(Store):
         return n
 
     def purge(self, prefix: str) -> tuple[int, int]:
-        """As S3Store: LIST every page first, then one DeleteObjects of up to 1000 keys each."""
+        """As S3Store: LIST every page first, then one DeleteObjects of up to 1000 keys each,
+        ``delete_workers`` in flight at once (simulated threads, under a clock)."""
         check_prefix(prefix)
         infos = [i for page in self._pages(prefix) for i in page]
-        for i in range(0, len(infos), 1000):
-            batch = [x.key for x in infos[i : i + 1000]]
+        batches = [[x.key for x in infos[i : i + 1000]] for i in range(0, len(infos), 1000)]
+        clock = self.clock
+        if clock is None or not clock.in_simulation() or self.delete_workers == 1 or len(batches) < 2:
+            for batch in batches:
+                self._delete_batch(batch)
+        else:
+            todo, errors = list(reversed(batches)), []
+            done, running = VirtualEvent(clock), [min(self.delete_workers, len(batches))]
+
+            def worker() -> None:
+                try:
+                    while todo and not errors:
+                        self._delete_batch(todo.pop())
+                except BaseException as e:  # handed to the purging thread
+                    errors.append(e)
+                finally:
+                    running[0] -= 1
+                    if running[0] == 0:
+                        done.set()
+
+            for _ in range(running[0]):
+                clock.spawn(worker, name="sim-delete")
+            clock.wait(done)
+            if errors:
+                raise errors[0]
+        return len(infos), sum(x.size for x in infos)
+
+    def _delete_batch(self, batch: list[str]) -> None:
+        if batch:
 
             def apply(batch=batch) -> None:
                 with self._lock:
@@ -681,7 +711,6 @@ class SimulatedStore(Store):
                     self._keys[i:j] = [k for k in self._keys[i:j] if k not in gone]
 
             self._request("DELETE", batch[0], apply)
-        return len(infos), sum(x.size for x in infos)
 
     def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
         """One ListMultipartUploads (counted as a LIST) that finds none: the simulation never
