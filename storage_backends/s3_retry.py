@@ -21,9 +21,9 @@ does per client, the store paces itself:
   it sees only botocore's own tries, not our ``Caller``'s around them; and it cannot run on
   the simulator's virtual clock, where the same rule must be measured at 8192 ranks. The rule
   here is botocore's in spirit (its ``BETA`` is 0.7 too) with an additive, not CUBIC, regrowth.
-- One cut per round trip: a throttle answering a request sent before the last cut says
-  nothing about the new rate and is ignored, so 16 threads throttled by one burst cut the
-  rate once, not 16 times (that would collapse it to ``min_rate``).
+- One cut per round trip: a throttle answering a request sent at or before the last cut says
+  nothing about the new rate and is ignored, so 16 threads throttled by one burst cut the rate
+  once, not 16 times (that would collapse it to ``min_rate``).
 
 Bounded: a throttled request still counts as a try of botocore's and of our ``Caller``'s, so a
 call fails with one StorageError after ``max_attempts x (retries + 1)`` tries; the wait for a
@@ -60,6 +60,7 @@ STEP = 0.5  # per second at full use, the rate grows by this share of the rate i
 RELEASE = 2.0  # the limit is lifted once the rate is back at this multiple of the cut rate
 DEFAULT_MIN_RATE = 0.2  # requests/s per scope, the floor of a cut: 8192 ranks x 0.2 < 3500 PUT/s
 WINDOW = 1.0  # seconds over which the send rate is measured
+MAX_SCOPES = 256  # buckets kept before the unlimited, idle ones are forgotten
 
 
 def scope_of(key: str) -> str:
@@ -111,7 +112,13 @@ class AdaptiveLimiter:
         Returns the send time, to hand back to :meth:`record`."""
         with self._lock:
             now = self._clock()
-            b = self._buckets.setdefault(scope, _Bucket(refilled=now))
+            b = self._buckets.get(scope)
+            if b is None:
+                if len(self._buckets) >= MAX_SCOPES:  # a long job sees a scope per step: forget idle ones
+                    idle = [k for k, x in self._buckets.items() if x.rate is None and x.sent[-1] < now - WINDOW]
+                    for k in idle:
+                        del self._buckets[k]
+                b = self._buckets[scope] = _Bucket(refilled=now)
             wait = 0.0
             if b.rate is not None:
                 b.tokens = min(max(1.0, b.rate / 4), b.tokens + (now - b.refilled) * b.rate)
@@ -138,7 +145,7 @@ class AdaptiveLimiter:
                 return
             if throttled:
                 self.throttles += 1
-                if sent < b.last_cut:
+                if sent <= b.last_cut:
                     return  # sent at the old rate: already accounted for by the last cut
                 measured = len(b.sent) / WINDOW
                 base = measured if b.rate is None else min(b.rate, measured)

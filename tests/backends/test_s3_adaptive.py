@@ -15,6 +15,7 @@ from ckptd import catalog
 from storage_backends import StorageError
 from storage_backends.faults import FaultPlan, FaultProxy, Rule
 from storage_backends.s3 import S3Store
+from storage_backends.s3_retry import BETA, AdaptiveLimiter
 from tests.faults.workers import campaign_state
 from tests.server.daemon import wait_for
 from trainer_hooks import Checkpointer
@@ -144,3 +145,33 @@ def test_purge_sends_its_batches_in_parallel(s3_server, s3_bucket):
         assert proxy.counters["op:DeleteObjects"] == 4
     with _open(s3_bucket) as store:
         assert list(store.list("step_1/")) == []
+
+
+def test_the_limiter_rule_on_a_manual_clock():
+    """The rule itself, on a clock the test moves: no limit before a throttle; one cut per round
+    trip (throttles of requests sent before the cut are ignored); the floor; the additive
+    regrowth, then the limit lifted."""
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    lim = AdaptiveLimiter(min_rate=0.2, clock=lambda: now[0], sleep=sleep)
+    sent = [lim.acquire("step_1") for _ in range(10)]  # 10 requests in the same instant
+    assert slept == [] and lim.rate("step_1") is None
+    for t in sent:  # all 10 throttled: one cut, to BETA x the 10/s sent
+        lim.record("step_1", t, throttled=True)
+    assert lim.cuts == 1 and lim.rate("step_1") == pytest.approx(BETA * 10)
+    assert lim.rate("other") is None
+    t = lim.acquire("step_1")
+    assert slept and slept[-1] == pytest.approx(1 / (BETA * 10))  # the next one waits for a token
+    lim.record("step_1", t, throttled=True)  # sent after the cut: cuts again
+    assert lim.cuts == 2
+    for _ in range(30):  # a throttle per round trip drives the rate to the floor, not below
+        lim.record("step_1", lim.acquire("step_1"), throttled=True)
+    assert lim.rate("step_1") == pytest.approx(0.2)
+    while lim.rate("step_1") is not None:  # successes grow it back; at twice the cut it is lifted
+        lim.record("step_1", lim.acquire("step_1"), throttled=False)
+    assert lim.acquire("step_1") == now[0]  # no wait once lifted
