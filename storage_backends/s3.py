@@ -26,7 +26,7 @@ that carry a checksum.
 Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``), and
 by default adaptive pacing (``s3_retry``): after a SlowDown (503, throttling) in a scope (the first
 folder below the root: one step's objects) every thread of the store sends fewer requests per
-second there, a token bucket whose rate halves on a throttle and grows back on successes.
+second there, a token bucket whose rate drops to 0.7x on a throttle and grows back on successes.
 ``CKPTD_S3_RETRY_MODE=standard`` turns pacing off; ``CKPTD_S3_MIN_RATE`` (requests/s, default 0.2)
 is the floor a scope's rate is never cut below.
 
