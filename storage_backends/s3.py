@@ -473,26 +473,32 @@ class S3Store(Store):
         resp = self._head(key)
         return ObjectInfo(key, resp["ContentLength"], resp["LastModified"].timestamp())
 
-    def _pages(self, key_prefix: str, **kwargs: Any) -> Iterator[dict]:
-        token = None
+    def _paged(
+        self, op: str, fn: Callable[..., dict], key_prefix: str, after: Callable[[dict], dict | None], **kwargs: Any
+    ) -> Iterator[dict]:
+        """Every page of the listing ``op`` of keys starting with ``key_prefix`` (relative);
+        ``after(page)`` gives the markers of the page after ``page``, None after the last one. A
+        missing root is an empty store."""
+        markers: dict = {}
         while True:
-            extra = {"ContinuationToken": token} if token else {}
             try:
                 page = self._call(
-                    "ListObjectsV2",
-                    key_prefix,
-                    self._client.list_objects_v2,
-                    Bucket=self.bucket,
-                    Prefix=self._prefix + key_prefix,
-                    **kwargs,
-                    **extra,
+                    op, key_prefix, fn, Bucket=self.bucket, Prefix=self._prefix + key_prefix, **kwargs, **markers
                 )
             except NoSuchBucket:
-                return  # a missing root is an empty store
-            yield page
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
                 return
+            yield page
+            nxt = after(page)
+            if nxt is None:
+                return
+            markers = nxt
+
+    def _pages(self, key_prefix: str, **kwargs: Any) -> Iterator[dict]:
+        def after(page: dict) -> dict | None:
+            token = page.get("NextContinuationToken")
+            return {"ContinuationToken": token} if page.get("IsTruncated") and token else None
+
+        return self._paged("ListObjectsV2", self._client.list_objects_v2, key_prefix, after, **kwargs)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         check_prefix(prefix)
@@ -816,23 +822,14 @@ class S3Store(Store):
 
     def _uploads(self, key_prefix: str) -> Iterator[dict]:
         """Incomplete multipart uploads whose key starts with ``key_prefix`` (relative)."""
-        markers: dict[str, str] = {}
-        while True:
-            try:
-                page = self._call(
-                    "ListMultipartUploads",
-                    key_prefix,
-                    self._client.list_multipart_uploads,
-                    Bucket=self.bucket,
-                    Prefix=self._prefix + key_prefix,
-                    **markers,
-                )
-            except NoSuchBucket:
-                return
-            yield from page.get("Uploads", [])
+
+        def after(page: dict) -> dict | None:
             if not page.get("IsTruncated"):
-                return
-            markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+                return None
+            return {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+        for page in self._paged("ListMultipartUploads", self._client.list_multipart_uploads, key_prefix, after):
+            yield from page.get("Uploads", [])
 
     def _abort(self, full_key: str, upload_id: str) -> bool:
         try:
