@@ -67,7 +67,7 @@ def test_the_rate_is_shared_by_the_store_threads(s3_server, s3_bucket):
     so the store sends fewer requests per second: its throttled sleeps are counted per thread."""
     bucket, prefix = _split(s3_bucket)
     plan = FaultPlan(rules=[Rule(_is_step_put, "503", times=8)])
-    with FaultProxy(s3_server, plan) as proxy, S3Store(bucket, prefix, endpoint_url=proxy.url, min_rate=8) as store:
+    with FaultProxy(s3_server, plan) as proxy, S3Store(bucket, prefix, endpoint_url=proxy.url, min_rate=1) as store:
         with ThreadPoolExecutor(8, thread_name_prefix="writer") as pool:
             list(pool.map(lambda i: store.put(f"step_1/k{i:03d}", b"x"), range(40)))
         assert sorted(i.key for i in store.list("step_1/")) == [f"step_1/k{i:03d}" for i in range(40)]
