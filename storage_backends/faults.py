@@ -19,12 +19,16 @@ client goes through it; per request it forwards, or injects one fault:
 ``late``    holds the request until ``release_late()``, then forwards it and answers: a slow
             writer's write (a GC pause, a partition, a throttled link) that lands long after it
             was sent, whatever happened to the key meanwhile
+``keyerrors`` a DeleteObjects: forwards it without every other key, and answers the upstream
+            result plus a per-key ``InternalError`` for each key left out (S3's partial failure:
+            HTTP 200, those keys not deleted)
 ==========  ===========================================================================
 
 Which requests: ``rules`` first (each a predicate on the ``Request``, a fault and how many times,
 consumed in order: "lose the response of the first CreateMultipartUpload"), then a seeded random
 ``rate`` of the requests with faults drawn from ``kinds``. ``counters`` counts requests per S3
-operation and faults per kind. ``stall_all()`` makes every later request stall (the endpoint
+operation and faults per kind; ``peak`` the most requests of each operation in flight at once
+(being answered or held) over the proxy's life. ``stall_all()`` makes every later request stall (the endpoint
 stops answering) until ``resume()``.
 
 ``FailingStore`` wraps any ``Store`` and raises ``EIO`` (as ``StorageError`` wrapping an
@@ -41,6 +45,7 @@ import errno
 import http.client
 import os
 import random
+import re
 import socket
 import subprocess
 import threading
@@ -130,6 +135,8 @@ class FaultProxy:
         self._rng = random.Random(self.plan.seed)
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        self.peak: Counter[str] = Counter()
+        self._inflight: Counter[str] = Counter()
         self._stalled = threading.Event()
         self._late = threading.Event()
         self._stop = threading.Event()
@@ -239,6 +246,16 @@ class FaultProxy:
 
     def _handle(self, conn: socket.socket, req: Request, raw: bytes) -> bool:
         """Serve one request; False when the connection must close."""
+        with self._lock:
+            self._inflight[req.op] += 1
+            self.peak[req.op] = max(self.peak[req.op], self._inflight[req.op])
+        try:
+            return self._handle_one(conn, req, raw)
+        finally:
+            with self._lock:
+                self._inflight[req.op] -= 1
+
+    def _handle_one(self, conn: socket.socket, req: Request, raw: bytes) -> bool:
         kind = self._choose(req)
         plan = self.plan
         if kind in _ERROR_BODY:
@@ -265,7 +282,11 @@ class FaultProxy:
                 if self._stop.is_set():
                     _reset(conn)
                     return False
-        response = self._forward(req, raw)
+        if kind == "keyerrors" and req.op == "DeleteObjects":
+            raw, failed = _leave_out_keys(raw)
+            response = _with_key_errors(self._forward(req, raw), failed)
+        else:
+            response = self._forward(req, raw)
         if kind == "lost":
             _reset(conn)
             return False
@@ -295,6 +316,43 @@ class FaultProxy:
             return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         finally:
             up.close()
+
+
+_KEY = re.compile(rb"<Object>\s*<Key>(.*?)</Key>.*?</Object>", re.DOTALL)
+_DROPPED_HEADERS = (b"content-length:", b"content-md5:", b"x-amz-checksum-", b"x-amz-sdk-checksum-algorithm:")
+
+
+def _leave_out_keys(raw: bytes) -> tuple[bytes, list[bytes]]:
+    """A DeleteObjects request without every other key (the 2nd, 4th, ...), its length and
+    checksum headers adjusted (moto checks neither signature nor payload hash); and those keys."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    objects = list(_KEY.finditer(body))
+    failed = [m.group(1) for m in objects[1::2]]
+    kept = b"".join(m.group(0) for m in objects[0::2])
+    body = re.sub(rb"<Object>.*</Object>", lambda _: kept, body, count=1, flags=re.DOTALL)
+    lines = [h for h in head.split(b"\r\n") if not h.lower().startswith(_DROPPED_HEADERS)]
+    lines.append(b"Content-Length: %d" % len(body))
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body, failed
+
+
+def _with_key_errors(response: bytes, keys: list[bytes]) -> bytes:
+    head, _, body = response.partition(b"\r\n\r\n")
+    errors = b"".join(
+        b"<Error><Key>%s</Key><Code>InternalError</Code><Message>We encountered an internal error. "
+        b"Please try again.</Message></Error>" % k
+        for k in keys
+    )
+    if b"</DeleteResult>" in body:
+        body = body.replace(b"</DeleteResult>", errors + b"</DeleteResult>", 1)
+    else:  # an empty quiet result: <DeleteResult/>
+        body = re.sub(
+            rb"<DeleteResult([^>]*)/>",
+            lambda m: b"<DeleteResult" + m.group(1) + b">" + errors + b"</DeleteResult>",
+            body,
+        )
+    lines = [h for h in head.split(b"\r\n") if not h.lower().startswith(b"content-length:")]
+    lines.append(b"Content-Length: %d" % len(body))
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
 def _reset(conn: socket.socket) -> None:

@@ -129,6 +129,24 @@ class LinkRefused(StorageError):
 
 
 _DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_child(fd: int, name: str, create: bool) -> tuple[int, bool]:
+    """The folder ``name`` in the folder ``fd``, opened ``O_NOFOLLOW``; if missing and
+    ``create``, made first. Returns (its descriptor, whether it was missing): the caller makes a
+    missing one's name durable (fsync of ``fd``), also when another thread made it meanwhile (it
+    may not have fsynced the parent yet, and our put must not return before the name is durable).
+    Raises OSError: ENOENT when missing and not ``create``, ELOOP/ENOTDIR for a link or a file."""
+    try:
+        return os.open(name, _DIR_OPEN, dir_fd=fd), False
+    except FileNotFoundError:
+        if not create:
+            raise
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o777, dir_fd=fd)
+    return os.open(name, _DIR_OPEN, dir_fd=fd), True
+
+
 # O_NONBLOCK: opening a FIFO planted in a root returns at once (and fstat refuses it) instead of
 # blocking until a writer appears.
 _FILE_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -199,16 +217,8 @@ class LocalStore(Store):
         try:
             for name in parts:
                 path = f"{path}/{name}"
-                try:
-                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    with contextlib.suppress(FileExistsError):
-                        # Another thread may have made it and not yet fsynced the parent: we
-                        # fsync it too, so our put never returns before the name is durable.
-                        os.mkdir(name, 0o777, dir_fd=fd)
-                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
+                child, missing = _open_child(fd, name, create)
+                if missing:
                     if durable:
                         os.fsync(fd)
                     else:
@@ -240,14 +250,8 @@ class LocalStore(Store):
             fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for name in self._below_parts:
-                try:
-                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(name, 0o777, dir_fd=fd)
-                    child = os.open(name, _DIR_OPEN, dir_fd=fd)
+                child, missing = _open_child(fd, name, create)
+                if missing:
                     os.fsync(fd)
                 os.close(fd)
                 fd = child

@@ -23,7 +23,15 @@ checks it (it stores a body corrupted in flight), so there every body stays sign
 corrupted one is refused (XAmzContentSHA256Mismatch). Over https botocore never signs payloads
 that carry a checksum.
 
-Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``).
+Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``), and
+by default adaptive pacing (``s3_retry``): after a SlowDown (503, throttling) in a scope (the first
+folder below the root: one step's objects) every thread of the store sends fewer requests per
+second there, a token bucket whose rate drops to 0.7x on a throttle and grows back on successes.
+``CKPTD_S3_RETRY_MODE=standard`` turns pacing off; ``CKPTD_S3_MIN_RATE`` (requests/s, default 0.2)
+is the floor a scope's rate is never cut below.
+
+``purge`` sends its DeleteObjects (1000 keys each) from ``CKPTD_S3_DELETE_WORKERS`` (default 4)
+threads at once, retries the keys a batch reports as failed, and fails naming the rest.
 
 ``put_if_absent`` needs conditional writes: ``If-None-Match: *`` on PutObject, which AWS S3
 (since 2024-08), MinIO, Ceph RGW (16.2 Pacific, tested for real) and moto honour with 412
@@ -45,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import random
 import re
 import secrets
 import threading
@@ -56,6 +65,7 @@ from typing import Any, TypeVar
 from botocore.config import Config
 
 from storage_backends._s3_calls import (
+    RETRY_CODES,
     Caller,
     InvalidRange,
     NoSuchBucket,
@@ -81,12 +91,23 @@ from storage_backends.base import (
     check_prefix,
     resolve_range,
 )
+from storage_backends.s3_retry import DEFAULT_MIN_RATE, AdaptiveLimiter, Pacer
 
-__all__ = ["DEFAULT_PART_SIZE", "DEFAULT_WORKERS", "MAX_PARTS", "MAX_PUT_SIZE", "MIN_PART_SIZE", "S3Store"]
+__all__ = [
+    "DEFAULT_DELETE_WORKERS",
+    "DEFAULT_PART_SIZE",
+    "DEFAULT_WORKERS",
+    "MAX_PARTS",
+    "MAX_PUT_SIZE",
+    "MIN_PART_SIZE",
+    "S3Store",
+]
 
 MiB = 1 << 20
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_WORKERS = 16
+DEFAULT_DELETE_WORKERS = 4  # DeleteObjects in flight at once in ``purge``
+DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum parts per upload
 MAX_PUT_SIZE = 5 << 30  # S3's maximum for one PutObject
@@ -180,6 +201,9 @@ class S3Store(Store):
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
         max_put_size: int = MAX_PUT_SIZE,
+        retry_mode: str | None = None,
+        min_rate: float | None = None,
+        delete_workers: int | None = None,
     ) -> None:
         """``max_attempts`` is botocore's per-call attempts; ``retries`` our extra tries around
         those, sleeping up to ``backoff * 2**n`` seconds (full jitter, capped at 10 s).
@@ -193,7 +217,12 @@ class S3Store(Store):
 
         ``max_put_size``: the largest object ``put_if_absent`` sends as one conditional PutObject
         (the server's single-PUT limit); larger ones need a server whose CompleteMultipartUpload
-        honours If-None-Match (see the module's docstring)."""
+        honours If-None-Match (see the module's docstring).
+
+        ``retry_mode``: ``"adaptive"`` (default; ``CKPTD_S3_RETRY_MODE``) paces the store after
+        throttling, at no less than ``min_rate`` requests/s per scope (``CKPTD_S3_MIN_RATE``, 0.2);
+        ``"standard"`` only retries. ``delete_workers``: DeleteObjects in flight at once in
+        ``purge`` (``CKPTD_S3_DELETE_WORKERS``, 4)."""
         if max_attempts is None:
             max_attempts = int(env_number("CKPTD_S3_MAX_ATTEMPTS", 8))
         if retries is None:
@@ -202,6 +231,15 @@ class S3Store(Store):
             connect_timeout = env_number("CKPTD_S3_CONNECT_TIMEOUT", 10.0)
         if read_timeout is None:
             read_timeout = env_number("CKPTD_S3_READ_TIMEOUT", 60.0)
+        if retry_mode is None:
+            retry_mode = os.environ.get("CKPTD_S3_RETRY_MODE", "").strip() or "adaptive"
+        if retry_mode not in ("adaptive", "standard"):
+            raise ValueError(f"S3 retry mode {retry_mode!r}: expected 'adaptive' or 'standard'")
+        if min_rate is None:
+            min_rate = env_number("CKPTD_S3_MIN_RATE", DEFAULT_MIN_RATE)
+        if delete_workers is None:
+            delete_workers = int(env_number("CKPTD_S3_DELETE_WORKERS", DEFAULT_DELETE_WORKERS))
+        self.delete_workers = max(1, delete_workers)
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
         prefix = prefix.strip("/")
@@ -243,6 +281,13 @@ class S3Store(Store):
         self._client = new_client(region or os.environ.get("AWS_REGION") or None, endpoint_url, config)
         self.endpoint_url: str = self._client.meta.endpoint_url
         self._caller = Caller(bucket, self.endpoint_url, retries + 1, backoff)
+        # One limiter for the whole store: every thread's requests (botocore's retries too) pass it.
+        self.limiter: AdaptiveLimiter | None = None
+        self._pacer: Pacer | None = None
+        if retry_mode == "adaptive":
+            self.limiter = AdaptiveLimiter(min_rate)
+            self._pacer = Pacer(self.limiter)
+            self._pacer.attach(self._client.meta.events)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3")
         self.max_put_size = max_put_size
         self._checksums_checked = False  # the server showed it checks our CRC32s
@@ -259,7 +304,11 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self._prefix}{key}"
 
     def _call(self, op: str, key: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
-        return self._caller(op, self._where(key) if key else self.uri, fn, **kwargs)
+        where = self._where(key) if key else self.uri
+        if self._pacer is None:
+            return self._caller(op, where, fn, **kwargs)
+        with self._pacer.scoped(key):
+            return self._caller(op, where, fn, **kwargs)
 
     def _submit_all(self, fns: Sequence[Callable[[], T]]) -> list[T]:
         """Run ``fns`` on the pool (the last one in this thread) and return their results; on the
@@ -424,26 +473,32 @@ class S3Store(Store):
         resp = self._head(key)
         return ObjectInfo(key, resp["ContentLength"], resp["LastModified"].timestamp())
 
-    def _pages(self, key_prefix: str, **kwargs: Any) -> Iterator[dict]:
-        token = None
+    def _paged(
+        self, op: str, fn: Callable[..., dict], key_prefix: str, after: Callable[[dict], dict | None], **kwargs: Any
+    ) -> Iterator[dict]:
+        """Every page of the listing ``op`` of keys starting with ``key_prefix`` (relative);
+        ``after(page)`` gives the markers of the page after ``page``, None after the last one. A
+        missing root is an empty store."""
+        markers: dict = {}
         while True:
-            extra = {"ContinuationToken": token} if token else {}
             try:
                 page = self._call(
-                    "ListObjectsV2",
-                    key_prefix,
-                    self._client.list_objects_v2,
-                    Bucket=self.bucket,
-                    Prefix=self._prefix + key_prefix,
-                    **kwargs,
-                    **extra,
+                    op, key_prefix, fn, Bucket=self.bucket, Prefix=self._prefix + key_prefix, **kwargs, **markers
                 )
             except NoSuchBucket:
-                return  # a missing root is an empty store
-            yield page
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
                 return
+            yield page
+            nxt = after(page)
+            if nxt is None:
+                return
+            markers = nxt
+
+    def _pages(self, key_prefix: str, **kwargs: Any) -> Iterator[dict]:
+        def after(page: dict) -> dict | None:
+            token = page.get("NextContinuationToken")
+            return {"ContinuationToken": token} if page.get("IsTruncated") and token else None
+
+        return self._paged("ListObjectsV2", self._client.list_objects_v2, key_prefix, after, **kwargs)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         check_prefix(prefix)
@@ -767,23 +822,14 @@ class S3Store(Store):
 
     def _uploads(self, key_prefix: str) -> Iterator[dict]:
         """Incomplete multipart uploads whose key starts with ``key_prefix`` (relative)."""
-        markers: dict[str, str] = {}
-        while True:
-            try:
-                page = self._call(
-                    "ListMultipartUploads",
-                    key_prefix,
-                    self._client.list_multipart_uploads,
-                    Bucket=self.bucket,
-                    Prefix=self._prefix + key_prefix,
-                    **markers,
-                )
-            except NoSuchBucket:
-                return
-            yield from page.get("Uploads", [])
+
+        def after(page: dict) -> dict | None:
             if not page.get("IsTruncated"):
-                return
-            markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+                return None
+            return {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+        for page in self._paged("ListMultipartUploads", self._client.list_multipart_uploads, key_prefix, after):
+            yield from page.get("Uploads", [])
 
     def _abort(self, full_key: str, upload_id: str) -> bool:
         try:
@@ -846,28 +892,58 @@ class S3Store(Store):
 
     def purge(self, prefix: str) -> tuple[int, int]:
         """Objects under ``prefix`` (S3 has no temp files or folders to leave behind; the
-        incomplete multipart uploads of killed writers are ``abort_uploads``'s)."""
+        incomplete multipart uploads of killed writers are ``abort_uploads``'s).
+
+        The listing is paged (1000 keys a page); the keys then go in DeleteObjects of at most
+        1000 keys, ``delete_workers`` of them in flight at once (a 4096-rank checkpoint of 1000
+        arrays is 4096 batches: sequential, that is minutes of round trips). Keys a batch
+        reports as failed with a transient code (InternalError, SlowDown, ...) are sent again,
+        up to the store's tries; any other code, or keys still failing after them, fail the
+        purge with one StorageError naming a key and how many are left (after every batch has
+        been tried: the rest are deleted)."""
         check_prefix(prefix)
         infos = list(self._list(prefix))
         keys = [info.key for info in infos]
-        sizes = {info.key: info.size for info in infos}
-        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = keys[i : i + 1000]
+        batches = [keys[i : i + DELETE_BATCH] for i in range(0, len(keys), DELETE_BATCH)]
+        workers = min(self.delete_workers, len(batches))
+        if workers <= 1:
+            for batch in batches:
+                self._delete_batch(prefix, batch)
+        else:
+            # A pool of its own: purge may run on the store's pool, which must never wait on itself.
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3-delete") as pool:
+                futures = [pool.submit(self._delete_batch, prefix, batch) for batch in batches]
+                errors = [e for e in (f.exception() for f in futures) if e is not None]
+            if errors:
+                raise errors[0]
+        return len(keys), sum(info.size for info in infos)
+
+    def _delete_batch(self, prefix: str, batch: list[str]) -> None:
+        """One DeleteObjects of ``batch`` (relative keys), then again for the keys it reported
+        as failed with a transient code, with the Caller's tries and backoff."""
+        left = batch
+        for attempt in range(1, self._caller.attempts + 1):
             resp = self._call(
                 "DeleteObjects",
                 prefix,
                 self._client.delete_objects,
                 Bucket=self.bucket,
-                Delete={"Objects": [{"Key": self._prefix + k} for k in batch], "Quiet": True},
+                Delete={"Objects": [{"Key": self._prefix + k} for k in left], "Quiet": True},
             )
             errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-            if errors:
-                e = errors[0]
+            if not errors:
+                return
+            final = [e for e in errors if e.get("Code") not in RETRY_CODES]
+            if final or attempt == self._caller.attempts:
+                e = (final or errors)[0]
+                after = f" after {attempt} attempts" if attempt > 1 else ""
                 raise StorageError(
                     f"s3://{self.bucket}/{e.get('Key')}: DeleteObjects failed: {e.get('Code')}: "
-                    f"{e.get('Message')} ({len(errors)} of {len(batch)} keys failed)"
+                    f"{e.get('Message')} ({len(errors)} of {len(batch)} keys not deleted{after})"
                 )
-        return len(keys), sum(sizes.values())
+            n = len(self._prefix)
+            left = [str(e.get("Key", ""))[n:] for e in errors]
+            time.sleep(random.uniform(0, min(10.0, self._caller.backoff * 2 ** (attempt - 1))))
 
     def close(self) -> None:
         with self._close_lock:

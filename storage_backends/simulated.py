@@ -67,6 +67,7 @@ from storage_backends.base import (
     resolve_range,
 )
 from storage_backends.memory import MemoryStore
+from storage_backends.s3_retry import BETA, DEFAULT_MIN_RATE, RELEASE, STEP
 
 GET_CLASS = "GET"  # GET, HEAD, LIST
 PUT_CLASS = "PUT"  # PUT, COPY, DELETE
@@ -293,8 +294,9 @@ class PartitionModel:
     :meth:`drain` plays ``clients`` writers through it, each with ``count`` PUTs offered evenly
     over its ``seconds`` from ``start``; refused PUTs retry as botocore's standard mode does
     (full-jitter backoff ``min(cap, base * 2**k)``, at most ``attempts`` tries, the mean delay
-    of each retry), or, with ``paced``, each client holds its PUTs to its share of the capacity
-    it last saw (botocore's "adaptive" mode: a client-side token bucket), so none is refused."""
+    of each retry), or, with ``paced``, each client also paces its PUTs as ``S3Store``'s
+    adaptive mode does (the rule of ``storage_backends.s3_retry``: halve on a SlowDown, grow
+    back additively)."""
 
     put_rate: float = 3500.0
     get_rate: float = 5500.0
@@ -305,11 +307,19 @@ class PartitionModel:
     base: float = 1.0
     cap: float = 20.0
     attempts: int = 40  # S3Store: botocore's 8 tries x (4 + 1) of its own Caller
+    min_rate: float = DEFAULT_MIN_RATE  # paced: each client's floor, PUT/s (S3Store's min_rate)
 
     def drain(self, offers: list[tuple[float, float, int]], paced: bool = False, dt: float = 0.05) -> dict:
         """``offers``: (start s, seconds, PUTs) per client. Returns the time the last PUT was
         accepted, the SlowDowns (refused tries), the PUTs that exhausted their tries (each
-        fails its rank's save), and the splits with their times."""
+        fails its rank's save), and the splits with their times.
+
+        ``paced`` is ``S3Store``'s adaptive mode (``storage_backends.s3_retry``), the same rule
+        as a fluid: the clients send what they have until a try is refused, then the range's
+        senders cut their rates to ``BETA`` of what they sent (once per tick: the rule's one
+        cut per round trip), never below ``min_rate`` each, and grow back by ``STEP`` x the cut
+        rate per second, lifting the limit at ``RELEASE`` x; refused tries still retry with
+        backoff, paced too."""
         parts, hot_since, t = self.partitions, None, 0.0
         total = sum(c for _, _, c in offers)
         accepted = slowdowns = failed = 0.0
@@ -317,6 +327,9 @@ class PartitionModel:
             lambda: collections.defaultdict(float)
         )  # tick -> try -> PUTs
         backlog = 0.0  # paced: offered but held by the clients' token buckets
+        limit: float | None = None  # paced: the senders' summed rate, PUT/s (None: not limited)
+        cut = 0.0
+        floor = len(offers) * self.min_rate
         splits: list[float] = []
         tick = 0
         last = 0.0
@@ -330,29 +343,40 @@ class PartitionModel:
         while accepted + failed < total - 1e-6:
             new = arrivals[tick] if tick < len(arrivals) else 0.0
             capacity = parts * self.put_rate * dt
+            by_att = retry_att.pop(tick, {})
             if paced:
                 backlog += new
-                took = min(backlog, capacity)
-                backlog -= took
-                accepted += took
-                load = took
-            else:
-                by_att = retry_att.pop(tick, {})
-                offered = new + sum(by_att.values())
-                took = min(offered, capacity)
-                accepted += took
-                load = took
-                refused = offered - took
-                slowdowns += refused
-                if refused > 0:
-                    share = refused / offered
-                    for att, n in [(1, new), *by_att.items()]:
-                        back = n * share
-                        if att + 1 > self.attempts:
-                            failed += back
-                            continue
-                        delay = min(self.cap, self.base * 2 ** (att - 1)) / 2
-                        retry_att[tick + max(1, round(delay / dt))][att + 1] += back
+                allowed = math.inf if limit is None else limit * dt
+                due = sum(by_att.values())
+                if due > allowed:  # retries the bucket holds back wait a tick, keeping their try
+                    keep = allowed / due
+                    for att, n in by_att.items():
+                        retry_att[tick + 1][att] += n * (1 - keep)
+                    by_att = {att: n * keep for att, n in by_att.items()}
+                    due = allowed
+                new = min(backlog, allowed - due)
+                backlog -= new
+            offered = new + sum(by_att.values())
+            took = min(offered, capacity)
+            accepted += took
+            load = took
+            refused = offered - took
+            slowdowns += refused
+            if refused > 0:
+                share = refused / offered
+                for att, n in [(1, new), *by_att.items()]:
+                    back = n * share
+                    if att + 1 > self.attempts:
+                        failed += back
+                        continue
+                    delay = min(self.cap, self.base * 2 ** (att - 1)) / 2
+                    retry_att[tick + max(1, round(delay / dt))][att + 1] += back
+                if paced:
+                    limit = cut = max(floor, BETA * offered / dt)
+            elif paced and limit is not None:
+                limit += took * STEP * cut / limit  # each success adds STEP * cut / rate, as there
+                if limit >= RELEASE * cut:
+                    limit = None
             if took > 0:
                 last = t + dt
             if load >= self.busy * capacity and parts < self.max_partitions:
@@ -401,8 +425,10 @@ class SimulatedStore(Store):
         prefix_of: Callable[[str], str] = folder_of,
         inner: MemoryStore | None = None,
         head_after_412: bool = False,
+        delete_workers: int = 4,
     ) -> None:
         self.clock = clock
+        self.delete_workers = max(1, delete_workers)
         self.head_after_412 = head_after_412
         self.latency, self.sigma, self.bandwidth = latency, sigma, bandwidth
         self.page_size = page_size
@@ -639,11 +665,39 @@ class SimulatedStore(Store):
         return n
 
     def purge(self, prefix: str) -> tuple[int, int]:
-        """As S3Store: LIST every page first, then one DeleteObjects of up to 1000 keys each."""
+        """As S3Store: LIST every page first, then one DeleteObjects of up to 1000 keys each,
+        ``delete_workers`` in flight at once (simulated threads, under a clock)."""
         check_prefix(prefix)
         infos = [i for page in self._pages(prefix) for i in page]
-        for i in range(0, len(infos), 1000):
-            batch = [x.key for x in infos[i : i + 1000]]
+        batches = [[x.key for x in infos[i : i + 1000]] for i in range(0, len(infos), 1000)]
+        clock = self.clock
+        if clock is None or not clock.in_simulation() or self.delete_workers == 1 or len(batches) < 2:
+            for batch in batches:
+                self._delete_batch(batch)
+        else:
+            todo, errors = list(reversed(batches)), []
+            done, running = VirtualEvent(clock), [min(self.delete_workers, len(batches))]
+
+            def worker() -> None:
+                try:
+                    while todo and not errors:
+                        self._delete_batch(todo.pop())
+                except BaseException as e:  # handed to the purging thread
+                    errors.append(e)
+                finally:
+                    running[0] -= 1
+                    if running[0] == 0:
+                        done.set()
+
+            for _ in range(running[0]):
+                clock.spawn(worker, name="sim-delete")
+            clock.wait(done)
+            if errors:
+                raise errors[0]
+        return len(infos), sum(x.size for x in infos)
+
+    def _delete_batch(self, batch: list[str]) -> None:
+        if batch:
 
             def apply(batch=batch) -> None:
                 with self._lock:
@@ -657,7 +711,6 @@ class SimulatedStore(Store):
                     self._keys[i:j] = [k for k in self._keys[i:j] if k not in gone]
 
             self._request("DELETE", batch[0], apply)
-        return len(infos), sum(x.size for x in infos)
 
     def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
         """One ListMultipartUploads (counted as a LIST) that finds none: the simulation never

@@ -229,8 +229,11 @@ def flaky(s3_target: S3Target) -> Iterator[FlakyProxy]:
 @pytest.mark.parametrize("mode", ["slowdown", "drop"])
 def test_retries_transient_failures(s3_target: S3Target, flaky: FlakyProxy, mode: str) -> None:
     bucket, prefix = _split(s3_target.root)
-    # botocore's own retries off, so every retry seen here is ours.
-    with S3Store(bucket, prefix, endpoint_url=flaky.url, max_attempts=1, retries=3, backoff=0.01) as store:
+    # botocore's own retries off, so every retry seen here is ours; no pacing (test_s3_adaptive's).
+    store = S3Store(
+        bucket, prefix, endpoint_url=flaky.url, max_attempts=1, retries=3, backoff=0.01, retry_mode="standard"
+    )
+    with store:
         flaky.fail_next(2, mode)
         store.put("k", b"value")
         assert flaky.failed == 2
