@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     advertise: str | None = Field(None, description="this daemon's URL as the peers know it (--advertise)")
     replicas: int = Field(1, ge=0, description="peers each hot copy is pushed to (the next ones in the ring)")
     replica_timeout_s: float = Field(30.0, gt=0, description="a replica push's socket timeout")
+    tier_data_port: int = Field(
+        0, ge=0, lt=65536, description="TCP port of the tier data path (server.tierdata); 0: any free port"
+    )
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.
     fault_upload_delay_s: float = 0.0

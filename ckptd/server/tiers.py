@@ -43,6 +43,7 @@ from urllib.parse import quote, urlsplit
 
 from ckptd import manifest as mf
 from ckptd.codec import crc32c
+from ckptd.server.sealed import Sealed, new_buffer, seal
 from ckptd.server.staging import Staging
 from storage_backends.base import as_buffers, data_size
 
@@ -65,7 +66,7 @@ class Copy:
     step: int
     attempt: str
     source: str  # "self" for a hot copy, the pushing daemon's URL for a replica
-    objects: dict[str, bytearray] = field(default_factory=dict)
+    objects: dict[str, Sealed | bytearray] = field(default_factory=dict)  # sealed once complete (``sealed``)
     expected: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica: key -> (size, crc32c)
     filled: dict[str, int] = field(default_factory=dict)  # replica: bytes received per key
     ranks: set[int] = field(default_factory=set)
@@ -123,6 +124,7 @@ class Tiers:
         self.targets = replica_targets(self.peers, self.me, replicas)
         self.token = token
         self.timeout_s = timeout_s
+        self.data_endpoint: dict | None = None  # the data path's {"port", "socket"} (``server.tierdata``)
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int, str], Copy] = {}
         self._hot: dict[str, Copy] = {}
@@ -262,11 +264,17 @@ class Tiers:
         if not self.staging.reserve(n):
             self._degrade(gid, f"{n} more bytes do not fit the staging budget")
             return
-        buf = bytearray(n)
-        pos = 0
-        for v in as_buffers(data):
-            buf[pos : pos + v.nbytes] = v.cast("B")
-            pos += v.nbytes
+        try:
+            buf = new_buffer(n)
+            pos = 0
+            for v in as_buffers(data):
+                buf[pos : pos + v.nbytes] = v.cast("B")
+                pos += v.nbytes
+            buf = seal(buf)
+        except OSError as e:  # no descriptor or memory left: not kept, never a failed save
+            self.staging.unreserve(n)
+            self._degrade(gid, f"cannot hold {key} in memory ({e.strerror or e})")
+            return
         with self._lock:
             if not group.dropped and not group.degraded:
                 group.objects[key] = buf
@@ -402,7 +410,13 @@ class Tiers:
             return ""
         rid = uuid.uuid4().hex
         c = Copy(root, step, attempt, source, expected=expected, ranks=set(ranks), bytes=total)
-        c.objects = {k: bytearray(s) for k, (s, _) in expected.items()}
+        try:
+            c.objects = {k: new_buffer(s) for k, (s, _) in expected.items()}
+        except OSError as e:
+            self.staging.unreserve(total)
+            self.count("degraded")
+            log.warning("memory tier: cannot hold the replica of %s step %d in memory: %s", root, step, e)
+            return ""
         c.filled = dict.fromkeys(expected, 0)
         with self._lock:
             self._incoming[rid] = c
@@ -432,6 +446,7 @@ class Tiers:
                 self._drop(c)
             self._release([c])
             raise ValueError(f"replica {rid}: {len(bad)} objects incomplete or failing their crc32c, e.g. {bad[0]!r}")
+        c.objects = {k: seal(v) for k, v in c.objects.items()}  # read-only from now on
         release = []
         with self._lock:
             old = self._replicas.get((c.root, c.source))
@@ -511,6 +526,25 @@ class Tiers:
             parts.append(view)
         return parts
 
+    def shared(self, root: str, step: int, attempt: str, keys: list[str]) -> list[Sealed] | None:
+        """The sealed buffers of ``keys`` of the complete copies of (root, step, attempt), whose
+        descriptors may be passed to a reader (``server.tierdata``); None when a key is not held
+        or its copy is not a sealed memfd (not Linux, or an empty object)."""
+        out = []
+        with self._lock:
+            copies = [self._hot.get(root), *[c for (r, _), c in self._replicas.items() if r == root]]
+            copies = [c for c in copies if c is not None and c.complete and not c.dropped]
+            for key in keys:
+                buf = next(
+                    (c.objects[key] for c in copies if c.step == step and c.attempt == attempt and key in c.objects),
+                    None,
+                )
+                if not isinstance(buf, Sealed) or not buf.sealed:
+                    return None
+                out.append(buf)
+            self.counters["bytes_served"] += sum(len(b) for b in out)
+        return out
+
     def describe(self, root: str | None = None) -> dict:
         with self._lock:
             hot = [c.info() for r, c in self._hot.items() if root is None or r == root]
@@ -522,6 +556,7 @@ class Tiers:
             "hot": hot,
             "replicas": reps,
             "reserved_bytes": self.staging.reserved_bytes,
+            "data": self.data_endpoint,
         }
 
 
