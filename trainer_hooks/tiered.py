@@ -568,7 +568,7 @@ class TieredRestore:
             keys, peers = own.keys()
             own.use_data(own.advertised, unix=True)
             local = _Tier(own, "local", prefix)
-            if keys and own.data_socket is not None:
+            if keys and own.data_socket is not None and os.environ.get("CKPTD_TIER_SHARED_MEMORY", "1") != "0":
                 try:  # the node's own daemon: its sealed memory mapped, no byte over a socket
                     local = _Tier(own.map_objects(sorted(keys)), "local", prefix)
                 except TierUnavailable as e:

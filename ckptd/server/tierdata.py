@@ -56,6 +56,7 @@ log = logging.getLogger("ckptd.tierdata")
 DATA_SOCKET_NAME = "ckptd-tiers.sock"
 MAX_KEY = 4096
 MAX_ATTEMPT = 64
+DRAIN_BYTES = 1 << 20
 
 
 class _Refused(Exception):
@@ -171,8 +172,19 @@ class TierData:
 
     @staticmethod
     def _error(conn: socket.socket, status: int, detail: str) -> None:
+        """One error reply, then the end of the connection: what the caller still sends is read
+        and dropped (at most ``DRAIN_BYTES``, for at most a second) so that the close is a FIN
+        after the reply, not a reset that could destroy it."""
         with contextlib.suppress(OSError):
             send_frame(conn, REPLY, {"ok": False, "status": status, "detail": detail[:300]})
+            conn.shutdown(socket.SHUT_WR)
+            conn.settimeout(1.0)
+            left = DRAIN_BYTES
+            while left > 0:
+                got = conn.recv(min(left, 65536))
+                if not got:
+                    break
+                left -= len(got)
 
     def _answer(self, conn: socket.socket, h: dict, caller, unix: bool) -> None:
         if self.token is not None:
