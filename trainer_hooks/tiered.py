@@ -591,9 +591,9 @@ class TieredRestore:
         for url, info in sorted(held.items()):
             if url.rstrip("/") == self.daemon_url:
                 continue  # this rank's own daemon: asked above, read as the nearest tier
-            store = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
-            store.use_data(info.get("data"), unix=False)
-            tier = _Tier(store, "peer", prefix)
+            peer = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
+            peer.use_data(info.get("data"), unix=False)
+            tier = _Tier(peer, "peer", prefix)
             for k in info.get("keys", ()):
                 holders.setdefault(k, []).append(tier)
         return TieredReader(store, prefix, holders)
