@@ -21,8 +21,11 @@ this node: one WARNING per step and ``ckptd_tier_degraded_total``), and a lease 
 reclaims copies (replicas first, then hot copies) before a save waits. A copy never makes a
 save fail or wait.
 
-Serving (``server.peers``): objects are looked up by (root, step, attempt, key) in this table,
-never by a path: no tier route can read a file. Only complete copies are served.
+Serving (``server.peers``; bulk reads on ``server.tierdata``, outside the HTTP server's event
+loop): objects are looked up by (root, step, attempt, key) in this table, never by a path: no
+tier route can read a file. Only complete copies are served. Every held object is a sealed memfd
+once complete (``server.sealed``; a ``bytearray`` where that is not available), so its descriptor
+can be passed to a rank on this node, which cannot change it.
 
 Concurrency: one lock guards the tables; it is never held while calling into ``Staging``
 (``Staging`` calls ``reclaim`` under its own lock).
