@@ -42,6 +42,7 @@ def run(res: Results, size: int, reps: int, bench_dir: str) -> None:
 
     R("tiers.s3", "ckptd restore from the job root on S3 (loopback moto)")
     R("tiers.peer", "ckptd restore after a node loss from a peer daemon's memory", floor="tiers.s3")
+    R("tiers.local", "ckptd restore from this node's daemon's memory (sealed memfd, mapped)", floor="tiers.s3")
     R("tiers.disk", "ckptd restore from the job root on local disk", floor="tiers.s3")
     R("tiers.dcp", "dcp.load from local disk", floor="tiers.s3")
     for m in RANKS:
@@ -171,6 +172,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
         s3_ck.save(1, state).result()
         dcp.save(st.dcp_state(model, optim), storage_writer=dcp.FileSystemWriter(dcp_dir))
         peer_ck = Checkpointer(disk_root, daemon=daemons[2].url)
+        local_ck = Checkpointer(disk_root, daemon=daemons[1].url)  # a rank on node b, which holds it
         disk_ck = Checkpointer(disk_root)
         checked = {"peer_root_bytes": None}
 
@@ -187,6 +189,10 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
                 checked["peer_root_bytes"] = tiers.get("root")
                 if tiers.get("peer", 0) == 0 or tiers.get("root", 1) != 0:
                     res.notes.append(f"tiers: the peer restore did not read everything from the peer: {tiers}")
+            if name == "local":
+                tiers = ck.last_restore_tiers
+                if tiers.get("local", 0) == 0 or tiers.get("root", 1) != 0:
+                    res.notes.append(f"tiers: the local restore did not read everything from its daemon: {tiers}")
 
         def dcp_load() -> None:
             with torch.no_grad():
@@ -201,6 +207,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
 
         systems = [
             lambda: restore("peer", peer_ck),
+            lambda: restore("local", local_ck),
             lambda: restore("disk", disk_ck),
             dcp_load,
             lambda: restore("s3", s3_ck),
@@ -209,7 +216,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
         for f in systems:  # warm-up: connections, page cache
             f()
         res.rows["tiers.peer"].values.clear()
-        for row in ("tiers.disk", "tiers.dcp", "tiers.s3"):
+        for row in ("tiers.local", "tiers.disk", "tiers.dcp", "tiers.s3"):
             res.rows[row].values.clear()
         for rep in range(reps):
             rep_[0] = rep
@@ -217,7 +224,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
                 f()
                 collect()
         sec["peer_restore_root_chunk_bytes"] = checked["peer_root_bytes"]
-        for ck in (peer_ck, disk_ck, s3_ck):
+        for ck in (peer_ck, local_ck, disk_ck, s3_ck):
             ck.close()
     finally:
         for d in daemons:
