@@ -18,6 +18,8 @@ import socket
 import struct
 
 __all__ = [
+    "F_ADD_SEALS",
+    "F_GET_SEALS",
     "MAX_FDS",
     "MAX_HEADER",
     "SEALS",
