@@ -139,6 +139,7 @@ class Tiers:
             "replica_push_failures": 0,
             "replicas_received": 0,
             "bytes_served": 0,
+            "bytes_shared": 0,  # of bytes_served: passed as sealed memory, not sent over a socket
             "object_requests": 0,
             "restore_bytes_local": 0,
             "restore_bytes_peer": 0,
@@ -175,6 +176,10 @@ class Tiers:
             "ckptd_tier_replica_push_failures_total": ("replica pushes that failed", counter("replica_push_failures")),
             "ckptd_tier_bytes_served_total": ("tier bytes served to restoring ranks", counter("bytes_served")),
             "ckptd_tier_object_requests_total": ("ranged reads of tier objects asked", counter("object_requests")),
+            "ckptd_tier_bytes_shared_total": (
+                "tier bytes lent to ranks on this node as sealed memory (of ckptd_tier_bytes_served_total)",
+                counter("bytes_shared"),
+            ),
             "ckptd_restore_bytes_local_total": (
                 "restored bytes ranks read from their own daemon",
                 counter("restore_bytes_local"),
@@ -546,6 +551,7 @@ class Tiers:
                     return None
                 out.append(buf)
             self.counters["bytes_served"] += sum(len(b) for b in out)
+            self.counters["bytes_shared"] += sum(len(b) for b in out)
         return out
 
     def describe(self, root: str | None = None) -> dict:

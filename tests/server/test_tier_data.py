@@ -195,9 +195,14 @@ def test_restore_through_own_daemon_maps_its_memory(held):
     d, root, attempt, keys, data, tmp = held
     out: Path = tmp / "r"
     before = d.metric("ckptd_tier_object_requests_total", TOKEN)
+    served = d.metric("ckptd_tier_bytes_served_total", TOKEN)
+    shared = d.metric("ckptd_tier_bytes_shared_total", TOKEN)
     res = _run(1, "restore_tiered", out, {}, daemon=d.url, root=root, ref=str(tmp / "s" / "ref_step1.pt"))
     got = _check(res, 1)
     assert got["root"] == 0 and got["local"] > 0 and got["peer"] == 0, got
     # one descriptor request per 128 objects: no request carried the objects' bytes
     asked = d.metric("ckptd_tier_object_requests_total", TOKEN) - before
     assert asked == -(-len(keys) // 128), (asked, len(keys))
+    # every byte it lent was sealed memory: none went over a socket
+    lent = d.metric("ckptd_tier_bytes_shared_total", TOKEN) - shared
+    assert lent > 0 and d.metric("ckptd_tier_bytes_served_total", TOKEN) - served == lent, lent
