@@ -233,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
             daemon.staging.close()
             raise UsageError(f"cannot listen for tier data: {getattr(e, 'strerror', None) or e}") from None
         app.state.tiers.data_endpoint = tier_data.endpoint
+        metrics.gauge("ckptd_tier_data_connections", "open tier data-path connections", lambda: tier_data.connections)
+        metrics.gauge(
+            "ckptd_tier_data_refused", "tier data-path connections refused over the cap", lambda: tier_data.refused
+        )
         log.info("tier data on port %d and unix://%s", tier_data.port, tier_data.socket_path)
     if settings.trust_tcp and settings.token_file is not None:
         log.warning(

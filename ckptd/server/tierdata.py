@@ -100,6 +100,10 @@ class TierData:
         self.port = tcp.getsockname()[1]
 
     @property
+    def connections(self) -> int:
+        return self._count
+
+    @property
     def endpoint(self) -> dict:
         return {"port": self.port, "socket": str(self.socket_path)}
 

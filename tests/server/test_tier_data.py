@@ -19,6 +19,7 @@ import pytest
 
 from ckptd.tierwire import F_GET_SEALS, MAX_HEADER, REPLY, REQUEST, SEALS, recv_frame, send_frame
 from tests.distributed import launch
+from tests.server.daemon import wait_for
 from tests.server.test_tiers import TOKEN, _check, _daemon, _run, _tiers, _url
 from tests.server.test_tiers_batch import _object
 
@@ -206,3 +207,28 @@ def test_restore_through_own_daemon_maps_its_memory(held):
     # every byte it lent was sealed memory: none went over a socket
     lent = d.metric("ckptd_tier_bytes_shared_total", TOKEN) - shared
     assert lent > 0 and d.metric("ckptd_tier_bytes_served_total", TOKEN) - served == lent, lent
+
+
+def test_data_connections_are_capped(tmp_path):
+    """Over the cap a newcomer gets one 503 and is closed (the daemon stays up); once the held
+    connections close, a newcomer is admitted again."""
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    root = f"file://{tmp_path / 'job'}"
+    port = launch.free_port()
+    d = _daemon(tmp_path, "a", root, port, [_url(port)], CKPTD_MAX_CONNECTIONS="3")
+    try:
+        data = _tiers(d)["data"]
+        held = [_tcp(data) for _ in range(3)]  # admitted, idle: each holds a thread
+        wait_for(lambda: d.metric("ckptd_tier_data_connections", TOKEN) == 3, "3 data connections", 30)
+        extra = _tcp(data)
+        _refused(extra, 503)
+        assert d.healthy()
+        for s in held:
+            s.close()
+        wait_for(lambda: d.metric("ckptd_tier_data_connections", TOKEN) == 0, "the connections to close", 30)
+        s = _tcp(data)
+        send_frame(s, REQUEST, {"token": "wrong"})
+        _refused(s, 401)  # admitted again
+    finally:
+        d.kill()
