@@ -9,8 +9,10 @@ root), the manifest from the job root. The other rows restore the same state wit
 ``Checkpointer`` from a local-disk root and from an S3 root on moto, and with ``dcp.load`` from
 local disk. Systems are interleaved per repetition (``rotate``) and reported as median ratios to
 the S3 restore (the issue's target: the peer restore at most 0.3x of it). One rank restores
-(M=1): the tier reads of each rank are independent, so M ranks multiply the requests, not the
-per-rank path this measures. moto and the daemons share the machine's cores with the client.
+(M=1) in the first rows; the ``tiers.m{M}.*`` rows (``RANKS``, default M=2) save an FSDP2 state
+at M ranks and restore it at M ranks on node ``c`` (``benchmarks.tier_scenarios``), each
+restore's time the slowest rank's. moto and the daemons share the machine's cores with the
+clients.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from benchmarks.common import Timer, collect, rotate
 from benchmarks.results import ERROR, Results
 
 SECTION = "tiers"
+RANKS = tuple(int(m) for m in os.environ.get("CKPTD_BENCH_TIER_RANKS", "2").split(",") if m.strip())
 TOKEN = "bench-tier-token-" + uuid.uuid4().hex
 
 
@@ -39,8 +42,18 @@ def run(res: Results, size: int, reps: int, bench_dir: str) -> None:
 
     R("tiers.s3", "ckptd restore from the job root on S3 (loopback moto)")
     R("tiers.peer", "ckptd restore after a node loss from a peer daemon's memory", floor="tiers.s3")
+    R("tiers.local", "ckptd restore from this node's daemon's memory (sealed memfd, mapped)", floor="tiers.s3")
     R("tiers.disk", "ckptd restore from the job root on local disk", floor="tiers.s3")
     R("tiers.dcp", "dcp.load from local disk", floor="tiers.s3")
+    for m in RANKS:
+        R(f"tiers.m{m}.s3", f"at {m} ranks: ckptd restore from the job root on S3 (loopback moto)")
+        R(
+            f"tiers.m{m}.peer",
+            f"at {m} ranks: ckptd restore after a node loss from a peer's memory",
+            floor=f"tiers.m{m}.s3",
+        )
+        R(f"tiers.m{m}.disk", f"at {m} ranks: ckptd restore from the job root on local disk", floor=f"tiers.m{m}.s3")
+        R(f"tiers.m{m}.dcp", f"at {m} ranks: dcp.load from local disk", floor=f"tiers.m{m}.s3")
     sec = res.sections.setdefault(SECTION, {})
     from benchmarks.s3 import moto_env
 
@@ -57,6 +70,12 @@ def run(res: Results, size: int, reps: int, bench_dir: str) -> None:
     os.environ["CKPTD_TOKEN"] = TOKEN
     try:
         _run(res, size, reps, work, url, sec)
+        for m in RANKS:
+            try:
+                _run_m(res, size, reps, work / f"m{m}", m, sec)
+            except Exception as e:  # noqa: BLE001 - a failed row is reported, not the whole run
+                for k in ("s3", "peer", "disk", "dcp"):
+                    res.rows[f"tiers.m{m}.{k}"].status, res.rows[f"tiers.m{m}.{k}"].note = ERROR, str(e)[:300]
     finally:
         if saved_token is None:
             os.environ.pop("CKPTD_TOKEN", None)
@@ -65,6 +84,43 @@ def run(res: Results, size: int, reps: int, bench_dir: str) -> None:
         ctx.__exit__(None, None, None)
         shutil.rmtree(work, ignore_errors=True)
         collect()
+
+
+def _run_m(res: Results, size: int, reps: int, work: Path, m: int, sec: dict) -> None:
+    """The rows at ``m`` restoring ranks: save at ``m`` ranks through daemon a, SIGKILL a,
+    restore at ``m`` ranks through c (every chunk from b's memory), disk, S3, dcp."""
+    import boto3
+
+    from benchmarks import dist
+
+    work.mkdir(parents=True)
+    bucket = f"ckptd-bench-tiers-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    args = {
+        "size": size,
+        "disk_root": str(work / "root"),
+        "s3_root": f"s3://{bucket}/job",
+        "dcp_dir": str(work / "dcp"),
+    }
+    daemons = _daemons(work, args["disk_root"], size)
+    try:
+        saved = dist.run(m, "benchmarks.tier_scenarios:save", work, daemon=daemons[0].url, **args)
+        _wait_replica(daemons[1], 1)
+        daemons[0].kill()
+        got = dist.run(m, "benchmarks.tier_scenarios:restore", work, daemon=daemons[2].url, reps=reps, **args)
+    finally:
+        for d in daemons:
+            d.stop()
+    want = sum(r["checksum"] for r in saved)
+    for name, times in got[0]["times"].items():
+        for rep, t in enumerate(times):
+            res.add(f"tiers.m{m}.{name}", rep, t)
+        if abs(sum(r["checks"][name] for r in got) - want) > 1e-6 * max(1.0, abs(want)):
+            res.notes.append(f"tiers: the {name} restore at {m} ranks brought back different values")
+    tiers = {k: sum(r["tiers"].get(k, 0) for r in got) for k in ("local", "peer", "root")}
+    sec[f"m{m}_peer_restore_tiers"] = tiers
+    if tiers["peer"] == 0 or tiers["root"] != 0:
+        res.notes.append(f"tiers: the peer restore at {m} ranks did not read everything from the peer: {tiers}")
 
 
 def _daemons(work: Path, root: str, size: int) -> list:
@@ -116,6 +172,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
         s3_ck.save(1, state).result()
         dcp.save(st.dcp_state(model, optim), storage_writer=dcp.FileSystemWriter(dcp_dir))
         peer_ck = Checkpointer(disk_root, daemon=daemons[2].url)
+        local_ck = Checkpointer(disk_root, daemon=daemons[1].url)  # a rank on node b, which holds it
         disk_ck = Checkpointer(disk_root)
         checked = {"peer_root_bytes": None}
 
@@ -132,6 +189,10 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
                 checked["peer_root_bytes"] = tiers.get("root")
                 if tiers.get("peer", 0) == 0 or tiers.get("root", 1) != 0:
                     res.notes.append(f"tiers: the peer restore did not read everything from the peer: {tiers}")
+            if name == "local":
+                tiers = ck.last_restore_tiers
+                if tiers.get("local", 0) == 0 or tiers.get("root", 1) != 0:
+                    res.notes.append(f"tiers: the local restore did not read everything from its daemon: {tiers}")
 
         def dcp_load() -> None:
             with torch.no_grad():
@@ -146,6 +207,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
 
         systems = [
             lambda: restore("peer", peer_ck),
+            lambda: restore("local", local_ck),
             lambda: restore("disk", disk_ck),
             dcp_load,
             lambda: restore("s3", s3_ck),
@@ -154,7 +216,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
         for f in systems:  # warm-up: connections, page cache
             f()
         res.rows["tiers.peer"].values.clear()
-        for row in ("tiers.disk", "tiers.dcp", "tiers.s3"):
+        for row in ("tiers.local", "tiers.disk", "tiers.dcp", "tiers.s3"):
             res.rows[row].values.clear()
         for rep in range(reps):
             rep_[0] = rep
@@ -162,7 +224,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
                 f()
                 collect()
         sec["peer_restore_root_chunk_bytes"] = checked["peer_root_bytes"]
-        for ck in (peer_ck, disk_ck, s3_ck):
+        for ck in (peer_ck, local_ck, disk_ck, s3_ck):
             ck.close()
     finally:
         for d in daemons:

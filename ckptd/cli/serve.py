@@ -216,6 +216,34 @@ def run(args: argparse.Namespace) -> int:
         daemon.staging.close()
         raise UsageError(f"cannot listen on {daemon.socket_path}: {getattr(e, 'strerror', None) or e}") from None
     log.info("trainers hand off through unix://%s (the kernel names each caller)", daemon.socket_path)
+    tier_data = None
+    if settings.tiers:
+        from ckptd.server.tierdata import DATA_SOCKET_NAME, TierData
+
+        try:
+            tier_data = TierData(
+                app.state.tiers,
+                daemon.roots,
+                daemon.tenancy,
+                app.state.token,
+                settings.host,
+                settings.tier_data_port,
+                daemon.socket_path.with_name(DATA_SOCKET_NAME),
+                max_connections=limits.max_connections,
+                timeout_s=settings.request_timeout_s,
+                fault_delay_s=settings.fault_tier_delay_s,
+            ).start()
+        except (OSError, RuntimeError) as e:
+            sock.close()
+            unix.close()
+            daemon.staging.close()
+            raise UsageError(f"cannot listen for tier data: {getattr(e, 'strerror', None) or e}") from None
+        app.state.tiers.data_endpoint = tier_data.endpoint
+        metrics.gauge("ckptd_tier_data_connections", "open tier data-path connections", lambda: tier_data.connections)
+        metrics.gauge(
+            "ckptd_tier_data_refused", "tier data-path connections refused over the cap", lambda: tier_data.refused
+        )
+        log.info("tier data on port %d and unix://%s", tier_data.port, tier_data.socket_path)
     if settings.trust_tcp and settings.token_file is not None:
         log.warning(
             "--trust-tcp: every holder of the token who reaches %s:%d may use leases and hand-offs for any job "
@@ -234,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock, unix])
     finally:
+        if tier_data is not None:
+            tier_data.close()
         with contextlib.suppress(OSError):
             os.unlink(daemon.socket_path)
     return 0 if server.started else 1

@@ -10,7 +10,8 @@ Modules, one job each:
 * ``jobs``: the upload through ``ckptd.persist.persist`` (the one
   commit protocol), commit watching, retries;
 * ``tiers``: the memory tier: the hot copy of the newest committed step, replicas pushed to and
-  received from peer daemons, all within the staging budget; ``peers``: its routes;
+  received from peer daemons (``replication``), all within the staging budget; ``peers``: its
+  routes; ``tierdata``: its bulk reads outside the event loop; ``sealed``: its memfd buffers;
 * ``metrics``: Prometheus counters;
 * ``app``: the FastAPI application (routes, auth, body limits).
 

@@ -88,7 +88,7 @@ def describe(request: Request, root: str | None = Query(None, max_length=4096)):
 def held_keys(request: Request, root: str = _ROOT, step: int = _STEP, attempt: str = _ATTEMPT):
     t = _tiers(request)
     keys = t.keys(_readable_root(request, root), step, attempt)
-    return {"step": step, "attempt": attempt, "keys": keys, "peers": t.peers}
+    return {"step": step, "attempt": attempt, "keys": keys, "peers": t.peers, "data": t.data_endpoint}
 
 
 @router.get("/v1/tiers/object", summary="a byte range of a held shard object")

@@ -103,6 +103,9 @@ class Settings(BaseSettings):
     )
     discover_interval_s: float = Field(5.0, gt=0, description="how often this daemon renews its _daemons/ record")
     discover_ttl_s: float = Field(30.0, gt=0, description="a _daemons/ record older than this is not in the ring")
+    tier_data_port: int = Field(
+        0, ge=0, lt=65536, description="TCP port of the tier data path (server.tierdata); 0: any free port"
+    )
     # For tests only: sleep this long before every shard put, so a test can kill the daemon
     # mid-upload. Never set it in production.
     fault_upload_delay_s: float = 0.0

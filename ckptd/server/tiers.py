@@ -8,14 +8,15 @@ Hot copies are exact copies of committed objects: the manifest, the layout and t
 every chunk stored in each object stay the only truth, and a reader checks every chunk against
 them (``trainer_hooks.tiered``).
 
-Replication: each new hot copy is pushed to the ``replicas`` daemons that follow this one in
-``--peers`` (a ring; the list may name this daemon, found by ``--advertise``), authenticated with
-the daemon token: ``POST /v1/tiers/replicas`` (the objects, their sizes and whole-object
-crc32c), then the bytes in pieces, then ``seal``. The receiver holds a replica only once every
-object arrived whole and matches its crc32c; until then it serves nothing of it. It keeps one
-replica per (root, source daemon), the newest step. With ``--discover`` the ring is read from
-the job root at each push instead, and a discovered peer must pass a challenge on the push's
-connection before it sees the token (``server.discovery``; here ``targets_for`` and ``_dial``).
+Replication (``server.replication``, a mixin of ``Tiers``): each new hot copy is pushed to the
+``replicas`` daemons that follow this one in ``--peers`` (a ring; the list may name this daemon,
+found by ``--advertise``), authenticated with the daemon token: ``POST /v1/tiers/replicas`` (the
+objects, their sizes and whole-object crc32c), then the bytes in pieces, then ``seal``. The
+receiver holds a replica only once every object arrived whole and matches its crc32c; until then
+it serves nothing of it. It keeps one replica per (root, source daemon), the newest step.
+With ``--discover`` the ring is read from the job root at each push instead, and a discovered
+peer must pass a challenge on the push's connection before it sees the token
+(``server.discovery``; ``replication.targets_for`` and ``_dial``).
 
 Budget: every byte of a copy (hot, replica, or pending) is held through
 ``Staging.reserve``: a copy that does not fit is not kept (the step is then persist-only on
@@ -23,8 +24,11 @@ this node: one WARNING per step and ``ckptd_tier_degraded_total``), and a lease 
 reclaims copies (replicas first, then hot copies) before a save waits. A copy never makes a
 save fail or wait.
 
-Serving (``server.peers``): objects are looked up by (root, step, attempt, key) in this table,
-never by a path: no tier route can read a file. Only complete copies are served.
+Serving (``server.peers``; bulk reads on ``server.tierdata``, outside the HTTP server's event
+loop): objects are looked up by (root, step, attempt, key) in this table, never by a path: no
+tier route can read a file. Only complete copies are served. Every held object is a sealed memfd
+once complete (``server.sealed``; a ``bytearray`` where that is not available), so its descriptor
+can be passed to a rank on this node, which cannot change it.
 
 Concurrency: one lock guards the tables; it is never held while calling into ``Staging``
 (``Staging`` calls ``reclaim`` under its own lock).
@@ -32,78 +36,26 @@ Concurrency: one lock guards the tables; it is never held while calling into ``S
 
 from __future__ import annotations
 
-import contextlib
-import http.client
-import json
 import logging
 import threading
-import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 from ckptd import manifest as mf
-from ckptd.codec import crc32c
+from ckptd.server.replication import MAX_OBJECTS, PIECE_BYTES, Copy, Replication, replica_targets
+from ckptd.server.sealed import Sealed, new_buffer, seal
 from ckptd.server.staging import Staging
 from storage_backends.base import as_buffers, data_size
 
-__all__ = ["Copy", "MAX_BATCH_BYTES", "MAX_BATCH_RANGES", "PIECE_BYTES", "Tiers", "replica_targets"]
+__all__ = ["Copy", "MAX_BATCH_BYTES", "MAX_BATCH_RANGES", "MAX_OBJECTS", "PIECE_BYTES", "Tiers", "replica_targets"]
 
 log = logging.getLogger("ckptd.tiers")
 
-PIECE_BYTES = 8 << 20  # replica bytes per request: under the daemon's body limit
-MAX_OBJECTS = 1 << 16  # objects in one replica at most
 MAX_BATCH_BYTES = 256 << 20  # bytes one batched tier read answers at most
 MAX_BATCH_RANGES = 4096  # ranges in one batched tier read at most
-INCOMING_TTL_S = 600.0  # a replica whose pusher stopped sending is dropped after this
 
 
-@dataclass
-class Copy:
-    """The shard objects of one (root, step, attempt) held in memory."""
-
-    root: str
-    step: int
-    attempt: str
-    source: str  # "self" for a hot copy, the pushing daemon's URL for a replica
-    objects: dict[str, bytearray] = field(default_factory=dict)
-    expected: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica: key -> (size, crc32c)
-    filled: dict[str, int] = field(default_factory=dict)  # replica: bytes received per key
-    ranks: set[int] = field(default_factory=set)
-    bytes: int = 0
-    complete: bool = False
-    degraded: bool = False  # a hot copy that did not fit: none kept for this step
-    dropped: bool = False
-    created: float = field(default_factory=time.monotonic)
-    pushed: dict[str, str] = field(default_factory=dict)  # peer -> "complete" or why not
-
-    def info(self) -> dict:
-        return {
-            "root": self.root,
-            "step": self.step,
-            "attempt": self.attempt,
-            "source": self.source,
-            "ranks": sorted(self.ranks),
-            "bytes": self.bytes,
-            "objects": len(self.objects),
-            "complete": self.complete,
-            "replicated_to": dict(self.pushed),
-        }
-
-
-def replica_targets(peers: list[str], me: str | None, k: int) -> list[str]:
-    """The ``k`` daemons after ``me`` in the ring ``peers`` (the first ``k`` when ``me`` is not
-    in it), never ``me`` itself."""
-    ring = [p.rstrip("/") for p in peers]
-    mine = (me or "").rstrip("/")
-    if mine in ring:
-        i = ring.index(mine)
-        ring = ring[i + 1 :] + ring[:i]
-    return [p for p in ring if p != mine][: max(0, k)]
-
-
-class Tiers:
+class Tiers(Replication):
     def __init__(
         self,
         staging: Staging,
@@ -127,6 +79,7 @@ class Tiers:
         self.discovery = None  # server.discovery.Discovery (--discover): the ring from the job root
         self.token = token
         self.timeout_s = timeout_s
+        self.data_endpoint: dict | None = None  # the data path's {"port", "socket"} (``server.tierdata``)
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int, str], Copy] = {}
         self._hot: dict[str, Copy] = {}
@@ -138,6 +91,7 @@ class Tiers:
             "replica_push_failures": 0,
             "replicas_received": 0,
             "bytes_served": 0,
+            "bytes_shared": 0,  # of bytes_served: passed as sealed memory, not sent over a socket
             "object_requests": 0,
             "restore_bytes_local": 0,
             "restore_bytes_peer": 0,
@@ -174,6 +128,10 @@ class Tiers:
             "ckptd_tier_replica_push_failures_total": ("replica pushes that failed", counter("replica_push_failures")),
             "ckptd_tier_bytes_served_total": ("tier bytes served to restoring ranks", counter("bytes_served")),
             "ckptd_tier_object_requests_total": ("ranged reads of tier objects asked", counter("object_requests")),
+            "ckptd_tier_bytes_shared_total": (
+                "tier bytes lent to ranks on this node as sealed memory (of ckptd_tier_bytes_served_total)",
+                counter("bytes_shared"),
+            ),
             "ckptd_restore_bytes_local_total": (
                 "restored bytes ranks read from their own daemon",
                 counter("restore_bytes_local"),
@@ -266,11 +224,17 @@ class Tiers:
         if not self.staging.reserve(n):
             self._degrade(gid, f"{n} more bytes do not fit the staging budget")
             return
-        buf = bytearray(n)
-        pos = 0
-        for v in as_buffers(data):
-            buf[pos : pos + v.nbytes] = v.cast("B")
-            pos += v.nbytes
+        try:
+            buf = new_buffer(n)
+            pos = 0
+            for v in as_buffers(data):
+                buf[pos : pos + v.nbytes] = v.cast("B")
+                pos += v.nbytes
+            buf = seal(buf)
+        except OSError as e:  # no descriptor or memory left: not kept, never a failed save
+            self.staging.unreserve(n)
+            self._degrade(gid, f"cannot hold {key} in memory ({e.strerror or e})")
+            return
         with self._lock:
             if not group.dropped and not group.degraded:
                 group.objects[key] = buf
@@ -337,149 +301,6 @@ class Tiers:
         if group is not None:
             self._release([group])
 
-    # --------------------------------------------------------------------------- replicas
-
-    def targets_for(self, root: str) -> list[str]:
-        """The daemons a hot copy of ``root`` is pushed to: ``--peers``' ring, or the discovered one."""
-        if self.discovery is None:
-            return self.targets
-        return self.discovery.targets(root, self.replicas)
-
-    def _dial(self, peer: str) -> http.client.HTTPConnection:
-        """A connection to ``peer``; to a discovered one only after it passed the challenge on it."""
-        conn = _connect(peer, self.timeout_s)
-        if self.discovery is not None:
-            try:
-                self.discovery.challenge(conn, peer)
-            except BaseException:
-                conn.close()
-                raise
-        return conn
-
-    def _push_all(self, group: Copy) -> None:
-        for peer in self.targets_for(group.root):
-            try:
-                self._push(peer, group)
-            except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
-                group.pushed[peer] = f"failed: {e}"
-                self.count("replica_push_failures")
-                log.warning("memory tier: replica of %s step %d to %s failed: %s", group.root, group.step, peer, e)
-            else:
-                group.pushed[peer] = "complete"
-                self.count("replicas_pushed")
-                log.info("memory tier: %s step %d replicated to %s", group.root, group.step, peer)
-
-    def _push(self, peer: str, group: Copy) -> None:
-        with self._lock:
-            objects = dict(group.objects)  # the bytearrays themselves; a dropped copy clears the dict only
-        body = {
-            "root": group.root,
-            "step": group.step,
-            "attempt": group.attempt,
-            "source": self.me or "unnamed",
-            "ranks": sorted(group.ranks),
-            "objects": [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()],
-        }
-        conn = self._dial(peer)
-        try:
-            reply = _request(conn, peer, "POST", "/v1/tiers/replicas", self.token, json.dumps(body).encode(), _JSON)
-            rid = reply["replica"]
-            for key, buf in objects.items():
-                mv = memoryview(buf)
-                for off in range(0, len(buf), PIECE_BYTES):
-                    if group.dropped:
-                        raise RuntimeError("a newer step committed during the push")
-                    q = f"/v1/tiers/replicas/{rid}?key={quote(key, safe='')}&offset={off}"
-                    _request(conn, peer, "PUT", q, self.token, mv[off : off + PIECE_BYTES])
-            _request(conn, peer, "POST", f"/v1/tiers/replicas/{rid}/seal", self.token, b"{}", _JSON)
-        finally:
-            conn.close()
-
-    def begin_replica(self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list) -> str:
-        """A peer starts pushing a replica. Returns its id, or "" when it is not kept (no room in
-        the budget, or tiers off): HTTP 429. ValueError for a malformed one."""
-        if not self.enabled:
-            return ""
-        if len(objects) > MAX_OBJECTS:
-            raise ValueError(f"a replica of {len(objects)} objects is over {MAX_OBJECTS}")
-        prefix = f"{mf.step_dir(step)}/{mf.ARRAYS}/"
-        expected: dict[str, tuple[int, int]] = {}
-        for o in objects:
-            key, size, crc = o["key"], int(o["size"]), int(o["crc32c"])
-            if not key.startswith(prefix) or ".." in key.split("/") or size < 0 or not 0 <= crc < 2**32:
-                raise ValueError(f"replica object {key!r} is not a shard object of step {step}")
-            expected[key] = (size, crc)
-        total = sum(s for s, _ in expected.values())
-        self._expire_incoming()
-        if not self.staging.reserve(total):
-            self.count("degraded")
-            log.warning(
-                "memory tier: no room for the replica of %s step %d from %s (%d bytes): not kept",
-                root,
-                step,
-                source,
-                total,
-            )
-            return ""
-        rid = uuid.uuid4().hex
-        c = Copy(root, step, attempt, source, expected=expected, ranks=set(ranks), bytes=total)
-        c.objects = {k: bytearray(s) for k, (s, _) in expected.items()}
-        c.filled = dict.fromkeys(expected, 0)
-        with self._lock:
-            self._incoming[rid] = c
-        return rid
-
-    def put_piece(self, rid: str, key: str, offset: int, data: bytes) -> None:
-        with self._lock:
-            c = self._incoming.get(rid)
-            if c is None:
-                raise KeyError(f"no replica {rid!r} being received")
-            if key not in c.expected:
-                raise ValueError(f"replica {rid}: {key!r} is not one of its objects")
-            if offset != c.filled[key] or offset + len(data) > c.expected[key][0]:
-                raise ValueError(f"replica {rid}: piece at {offset} of {key!r} out of order or past its end")
-            c.objects[key][offset : offset + len(data)] = data
-            c.filled[key] += len(data)
-
-    def seal(self, rid: str) -> None:
-        """Every object arrived whole and matches its crc32c: the replica counts from now on."""
-        with self._lock:
-            c = self._incoming.pop(rid, None)
-        if c is None:
-            raise KeyError(f"no replica {rid!r} being received")
-        bad = [k for k, (size, crc) in c.expected.items() if c.filled[k] != size or crc32c(c.objects[k]) != crc]
-        if bad:
-            with self._lock:
-                self._drop(c)
-            self._release([c])
-            raise ValueError(f"replica {rid}: {len(bad)} objects incomplete or failing their crc32c, e.g. {bad[0]!r}")
-        release = []
-        with self._lock:
-            old = self._replicas.get((c.root, c.source))
-            if old is not None and old.step > c.step:
-                release.append(self._drop(c))
-            else:
-                if old is not None:
-                    release.append(self._drop(self._replicas.pop((c.root, c.source))))
-                c.complete = True
-                self._replicas[(c.root, c.source)] = c
-                self.counters["replicas_received"] += 1
-        self._release(release)
-        if c.complete:
-            log.info(
-                "memory tier: replica of %s step %d from %s complete (%d bytes)", c.root, c.step, c.source, c.bytes
-            )
-
-    def _expire_incoming(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            gone = [
-                self._drop(self._incoming.pop(r))
-                for r, c in list(self._incoming.items())
-                if now - c.created > INCOMING_TTL_S
-            ]
-        self._release(gone)
-
     # ----------------------------------------------------------------------------- serving
 
     def holding(self, root: str, step: int, attempt: str) -> list[Copy]:
@@ -532,6 +353,26 @@ class Tiers:
             parts.append(view)
         return parts
 
+    def shared(self, root: str, step: int, attempt: str, keys: list[str]) -> list[Sealed] | None:
+        """The sealed buffers of ``keys`` of the complete copies of (root, step, attempt), whose
+        descriptors may be passed to a reader (``server.tierdata``); None when a key is not held
+        or its copy is not a sealed memfd (not Linux, or an empty object)."""
+        out = []
+        with self._lock:
+            copies = [self._hot.get(root), *[c for (r, _), c in self._replicas.items() if r == root]]
+            copies = [c for c in copies if c is not None and c.complete and not c.dropped]
+            for key in keys:
+                buf = next(
+                    (c.objects[key] for c in copies if c.step == step and c.attempt == attempt and key in c.objects),
+                    None,
+                )
+                if not isinstance(buf, Sealed) or not buf.sealed:
+                    return None
+                out.append(buf)
+            self.counters["bytes_served"] += sum(len(b) for b in out)
+            self.counters["bytes_shared"] += sum(len(b) for b in out)
+        return out
+
     def describe(self, root: str | None = None) -> dict:
         with self._lock:
             hot = [c.info() for r, c in self._hot.items() if root is None or r == root]
@@ -543,31 +384,6 @@ class Tiers:
             "hot": hot,
             "replicas": reps,
             "reserved_bytes": self.staging.reserved_bytes,
+            "data": self.data_endpoint,
             **({"discovery": self.discovery.describe()} if self.discovery is not None else {}),
         }
-
-
-def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
-    parts = urlsplit(url)
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    return cls(parts.hostname, parts.port, timeout=timeout)
-
-
-_JSON = "application/json"
-
-
-def _request(
-    conn, url: str, method: str, path: str, token: str | None, body, ctype: str = "application/octet-stream"
-) -> dict:
-    headers = {"Content-Type": ctype}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    conn.request(method, urlsplit(url).path.rstrip("/") + path, body=body, headers=headers)
-    resp = conn.getresponse()
-    raw = resp.read()
-    if resp.status != 200:
-        detail = raw[:200].decode(errors="replace")
-        raise RuntimeError(f"{method} {path.split('?')[0]}: HTTP {resp.status} {detail}")
-    with contextlib.suppress(ValueError):
-        return json.loads(raw) if raw else {}
-    return {}

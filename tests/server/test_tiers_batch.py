@@ -96,7 +96,7 @@ def test_tier_reads_are_batched(tmp_path):
         # (before batching: one per shard object read and range, 44 here), bitwise.
         before = c.metric("ckptd_tier_object_requests_total", TOKEN)
         batch = 1 << 20
-        env = {"CKPTD_TIER_BATCH_BYTES": str(batch)}
+        env = {"CKPTD_TIER_BATCH_BYTES": str(batch), "CKPTD_TIER_SHARED_MEMORY": "0"}
         res = _run(1, "restore_tiered", out / "r1", env, daemon=c.url, root=root, ref=str(out / "s" / "ref_step1.pt"))
         got = _check(res, 1)
         assert got["root"] == 0 and got["local"] > 0, got
@@ -107,7 +107,7 @@ def test_tier_reads_are_batched(tmp_path):
         # With a batch size under some shard objects' size, those are read one GET per range
         # straight into the tensors and the others batched: still every byte from c, bitwise.
         before = c.metric("ckptd_tier_object_requests_total", TOKEN)
-        env = {"CKPTD_TIER_BATCH_BYTES": str(4 << 10)}
+        env = {"CKPTD_TIER_BATCH_BYTES": str(4 << 10), "CKPTD_TIER_SHARED_MEMORY": "0"}
         res = _run(1, "restore_tiered", out / "r1s", env, daemon=c.url, root=root, ref=str(out / "s" / "ref_step1.pt"))
         small = _check(res, 1)
         assert small == got, (small, got)

@@ -1,0 +1,259 @@
+"""Replication of the memory tier (``server.tiers``): a daemon pushes each new hot copy to its
+ring successors, and receives and checks its predecessors' replicas.
+
+``Tiers`` holds the tables and the lock; this mixin holds the replica protocol, unchanged (and
+``Copy``, the record of one held copy, hot or replica, which both use): each
+new hot copy is pushed to the ``replicas`` daemons that follow this one in ``--peers`` (a ring;
+the list may name this daemon, found by ``--advertise``), authenticated with the daemon token:
+``POST /v1/tiers/replicas`` (the objects, their sizes and whole-object crc32c), then the bytes
+in pieces of ``PIECE_BYTES``, then ``seal``. The receiver holds a replica only once every object
+arrived whole and matches its crc32c; until then it serves nothing of it. It keeps one replica
+per (root, source daemon), the newest step. A replica that does not fit the staging budget is
+not kept (429), and an incoming one whose pusher stopped sending is dropped after
+``INCOMING_TTL_S``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from urllib.parse import quote, urlsplit
+
+from ckptd import manifest as mf
+from ckptd.codec import crc32c
+from ckptd.server.sealed import Sealed, new_buffer, seal
+
+__all__ = ["Copy", "INCOMING_TTL_S", "MAX_OBJECTS", "PIECE_BYTES", "Replication", "replica_targets"]
+
+log = logging.getLogger("ckptd.tiers")
+
+PIECE_BYTES = 8 << 20  # replica bytes per request: under the daemon's body limit
+MAX_OBJECTS = 1 << 16  # objects in one replica at most
+INCOMING_TTL_S = 600.0  # a replica whose pusher stopped sending is dropped after this
+
+
+@dataclass
+class Copy:
+    """The shard objects of one (root, step, attempt) held in memory."""
+
+    root: str
+    step: int
+    attempt: str
+    source: str  # "self" for a hot copy, the pushing daemon's URL for a replica
+    objects: dict[str, Sealed | bytearray] = field(default_factory=dict)  # sealed once complete (``sealed``)
+    expected: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica: key -> (size, crc32c)
+    filled: dict[str, int] = field(default_factory=dict)  # replica: bytes received per key
+    ranks: set[int] = field(default_factory=set)
+    bytes: int = 0
+    complete: bool = False
+    degraded: bool = False  # a hot copy that did not fit: none kept for this step
+    dropped: bool = False
+    created: float = field(default_factory=time.monotonic)
+    pushed: dict[str, str] = field(default_factory=dict)  # peer -> "complete" or why not
+
+    def info(self) -> dict:
+        return {
+            "root": self.root,
+            "step": self.step,
+            "attempt": self.attempt,
+            "source": self.source,
+            "ranks": sorted(self.ranks),
+            "bytes": self.bytes,
+            "objects": len(self.objects),
+            "complete": self.complete,
+            "replicated_to": dict(self.pushed),
+        }
+
+
+def replica_targets(peers: list[str], me: str | None, k: int) -> list[str]:
+    """The ``k`` daemons after ``me`` in the ring ``peers`` (the first ``k`` when ``me`` is not
+    in it), never ``me`` itself."""
+    ring = [p.rstrip("/") for p in peers]
+    mine = (me or "").rstrip("/")
+    if mine in ring:
+        i = ring.index(mine)
+        ring = ring[i + 1 :] + ring[:i]
+    return [p for p in ring if p != mine][: max(0, k)]
+
+
+class Replication:
+    """The replica half of ``Tiers`` (a mixin: it uses the tables, lock and budget of ``Tiers``)."""
+
+    def targets_for(self, root: str) -> list[str]:
+        """The daemons a hot copy of ``root`` is pushed to: ``--peers``' ring, or the discovered one."""
+        if self.discovery is None:
+            return self.targets
+        return self.discovery.targets(root, self.replicas)
+
+    def _dial(self, peer: str) -> http.client.HTTPConnection:
+        """A connection to ``peer``; to a discovered one only after it passed the challenge on it."""
+        conn = _connect(peer, self.timeout_s)
+        if self.discovery is not None:
+            try:
+                self.discovery.challenge(conn, peer)
+            except BaseException:
+                conn.close()
+                raise
+        return conn
+
+    def _push_all(self, group: Copy) -> None:
+        for peer in self.targets_for(group.root):
+            try:
+                self._push(peer, group)
+            except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
+                group.pushed[peer] = f"failed: {e}"
+                self.count("replica_push_failures")
+                log.warning("memory tier: replica of %s step %d to %s failed: %s", group.root, group.step, peer, e)
+            else:
+                group.pushed[peer] = "complete"
+                self.count("replicas_pushed")
+                log.info("memory tier: %s step %d replicated to %s", group.root, group.step, peer)
+
+    def _push(self, peer: str, group: Copy) -> None:
+        with self._lock:
+            objects = dict(group.objects)  # the bytearrays themselves; a dropped copy clears the dict only
+        body = {
+            "root": group.root,
+            "step": group.step,
+            "attempt": group.attempt,
+            "source": self.me or "unnamed",
+            "ranks": sorted(group.ranks),
+            "objects": [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()],
+        }
+        conn = self._dial(peer)
+        try:
+            reply = _request(conn, peer, "POST", "/v1/tiers/replicas", self.token, json.dumps(body).encode(), _JSON)
+            rid = reply["replica"]
+            for key, buf in objects.items():
+                mv = memoryview(buf)
+                for off in range(0, len(buf), PIECE_BYTES):
+                    if group.dropped:
+                        raise RuntimeError("a newer step committed during the push")
+                    q = f"/v1/tiers/replicas/{rid}?key={quote(key, safe='')}&offset={off}"
+                    _request(conn, peer, "PUT", q, self.token, mv[off : off + PIECE_BYTES])
+            _request(conn, peer, "POST", f"/v1/tiers/replicas/{rid}/seal", self.token, b"{}", _JSON)
+        finally:
+            conn.close()
+
+    def begin_replica(self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list) -> str:
+        """A peer starts pushing a replica. Returns its id, or "" when it is not kept (no room in
+        the budget, or tiers off): HTTP 429. ValueError for a malformed one."""
+        if not self.enabled:
+            return ""
+        if len(objects) > MAX_OBJECTS:
+            raise ValueError(f"a replica of {len(objects)} objects is over {MAX_OBJECTS}")
+        prefix = f"{mf.step_dir(step)}/{mf.ARRAYS}/"
+        expected: dict[str, tuple[int, int]] = {}
+        for o in objects:
+            key, size, crc = o["key"], int(o["size"]), int(o["crc32c"])
+            if not key.startswith(prefix) or ".." in key.split("/") or size < 0 or not 0 <= crc < 2**32:
+                raise ValueError(f"replica object {key!r} is not a shard object of step {step}")
+            expected[key] = (size, crc)
+        total = sum(s for s, _ in expected.values())
+        self._expire_incoming()
+        if not self.staging.reserve(total):
+            self.count("degraded")
+            log.warning(
+                "memory tier: no room for the replica of %s step %d from %s (%d bytes): not kept",
+                root,
+                step,
+                source,
+                total,
+            )
+            return ""
+        rid = uuid.uuid4().hex
+        c = Copy(root, step, attempt, source, expected=expected, ranks=set(ranks), bytes=total)
+        try:
+            c.objects = {k: new_buffer(s) for k, (s, _) in expected.items()}
+        except OSError as e:
+            self.staging.unreserve(total)
+            self.count("degraded")
+            log.warning("memory tier: cannot hold the replica of %s step %d in memory: %s", root, step, e)
+            return ""
+        c.filled = dict.fromkeys(expected, 0)
+        with self._lock:
+            self._incoming[rid] = c
+        return rid
+
+    def put_piece(self, rid: str, key: str, offset: int, data: bytes) -> None:
+        with self._lock:
+            c = self._incoming.get(rid)
+            if c is None:
+                raise KeyError(f"no replica {rid!r} being received")
+            if key not in c.expected:
+                raise ValueError(f"replica {rid}: {key!r} is not one of its objects")
+            if offset != c.filled[key] or offset + len(data) > c.expected[key][0]:
+                raise ValueError(f"replica {rid}: piece at {offset} of {key!r} out of order or past its end")
+            c.objects[key][offset : offset + len(data)] = data
+            c.filled[key] += len(data)
+
+    def seal(self, rid: str) -> None:
+        """Every object arrived whole and matches its crc32c: the replica counts from now on."""
+        with self._lock:
+            c = self._incoming.pop(rid, None)
+        if c is None:
+            raise KeyError(f"no replica {rid!r} being received")
+        bad = [k for k, (size, crc) in c.expected.items() if c.filled[k] != size or crc32c(c.objects[k]) != crc]
+        if bad:
+            with self._lock:
+                self._drop(c)
+            self._release([c])
+            raise ValueError(f"replica {rid}: {len(bad)} objects incomplete or failing their crc32c, e.g. {bad[0]!r}")
+        c.objects = {k: seal(v) for k, v in c.objects.items()}  # read-only from now on
+        release = []
+        with self._lock:
+            old = self._replicas.get((c.root, c.source))
+            if old is not None and old.step > c.step:
+                release.append(self._drop(c))
+            else:
+                if old is not None:
+                    release.append(self._drop(self._replicas.pop((c.root, c.source))))
+                c.complete = True
+                self._replicas[(c.root, c.source)] = c
+                self.counters["replicas_received"] += 1
+        self._release(release)
+        if c.complete:
+            log.info(
+                "memory tier: replica of %s step %d from %s complete (%d bytes)", c.root, c.step, c.source, c.bytes
+            )
+
+    def _expire_incoming(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            gone = [
+                self._drop(self._incoming.pop(r))
+                for r, c in list(self._incoming.items())
+                if now - c.created > INCOMING_TTL_S
+            ]
+        self._release(gone)
+
+
+def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    return cls(parts.hostname, parts.port, timeout=timeout)
+
+
+_JSON = "application/json"
+
+
+def _request(
+    conn, url: str, method: str, path: str, token: str | None, body, ctype: str = "application/octet-stream"
+) -> dict:
+    headers = {"Content-Type": ctype}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    conn.request(method, urlsplit(url).path.rstrip("/") + path, body=body, headers=headers)
+    resp = conn.getresponse()
+    raw = resp.read()
+    if resp.status != 200:
+        detail = raw[:200].decode(errors="replace")
+        raise RuntimeError(f"{method} {path.split('?')[0]}: HTTP {resp.status} {detail}")
+    with contextlib.suppress(ValueError):
+        return json.loads(raw) if raw else {}
+    return {}

@@ -1,0 +1,262 @@
+"""The memory tier's data path: bulk tier reads served by threads, outside the HTTP server's
+event loop.
+
+``POST /v1/tiers/read`` moves every byte through uvicorn's asyncio loop (one ASGI message per
+part, one loop iteration per socket write), which costs more than the copy itself. This listener
+answers the same reads on plain sockets, one thread per connection, writing the held buffers
+themselves (``sendall`` of the views: no join, no copy); the reader ``recv_into``s the reply
+straight into its tensors. It listens on a TCP port (``CKPTD_TIER_DATA_PORT``, 0: any free port,
+on the daemon's ``--host``) and on a Unix socket next to the daemon's (``ckptd-tiers.sock``,
+mode 0666: the kernel names each caller). Both are advertised by ``GET /v1/tiers`` and
+``GET /v1/tiers/keys`` as ``"data": {"port": P, "socket": PATH}``; a reader uses the port on the
+host of the daemon URL it already has, and the socket only for its own node's daemon.
+
+Wire (``ckptd.tierwire``): a request frame's JSON header is ``{"token", "op", "root", "step",
+"attempt", ...}``; ``op`` is
+
+* ``read`` with ``ranges`` ([key, start, length] each): one reply header ``{"ok": true, "step",
+  "attempt", "length"}`` followed by exactly ``length`` bytes, the ranges concatenated;
+* ``fds`` with ``keys`` (Unix socket only): one reply header ``{"ok": true, "step", "attempt",
+  "sizes"}`` carrying the sealed memfd descriptors of the objects (``server.sealed``); the rank
+  maps them ``PROT_READ``. No byte of the objects crosses the socket.
+
+The rules are the HTTP routes' (``server.peers``): the daemon token, compared in constant time,
+in every request (``--insecure-no-auth``: none); the root must be served and readable by the
+caller by the tenancy rule (``server.tenancy``: a Unix caller is named by ``SO_PEERCRED``, a TCP
+caller by nobody); objects are looked up by (root, step, attempt, key) in the tier table only,
+never turned into a path; the batch caps of ``server.tiers``. Anything else -- a wrong or missing
+token, a header over ``MAX_HEADER``, a malformed request, an unknown key, a range outside its
+object -- gets one error reply ``{"ok": false, "status", "detail"}`` and the connection is closed.
+Connections are capped (``max_connections``; over it: one error, closed) and a request must
+arrive whole within ``timeout_s`` (an idle connection is closed after the same time), so slow or
+half-closed clients cannot hold the threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+from ckptd.server.roots import RootError
+from ckptd.server.tenancy import PEER_KEY, Forbidden, Peer, listen_unix
+from ckptd.server.tiers import MAX_BATCH_RANGES
+from ckptd.tierwire import MAX_FDS, REPLY, REQUEST, WireError, recv_frame, send_frame
+
+__all__ = ["DATA_SOCKET_NAME", "TierData"]
+
+log = logging.getLogger("ckptd.tierdata")
+
+DATA_SOCKET_NAME = "ckptd-tiers.sock"
+MAX_KEY = 4096
+MAX_ATTEMPT = 64
+DRAIN_BYTES = 1 << 20
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+class TierData:
+    def __init__(
+        self,
+        tiers,
+        roots,
+        tenancy,
+        token: str | None,
+        host: str,
+        port: int,
+        socket_path: Path,
+        max_connections: int = 256,
+        timeout_s: float = 30.0,
+        fault_delay_s: float = 0.0,
+    ):
+        self.tiers, self.roots, self.tenancy = tiers, roots, tenancy
+        self.token = token.encode() if token is not None else None
+        self.max_connections = max(1, max_connections)
+        self.timeout_s = timeout_s
+        self.fault_delay_s = fault_delay_s
+        self._count = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.refused = 0
+        tcp = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            unix = listen_unix(socket_path)
+            unix.listen(128)
+        except BaseException:
+            tcp.close()
+            raise
+        self._listeners = [tcp, unix]
+        self.socket_path = Path(socket_path)
+        self.port = tcp.getsockname()[1]
+
+    @property
+    def connections(self) -> int:
+        return self._count
+
+    @property
+    def endpoint(self) -> dict:
+        return {"port": self.port, "socket": str(self.socket_path)}
+
+    def start(self) -> TierData:
+        for ls in self._listeners:
+            threading.Thread(target=self._accept, args=(ls,), name="ckptd-tier-data", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._closed = True
+        for ls in self._listeners:
+            with contextlib.suppress(OSError):
+                ls.shutdown(socket.SHUT_RDWR)
+            ls.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.socket_path)
+
+    def _accept(self, ls: socket.socket) -> None:
+        while not self._closed:
+            try:
+                conn, _ = ls.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)  # out of descriptors: try again, never spin
+                continue
+            with self._lock:
+                full = self._count >= self.max_connections
+                if not full:
+                    self._count += 1
+            if full:
+                self.refused += 1
+                threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="ckptd-tier-conn", daemon=True).start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(1.0)
+            with contextlib.suppress(OSError):
+                send_frame(conn, REPLY, {"ok": False, "status": 503, "detail": "too many tier data connections"})
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(self.timeout_s)
+                peer = None
+                if conn.family == socket.AF_UNIX:
+                    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                    peer = Peer(*struct.unpack("3i", raw))
+                caller = self.tenancy.caller({"state": {PEER_KEY: peer}} if peer is not None else {})
+                while not self._closed:
+                    try:
+                        got = recv_frame(conn, REQUEST)
+                    except (WireError, OSError) as e:  # a malformed, oversized or cut-off request
+                        self._error(conn, 400, str(e))
+                        return
+                    if got is None:
+                        return
+                    try:
+                        self._answer(conn, got[0], caller, peer is not None)
+                    except _Refused as e:
+                        self._error(conn, e.status, e.detail)
+                        return
+        except OSError as e:  # the reader went away mid-reply: its read fails there, not here
+            log.debug("tier data connection closed: %s", e)
+        finally:
+            with self._lock:
+                self._count -= 1
+
+    @staticmethod
+    def _error(conn: socket.socket, status: int, detail: str) -> None:
+        """One error reply, then the end of the connection: what the caller still sends is read
+        and dropped (at most ``DRAIN_BYTES``, for at most a second) so that the close is a FIN
+        after the reply, not a reset that could destroy it."""
+        with contextlib.suppress(OSError):
+            send_frame(conn, REPLY, {"ok": False, "status": status, "detail": detail[:300]})
+            conn.shutdown(socket.SHUT_WR)
+            conn.settimeout(1.0)
+            left = DRAIN_BYTES
+            while left > 0:
+                got = conn.recv(min(left, 65536))
+                if not got:
+                    break
+                left -= len(got)
+
+    def _answer(self, conn: socket.socket, h: dict, caller, unix: bool) -> None:
+        if self.token is not None:
+            given = h.get("token")
+            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self.token):
+                raise _Refused(401, "missing or wrong daemon token")
+        root, step, attempt, op = h.get("root"), h.get("step"), h.get("attempt"), h.get("op")
+        if not isinstance(root, str) or not 0 < len(root) <= 4096:
+            raise _Refused(400, "root must be a job root URI")
+        if type(step) is not int or not 0 <= step < 10**10:
+            raise _Refused(400, "step must be an integer in [0, 10^10)")
+        if not isinstance(attempt, str) or not 0 < len(attempt) <= MAX_ATTEMPT:
+            raise _Refused(400, "attempt must be a string of 1 to 64 characters")
+        try:
+            root = self.roots.check(root)
+            self.tenancy.check_read(caller, root)
+        except RootError as e:
+            raise _Refused(400, str(e)) from None
+        except Forbidden as e:
+            raise _Refused(403, str(e)) from None
+        self.tiers.count("object_requests")
+        if self.fault_delay_s:
+            time.sleep(self.fault_delay_s)  # tests only (CKPTD_FAULT_TIER_DELAY_S): a slow peer
+        if op == "read":
+            self._read(conn, h.get("ranges"), root, step, attempt)
+        elif op == "fds":
+            if not unix:
+                raise _Refused(400, "descriptors are passed on the daemon's Unix data socket only")
+            self._fds(conn, h.get("keys"), root, step, attempt)
+        else:
+            raise _Refused(400, "op must be read or fds")
+
+    def _read(self, conn: socket.socket, ranges, root: str, step: int, attempt: str) -> None:
+        if not isinstance(ranges, list) or not 0 < len(ranges) <= MAX_BATCH_RANGES:
+            raise _Refused(400, f"ranges must be a list of 1 to {MAX_BATCH_RANGES} [key, start, length]")
+        want = []
+        for r in ranges:
+            if (
+                not isinstance(r, list)
+                or len(r) != 3
+                or not isinstance(r[0], str)
+                or not 0 < len(r[0]) <= MAX_KEY
+                or type(r[1]) is not int
+                or type(r[2]) is not int
+            ):
+                raise _Refused(400, "a range is [key, start, length]")
+            want.append((r[0], r[1], r[2]))
+        try:
+            parts = self.tiers.read_many(root, step, attempt, want)
+        except ValueError as e:
+            raise _Refused(416, str(e)) from None
+        if parts is None:
+            raise _Refused(404, f"no complete copy of step {step} attempt {attempt} holds them")
+        send_frame(conn, REPLY, {"ok": True, "step": step, "attempt": attempt, "length": sum(len(p) for p in parts)})
+        for p in parts:
+            if len(p):
+                conn.sendall(p)
+
+    def _fds(self, conn: socket.socket, keys, root: str, step: int, attempt: str) -> None:
+        if (
+            not isinstance(keys, list)
+            or not 0 < len(keys) <= MAX_FDS
+            or not all(isinstance(k, str) and 0 < len(k) <= MAX_KEY for k in keys)
+        ):
+            raise _Refused(400, f"keys must be a list of 1 to {MAX_FDS} object keys")
+        bufs = self.tiers.shared(root, step, attempt, keys)
+        if bufs is None:
+            raise _Refused(404, f"no complete, shareable copy of step {step} attempt {attempt} holds them")
+        # ``bufs`` keeps every descriptor open until it is sent, even if the copy is dropped now.
+        header = {"ok": True, "step": step, "attempt": attempt, "sizes": [len(b) for b in bufs]}
+        send_frame(conn, REPLY, header, fds=[b.fd for b in bufs])
