@@ -21,6 +21,7 @@ Steps, on every rank (collective):
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -248,16 +249,22 @@ def restore_state(
     step = _pick_step(store, coord, step)
     if step is None:
         return None
-    return _restore_step(
+    return _one_step(store, coord, state, strict, pool, restore_rng, in_place, tiers)(step, planned=asked is None)
+
+
+def _one_step(store, coord, state, strict, pool, restore_rng, in_place, tiers):
+    """:func:`_restore_step` bound to the caller's state and options: ``f(step, planned=...)``,
+    what each choice of step (:func:`restore_state`: the step asked or the latest;
+    :func:`restore_fallback`: newest first) runs for the step it chose."""
+    return functools.partial(
+        _restore_step,
         store,
         coord,
         state,
-        step,
         strict=strict,
         pool=pool,
         restore_rng=restore_rng,
         in_place=in_place,
-        planned=asked is None,
         tiers=tiers,
     )
 
@@ -408,6 +415,7 @@ def restore_fallback(
         raise CheckpointError(order[1])
     skipped: list[tuple[int, str]] = []
     newest = order[0] if order else None
+    restore_one = _one_step(store, coord, state, strict, pool, restore_rng, in_place, tiers)
     for step in order:
         # Rank 0 reads the step's verdict only when the step's turn comes (a verdict is checked
         # against the step's commit record and manifest: reading them for every older step up
@@ -422,18 +430,7 @@ def restore_fallback(
             log.warning("restore: skipping step %d: ckptd verify recorded it bad (%s)", step, bad)
             continue
         try:
-            got = _restore_step(
-                store,
-                coord,
-                state,
-                step,
-                strict=strict,
-                pool=pool,
-                restore_rng=restore_rng,
-                in_place=in_place,
-                planned=step == newest,
-                tiers=tiers,
-            )
+            got = restore_one(step, planned=step == newest)
         except StateMismatchError:
             raise
         except CheckpointError as e:
