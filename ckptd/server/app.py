@@ -46,8 +46,9 @@ from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
 from ckptd.server.peers import router as peers
 from ckptd.server.roots import RootError, Roots
+from ckptd.server.safefiles import open_private_dir
 from ckptd.server.settings import Settings, default_staging_dir, group_id
-from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging, open_private_dir
+from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from ckptd.server.tenancy import SOCKET_NAME, Caller, Forbidden, Tenancy, can_isolate
 from ckptd.server.tiers import Tiers
 from storage_backends import StorageError

@@ -23,7 +23,8 @@ import httpx
 import numpy as np
 import pytest
 
-from ckptd.server.staging import Staging, StagingError
+from ckptd.server.safefiles import StagingError
+from ckptd.server.staging import Staging
 from storage_backends import open_store
 from tests.security.conftest import as_user, assert_one_line_error, cli
 from tests.server.daemon import Daemon, wait_for
@@ -199,7 +200,7 @@ def test_metadata_swapped_for_environ_link_is_not_uploaded(tmp_path, shm_dir, at
 
 def test_staged_files_are_read_without_following_links(tmp_path):
     """The daemon-side reader itself: link, FIFO and size change are refused before any read."""
-    from ckptd.server.staging import StagingFileError, read_staged
+    from ckptd.server.safefiles import StagingFileError, read_staged
 
     (tmp_path / "ok").write_bytes(b"12345")
     assert read_staged(tmp_path / "ok", 5) == b"12345"
