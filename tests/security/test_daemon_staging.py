@@ -27,7 +27,7 @@ from ckptd.server.safefiles import StagingError
 from ckptd.server.staging import Staging
 from storage_backends import open_store
 from tests.security.conftest import as_user, assert_one_line_error, cli
-from tests.server.daemon import Daemon, wait_for
+from tests.server.daemon import Daemon, hand_off_body, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -138,23 +138,7 @@ def _lease(c: httpx.Client, root: str) -> dict:
 
 
 def _job(lease: dict, root: str, step: int) -> dict:
-    return {
-        "lease": lease["lease"],
-        "root": root,
-        "step": step,
-        "attempt": f"a{step}",
-        "rank": 0,
-        "world_size": 1,
-        "shards": [
-            {
-                "key": "w",
-                "layout": {"shape": [4], "dtype": "float32", "shard_shape": [4], "chunk_shape": [4]},
-                "coord": [0],
-                "file": "w.bin",
-            }
-        ],
-        "metadata": [{"key": "notes.json", "file": "m.bin"}],
-    }
+    return hand_off_body(root, step, f"a{step}", lease["lease"], [{"key": "notes.json", "file": "m.bin"}])
 
 
 def _stage(lease: dict) -> None:
