@@ -68,10 +68,10 @@ STEPS = (10, 100, 1000, 10000)
 def _protocol_modules() -> list:
     """The modules whose clock the simulation replaces: the ones the save and commit run (the
     claim, one rank's write, the commit and its wait, retention, the daemon's shared claim)."""
-    from ckptd import claims, commit, persist, retention
+    from ckptd import claims, commit, leases, persist, retention
     from ckptd.server import shared_claim
 
-    return [catalog, claims, commit, persist, retention, shared_claim]
+    return [catalog, claims, commit, leases, persist, retention, shared_claim]
 
 
 @contextlib.contextmanager

@@ -19,14 +19,11 @@ the newest claim (:func:`owner`). A claimant that finds the newest claim naming:
   this step that failed): takes the step over by creating claim ``n+1`` -- unless its own
   attempt already held an older claim (it was superseded: it never takes the step back);
 * another writer whose lease ran out (:func:`liveness`): takes it over the same way, with a
-  warning. Liveness is a lease, not the age of data: every rank of an attempt renews it while it
-  writes (:class:`Heartbeat`: ``<step>/_claims/<attempt>/alive/<rank>.json`` re-put every
-  quarter lease), and the claim is dead once its newest heartbeat (or the claim itself) is
-  older than ``CKPTD_CLAIM_LEASE_S`` (60 s; :func:`lease_s`). A claim written by an older
-  version (no ``lease`` field) falls back to the step's newest data write and
-  ``CKPTD_STALE_ATTEMPT_S`` (900 s; :func:`stale_after`), which also caps the lease. Every time
-  read from storage is clamped to now (:func:`clamp`: a time far in the future is no evidence
-  of life); an operator's fencing claim (``ckptd fence``) is never alive;
+  warning. Liveness is a lease, not the age of data (``ckptd.leases``: every rank of an attempt
+  renews it while it writes with ``leases.Heartbeat``, and the claim is dead once its newest
+  heartbeat, or the claim itself, is older than ``CKPTD_CLAIM_LEASE_S``; a claim of an older
+  version falls back to ``CKPTD_STALE_ATTEMPT_S``; storage times are clamped to now); an
+  operator's fencing claim (``ckptd fence``) is never alive;
 * another writer, alive: refuses with :class:`StepClaimed`, naming that job and the
   ``ckptd fence`` command, and writes and deletes nothing.
 
@@ -73,7 +70,6 @@ The daemon shares one claim among the ranks it serves instead
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 import shlex
@@ -83,6 +79,7 @@ import time
 from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.errors import AlreadyCommitted, CheckpointError, SaveAborted, StepClaimed
+from ckptd.leases import clamp, idle_seconds, lease_age, lease_s, stale_after
 from ckptd.manifest import CLAIMS
 from storage_backends import NotFoundError, StorageError, Store
 
@@ -91,48 +88,8 @@ log = logging.getLogger("ckptd.claims")
 WRITER_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 
 
-DEFAULT_STALE_S = 900.0
-DEFAULT_LEASE_S = 60.0
-
 # A claim file name: six digits, or more without a leading zero (total: 999999 -> 1000000).
 _CLAIM_NAME = re.compile(r"(\d{6}|[1-9]\d{6,17})\.json")
-
-
-def stale_after() -> float:
-    """Seconds without a write after which another writer's partial step may be taken over
-    (``CKPTD_STALE_ATTEMPT_S``, default 900)."""
-    raw = os.environ.get("CKPTD_STALE_ATTEMPT_S", "").strip()
-    try:
-        return float(raw) if raw else DEFAULT_STALE_S
-    except ValueError:
-        raise CheckpointError(f"CKPTD_STALE_ATTEMPT_S={raw!r}: expected a number of seconds") from None
-
-
-def lease_s() -> float:
-    """Seconds after its attempt's last heartbeat (or its claim) before another writer may take
-    a step over: ``CKPTD_CLAIM_LEASE_S`` (default 60), or ``CKPTD_STALE_ATTEMPT_S`` if that is
-    shorter (it stays the bound it always was); the heartbeat renews it every quarter."""
-    raw = os.environ.get("CKPTD_CLAIM_LEASE_S", "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_LEASE_S
-    except ValueError:
-        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a number of seconds") from None
-    if not value > 0:
-        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a positive number of seconds")
-    return min(value, stale_after())
-
-
-MAX_SKEW_S = 60.0  # how far ahead of this host's clock a storage time may be and still count
-
-
-def clamp(t: float, now: float) -> float:
-    """A time read from storage, clamped to ``now``: a claim or heartbeat dated up to
-    ``MAX_SKEW_S`` in the future (a storage clock ahead of ours) counts as written now; one
-    dated further ahead (a forged file time) is no evidence of anything and counts as never
-    written (0), not as alive for years -- read at every check, "now" would never expire."""
-    if t != t or t > now + MAX_SKEW_S:  # NaN, or absurdly far ahead
-        return 0.0
-    return min(t, now)
 
 
 def check_writer(writer: str) -> str:
@@ -177,63 +134,6 @@ def owner(store: Store, step: int) -> dict | None:
     """The newest claim of ``step`` (who owns it), or None if nobody claimed it."""
     cs = claims(store, step)
     return cs[-1][1] if cs else None
-
-
-def _idle_seconds(store: Store, step: int) -> float:
-    """Seconds since the newest write to the step folder, not counting claim outcomes
-    (``_claims/<attempt>/...``): a refused writer's outcome records must not keep a dead job's
-    step looking alive, or a job retrying the step would never reach the stale takeover."""
-    prefix = f"{mf.step_dir(step)}/"
-    outcomes = f"{prefix}{CLAIMS}/"
-    newest = max(
-        (o.mtime for o in store.list(prefix) if not (o.key.startswith(outcomes) and "/" in o.key[len(outcomes) :])),
-        default=0.0,
-    )
-    now = time.time()
-    return now - clamp(newest, now)
-
-
-def alive_prefix(step: int, attempt: str) -> str:
-    """Where the ranks of ``attempt`` renew their lease on ``step`` (beside the outcomes)."""
-    return f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/alive/"
-
-
-def lease_age(store: Store, step: int, n: int, attempt: str) -> float:
-    """Seconds since claim ``n`` of ``step`` or a heartbeat of ``attempt`` (the claim's) was last
-    written, every time clamped to now."""
-    now = time.time()
-    times = [o.mtime for o in store.list(claim_key(step, n))]
-    times += [o.mtime for o in store.list(f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/")]
-    return now - max((clamp(t, now) for t in times), default=0.0)
-
-
-class Heartbeat:
-    """Renews ``attempt``'s lease on ``step`` while a rank writes it: a small thread re-puts
-    ``<step>/_claims/<attempt>/alive/<rank>.json`` every quarter of the lease. Stop it (or leave
-    the ``with`` block) when the rank's part is done. A failed renewal is logged, never raised:
-    the lease then runs out, which only allows another writer to fence this one off."""
-
-    def __init__(self, store: Store, step: int, attempt: str, rank: int, period: float | None = None):
-        self._store = store
-        self._key = f"{alive_prefix(step, attempt)}{rank:06d}.json"
-        self._period = period if period is not None else max(0.05, lease_s() / 4)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"ckptd-heartbeat-{step}", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            try:
-                self._store.put(self._key, mf.dumps({"time": time.time()}))
-            except (StorageError, OSError) as e:
-                log.warning("cannot renew the lease %s: %s", self._key, e)
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
 
 
 def begin(store: Store, step: int, attempt: str, writer: str, *, sole: bool = True) -> None:
@@ -295,16 +195,16 @@ def begin(store: Store, step: int, attempt: str, writer: str, *, sole: bool = Tr
 def liveness(store: Store, step: int, n: int, rec: dict) -> tuple[float, float, str]:
     """(seconds since the owner of claim ``n`` was last seen alive, the limit past which it may
     be taken over, what was seen). A claim with a lease (this version's) is alive while its
-    attempt renews it (:class:`Heartbeat`); an older claim (no lease) by its step's newest data
-    write, up to ``CKPTD_STALE_ATTEMPT_S``. An operator's fencing claim (``ckptd fence``,
-    ``ckptd.fencing``) is never alive."""
+    attempt renews it (``ckptd.leases``: ``Heartbeat``, ``lease_age``); an older claim (no
+    lease) by its step's newest data write, up to ``CKPTD_STALE_ATTEMPT_S``. An operator's
+    fencing claim (``ckptd fence``, ``ckptd.fencing``) is never alive."""
     if rec.get("writer") == "ckptd-fence" and isinstance(rec.get("fenced"), str):
         return float("inf"), 0.0, "fencing claim (ckptd fence), written"
     if isinstance(rec.get("lease"), int | float) and isinstance(rec.get("attempt"), str):
         attempt = rec["attempt"]
         if WRITER_RE.match(attempt):
-            return lease_age(store, step, n, attempt), lease_s(), "last heartbeat"
-    return _idle_seconds(store, step), stale_after(), "last write"
+            return lease_age(store, step, claim_key(step, n), attempt), lease_s(), "last heartbeat"
+    return idle_seconds(store, step), stale_after(), "last write"
 
 
 def clear_superseded(store: Store, step: int, where: str, newer_than: str | None = None) -> int:
@@ -499,15 +399,8 @@ def reclaim(store: Store, steps: list[int], writer: str, attempts: set[str] | No
 
 
 __all__ = [
-    "DEFAULT_LEASE_S",
-    "DEFAULT_STALE_S",
-    "Heartbeat",
-    "MAX_SKEW_S",
-    "alive_prefix",
-    "clamp",
+    "clamp",  # ckptd.leases.clamp, still imported from here by ckptd.server.discovery (branch discover)
     "clear_superseded",
-    "lease_age",
-    "lease_s",
     "liveness",
     "LEADER",
     "OUTCOME_GROUP",
@@ -522,6 +415,5 @@ __all__ = [
     "outcome_keys",
     "owner",
     "reclaim",
-    "stale_after",
     "trusted",
 ]

@@ -48,10 +48,11 @@ import numpy as np
 
 from ckptd import catalog, donetree
 from ckptd import manifest as mf
-from ckptd.claims import LEADER, Heartbeat, begin, check_abort, check_writer, follow_claim, lead_claim, owner
+from ckptd.claims import LEADER, begin, check_abort, check_writer, follow_claim, lead_claim, owner
 from ckptd.codec import encode_shard, image_crcs, seal_image
 from ckptd.commit import climb, wait_commit
 from ckptd.errors import CheckpointError, SaveAborted
+from ckptd.leases import Heartbeat
 from ckptd.savejob import SaveJob
 from storage_backends import ExistsError, StorageError, Store
 from storage_backends.base import as_buffers, data_size
@@ -126,7 +127,7 @@ def persist(
     newest claim must name the attempt.
 
     ``heartbeat``: renew the attempt's lease on the step while this rank writes
-    (:class:`ckptd.claims.Heartbeat`, a small thread); False only for simulations whose clock
+    (:class:`ckptd.leases.Heartbeat`, a small thread); False only for simulations whose clock
     is virtual (``benchmarks.scale``), where no real thread may touch the store."""
     if claim not in ("leader", "each", "caller"):
         raise ValueError(f"claim={claim!r}: expected 'leader', 'each' or 'caller'")

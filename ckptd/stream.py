@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd import catalog, claims, commit, donetree, persist
+from ckptd import catalog, claims, commit, donetree, leases, persist
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
 from ckptd.dtypes import as_numpy, zarr_name
@@ -91,7 +91,7 @@ class CheckpointWriter:
         self._tags: dict[str, object] = {}  # identities of the objects put_new created, for clean_up
         self.writer = writer or f"ckptd@{socket.gethostname()}"
         claims.begin(store, step, self.attempt, claims.check_writer(self.writer))
-        self._heartbeat = claims.Heartbeat(store, step, self.attempt, 0).__enter__()  # renews the lease
+        self._heartbeat = leases.Heartbeat(store, step, self.attempt, 0).__enter__()  # renews the lease
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-stream")
 
     def _put_new(self, key: str, data) -> None:

@@ -21,6 +21,7 @@ Steps, on every rank (collective):
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 
 from ckptd import catalog, jsonenc, pins, plans
 from ckptd import manifest as mf
-from ckptd.dtypes import as_numpy, zarr_dtype
+from ckptd.dtypes import as_numpy
 from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
 from ckptd.layout import plan_reads, shard_index
 from ckptd.reader import CheckpointReader, ReadRequest
@@ -38,10 +39,11 @@ from trainer_hooks import hostcopy, rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import apply, flatten
 from trainer_hooks.sharding import is_dtensor, local_tensor
+from trainer_hooks.state_check import validate
 from trainer_hooks.storage_swap import can_swap_memory, exchange, settle
 from trainer_hooks.zero import local_optimizer
 
-__all__ = ["pins_for", "restore_state", "validate"]
+__all__ = ["pins_for", "restore_state"]
 
 log = logging.getLogger("ckptd.restore")
 
@@ -126,105 +128,6 @@ def _planned_store(store: Store, coord: Coordinator, step: int) -> Store:
         raise CheckpointError(f"{uri}: cannot open the rechunked copy named by the reshard plan ({e})") from None
 
 
-# What a live value of each kind can be restored from: a module from a plain dict of tensors
-# (``ckptd import`` of a torch.save/safetensors file), and so on.
-_COMPATIBLE = {
-    "module": {"module", "dict"},
-    "optimizer": {"optimizer", "dict"},
-    "dict": {"dict", "module", "optimizer"},
-    "stateful": {"stateful", "dict", "value"},
-    "tensor": {"tensor"},
-    "value": {"value", "dict", "stateful"},
-}
-
-
-def _entry_of(key: str) -> str:
-    """The escaped top-level state name of an array key (``key_of`` escapes each component)."""
-    return key.split("/", 1)[0]
-
-
-def _stateless_params(m: mf.Manifest, flat) -> set[str]:
-    """The live array keys of optimizer state for parameters that the checkpoint's optimizer
-    had in its parameter groups but kept no state for: a BERT pooler the loss never reaches,
-    frozen layers that keep ``requires_grad``, MoE experts no token was routed to, a head used
-    later in training. ``get_optimizer_state_dict`` on a fresh optimizer makes state for every
-    parameter (a zero-gradient step), so the live state has these keys and the checkpoint does
-    not; they are restored as they were saved: with no state."""
-    out: set[str] = set()
-    for name, node in flat.tree.items():
-        saved = m.state.get(name)
-        if node["kind"] != "optimizer" or saved is None or saved["kind"] != "optimizer":
-            continue
-        saved_state = saved["data"].get("state", {})
-        groups = jsonenc.decode(saved["data"].get("param_groups", []), lambda k: None)
-        in_groups = {p for g in groups if isinstance(g, dict) for p in g.get("params", ())}
-        for fqn in node["data"].get("state", {}):
-            if fqn not in saved_state and fqn in in_groups:
-                prefix = mf.key_of((name, "state", fqn)) + "/"
-                out.update(k for k in flat.tensors if k.startswith(prefix))
-    return out
-
-
-def _refuse_mismatch(where: str, keys: set[str], what: str, lenient: str) -> None:
-    """StateMismatchError naming the first of ``keys`` (sorted) and how many more, if any."""
-    if keys:
-        first, *more = sorted(keys)
-        raise StateMismatchError(
-            f"{where}: key {first!r} {what}"
-            + (f" (and {len(more)} more)" if more else "")
-            + f"; pass strict=False to {lenient}"
-        )
-
-
-def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
-    """Check the live state against the manifest; return the keys to read. Raises
-    StateMismatchError naming the checkpoint, the key and what differs.
-
-    Only the top-level entries that ``state`` has are compared: restoring ``{"model": m}``
-    from a checkpoint that also holds the optimizer is not an error. Inside each entry, every
-    key must match unless ``strict=False``; an entry asked for that the checkpoint lacks fails."""
-    both = {mf.escape_component(n) for n in flat.tree if n in m.state}
-    stateless = _stateless_params(m, flat)
-    live = {k for k in flat.tensors if _entry_of(k) in both} - stateless
-    saved = {k for k in m.tensors if _entry_of(k) in both}
-    if strict:
-        _refuse_mismatch(
-            where, set(flat.tree) - set(m.state), "is in the state but not in the checkpoint", "keep it as it is"
-        )
-        _refuse_mismatch(
-            where, live - saved, "is in the state but not in the checkpoint", "keep those values as they are"
-        )
-        _refuse_mismatch(where, saved - live, "is in the checkpoint but not in the state", "ignore it")
-    if strict:
-        # A ``$tensor`` reference the manifest's tensor table lacks would be silently skipped.
-        for name in flat.tree:
-            dangling = [r for r in jsonenc.tensor_refs(m.state.get(name)) if r not in m.tensors]
-            if dangling:
-                raise CheckpointError(
-                    f"{where}: key {name!r} refers to tensor {dangling[0]!r}, which the checkpoint does not hold"
-                )
-    for name, node in flat.tree.items():
-        saved_node = m.state.get(name)
-        if saved_node is not None and saved_node["kind"] not in _COMPATIBLE[node["kind"]]:
-            raise StateMismatchError(
-                f"{where}: key {name!r} was saved as a {saved_node['kind']} but the state has a {node['kind']}"
-            )
-    keys = [k for k in flat.tensors if k in live and k in saved]
-    for k in keys:
-        t, e = flat.tensors[k], m.tensors[k]
-        if tuple(t.shape) != e.layout.shape:
-            raise StateMismatchError(
-                f"{where}: key {k!r} has shape {tuple(e.layout.shape)} in the checkpoint but "
-                f"{tuple(t.shape)} in the state"
-            )
-        dt = zarr_dtype(t.dtype, k)
-        if dt != e.layout.dtype:
-            raise StateMismatchError(
-                f"{where}: key {k!r} has dtype {e.layout.dtype} in the checkpoint but {dt} in the state"
-            )
-    return keys
-
-
 def restore_state(
     store: Store,
     coord: Coordinator,
@@ -248,16 +151,22 @@ def restore_state(
     step = _pick_step(store, coord, step)
     if step is None:
         return None
-    return _restore_step(
+    return _one_step(store, coord, state, strict, pool, restore_rng, in_place, tiers)(step, planned=asked is None)
+
+
+def _one_step(store, coord, state, strict, pool, restore_rng, in_place, tiers):
+    """:func:`_restore_step` bound to the caller's state and options: ``f(step, planned=...)``,
+    what each choice of step (:func:`restore_state`: the step asked or the latest;
+    :func:`restore_fallback`: newest first) runs for the step it chose."""
+    return functools.partial(
+        _restore_step,
         store,
         coord,
         state,
-        step,
         strict=strict,
         pool=pool,
         restore_rng=restore_rng,
         in_place=in_place,
-        planned=asked is None,
         tiers=tiers,
     )
 
@@ -408,6 +317,7 @@ def restore_fallback(
         raise CheckpointError(order[1])
     skipped: list[tuple[int, str]] = []
     newest = order[0] if order else None
+    restore_one = _one_step(store, coord, state, strict, pool, restore_rng, in_place, tiers)
     for step in order:
         # Rank 0 reads the step's verdict only when the step's turn comes (a verdict is checked
         # against the step's commit record and manifest: reading them for every older step up
@@ -422,18 +332,7 @@ def restore_fallback(
             log.warning("restore: skipping step %d: ckptd verify recorded it bad (%s)", step, bad)
             continue
         try:
-            got = _restore_step(
-                store,
-                coord,
-                state,
-                step,
-                strict=strict,
-                pool=pool,
-                restore_rng=restore_rng,
-                in_place=in_place,
-                planned=step == newest,
-                tiers=tiers,
-            )
+            got = restore_one(step, planned=step == newest)
         except StateMismatchError:
             raise
         except CheckpointError as e:

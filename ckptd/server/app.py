@@ -10,7 +10,8 @@ still uploading from, or a step already committed; 413 a body over the limit; 42
 root's storage failed or holds something unreadable.
 
 Routes live on the ``APIRouter``s listed in ``ROUTERS`` and reach the daemon's parts through the
-``Daemon`` dependency; a new group of routes is a router plus one entry there. Routes raise the
+``Parts`` and ``Who`` dependencies (``ckptd.server.parts``); a new group of routes is a router in
+a module of its own (``staging_routes``, ``page``, ``peers``) plus one entry there. Routes raise the
 error types of the layers below and ``ERRORS`` (one table) turns them into status codes, so no
 route catches an error only to translate it.
 """
@@ -26,14 +27,12 @@ import os
 import shutil
 import stat
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
@@ -46,24 +45,24 @@ from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
 from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
+from ckptd.server.parts import Daemon, Parts, Who, own_lease
 from ckptd.server.peers import router as peers
 from ckptd.server.roots import RootError, Roots
+from ckptd.server.safefiles import open_private_dir
 from ckptd.server.settings import Settings, default_staging_dir, group_id
-from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging, open_private_dir
-from ckptd.server.tenancy import SOCKET_NAME, Caller, Forbidden, Tenancy, can_isolate
+from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
+from ckptd.server.staging_routes import router as leases
+from ckptd.server.tenancy import SOCKET_NAME, Forbidden, Tenancy, can_isolate
 from ckptd.server.tiers import Tiers
 from storage_backends import StorageError
 
 __all__ = [
-    "Daemon",
     "ERRORS",
     "FEATURES",
-    "GrowRequest",
     "Guard",
     "HANDLERS",
     "JobRequest",
     "LayoutModel",
-    "LeaseRequest",
     "MetadataModel",
     "RETRY_AFTER_S",
     "ROUTERS",
@@ -80,19 +79,6 @@ _NAME = Field(min_length=1, max_length=64)
 
 
 # ------------------------------------------------------------------------------- bodies
-
-
-class LeaseRequest(BaseModel):
-    root: str = Field(min_length=1, max_length=4096)
-    rank: int = Field(ge=0)
-    bytes: int = Field(ge=0, description="bytes needed now")
-    want: int = Field(0, ge=0, description="bytes wanted (e.g. the whole snapshot), granted if they fit")
-    client: str = Field(min_length=1, max_length=64, description="the requesting client, for fair waiting")
-
-
-class GrowRequest(BaseModel):
-    bytes: int = Field(ge=0)
-    want: int = Field(0, ge=0)
 
 
 # ``image_handoff``: shard files may be object images ("image": true); ``job_long_poll``:
@@ -272,56 +258,6 @@ def read_token(path: str | None) -> str | None:
     return token
 
 
-# ------------------------------------------------------------------------- daemon parts
-
-
-@dataclass(frozen=True)
-class Daemon:
-    """The parts every route uses, built once by ``create_app`` and kept on ``app.state.daemon``."""
-
-    roots: Roots
-    runner: Runner
-    staging: Staging
-    metrics: Metrics
-    staging_dir: Path
-    tenancy: Tenancy | None = None
-    socket_path: Path | None = None  # the Unix socket ``ckptd serve`` listens on (None: none)
-
-    def root_of(self, root: str | None) -> str:
-        """The job root a request names, or the only one served when it names none."""
-        if root is None:
-            only = self.roots.only()
-            if only is None:
-                raise RootError(
-                    f"this daemon serves several roots; name one with ?root= ({', '.join(self.roots.uris)})"
-                )
-            return only
-        return self.roots.check(root)
-
-
-def _daemon(request: Request) -> Daemon:
-    return request.app.state.daemon
-
-
-Parts = Annotated[Daemon, Depends(_daemon)]
-
-
-def _caller(request: Request) -> Caller:
-    return request.app.state.daemon.tenancy.caller(request.scope)
-
-
-Who = Annotated[Caller, Depends(_caller)]
-
-
-def _own_lease(d: Daemon, who: Caller, lease_id: str, what: str):
-    """The lease, if ``who`` may use it (403 if it is another uid's; 404 if there is none)."""
-    d.tenancy.identified(who, what)
-    lease = d.staging.get(lease_id)
-    if not d.tenancy.owns(who, lease.uid):
-        raise Forbidden(f"lease {lease_id} belongs to another user: {who} may not use it")
-    return lease
-
-
 # ------------------------------------------------------------------------------- errors
 
 # Error type -> HTTP status, looked up along the raised exception's MRO (so a subclass listed
@@ -448,46 +384,6 @@ def prometheus(d: Parts):
     return PlainTextResponse(d.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-# ------------------------------------------------------------------------ staging leases
-
-leases = APIRouter()
-
-
-@leases.post("/v1/leases", summary="reserve staging memory; 429 while the budget is full")
-def create_lease(body: LeaseRequest, d: Parts, who: Who):
-    d.tenancy.identified(who, "a staging lease")
-    r = d.roots.check(body.root)
-    d.tenancy.check_write(who, r, bind=False)
-    gid = who.peer.gid if who.peer is not None else None
-    return d.staging.create(r, body.rank, body.bytes, body.want, body.client, who.uid, gid).info(d.staging.ttl)
-
-
-@leases.post("/v1/leases/{lease_id}/acquire", summary="start a save in a lease handed back by the daemon")
-def acquire_lease(lease_id: str, d: Parts, who: Who):
-    _own_lease(d, who, lease_id, "a staging lease")
-    return d.staging.acquire(lease_id).info(d.staging.ttl)
-
-
-@leases.post("/v1/leases/{lease_id}/grow", summary="more staging memory for a lease; 429 while full")
-def grow_lease(lease_id: str, body: GrowRequest, d: Parts, who: Who):
-    _own_lease(d, who, lease_id, "a staging lease")
-    return d.staging.grow(lease_id, body.bytes, body.want).info(d.staging.ttl)
-
-
-@leases.post("/v1/leases/{lease_id}/heartbeat", summary="the lease's client is alive")
-def heartbeat_lease(lease_id: str, d: Parts, who: Who):
-    _own_lease(d, who, lease_id, "a staging lease")
-    return d.staging.heartbeat(lease_id).info(d.staging.ttl)
-
-
-@leases.delete("/v1/leases/{lease_id}", status_code=204, summary="the client is done with its lease")
-def release_lease(lease_id: str, d: Parts, who: Who):
-    with contextlib.suppress(LeaseGone):
-        _own_lease(d, who, lease_id, "a staging lease")
-        d.staging.release(lease_id)
-    return Response(status_code=204)
-
-
 # ------------------------------------------------------------------------------ hand-off
 
 jobs = APIRouter()
@@ -495,7 +391,7 @@ jobs = APIRouter()
 
 @jobs.post("/v1/jobs", summary="hand off one rank's snapshot; from the 200 on the daemon owns it")
 def submit_job(body: JobRequest, d: Parts, who: Who):
-    _own_lease(d, who, body.lease, "a hand-off")
+    own_lease(d, who, body.lease, "a hand-off")
     d.tenancy.check_write(who, d.roots.check(body.root), bind=True)
     return d.runner.accept(body.model_dump()).status()
 

@@ -27,7 +27,8 @@ from ckptd.dtypes import numpy_dtype
 from ckptd.errors import CheckpointError
 from ckptd.savejob import SaveJob, ShardWrite, format_image_np
 from ckptd.server.roots import RootError, Roots
-from ckptd.server.staging import Lease, is_plain_file_name, read_staged
+from ckptd.server.safefiles import read_staged
+from ckptd.server.staging import Lease, is_plain_file_name
 from storage_backends.base import InvalidKeyError, check_key
 
 __all__ = ["ATTEMPT", "BadJob", "FINAL", "JOB_ID", "Job", "MAX_DEPTH", "MAX_META_BYTES", "intact", "load", "validate"]

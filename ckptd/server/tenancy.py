@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.server.roots import RootError, normalize
-from ckptd.server.staging import StagingError, read_staged, write_json_atomic
+from ckptd.server.safefiles import StagingError, read_staged, write_json_atomic
 
 __all__ = [
     "BINDINGS_FILE",

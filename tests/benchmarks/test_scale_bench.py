@@ -41,7 +41,17 @@ def test_the_clock_seam_covers_every_module_of_the_save_path():
     claim, the write, retention and the daemon's shared claim into modules of their own)."""
     import importlib
 
-    path = ["catalog", "claims", "commit", "donetree", "latest", "persist", "retention", "server.shared_claim"]
+    path = [
+        "catalog",
+        "claims",
+        "commit",
+        "donetree",
+        "latest",
+        "leases",
+        "persist",
+        "retention",
+        "server.shared_claim",
+    ]
     reading = {m for m in (importlib.import_module(f"ckptd.{n}") for n in path) if hasattr(m, "time")}
     assert reading <= set(scale._protocol_modules())
     assert {m.__name__ for m in reading} >= {"ckptd.claims", "ckptd.commit", "ckptd.persist", "ckptd.retention"}

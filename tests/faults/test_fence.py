@@ -18,7 +18,7 @@ from ckptd.errors import StepClaimed
 from ckptd.verify import verify
 from storage_backends import open_store
 from tests.faults.slow_writer_job import state
-from tests.faults.test_slow_writer import ROOT, assert_holds, start_writer, wait_until
+from tests.faults.test_slow_writer import ROOT, assert_holds, writing_writer
 from trainer_hooks import Checkpointer
 from trainer_hooks.hook import CheckpointHook
 
@@ -45,12 +45,8 @@ def test_fence_lets_a_resubmitted_job_save_the_dead_jobs_step(tmp_path, caplog):
     root = str(tmp_path / "root")
     with Checkpointer(root, job_id="job-a") as ck:
         ck.save(4, state(0)).result(timeout=120)
-    out = tmp_path / "a"
-    out.mkdir()
-    a = start_writer(root, "job-a", 1, 5, out)
+    a = writing_writer(root, "job-a", 1, 5, tmp_path / "a")
     try:
-        wait_until(lambda: (out / "writing").exists() or a.poll() is not None, "writer A to start writing")
-        assert a.poll() is None, a.stdout.read()
         # a live writer is never fenced off early
         r = ckptd("fence", root, "--job", "job-a")
         assert r.returncode == 1 and "refusing to fence a live writer" in r.stderr, r.stderr

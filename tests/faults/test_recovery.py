@@ -2,7 +2,8 @@
 verified step, quarantine (issue 14, item 5), and what in_place restore says (item 7).
 
 The damage is real: bytes flipped in a chunk file on disk, a manifest cut short; the commands are
-real ``ckptd`` processes."""
+real ``ckptd`` processes. The ``job`` fixture (three committed steps)
+is in ``tests/faults/conftest.py``."""
 
 from __future__ import annotations
 
@@ -18,19 +19,6 @@ from tests.faults.common import STEP_DIR, chunk_files, cli, flip_byte, make_stat
 from trainer_hooks import Checkpointer, CheckpointHook
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def job(tmp_path):
-    """A local job root with steps 1, 2, 3 committed from different states; their values."""
-    root = str(tmp_path / "job")
-    saved = {}
-    with Checkpointer(root) as ck:
-        for step in (1, 2, 3):
-            state = make_state(seed=step)
-            ck.save(step, state).result()
-            saved[step] = values(state)
-    return root, saved
 
 
 def commit_digests(root: str) -> dict[str, str]:

@@ -93,15 +93,28 @@ def start_writer(root: str, job_id: str, seed: int, step: int, out: Path) -> sub
     )
 
 
+def writing_writer(root: str, job_id: str, seed: int, step: int, out: Path) -> subprocess.Popen:
+    """A writer process (``slow_writer_job``, output in ``out``) once it is writing ``step``:
+    it has claimed the step and holds its lease until the caller lets it finish (``go`` on its
+    stdin) or kills it. Killed here if it exits or does not start writing in time."""
+    out.mkdir()
+    a = start_writer(root, job_id, seed, step, out)
+    try:
+        wait_until(lambda: (out / "writing").exists() or a.poll() is not None, f"writer {job_id} to start writing")
+        assert a.poll() is None, a.stdout.read()
+    except BaseException:
+        a.kill()
+        a.communicate()
+        raise
+    return a
+
+
 @pytest.mark.parametrize("same_id", [False, True], ids=["another_job", "same_job_restarted"])
 def test_a_stopped_local_writer_never_mixes_or_deletes_the_new_commit(tmp_path, short_lease, same_id):
     root = str(tmp_path / "root")
     out = tmp_path / "a"
-    out.mkdir()
-    a = start_writer(root, "job-a", 1, 5, out)
+    a = writing_writer(root, "job-a", 1, 5, out)
     try:
-        wait_until(lambda: (out / "writing").exists() or a.poll() is not None, "writer A to start writing")
-        assert a.poll() is None, a.stdout.read()
         b_id = "job-a" if same_id else "job-b"
         if not same_id:
             # A is slow but alive (its heartbeat renews its lease): B is refused, not let in

@@ -3,7 +3,8 @@ restorable step (issue 27 item 3; issue 26 part 2, bullets 3 and 4; issue 28 ite
 
 Every attack is done for real on a local root: a writer that may put objects (overwrite
 ``_verify.json``, cut a shard, add a step folder) but holds no operator credentials; the
-commands are real ``ckptd`` processes and the restores real ones."""
+commands are real ``ckptd`` processes and the restores real ones. The ``job`` fixture (three committed steps)
+is in ``tests/faults/conftest.py``."""
 
 from __future__ import annotations
 
@@ -20,19 +21,6 @@ from tests.faults.common import STEP_DIR, chunk_files, cli, flip_byte, make_stat
 from trainer_hooks import Checkpointer
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def job(tmp_path):
-    """A local job root with steps 1, 2, 3 committed from different states; their values."""
-    root = str(tmp_path / "job")
-    saved = {}
-    with Checkpointer(root) as ck:
-        for step in (1, 2, 3):
-            state = make_state(seed=step)
-            ck.save(step, state).result()
-            saved[step] = values(state)
-    return root, saved
 
 
 def step_path(root: str, step: int) -> Path:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ckptd import catalog, claims, errors
+from ckptd import catalog, claims, errors, leases
 from ckptd import manifest as mf
 from storage_backends import MemoryStore
 from tests.protocol.parts import SHARDS, write_part
@@ -19,7 +19,7 @@ def test_a_heartbeat_keeps_a_claim_alive_past_its_lease(monkeypatch):
     monkeypatch.setenv("CKPTD_CLAIM_LEASE_S", "0.4")
     store = MemoryStore()
     claims.begin(store, 2, "a1", "job-a")
-    with claims.Heartbeat(store, 2, "a1", 0):
+    with leases.Heartbeat(store, 2, "a1", 0):
         end = time.monotonic() + 1.2  # three leases, renewed every 0.1 s
         while time.monotonic() < end:
             with pytest.raises(errors.StepClaimed, match="last heartbeat"):
@@ -38,10 +38,10 @@ def test_a_heartbeat_keeps_a_claim_alive_past_its_lease(monkeypatch):
 
 def test_storage_times_are_clamped():
     now = 1_000.0
-    assert claims.clamp(990.0, now) == 990.0
-    assert claims.clamp(1_030.0, now) == now  # a storage clock a little ahead: now
-    assert claims.clamp(now + 10 * 365 * 86400, now) == 0.0  # forged: no evidence of life
-    assert claims.clamp(float("nan"), now) == 0.0
+    assert leases.clamp(990.0, now) == 990.0
+    assert leases.clamp(1_030.0, now) == now  # a storage clock a little ahead: now
+    assert leases.clamp(now + 10 * 365 * 86400, now) == 0.0  # forged: no evidence of life
+    assert leases.clamp(float("nan"), now) == 0.0
 
 
 def test_claim_numbering_is_total():

@@ -353,7 +353,7 @@ def test_a_refused_claim_fails_every_rank_with_rank_0s_error_and_writes_no_data(
     clock = VirtualClock()
     # the store's clock is real time (mtimes); the protocol's is virtual, from real time now, so
     # that the other job's objects read as written just now (a time far ahead of the protocol's
-    # clock is no evidence of life: claims.clamp)
+    # clock is no evidence of life: leases.clamp)
     store = SimulatedStore(clock, latency=0.02, sigma=0.3, inner=pre)
     store.put_new = _no_data(store.put_new)
     from benchmarks.scale import ClockPool, InlinePool, _job, virtual_time

@@ -23,10 +23,11 @@ import httpx
 import numpy as np
 import pytest
 
-from ckptd.server.staging import Staging, StagingError
+from ckptd.server.safefiles import StagingError
+from ckptd.server.staging import Staging
 from storage_backends import open_store
 from tests.security.conftest import as_user, assert_one_line_error, cli
-from tests.server.daemon import Daemon, wait_for
+from tests.server.daemon import Daemon, hand_off_body, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -137,23 +138,7 @@ def _lease(c: httpx.Client, root: str) -> dict:
 
 
 def _job(lease: dict, root: str, step: int) -> dict:
-    return {
-        "lease": lease["lease"],
-        "root": root,
-        "step": step,
-        "attempt": f"a{step}",
-        "rank": 0,
-        "world_size": 1,
-        "shards": [
-            {
-                "key": "w",
-                "layout": {"shape": [4], "dtype": "float32", "shard_shape": [4], "chunk_shape": [4]},
-                "coord": [0],
-                "file": "w.bin",
-            }
-        ],
-        "metadata": [{"key": "notes.json", "file": "m.bin"}],
-    }
+    return hand_off_body(root, step, f"a{step}", lease["lease"], [{"key": "notes.json", "file": "m.bin"}])
 
 
 def _stage(lease: dict) -> None:
@@ -199,7 +184,7 @@ def test_metadata_swapped_for_environ_link_is_not_uploaded(tmp_path, shm_dir, at
 
 def test_staged_files_are_read_without_following_links(tmp_path):
     """The daemon-side reader itself: link, FIFO and size change are refused before any read."""
-    from ckptd.server.staging import StagingFileError, read_staged
+    from ckptd.server.safefiles import StagingFileError, read_staged
 
     (tmp_path / "ok").write_bytes(b"12345")
     assert read_staged(tmp_path / "ok", 5) == b"12345"

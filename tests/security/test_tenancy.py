@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from tests.security.conftest import REPO, env
-from tests.server.daemon import Daemon, wait_for
+from tests.server.daemon import Daemon, hand_off_body, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -370,22 +370,7 @@ def test_a_staged_file_of_another_user_is_refused(tmp_path, tenants):
         f = lease.dir / "w.bin"
         f.write_bytes(b"\0" * 16)
         os.chown(f, bob.pw_uid, bob.pw_gid)
-        req = {
-            "root": str(tmp_path / "jobs"),
-            "step": 1,
-            "attempt": "a",
-            "rank": 0,
-            "world_size": 1,
-            "shards": [
-                {
-                    "key": "w",
-                    "layout": {"shape": [4], "dtype": "float32", "shard_shape": [4], "chunk_shape": [4]},
-                    "coord": [0],
-                    "file": "w.bin",
-                }
-            ],
-            "metadata": [],
-        }
+        req = hand_off_body(str(tmp_path / "jobs"), 1, "a")
         with pytest.raises(BadJob, match=f"belongs to uid {bob.pw_uid}"):
             validate(req, lease, Roots([str(tmp_path / "jobs")]))
         os.chown(f, alice.pw_uid, alice.pw_gid)

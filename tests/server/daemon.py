@@ -149,6 +149,54 @@ def run(
     return launch.wait(spawn(world, scenario, args, out, extra_env), out, scenario, timeout)
 
 
+def saves_returned(
+    daemons: list[Daemon], root: str, out: Path, world: int = 1, extra_env: dict | None = None
+) -> list[subprocess.Popen]:
+    """``world`` ranks that save step 1 of ``root`` through ``daemons`` (``save_and_hang``: rank r
+    through ``daemons[r % len(daemons)]``), once every rank's save has returned: the hand-off is
+    done and the daemons own the snapshots; the ranks hang until the caller kills them
+    (``kill_all``). If they fail or time out first, they are killed here."""
+    procs = spawn(world, "save_and_hang", {"daemons": [d.url for d in daemons], "root": root}, out, extra_env)
+    try:
+        wait_for(
+            lambda: all((out / f"save_returned_{r}").exists() for r in range(world)),
+            "every rank's save to return",
+            180,
+            procs,
+            lambda: launch.logs(out, "save_and_hang", world) + "".join(d.logs() for d in daemons),
+        )
+    except BaseException:
+        kill_all(procs)
+        raise
+    return procs
+
+
+def hand_off_body(
+    root: str, step: int = 5, attempt: str = "a1", lease: str | None = None, metadata: list | None = None
+) -> dict:
+    """A hand-off (the body of ``POST /v1/jobs``) of rank 0 of 1: one float32 array ``w`` of 4
+    values in one shard, staged as ``w.bin``; ``metadata``: its ``{"key", "file"}`` entries.
+    Without ``lease`` the body names none. A test replaces fields with ``hand_off_body(...) | {...}``."""
+    body = {"lease": lease} if lease is not None else {}
+    body |= {
+        "root": root,
+        "step": step,
+        "attempt": attempt,
+        "rank": 0,
+        "world_size": 1,
+        "shards": [
+            {
+                "key": "w",
+                "layout": {"shape": [4], "dtype": "float32", "shard_shape": [4], "chunk_shape": [4]},
+                "coord": [0],
+                "file": "w.bin",
+            }
+        ],
+        "metadata": metadata or [],
+    }
+    return body
+
+
 def wait_for(pred, what: str, timeout: float = 120.0, procs=(), logs=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not pred():

@@ -13,7 +13,7 @@ import torch
 from ckptd import catalog
 from ckptd.errors import CheckpointError
 from storage_backends import open_store
-from tests.server.daemon import Daemon, wait_for
+from tests.server.daemon import Daemon, hand_off_body, wait_for
 from trainer_hooks import Checkpointer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -80,25 +80,8 @@ def _lease(client, root, nbytes=64):
 
 
 def _job(lease, job_root, **over):
-    job = {
-        "lease": lease["lease"],
-        "root": job_root,
-        "step": 5,
-        "attempt": "a1",
-        "rank": 0,
-        "world_size": 1,
-        "shards": [
-            {
-                "key": "w",
-                "layout": {"shape": [4], "dtype": "float32", "shard_shape": [4], "chunk_shape": [4]},
-                "coord": [0],
-                "file": "w.bin",
-            }
-        ],
-        "metadata": [{"key": "arrays/w/zarr.json", "file": "m.bin"}, {"key": "manifest.json", "file": "man.bin"}],
-    }
-    job.update(over)
-    return job
+    metadata = [{"key": "arrays/w/zarr.json", "file": "m.bin"}, {"key": "manifest.json", "file": "man.bin"}]
+    return hand_off_body(job_root, lease=lease["lease"], metadata=metadata) | over
 
 
 def _stage_manifest(folder, shape=(4,), chunk=None, step=5, attempt="a1"):

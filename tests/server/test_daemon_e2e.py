@@ -53,17 +53,7 @@ def _restore_here(root: str, ref: Path, step: int) -> list[str]:
 
 def _save_hang_kill(tmp_path: Path, daemons: list[Daemon], root: str, world: int = 2) -> None:
     """Ranks save through the daemons and are SIGKILLed the moment every save has returned."""
-    procs = dm.spawn(world, "save_and_hang", {"daemons": [d.url for d in daemons], "root": root}, tmp_path)
-    try:
-        wait_for(
-            lambda: all((tmp_path / f"save_returned_{r}").exists() for r in range(world)),
-            "every rank's save to return",
-            180,
-            procs,
-            lambda: launch.logs(tmp_path, "save_and_hang", world) + "".join(d.logs() for d in daemons),
-        )
-    finally:
-        dm.kill_all(procs)
+    dm.kill_all(dm.saves_returned(daemons, root, tmp_path, world))
 
 
 @pytest.mark.timeout(300)

@@ -51,16 +51,10 @@ def test_a_dead_nodes_step_is_flagged_stalled_with_its_missing_rank(tmp_path):
     # node A serves rank 0 and flags a wait over 1 s; node B (rank 1) uploads slowly, then dies
     a = Daemon([root], tmp_path / "sa", tmp_path / "a.log", CKPTD_STALL_AFTER_S="1").start()
     b = Daemon([root], tmp_path / "sb", tmp_path / "b.log", CKPTD_FAULT_UPLOAD_DELAY_S="120").start()
-    procs = dm.spawn(2, "save_and_hang", {"daemons": [a.url, b.url], "root": root}, tmp_path)
+    procs = []
     try:
         logs = lambda: launch.logs(tmp_path, "save_and_hang", 2) + a.logs() + b.logs()  # noqa: E731
-        wait_for(
-            lambda: all((tmp_path / f"save_returned_{r}").exists() for r in range(2)),
-            "both saves to return",
-            180,
-            procs,
-            logs,
-        )
+        procs = dm.saves_returned([a, b], root, tmp_path, 2)
         dm.kill_all(procs)
         b.kill()  # the node of rank 1 is gone
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from ckptd.server.page import render
-from tests.distributed import launch
 from tests.server import daemon as dm
 from tests.server.daemon import Daemon, wait_for
 from trainer_hooks import Checkpointer
@@ -25,17 +24,7 @@ def test_a_superseded_attempt_is_no_failure(tmp_path):
     root = str(tmp_path / "job")
     env = {"SLURM_JOB_ID": "4242"}  # the job's writer id, the same after its restart: slurm-4242
     with Daemon([root], tmp_path / "staging", tmp_path / "d.log", CKPTD_FAULT_UPLOAD_DELAY_S="3") as d:
-        procs = dm.spawn(1, "save_and_hang", {"daemons": [d.url], "root": root}, tmp_path, env)
-        try:
-            wait_for(
-                lambda: (tmp_path / "save_returned_0").exists(),
-                "the hand-off",
-                180,
-                procs,
-                lambda: launch.logs(tmp_path, "save_and_hang", 1) + d.logs(),
-            )
-        finally:
-            dm.kill_all(procs)
+        dm.kill_all(dm.saves_returned([d], root, tmp_path, extra_env=env))  # handed off, then killed
         # the job restarts (here, one rank in this process) and saves step 1 again
         with Checkpointer(root, job_id="slurm-4242") as ck:
             ck.save(1, {"w": torch.randn(4, 4)}).result()

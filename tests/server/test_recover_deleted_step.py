@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import launch
 from tests.faults.common import cli
 from tests.server import daemon as dm
 from tests.server.daemon import Daemon, wait_for
@@ -30,15 +29,8 @@ def test_a_recovered_job_of_a_step_deleted_since_is_discarded(tmp_path):
     env = {"SLURM_JOB_ID": "4343"}  # the job's writer id, the same after its restart: slurm-4343
     d = Daemon([root], staging, tmp_path / "d1.log", CKPTD_FAULT_UPLOAD_DELAY_S="30").start()
     try:
-        procs = dm.spawn(1, "save_and_hang", {"daemons": [d.url], "root": root}, tmp_path, env)
+        procs = dm.saves_returned([d], root, tmp_path, extra_env=env)
         try:
-            wait_for(
-                lambda: (tmp_path / "save_returned_0").exists(),
-                "the hand-off",
-                180,
-                procs,
-                lambda: launch.logs(tmp_path, "save_and_hang", 1) + d.logs(),
-            )
             wait_for(lambda: any(Path(root).glob("step_0000000001/_claims/*")), "the upload to start", 120)
         finally:
             dm.kill_all(procs)

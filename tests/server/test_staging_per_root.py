@@ -14,7 +14,6 @@ import pytest
 
 from ckptd import catalog
 from storage_backends import open_store
-from tests.distributed import launch
 from tests.server import daemon as dm
 from tests.server.daemon import Daemon, wait_for
 
@@ -36,17 +35,9 @@ def test_daemons_of_other_roots_never_adopt_a_journal(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "CKPTD_BUDGET": str(1 << 60)}
     # B's daemon takes the hand-off but uploads slowly; trainer and daemon die before the commit
     d1 = Daemon([root_b], None, tmp_path / "d1.log", CKPTD_FAULT_UPLOAD_DELAY_S="60", **env).start()
-    procs = dm.spawn(1, "save_and_hang", {"daemons": [d1.url], "root": root_b}, tmp_path)
     try:
-        wait_for(
-            lambda: (tmp_path / "save_returned_0").exists(),
-            "the save to return",
-            180,
-            procs,
-            lambda: launch.logs(tmp_path, "save_and_hang", 1) + d1.logs(),
-        )
+        dm.kill_all(dm.saves_returned([d1], root_b, tmp_path))
     finally:
-        dm.kill_all(procs)
         d1.kill()
     staging_b = d1.logs().split("staging in ", 1)[1].split(" (", 1)[0]
     assert str(tmp_path / "cache") in staging_b, d1.logs()

@@ -1,0 +1,150 @@
+"""Leases: whether the writer that claimed a step is still alive, read from storage.
+
+Invariant: another writer takes a claimed step over only once the claim's *lease* ran out --
+the newest of the claim record and its attempt's heartbeats is older than
+``CKPTD_CLAIM_LEASE_S`` (default 60 s; :func:`lease_s`) -- never while the attempt renews it.
+The decision itself (whose claim, which rule) is ``ckptd.claims.liveness``; this module holds
+the clock: the settings, the heartbeat, and the ages read from storage.
+
+Why a lease, not silence: the age of a step's newest data says nothing about its writer. A live
+writer can be silent for minutes -- a GC pause, a frozen node, a throttled disk, an S3 PUT
+held in flight -- and taking its step over then mixed two jobs' data (``docs/reliability.md``,
+"Fencing"). So every rank of an attempt renews a lease while it writes (:class:`Heartbeat`:
+``<step>/_claims/<attempt>/alive/<rank>.json`` re-put every quarter lease, by a thread of its
+own that a slow write does not hold up), and a writer is dead only when that renewal stopped.
+A failed renewal is logged, never raised: the lease then runs out, which only lets another
+writer fence this one off -- it never lets two write. A claim written by an older version (no
+``lease`` field) falls back to silence, the step's newest data write (:func:`idle_seconds`)
+against ``CKPTD_STALE_ATTEMPT_S`` (900 s; :func:`stale_after`), which also caps the lease.
+
+Clock clamping: every time read from storage (a claim's or heartbeat's mtime) goes through
+:func:`clamp` before it is compared with now. A time up to ``MAX_SKEW_S`` ahead (a storage
+clock ahead of this host's) counts as now; one further ahead (a forged file time) counts as
+never written, since read at every check a future time would keep a claim alive for ever; NaN
+likewise. So a forged or skewed record can hold a step for one lease at most.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from ckptd import manifest as mf
+from ckptd.errors import CheckpointError
+from ckptd.manifest import CLAIMS
+from storage_backends import StorageError, Store
+
+log = logging.getLogger("ckptd.leases")
+
+DEFAULT_STALE_S = 900.0
+DEFAULT_LEASE_S = 60.0
+
+
+def stale_after() -> float:
+    """Seconds without a write after which another writer's partial step may be taken over
+    (``CKPTD_STALE_ATTEMPT_S``, default 900)."""
+    raw = os.environ.get("CKPTD_STALE_ATTEMPT_S", "").strip()
+    try:
+        return float(raw) if raw else DEFAULT_STALE_S
+    except ValueError:
+        raise CheckpointError(f"CKPTD_STALE_ATTEMPT_S={raw!r}: expected a number of seconds") from None
+
+
+def lease_s() -> float:
+    """Seconds after its attempt's last heartbeat (or its claim) before another writer may take
+    a step over: ``CKPTD_CLAIM_LEASE_S`` (default 60), or ``CKPTD_STALE_ATTEMPT_S`` if that is
+    shorter (it stays the bound it always was); the heartbeat renews it every quarter."""
+    raw = os.environ.get("CKPTD_CLAIM_LEASE_S", "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_LEASE_S
+    except ValueError:
+        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a positive number of seconds")
+    return min(value, stale_after())
+
+
+MAX_SKEW_S = 60.0  # how far ahead of this host's clock a storage time may be and still count
+
+
+def clamp(t: float, now: float) -> float:
+    """A time read from storage, clamped to ``now``: a claim or heartbeat dated up to
+    ``MAX_SKEW_S`` in the future (a storage clock ahead of ours) counts as written now; one
+    dated further ahead (a forged file time) is no evidence of anything and counts as never
+    written (0), not as alive for years -- read at every check, "now" would never expire."""
+    if t != t or t > now + MAX_SKEW_S:  # NaN, or absurdly far ahead
+        return 0.0
+    return min(t, now)
+
+
+def idle_seconds(store: Store, step: int) -> float:
+    """Seconds since the newest write to the step folder, not counting claim outcomes
+    (``_claims/<attempt>/...``): a refused writer's outcome records must not keep a dead job's
+    step looking alive, or a job retrying the step would never reach the stale takeover."""
+    prefix = f"{mf.step_dir(step)}/"
+    outcomes = f"{prefix}{CLAIMS}/"
+    newest = max(
+        (o.mtime for o in store.list(prefix) if not (o.key.startswith(outcomes) and "/" in o.key[len(outcomes) :])),
+        default=0.0,
+    )
+    now = time.time()
+    return now - clamp(newest, now)
+
+
+def alive_prefix(step: int, attempt: str) -> str:
+    """Where the ranks of ``attempt`` renew their lease on ``step`` (beside the outcomes)."""
+    return f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/alive/"
+
+
+def lease_age(store: Store, step: int, claim: str, attempt: str) -> float:
+    """Seconds since the claim record ``claim`` (a key) of ``step`` or a heartbeat of
+    ``attempt`` (the claim's) was last written, every time clamped to now."""
+    now = time.time()
+    times = [o.mtime for o in store.list(claim)]
+    times += [o.mtime for o in store.list(f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/")]
+    return now - max((clamp(t, now) for t in times), default=0.0)
+
+
+class Heartbeat:
+    """Renews ``attempt``'s lease on ``step`` while a rank writes it: a small thread re-puts
+    ``<step>/_claims/<attempt>/alive/<rank>.json`` every quarter of the lease. Stop it (or leave
+    the ``with`` block) when the rank's part is done. A failed renewal is logged, never raised:
+    the lease then runs out, which only allows another writer to fence this one off."""
+
+    def __init__(self, store: Store, step: int, attempt: str, rank: int, period: float | None = None):
+        self._store = store
+        self._key = f"{alive_prefix(step, attempt)}{rank:06d}.json"
+        self._period = period if period is not None else max(0.05, lease_s() / 4)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ckptd-heartbeat-{step}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self._store.put(self._key, mf.dumps({"time": time.time()}))
+            except (StorageError, OSError) as e:
+                log.warning("cannot renew the lease %s: %s", self._key, e)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
+__all__ = [
+    "DEFAULT_LEASE_S",
+    "DEFAULT_STALE_S",
+    "Heartbeat",
+    "MAX_SKEW_S",
+    "alive_prefix",
+    "clamp",
+    "idle_seconds",
+    "lease_age",
+    "lease_s",
+    "stale_after",
+]
