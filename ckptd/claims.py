@@ -79,7 +79,7 @@ import time
 from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.errors import AlreadyCommitted, CheckpointError, SaveAborted, StepClaimed
-from ckptd.leases import clamp, idle_seconds, lease_age, lease_s, stale_after
+from ckptd.leases import idle_seconds, lease_age, lease_s, stale_after
 from ckptd.manifest import CLAIMS
 from storage_backends import NotFoundError, StorageError, Store
 
@@ -399,7 +399,6 @@ def reclaim(store: Store, steps: list[int], writer: str, attempts: set[str] | No
 
 
 __all__ = [
-    "clamp",  # ckptd.leases.clamp, still imported from here by ckptd.server.discovery (branch discover)
     "clear_superseded",
     "liveness",
     "LEADER",

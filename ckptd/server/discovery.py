@@ -7,7 +7,7 @@ hex digits per process; ``{"format": 1, "daemon": id, "advertise": URL, "heartbe
 the epoch, "version": ckptd's}``), re-puts it every ``discover_interval_s`` and deletes it at a
 clean shutdown. The ring of a root is this daemon's ``--advertise`` URL and the URLs of the
 records whose storage time (the listing's mtime, clamped to now like claims' leases:
-``claims.clamp``) is at most ``discover_ttl_s`` old, deduplicated and sorted; replicas go to the
+``leases.clamp``) is at most ``discover_ttl_s`` old, deduplicated and sorted; replicas go to the
 ``--replicas`` daemons after this one in it (``tiers.replica_targets``). A SIGKILLed daemon's
 record stops being renewed and drops out of the ring at the first commit after it went stale.
 
@@ -53,7 +53,7 @@ from fastapi.responses import JSONResponse
 
 from ckptd import __version__
 from ckptd import manifest as mf
-from ckptd.claims import clamp
+from ckptd.leases import clamp
 from ckptd.server.roots import normalize
 from ckptd.server.tiers import replica_targets
 from storage_backends import NotFoundError, StorageError, Store
