@@ -505,8 +505,8 @@ class Runner:
         if self.tiers is not None and not job.memory_only:  # the hot copy: promoted on commit, dropped on failure
             (self.tiers.committed if state == "committed" else self.tiers.failed)(job.root, job.step, job.attempt)
         self._notify_final(job.job)
-        if state == "held":
-            self.metrics.inc("ckptd_memsteps_jobs_held_total")
+        if state == "held":  # counted by ``server.memsteps`` (ckptd_memsteps_parts_held_total)
+            log.debug("job %s: %s step %d rank %d held in memory", job.job, job.root, job.step, job.rank)
         elif state == "committed":
             self.metrics.inc("ckptd_jobs_committed_total")
             self.metrics.inc("ckptd_handoff_to_commit_seconds_sum", job.committed_at - job.accepted_at)
