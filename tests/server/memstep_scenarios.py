@@ -18,14 +18,21 @@ LOG_LEVEL = logging.INFO
 
 
 def save_memory(
-    daemons: list[str], root: str, out: str, last: int, persist_every: int, stall_rank_from: int | None = None
+    daemons: list[str],
+    root: str,
+    out: str,
+    last: int,
+    persist_every: int,
+    stall_rank_from: int | None = None,
+    hang: bool = True,
 ) -> dict:
     """Train steps 1..``last``; after each, save it through this rank's node daemon (ranks split
     evenly over ``daemons``) with ``persist_every`` and wait for the save; record the full state
     as ``ref_step{s}.pt``. The state's ``extra/position`` counts the samples consumed so far (a
     restore puts the data loader exactly there). Then flag ``saved_{rank}`` and wait to be
-    killed. ``stall_rank_from``: ranks from this one on hang inside the hand-off of step
-    ``last`` (after the step's collectives: their node dies during that save)."""
+    killed (``hang``; else close and return). ``stall_rank_from``: ranks from this one on hang
+    inside the hand-off of step ``last`` (after the step's collectives: their node dies during
+    that save)."""
     rank, ws = world()
     state, dp_rank, dp_size = make_state("fsdp", 0)
     ck = Checkpointer(root, daemon=daemons[rank * len(daemons) // ws], persist_every=persist_every)
@@ -46,6 +53,9 @@ def save_memory(
         ref = full_state(state)
         if rank == 0:
             torch.save(ref, Path(out) / f"ref_step{s}.pt")
+    if not hang:
+        ck.close()
+        return {}
     Path(out, f"saved_{rank}").write_text("1")
     time.sleep(600)
     return {}

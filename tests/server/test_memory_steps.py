@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.cli.tiers_view import tier_copies
+from storage_backends import open_store
 from tests.distributed import launch
 from tests.distributed.scenarios import BATCH
 from tests.server.daemon import Daemon, kill_all, wait_for
@@ -174,3 +176,24 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
         kill_all(procs)
         for d in (a, b):
             d.kill()
+
+
+def test_a_memory_only_step_that_does_not_fit_is_persisted_instead(tmp_path):
+    """A daemon whose staging budget holds the snapshots but not a memory-only copy of rank 0's
+    6 MiB part: every rank persists the step instead (never half in memory, half in the root),
+    with a log line and a metric; the steps are committed in the job root."""
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    root = f"file://{tmp_path / 'job'}"
+    d = Daemon(
+        [root], tmp_path / "staging", tmp_path / "d.log", token_file=tmp_path / "token", CKPTD_BUDGET=str(9 << 20)
+    )
+    d.start()
+    try:
+        _run(2, "save_memory", tmp_path / "out", daemons=[d.url], root=root, last=2, persist_every=EVERY, hang=False)
+        assert catalog.committed_steps(open_store(root)) == [1, 2]
+        assert d.metric("ckptd_memsteps_persisted_instead_total", TOKEN) >= 2
+        assert "is persisted to the job root instead" in d.logs()
+        assert _parts(d, root) == []
+    finally:
+        d.kill()
