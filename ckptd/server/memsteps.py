@@ -19,8 +19,9 @@ against the pins as it reads).
 
 Retention, per root, separately for this node's own parts and for each source's replicas: the
 parts of the newest ``KEEP_STEPS`` (2) steps are kept, so a node dying during step N's save
-leaves N-1 whole on its peers; a part of (step, attempt) drops every part of another attempt at
-the same or a newer step (an abandoned future: the job restored and saves again), and
+leaves N-1 whole on its peers; a part of (step, attempt) drops every part of the root, of any
+source, of another attempt at the same or a newer step (an abandoned future: the job restored
+and saves again), and
 ``fence(root, step)`` (a restore of ``step``, ``POST /v1/tiers/restored``) drops every part
 newer than ``step``.
 
@@ -234,8 +235,8 @@ class MemSteps:
         """Add complete part ``c``; apply the retention rules of the module docstring."""
         release: list[Copy] = []
         with self._lock:
-            mine = [k for k in self._parts if k[0] == c.root and k[4] == c.source]
-            newer_other = [k for k in mine if k[1] >= c.step and k[2] != c.attempt]
+            ours = [k for k in self._parts if k[0] == c.root]  # every source: one root is one job
+            newer_other = [k for k in ours if k[1] >= c.step and k[2] != c.attempt]
             for k in newer_other:  # an abandoned future, or the same step saved again
                 release.append(self._parts.pop(k))
             self._parts[(c.root, c.step, c.attempt, rank, c.source)] = c
