@@ -250,9 +250,11 @@ class Checkpointer:
                 f"committed step {self._newest_known}, more than max_step_jump={self.max_step_jump}; refusing it "
                 "(pass a larger max_step_jump, or set CKPTD_MAX_STEP_JUMP, if the job numbers its steps that way)"
             )
-        lo_hi = self.coord.all_max([step, -step])
+        lo_hi = self.coord.all_max([step, -step, self.persist_every, -self.persist_every])
         if lo_hi[0] != -lo_hi[1]:
             err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"
+        if lo_hi[2] != -lo_hi[3]:  # the memory-only decision is collective (``memsteps``)
+            err = err or f"ranks disagree on persist_every: from {-lo_hi[3]} to {lo_hi[2]}"
         msg = self.coord.agree(err)
         if msg is not None:
             raise CheckpointError(msg) from cause
