@@ -210,7 +210,7 @@ class Checkpointer:
         memory_only = self.persist_every > 1 and memsteps.memory_only_save(
             self._sink, self.coord, step, attempt, job, self.persist_every
         )
-        inner = self._sink.submit(job, memory_only=True) if memory_only else self._sink.submit(job)
+        inner = self._sink.submit_memory(job) if memory_only else self._sink.submit(job)
         fut = _SaveFuture.chain(inner, step)
         if self._retention is not None and not memory_only:
             # Retention is the job's, not a per-request daemon setting: rank 0 applies it after

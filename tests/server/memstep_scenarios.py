@@ -43,11 +43,12 @@ def save_memory(
         state["extra"]["position"] = torch.tensor([position], dtype=torch.int64)
         if s == last and stall_rank_from is not None and rank >= stall_rank_from:
 
-            def stall(job, memory_only=False):
+            def stall(job):
                 Path(out, f"saved_{rank}").write_text("stalled")
                 time.sleep(600)
 
-            ck._sink.submit = stall  # this node dies before its part of the step reaches its daemon
+            # this node dies before its part of the step reaches its daemon
+            ck._sink.submit = ck._sink.submit_memory = stall
         fut = ck.save(s, state)
         fut.result()
         ref = full_state(state)
