@@ -284,7 +284,7 @@ def _complete(root: str, step: int, attempt: str, holders: dict, token, timeout_
     if m.step != step or m.attempt != attempt:
         raise CheckpointError(f"the manifest names step {m.step} attempt {m.attempt!r}")
     sha = hashlib.sha256(data).hexdigest()
-    totals, pinned_manifest = [], False
+    totals, pinned_manifest, written = [], False, 0.0
     for r in range(m.world_size):
         prefix = f"{donetree.folder(step, attempt, 1, r // donetree.FANOUT)}r{r:06d}."
         key = next((k for k in sorted(holders) if k.startswith(prefix)), None)
@@ -305,6 +305,7 @@ def _complete(root: str, step: int, attempt: str, holders: dict, token, timeout_
                         raise CheckpointError("the manifest differs from the one its writer pinned")
                     pinned_manifest = True
             totals.append(donetree.record_totals(rec))
+            written = max(written, float(rec.get("time") or 0.0))
         except (StorageError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise CheckpointError(f"the done record of rank {r} is unreadable ({e})") from None
     if not pinned_manifest:
@@ -319,6 +320,7 @@ def _complete(root: str, step: int, attempt: str, holders: dict, token, timeout_
         "bytes": total.bytes,
         "objects": total.objects,
         "manifest_sha256": sha,
+        "time": written,  # the newest done record's: two whole attempts of a step, the later wins
         "memory_only": True,
         **({} if total.pins is None else {"pins": f"{total.pins:016x}"}),
     }
@@ -328,15 +330,20 @@ def choose(root: str, daemon_url: str, newest_persisted: int | None, token, time
     """Rank 0: (the newest memory-only step newer than ``newest_persisted`` that the surviving
     tiers hold whole, as ``(step, attempt, holders, commit)``, or None; the daemons asked)."""
     held, asked = survey(daemon_url, root, token, timeout_s)
-    for step, attempt in sorted(held, reverse=True):
+    for step in sorted({s for s, _ in held}, reverse=True):
         if newest_persisted is not None and step <= newest_persisted:
             break
-        try:
-            commit = _complete(root, step, attempt, held[(step, attempt)], token, timeout_s, daemon_url)
-        except CheckpointError as e:
-            log.info("memory-only step %d (attempt %s) is not held whole: %s", step, attempt, e)
-            continue
-        return (step, attempt, held[(step, attempt)], commit), asked
+        whole = []
+        for attempt in sorted(a for s, a in held if s == step):
+            try:
+                whole.append(
+                    (attempt, _complete(root, step, attempt, held[(step, attempt)], token, timeout_s, daemon_url))
+                )
+            except CheckpointError as e:
+                log.info("memory-only step %d (attempt %s) is not held whole: %s", step, attempt, e)
+        if whole:  # two whole attempts of one step (the job restored and saved it again): the later
+            attempt, commit = max(whole, key=lambda w: w[1]["time"])
+            return (step, attempt, held[(step, attempt)], commit), asked
     return None, asked
 
 

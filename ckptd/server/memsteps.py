@@ -19,9 +19,9 @@ against the pins as it reads).
 
 Retention, per root, separately for this node's own parts and for each source's replicas: the
 parts of the newest ``KEEP_STEPS`` (2) steps are kept, so a node dying during step N's save
-leaves N-1 whole on its peers; a part of (step, attempt) drops every part of the root, of any
-source, of another attempt at the same or a newer step (an abandoned future: the job restored
-and saves again), and
+leaves N-1 whole on its peers; a rank's hand-off of (step, attempt) drops every part of the
+root, of any source, of another attempt at the same or a newer step (an abandoned future: the
+job restored and saves again; a replica, which may arrive late, drops none), and
 ``fence(root, step)`` (a restore of ``step``, ``POST /v1/tiers/restored``) drops every part
 newer than ``step``.
 
@@ -206,9 +206,9 @@ class MemSteps:
         finally:
             del part  # unmap the staging files
         prefix = mf.step_dir(job.step) + "/"
-        objects: dict[str, bytearray] = {}
+        objects: dict = {}  # the store's own immutable bytes: served as read-only views, no copy
         for info in store.list(prefix):
-            objects[info.key] = bytearray(store.get(info.key))
+            objects[info.key] = store.get(info.key)
         if not any(f"/{mf.DONE}/" in k for k in objects):
             raise CheckpointError(f"memory-only step {job.step}: rank {job.rank} wrote no done record")
         total = sum(len(v) for v in objects.values())
@@ -235,10 +235,13 @@ class MemSteps:
         """Add complete part ``c``; apply the retention rules of the module docstring."""
         release: list[Copy] = []
         with self._lock:
-            ours = [k for k in self._parts if k[0] == c.root]  # every source: one root is one job
-            newer_other = [k for k in ours if k[1] >= c.step and k[2] != c.attempt]
-            for k in newer_other:  # an abandoned future, or the same step saved again
-                release.append(self._parts.pop(k))
+            if c.source == "self":
+                # A hand-off is the job's present: every part of this root (any source) of
+                # another attempt at this step or newer is an abandoned future or the same step
+                # saved again. (A replica may arrive late, after newer hand-offs: it drops none.)
+                ours = [k for k in self._parts if k[0] == c.root]
+                for k in [k for k in ours if k[1] >= c.step and k[2] != c.attempt]:
+                    release.append(self._parts.pop(k))
             self._parts[(c.root, c.step, c.attempt, rank, c.source)] = c
             steps = sorted({k[1] for k in self._parts if k[0] == c.root and k[4] == c.source}, reverse=True)
             for k in [k for k in self._parts if k[0] == c.root and k[4] == c.source and k[1] not in steps[:KEEP_STEPS]]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,17 @@ def _parts(d: Daemon, root: str) -> list[dict]:
     status, body = d.get(f"/v1/memsteps?root={root}", TOKEN)
     assert status == 200, body
     return body["parts"]  # type: ignore[index]
+
+
+def _post(d: Daemon, path: str, body: dict, token: str | None = TOKEN) -> int:
+    req = urllib.request.Request(d.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def _has(d: Daemon, root: str, step: int, ranks: set[int], source: str | None = None) -> bool:
@@ -172,6 +185,16 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
         assert got["root"] == 0 and got["local"] > 0, got
         # The restore fenced the abandoned future: a holds nothing newer than step 6.
         assert max(p["step"] for p in _parts(a, root)) == LAST - 1
+
+        # The routes need the token; a pushed part holds objects of its step's folder only,
+        # never a commit record.
+        assert a.get(f"/v1/memsteps?root={root}")[0] == 401
+        assert a.get(f"/v1/memsteps?root={root}", "wrong")[0] == 401
+        part = {"root": root, "step": 9, "attempt": "x", "rank": 0, "source": "http://evil"}
+        for key in ("step_0000000008/arrays/a", "step_0000000009/../x", f"{mf.step_dir(9)}/{mf.COMMIT}"):
+            body = part | {"objects": [{"key": key, "size": 1, "crc32c": 0}]}
+            assert _post(a, "/v1/memsteps/replicas", body) == 400, key
+        assert _post(a, "/v1/memsteps/replicas", part | {"objects": []}, token=None) == 401
     finally:
         kill_all(procs)
         for d in (a, b):
