@@ -407,6 +407,11 @@ def restore_newest(
         log.warning("restore: memory-only step %d did not restore (%s); restoring the newest persisted step", step, e)
         return None, asked
     tiers.last = dict(parts.bytes)
+    try:  # the daemon's ckptd_restore_bytes_*_total, as a tiered restore reports them
+        body = json.dumps({"local": parts.bytes["local"], "peer": parts.bytes["peer"], "root": 0}).encode()
+        _Daemon(tiers.daemon_url, tiers._token, tiers.timeout_s).request("POST", "/v1/tiers/restored", body)
+    except (OSError, http.client.HTTPException, CheckpointError) as e:
+        log.debug("restore: could not report tier bytes to the daemon: %s", e)
     log.info(
         "restored memory-only step %d: %d bytes from this node's daemon, %d from peers, 0 from the job root",
         got,

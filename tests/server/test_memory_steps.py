@@ -26,10 +26,12 @@ import pytest
 from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.cli.tiers_view import tier_copies
+from ckptd.errors import CheckpointError
 from storage_backends import open_store
 from tests.distributed import launch
 from tests.distributed.scenarios import BATCH
 from tests.server.daemon import Daemon, kill_all, wait_for
+from trainer_hooks import Checkpointer
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -138,6 +140,8 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
         res = _run(3, "restore_position", out / "r3", daemon=a.url, root=root, ref=ref)
         got = _restored(res, LAST)
         assert got["root"] == 0 and got["local"] > 0, got
+        assert a.metric("ckptd_restore_bytes_local_total", TOKEN) == got["local"]
+        assert a.metric("ckptd_restore_bytes_root_total", TOKEN) == 0
         assert LAST - res[0]["step"] <= 1  # lost work after the node failure: at most 1 step (here 0)
 
         pc = launch.free_port()  # a new node: empty memory, peers a and the dead b
@@ -220,3 +224,11 @@ def test_a_memory_only_step_that_does_not_fit_is_persisted_instead(tmp_path):
         assert _parts(d, root) == []
     finally:
         d.kill()
+
+
+def test_persist_every_needs_a_daemon(tmp_path):
+    for bad in (0, -1, 2.5, "3"):
+        with pytest.raises(CheckpointError, match="persist_every"):
+            Checkpointer(f"file://{tmp_path}", daemon="http://127.0.0.1:1", persist_every=bad)
+    with pytest.raises(CheckpointError, match="persist_every"):
+        Checkpointer(f"file://{tmp_path}", persist_every=2)  # memory-only steps live in daemons
