@@ -191,6 +191,8 @@ class MemSteps:
     def hold(self, job: Job, lease_dir) -> None:
         """Write ``job`` (a rank's part of a memory-only step) into memory with the one write
         path, keep it, and push it to the peers. CheckpointError when it cannot be held."""
+        if not self.enabled:
+            raise CheckpointError("this daemon keeps no memory tier (--no-tiers): memory-only steps are refused")
         store = MemoryStore()
         part = load(job, lease_dir)
         try:
