@@ -207,5 +207,5 @@ def restored(body: RestoredReport, request: Request):
     _tiers(request).restored(body.local, body.peer, body.root)
     fenced = 0
     if body.job_root is not None and body.restored_step is not None:
-        fenced = request.app.state.memsteps.fence(_root(request, body.job_root), body.restored_step)
+        fenced = request.app.state.memsteps.fence(_readable_root(request, body.job_root), body.restored_step)
     return {"ok": True, "fenced": fenced}
