@@ -31,7 +31,7 @@ from ckptd import catalog, claims, persist, retention
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from storage_backends import StorageError, Store, open_store
-from trainer_hooks import hostcopy, rng
+from trainer_hooks import hostcopy, memsteps, rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import flatten
 from trainer_hooks.restore import restore_fallback, restore_state
@@ -76,6 +76,14 @@ class Checkpointer:
     this Checkpointer restored or committed (a typo'd or corrupted step number would count as the
     newest for retention and push every real step out); default ``CKPTD_MAX_STEP_JUMP``, else
     1000000; None or 0: no bound. The daemon bounds hand-offs the same way (``--max-step-jump``).
+    ``persist_every`` (with a daemon; default 1: every save persists): frequent memory-only
+    checkpoints. Every save goes to the daemon, but only a step divisible by ``persist_every``
+    persists to the job root; any other step is held in the daemons' memory only (every object
+    a persisted step would have, replicated to the daemon's peers, never written under the job
+    root nor shown there as committed; its future resolves once this rank's daemon holds its
+    part). A step that does not fit a daemon's staging budget is persisted instead (logged).
+    ``restore`` with no step then picks the newest step the surviving daemons hold whole, if it
+    is newer than the newest persisted one (``trainer_hooks.memsteps``, docs/reliability.md).
     ``job_id``: this job's writer identity, which claims every step it saves so that a second
     job writing the same root is refused instead of mixed (``ckptd.commit``). Default:
     ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID`` when set (the same across restarts of the job,
@@ -95,9 +103,15 @@ class Checkpointer:
         job_id: str | None = None,
         tiered_restore: bool = True,
         max_step_jump: int | None = -1,
+        persist_every: int = 1,
     ):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+        if type(persist_every) is not int or persist_every < 1 or (persist_every > 1 and daemon is None):
+            raise CheckpointError(
+                f"persist_every must be an int >= 1, and > 1 only with a daemon; got {persist_every!r}"
+            )
+        self.persist_every = persist_every
         try:
             self.store: Store = open_store(root_uri)
         except (StorageError, ValueError) as e:
@@ -193,8 +207,12 @@ class Checkpointer:
                 layout={"world_size": self.world_size},
             )
             job.metadata += persist.manifest_objects(m)
-        fut = _SaveFuture.chain(self._sink.submit(job), step)
-        if self._retention is not None:
+        memory_only = self.persist_every > 1 and memsteps.memory_only_save(
+            self._sink, self.coord, step, attempt, job, self.persist_every
+        )
+        inner = self._sink.submit_memory(job) if memory_only else self._sink.submit(job)
+        fut = _SaveFuture.chain(inner, step)
+        if self._retention is not None and not memory_only:
             # Retention is the job's, not a per-request daemon setting: rank 0 applies it after
             # each commit, on a thread of its own (never the training thread).
             fut.add_done_callback(self._retain_after)
@@ -232,9 +250,11 @@ class Checkpointer:
                 f"committed step {self._newest_known}, more than max_step_jump={self.max_step_jump}; refusing it "
                 "(pass a larger max_step_jump, or set CKPTD_MAX_STEP_JUMP, if the job numbers its steps that way)"
             )
-        lo_hi = self.coord.all_max([step, -step])
+        lo_hi = self.coord.all_max([step, -step, self.persist_every, -self.persist_every])
         if lo_hi[0] != -lo_hi[1]:
             err = err or f"ranks disagree on the step to save: from {-lo_hi[1]} to {lo_hi[0]}"
+        if lo_hi[2] != -lo_hi[3]:  # the memory-only decision is collective (``memsteps``)
+            err = err or f"ranks disagree on persist_every: from {-lo_hi[3]} to {lo_hi[2]}"
         msg = self.coord.agree(err)
         if msg is not None:
             raise CheckpointError(msg) from cause
@@ -310,19 +330,35 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
+        asked: list[str] = []  # the daemons rank 0 asked for memory-only steps (told of the restore)
         if fallback:
             if step is not None:
                 raise CheckpointError("restore: fallback=True picks the step itself; do not pass step")
-            got, self.last_restore_skipped = restore_fallback(
-                self.store, self.coord, state, strict, self._io, in_place=in_place, tiers=self._tiers
-            )
+            got, self.last_restore_skipped = None, []
+            if self._tiers is not None:  # the newest memory-only step held whole
+                got, asked = memsteps.restore_newest(
+                    self.store, self.coord, state, strict, self._io, in_place, self._tiers
+                )
+            if got is None:
+                got, self.last_restore_skipped = restore_fallback(
+                    self.store, self.coord, state, strict, self._io, in_place=in_place, tiers=self._tiers
+                )
             newest = max([got or 0, *(s for s, _ in self.last_restore_skipped)]) if got is not None else None
         else:
             self.last_restore_skipped = []
-            got = restore_state(
-                self.store, self.coord, state, step, strict, self._io, in_place=in_place, tiers=self._tiers
-            )
+            got = None
+            if self._tiers is not None and step is None:  # the newest memory-only step held whole
+                got, asked = memsteps.restore_newest(
+                    self.store, self.coord, state, strict, self._io, in_place, self._tiers
+                )
+            if got is None:
+                got = restore_state(
+                    self.store, self.coord, state, step, strict, self._io, in_place=in_place, tiers=self._tiers
+                )
             newest = got
+        if self._tiers is not None and got is not None:  # drop the abandoned future's memory-only steps
+            t = self._tiers
+            memsteps.fence([t.daemon_url, *asked], self.root_uri, got, t._token, t.timeout_s)
         self._know(got, newest)
         if got is None:  # every rank got the same answer from rank 0
             if require:

@@ -104,7 +104,23 @@ class DaemonSink:
     def stager(self) -> Stager:
         return self._stager
 
+    def reserve_memory(self, step: int, attempt: str, nbytes: int) -> bool:
+        """Ask the daemon to hold room for this rank's part of memory-only ``step``
+        (``trainer_hooks.memsteps``); False when it has none (or predates memory-only steps)."""
+        body = {"root": self.root, "step": step, "attempt": attempt, "rank": self.rank, "bytes": nbytes}
+        status, reply, _ = self._client.call("POST", "/v1/memsteps/reserve", body)
+        return status == 200 and isinstance(reply, dict) and reply.get("ok") is True
+
     def submit(self, job: SaveJob) -> Future:
+        return self._submit(job, False)
+
+    def submit_memory(self, job: SaveJob) -> Future:
+        """``submit`` of a memory-only step: the daemon holds this rank's part in its memory and
+        never writes it to the job root (``ckptd.server.memsteps``); the future resolves once it
+        holds the part."""
+        return self._submit(job, True)
+
+    def _submit(self, job: SaveJob, memory_only: bool) -> Future:
         fut: Future = Future()
         where = f"{self.root.rstrip('/')}/{mf.step_dir(job.step)}"
         try:
@@ -126,6 +142,8 @@ class DaemonSink:
                 "writer": getattr(self, "writer", None),  # the job id that claims the step
                 "commit_timeout": self.commit_timeout,
             }
+            if memory_only:
+                body["memory_only"] = True
             status, reply, _ = self._client.call("POST", "/v1/jobs", body, patient=True)
             if status != 200:
                 raise CheckpointError(f"{where}: the ckptd daemon refused rank {job.rank}'s snapshot: {detail(reply)}")
@@ -212,7 +230,7 @@ class DaemonSink:
             state = body.get("state")
             if body.get("lease_kept") is False:
                 self._stager.lease_lost(p.lease)
-            if state == "committed":
+            if state in ("committed", "held"):  # held: a memory-only step's part is in the daemon's memory
                 p.future.set_result(
                     SaveResult(
                         p.step,

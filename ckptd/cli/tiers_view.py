@@ -3,9 +3,11 @@
 Asks ``GET /v1/tiers`` of the daemon named and of every peer it names (with the daemon token
 from ``CKPTD_TOKEN`` / ``CKPTD_TOKEN_FILE``), and returns, per step, where a copy of it lives:
 ``hot@URL`` (the node's own copy, ranks it served) or ``replica@URL`` (a peer's copy, pushed
-from ``source``). Only complete copies are listed: a tier serves nothing else. A daemon that
-does not answer is noted on stderr and left out: the listing is a view, the job root stays the
-only truth of what is committed."""
+from ``source``); for a memory-only step (``server.memsteps``), ``memory@URL`` (a rank's part
+the node holds) or ``memory-replica@URL`` (a peer's part), one entry per rank's part. Only
+complete copies are listed: a tier serves nothing else. A daemon that does not answer is noted
+on stderr and left out: the listing is a view, the job root stays the only truth of what is
+committed."""
 
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def tier_copies(
             failed.append(f"{url}: {e or type(e).__name__}")
             continue
         todo += [p.rstrip("/") for p in body.get("peers", []) if isinstance(p, str)]
-        for kind in ("hot", "replicas"):
+        for kind in ("hot", "replicas", "memory_only"):
             for c in body.get(kind, []):
                 try:
                     if not c.get("complete") or normalize(c["root"]) != want:
@@ -73,7 +75,9 @@ def tier_copies(
                     step = int(c["step"])
                 except (KeyError, TypeError, ValueError):
                     continue
-                k = "hot" if kind == "hot" else "replica"
+                k = {"hot": "hot", "replicas": "replica"}.get(kind) or (
+                    "memory" if c.get("source") == "self" else "memory-replica"
+                )
                 out.setdefault(step, []).append(
                     {
                         "where": f"{k}@{url}",

@@ -42,6 +42,8 @@ from ckptd.server.discovery import HELLO_PATH, Discovery
 from ckptd.server.discovery import router as discovery
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
+from ckptd.server.memstep_routes import router as memstep_routes
+from ckptd.server.memsteps import MemSteps
 from ckptd.server.metrics import Metrics
 from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
@@ -83,7 +85,7 @@ _NAME = Field(min_length=1, max_length=64)
 
 # ``image_handoff``: shard files may be object images ("image": true); ``job_long_poll``:
 # GET /v1/jobs/{id} takes ``wait``.
-FEATURES = ("image_handoff", "job_long_poll")
+FEATURES = ("image_handoff", "job_long_poll", "memory_only_steps")
 
 
 class RootRequest(BaseModel):
@@ -123,6 +125,7 @@ class JobRequest(BaseModel):
     metadata: list[MetadataModel] = []
     done: dict = {}
     commit_timeout: float = Field(1800.0, gt=0, le=7 * 86400)
+    memory_only: bool = Field(False, description="hold the step in the memory tier only (server.memsteps)")
 
 
 # --------------------------------------------------------------------------- middleware
@@ -434,7 +437,7 @@ async def get_job(
 
 
 # Every group of routes the daemon serves, in this order.
-ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers, discovery)
+ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers, memstep_routes, discovery)
 
 
 # ---------------------------------------------------------------------------------- app
@@ -529,7 +532,8 @@ def create_app(settings: Settings) -> FastAPI:
     )
     runner.tiers = tiers if settings.tiers else None
     finder = _discovery(settings, roots, runner, tiers, token)
-    for name, (text, fn) in tiers.gauges().items():
+    runner.memsteps = memsteps = MemSteps(staging, tiers, settings.tiers)
+    for name, (text, fn) in (tiers.gauges() | memsteps.gauges()).items():
         metrics.gauge(name, text, fn)
     runner.recover()
     metrics.gauge("ckptd_queue_depth", "handed-off snapshots not yet uploaded", lambda: runner.queue_depth)
@@ -558,6 +562,7 @@ def create_app(settings: Settings) -> FastAPI:
     sock = Path(settings.socket) if settings.socket else folder / SOCKET_NAME
     app.state.daemon = Daemon(roots, runner, staging, metrics, folder, tenancy, sock)
     app.state.tiers = tiers
+    app.state.memsteps = memsteps
     app.state.settings_fault_tier_delay_s = settings.fault_tier_delay_s
     app.state.token = token  # for the connection limits (``ckptd.server.conns``): who is known
     app.add_middleware(Guard, token=token, max_body=settings.max_body_bytes)

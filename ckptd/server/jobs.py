@@ -111,6 +111,7 @@ class Runner:
         self.staging = staging
         self.metrics = metrics
         self.tiers: Any = None  # ``server.tiers.Tiers`` when the memory tier is on (set by create_app)
+        self.memsteps: Any = None  # ``server.memsteps.MemSteps`` (set by create_app)
         self._lock = threading.Lock()
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._stores: dict[str, Store] = {}
@@ -380,6 +381,11 @@ class Runner:
         """Upload ``job`` (:meth:`_upload_with_retries`), then record the outcome: failed, or
         uploaded and handed to the commit watch (:meth:`_uploaded`)."""
         lease = self.staging.get(job.lease)
+        if job.memory_only and self.memsteps is not None:
+            self._hold(job, lease)
+            return
+        if self.memsteps is not None:  # a step the job persists after all: its room is not needed
+            self.memsteps.release_reservation(job.root, job.step, job.attempt, job.rank)
         job.state = "uploading"
         job.upload_started_at, job.bytes_uploaded = time.time(), 0
         tee = None if self.tiers is None else self.tiers.recorder(job.root, job.step, job.attempt, job.rank)
@@ -392,6 +398,19 @@ class Runner:
             self._finish(job, "failed", str(err))
             return
         self._uploaded(job, store, result)
+
+    def _hold(self, job: Job, lease: Lease) -> None:
+        """A memory-only step's part: held in memory (``server.memsteps``), never uploaded."""
+        job.state = "uploading"
+        try:
+            self.memsteps.hold(job, lease.dir)
+        except (OSError, CheckpointError) as e:
+            self.memsteps.release_reservation(job.root, job.step, job.attempt, job.rank)
+            job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "failed", "error": str(e)})
+            self._finish(job, "failed", f"memory-only step: {e}")
+            return
+        job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "held"})
+        self._finish(job, "held")
 
     def _upload_with_retries(
         self, job: Job, store: Any, lease: Lease
@@ -483,10 +502,12 @@ class Runner:
         if state == "committed":
             job.committed_at = job.finished_at
         job.state, job.error = state, error
-        if self.tiers is not None:  # the hot copy: promoted on commit, dropped on failure
+        if self.tiers is not None and not job.memory_only:  # the hot copy: promoted on commit, dropped on failure
             (self.tiers.committed if state == "committed" else self.tiers.failed)(job.root, job.step, job.attempt)
         self._notify_final(job.job)
-        if state == "committed":
+        if state == "held":  # counted by ``server.memsteps`` (ckptd_memsteps_parts_held_total)
+            log.debug("job %s: %s step %d rank %d held in memory", job.job, job.root, job.step, job.rank)
+        elif state == "committed":
             self.metrics.inc("ckptd_jobs_committed_total")
             self.metrics.inc("ckptd_handoff_to_commit_seconds_sum", job.committed_at - job.accepted_at)
             self.metrics.inc("ckptd_handoff_to_commit_seconds_count")

@@ -59,6 +59,10 @@ class RestoredReport(BaseModel):
     local: int = Field(0, ge=0)
     peer: int = Field(0, ge=0)
     root: int = Field(0, ge=0)
+    # A job of ``job_root`` restored ``restored_step``: memory-only steps newer than it are an
+    # abandoned future and are dropped (``server.memsteps.MemSteps.fence``).
+    job_root: str | None = Field(None, min_length=1, max_length=4096)
+    restored_step: int | None = Field(None, ge=0, le=10**10 - 1)
 
 
 def _tiers(request: Request):
@@ -81,7 +85,8 @@ def _readable_root(request: Request, root: str) -> str:
 
 @router.get("/v1/tiers", summary="the hot copies and replicas this daemon holds, and its peers")
 def describe(request: Request, root: str | None = Query(None, max_length=4096)):
-    return _tiers(request).describe(None if root is None else _root(request, root))
+    r = None if root is None else _root(request, root)
+    return _tiers(request).describe(r) | {"memory_only": request.app.state.memsteps.describe_brief(r)}
 
 
 @router.get("/v1/tiers/keys", summary="the shard objects held complete for exactly (root, step, attempt)")
@@ -200,4 +205,7 @@ def seal_replica(rid: str, request: Request):
 @router.post("/v1/tiers/restored", summary="a rank reports the bytes its restore read from each tier")
 def restored(body: RestoredReport, request: Request):
     _tiers(request).restored(body.local, body.peer, body.root)
-    return {"ok": True}
+    fenced = 0
+    if body.job_root is not None and body.restored_step is not None:
+        fenced = request.app.state.memsteps.fence(_readable_root(request, body.job_root), body.restored_step)
+    return {"ok": True, "fenced": fenced}

@@ -1,0 +1,234 @@
+"""Memory-only steps (``Checkpointer(..., persist_every=K)``, ``ckptd.server.memsteps``,
+``trainer_hooks.memsteps``) with real daemons on loopback as 2 nodes (each its own staging
+folder and port, one token): a 4-rank gloo job, 2 ranks per node, saves every step, persisting
+every 5th (steps 1..7: step 5 in the job root, the others in the daemons' memory only).
+
+- One node fails (SIGKILL of its daemon and its ranks) after step 7's save returned and its
+  parts were replicated: the job restores step 7 at 3 ranks (on the surviving node) and at 2
+  ranks (on a new node, from the survivor's memory), bitwise, with 0 bytes from the job root,
+  the data position exact (no step replayed); then every daemon is gone: the job falls back to
+  the persisted step 5.
+- A node fails during step 7's save (its ranks never hand their part off): step 7 is not whole
+  in any tier, the restore picks step 6 (whole: the survivor's parts and its replicas of the
+  dead node's), and the restore fences step 7's parts away on the survivor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ckptd import catalog
+from ckptd import manifest as mf
+from ckptd.cli.tiers_view import tier_copies
+from ckptd.errors import CheckpointError
+from storage_backends import open_store
+from tests.distributed import launch
+from tests.distributed.scenarios import BATCH
+from tests.server.daemon import Daemon, kill_all, wait_for
+from trainer_hooks import Checkpointer
+
+pytestmark = pytest.mark.timeout(900)
+
+SCENARIOS = "tests.server.memstep_scenarios"
+TOKEN = "memstep-test-token-0123456789"
+LAST, EVERY = 7, 5
+
+
+def _run(world: int, scenario: str, out: Path, **args) -> list[dict]:
+    procs = launch.spawn(world, scenario, args, out, {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
+    return launch.wait(procs, out, scenario, timeout=600)
+
+
+def _daemon(tmp: Path, name: str, root: str, port: int, peers: list[str]) -> Daemon:
+    d = Daemon(
+        [root],
+        tmp / f"staging-{name}",
+        tmp / f"{name}.log",
+        token_file=tmp / "token",
+        CKPTD_PEERS=json.dumps(peers),
+        CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
+    )
+    return d.start(port=port)
+
+
+def _parts(d: Daemon, root: str) -> list[dict]:
+    status, body = d.get(f"/v1/memsteps?root={root}", TOKEN)
+    assert status == 200, body
+    return body["parts"]  # type: ignore[index]
+
+
+def _post(d: Daemon, path: str, body: dict, token: str | None = TOKEN) -> int:
+    req = urllib.request.Request(d.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _has(d: Daemon, root: str, step: int, ranks: set[int], source: str | None = None) -> bool:
+    got = {p["rank"] for p in _parts(d, root) if p["step"] == step and (source is None or p["source"] == source)}
+    return ranks <= got
+
+
+def _setup(tmp_path: Path):
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    root = f"file://{tmp_path / 'job'}"
+    pa, pb = launch.free_port(), launch.free_port()
+    urls = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
+    a = _daemon(tmp_path, "a", root, pa, urls)
+    b = _daemon(tmp_path, "b", root, pb, urls)
+    return root, a, b, urls
+
+
+def _total(results: list[dict]) -> dict[str, int]:
+    out = {"local": 0, "peer": 0, "root": 0}
+    for r in results:
+        for k, v in r["tiers"].items():
+            out[k] += v
+    return out
+
+
+def _restored(results: list[dict], step: int) -> dict[str, int]:
+    assert all(r["step"] == step for r in results), results
+    assert results[0]["mismatches"] == [], results[0]["mismatches"]  # bitwise, data position included
+    # The data position: the samples of steps 1..step exactly (4 ranks' batches per step); the
+    # job resumes at step + 1, so every sample is seen exactly once across the failure.
+    assert all(r["position"] == step * BATCH * 4 for r in results), results
+    return _total(results)
+
+
+def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
+    root, a, b, urls = _setup(tmp_path)
+    out = tmp_path / "out"
+    c = None
+    procs = []
+    try:
+        args = {"daemons": [a.url, b.url], "root": root, "last": LAST, "persist_every": EVERY}
+        procs = launch.spawn(4, "save_memory", args, out, {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
+        wait_for(
+            lambda: all((out / f"saved_{r}").exists() for r in range(4)),
+            "the saves",
+            600,
+            procs,
+            lambda: launch.logs(out, "save_memory", 4),
+        )
+        # Step 7's parts replicated: a holds b's (ranks 2, 3) and b holds a's.
+        wait_for(lambda: _has(a, root, LAST, {2, 3}, urls[1]) and _has(b, root, LAST, {0, 1}, urls[0]), "replicas", 120)
+        # Only step 5 was written under the job root; the others are memory-only, shown so.
+        job = tmp_path / "job"
+        assert sorted(p.name for p in job.iterdir() if p.name.startswith("step_")) == [mf.step_dir(EVERY)]
+        copies, failed = tier_copies(root, a.url, TOKEN)
+        assert not failed and {c["kind"] for c in copies[LAST]} == {"memory", "memory-replica"}, copies
+        # Each daemon keeps the newest 2 memory-only steps (own parts, and replicas per source).
+        assert {p["step"] for p in _parts(a, root)} == {6, 7}
+
+        # Node b fails: its daemon and its ranks are SIGKILLed; the job's other ranks go too.
+        b.kill()
+        kill_all(procs)
+
+        ref = str(out / f"ref_step{LAST}.pt")
+        res = _run(3, "restore_position", out / "r3", daemon=a.url, root=root, ref=ref)
+        got = _restored(res, LAST)
+        assert got["root"] == 0 and got["local"] > 0, got
+        assert a.metric("ckptd_restore_bytes_local_total", TOKEN) == got["local"]
+        assert a.metric("ckptd_restore_bytes_root_total", TOKEN) == 0
+        assert LAST - res[0]["step"] <= 1  # lost work after the node failure: at most 1 step (here 0)
+
+        pc = launch.free_port()  # a new node: empty memory, peers a and the dead b
+        c = _daemon(tmp_path, "c", root, pc, [*urls, f"http://127.0.0.1:{pc}"])
+        res = _run(2, "restore_position", out / "r2", daemon=c.url, root=root, ref=ref)
+        got = _restored(res, LAST)
+        assert got["root"] == 0 and got["local"] == 0 and got["peer"] > 0, got
+
+        # Every daemon gone: the memory-only steps with them; the persisted step 5 is the floor.
+        a.kill()
+        c.kill()
+        c = _daemon(tmp_path, "c2", root, launch.free_port(), [])
+        res = _run(2, "restore_position", out / "rfloor", daemon=c.url, root=root, ref=str(out / f"ref_step{EVERY}.pt"))
+        got = _restored(res, EVERY)
+        assert got["root"] > 0, got
+    finally:
+        kill_all(procs)
+        for d in (a, b, c):
+            if d is not None:
+                d.kill()
+
+
+def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
+    root, a, b, urls = _setup(tmp_path)
+    out = tmp_path / "out"
+    procs = []
+    try:
+        # Ranks 2 and 3 (node b) hang inside the hand-off of step 7: b never holds its part.
+        args = {"daemons": [a.url, b.url], "root": root, "last": LAST, "persist_every": EVERY, "stall_rank_from": 2}
+        procs = launch.spawn(4, "save_memory", args, out, {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
+        wait_for(
+            lambda: all((out / f"saved_{r}").exists() for r in (2, 3)) and _has(a, root, LAST, {0, 1}, "self"),
+            "step 7 held on node a, stalled on node b",
+            600,
+            procs,
+            lambda: launch.logs(out, "save_memory", 4),
+        )
+        wait_for(lambda: _has(a, root, LAST - 1, {2, 3}, urls[1]), "b's replicas of step 6 on a", 120)
+        b.kill()
+        kill_all(procs)
+
+        # Step 7 lacks ranks 2 and 3 everywhere: step 6 is the newest whole step.
+        res = _run(3, "restore_position", out / "r3", daemon=a.url, root=root, ref=str(out / f"ref_step{LAST - 1}.pt"))
+        got = _restored(res, LAST - 1)
+        assert got["root"] == 0 and got["local"] > 0, got
+        # The restore fenced the abandoned future: a holds nothing newer than step 6.
+        assert max(p["step"] for p in _parts(a, root)) == LAST - 1
+
+        # The routes need the token; a pushed part holds objects of its step's folder only,
+        # never a commit record.
+        assert a.get(f"/v1/memsteps?root={root}")[0] == 401
+        assert a.get(f"/v1/memsteps?root={root}", "wrong")[0] == 401
+        part = {"root": root, "step": 9, "attempt": "x", "rank": 0, "source": "http://evil"}
+        for key in ("step_0000000008/arrays/a", "step_0000000009/../x", f"{mf.step_dir(9)}/{mf.COMMIT}"):
+            body = part | {"objects": [{"key": key, "size": 1, "crc32c": 0}]}
+            assert _post(a, "/v1/memsteps/replicas", body) == 400, key
+        assert _post(a, "/v1/memsteps/replicas", part | {"objects": []}, token=None) == 401
+    finally:
+        kill_all(procs)
+        for d in (a, b):
+            d.kill()
+
+
+def test_a_memory_only_step_that_does_not_fit_is_persisted_instead(tmp_path):
+    """A daemon whose staging budget holds the snapshots but not a memory-only copy of rank 0's
+    6 MiB part: every rank persists the step instead (never half in memory, half in the root),
+    with a log line and a metric; the steps are committed in the job root."""
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    root = f"file://{tmp_path / 'job'}"
+    d = Daemon(
+        [root], tmp_path / "staging", tmp_path / "d.log", token_file=tmp_path / "token", CKPTD_BUDGET=str(9 << 20)
+    )
+    d.start()
+    try:
+        _run(2, "save_memory", tmp_path / "out", daemons=[d.url], root=root, last=2, persist_every=EVERY, hang=False)
+        assert catalog.committed_steps(open_store(root)) == [1, 2]
+        assert d.metric("ckptd_memsteps_persisted_instead_total", TOKEN) >= 2
+        assert "is persisted to the job root instead" in d.logs()
+        assert _parts(d, root) == []
+    finally:
+        d.kill()
+
+
+def test_persist_every_needs_a_daemon(tmp_path):
+    for bad in (0, -1, 2.5, "3"):
+        with pytest.raises(CheckpointError, match="persist_every"):
+            Checkpointer(f"file://{tmp_path}", daemon="http://127.0.0.1:1", persist_every=bad)
+    with pytest.raises(CheckpointError, match="persist_every"):
+        Checkpointer(f"file://{tmp_path}", persist_every=2)  # memory-only steps live in daemons
