@@ -1,4 +1,4 @@
-"""How many objects the memory tier may hold: every held object costs one descriptor and one mapping.
+"""How many objects the memory tier may hold: every held object costs descriptors and a mapping.
 
 Each object of a hot copy or replica is its own memfd mapped into the daemon (``server.sealed``):
 ``FDS_PER_OBJECT`` open descriptors (bounded by ``RLIMIT_NOFILE``) and one mapping (bounded by
@@ -7,13 +7,13 @@ it exists for: its uploads could not open the job root's files, it could not acc
 connection or map a staging file. So the tier holds at most ``limit()`` objects: each of the
 two limits less a headroom (``FD_HEADROOM``/``MAP_HEADROOM``, or a quarter/eighth of the limit
 when that is more), and, for descriptors, less those the daemon's own work holds at the time
-(a save's staged files are open while it uploads: one per tensor). ``take`` refuses an object past it with
-``OSError(EMFILE)``, which the tier handles like any allocation failure: the copy is not kept
+(a save's staged files are open while it uploads: one per tensor). ``take`` refuses an object
+past it with ``OSError(EMFILE)``, which the tier handles like any allocation failure: the copy is not kept
 (persist only here: one WARNING, ``ckptd_tier_degraded_total``), a replica is refused (HTTP 429).
 
 At start the daemon raises its soft open-files limit to the hard one (``raise_open_files``) and
 logs both limits (``describe``); operators size them with the rule in docs/operations.md
-("Memory tiers: descriptors and mappings").
+("Descriptors and mappings (sizing the memory tier)").
 """
 
 from __future__ import annotations
