@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
 from ckptd.errors import AlreadyCommitted, CheckpointError, CheckpointNotFoundError
-from ckptd.server import jobroots
+from ckptd.server import capacity, jobroots
 from ckptd.server.discovery import HELLO_PATH, Discovery
 from ckptd.server.discovery import router as discovery
 from ckptd.server.handoff import FINAL, BadJob
@@ -483,6 +483,27 @@ def _check_discovery(settings: Settings, token: str | None) -> None:
         raise ValueError("CKPTD_DISCOVER_TTL_S must be longer than CKPTD_DISCOVER_INTERVAL_S")
 
 
+def _capacity(metrics: Metrics) -> None:
+    """Raise the soft open-files limit to the hard one, log the limits that bound the memory
+    tier (every held object is a descriptor and a mapping: ``server.capacity``), expose them."""
+    raised = capacity.raise_open_files()
+    lim = capacity.refresh()
+    log.info(
+        "capacity: open files %s%s, vm.max_map_count %s: the memory tier holds at most %s objects",
+        lim["open_files"],
+        f" (raised from {raised[0]})" if raised else "",
+        lim["max_map_count"],
+        lim["objects"],
+    )
+    for name, text, key in (
+        ("ckptd_open_files_limit", "the daemon's open-files limit (RLIMIT_NOFILE, soft)", "open_files"),
+        ("ckptd_max_map_count", "vm.max_map_count: mappings a process may hold", "max_map_count"),
+        ("ckptd_tier_objects_limit", "objects the memory tier may hold (limits less headroom)", "objects"),
+        ("ckptd_tier_objects", "objects the memory tier holds (one descriptor and one mapping each)", "held"),
+    ):
+        metrics.gauge(name, text, lambda k=key: float(capacity.describe()[k] or 0))
+
+
 def create_app(settings: Settings) -> FastAPI:
     roots = Roots(settings.roots)
     token = read_token(settings.token_file)
@@ -535,6 +556,7 @@ def create_app(settings: Settings) -> FastAPI:
     runner.memsteps = memsteps = MemSteps(staging, tiers, settings.tiers)
     for name, (text, fn) in (tiers.gauges() | memsteps.gauges()).items():
         metrics.gauge(name, text, fn)
+    _capacity(metrics)
     runner.recover()
     metrics.gauge("ckptd_queue_depth", "handed-off snapshots not yet uploaded", lambda: runner.queue_depth)
     metrics.gauge("ckptd_jobs_awaiting_commit", "uploaded snapshots waiting for other ranks", lambda: runner.watching)

@@ -189,6 +189,8 @@ def render(data: dict) -> str:
 
     if data.get("tiers"):
         out.append(_tiers_html(data["tiers"]))
+    if "memory_only" in data:
+        out.append(_memsteps_html(data["memory_only"]))
     out.append('<section id="roots"><h2>Checkpoints</h2>')
     if data.get("more_roots"):
         out.append(
@@ -228,6 +230,49 @@ def _tiers_html(t: dict) -> str:
             f'<td>{_e(", ".join(map(str, c.get("ranks", []))))}</td><td class="num">{_e(_bytes(c["bytes"]))}</td>'
             f"<td>{_e(_line(where))}</td></tr>"
         )
+    out.append("</table></section>")
+    return "".join(out)
+
+
+def _memsteps_html(steps: list[dict]) -> str:
+    """The memory-only steps this daemon holds (``page_data.memory_only``): per step, whether
+    this daemon alone holds it whole, and its parts: this node's own ranks (with the peers they
+    were replicated to) and the replicas it holds, with the peer each came from."""
+    out = ['<section id="memsteps"><h2>Memory-only steps</h2>']
+    if not steps:
+        out.append('<p class="muted">no memory-only step held</p></section>')
+        return "".join(out)
+    out.append(
+        "<table><tr><th>job root</th><th>step</th><th>held here</th><th>rank</th><th>part</th>"
+        "<th>size</th><th>replicated to</th></tr>"
+    )
+    for s in steps:
+        ws, ranks = s.get("world_size"), s.get("ranks", [])
+        if ws is None:
+            whole = f"ranks {', '.join(map(str, ranks))} (world size unknown: no manifest held here)"
+        elif s.get("whole_here"):
+            whole = f"whole: all {ws} ranks"
+        else:
+            whole = f"partial: {len(ranks)} of {ws} ranks"
+        state = "whole" if s.get("whole_here") else "partial"
+        parts = s.get("parts", [])
+        for i, p in enumerate(parts):
+            own = p["source"] == "self"
+            part = "own" if own else f"replica from {p['source']}"
+            pushed = ", ".join(f"{k}: {v}" for k, v in sorted(p.get("replicated_to", {}).items())) if own else ""
+            head = (
+                f'<td class="err" rowspan="{len(parts)}">{_e(s["root"])}</td>'
+                f'<td class="num" rowspan="{len(parts)}">{_e(s["step"])}</td>'
+                f'<td rowspan="{len(parts)}">{_e(whole)}<br><span class="muted">{_e(_bytes(s.get("bytes")))}'
+                "</span></td>"
+                if i == 0
+                else ""
+            )
+            out.append(
+                f'<tr class="memstep memstep-{state} part-{"own" if own else "replica"}" data-step="{_e(s["step"])}"'
+                f' data-rank="{_e(p["rank"])}">{head}<td class="num">{_e(p["rank"])}</td><td>{_e(_line(part))}</td>'
+                f'<td class="num">{_e(_bytes(p["bytes"]))}</td><td>{_e(_line(pushed or "-"))}</td></tr>'
+            )
     out.append("</table></section>")
     return "".join(out)
 

@@ -25,6 +25,7 @@ verdict is re-read after ``VERDICT_TTL_S``.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import threading
@@ -384,4 +385,49 @@ def collect(state, root: str | None, offset: int, limit: int) -> dict:
     tiers = getattr(state, "tiers", None)
     if tiers is not None:  # this daemon's memory tier: which steps it holds, for whom, where pushed
         data["tiers"] = tiers.describe()
+    memsteps = getattr(state, "memsteps", None)
+    if memsteps is not None and tiers is not None and tiers.enabled:
+        data["memory_only"] = memory_only(memsteps)
     return data
+
+
+MAX_MEMSTEP_ROWS = 200  # memory-only steps listed on the page at most (newest first)
+MAX_MANIFEST_PARSE = 8 << 20  # a held manifest larger than this is not read for its world size
+
+
+def memory_only(memsteps) -> list[dict]:
+    """The memory-only steps this daemon holds (``server.memsteps``), one entry per (root, step,
+    attempt), newest first: its parts (this node's own ranks, and replicas with the peer they came
+    from), their bytes, and whether this daemon alone holds the whole step: every rank of the
+    world size its held manifest names (None when it holds no manifest of the step)."""
+    steps: dict[tuple[str, int, str], dict] = {}
+    for d in memsteps.describe():
+        key = (d["root"], d["step"], d["attempt"])
+        s = steps.setdefault(
+            key, {"root": d["root"], "step": d["step"], "attempt": d["attempt"], "parts": [], "world_size": None}
+        )
+        s["parts"].append({k: d[k] for k in ("rank", "source", "bytes", "objects", "replicated_to")})
+        manifest = f"{mf.step_dir(d['step'])}/{mf.MANIFEST}"
+        size = d["keys"].get(manifest)
+        if s["world_size"] is None and size is not None and size <= MAX_MANIFEST_PARSE:
+            s["world_size"] = _world_size(memsteps, *key, manifest, size)
+    out = sorted(steps.values(), key=lambda s: (s["step"], s["root"]), reverse=True)[:MAX_MEMSTEP_ROWS]
+    for s in out:
+        s["parts"].sort(key=lambda p: (p["rank"], p["source"] != "self", p["source"]))
+        ranks = {p["rank"] for p in s["parts"]}
+        s["ranks"] = sorted(ranks)
+        s["bytes"] = sum(p["bytes"] for p in s["parts"])
+        ws = s["world_size"]
+        s["whole_here"] = None if ws is None else ranks >= set(range(ws))
+    return out
+
+
+def _world_size(memsteps, root: str, step: int, attempt: str, key: str, size: int) -> int | None:
+    view = memsteps.read(root, step, attempt, key, 0, size)
+    if view is None:
+        return None
+    try:
+        ws = json.loads(bytes(view)).get("world_size")
+    except (ValueError, AttributeError):
+        return None
+    return ws if isinstance(ws, int) and not isinstance(ws, bool) and 1 <= ws <= 1 << 24 else None

@@ -173,7 +173,8 @@ def begin_replica(body: ReplicaRequest, request: Request):
     except ValueError as e:
         return JSONResponse({"detail": str(e)}, status_code=400)
     if not rid:
-        return JSONResponse({"detail": "no room in the staging budget for this replica"}, status_code=429)
+        why = "not kept: no room in the staging budget, or no descriptor or mapping left (the daemon logs which)"
+        return JSONResponse({"detail": why}, status_code=429)
     return {"replica": rid}
 
 

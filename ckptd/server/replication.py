@@ -204,7 +204,15 @@ class Replication:
                 self._drop(c)
             self._release([c])
             raise ValueError(f"replica {rid}: {len(bad)} objects incomplete or failing their crc32c, e.g. {bad[0]!r}")
-        c.objects = {k: seal(v) for k, v in c.objects.items()}  # read-only from now on
+        try:
+            c.objects = {k: seal(v) for k, v in c.objects.items()}  # read-only from now on
+        except OSError as e:  # no descriptor or mapping left: refused whole, its budget given back
+            with self._lock:
+                self._drop(c)
+                self.counters["degraded"] += 1
+            self._release([c])
+            log.warning("memory tier: cannot hold the replica of %s step %d in memory: %s", c.root, c.step, e)
+            raise ValueError(f"replica {rid}: not kept, this daemon cannot hold it ({e.strerror or e})") from e
         release = []
         with self._lock:
             old = self._replicas.get((c.root, c.source))

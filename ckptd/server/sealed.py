@@ -12,17 +12,26 @@ unchanged. Elsewhere (no ``memfd_create``) buffers are plain ``bytearray``s and 
 A sealed buffer is an ``mmap`` subclass (``len``, slicing and the buffer protocol as before) that
 also holds its descriptor (``fd``), closed when the buffer is collected: a dropped copy lives on
 while a reply still sends from it or a descriptor is being passed.
+
+Every buffer costs one descriptor (two before Python 3.13: ``mmap`` keeps a duplicate) and one
+mapping: ``new_buffer`` counts it against the cap of
+``server.capacity`` (OSError EMFILE past it, before any descriptor is made) and the count is
+given back when the buffer's descriptor is closed.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import sys
 import weakref
 
+from ckptd.server import capacity
 from ckptd.tierwire import F_ADD_SEALS, SEALS
 
 __all__ = ["SEALS", "Sealed", "can_share", "new_buffer", "seal"]
+
+TRACKFD = sys.version_info >= (3, 13)  # ``mmap.mmap(..., trackfd=False)`` exists
 
 
 def can_share() -> bool:
@@ -36,12 +45,20 @@ class Sealed(mmap.mmap):
     sealed: bool = False
 
 
+def _close(fd: int) -> None:
+    os.close(fd)
+    capacity.release()
+
+
 def _adopt(fd: int, size: int, writable: bool) -> Sealed:
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    buf = Sealed(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+    if TRACKFD:  # no duplicate of ``fd`` kept by the mapping: one descriptor per buffer, not two
+        buf = Sealed(fd, size, flags=mmap.MAP_SHARED, prot=prot, trackfd=False)
+    else:
+        buf = Sealed(fd, size, flags=mmap.MAP_SHARED, prot=prot)
     buf.fd = fd
     buf.sealed = not writable
-    weakref.finalize(buf, os.close, fd)
+    buf.closer = weakref.finalize(buf, _close, fd)  # gives the count of ``capacity.take`` back
     return buf
 
 
@@ -50,12 +67,17 @@ def new_buffer(size: int) -> Sealed | bytearray:
     left (the caller degrades: the copy is not kept)."""
     if size == 0 or not can_share():
         return bytearray(size)
-    fd = os.memfd_create("ckptd-tier", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    capacity.take()  # OSError past the cap on held objects (descriptors, mappings)
+    try:
+        fd = os.memfd_create("ckptd-tier", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except BaseException:
+        capacity.release()
+        raise
     try:
         os.ftruncate(fd, size)
         return _adopt(fd, size, writable=True)
     except BaseException:
-        os.close(fd)
+        _close(fd)
         raise
 
 
@@ -71,7 +93,10 @@ def seal(buf: Sealed | bytearray) -> Sealed | bytearray:
     try:
         buf.close()  # the writable mapping: F_SEAL_WRITE is refused while one exists
         fcntl.fcntl(fd, F_ADD_SEALS, SEALS)
-        return _adopt(fd, size, writable=False)
+        out = _adopt(fd, size, writable=False)
     except BaseException:
         os.close(fd)
         raise
+    buf.closer.detach()  # the sealed buffer holds the count now; the writable one's descriptor goes
+    os.close(buf.fd)
+    return out

@@ -34,9 +34,11 @@ class Daemon:
         *,
         token_file: Path | None = None,
         trust_tcp: bool = True,
+        preexec_fn=None,
         **env: str,
     ):
         self.roots, self.staging, self.log_path = roots, staging, log
+        self.preexec_fn = preexec_fn  # run in the child before exec (e.g. lower its rlimits)
         self.token_file = token_file
         self.trust_tcp = trust_tcp
         self.env = env
@@ -69,7 +71,9 @@ class Daemon:
                 args += ["--insecure-no-auth"]
             env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **self.env}
             with open(self.log_path, "a") as log:
-                self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+                self.proc = subprocess.Popen(
+                    args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), preexec_fn=self.preexec_fn
+                )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 if self.healthy():

@@ -1,0 +1,169 @@
+"""How many objects the memory tier may hold: every held object costs descriptors and a mapping.
+
+Each object of a hot copy or replica is its own memfd mapped into the daemon (``server.sealed``):
+``FDS_PER_OBJECT`` open descriptors (bounded by ``RLIMIT_NOFILE``) and one mapping (bounded by
+``vm.max_map_count``, 65530 by default). A daemon whose copies used up either would fail what
+it exists for: its uploads could not open the job root's files, it could not accept a
+connection or map a staging file. So the tier holds at most ``limit()`` objects: each of the
+two limits less a headroom (``FD_HEADROOM``/``MAP_HEADROOM``, or a quarter/eighth of the limit
+when that is more), and, for descriptors, less those the daemon's own work holds at the time
+(a save's staged files are open while it uploads: one per tensor). ``take`` refuses an object
+past it with ``OSError(EMFILE)``, which the tier handles like any allocation failure: the copy is not kept
+(persist only here: one WARNING, ``ckptd_tier_degraded_total``), a replica is refused (HTTP 429).
+
+At start the daemon raises its soft open-files limit to the hard one (``raise_open_files``) and
+logs both limits (``describe``); operators size them with the rule in docs/operations.md
+("Descriptors and mappings (sizing the memory tier)").
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import threading
+import time
+
+__all__ = [
+    "FDS_PER_OBJECT",
+    "FD_HEADROOM",
+    "MAP_HEADROOM",
+    "describe",
+    "held",
+    "limit",
+    "raise_open_files",
+    "release",
+    "take",
+]
+
+# Descriptors one held object costs: its memfd, and (before Python 3.13's ``trackfd=False``)
+# the duplicate that ``mmap.mmap`` keeps of it.
+FDS_PER_OBJECT = 1 if sys.version_info >= (3, 13) else 2
+FD_HEADROOM = 256  # descriptors kept for the daemon's own work (sockets, staging and root files)
+MAP_HEADROOM = 8192  # mappings kept for it (the interpreter, its libraries, staged files, malloc)
+
+MEASURE_EVERY_S = 0.25  # how often ``take`` counts the descriptors the daemon's own work holds
+
+_lock = threading.Lock()
+_held = 0
+_other = 0  # descriptors open that are not the tier's (last measured)
+_measured_at = -1e9
+_limits: dict | None = None
+
+
+def _read_limits() -> dict:
+    nofile: int | None = None
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        nofile = None if soft == resource.RLIM_INFINITY else int(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    maps: int | None = None
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            maps = int(f.read(32).strip())
+    except (OSError, ValueError):
+        pass
+    caps = []
+    if nofile is not None:
+        caps.append((nofile - max(FD_HEADROOM, nofile // 4)) // FDS_PER_OBJECT)
+    if maps is not None:
+        caps.append(maps - max(MAP_HEADROOM, maps // 8))
+    return {"open_files": nofile, "max_map_count": maps, "objects": max(0, min(caps)) if caps else None}
+
+
+def refresh() -> dict:
+    """Read the limits again (after ``raise_open_files``); the held count is kept."""
+    global _limits
+    got = _read_limits()
+    with _lock:
+        _limits = got
+    return got
+
+
+def describe() -> dict:
+    """{"open_files", "max_map_count", "objects" (the tier's cap; None: no limit known), "held"}."""
+    lim = _limits if _limits is not None else refresh()
+    with _lock:
+        return {**lim, "held": _held}
+
+
+def limit() -> int | None:
+    return describe()["objects"]
+
+
+def held() -> int:
+    with _lock:
+        return _held
+
+
+def _open_fds() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the listing's own descriptor
+    except OSError:
+        return None
+
+
+def _fd_room() -> int | None:
+    """Objects the descriptors left allow: the open-files limit less the headroom and less what
+    the daemon's own work holds now (staged files of saves in flight, connections), measured at
+    most every ``MEASURE_EVERY_S`` (a listing of /proc/self/fd costs one entry per descriptor)."""
+    global _other, _measured_at
+    lim = _limits or {}
+    nofile = lim.get("open_files")
+    if nofile is None:
+        return None
+    now = time.monotonic()
+    if now - _measured_at >= MEASURE_EVERY_S:
+        live = _open_fds()
+        if live is not None:
+            with _lock:
+                _other = max(0, live - _held * FDS_PER_OBJECT)
+                _measured_at = now
+    return (nofile - max(FD_HEADROOM, nofile // 4) - _other) // FDS_PER_OBJECT
+
+
+def take() -> None:
+    """Count one more held object; OSError(EMFILE) when the cap is reached (nothing counted)."""
+    global _held
+    cap = limit()
+    room = _fd_room()
+    if room is not None:
+        cap = room if cap is None else min(cap, room)
+    with _lock:
+        if cap is not None and _held >= cap:
+            lim = _limits or {}
+            raise OSError(
+                errno.EMFILE,
+                f"the memory tier holds {_held} objects, all this daemon's limits allow now "
+                f"(open files {lim.get('open_files')}, {_other} of them in use for saves and connections; "
+                f"vm.max_map_count {lim.get('max_map_count')}; less headroom: see docs/operations.md)",
+            )
+        _held += 1
+
+
+def release() -> None:
+    global _held
+    with _lock:
+        _held = max(0, _held - 1)
+
+
+def raise_open_files() -> tuple[int, int] | None:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard one (the daemon never uses ``select``);
+    returns (old soft, new soft), or None when nothing changed or it cannot be done."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == hard or (hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft > hard):
+            return None
+        new = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        if new <= soft:
+            return None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ImportError, OSError, ValueError):
+        return None
+    refresh()
+    return soft, new
