@@ -19,11 +19,7 @@ import stat
 import time
 
 from storage_backends._local_fs import DIR_OPEN, is_temp
-from storage_backends.base import (
-    check_dir_prefix,
-    check_key,
-    check_prefix,
-)
+from storage_backends.base import check_dir_prefix, check_key, check_prefix
 
 __all__ = ["Deletes"]
 

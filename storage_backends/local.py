@@ -13,6 +13,9 @@ page cache, which a checkpoint written once and read elsewhere only pollutes, an
 reclaim and writeback made buffered saves swing 2x run to run here. ``CKPTD_DIRECT_IO=0`` turns
 it off; a filesystem that refuses ``O_DIRECT`` gets buffered writes. Durability is the same in
 both cases (the fsync, or the ``syncfs`` of ``sync``).
+
+Here: ``LocalStore``'s writes; its reads and listings are ``_local_reads``, its deletes
+``_local_purge``, and the descriptor-relative primitives they share ``_local_fs``.
 """
 
 from __future__ import annotations
@@ -38,15 +41,7 @@ from storage_backends._local_fs import (
 )
 from storage_backends._local_purge import Deletes
 from storage_backends._local_reads import Reads
-from storage_backends.base import (
-    Data,
-    ExistsError,
-    NotFoundError,
-    StorageError,
-    Store,
-    as_buffers,
-    check_key,
-)
+from storage_backends.base import Data, ExistsError, NotFoundError, StorageError, Store, as_buffers, check_key
 
 __all__ = ["LinkRefused", "LocalStore"]
 
