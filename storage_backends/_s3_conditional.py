@@ -32,14 +32,7 @@ class ConditionalWrites:
     """If-None-Match / If-Match verbs of ``S3Store``."""
 
     def put_if_absent(self, key: str, data: Data) -> bool:
-        check_key(key)
-        views = as_buffers(data)
-        size = sum(v.nbytes for v in views)
-        # Our token in the object's metadata tells, on a 412, whether the object there is ours:
-        # when a response is lost and the PUT retried (by botocore or by us), the retry meets the
-        # object the first try wrote, and that call still won.
-        token = secrets.token_hex(16)
-        meta = {WRITER_META: token}
+        views, size, meta = self._tokened(key, data)
         try:
             # One PutObject even above the multipart threshold: its If-None-Match is honoured
             # everywhere, CompleteMultipartUpload's is not (Ceph RGW 16.2 overwrites).
@@ -51,10 +44,7 @@ class ConditionalWrites:
                 self._require_conditional_complete(key, size)
                 self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
         except PreconditionFailed:
-            try:
-                return self._head(key).get("Metadata", {}).get(WRITER_META) == token
-            except NotFoundError:  # the winner's object is already deleted again
-                return False
+            return self._ours(key, meta) is not None
         return True
 
     def put_new(self, key: str, data: Data) -> str:
@@ -64,11 +54,7 @@ class ConditionalWrites:
         server honours it (probed once, see ``_require_conditional_complete``); where it does
         not (Ceph RGW 16.2), one PutObject up to ``max_put_size``. Returns the ETag of the
         object created, its identity for ``delete_if``."""
-        check_key(key)
-        views = as_buffers(data)
-        size = sum(v.nbytes for v in views)
-        token = secrets.token_hex(16)
-        meta = {WRITER_META: token}
+        views, size, meta = self._tokened(key, data)
         try:
             if size > self.multipart_threshold and self._multipart_conditional(key, size):
                 return self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
@@ -77,13 +63,29 @@ class ConditionalWrites:
             resp = self._put_object(key, views, IfNoneMatch="*", Metadata=meta)
             return str(resp.get("ETag", ""))
         except PreconditionFailed:
-            try:
-                head = self._head(key)
-            except NotFoundError:
-                head = {}
-            if head.get("Metadata", {}).get(WRITER_META) == token:
+            head = self._ours(key, meta)
+            if head is not None:
                 return str(head.get("ETag", ""))
             raise ExistsError(f"{self._where(key)}: exists; a create-only write never replaces it") from None
+
+    @staticmethod
+    def _tokened(key: str, data: Data) -> tuple[list[memoryview], int, dict[str, str]]:
+        """(views, size, metadata) of a conditional write: the key checked first, and a new
+        writer token in the metadata. On a 412 the token tells whether the object there is
+        ours: when a response is lost and the PUT retried (by botocore or by us), the retry
+        meets the object the first try wrote, and that call still won."""
+        check_key(key)
+        views = as_buffers(data)
+        return views, sum(v.nbytes for v in views), {WRITER_META: secrets.token_hex(16)}
+
+    def _ours(self, key: str, meta: dict[str, str]) -> dict | None:
+        """After a 412: the object's HeadObject if it carries this call's writer token, else
+        None (someone else's, or already deleted again)."""
+        try:
+            head = self._head(key)
+        except NotFoundError:
+            return None
+        return head if head.get("Metadata", {}).get(WRITER_META) == meta[WRITER_META] else None
 
     def _multipart_conditional(self, key: str, size: int) -> bool:
         """Whether a create-only put of ``size`` bytes may be a multipart upload here. A probe
