@@ -28,6 +28,8 @@ __all__ = [
     "NO_LINK_ERRNOS",
     "advance",
     "copy_file",
+    "enter",
+    "entries",
     "identity",
     "is_temp",
     "open_child",
@@ -155,6 +157,26 @@ def walk_down(fd: int, names: Sequence[str], create: bool, made: Callable[[int, 
         os.close(fd)
         raise
     return fd
+
+
+def entries(dfd: int) -> list[tuple[str, bool]]:
+    """(name, is a folder) of every entry of the folder ``dfd``; a link is never a folder."""
+    with os.scandir(dfd) as it:
+        return [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+
+
+def enter(dfd: int, name: str, fn: Callable[[int], None]) -> bool:
+    """Run ``fn`` on the sub-folder ``name`` of ``dfd``, opened ``O_NOFOLLOW`` and closed after;
+    False, ``fn`` not run, if it cannot be opened (gone, or replaced by a link: never entered)."""
+    try:
+        child = os.open(name, DIR_OPEN, dir_fd=dfd)
+    except OSError:
+        return False
+    try:
+        fn(child)
+    finally:
+        os.close(child)
+    return True
 
 
 def copy_file(sfd: int, sname: str, dfd: int, tmp: str) -> None:

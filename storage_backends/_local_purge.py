@@ -18,7 +18,7 @@ import os
 import stat
 import time
 
-from storage_backends._local_fs import DIR_OPEN, is_temp
+from storage_backends._local_fs import enter, entries, is_temp
 from storage_backends.base import check_dir_prefix, check_key, check_prefix
 
 __all__ = ["Deletes"]
@@ -104,18 +104,9 @@ class Deletes:
         removed: list[str] = []
 
         def walk(dfd: int, where: tuple[str, ...]) -> None:
-            with os.scandir(dfd) as it:
-                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-            for name, is_dir in entries:
+            for name, is_dir in entries(dfd):
                 if is_dir:
-                    try:
-                        child = os.open(name, DIR_OPEN, dir_fd=dfd)
-                    except OSError:
-                        continue
-                    try:
-                        walk(child, (*where, name))
-                    finally:
-                        os.close(child)
+                    enter(dfd, name, lambda child, name=name: walk(child, (*where, name)))
                 elif is_temp(name):
                     with contextlib.suppress(FileNotFoundError):
                         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -157,24 +148,20 @@ class Deletes:
 
         def tree(dfd: int, where: tuple[str, ...]) -> None:
             """Temp files and empty sub-folders of the folder ``dfd`` (links never entered)."""
-            with os.scandir(dfd) as it:
-                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-            for name, is_dir in entries:
+            for name, is_dir in entries(dfd):
                 if not is_dir:
                     if is_temp(name):
                         unlink_temp(dfd, name, where)
                     continue
-                try:
-                    child = os.open(name, DIR_OPEN, dir_fd=dfd)
-                except OSError:
-                    continue  # gone, or replaced by a link: not ours to enter
-                try:
-                    tree(child, (*where, name))
-                finally:
-                    os.close(child)
-                with contextlib.suppress(OSError):
-                    os.rmdir(name, dir_fd=dfd)  # fails unless empty: then something else lives there
-                    touched.add(where)
+                sub(dfd, name, where)
+
+        def sub(dfd: int, name: str, where: tuple[str, ...]) -> None:
+            """The sub-folder ``name`` of ``dfd``: its tree, then itself if that left it empty."""
+            if not enter(dfd, name, lambda child: tree(child, (*where, name))):
+                return  # gone, or replaced by a link: not ours to enter
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=dfd)  # fails unless empty: then something else lives there
+                touched.add(where)
 
         try:
             fd = self._dir_fd(top)
@@ -183,26 +170,12 @@ class Deletes:
                 return 0, 0, touched
             raise
         try:
-            with os.scandir(fd) as it:
-                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-            for name, is_dir in entries:
+            for name, is_dir in entries(fd):
                 if is_temp(name):
                     if name[1:].startswith(name_prefix):  # ".{name}.tmp..." of a key under the prefix
                         unlink_temp(fd, name, top)
-                    continue
-                if not name.startswith(name_prefix) or not is_dir:
-                    continue
-                try:
-                    child = os.open(name, DIR_OPEN, dir_fd=fd)
-                except OSError:
-                    continue
-                try:
-                    tree(child, (*top, name))
-                finally:
-                    os.close(child)
-                with contextlib.suppress(OSError):
-                    os.rmdir(name, dir_fd=fd)
-                    touched.add(top)
+                elif is_dir and name.startswith(name_prefix):
+                    sub(fd, name, top)
         finally:
             os.close(fd)
         return counts[0], counts[1], touched
