@@ -21,7 +21,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 __all__ = ["SimulationStalled", "VirtualClock", "VirtualEvent", "VirtualTime"]
 
@@ -122,6 +122,33 @@ class VirtualClock:
         self._next()
         lock.acquire()
         self._tls.cpu = time.thread_time()
+
+    def run_jobs(self, jobs: Sequence[Callable[[], object]], workers: int, name: str = "sim") -> None:
+        """Run ``jobs`` in order on ``workers`` threads of this clock and wait for them all (from
+        a simulated thread). The first failure stops the jobs not yet started and is raised
+        here, once every worker has finished."""
+        todo: list[Callable[[], object]] = list(reversed(jobs))
+        errors: list[BaseException] = []
+        if not todo:
+            return
+        done, running = VirtualEvent(self), [min(max(1, workers), len(todo))]
+
+        def worker() -> None:
+            try:
+                while todo and not errors:
+                    todo.pop()()
+            except BaseException as e:  # handed to the waiting thread
+                errors.append(e)
+            finally:
+                running[0] -= 1
+                if running[0] == 0:
+                    done.set()
+
+        for _ in range(running[0]):
+            self.spawn(worker, name=name)
+        self.wait(done)
+        if errors:
+            raise errors[0]
 
     def _next(self) -> None:
         if self._heap:

@@ -331,25 +331,8 @@ class SimulatedStore(Store):
             for batch in batches:
                 self._delete_batch(batch)
         else:
-            todo, errors = list(reversed(batches)), []
-            done, running = VirtualEvent(clock), [min(self.delete_workers, len(batches))]
-
-            def worker() -> None:
-                try:
-                    while todo and not errors:
-                        self._delete_batch(todo.pop())
-                except BaseException as e:  # handed to the purging thread
-                    errors.append(e)
-                finally:
-                    running[0] -= 1
-                    if running[0] == 0:
-                        done.set()
-
-            for _ in range(running[0]):
-                clock.spawn(worker, name="sim-delete")
-            clock.wait(done)
-            if errors:
-                raise errors[0]
+            jobs = [lambda batch=batch: self._delete_batch(batch) for batch in batches]
+            clock.run_jobs(jobs, self.delete_workers, name="sim-delete")
         return len(infos), sum(x.size for x in infos)
 
     def _delete_batch(self, batch: list[str]) -> None:
