@@ -33,7 +33,7 @@ __all__ = ["Reads"]
 
 
 class Reads:
-    """get, get_range(s), head, list and list_dir of ``LocalStore``."""
+    """get, get_range, get_range_into, head, list and list_dir of ``LocalStore``."""
 
     def get(self, key: str, limit: int | None = None) -> bytes:
         with self._open(key, "get") as (fd, size):
