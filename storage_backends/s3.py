@@ -46,51 +46,31 @@ there, which real S3 rules out.) A store that silently ignores the header on Put
 make every writer win; don't point ckptd at one.
 A missing bucket is an empty store for reads, but puts do not create buckets (that needs
 permissions and a region choice that belong to the operator): they fail with NoSuchBucket.
+
+Here: the client, its configuration and plain ``put``; ``S3Store``'s other verbs are mixins,
+each module with its invariants: ranged reads (``_s3_reads``), listings and deletes
+(``_s3_listing``), the conditional verbs (``_s3_conditional``), multipart uploads
+(``_s3_multipart``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import random
-import re
-import secrets
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from botocore.config import Config
 
-from storage_backends._s3_calls import (
-    RETRY_CODES,
-    Caller,
-    InvalidRange,
-    NoSuchBucket,
-    NoSuchUpload,
-    PreconditionFailed,
-    Truncated,
-    env_number,
-    env_size,
-    new_client,
-)
-from storage_backends.base import (
-    Data,
-    ExistsError,
-    NotFoundError,
-    ObjectInfo,
-    StorageError,
-    Store,
-    as_buffers,
-    as_writable_buffers,
-    check_dir_prefix,
-    check_key,
-    check_limit,
-    check_prefix,
-    resolve_range,
-)
+from storage_backends._s3_buffers import MiB, join
+from storage_backends._s3_calls import Caller, env_number, env_size, new_client
+from storage_backends._s3_conditional import ConditionalWrites
+from storage_backends._s3_listing import Listing
+from storage_backends._s3_multipart import MAX_PARTS, Multipart
+from storage_backends._s3_reads import Reads
+from storage_backends.base import Data, Store, as_buffers, check_key, check_prefix
 from storage_backends.s3_retry import DEFAULT_MIN_RATE, AdaptiveLimiter, Pacer
 
 __all__ = [
@@ -103,77 +83,15 @@ __all__ = [
     "S3Store",
 ]
 
-MiB = 1 << 20
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_WORKERS = 16
 DEFAULT_DELETE_WORKERS = 4  # DeleteObjects in flight at once in ``purge``
-DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
-MAX_PARTS = 10_000  # S3's maximum parts per upload
 MAX_PUT_SIZE = 5 << 30  # S3's maximum for one PutObject
 T = TypeVar("T")
-_WRITER_META = "ckptd-writer"  # user metadata naming the put_if_absent call that wrote an object
 
 
-class _Changed(Exception):
-    """The object was replaced while we read it in pieces; read it again."""
-
-
-def _join(views: list[memoryview]) -> bytes:
-    if len(views) == 1 and isinstance(views[0].obj, bytes) and views[0].nbytes == len(views[0].obj):
-        return views[0].obj  # already immutable bytes: no copy
-    return b"".join(views)
-
-
-def _slice(views: Sequence[memoryview], ends: Sequence[int], start: int, n: int) -> list[memoryview]:
-    """The views covering bytes [start, start + n) of the concatenation of ``views``, whose
-    cumulative end offsets are ``ends``."""
-    out = []
-    lo = 0
-    for v, end in zip(views, ends, strict=True):
-        if end > start and lo < start + n:
-            a = max(start, lo) - lo
-            b = min(start + n, end) - lo
-            out.append(v[a:b])
-        lo = end
-        if lo >= start + n:
-            break
-    return out
-
-
-def _cumulative(views: Sequence[memoryview]) -> list[int]:
-    ends, total = [], 0
-    for v in views:
-        total += v.nbytes
-        ends.append(total)
-    return ends
-
-
-def _stream_into(body: Any, views: list[memoryview]) -> int:
-    """Copy a response body into ``views``; returns the bytes copied (short at end of body)."""
-    got = 0
-    for v in views:
-        pos = 0
-        while pos < v.nbytes:
-            chunk = body.read(min(v.nbytes - pos, 4 * MiB))
-            if not chunk:
-                return got + pos
-            v[pos : pos + len(chunk)] = chunk
-            pos += len(chunk)
-        got += pos
-    return got
-
-
-_MAX_GET_BYTES = int(os.environ.get("CKPTD_S3_MAX_GET_BYTES", str(64 << 30)))
-
-
-def _total_size(resp: dict) -> int | None:
-    """The object's size from a ranged response's ``Content-Range: bytes a-b/total``."""
-    m = re.search(r"/(\d+)\s*$", resp.get("ContentRange") or "")
-    return int(m.group(1)) if m else None
-
-
-class S3Store(Store):
+class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
     """``s3://bucket/prefix``.
 
     Thread-safe: every method may be called from many threads; they share one client (whose
@@ -327,326 +245,32 @@ class S3Store(Store):
                     f.result()
             raise
 
-    # -- reads ------------------------------------------------------------------------------------
-
-    def _get_into(self, key: str, start: int, views: list[memoryview], if_match: str | None = None) -> dict:
-        """One ranged GET streamed into ``views``; returns the response (its ETag, ContentRange).
-        A negative ``start`` asks for the last ``-start`` bytes and keeps the first ones."""
-        n = sum(v.nbytes for v in views)
-        want = -start if start < 0 else n
-        outside = f"{self._where(key)}: range start={start} length={n} is outside the object"
-        if want < n:
-            raise StorageError(outside)
-        rng = f"bytes=-{want}" if start < 0 else f"bytes={start}-{start + n - 1}"
-        extra = {"IfMatch": if_match} if if_match else {}
-
-        def attempt() -> dict:
-            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), Range=rng, **extra)
-            with contextlib.closing(resp["Body"]) as body:
-                if resp["ContentLength"] != want:  # S3 truncates a range that runs past the end
-                    raise StorageError(f"{outside} ({_total_size(resp)} bytes)")
-                if _stream_into(body, views) != n:
-                    raise Truncated(f"response body ended early ({rng})")
-            return resp
-
-        try:
-            return self._call("GetObject", key, attempt)
-        except InvalidRange:  # 416: the range starts at or past the end
-            raise StorageError(outside) from None
-
-    def get(self, key: str, limit: int | None = None) -> bytes:
-        """A large object is fetched as parallel ranged GETs into one buffer, then copied once
-        into ``bytes``; ``get_range_into`` fills the caller's buffers without that copy. The size
-        the server reports is checked against ``limit`` (and ``CKPTD_S3_MAX_GET_BYTES``, 64 GiB by
-        default) before that buffer is allocated, and the first GET asks for at most one part."""
-        for _ in range(3):
-            try:
-                return self._get_whole(key, limit)
-            except _Changed:
-                continue
-        raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
-
-    def _get_whole(self, key: str, limit: int | None = None) -> bytes:
-        # The first piece also tells the size (Content-Range), so a small object costs one GET.
-        first_len = self.part_size if limit is None else max(1, min(self.part_size, limit + 1))
-        try:
-            first, resp = self._get_first(key, f"bytes=0-{first_len - 1}")
-        except InvalidRange:  # a ranged GET of an empty object is a 416
-            return self._get_first(key, None, 0)[0]  # an empty object: at most 0 bytes expected
-        if len(first) > first_len:  # a server ignoring the Range: never trust its size
-            raise StorageError(
-                f"{self._where(key)}: GetObject returned {len(first)} bytes for a {first_len}-byte range"
-            )
-        total = _total_size(resp) or len(first)
-        check_limit(self.uri, key, total, limit)
-        check_limit(self.uri, key, total, _MAX_GET_BYTES)
-        if total <= len(first):
-            return first
-        buf = bytearray(total)
-        mv = memoryview(buf)
-        got = len(first)
-        mv[:got] = first
-        del first
-        etag = resp["ETag"]
-        pieces = [(off, min(self.part_size, total - off)) for off in range(got, total, self.part_size)]
-        try:
-            self._submit_all(
-                [lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces]
-            )
-        except PreconditionFailed:
-            raise _Changed() from None
-        return bytes(buf)
-
-    def _get_first(self, key: str, rng: str | None, most: int | None = None) -> tuple[bytes, dict]:
-        """One GET; reads at most ``most`` bytes (the range's length) + 1 of the body, so a
-        server that sends more than asked cannot make us buffer it."""
-        extra = {"Range": rng} if rng else {}
-        if most is None:
-            most = int(rng.rsplit("-", 1)[1]) + 1 if rng else 0
-
-        def attempt() -> tuple[bytes, dict]:
-            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **extra)
-            with contextlib.closing(resp["Body"]) as body:
-                data = body.read(most + 1)
-            if len(data) > most:
-                raise StorageError(f"{self._where(key)}: GetObject sent more than the {most} bytes asked for")
-            if len(data) != resp["ContentLength"]:
-                raise Truncated("response body ended early")
-            return data, resp
-
-        return self._call("GetObject", key, attempt)
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        if length <= 0 or length > self.part_size:
-            buf = bytearray(max(length, 0))
-            self._range_into(key, start, length, [memoryview(buf)] if length > 0 else [])
-            return bytes(buf)
-        return self._get_range_one(key, start, length)
-
-    def _get_range_one(self, key: str, start: int, length: int) -> bytes:
-        """A range in a single GET, whatever its size (what get_ranges' pool tasks use)."""
-        if length <= 0:
-            self._range_into(key, start, length, [])
-            return b""
-        buf = bytearray(length)
-        self._get_into(key, start, [memoryview(buf)])
-        return bytes(buf)
-
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        check_key(key)
-        return self._submit_all([lambda s=s, n=n: self._get_range_one(key, s, n) for s, n in ranges])
-
-    def get_range_into(self, key: str, start: int, buffers: Sequence[bytearray | memoryview]) -> None:
-        views = as_writable_buffers(buffers)
-        self._range_into(key, start, sum(v.nbytes for v in views), views)
-
-    def _range_into(self, key: str, start: int, length: int, views: list[memoryview]) -> None:
-        check_key(key)
-        if 0 < length <= self.part_size:
-            self._get_into(key, start, views)
-            return
-        # Empty or large: learn the size first, and the ETag that pins the pieces to one version.
-        for _ in range(3):
-            info = self._head(key)
-            pos = resolve_range(self.uri, key, start, length, info["ContentLength"])
-            try:
-                self._pieces_into(key, pos, length, views, info["ETag"])
-                return
-            except PreconditionFailed:
-                continue
-        raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
-
-    def _pieces_into(self, key: str, pos: int, length: int, views: list[memoryview], etag: str) -> None:
-        """Bytes [pos, pos + length) into ``views`` as parallel part-sized GETs."""
-        ends = _cumulative(views)
-
-        def piece(off: int, n: int) -> None:
-            self._get_into(key, pos + off, _slice(views, ends, off, n), if_match=etag)
-
-        steps = range(0, length, self.part_size)
-        self._submit_all([lambda o=o: piece(o, min(self.part_size, length - o)) for o in steps])
-
-    def _head(self, key: str) -> dict:
-        return self._call("HeadObject", key, self._client.head_object, Bucket=self.bucket, Key=self._full(key))
-
-    def head(self, key: str) -> ObjectInfo:
-        resp = self._head(key)
-        return ObjectInfo(key, resp["ContentLength"], resp["LastModified"].timestamp())
-
-    def _paged(
-        self, op: str, fn: Callable[..., dict], key_prefix: str, after: Callable[[dict], dict | None], **kwargs: Any
-    ) -> Iterator[dict]:
-        """Every page of the listing ``op`` of keys starting with ``key_prefix`` (relative);
-        ``after(page)`` gives the markers of the page after ``page``, None after the last one. A
-        missing root is an empty store."""
-        markers: dict = {}
-        while True:
-            try:
-                page = self._call(
-                    op, key_prefix, fn, Bucket=self.bucket, Prefix=self._prefix + key_prefix, **kwargs, **markers
-                )
-            except NoSuchBucket:
-                return
-            yield page
-            nxt = after(page)
-            if nxt is None:
-                return
-            markers = nxt
-
-    def _pages(self, key_prefix: str, **kwargs: Any) -> Iterator[dict]:
-        def after(page: dict) -> dict | None:
-            token = page.get("NextContinuationToken")
-            return {"ContinuationToken": token} if page.get("IsTruncated") and token else None
-
-        return self._paged("ListObjectsV2", self._client.list_objects_v2, key_prefix, after, **kwargs)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        check_prefix(prefix)
-        return self._list(prefix)
-
-    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
-        strip = len(self._prefix)
-        for page in self._pages(prefix):
-            for obj in page.get("Contents", []):
-                key = obj["Key"][strip:]
-                if key and not key.endswith("/"):  # skip "folder markers" other tools make
-                    yield ObjectInfo(key, obj["Size"], obj["LastModified"].timestamp())
-
-    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
-        prefix = check_dir_prefix(prefix)
-        strip = len(self._prefix) + len(prefix)
-        names, folders = [], []
-        for page in self._pages(prefix, Delimiter="/"):
-            names += [o["Key"][strip:] for o in page.get("Contents", []) if o["Key"][strip:]]
-            folders += [p["Prefix"][strip:].rstrip("/") for p in page.get("CommonPrefixes", [])]
-        return sorted(names), sorted(f for f in folders if f)
-
-    def list_dir_after(self, prefix: str, after: str) -> tuple[list[str], list[str]]:
-        prefix = check_dir_prefix(prefix)
-        strip = len(self._prefix) + len(prefix)
-        names, folders = [], []
-        for page in self._pages(prefix, Delimiter="/", StartAfter=self._prefix + prefix + after):
-            names += [o["Key"][strip:] for o in page.get("Contents", []) if o["Key"][strip:] > after]
-            folders += [p["Prefix"][strip:].rstrip("/") for p in page.get("CommonPrefixes", [])]
-        return sorted(names), sorted(f for f in folders if f > after)
-
-    def exists_root(self) -> bool:
-        try:
-            self._call("HeadBucket", "", self._client.head_bucket, Bucket=self.bucket)
-        except NotFoundError:
-            return False
-        return True
-
-    # -- writes -----------------------------------------------------------------------------------
+    # -- writes (reads: _s3_reads; listings, deletes: _s3_listing; conditional verbs:
+    # _s3_conditional; multipart uploads: _s3_multipart) -------------------------------------------
 
     def put(self, key: str, data: Data) -> None:
-        full = self._full(key)
+        check_key(key)
         views = as_buffers(data)
         size = sum(v.nbytes for v in views)
         if size <= self.multipart_threshold:
-            resp = self._call(
-                "PutObject", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=_join(views)
-            )
-            self._saw_checksum(resp)
+            self._put_object(key, views)
         else:
             self._put_multipart(key, views, size)
 
-    def put_if_absent(self, key: str, data: Data) -> bool:
-        full = self._full(key)
-        views = as_buffers(data)
-        size = sum(v.nbytes for v in views)
-        # Our token in the object's metadata tells, on a 412, whether the object there is ours:
-        # when a response is lost and the PUT retried (by botocore or by us), the retry meets the
-        # object the first try wrote, and that call still won.
-        token = secrets.token_hex(16)
-        meta = {_WRITER_META: token}
-        try:
-            # One PutObject even above the multipart threshold: its If-None-Match is honoured
-            # everywhere, CompleteMultipartUpload's is not (Ceph RGW 16.2 overwrites).
-            if size <= self.max_put_size:
-                self._put_object_if_none_match(key, full, views, meta)
-            else:
-                if self.exists(key):  # don't upload gigabytes only to lose
-                    return False
-                self._require_conditional_complete(key, size)
-                self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
-        except PreconditionFailed:
-            try:
-                return self._head(key).get("Metadata", {}).get(_WRITER_META) == token
-            except NotFoundError:  # the winner's object is already deleted again
-                return False
-        return True
-
-    def _put_object_if_none_match(self, key: str, full: str, views: list[memoryview], meta: dict) -> dict:
-        """One PutObject with ``If-None-Match: *`` (a 412 raises PreconditionFailed)."""
+    def _put_object(self, key: str, views: list[memoryview], **conditions: Any) -> dict:
+        """One PutObject of ``views`` (joined without a copy where they are one ``bytes``);
+        ``conditions`` are extra PutObject arguments (IfNoneMatch, Metadata)."""
         resp = self._call(
             "PutObject",
             key,
             self._client.put_object,
             Bucket=self.bucket,
-            Key=full,
-            Body=_join(views),
-            IfNoneMatch="*",
-            Metadata=meta,
+            Key=self._full(key),
+            Body=join(views),
+            **conditions,
         )
         self._saw_checksum(resp)
         return resp
-
-    def put_new(self, key: str, data: Data) -> str:
-        """Create-only: PutObject with ``If-None-Match: *`` (a 412 is ExistsError, unless the
-        object there carries this call's token: a retried PUT whose first try landed). Above the
-        multipart threshold a multipart upload whose Complete carries the condition, where the
-        server honours it (probed once, see ``_require_conditional_complete``); where it does
-        not (Ceph RGW 16.2), one PutObject up to ``max_put_size``. Returns the ETag of the
-        object created, its identity for ``delete_if``."""
-        full = self._full(key)
-        views = as_buffers(data)
-        size = sum(v.nbytes for v in views)
-        token = secrets.token_hex(16)
-        meta = {_WRITER_META: token}
-        try:
-            if size > self.multipart_threshold and self._multipart_conditional(key, size):
-                return self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
-            if size > self.max_put_size:
-                self._require_conditional_complete(key, size)
-            resp = self._put_object_if_none_match(key, full, views, meta)
-            return str(resp.get("ETag", ""))
-        except PreconditionFailed:
-            try:
-                head = self._head(key)
-            except NotFoundError:
-                head = {}
-            if head.get("Metadata", {}).get(_WRITER_META) == token:
-                return str(head.get("ETag", ""))
-            raise ExistsError(f"{self._where(key)}: exists; a create-only write never replaces it") from None
-
-    def _multipart_conditional(self, key: str, size: int) -> bool:
-        """Whether a create-only put of ``size`` bytes may be a multipart upload here. A probe
-        that failed before deciding (the store refused it) is raised, not taken for a no."""
-        try:
-            self._require_conditional_complete(key, size)
-        except StorageError:
-            if self._conditional_complete is None:
-                raise
-            return False
-        return True
-
-    def delete_if(self, key: str, tag: object) -> bool:
-        """Delete ``key`` only if its ETag is still ``tag``: a HEAD compares it (servers that
-        ignore ``If-Match`` on DeleteObject, e.g. Ceph RGW 16.2, rely on that alone, leaving the
-        window between the HEAD and the DELETE), then DeleteObject carries ``If-Match`` (AWS S3
-        and moto refuse with 412 if the object changed in that window)."""
-        if not isinstance(tag, str) or not tag:
-            return False
-        try:
-            if self._head(key).get("ETag") != tag:
-                return False
-            self._call(
-                "DeleteObject", key, self._client.delete_object, Bucket=self.bucket, Key=self._full(key), IfMatch=tag
-            )
-        except (NotFoundError, PreconditionFailed, NoSuchBucket):
-            return False
-        return True
 
     def _saw_checksum(self, resp: dict) -> None:
         """After a PUT of a body: a response that echoes its CRC32 shows the server checks it,
@@ -659,217 +283,6 @@ class S3Store(Store):
         if isinstance(s3, dict) and self.endpoint_url.startswith("http:"):
             s3["payload_signing_enabled"] = False
 
-    def _require_conditional_complete(self, key: str, size: int) -> None:
-        """Raise unless the server refuses a CompleteMultipartUpload with ``If-None-Match: *``
-        over an existing object. Probed once per store, on a scratch key beside the root
-        (``<prefix>.ckptd-probe-<random>``, never under it, removed again): a small object, then
-        a one-part upload of the same key completed with the condition. 412 means honoured; a
-        success means the server overwrote the object (Ceph RGW 16.2 does), so no multipart
-        upload of ours can be put-if-absent there."""
-        if self._conditional_complete is None:
-            probe = f"{self._prefix.rstrip('/')}.ckptd-probe-{secrets.token_hex(8)}"
-            c, b = self._client, self.bucket
-            self._call("PutObject", "", c.put_object, Bucket=b, Key=probe, Body=b"")
-            try:
-                up = self._call("CreateMultipartUpload", "", c.create_multipart_upload, Bucket=b, Key=probe)
-                uid = up["UploadId"]
-                try:
-                    part = self._call(
-                        "UploadPart", "", c.upload_part, Bucket=b, Key=probe, UploadId=uid, PartNumber=1, Body=b"x"
-                    )
-                    self._call(
-                        "CompleteMultipartUpload",
-                        "",
-                        c.complete_multipart_upload,
-                        Bucket=b,
-                        Key=probe,
-                        UploadId=uid,
-                        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
-                        IfNoneMatch="*",
-                    )
-                    self._conditional_complete = False
-                except PreconditionFailed:
-                    self._conditional_complete = True
-                    with contextlib.suppress(StorageError):
-                        self._abort(probe, uid)
-                except BaseException:  # the probe itself failed (undecided): leave no upload behind
-                    with contextlib.suppress(StorageError):
-                        self._abort(probe, uid)
-                    raise
-            finally:
-                with contextlib.suppress(StorageError):
-                    self._call("DeleteObject", "", c.delete_object, Bucket=b, Key=probe)
-        if not self._conditional_complete:
-            raise StorageError(
-                f"{self._where(key)}: put_if_absent of {size} bytes needs a multipart upload, and "
-                f"{self.endpoint_url} ignores If-None-Match on CompleteMultipartUpload (Ceph RGW "
-                f"16.2 does): it would overwrite a racing writer's object; objects up to "
-                f"{self.max_put_size} bytes are safe (one PutObject)"
-            )
-
-    def _part_size_for(self, size: int) -> int:
-        if size <= self.part_size * MAX_PARTS:
-            return self.part_size
-        return math.ceil(size / MAX_PARTS / MiB) * MiB
-
-    def _put_multipart(
-        self,
-        key: str,
-        views: list[memoryview],
-        size: int,
-        metadata: dict[str, str] | None = None,
-        if_none_match: bool = False,
-    ) -> str:
-        full = self._full(key)
-        token = (metadata or {}).get(_WRITER_META) or secrets.token_hex(16)
-        meta = {**(metadata or {}), _WRITER_META: token}
-        # botocore puts a CRC32 on every part unless told "when_required"
-        # (AWS_REQUEST_CHECKSUM_CALCULATION); the upload must then announce it too, and the
-        # parts' checksums go into CompleteMultipartUpload (copied from each part's response).
-        checksum = self._client.meta.config.request_checksum_calculation != "when_required"
-        # A CreateMultipartUpload whose response is lost and then retried (by botocore or by us)
-        # opens a second upload; the first one's id never reaches us. Count the tries, and after
-        # one that was retried abort the other uploads of this key begun since.
-        tries = 0
-
-        def create(**kwargs: Any) -> dict:
-            nonlocal tries
-            tries += 1
-            return self._client.create_multipart_upload(**kwargs)
-
-        try:
-            resp = self._call(
-                "CreateMultipartUpload",
-                key,
-                create,
-                Bucket=self.bucket,
-                Key=full,
-                Metadata=meta,
-                **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
-            )
-        except BaseException:
-            if tries:
-                self._abort_strays(key, keep=None)
-            raise
-        upload_id = resp["UploadId"]
-        if tries > 1 or resp.get("ResponseMetadata", {}).get("RetryAttempts", 0):
-            self._abort_strays(key, keep=upload_id)
-        part_size = self._part_size_for(size)
-        ends = _cumulative(views)
-
-        def upload(number: int, off: int, n: int) -> dict:
-            # Only this part's slices are joined, when its turn comes: at most one part per
-            # worker is ever copied, never the whole object.
-            body = _join(_slice(views, ends, off, n))
-            resp = self._call(
-                "UploadPart",
-                key,
-                self._client.upload_part,
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=body,
-                **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
-            )
-            self._saw_checksum(resp)
-            part = {"PartNumber": number, "ETag": resp["ETag"]}
-            part.update({k: v for k, v in resp.items() if k.startswith("Checksum") and isinstance(v, str)})
-            return part
-
-        try:
-            parts = self._submit_all(
-                [
-                    lambda i=i, off=off: upload(i + 1, off, min(part_size, size - off))
-                    for i, off in enumerate(range(0, size, part_size))
-                ]
-            )
-            extra = {"IfNoneMatch": "*"} if if_none_match else {}
-            try:
-                done = self._call(
-                    "CompleteMultipartUpload",
-                    key,
-                    self._client.complete_multipart_upload,
-                    Bucket=self.bucket,
-                    Key=full,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
-                    **extra,
-                )
-            except NoSuchUpload:
-                # A retried Complete whose first try succeeded (and lost its response) finds the
-                # upload gone: it succeeded if the object there carries our token.
-                try:
-                    ours = self._head(key).get("Metadata", {}).get(_WRITER_META) == token
-                except NotFoundError:
-                    ours = False
-                if not ours:
-                    raise
-                return self._head(key).get("ETag", "")
-            return str(done.get("ETag", ""))
-        except BaseException:
-            # Parts of an unfinished upload are stored (and billed) until aborted.
-            with contextlib.suppress(StorageError):
-                self._call(
-                    "AbortMultipartUpload",
-                    key,
-                    self._client.abort_multipart_upload,
-                    Bucket=self.bucket,
-                    Key=full,
-                    UploadId=upload_id,
-                )
-            raise
-
-    def _uploads(self, key_prefix: str) -> Iterator[dict]:
-        """Incomplete multipart uploads whose key starts with ``key_prefix`` (relative)."""
-
-        def after(page: dict) -> dict | None:
-            if not page.get("IsTruncated"):
-                return None
-            return {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
-
-        for page in self._paged("ListMultipartUploads", self._client.list_multipart_uploads, key_prefix, after):
-            yield from page.get("Uploads", [])
-
-    def _abort(self, full_key: str, upload_id: str) -> bool:
-        try:
-            self._call(
-                "AbortMultipartUpload",
-                full_key[len(self._prefix) :],
-                self._client.abort_multipart_upload,
-                Bucket=self.bucket,
-                Key=full_key,
-                UploadId=upload_id,
-            )
-        except NoSuchUpload:
-            return False  # completed or aborted meanwhile
-        return True
-
-    def _abort_strays(self, key: str, keep: str | None) -> None:
-        """Best effort: abort every incomplete upload of exactly ``key`` but ``keep``. One writer
-        writes a key of a step (writers of one root are fenced), so the others are this call's
-        lost-response orphans or those of a killed earlier attempt at the same step. (No time
-        filter: S3's ``Initiated`` comes from the server's clock, and moto answers a fixed date.)"""
-        full = self._full(key)
-        try:
-            for up in list(self._uploads(key)):
-                if up.get("Key") == full and up.get("UploadId") != keep:
-                    self._abort(full, up["UploadId"])
-        except StorageError:
-            pass  # gc's abort_stale_uploads catches what this misses
-
-    def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
-        check_prefix(prefix)
-        cutoff = time.time() - older_than
-        aborted = []
-        for up in list(self._uploads(prefix)):
-            initiated = up.get("Initiated")
-            if initiated is not None and initiated.timestamp() > cutoff:
-                continue
-            if self._abort(up["Key"], up["UploadId"]):
-                aborted.append(up["Key"][len(self._prefix) :])
-        return aborted
-
     def copy(self, src_key: str, dst_key: str) -> None:
         # Server-side CopyObject works up to 5 GiB; larger objects would need a multipart copy
         # (UploadPartCopy), which checkpoints' chunk-sized objects never need.
@@ -881,69 +294,6 @@ class S3Store(Store):
             Key=self._full(dst_key),
             CopySource={"Bucket": self.bucket, "Key": self._full(src_key)},
         )
-
-    def delete(self, key: str) -> None:
-        full = self._full(key)
-        with contextlib.suppress(NoSuchBucket):  # deleting a missing key is not an error
-            self._call("DeleteObject", key, self._client.delete_object, Bucket=self.bucket, Key=full)
-
-    def delete_prefix(self, prefix: str) -> int:
-        return self.purge(prefix)[0]
-
-    def purge(self, prefix: str) -> tuple[int, int]:
-        """Objects under ``prefix`` (S3 has no temp files or folders to leave behind; the
-        incomplete multipart uploads of killed writers are ``abort_uploads``'s).
-
-        The listing is paged (1000 keys a page); the keys then go in DeleteObjects of at most
-        1000 keys, ``delete_workers`` of them in flight at once (a 4096-rank checkpoint of 1000
-        arrays is 4096 batches: sequential, that is minutes of round trips). Keys a batch
-        reports as failed with a transient code (InternalError, SlowDown, ...) are sent again,
-        up to the store's tries; any other code, or keys still failing after them, fail the
-        purge with one StorageError naming a key and how many are left (after every batch has
-        been tried: the rest are deleted)."""
-        check_prefix(prefix)
-        infos = list(self._list(prefix))
-        keys = [info.key for info in infos]
-        batches = [keys[i : i + DELETE_BATCH] for i in range(0, len(keys), DELETE_BATCH)]
-        workers = min(self.delete_workers, len(batches))
-        if workers <= 1:
-            for batch in batches:
-                self._delete_batch(prefix, batch)
-        else:
-            # A pool of its own: purge may run on the store's pool, which must never wait on itself.
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3-delete") as pool:
-                futures = [pool.submit(self._delete_batch, prefix, batch) for batch in batches]
-                errors = [e for e in (f.exception() for f in futures) if e is not None]
-            if errors:
-                raise errors[0]
-        return len(keys), sum(info.size for info in infos)
-
-    def _delete_batch(self, prefix: str, batch: list[str]) -> None:
-        """One DeleteObjects of ``batch`` (relative keys), then again for the keys it reported
-        as failed with a transient code, with the Caller's tries and backoff."""
-        left = batch
-        for attempt in range(1, self._caller.attempts + 1):
-            resp = self._call(
-                "DeleteObjects",
-                prefix,
-                self._client.delete_objects,
-                Bucket=self.bucket,
-                Delete={"Objects": [{"Key": self._prefix + k} for k in left], "Quiet": True},
-            )
-            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-            if not errors:
-                return
-            final = [e for e in errors if e.get("Code") not in RETRY_CODES]
-            if final or attempt == self._caller.attempts:
-                e = (final or errors)[0]
-                after = f" after {attempt} attempts" if attempt > 1 else ""
-                raise StorageError(
-                    f"s3://{self.bucket}/{e.get('Key')}: DeleteObjects failed: {e.get('Code')}: "
-                    f"{e.get('Message')} ({len(errors)} of {len(batch)} keys not deleted{after})"
-                )
-            n = len(self._prefix)
-            left = [str(e.get("Key", ""))[n:] for e in errors]
-            time.sleep(random.uniform(0, min(10.0, self._caller.backoff * 2 ** (attempt - 1))))
 
     def close(self) -> None:
         with self._close_lock:

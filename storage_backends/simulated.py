@@ -5,15 +5,9 @@ It exists to run the real commit protocol at thousands of ranks on one small mac
 (``python -m benchmarks.scale``) and to test that protocol under S3's failure modes. It is a test
 and benchmark helper, never a backend a job root URI opens.
 
-Time. With a :class:`VirtualClock`, every request *sleeps in simulated time*: each simulated
-rank is a thread, but the clock lets exactly one of them run at a time and jumps the clock to
-the next wake-up when the running one sleeps, so 8192 ranks waiting 20 ms each cost no wall
-time and a run is deterministic for a seed. Code under simulation must block only through the
-store or the clock (``clock.sleep``/``clock.time``); a thread that waits on anything else (a
-lock another simulated thread holds across a request, a future of an unregistered pool) stalls
-the simulation, which :meth:`VirtualClock.run` reports after a wall-clock timeout. Without a
-clock the store sleeps for real (latency 0 by default), which is how the conformance suite runs
-it from plain threads.
+Time: with a :class:`VirtualClock` (``_sim_clock``, whose docstring tells the rules for code
+under simulation) every request sleeps in simulated time. Without a clock the store sleeps for
+real (latency 0 by default), which is how the conformance suite runs it from plain threads.
 
 S3 behaviours modelled:
 
@@ -38,21 +32,24 @@ S3 behaviours modelled:
 
 Counters (:attr:`SimulatedStore.stats`): requests by verb, by (verb, prefix), SlowDowns, and the
 peak accepted requests per ``window`` per prefix and class.
+
+The clock lives in ``_sim_clock``, the request classes, counters and ``PartitionModel`` in
+``_sim_rates``; every name of ``__all__`` is still imported from here.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-import heapq
 import itertools
 import math
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
+from storage_backends._sim_clock import SimulationStalled, VirtualClock, VirtualEvent, VirtualTime
+from storage_backends._sim_rates import CLASS_OF, GET_CLASS, PUT_CLASS, PartitionModel, Stats, folder_of
 from storage_backends.base import (
     Data,
     ExistsError,
@@ -67,337 +64,10 @@ from storage_backends.base import (
     resolve_range,
 )
 from storage_backends.memory import MemoryStore
-from storage_backends.s3_retry import BETA, DEFAULT_MIN_RATE, RELEASE, STEP
-
-GET_CLASS = "GET"  # GET, HEAD, LIST
-PUT_CLASS = "PUT"  # PUT, COPY, DELETE
-_CLASS = {
-    "GET": GET_CLASS,
-    "HEAD": GET_CLASS,
-    "LIST": GET_CLASS,
-    "PUT": PUT_CLASS,
-    "COPY": PUT_CLASS,
-    "DELETE": PUT_CLASS,
-}
 
 
 class SlowDownError(StorageError):
     """HTTP 503 SlowDown: the prefix is over its request rate, after every retry."""
-
-
-class SimulationStalled(RuntimeError):
-    """No simulated thread can run and some have not finished: one waits outside the clock."""
-
-
-class VirtualClock:
-    """Simulated time for threads: one registered thread runs at a time; ``sleep`` yields.
-
-    ``spawn`` registers threads (from the driver before ``run``, or from a simulated thread);
-    ``run`` starts the simulation and returns when every registered thread has finished,
-    re-raising the first exception one of them raised. Threads wake in (time, registration
-    order), so a run with seeded randomness is deterministic.
-    """
-
-    def __init__(self, stack_size: int = 512 * 1024, cpu_scale: float = 0.0) -> None:
-        self.now = 0.0
-        # cpu_scale > 0: the CPU time a simulated thread spends between two yields (measured with
-        # time.thread_time, so other threads and processes on the machine do not inflate it) is
-        # charged to its virtual time, times cpu_scale, before it sleeps or waits: the checks of
-        # the code under test then take simulated time in proportion to what they cost here.
-        self.cpu_scale = cpu_scale
-        self.cpu_charged = 0.0  # simulated seconds charged for CPU, over all threads
-        self._heap: list[tuple[float, int, threading.Lock]] = []
-        self._seq = itertools.count()
-        self._tls = threading.local()
-        self._pending: list[threading.Thread] = []
-        self._alive = 0
-        self._done = threading.Event()
-        self._errors: list[BaseException] = []
-        self._guard = threading.Lock()  # only for the bookkeeping done by the driver thread
-        self._stack_size = stack_size
-
-    def time(self) -> float:
-        return self.now
-
-    def in_simulation(self) -> bool:
-        return getattr(self._tls, "lock", None) is not None
-
-    def spawn(self, fn: Callable[[], object], at: float | None = None, name: str = "sim") -> None:
-        """Run ``fn`` in a new simulated thread from virtual time ``at`` (default: now)."""
-        lock = threading.Lock()
-        lock.acquire()
-
-        def body() -> None:
-            lock.acquire()  # our first turn
-            self._tls.lock = lock
-            self._tls.cpu = time.thread_time()
-            try:
-                fn()
-            except BaseException as e:  # handed to run()
-                self._errors.append(e)
-            finally:
-                self._alive -= 1
-                self._tls.lock = None
-                self._next()
-
-        old = threading.stack_size()
-        threading.stack_size(self._stack_size)
-        try:
-            t = threading.Thread(target=body, name=name, daemon=True)
-        finally:
-            threading.stack_size(old)
-        self._alive += 1
-        heapq.heappush(self._heap, (self.now if at is None else max(at, self.now), next(self._seq), lock))
-        t.start()
-
-    def sleep(self, seconds: float) -> None:
-        """Let simulated time pass for this thread (a real short sleep outside a simulation)."""
-        lock = getattr(self._tls, "lock", None)
-        if lock is None:
-            raise RuntimeError("VirtualClock.sleep called from a thread the clock did not spawn")
-        heapq.heappush(self._heap, (self.now + max(0.0, seconds) + self._cpu(), next(self._seq), lock))
-        self._next()
-        lock.acquire()
-        self._tls.cpu = time.thread_time()
-
-    def _cpu(self) -> float:
-        """The CPU this thread used since its turn began, scaled (0 without ``cpu_scale``)."""
-        if self.cpu_scale <= 0:
-            return 0.0
-        used = max(0.0, time.thread_time() - getattr(self._tls, "cpu", time.thread_time())) * self.cpu_scale
-        self.cpu_charged += used
-        return used
-
-    def wait(self, event: VirtualEvent) -> None:
-        """Suspend this simulated thread until ``event`` is set (at once if it is)."""
-        if self.cpu_scale > 0 and self.in_simulation():
-            self.sleep(0.0)  # its CPU so far first
-        if event.is_set:
-            return
-        lock = getattr(self._tls, "lock", None)
-        if lock is None:
-            raise RuntimeError("VirtualClock.wait called from a thread the clock did not spawn")
-        event._waiters.append(lock)
-        self._next()
-        lock.acquire()
-        self._tls.cpu = time.thread_time()
-
-    def _next(self) -> None:
-        if self._heap:
-            t, _, lock = heapq.heappop(self._heap)
-            self.now = max(self.now, t)
-            lock.release()
-        elif self._alive == 0:
-            self._done.set()
-        else:  # threads left, none scheduled: one blocks outside the clock
-            self._errors.append(SimulationStalled(f"{self._alive} simulated threads blocked outside the clock"))
-            self._done.set()
-
-    def run(self, timeout: float = 600.0) -> float:
-        """Run until every spawned thread finished; returns the virtual time at the end."""
-        if self._alive == 0:
-            return self.now
-        self._done.clear()
-        self._next()
-        if not self._done.wait(timeout):
-            raise SimulationStalled(f"simulation did not finish in {timeout} s of wall time")
-        if self._errors:
-            raise self._errors[0]
-        return self.now
-
-
-class VirtualEvent:
-    """A one-shot event for simulated threads: ``clock.wait(event)`` suspends a thread without
-    occupying the clock's schedule until another simulated thread calls ``set`` (no polling, so a
-    task pool of simulated threads costs no wake-ups while it waits)."""
-
-    def __init__(self, clock: VirtualClock) -> None:
-        self._clock = clock
-        self.is_set = False
-        self._waiters: list[threading.Lock] = []
-
-    def set(self) -> None:
-        """Wake every waiter at the current virtual time (call it from a simulated thread)."""
-        self.is_set = True
-        for lock in self._waiters:
-            heapq.heappush(self._clock._heap, (self._clock.now, next(self._clock._seq), lock))
-        self._waiters.clear()
-
-
-class VirtualTime:
-    """A stand-in for the ``time`` module that reads and sleeps on a :class:`VirtualClock`;
-    a simulation puts it in place of the ``time`` of the modules it runs (``mod.time = ...``),
-    so their polling pauses and deadlines pass in simulated seconds."""
-
-    def __init__(self, clock: VirtualClock, epoch: float = 1.7e9) -> None:
-        self._clock, self._epoch = clock, epoch
-
-    def time(self) -> float:
-        return self._epoch + self._clock.time()
-
-    def monotonic(self) -> float:
-        return self._clock.time()
-
-    perf_counter = monotonic
-
-    def sleep(self, seconds: float) -> None:
-        self._clock.sleep(seconds)
-
-    def __getattr__(self, name: str):
-        return getattr(time, name)
-
-
-@dataclass
-class Stats:
-    """What the store served. ``requests`` counts tries (a retried request counts each try)."""
-
-    requests: collections.Counter = field(default_factory=collections.Counter)  # verb -> n
-    by_prefix: collections.Counter = field(default_factory=collections.Counter)  # (verb, prefix) -> n
-    slowdowns: int = 0
-    errors: int = 0  # injected transient errors and lost responses
-    peak: dict = field(default_factory=dict)  # (class, prefix) -> most accepted in one window
-
-    def total(self) -> int:
-        return sum(self.requests.values())
-
-    def peak_rate(self, cls: str | None = None) -> tuple[float, str]:
-        """The highest accepted requests per window over all prefixes, and that prefix."""
-        best = (0, "")
-        for (c, prefix), n in self.peak.items():
-            if (cls is None or c == cls) and n > best[0]:
-                best = (n, prefix)
-        return best
-
-    def reset(self) -> None:
-        self.requests.clear()
-        self.by_prefix.clear()
-        self.slowdowns = 0
-        self.errors = 0
-        self.peak.clear()
-
-
-def folder_of(key: str) -> str:
-    """The rate-limit prefix of a key: its folder ("" for a key at the root)."""
-    return key.rpartition("/")[0]
-
-
-@dataclass
-class PartitionModel:
-    """S3's partitions of one key range, as a fluid (rates, not single requests), for the bulk
-    of a save: every object of a new ``step_N/`` sorts after every key written before, so the
-    whole save lands in one partition. A partition accepts ``put_rate`` PUT/s (and
-    ``get_rate`` GET/s); a range kept at least ``busy`` of its capacity for ``split_after``
-    seconds splits in two (AWS: S3 "scales" a prefix under sustained load, over minutes, and
-    answers 503 SlowDown meanwhile), up to ``max_partitions``. ``partitions`` > 1 models a range
-    pre-partitioned before the save.
-
-    :meth:`drain` plays ``clients`` writers through it, each with ``count`` PUTs offered evenly
-    over its ``seconds`` from ``start``; refused PUTs retry as botocore's standard mode does
-    (full-jitter backoff ``min(cap, base * 2**k)``, at most ``attempts`` tries, the mean delay
-    of each retry), or, with ``paced``, each client also paces its PUTs as ``S3Store``'s
-    adaptive mode does (the rule of ``storage_backends.s3_retry``: halve on a SlowDown, grow
-    back additively)."""
-
-    put_rate: float = 3500.0
-    get_rate: float = 5500.0
-    split_after: float = 120.0
-    busy: float = 0.9
-    max_partitions: int = 1024
-    partitions: int = 1
-    base: float = 1.0
-    cap: float = 20.0
-    attempts: int = 40  # S3Store: botocore's 8 tries x (4 + 1) of its own Caller
-    min_rate: float = DEFAULT_MIN_RATE  # paced: each client's floor, PUT/s (S3Store's min_rate)
-
-    def drain(self, offers: list[tuple[float, float, int]], paced: bool = False, dt: float = 0.05) -> dict:
-        """``offers``: (start s, seconds, PUTs) per client. Returns the time the last PUT was
-        accepted, the SlowDowns (refused tries), the PUTs that exhausted their tries (each
-        fails its rank's save), and the splits with their times.
-
-        ``paced`` is ``S3Store``'s adaptive mode (``storage_backends.s3_retry``), the same rule
-        as a fluid: the clients send what they have until a try is refused, then the range's
-        senders cut their rates to ``BETA`` of what they sent (once per tick: the rule's one
-        cut per round trip), never below ``min_rate`` each, and grow back by ``STEP`` x the cut
-        rate per second, lifting the limit at ``RELEASE`` x; refused tries still retry with
-        backoff, paced too."""
-        parts, hot_since, t = self.partitions, None, 0.0
-        total = sum(c for _, _, c in offers)
-        accepted = slowdowns = failed = 0.0
-        retry_att: dict[int, dict[int, float]] = collections.defaultdict(
-            lambda: collections.defaultdict(float)
-        )  # tick -> try -> PUTs
-        backlog = 0.0  # paced: offered but held by the clients' token buckets
-        limit: float | None = None  # paced: the senders' summed rate, PUT/s (None: not limited)
-        cut = 0.0
-        floor = len(offers) * self.min_rate
-        splits: list[float] = []
-        tick = 0
-        last = 0.0
-        # PUTs offered per tick: each client's count spread evenly over its seconds
-        arrivals = [0.0] * (int(max((a + b for a, b, _ in offers), default=0.0) / dt) + 2)
-        for start, secs, count in offers:
-            i, j = int(start / dt), int((start + secs) / dt)
-            per = count / max(1, j - i + 1)
-            for k in range(i, j + 1):
-                arrivals[k] += per
-        while accepted + failed < total - 1e-6:
-            new = arrivals[tick] if tick < len(arrivals) else 0.0
-            capacity = parts * self.put_rate * dt
-            by_att = retry_att.pop(tick, {})
-            if paced:
-                backlog += new
-                allowed = math.inf if limit is None else limit * dt
-                due = sum(by_att.values())
-                if due > allowed:  # retries the bucket holds back wait a tick, keeping their try
-                    keep = allowed / due
-                    for att, n in by_att.items():
-                        retry_att[tick + 1][att] += n * (1 - keep)
-                    by_att = {att: n * keep for att, n in by_att.items()}
-                    due = allowed
-                new = min(backlog, allowed - due)
-                backlog -= new
-            offered = new + sum(by_att.values())
-            took = min(offered, capacity)
-            accepted += took
-            load = took
-            refused = offered - took
-            slowdowns += refused
-            if refused > 0:
-                share = refused / offered
-                for att, n in [(1, new), *by_att.items()]:
-                    back = n * share
-                    if att + 1 > self.attempts:
-                        failed += back
-                        continue
-                    delay = min(self.cap, self.base * 2 ** (att - 1)) / 2
-                    retry_att[tick + max(1, round(delay / dt))][att + 1] += back
-                if paced:
-                    limit = cut = max(floor, BETA * offered / dt)
-            elif paced and limit is not None:
-                limit += took * STEP * cut / limit  # each success adds STEP * cut / rate, as there
-                if limit >= RELEASE * cut:
-                    limit = None
-            if took > 0:
-                last = t + dt
-            if load >= self.busy * capacity and parts < self.max_partitions:
-                hot_since = t if hot_since is None else hot_since
-                if t + dt - hot_since >= self.split_after:
-                    parts, hot_since = parts * 2, None
-                    splits.append(round(t + dt, 2))
-            else:
-                hot_since = None
-            t += dt
-            tick += 1
-            if t > 1e6:
-                raise RuntimeError("partition model did not drain")
-        return {
-            "seconds": last,
-            "slowdowns": round(slowdowns),
-            "exhausted": round(failed),
-            "splits": splits,
-            "partitions": parts,
-            "puts": total,
-        }
 
 
 class SimulatedStore(Store):
@@ -492,7 +162,7 @@ class SimulatedStore(Store):
     def _request(self, verb: str, key_or_prefix: str, apply: Callable[[], object], nbytes: int = 0):
         """One request with its retries: arrive, maybe SlowDown/fail, take effect, take latency."""
         prefix = self.prefix_of(key_or_prefix)
-        cls = _CLASS[verb]
+        cls = CLASS_OF[verb]
         for attempt in range(1, self.attempts + 1):
             with self._lock:
                 self.stats.requests[verb] += 1
@@ -576,6 +246,17 @@ class SimulatedStore(Store):
         self._request("PUT", key, apply, len(blob))
 
     def put_if_absent(self, key: str, data: Data) -> bool:
+        return self._put_conditional(key, data)[0]
+
+    def put_new(self, key: str, data: Data) -> object:
+        won, token = self._put_conditional(key, data)
+        if not won:
+            raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it")
+        return token
+
+    def _put_conditional(self, key: str, data: Data) -> tuple[bool, int]:
+        """One PUT with If-None-Match: (whether this call created ``key``, its writer token).
+        A 412 is still this call's win when the object carries its token (``_ours``)."""
         check_key(key)
         blob = b"".join(as_buffers(data))
         token = next(self._token)
@@ -586,9 +267,9 @@ class SimulatedStore(Store):
                     self._tokens[key] = token
                     self._index_add(key)
                     return True
-                return False  # 412 Precondition Failed
+                return False  # 412 Precondition Failed; the token tells a retry after a lost response
 
-        return self._request("PUT", key, apply, len(blob)) or self._ours(key, token)
+        return self._request("PUT", key, apply, len(blob)) or self._ours(key, token), token
 
     def _ours(self, key: str, token: int) -> bool:
         """After a 412, S3Store HEADs the object for its writer token (a retry after a lost
@@ -602,22 +283,11 @@ class SimulatedStore(Store):
         except NotFoundError:  # the winner's object is already deleted again
             return False
 
-    def put_new(self, key: str, data: Data) -> object:
-        check_key(key)
-        blob = b"".join(as_buffers(data))
-        token = next(self._token)
-
-        def apply() -> bool:
-            with self._lock:
-                if self.inner.put_if_absent(key, blob):
-                    self._tokens[key] = token
-                    self._index_add(key)
-                    return True
-                return False  # 412; the HEAD tells a retry after a lost response
-
-        if not (self._request("PUT", key, apply, len(blob)) or self._ours(key, token)):
-            raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it")
-        return token
+    def _forget(self, key: str) -> None:
+        """Drop ``key``, its writer token and its index entry (holding ``_lock``)."""
+        self.inner.delete(key)
+        self._tokens.pop(key, None)
+        self._index_remove(key)
 
     def delete_if(self, key: str, tag: object) -> bool:
         check_key(key)
@@ -626,9 +296,7 @@ class SimulatedStore(Store):
             with self._lock:
                 if tag is None or self._tokens.get(key) != tag:
                     return False
-                self.inner.delete(key)
-                self._tokens.pop(key, None)
-                self._index_remove(key)
+                self._forget(key)
                 return True
 
         return self._request("DELETE", key, apply)
@@ -638,9 +306,7 @@ class SimulatedStore(Store):
 
         def apply() -> None:
             with self._lock:
-                self.inner.delete(key)
-                self._tokens.pop(key, None)
-                self._index_remove(key)
+                self._forget(key)
 
         self._request("DELETE", key, apply)
 
@@ -649,18 +315,8 @@ class SimulatedStore(Store):
         check_prefix(prefix)
         n = 0
         for page in self._pages(prefix):
-            keys = [i.key for i in page]
-            if not keys:
-                continue
-
-            def apply(keys=keys) -> None:
-                with self._lock:
-                    for k in keys:
-                        self.inner.delete(k)
-                        self._tokens.pop(k, None)
-                        self._index_remove(k)
-
-            self._request("DELETE", keys[0], apply)
+            keys = [i.key for i in page]  # sorted, as ``_delete_batch`` needs
+            self._delete_batch(keys)
             n += len(keys)
         return n
 
@@ -675,28 +331,12 @@ class SimulatedStore(Store):
             for batch in batches:
                 self._delete_batch(batch)
         else:
-            todo, errors = list(reversed(batches)), []
-            done, running = VirtualEvent(clock), [min(self.delete_workers, len(batches))]
-
-            def worker() -> None:
-                try:
-                    while todo and not errors:
-                        self._delete_batch(todo.pop())
-                except BaseException as e:  # handed to the purging thread
-                    errors.append(e)
-                finally:
-                    running[0] -= 1
-                    if running[0] == 0:
-                        done.set()
-
-            for _ in range(running[0]):
-                clock.spawn(worker, name="sim-delete")
-            clock.wait(done)
-            if errors:
-                raise errors[0]
+            jobs = [lambda batch=batch: self._delete_batch(batch) for batch in batches]
+            clock.run_jobs(jobs, self.delete_workers, name="sim-delete")
         return len(infos), sum(x.size for x in infos)
 
     def _delete_batch(self, batch: list[str]) -> None:
+        """One DeleteObjects of ``batch`` (sorted keys, as LIST pages are), if any."""
         if batch:
 
             def apply(batch=batch) -> None:

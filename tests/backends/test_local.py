@@ -19,7 +19,7 @@ from storage_backends._direct import (
     open_direct,
     write_direct,
 )
-from storage_backends.local import _advance
+from storage_backends._local_fs import advance as _advance
 from storage_backends.testing import FilesystemConformance, StoreConformance, assert_empty_store
 
 
