@@ -28,9 +28,9 @@ save fail or wait.
 Serving (``server.peers``; bulk reads on ``server.tierdata``, outside the HTTP server's event
 loop): objects are looked up by (root, step, attempt, key) in this table, never by a path: no
 tier route can read a file. Only complete copies are served: hot copies, replicas, and the
-memory-only parts of ``server.memsteps`` (``self.memsteps``; same reads, same data path). Every held object is a sealed memfd
-once complete (``server.sealed``; a ``bytearray`` where that is not available), so its descriptor
-can be passed to a rank on this node, which cannot change it.
+memory-only parts of ``server.memsteps`` (``self.memsteps``; same reads, same data path).
+Every held object is a sealed memfd once complete (``server.sealed``; a ``bytearray`` where that
+is not available), so its descriptor can be passed to a rank on this node, which cannot change it.
 
 Concurrency: one lock guards the tables; it is never held while calling into ``Staging``
 (``Staging`` calls ``reclaim`` under its own lock).
