@@ -213,7 +213,7 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
             body = part | {"objects": [{"key": key, "size": 1, "crc32c": 0}]}
             assert _post(a, "/v1/tiers/replicas", body) == 400, key
         assert _post(a, "/v1/tiers/replicas", part | {"objects": [], "ranks": [0, 1]}) == 400  # one rank's
-        assert _post(a, "/v1/tiers/replicas", part | {"objects": [], "kind": "other"}) == 422
+        assert _post(a, "/v1/tiers/replicas", part | {"objects": [], "kind": "other"}) == 400
         assert _post(a, "/v1/tiers/replicas", part | {"objects": []}, token=None) == 401
     finally:
         kill_all(procs)
