@@ -38,17 +38,19 @@ import hashlib
 import http.client
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import urlencode, urlsplit
 
 from ckptd import catalog, donetree
 from ckptd import manifest as mf
 from ckptd.commit import expected_digest
 from ckptd.errors import CheckpointError, StateMismatchError
 from storage_backends import NotFoundError, StorageError, Store
-from storage_backends.base import ObjectInfo, check_limit, resolve_range
+from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
+from trainer_hooks.tiered import TierStore, TierUnavailable
 
 __all__ = ["TierPartsStore", "choose", "fence", "memory_only_save", "reserve_bytes", "restore_newest"]
 
@@ -127,25 +129,30 @@ class _Daemon:
         finally:
             conn.close()
 
-    def parts(self, root: str) -> tuple[list[dict], list[str]]:
+    def parts(self, root: str) -> tuple[list[dict], list[str], dict | None]:
         status, _, raw = self.request("GET", "/v1/memsteps?" + urlencode({"root": root}))
         if status != 200:
             raise OSError(f"{self.url}: GET /v1/memsteps answered {status}")
         body = json.loads(raw)
         if not isinstance(body, dict) or not isinstance(body.get("parts"), list):
             raise ValueError(f"{self.url}: malformed memsteps reply")
-        return body["parts"], [p for p in body.get("peers", []) if isinstance(p, str)]
+        data = body.get("data") if isinstance(body.get("data"), dict) else None
+        return body["parts"], [p for p in body.get("peers", []) if isinstance(p, str)], data
 
 
 class TierPartsStore(Store):
     """A read-only store of one memory-only (step, attempt) over the daemons that hold its parts:
-    ``holders`` maps each object key to (size, daemon URLs, nearest first). A daemon that fails
-    or answers other than exactly the asked bytes of that step and attempt is skipped for the
-    rest of the restore; an object no live daemon serves is a StorageError (the restore then
-    fails on every rank, and the job falls back to the persisted step). ``commit``: the record
+    ``holders`` maps each object key to (size, daemon URLs, nearest first), ``data`` each URL to
+    the data path it advertised. Reads go through the memory tier's own client
+    (``trainer_hooks.tiered.TierStore``: the data path, one kept-open connection per thread and
+    daemon; ``map_own``: the rank's own daemon's sealed memory mapped, no byte over a socket).
+    A daemon that fails or answers other than exactly the asked bytes of that step and attempt is
+    skipped for the rest of the restore; an object no live daemon serves is a StorageError (the
+    restore then fails on every rank, and the job falls back to the persisted step). The chunks
+    are checked by the reader as any read's (crc32c, the writers' pins). ``commit``: the record
     the commit would have written, served as the step's ``commit.json``."""
 
-    def __init__(self, root_uri, step, attempt, holders, commit, token, timeout_s, own: str | None = None):
+    def __init__(self, root_uri, step, attempt, holders, commit, token, timeout_s, own=None, data=None):
         self.uri = f"{root_uri.rstrip('/')} [memory tiers]"
         self.root = root_uri
         self.step, self.attempt = step, attempt
@@ -154,9 +161,48 @@ class TierPartsStore(Store):
         self._commit_key = f"{mf.step_dir(step)}/{mf.COMMIT}"
         self._token, self._timeout = token, timeout_s
         self.own = own.rstrip("/") if own else None
+        self._data: dict = data or {}
         self._lock = threading.Lock()
         self._dead: set[str] = set()
+        self._tiers: dict[str, TierStore] = {}
+        self._mapped = None  # the own daemon's objects, mapped (``map_own``)
         self.bytes = {"local": 0, "peer": 0, "root": 0}
+
+    def _tier(self, url: str) -> TierStore:
+        with self._lock:
+            t = self._tiers.get(url)
+            if t is None:
+                name = f"{'daemon' if url == self.own else 'peer'} {url}"
+                t = TierStore(url, name, self.root, self.step, self.attempt, self._token, self._timeout)
+                t.use_data(self._data.get(url), unix=url == self.own)
+                self._tiers[url] = t
+            return t
+
+    def map_own(self) -> None:
+        """Map every object the rank's own daemon holds from the sealed memory it passes on its
+        Unix data socket (as ``trainer_hooks.tiered`` does for a hot copy); where that fails the
+        objects are read over the data path."""
+        if self.own is None or os.environ.get("CKPTD_TIER_SHARED_MEMORY", "1") == "0":
+            return
+        keys = sorted(k for k, (size, urls) in self.holders.items() if size > 0 and self.own in urls)
+        tier = self._tier(self.own)
+        if not keys or tier.data_socket is None:
+            return
+        try:
+            self._mapped = tier.map_objects(keys)
+        except TierUnavailable as e:
+            log.info("restore: reading this node's memory-only parts over its socket: %s", e)
+            tier.data_socket = None
+        tier.close()
+
+    def close(self) -> None:
+        """Close every daemon's connections and forget the mapped objects (the restore is over)."""
+        with self._lock:
+            tiers, self._tiers = list(self._tiers.values()), {}
+        for t in tiers:
+            t.close()
+        if self._mapped is not None:
+            self._mapped.close()
 
     def _size(self, key: str) -> int:
         if key == self._commit_key and self.commit is not None:
@@ -174,39 +220,38 @@ class TierPartsStore(Store):
         return self.get_range(key, 0, size)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.get_range_into(key, start, [buf])
+        return bytes(buf)
+
+    def get_range_into(self, key: str, start: int, buffers) -> None:
+        views = as_writable_buffers(buffers)
+        length = sum(v.nbytes for v in views)
         size = self._size(key)
         begin = resolve_range(self.uri, key, start, length, size)
         if key == self._commit_key and self.commit is not None:
-            return mf.dumps(self.commit)[begin : begin + length]
+            _fill(views, memoryview(mf.dumps(self.commit))[begin : begin + length])
+            return
         errors = []
         for url in self.holders[key][1]:
             with self._lock:
                 if url in self._dead:
                     continue
-            q = urlencode({"root": self.root, "step": self.step, "attempt": self.attempt})
-            q += f"&key={quote(key, safe='')}&start={begin}&length={length}"
             try:
-                status, resp, raw = _Daemon(url, self._token, self._timeout).request(
-                    "GET", f"/v1/memsteps/object?{q}", cap=length
-                )
-                if status != 200:
-                    raise OSError(f"answered {status}")
-                if (
-                    resp.getheader("X-Ckptd-Step") != str(self.step)
-                    or resp.getheader("X-Ckptd-Attempt") != self.attempt
-                ):
-                    raise OSError("answered for another step or attempt")
-                if len(raw) != length:
-                    raise OSError(f"{len(raw)} bytes where {length} were asked")
-            except (OSError, http.client.HTTPException, ValueError) as e:
-                errors.append(f"{url}: {e or type(e).__name__}")
+                mapped = self._mapped if url == self.own else None
+                if mapped is not None and key in mapped.held:
+                    mapped.get_range_into(key, begin, views)
+                else:
+                    self._tier(url).get_range_into(key, begin, views)
+            except (TierUnavailable, CheckpointError) as e:  # gone, slow, wrong answer, or a bad URL
+                errors.append(f"{url}: {e}")
                 with self._lock:
                     self._dead.add(url)
                 log.warning("restore: skipping the memory tier of %s: %s", url, e)
                 continue
             with self._lock:
                 self.bytes["local" if url == self.own else "peer"] += length
-            return raw
+            return
         raise StorageError(f"{self.uri}: no live daemon serves {key!r} ({'; '.join(errors) or 'all skipped'})")
 
     def put(self, key, data) -> None:
@@ -235,14 +280,23 @@ class TierPartsStore(Store):
         return files, sorted(dirs)
 
 
+def _fill(views: list[memoryview], data: memoryview) -> None:
+    pos = 0
+    for v in views:
+        v[:] = data[pos : pos + v.nbytes]
+        pos += v.nbytes
+
+
 # ------------------------------------------------------------------------------ choosing
 
 
-def survey(daemon_url: str, root: str, token: str | None, timeout_s: float) -> tuple[dict, list[str]]:
+def survey(daemon_url: str, root: str, token: str | None, timeout_s: float) -> tuple[dict, list[str], dict]:
     """(step, attempt) -> key -> (size, [URLs], own daemon first) over the daemon and the peers
-    it names; and the URLs that answered. A daemon that does not answer is left out (logged)."""
+    it names; the URLs that answered; and the data path each advertised (URL -> {"port",
+    "socket"}). A daemon that does not answer is left out (logged)."""
     held: dict[tuple[int, str], dict[str, tuple[int, list[str]]]] = {}
     asked: list[str] = []
+    data: dict[str, dict] = {}
     todo, seen = [daemon_url.rstrip("/")], set()
     while todo:
         url = todo.pop(0)
@@ -250,11 +304,13 @@ def survey(daemon_url: str, root: str, token: str | None, timeout_s: float) -> t
             continue
         seen.add(url)
         try:
-            parts, peers = _Daemon(url, token, timeout_s).parts(root)
+            parts, peers, endpoint = _Daemon(url, token, timeout_s).parts(root)
         except (OSError, ValueError, http.client.HTTPException, CheckpointError) as e:
             log.warning("restore: the memory tier of %s did not answer: %s", url, e)
             continue
         asked.append(url)
+        if endpoint is not None:
+            data[url] = endpoint
         if url == daemon_url.rstrip("/"):
             todo += [p.rstrip("/") for p in peers]
         for p in parts:
@@ -268,13 +324,20 @@ def survey(daemon_url: str, root: str, token: str | None, timeout_s: float) -> t
                 got = table.setdefault(k, (size, []))
                 if got[0] == size and url not in got[1]:
                     got[1].append(url)
-    return held, asked
+    return held, asked, data
 
 
-def _complete(root: str, step: int, attempt: str, holders: dict, token, timeout_s, own) -> dict:
+def _complete(root: str, step: int, attempt: str, holders: dict, token, timeout_s, own, data) -> dict:
     """The commit record of memory-only (step, attempt) if the union ``holders`` holds it whole
     (module docstring, 2); CheckpointError saying what is missing otherwise."""
-    store = TierPartsStore(root, step, attempt, holders, None, token, timeout_s, own)
+    store = TierPartsStore(root, step, attempt, holders, None, token, timeout_s, own, data)
+    try:
+        return _check_whole(store, step, attempt, holders)
+    finally:
+        store.close()
+
+
+def _check_whole(store: TierPartsStore, step: int, attempt: str, holders: dict) -> dict:
     folder = mf.step_dir(step)
     try:
         data = store.get(f"{folder}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES)
@@ -328,8 +391,9 @@ def _complete(root: str, step: int, attempt: str, holders: dict, token, timeout_
 
 def choose(root: str, daemon_url: str, newest_persisted: int | None, token, timeout_s) -> tuple[Any, list[str]]:
     """Rank 0: (the newest memory-only step newer than ``newest_persisted`` that the surviving
-    tiers hold whole, as ``(step, attempt, holders, commit)``, or None; the daemons asked)."""
-    held, asked = survey(daemon_url, root, token, timeout_s)
+    tiers hold whole, as ``(step, attempt, holders, commit, data paths)``, or None; the daemons
+    asked)."""
+    held, asked, data = survey(daemon_url, root, token, timeout_s)
     for step in sorted({s for s, _ in held}, reverse=True):
         if newest_persisted is not None and step <= newest_persisted:
             break
@@ -337,13 +401,13 @@ def choose(root: str, daemon_url: str, newest_persisted: int | None, token, time
         for attempt in sorted(a for s, a in held if s == step):
             try:
                 whole.append(
-                    (attempt, _complete(root, step, attempt, held[(step, attempt)], token, timeout_s, daemon_url))
+                    (attempt, _complete(root, step, attempt, held[(step, attempt)], token, timeout_s, daemon_url, data))
                 )
             except CheckpointError as e:
                 log.info("memory-only step %d (attempt %s) is not held whole: %s", step, attempt, e)
         if whole:  # two whole attempts of one step (the job restored and saved it again): the later
             attempt, commit = max(whole, key=lambda w: w[1]["time"])
-            return (step, attempt, held[(step, attempt)], commit), asked
+            return (step, attempt, held[(step, attempt)], commit, data), asked
     return None, asked
 
 
@@ -383,11 +447,12 @@ def restore_newest(
     choice, asked = coord.broadcast((choice, asked))
     if choice is None:
         return None, asked
-    step, attempt, holders, commit = choice
+    step, attempt, holders, commit, data = choice
     holders = {k: (v[0], list(v[1])) for k, v in holders.items()}
     parts = TierPartsStore(
-        tiers.root_uri, step, attempt, holders, commit, tiers._token, tiers.timeout_s, tiers.daemon_url
+        tiers.root_uri, step, attempt, holders, commit, tiers._token, tiers.timeout_s, tiers.daemon_url, data
     )
+    parts.map_own()  # this node's daemon: its sealed memory, mapped
     try:
         got = _restore_step(
             parts,
@@ -406,6 +471,8 @@ def restore_newest(
     except CheckpointError as e:  # agreed on every rank: all fall back together
         log.warning("restore: memory-only step %d did not restore (%s); restoring the newest persisted step", step, e)
         return None, asked
+    finally:
+        parts.close()
     tiers.last = dict(parts.bytes)
     try:  # the daemon's ckptd_restore_bytes_*_total, as a tiered restore reports them
         body = json.dumps({"local": parts.bytes["local"], "peer": parts.bytes["peer"], "root": 0}).encode()

@@ -8,14 +8,18 @@ the metadata (``zarr.json`` nodes, rank 0's ``manifest.json``) and the rank's do
 its pins. Nothing is claimed, uploaded or written under the job root, and no commit record
 exists anywhere: a memory-only step is never shown as committed in the job root.
 
-Unit: one *part* = one rank's objects of one (root, step, attempt), a ``tiers.Copy`` with
-``ranks == {rank}``. A part is complete once its done record is in (it is written last, after
-every object the record pins), and is then pushed, like a hot copy, to the ``replicas`` daemons
-after this one in ``--peers`` (``POST /v1/memsteps/replicas``, pieces, ``seal``: the receiver
-keeps a replica only once every object arrived whole and matches its crc32c). A step is
-restorable when the union of the surviving daemons holds its manifest, every rank's done record
-and every object those records pin (``trainer_hooks.memsteps`` decides, checking every chunk
-against the pins as it reads).
+Unit: one *part* = one rank's objects of one (root, step, attempt), a ``tiers.Copy`` of kind
+``memory_only`` with ``ranks == {rank}``, its objects in sealed memory (``server.sealed``) like a
+hot copy's. A part is complete once its done record is in (it is written last, after every
+object the record pins), and is then pushed, like a hot copy and by the same code, to the
+``replicas`` daemons after this one in the ring (``server.replication``: ``POST
+/v1/tiers/replicas`` with kind ``memory_only``, pieces, ``seal``: the receiver keeps a replica
+only once every object arrived whole and matches its crc32c, then hands it to ``keep``). The
+tier serves the parts as it serves hot copies (``Tiers.read``/``shared``, ``server.peers``,
+``server.tierdata``: ranged reads, the data path, sealed descriptors passed to a rank on this
+node). A step is restorable when the union of the surviving daemons holds its manifest, every
+rank's done record and every object those records pin (``trainer_hooks.memsteps`` decides,
+checking every chunk against the pins as it reads).
 
 Retention, per root, separately for this node's own parts and for each source's replicas: the
 parts of the newest ``KEEP_STEPS`` (2) steps are kept, so a node dying during step N's save
@@ -37,21 +41,18 @@ Concurrency: one lock guards the tables; it is never held while calling into ``S
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import quote
 
 from ckptd import manifest as mf
 from ckptd import persist
-from ckptd.codec import crc32c
 from ckptd.errors import CheckpointError
 from ckptd.server.handoff import Job, load
-from ckptd.server.replication import _JSON, PIECE_BYTES, Copy, _request
+from ckptd.server.replication import MEMORY_ONLY, Copy
+from ckptd.server.sealed import new_buffer, seal
 from ckptd.server.staging import Staging
 from storage_backends.memory import MemoryStore
 
@@ -61,7 +62,6 @@ log = logging.getLogger("ckptd.memsteps")
 
 KEEP_STEPS = 2  # memory-only steps kept per root (own parts; and per replica source)
 RESERVE_TTL_S = 600.0  # a reservation whose hand-off never came is released after this
-MAX_OBJECTS = 1 << 16
 
 
 class MemSteps:
@@ -73,7 +73,6 @@ class MemSteps:
         self.enabled = enabled
         self._lock = threading.Lock()
         self._parts: dict[tuple[str, int, str, int, str], Copy] = {}  # (root, step, attempt, rank, source)
-        self._incoming: dict[str, tuple[Copy, int]] = {}  # replica id -> (copy, rank)
         self._reserved: dict[tuple[str, int, str, int], tuple[int, float]] = {}  # -> (bytes, when)
         self._io = ThreadPoolExecutor(4, thread_name_prefix="ckptd-memstep-io")
         self.counters = {"held": 0, "persisted_instead": 0, "dropped_for_room": 0, "replicas_pushed": 0}
@@ -85,6 +84,7 @@ class MemSteps:
             return freed + (self._reclaim(nbytes - freed) if freed < nbytes else 0)
 
         staging.reclaim = reclaim
+        tiers.memsteps = self  # pushed, received and served by the tier (``server.replication``)
 
     # ------------------------------------------------------------------------- accounting
 
@@ -219,8 +219,14 @@ class MemSteps:
             raise CheckpointError(
                 f"memory-only step {job.step}: {total} bytes of rank {job.rank} no longer fit the staging budget"
             )
+        try:  # sealed memory, as a hot copy's: served on the data path, lent to a rank on this node
+            objects = {k: _sealed(v) for k, v in objects.items()}
+        except OSError as e:
+            self.staging.unreserve(total)
+            raise CheckpointError(f"memory-only step {job.step}: cannot hold rank {job.rank}'s part: {e}") from None
         c = Copy(job.root, job.step, job.attempt, "self", objects=objects, ranks={job.rank}, bytes=total, complete=True)
-        self._keep(c, job.rank)
+        c.kind = MEMORY_ONLY
+        self.keep(c)
         self._count("held")
         log.info(
             "memory-only step %d of %s: rank %d held (%d objects, %d bytes)",
@@ -230,11 +236,12 @@ class MemSteps:
             len(objects),
             total,
         )
-        if self.tiers.targets or self.tiers.discovery is not None:
-            threading.Thread(target=self._push_all, args=(c, job.rank), name="ckptd-memstep-push", daemon=True).start()
+        self.tiers.push_later(c, self._count)  # the tier's one replica protocol (``server.replication``)
 
-    def _keep(self, c: Copy, rank: int) -> None:
-        """Add complete part ``c``; apply the retention rules of the module docstring."""
+    def keep(self, c: Copy) -> None:
+        """Add complete part ``c`` (own, or a replica sealed by ``Tiers.seal``); apply the
+        retention rules of the module docstring."""
+        (rank,) = c.ranks
         release: list[Copy] = []
         with self._lock:
             if c.source == "self":
@@ -269,106 +276,17 @@ class MemSteps:
             log.info("memory-only steps of %s newer than restored step %d dropped (%d parts)", root, step, len(gone))
         return len(gone)
 
-    # --------------------------------------------------------------------------- replicas
-
-    def _push_all(self, c: Copy, rank: int) -> None:
-        for peer in self.tiers.targets_for(c.root):
-            try:
-                self._push(peer, c, rank)
-            except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
-                c.pushed[peer] = f"failed: {e}"
-                self._count("replica_push_failures")
-                log.warning("memory-only step %d rank %d: replica to %s failed: %s", c.step, rank, peer, e)
-            else:
-                c.pushed[peer] = "complete"
-                self._count("replicas_pushed")
-
-    def _push(self, peer: str, c: Copy, rank: int) -> None:
-        with self._lock:
-            objects = dict(c.objects)
-        body = {
-            "root": c.root,
-            "step": c.step,
-            "attempt": c.attempt,
-            "rank": rank,
-            "source": self.tiers.me or "unnamed",
-            "objects": [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()],
-        }
-        conn = self.tiers._dial(peer)  # a discovered peer passes the challenge first
-        token = self.tiers.token
-        try:
-            rid = _request(conn, peer, "POST", "/v1/memsteps/replicas", token, json.dumps(body).encode(), _JSON)[
-                "replica"
-            ]
-            for key, buf in objects.items():
-                mv = memoryview(buf)
-                for off in range(0, max(len(buf), 1), PIECE_BYTES):
-                    if c.dropped:
-                        raise RuntimeError("the part was dropped during the push")
-                    q = f"/v1/memsteps/replicas/{rid}?key={quote(key, safe='')}&offset={off}"
-                    _request(conn, peer, "PUT", q, token, mv[off : off + PIECE_BYTES])
-            _request(conn, peer, "POST", f"/v1/memsteps/replicas/{rid}/seal", token, b"{}", _JSON)
-        finally:
-            conn.close()
-
-    def begin_replica(self, root: str, step: int, attempt: str, rank: int, source: str, objects: list) -> str:
-        """A peer starts pushing a part: its id, or "" when it does not fit (HTTP 429).
-        ValueError for a malformed one (a key outside the step's folder)."""
-        if not self.enabled:
-            return ""
-        if len(objects) > MAX_OBJECTS:
-            raise ValueError(f"a part of {len(objects)} objects is over {MAX_OBJECTS}")
-        prefix = mf.step_dir(step) + "/"
-        expected: dict[str, tuple[int, int]] = {}
-        for o in objects:
-            key, size, crc = o["key"], int(o["size"]), int(o["crc32c"])
-            parts = key.split("/")
-            if not key.startswith(prefix) or ".." in parts or "" in parts or size < 0 or not 0 <= crc < 2**32:
-                raise ValueError(f"part object {key!r} is not an object of step {step}")
-            if parts[1] == mf.COMMIT:
-                raise ValueError("a memory-only part holds no commit record")
-            expected[key] = (size, crc)
-        total = sum(s for s, _ in expected.values())
-        if not self.staging.reserve(total):
-            self._count("dropped_for_room")
-            log.warning("no room for the memory-only part of %s step %d rank %d from %s", root, step, rank, source)
-            return ""
-        c = Copy(root, step, attempt, source, expected=expected, ranks={rank}, bytes=total)
-        c.objects = {k: bytearray(s) for k, (s, _) in expected.items()}
-        c.filled = dict.fromkeys(expected, 0)
-        rid = uuid.uuid4().hex
-        with self._lock:
-            self._incoming[rid] = (c, rank)
-        return rid
-
-    def put_piece(self, rid: str, key: str, offset: int, data: bytes) -> None:
-        with self._lock:
-            got = self._incoming.get(rid)
-            if got is None:
-                raise KeyError(f"no part {rid!r} being received")
-            c = got[0]
-            if key not in c.expected:
-                raise ValueError(f"part {rid}: {key!r} is not one of its objects")
-            if offset != c.filled[key] or offset + len(data) > c.expected[key][0]:
-                raise ValueError(f"part {rid}: piece at {offset} of {key!r} out of order or past its end")
-            c.objects[key][offset : offset + len(data)] = data
-            c.filled[key] += len(data)
-
-    def seal(self, rid: str) -> None:
-        with self._lock:
-            got = self._incoming.pop(rid, None)
-        if got is None:
-            raise KeyError(f"no part {rid!r} being received")
-        c, rank = got
-        bad = [k for k, (size, crc) in c.expected.items() if c.filled[k] != size or crc32c(c.objects[k]) != crc]
-        if bad:
-            self._release([c])
-            raise ValueError(f"part {rid}: {len(bad)} objects incomplete or failing their crc32c, e.g. {bad[0]!r}")
-        c.complete = True
-        self._keep(c, rank)
-        self._count("replicas_received")
-
     # ----------------------------------------------------------------------------- serving
+
+    def copies(self, root: str, step: int, attempt: str) -> list[Copy]:
+        """The complete parts of exactly (root, step, attempt), own and replicas: the tier serves
+        them (``Tiers.read``, ``shared``; the data path) as it serves its hot copies."""
+        with self._lock:
+            return [
+                c
+                for (r, s, a, _, _), c in self._parts.items()
+                if r == root and s == step and a == attempt and c.complete and not c.dropped
+            ]
 
     def describe(self, root: str | None = None) -> list[dict]:
         """The complete parts held (of ``root``), each with its keys and their sizes."""
@@ -384,17 +302,10 @@ class MemSteps:
         """``describe`` without the key lists (``GET /v1/tiers``, ``ckptd ls --daemon``)."""
         return [{k: v for k, v in d.items() if k != "keys"} for d in self.describe(root)]
 
-    def read(self, root: str, step: int, attempt: str, key: str, start: int, length: int) -> memoryview | None:
-        """A read-only view of ``length`` bytes at ``start`` of a held object of exactly
-        (root, step, attempt); None when none is held; ValueError for a range past its end."""
-        with self._lock:
-            for (r, s, a, _, _), c in self._parts.items():
-                if r != root or s != step or a != attempt or c.dropped or not c.complete:
-                    continue
-                buf = c.objects.get(key)
-                if buf is None:
-                    continue
-                if start < 0 or length < 0 or start + length > len(buf):
-                    raise ValueError(f"range {start}+{length} is outside {key!r} ({len(buf)} bytes)")
-                return memoryview(buf).toreadonly()[start : start + length]
-        return None
+
+def _sealed(data: bytes):
+    """``data`` in a sealed buffer (``server.sealed``; a ``bytearray`` where memfds are not
+    available). OSError when no descriptor or memory is left."""
+    buf = new_buffer(len(data))
+    buf[: len(data)] = data
+    return seal(buf)

@@ -1,5 +1,6 @@
 """The memory tier's routes (``server.tiers``): what a daemon holds, ranged reads of it for
-restoring ranks, and the replica pushes of its peers.
+restoring ranks, and the replica pushes of its peers (hot copies and memory-only parts alike,
+``kind``: ``server.replication``).
 
 Every route needs the daemon token (``app.Guard``) and names a served root. Objects are looked
 up in the tier's table by (root, step, attempt, key): no route turns a request into a path, so
@@ -11,6 +12,7 @@ record and every chunk against its crc32c (``trainer_hooks.tiered``).
 from __future__ import annotations
 
 import time
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -38,7 +40,8 @@ class ReplicaRequest(BaseModel):
     step: int = Field(ge=0, le=10**10 - 1)
     attempt: str = Field(min_length=1, max_length=64)
     source: str = Field(min_length=1, max_length=4096)
-    ranks: list[int] = Field(default_factory=list, max_length=1 << 20)
+    kind: Literal["hot", "memory_only"] = "hot"  # a hot copy, or one rank's part of a memory-only step
+    ranks: list[Annotated[int, Field(ge=0, lt=1 << 24)]] = Field(default_factory=list, max_length=1 << 20)
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
 
 
@@ -168,7 +171,7 @@ def begin_replica(body: ReplicaRequest, request: Request):
     root = _root(request, body.root)
     try:
         rid = _tiers(request).begin_replica(
-            root, body.step, body.attempt, body.source, body.ranks, [o.model_dump() for o in body.objects]
+            root, body.step, body.attempt, body.source, body.ranks, [o.model_dump() for o in body.objects], body.kind
         )
     except ValueError as e:
         return JSONResponse({"detail": str(e)}, status_code=400)

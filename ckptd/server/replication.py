@@ -1,16 +1,22 @@
-"""Replication of the memory tier (``server.tiers``): a daemon pushes each new hot copy to its
-ring successors, and receives and checks its predecessors' replicas.
+"""Replication of the memory tier (``server.tiers``): a daemon pushes each new copy to its ring
+successors, and receives and checks its predecessors' replicas.
 
-``Tiers`` holds the tables and the lock; this mixin holds the replica protocol, unchanged (and
-``Copy``, the record of one held copy, hot or replica, which both use): each
-new hot copy is pushed to the ``replicas`` daemons that follow this one in ``--peers`` (a ring;
-the list may name this daemon, found by ``--advertise``), authenticated with the daemon token:
-``POST /v1/tiers/replicas`` (the objects, their sizes and whole-object crc32c), then the bytes
-in pieces of ``PIECE_BYTES``, then ``seal``. The receiver holds a replica only once every object
-arrived whole and matches its crc32c; until then it serves nothing of it. It keeps one replica
-per (root, source daemon), the newest step. A replica that does not fit the staging budget is
-not kept (429), and an incoming one whose pusher stopped sending is dropped after
-``INCOMING_TTL_S``.
+``Tiers`` holds the tables and the lock; this mixin holds the one replica protocol (and ``Copy``,
+the record of one held copy, hot, replica or memory-only part). Two kinds of copy travel on it,
+named by ``kind`` in the push: ``hot`` (a node's hot copy of a committed step: shard objects
+only) and ``memory_only`` (one rank's part of a memory-only step, ``server.memsteps``: every
+object of the step's folder but a commit record). Each is pushed to the ``replicas`` daemons
+that follow this one in ``--peers`` (a ring; the list may name this daemon, found by
+``--advertise``; with ``--discover`` the ring of the job root, each peer challenged on the
+connection first: ``targets_for``, ``_dial``), authenticated with the daemon token:
+``POST /v1/tiers/replicas`` (kind, the objects, their sizes and whole-object crc32c), then the
+bytes in pieces of ``PIECE_BYTES``, then ``seal``. The receiver fills sealable buffers
+(``server.sealed``) and holds a replica only once every object arrived whole and matches its
+crc32c; it then seals them (read-only, shareable with a rank on its node) and keeps it: a hot
+replica, one per (root, source daemon), the newest step; a memory-only part by the retention
+rules of ``server.memsteps``. Until then it serves nothing of it. Both kinds take their bytes
+from the one staging budget: a replica that does not fit is not kept (429), and an incoming one
+whose pusher stopped sending is dropped after ``INCOMING_TTL_S``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 import http.client
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,13 +35,16 @@ from ckptd import manifest as mf
 from ckptd.codec import crc32c
 from ckptd.server.sealed import Sealed, new_buffer, seal
 
-__all__ = ["Copy", "INCOMING_TTL_S", "MAX_OBJECTS", "PIECE_BYTES", "Replication", "replica_targets"]
+__all__ = ["Copy", "HOT", "INCOMING_TTL_S", "KINDS", "MAX_OBJECTS", "MEMORY_ONLY", "PIECE_BYTES", "Replication"]
+__all__ += ["replica_targets"]
 
 log = logging.getLogger("ckptd.tiers")
 
 PIECE_BYTES = 8 << 20  # replica bytes per request: under the daemon's body limit
 MAX_OBJECTS = 1 << 16  # objects in one replica at most
 INCOMING_TTL_S = 600.0  # a replica whose pusher stopped sending is dropped after this
+HOT, MEMORY_ONLY = "hot", "memory_only"  # the kinds of copy (module doc)
+KINDS = (HOT, MEMORY_ONLY)
 
 
 @dataclass
@@ -55,6 +65,7 @@ class Copy:
     dropped: bool = False
     created: float = field(default_factory=time.monotonic)
     pushed: dict[str, str] = field(default_factory=dict)  # peer -> "complete" or why not
+    kind: str = HOT  # HOT or MEMORY_ONLY (a rank's part of a memory-only step: ``ranks == {rank}``)
 
     def info(self) -> dict:
         return {
@@ -101,18 +112,33 @@ class Replication:
                 raise
         return conn
 
-    def _push_all(self, group: Copy) -> None:
+    def push_later(self, group: Copy, count=None) -> None:
+        """Push ``group`` to the ring's daemons on a thread of its own (none when there is no ring);
+        ``count(name)`` counts its pushes and failures (``self.count`` by default)."""
+        if self.targets or self.discovery is not None:
+            args = (group, count or self.count)
+            threading.Thread(target=self._push_all, args=args, name="ckptd-tier-push", daemon=True).start()
+
+    def _push_all(self, group: Copy, count) -> None:
         for peer in self.targets_for(group.root):
             try:
                 self._push(peer, group)
             except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
                 group.pushed[peer] = f"failed: {e}"
-                self.count("replica_push_failures")
-                log.warning("memory tier: replica of %s step %d to %s failed: %s", group.root, group.step, peer, e)
+                count("replica_push_failures")
+                log.warning(
+                    "memory tier: %s replica of %s step %d (ranks %s) to %s failed: %s",
+                    group.kind,
+                    group.root,
+                    group.step,
+                    sorted(group.ranks),
+                    peer,
+                    e,
+                )
             else:
                 group.pushed[peer] = "complete"
-                self.count("replicas_pushed")
-                log.info("memory tier: %s step %d replicated to %s", group.root, group.step, peer)
+                count("replicas_pushed")
+                log.info("memory tier: %s %s step %d replicated to %s", group.kind, group.root, group.step, peer)
 
     def _push(self, peer: str, group: Copy) -> None:
         with self._lock:
@@ -121,6 +147,7 @@ class Replication:
             "root": group.root,
             "step": group.step,
             "attempt": group.attempt,
+            "kind": group.kind,
             "source": self.me or "unnamed",
             "ranks": sorted(group.ranks),
             "objects": [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()],
@@ -133,33 +160,48 @@ class Replication:
                 mv = memoryview(buf)
                 for off in range(0, len(buf), PIECE_BYTES):
                     if group.dropped:
-                        raise RuntimeError("a newer step committed during the push")
+                        raise RuntimeError("the copy was dropped during the push (a newer step, or its room)")
                     q = f"/v1/tiers/replicas/{rid}?key={quote(key, safe='')}&offset={off}"
                     _request(conn, peer, "PUT", q, self.token, mv[off : off + PIECE_BYTES])
             _request(conn, peer, "POST", f"/v1/tiers/replicas/{rid}/seal", self.token, b"{}", _JSON)
         finally:
             conn.close()
 
-    def begin_replica(self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list) -> str:
-        """A peer starts pushing a replica. Returns its id, or "" when it is not kept (no room in
-        the budget, or tiers off): HTTP 429. ValueError for a malformed one."""
-        if not self.enabled:
+    def begin_replica(
+        self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list, kind: str = HOT
+    ) -> str:
+        """A peer starts pushing a replica of ``kind``. Returns its id, or "" when it is not kept
+        (no room in the budget, or tiers off): HTTP 429. ValueError for a malformed one: a hot
+        replica holds shard objects of its step only; a memory-only part the objects of its
+        step's folder, never a commit record, of exactly one rank."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        memory_only = kind == MEMORY_ONLY
+        if not self.enabled or (memory_only and self.memsteps is None):
             return ""
         if len(objects) > MAX_OBJECTS:
             raise ValueError(f"a replica of {len(objects)} objects is over {MAX_OBJECTS}")
-        prefix = f"{mf.step_dir(step)}/{mf.ARRAYS}/"
+        if memory_only and len(ranks) != 1:
+            raise ValueError("a memory-only part is one rank's")
+        folder = mf.step_dir(step)
+        prefix = f"{folder}/" if memory_only else f"{folder}/{mf.ARRAYS}/"
         expected: dict[str, tuple[int, int]] = {}
         for o in objects:
             key, size, crc = o["key"], int(o["size"]), int(o["crc32c"])
-            if not key.startswith(prefix) or ".." in key.split("/") or size < 0 or not 0 <= crc < 2**32:
-                raise ValueError(f"replica object {key!r} is not a shard object of step {step}")
+            parts = key.split("/")
+            if not key.startswith(prefix) or ".." in parts or "" in parts or size < 0 or not 0 <= crc < 2**32:
+                raise ValueError(f"replica object {key!r} is not an object of step {step} ({kind})")
+            if parts[1] == mf.COMMIT:
+                raise ValueError("a replica holds no commit record")
             expected[key] = (size, crc)
         total = sum(s for s, _ in expected.values())
         self._expire_incoming()
+        count = self.memsteps._count if memory_only else self.count
         if not self.staging.reserve(total):
-            self.count("degraded")
+            count("dropped_for_room" if memory_only else "degraded")
             log.warning(
-                "memory tier: no room for the replica of %s step %d from %s (%d bytes): not kept",
+                "memory tier: no room for the %s replica of %s step %d from %s (%d bytes): not kept",
+                kind,
                 root,
                 step,
                 source,
@@ -167,13 +209,13 @@ class Replication:
             )
             return ""
         rid = uuid.uuid4().hex
-        c = Copy(root, step, attempt, source, expected=expected, ranks=set(ranks), bytes=total)
+        c = Copy(root, step, attempt, source, expected=expected, ranks=set(ranks), bytes=total, kind=kind)
         try:
             c.objects = {k: new_buffer(s) for k, (s, _) in expected.items()}
         except OSError as e:
             self.staging.unreserve(total)
-            self.count("degraded")
-            log.warning("memory tier: cannot hold the replica of %s step %d in memory: %s", root, step, e)
+            count("dropped_for_room" if memory_only else "degraded")
+            log.warning("memory tier: cannot hold the %s replica of %s step %d in memory: %s", kind, root, step, e)
             return ""
         c.filled = dict.fromkeys(expected, 0)
         with self._lock:
@@ -213,6 +255,11 @@ class Replication:
             self._release([c])
             log.warning("memory tier: cannot hold the replica of %s step %d in memory: %s", c.root, c.step, e)
             raise ValueError(f"replica {rid}: not kept, this daemon cannot hold it ({e.strerror or e})") from e
+        if c.kind == MEMORY_ONLY:
+            c.complete = True
+            self.memsteps.keep(c)  # its retention rules (``server.memsteps``)
+            self.memsteps._count("replicas_received")
+            return
         release = []
         with self._lock:
             old = self._replicas.get((c.root, c.source))

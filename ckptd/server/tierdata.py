@@ -210,6 +210,7 @@ class TierData:
         except Forbidden as e:
             raise _Refused(403, str(e)) from None
         self.tiers.count("object_requests")
+        self.tiers.count("data_requests")
         if self.fault_delay_s:
             time.sleep(self.fault_delay_s)  # tests only (CKPTD_FAULT_TIER_DELAY_S): a slow peer
         if op == "read":

@@ -8,7 +8,8 @@ Hot copies are exact copies of committed objects: the manifest, the layout and t
 every chunk stored in each object stay the only truth, and a reader checks every chunk against
 them (``trainer_hooks.tiered``).
 
-Replication (``server.replication``, a mixin of ``Tiers``): each new hot copy is pushed to the
+Replication (``server.replication``, a mixin of ``Tiers``; the one protocol for hot copies and
+memory-only parts, told apart by ``kind``): each new hot copy is pushed to the
 ``replicas`` daemons that follow this one in ``--peers`` (a ring; the list may name this daemon,
 found by ``--advertise``), authenticated with the daemon token: ``POST /v1/tiers/replicas`` (the
 objects, their sizes and whole-object crc32c), then the bytes in pieces, then ``seal``. The
@@ -26,9 +27,10 @@ save fail or wait.
 
 Serving (``server.peers``; bulk reads on ``server.tierdata``, outside the HTTP server's event
 loop): objects are looked up by (root, step, attempt, key) in this table, never by a path: no
-tier route can read a file. Only complete copies are served. Every held object is a sealed memfd
-once complete (``server.sealed``; a ``bytearray`` where that is not available), so its descriptor
-can be passed to a rank on this node, which cannot change it.
+tier route can read a file. Only complete copies are served: hot copies, replicas, and the
+memory-only parts of ``server.memsteps`` (``self.memsteps``; same reads, same data path).
+Every held object is a sealed memfd once complete (``server.sealed``; a ``bytearray`` where that
+is not available), so its descriptor can be passed to a rank on this node, which cannot change it.
 
 Concurrency: one lock guards the tables; it is never held while calling into ``Staging``
 (``Staging`` calls ``reclaim`` under its own lock).
@@ -80,6 +82,7 @@ class Tiers(Replication):
         self.token = token
         self.timeout_s = timeout_s
         self.data_endpoint: dict | None = None  # the data path's {"port", "socket"} (``server.tierdata``)
+        self.memsteps = None  # ``server.memsteps.MemSteps``: its parts are pushed and served here too
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int, str], Copy] = {}
         self._hot: dict[str, Copy] = {}
@@ -93,6 +96,7 @@ class Tiers(Replication):
             "bytes_served": 0,
             "bytes_shared": 0,  # of bytes_served: passed as sealed memory, not sent over a socket
             "object_requests": 0,
+            "data_requests": 0,  # of object_requests: asked on the data path (``server.tierdata``)
             "restore_bytes_local": 0,
             "restore_bytes_peer": 0,
             "restore_bytes_root": 0,
@@ -128,6 +132,10 @@ class Tiers(Replication):
             "ckptd_tier_replica_push_failures_total": ("replica pushes that failed", counter("replica_push_failures")),
             "ckptd_tier_bytes_served_total": ("tier bytes served to restoring ranks", counter("bytes_served")),
             "ckptd_tier_object_requests_total": ("ranged reads of tier objects asked", counter("object_requests")),
+            "ckptd_tier_data_requests_total": (
+                "tier reads asked on the data path (of ckptd_tier_object_requests_total)",
+                counter("data_requests"),
+            ),
             "ckptd_tier_bytes_shared_total": (
                 "tier bytes lent to ranks on this node as sealed memory (of ckptd_tier_bytes_served_total)",
                 counter("bytes_shared"),
@@ -289,8 +297,7 @@ class Tiers(Replication):
                 group.bytes,
                 sorted(group.ranks),
             )
-            if self.targets or self.discovery is not None:
-                threading.Thread(target=self._push_all, args=(group,), name="ckptd-tier-push", daemon=True).start()
+            self.push_later(group)
 
     def failed(self, root: str, step: int, attempt: str) -> None:
         """A job of (root, step, attempt) failed: its step is not this attempt's; drop the copies."""
@@ -303,11 +310,21 @@ class Tiers(Replication):
 
     # ----------------------------------------------------------------------------- serving
 
+    def _copies(self, root: str, parts: list[Copy]) -> list[Copy]:
+        """Under the lock: every copy of ``root`` that may serve (hot first, then replicas, then
+        the memory-only ``parts``, taken from ``server.memsteps`` before the lock)."""
+        out = [c for c in [self._hot.get(root)] if c is not None]
+        return out + [c for (r, _), c in self._replicas.items() if r == root] + parts
+
+    def _parts(self, root: str, step: int, attempt: str) -> list[Copy]:
+        """The memory-only parts of exactly (root, step, attempt) (outside the lock)."""
+        return [] if self.memsteps is None else self.memsteps.copies(root, step, attempt)
+
     def holding(self, root: str, step: int, attempt: str) -> list[Copy]:
-        """The complete copies (hot first) of exactly (root, step, attempt)."""
+        """The complete copies (hot first; memory-only parts last) of exactly (root, step, attempt)."""
+        parts = self._parts(root, step, attempt)
         with self._lock:
-            out = [c for c in [self._hot.get(root)] if c is not None]
-            out += [c for (r, _), c in self._replicas.items() if r == root]
+            out = self._copies(root, parts)
             return [c for c in out if c.complete and not c.dropped and c.step == step and c.attempt == attempt]
 
     def keys(self, root: str, step: int, attempt: str) -> list[str]:
@@ -321,9 +338,10 @@ class Tiers(Replication):
         view of the copy (no copy: a held object is never written again, and a dropped copy's
         buffer lives on while a reply still sends from it); None when no complete copy of
         (root, step, attempt) holds ``key``; ValueError for a range past its end."""
+        parts = self._parts(root, step, attempt)
         with self._lock:
-            for c in [self._hot.get(root), *[c for (r, _), c in self._replicas.items() if r == root]]:
-                if c is None or not c.complete or c.dropped or c.step != step or c.attempt != attempt:
+            for c in self._copies(root, parts):
+                if not c.complete or c.dropped or c.step != step or c.attempt != attempt:
                     continue
                 buf = c.objects.get(key)
                 if buf is None:
@@ -358,9 +376,9 @@ class Tiers(Replication):
         descriptors may be passed to a reader (``server.tierdata``); None when a key is not held
         or its copy is not a sealed memfd (not Linux, or an empty object)."""
         out = []
+        parts = self._parts(root, step, attempt)
         with self._lock:
-            copies = [self._hot.get(root), *[c for (r, _), c in self._replicas.items() if r == root]]
-            copies = [c for c in copies if c is not None and c.complete and not c.dropped]
+            copies = [c for c in self._copies(root, parts) if c.complete and not c.dropped]
             for key in keys:
                 buf = next(
                     (c.objects[key] for c in copies if c.step == step and c.attempt == attempt and key in c.objects),

@@ -137,18 +137,31 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
         kill_all(procs)
 
         ref = str(out / f"ref_step{LAST}.pt")
+        shared = a.metric("ckptd_tier_bytes_shared_total", TOKEN)
         res = _run(3, "restore_position", out / "r3", daemon=a.url, root=root, ref=ref)
         got = _restored(res, LAST)
         assert got["root"] == 0 and got["local"] > 0, got
         assert a.metric("ckptd_restore_bytes_local_total", TOKEN) == got["local"]
         assert a.metric("ckptd_restore_bytes_root_total", TOKEN) == 0
+        # The node's own daemon lent its parts as sealed memory, as it does a hot copy's: each of
+        # the 3 ranks mapped every object a holds (step 7's, own and b's replicas) at least once.
+        assert a.metric("ckptd_tier_bytes_shared_total", TOKEN) - shared >= got["local"], got
         assert LAST - res[0]["step"] <= 1  # lost work after the node failure: at most 1 step (here 0)
 
         pc = launch.free_port()  # a new node: empty memory, peers a and the dead b
         c = _daemon(tmp_path, "c", root, pc, [*urls, f"http://127.0.0.1:{pc}"])
+        asked = a.metric("ckptd_tier_object_requests_total", TOKEN)
+        on_data = a.metric("ckptd_tier_data_requests_total", TOKEN)
+        served = a.metric("ckptd_tier_bytes_served_total", TOKEN)
         res = _run(2, "restore_position", out / "r2", daemon=c.url, root=root, ref=ref)
         got = _restored(res, LAST)
         assert got["root"] == 0 and got["local"] == 0 and got["peer"] > 0, got
+        # The peer's parts came over the tier's data path (every read a answered was asked there,
+        # none over HTTP), counted by a like any tier read; the step's checks (manifest, done
+        # records, on rank 0) too.
+        asked = a.metric("ckptd_tier_object_requests_total", TOKEN) - asked
+        assert asked > 0 and a.metric("ckptd_tier_data_requests_total", TOKEN) - on_data == asked, asked
+        assert a.metric("ckptd_tier_bytes_served_total", TOKEN) - served >= got["peer"], got
 
         # Every daemon gone: the memory-only steps with them; the persisted step 5 is the floor.
         a.kill()
@@ -194,11 +207,14 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
         # never a commit record.
         assert a.get(f"/v1/memsteps?root={root}")[0] == 401
         assert a.get(f"/v1/memsteps?root={root}", "wrong")[0] == 401
-        part = {"root": root, "step": 9, "attempt": "x", "rank": 0, "source": "http://evil"}
+        # (One protocol: a part is pushed on the tier's replica route, kind memory_only.)
+        part = {"root": root, "step": 9, "attempt": "x", "kind": "memory_only", "ranks": [0], "source": "http://evil"}
         for key in ("step_0000000008/arrays/a", "step_0000000009/../x", f"{mf.step_dir(9)}/{mf.COMMIT}"):
             body = part | {"objects": [{"key": key, "size": 1, "crc32c": 0}]}
-            assert _post(a, "/v1/memsteps/replicas", body) == 400, key
-        assert _post(a, "/v1/memsteps/replicas", part | {"objects": []}, token=None) == 401
+            assert _post(a, "/v1/tiers/replicas", body) == 400, key
+        assert _post(a, "/v1/tiers/replicas", part | {"objects": [], "ranks": [0, 1]}) == 400  # one rank's
+        assert _post(a, "/v1/tiers/replicas", part | {"objects": [], "kind": "other"}) == 400
+        assert _post(a, "/v1/tiers/replicas", part | {"objects": []}, token=None) == 401
     finally:
         kill_all(procs)
         for d in (a, b):
