@@ -104,10 +104,12 @@ class DaemonSink:
     def stager(self) -> Stager:
         return self._stager
 
-    def reserve_memory(self, step: int, attempt: str, nbytes: int) -> bool:
-        """Ask the daemon to hold room for this rank's part of memory-only ``step``
-        (``trainer_hooks.memsteps``); False when it has none (or predates memory-only steps)."""
+    def reserve_memory(self, step: int, attempt: str, nbytes: int, objects: int = 0) -> bool:
+        """Ask the daemon to hold room (``nbytes``, ``objects``) for this rank's part of
+        memory-only ``step`` (``trainer_hooks.memsteps``); False when it has none (or predates
+        memory-only steps)."""
         body = {"root": self.root, "step": step, "attempt": attempt, "rank": self.rank, "bytes": nbytes}
+        body["objects"] = objects
         status, reply, _ = self._client.call("POST", "/v1/memsteps/reserve", body)
         return status == 200 and isinstance(reply, dict) and reply.get("ok") is True
 

@@ -52,7 +52,15 @@ from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
 from trainer_hooks.tiered import TierStore, TierUnavailable
 
-__all__ = ["TierPartsStore", "choose", "fence", "memory_only_save", "reserve_bytes", "restore_newest"]
+__all__ = [
+    "TierPartsStore",
+    "choose",
+    "fence",
+    "memory_only_save",
+    "reserve_bytes",
+    "reserve_objects",
+    "restore_newest",
+]
 
 log = logging.getLogger("ckptd.memsteps")
 
@@ -74,20 +82,27 @@ def reserve_bytes(job) -> int:
     return total + (1 << 20) + len(job.shards) * 256  # done record: a pin per shard, and room
 
 
+def reserve_objects(job) -> int:
+    """An upper bound of the objects rank's part holds: one per shard, one per metadata object,
+    and its done record (and room)."""
+    return len(job.shards) + len(job.metadata) + 4
+
+
 def memory_only_save(sink, coord, step: int, attempt: str, job, persist_every: int) -> bool:
     """Whether ``step`` is saved memory-only: not a multiple of ``persist_every``, and every
     rank's daemon reserved room for its part. Collective (one ``all_max``)."""
     if persist_every <= 1 or step % persist_every == 0:
         return False
     try:
-        ok = sink.reserve_memory(step, attempt, reserve_bytes(job))
+        ok = sink.reserve_memory(step, attempt, reserve_bytes(job), reserve_objects(job))
     except CheckpointError as e:
         log.warning("rank %d: cannot reserve room for memory-only step %d: %s", coord.rank, step, e)
         ok = False
     refused = coord.all_max([0 if ok else 1])[0]
     if refused and coord.rank == 0:
         log.warning(
-            "step %d was to be memory-only but a daemon has no room for it in its staging budget: "
+            "step %d was to be memory-only but a daemon has no room for it (its staging budget, or the "
+            "descriptors and mappings its memory tier may use): "
             "persisting it to the job root instead",
             step,
         )

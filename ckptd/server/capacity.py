@@ -31,6 +31,7 @@ __all__ = [
     "describe",
     "held",
     "limit",
+    "room",
     "raise_open_files",
     "release",
     "take",
@@ -123,6 +124,15 @@ def _fd_room() -> int | None:
                 _other = max(0, live - _held * FDS_PER_OBJECT)
                 _measured_at = now
     return (nofile - max(FD_HEADROOM, nofile // 4) - _other) // FDS_PER_OBJECT
+
+
+def room() -> int | None:
+    """How many more objects the tier may hold now (None: no limit known)."""
+    cap = limit()
+    fds = _fd_room()
+    if fds is not None:
+        cap = fds if cap is None else min(cap, fds)
+    return None if cap is None else max(0, cap - held())
 
 
 def take() -> None:

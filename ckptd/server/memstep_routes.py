@@ -26,6 +26,7 @@ class ReserveRequest(BaseModel):
     attempt: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     rank: int = Field(ge=0, lt=1 << 24)
     bytes: int = Field(ge=0, le=1 << 50)
+    objects: int = Field(0, ge=0, le=1 << 24)  # the objects the part holds, at most
 
 
 def _ms(request: Request):
@@ -42,4 +43,4 @@ def held(request: Request, root: str = Query(min_length=1, max_length=4096)):
 @router.post("/v1/memsteps/reserve", summary="hold room for a rank's part of a memory-only step before its hand-off")
 def reserve(body: ReserveRequest, request: Request):
     root = _root(request, body.root)
-    return {"ok": _ms(request).reserve(root, body.step, body.attempt, body.rank, body.bytes)}
+    return {"ok": _ms(request).reserve(root, body.step, body.attempt, body.rank, body.bytes, body.objects)}

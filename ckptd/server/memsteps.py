@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ckptd import manifest as mf
 from ckptd import persist
 from ckptd.errors import CheckpointError
+from ckptd.server import capacity
 from ckptd.server.handoff import Job, load
 from ckptd.server.replication import MEMORY_ONLY, Copy
 from ckptd.server.sealed import new_buffer, seal
@@ -73,7 +74,7 @@ class MemSteps:
         self.enabled = enabled
         self._lock = threading.Lock()
         self._parts: dict[tuple[str, int, str, int, str], Copy] = {}  # (root, step, attempt, rank, source)
-        self._reserved: dict[tuple[str, int, str, int], tuple[int, float]] = {}  # -> (bytes, when)
+        self._reserved: dict[tuple[str, int, str, int], tuple[int, float, int]] = {}  # -> (bytes, when, objects)
         self._io = ThreadPoolExecutor(4, thread_name_prefix="ckptd-memstep-io")
         self.counters = {"held": 0, "persisted_instead": 0, "dropped_for_room": 0, "replicas_pushed": 0}
         self.counters |= {"replica_push_failures": 0, "replicas_received": 0, "fenced": 0}
@@ -146,28 +147,39 @@ class MemSteps:
 
     # ----------------------------------------------------------------------- reservations
 
-    def reserve(self, root: str, step: int, attempt: str, rank: int, nbytes: int) -> bool:
+    def reserve(self, root: str, step: int, attempt: str, rank: int, nbytes: int, objects: int = 0) -> bool:
         """Hold ``nbytes`` for rank's part of a memory-only step before its hand-off; False (and
-        counted, logged) when it does not fit: the job then persists the step instead."""
+        counted, logged) when it does not fit the staging budget, or its ``objects`` do not fit
+        what the daemon's descriptors and mappings let the tier hold (``server.capacity``): the
+        job then persists the step instead, rather than failing the save at hold time."""
         self._expire_reservations()
         key = (root, step, attempt, rank)
         with self._lock:
             old = self._reserved.pop(key, None)
+            pending = sum(n for _, _, n in self._reserved.values())  # objects other reservations hold
         if old is not None:
             self.staging.unreserve(old[0])
-        if not self.enabled or not self.staging.reserve(nbytes):
+        room = capacity.room()
+        why = None
+        if not self.enabled:
+            why = "this daemon keeps no memory tier"
+        elif room is not None and objects > room - pending:
+            why = f"its {objects} objects do not fit the {max(0, room - pending)} the daemon's limits leave"
+        elif not self.staging.reserve(nbytes):
+            why = "it does not fit the staging budget"
+        if why is not None:
             self._count("persisted_instead")
             log.warning(
-                "memory-only step %d of %s (rank %d, %d bytes) does not fit the staging budget: "
-                "the step is persisted to the job root instead",
+                "memory-only step %d of %s (rank %d, %d bytes): %s: the step is persisted to the job root instead",
                 step,
                 root,
                 rank,
                 nbytes,
+                why,
             )
             return False
         with self._lock:
-            self._reserved[key] = (nbytes, time.monotonic())
+            self._reserved[key] = (nbytes, time.monotonic(), objects)
         return True
 
     def release_reservation(self, root: str, step: int, attempt: str, rank: int) -> int:
@@ -181,7 +193,7 @@ class MemSteps:
     def _expire_reservations(self) -> None:
         now = time.monotonic()
         with self._lock:
-            old = [k for k, (_, t) in self._reserved.items() if now - t > RESERVE_TTL_S]
+            old = [k for k, (_, t, _) in self._reserved.items() if now - t > RESERVE_TTL_S]
             gone = [self._reserved.pop(k)[0] for k in old]
         for n in gone:
             self.staging.unreserve(n)

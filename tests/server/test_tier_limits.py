@@ -129,3 +129,27 @@ def test_a_replica_receiver_short_of_descriptors_refuses_it_and_keeps_serving(tm
     finally:
         for d in (a, c):
             d.kill()
+
+
+def test_memory_only_steps_past_the_descriptor_limit_are_persisted_instead(tmp_path, token):
+    # Before the reservation counted objects, the bytes fit, the hand-off was accepted, and the
+    # part then failed to be held for lack of descriptors: a failed save. Now the daemon refuses
+    # the reservation, the ranks agree, and the step is persisted like any other.
+    root = f"file://{tmp_path / 'job'}"
+    d = _daemon(tmp_path, "a", root, launch.free_port(), [], low=True)
+    try:
+        states = {s: _state(TENSORS, s) for s in (1, 2, 3)}
+        with Checkpointer(root, daemon=d.url, persist_every=2) as ck:
+            for s, state in states.items():
+                ck.save(s, state).result()  # never a failed save
+        logs = d.logs()
+        assert "do not fit the" in logs and "persisted to the job root instead" in logs, logs
+        assert d.metric("ckptd_memsteps_persisted_instead_total", TOKEN) >= 2
+        assert "memory-only step: " not in logs, logs  # no part failed at hold time
+        with Checkpointer(root) as ck:  # steps 1 and 3, meant to be memory-only, are in the root
+            for s, state in states.items():
+                got = {k: torch.zeros(4) for k in state}
+                assert ck.restore(got, step=s) == s
+                assert all(torch.equal(got[k], v) for k, v in state.items()), s
+    finally:
+        d.kill()
