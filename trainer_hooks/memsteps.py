@@ -50,7 +50,7 @@ from ckptd.commit import expected_digest
 from ckptd.errors import CheckpointError, StateMismatchError
 from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
-from trainer_hooks.tiered import TierStore, TierUnavailable
+from trainer_hooks.tierstore import TierStore, TierUnavailable
 
 __all__ = [
     "TierPartsStore",
@@ -159,7 +159,7 @@ class TierPartsStore(Store):
     """A read-only store of one memory-only (step, attempt) over the daemons that hold its parts:
     ``holders`` maps each object key to (size, daemon URLs, nearest first), ``data`` each URL to
     the data path it advertised. Reads go through the memory tier's own client
-    (``trainer_hooks.tiered.TierStore``: the data path, one kept-open connection per thread and
+    (``trainer_hooks.tierstore.TierStore``: the data path, one kept-open connection per thread and
     daemon; ``map_own``: the rank's own daemon's sealed memory mapped, no byte over a socket).
     A daemon that fails or answers other than exactly the asked bytes of that step and attempt is
     skipped for the rest of the restore; an object no live daemon serves is a StorageError (the

@@ -1,0 +1,370 @@
+"""The read side of one daemon's memory tier (``TierStore``): how a restoring rank talks to a
+daemon that holds a step, for ``trainer_hooks.tiered`` (committed steps) and
+``trainer_hooks.memsteps`` (memory-only steps).
+
+Transport, nearest first: the rank's own daemon lends its sealed buffers over the Unix socket
+(SCM_RIGHTS; mapped ``PROT_READ``, the seals checked before use, no byte over a socket); a peer
+answers on its threaded data path (``ckptd.tierwire``: token, then frames; replies read straight
+into the destination buffers); the HTTP tier routes are the fallback. Whatever the transport,
+every reply must name the step and attempt asked for and carry exactly the bytes asked for, else
+``TierUnavailable``: the caller skips the tier, it never trusts it (chunks are checked against
+their crc32c and pins by the reader).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import mmap
+import os
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from urllib.parse import quote, urlencode, urlsplit
+
+import numpy as np
+
+from ckptd.errors import CheckpointError
+from ckptd.tierwire import F_GET_SEALS, MAX_FDS, REPLY, REQUEST, SEALS, WireError, recv_exact, recv_frame, send_frame
+from storage_backends.base import as_writable_buffers
+
+__all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "MAX_KEYS_REPLY", "TierStore", "TierUnavailable"]
+
+log = logging.getLogger("ckptd.tiered")
+
+DEFAULT_TIER_TIMEOUT_S = 10.0  # a peer slower than this per request is skipped (CKPTD_TIER_TIMEOUT_S)
+MAX_KEYS_REPLY = 256 << 20
+BATCH_BYTES = int(
+    os.environ.get("CKPTD_TIER_BATCH_BYTES", 4 << 20)
+)  # shard-object bytes one batched tier read asks for (at most one object more)
+
+
+class TierUnavailable(Exception):  # noqa: N818 - not a StorageError: the reader must not turn it into a bad chunk
+    """A tier did not answer, or answered something other than the committed bytes: the tier is
+    skipped for the rest of the restore."""
+
+
+class _Fetched:
+    """Ranges of shard objects already fetched from one tier (``TieredReader.read``), shaped
+    like the ``Store`` methods ``CheckpointReader`` reads chunks with; a range it does not hold
+    is ``TierUnavailable`` (the shard is then read from the next tier)."""
+
+    batched = False  # the bytes are here: nothing to batch
+
+    def __init__(self, name: str):
+        self.name = name
+        self.held: dict[str, tuple[int, memoryview]] = {}
+
+    def close(self) -> None:
+        """Forget the held views (a mapping is unmapped once no tensor copy reads from it)."""
+        self.held = {}
+
+    def _view(self, key: str, start: int, length: int) -> memoryview:
+        begin, mv = self.held.get(key, (0, None))
+        if start < 0 and begin == 0 and mv is not None:
+            start += len(mv)  # from the end of a whole object (a shard index)
+        if mv is None or start < begin or start + length > begin + len(mv):
+            raise TierUnavailable(f"{self.name}: {key} {start}+{length} was not fetched")
+        return mv[start - begin : start - begin + length]
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return bytes(self._view(key, start, length))
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return [self.get_range(key, s, n) for s, n in ranges]
+
+    def get_range_into(self, key: str, start: int, buffers) -> None:
+        views = as_writable_buffers(buffers)
+        data = np.frombuffer(self._view(key, start, sum(v.nbytes for v in views)), np.uint8)
+        pos = 0
+        for v in views:
+            np.frombuffer(v, np.uint8)[:] = data[pos : pos + v.nbytes]  # numpy copies without the GIL
+            pos += v.nbytes
+
+
+class TierStore:
+    """The read side of one daemon's memory tier for one (root, step, attempt), shaped like the
+    ``Store`` methods ``CheckpointReader`` reads chunks with."""
+
+    def __init__(self, url: str, name: str, root: str, step: int, attempt: str, token: str | None, timeout_s: float):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CheckpointError(f"tier daemon must be an http://host:port URL, got {url!r}")
+        self.url, self.name, self.uri = url.rstrip("/"), name, url
+        self._cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port, self._base = parts.hostname, parts.port, parts.path.rstrip("/")
+        self.root, self.step, self.attempt = root, step, attempt
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._token = token
+        self.timeout_s = timeout_s
+        # The data path (``ckptd.server.tierdata``), as the keys reply advertises it: the TCP port
+        # on this daemon's host, and the Unix socket when this is the rank's own node's daemon.
+        self.data_port: int | None = None
+        self.data_socket: str | None = None
+        self.advertised = None  # the keys reply's "data"
+        self._local = threading.local()
+        self._conns: list = []  # every thread's connection, closed by close()
+        self._conns_lock = threading.Lock()
+
+    # Small objects are fetched in batches on either path: one request (HTTP or data path) per
+    # batch costs less than one per object, even on the data path (measured: the tiers benchmark).
+    batched = True
+
+    def use_data(self, data, unix: bool) -> None:
+        """Read through the advertised data path ``data`` ({"port", "socket"}); its Unix socket
+        only when ``unix`` (this node's own daemon)."""
+        if not isinstance(data, dict):
+            return
+        port, path = data.get("port"), data.get("socket")
+        if type(port) is int and 0 < port < 65536:
+            self.data_port = port
+        if unix and isinstance(path, str) and os.path.isabs(path) and sys.platform.startswith("linux"):
+            self.data_socket = path
+
+    def close(self) -> None:
+        """Close every thread's connection (a restore ends with its tiers)."""
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
+
+    def _conn(self) -> http.client.HTTPConnection:
+        """This thread's connection to the tier (kept open across requests: one per pool thread)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._cls(self._host, self._port, timeout=self.timeout_s)
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _drop_conn(self, conn) -> None:
+        conn.close()
+        self._local.conn = None
+
+    def _data_conn(self, unix: bool) -> socket.socket:
+        """This thread's connection to the data path (kept open across requests)."""
+        name = "dunix" if unix else "dtcp"
+        sock = getattr(self._local, name, None)
+        if sock is None:
+            if unix:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(self.timeout_s)
+                    sock.connect(self.data_socket)
+                except OSError:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((self._host, self.data_port), timeout=self.timeout_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            setattr(self._local, name, sock)
+            with self._conns_lock:
+                self._conns.append(sock)
+        return sock
+
+    def _data_call(self, header: dict, unix: bool, max_fds: int = 0) -> tuple[socket.socket, dict, list[int]]:
+        """Send one request on the data path; return the connection and the checked reply header
+        (and descriptors). Any failure drops the connection: TierUnavailable."""
+        sock = None
+        try:
+            sock = self._data_conn(unix)
+            req = {"token": self._token, "root": self.root, "step": self.step, "attempt": self.attempt, **header}
+            send_frame(sock, REQUEST, req)
+            got = recv_frame(sock, REPLY, max_fds)
+            if got is None:
+                raise WireError("the daemon closed the connection")
+            reply, fds = got
+        except (OSError, WireError) as e:
+            if sock is not None:
+                self._drop_data(unix)
+            raise TierUnavailable(f"{self.name}: data path: {e or type(e).__name__}") from None
+        if reply.get("ok") is not True or reply.get("step") != self.step or reply.get("attempt") != self.attempt:
+            for fd in fds:
+                os.close(fd)
+            self._drop_data(unix)
+            why = reply.get("detail") if reply.get("ok") is not True else "another step or attempt"
+            raise TierUnavailable(f"{self.name}: data path answered {reply.get('status')}: {str(why)[:200]}")
+        return sock, reply, fds
+
+    def _drop_data(self, unix: bool) -> None:
+        name = "dunix" if unix else "dtcp"
+        sock = getattr(self._local, name, None)
+        if sock is not None:
+            sock.close()
+            setattr(self._local, name, None)
+
+    def _data_read(self, ranges: Sequence[tuple[str, int, int]], views: list[memoryview]) -> None:
+        """The bytes of ``ranges``, concatenated, received straight into ``views`` (exactly as
+        many bytes as they hold)."""
+        unix = self.data_socket is not None
+        length = sum(v.nbytes for v in views)
+        sock, reply, _ = self._data_call({"op": "read", "ranges": [list(r) for r in ranges]}, unix)
+        if reply.get("length") != length:
+            self._drop_data(unix)
+            raise TierUnavailable(f"{self.name}: {reply.get('length')} bytes where {length} were asked")
+        try:
+            for v in views:
+                recv_exact(sock, v)
+        except (OSError, WireError) as e:
+            self._drop_data(unix)
+            raise TierUnavailable(f"{self.name}: data path: {e or type(e).__name__}") from None
+
+    def map_objects(self, keys: Sequence[str]) -> _Fetched:
+        """Every object of ``keys`` mapped read-only from the sealed memory the daemon passes
+        on its Unix data socket (``SCM_RIGHTS``): no byte crosses a socket. The descriptors must
+        carry the seals (nobody can change the memory while this rank reads it); the chunks are
+        still checked against their crc32c when read."""
+        import fcntl
+
+        mapped = _Fetched(f"{self.name} (shared memory)")
+        keys = list(keys)
+        try:
+            for i in range(0, len(keys), MAX_FDS):
+                part = keys[i : i + MAX_FDS]
+                _, reply, fds = self._data_call({"op": "fds", "keys": part}, True, max_fds=len(part))
+                try:
+                    sizes = reply.get("sizes")
+                    if not isinstance(sizes, list) or len(sizes) != len(part) or len(fds) != len(part):
+                        raise TierUnavailable(f"{self.name}: {len(fds)} descriptors for {len(part)} objects")
+                    for key, size, fd in zip(part, sizes, fds, strict=True):
+                        if type(size) is not int or size <= 0 or os.fstat(fd).st_size != size:
+                            raise TierUnavailable(f"{self.name}: {key}: descriptor of another size than {size}")
+                        if fcntl.fcntl(fd, F_GET_SEALS) & SEALS != SEALS:
+                            raise TierUnavailable(f"{self.name}: {key}: memory not sealed against writes")
+                        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                        mapped.held[key] = (0, memoryview(m))
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        except OSError as e:
+            mapped.close()
+            raise TierUnavailable(f"{self.name}: cannot map the shared copy: {e}") from None
+        except BaseException:
+            mapped.close()
+            raise
+        return mapped
+
+    def _open(self, path: str, cap: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, int]:
+        """Send a GET; return the response with its body unread and its Content-Length (at
+        most ``cap``)."""
+        conn = self._conn()
+        try:
+            conn.request("GET", self._base + path, headers=self._headers)
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_conn(conn)
+            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
+        length = resp.getheader("Content-Length")
+        if length is None or not length.isdigit() or int(length) > cap:
+            self._drop_conn(conn)
+            raise TierUnavailable(f"{self.name}: reply of {length} bytes where at most {cap} were asked")
+        return conn, resp, int(length)
+
+    def _get(self, path: str, cap: int) -> tuple[int, dict, bytes]:
+        conn, resp, _ = self._open(path, cap)
+        try:
+            return resp.status, dict(resp.getheaders()), resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_conn(conn)
+            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
+
+    def keys(self) -> tuple[set[str], list[str]]:
+        """(the objects this tier holds complete for the step, the peers it names)."""
+        q = urlencode({"root": self.root, "step": self.step, "attempt": self.attempt})
+        status, _, raw = self._get(f"/v1/tiers/keys?{q}", MAX_KEYS_REPLY)
+        if status != 200:
+            raise TierUnavailable(f"{self.name}: GET /v1/tiers/keys answered {status}")
+        try:
+            body = json.loads(raw)
+            keys = {k for k in body["keys"] if isinstance(k, str)}
+            peers = [p for p in body.get("peers", []) if isinstance(p, str)]
+            self.advertised = body.get("data")
+        except (ValueError, KeyError, TypeError) as e:
+            raise TierUnavailable(f"{self.name}: malformed keys reply ({e})") from None
+        if body.get("step") != self.step or body.get("attempt") != self.attempt:
+            raise TierUnavailable(f"{self.name}: keys reply is for another step or attempt")
+        return keys, peers
+
+    def _object_path(self, key: str, start: int, length: int) -> str:
+        q = f"root={quote(self.root, safe='')}&step={self.step}&attempt={quote(self.attempt, safe='')}"
+        return f"/v1/tiers/object?{q}&key={quote(key, safe='')}&start={start}&length={length}"
+
+    def _check_reply(self, key: str, resp: http.client.HTTPResponse, got: int, length: int) -> None:
+        if resp.status != 200:
+            raise TierUnavailable(f"{self.name}: {key} answered {resp.status}")
+        if resp.getheader("X-Ckptd-Step") != str(self.step) or resp.getheader("X-Ckptd-Attempt") != self.attempt:
+            raise TierUnavailable(f"{self.name}: {key} came from another step or attempt than the commit record's")
+        if got != length:
+            raise TierUnavailable(f"{self.name}: {key}: {got} bytes where {length} were asked")
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.get_range_into(key, start, [buf])
+        return bytes(buf)
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return [self.get_range(key, s, n) for s, n in ranges]
+
+    def get_range_into(self, key: str, start: int, buffers) -> None:
+        """One GET (or one data-path request) for the whole range, its body read straight into
+        ``buffers`` (no intermediate copy); the connection stays open for this thread's next read."""
+        views = as_writable_buffers(buffers)
+        length = sum(v.nbytes for v in views)
+        if self.data_port is not None or self.data_socket is not None:
+            self._data_read([(key, start, length)], views)
+            return
+        conn, resp, got = self._open(self._object_path(key, start, length), length)
+        try:
+            self._check_reply(key, resp, got, length)  # on failure the connection is dropped unread
+            for v in views:
+                pos = 0
+                while pos < v.nbytes:
+                    n = resp.readinto(v[pos:])
+                    if not n:
+                        raise TierUnavailable(f"{self.name}: {key}: the reply ended early")
+                    pos += n
+        except TierUnavailable:
+            self._drop_conn(conn)
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_conn(conn)
+            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
+
+    def get_batch(self, ranges: Sequence[tuple[str, int, int]]) -> bytearray:
+        """The bytes of ``ranges`` ((key, start, length) each), concatenated: one POST
+        ``/v1/tiers/read``, its body read straight into one buffer."""
+        length = sum(n for _, _, n in ranges)
+        if self.data_port is not None or self.data_socket is not None:
+            out = bytearray(length)
+            self._data_read(ranges, [memoryview(out)])
+            return out
+        body = {
+            "root": self.root,
+            "step": self.step,
+            "attempt": self.attempt,
+            "ranges": [{"key": k, "start": st, "length": n} for k, st, n in ranges],
+        }
+        conn = self._conn()
+        try:
+            headers = {**self._headers, "Content-Type": "application/json"}
+            conn.request("POST", self._base + "/v1/tiers/read", body=json.dumps(body).encode(), headers=headers)
+            resp = conn.getresponse()
+            got = resp.getheader("Content-Length")
+            got_n = int(got) if got is not None and got.isdigit() else -1
+            self._check_reply(f"a batch of {len(ranges)} ranges", resp, got_n, length)
+            out = bytearray(length)
+            view, pos = memoryview(out), 0
+            while pos < length:
+                n = resp.readinto(view[pos:])
+                if not n:
+                    raise TierUnavailable(f"{self.name}: a batch reply ended early")
+                pos += n
+            return out
+        except TierUnavailable:
+            self._drop_conn(conn)
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_conn(conn)
+            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
