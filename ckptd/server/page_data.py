@@ -423,8 +423,10 @@ def memory_only(memsteps) -> list[dict]:
 
 
 def _world_size(memsteps, root: str, step: int, attempt: str, key: str, size: int) -> int | None:
-    view = memsteps.read(root, step, attempt, key, 0, size)
-    if view is None:
+    # Straight from the held parts (``MemSteps.copies``): not a served read, so the tier's
+    # serving metrics count restores only.
+    view = next((v for c in memsteps.copies(root, step, attempt) if (v := c.objects.get(key)) is not None), None)
+    if view is None or len(view) != size:
         return None
     try:
         ws = json.loads(bytes(view)).get("world_size")
