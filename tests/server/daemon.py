@@ -142,6 +142,31 @@ class Daemon:
         self.stop()
 
 
+def node(tmp: Path, name: str, root: str, port: int, peers: list[str], preexec_fn=None, **env: str) -> Daemon:
+    """A started daemon playing node ``name`` of a memory-tier test: its own staging folder and
+    log under ``tmp``, the token in ``tmp/token``, the ring ``peers`` and its own URL advertised."""
+    d = Daemon(
+        [root],
+        tmp / f"staging-{name}",
+        tmp / f"{name}.log",
+        token_file=tmp / "token",
+        preexec_fn=preexec_fn,
+        CKPTD_PEERS=json.dumps(peers),
+        CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
+        **env,
+    )
+    return d.start(port=port)
+
+
+def tier_totals(results: list[dict]) -> dict[str, int]:
+    """Chunk bytes per tier (local, peer, root) summed over the ranks' restore results."""
+    out = {"local": 0, "peer": 0, "root": 0}
+    for r in results:
+        for k, v in r["tiers"].items():
+            out[k] += v
+    return out
+
+
 def spawn(world: int, scenario: str, args: dict, out: Path, extra_env: dict | None = None) -> list[subprocess.Popen]:
     """``launch.spawn`` with this folder's scenarios (``daemon_scenarios``)."""
     return launch.spawn(world, scenario, args, out, extra_env, scenarios=SCENARIOS)

@@ -30,7 +30,7 @@ from ckptd.errors import CheckpointError
 from storage_backends import open_store
 from tests.distributed import launch
 from tests.distributed.scenarios import BATCH
-from tests.server.daemon import Daemon, kill_all, wait_for
+from tests.server.daemon import Daemon, kill_all, node, tier_totals, wait_for
 from trainer_hooks import Checkpointer
 
 pytestmark = pytest.mark.timeout(900)
@@ -43,18 +43,6 @@ LAST, EVERY = 7, 5
 def _run(world: int, scenario: str, out: Path, **args) -> list[dict]:
     procs = launch.spawn(world, scenario, args, out, {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
     return launch.wait(procs, out, scenario, timeout=600)
-
-
-def _daemon(tmp: Path, name: str, root: str, port: int, peers: list[str]) -> Daemon:
-    d = Daemon(
-        [root],
-        tmp / f"staging-{name}",
-        tmp / f"{name}.log",
-        token_file=tmp / "token",
-        CKPTD_PEERS=json.dumps(peers),
-        CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
-    )
-    return d.start(port=port)
 
 
 def _parts(d: Daemon, root: str) -> list[dict]:
@@ -85,17 +73,9 @@ def _setup(tmp_path: Path):
     root = f"file://{tmp_path / 'job'}"
     pa, pb = launch.free_port(), launch.free_port()
     urls = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
-    a = _daemon(tmp_path, "a", root, pa, urls)
-    b = _daemon(tmp_path, "b", root, pb, urls)
+    a = node(tmp_path, "a", root, pa, urls)
+    b = node(tmp_path, "b", root, pb, urls)
     return root, a, b, urls
-
-
-def _total(results: list[dict]) -> dict[str, int]:
-    out = {"local": 0, "peer": 0, "root": 0}
-    for r in results:
-        for k, v in r["tiers"].items():
-            out[k] += v
-    return out
 
 
 def _restored(results: list[dict], step: int) -> dict[str, int]:
@@ -104,7 +84,7 @@ def _restored(results: list[dict], step: int) -> dict[str, int]:
     # The data position: the samples of steps 1..step exactly (4 ranks' batches per step); the
     # job resumes at step + 1, so every sample is seen exactly once across the failure.
     assert all(r["position"] == step * BATCH * 4 for r in results), results
-    return _total(results)
+    return tier_totals(results)
 
 
 def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
@@ -149,7 +129,7 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
         assert LAST - res[0]["step"] <= 1  # lost work after the node failure: at most 1 step (here 0)
 
         pc = launch.free_port()  # a new node: empty memory, peers a and the dead b
-        c = _daemon(tmp_path, "c", root, pc, [*urls, f"http://127.0.0.1:{pc}"])
+        c = node(tmp_path, "c", root, pc, [*urls, f"http://127.0.0.1:{pc}"])
         asked = a.metric("ckptd_tier_object_requests_total", TOKEN)
         on_data = a.metric("ckptd_tier_data_requests_total", TOKEN)
         served = a.metric("ckptd_tier_bytes_served_total", TOKEN)
@@ -166,7 +146,7 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
         # Every daemon gone: the memory-only steps with them; the persisted step 5 is the floor.
         a.kill()
         c.kill()
-        c = _daemon(tmp_path, "c2", root, launch.free_port(), [])
+        c = node(tmp_path, "c2", root, launch.free_port(), [])
         res = _run(2, "restore_position", out / "rfloor", daemon=c.url, root=root, ref=str(out / f"ref_step{EVERY}.pt"))
         got = _restored(res, EVERY)
         assert got["root"] > 0, got

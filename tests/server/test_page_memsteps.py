@@ -5,13 +5,11 @@ step whole, and the bytes. The job root's name is hostile: everything on the pag
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from tests.distributed import launch
-from tests.server.daemon import Daemon, wait_for
+from tests.server.daemon import Daemon, node, wait_for
 from trainer_hooks import Checkpointer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -20,25 +18,13 @@ TOKEN = "page-memsteps-token-0123456789"
 HOSTILE = "job<img src=x onerror=alert(1)>\"'&"
 
 
-def _daemon(tmp, name: str, root: str, port: int, peers: list[str]) -> Daemon:
-    d = Daemon(
-        [root],
-        tmp / f"staging-{name}",
-        tmp / f"{name}.log",
-        token_file=tmp / "token",
-        CKPTD_PEERS=json.dumps(peers),
-        CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
-    )
-    return d.start(port=port)
-
-
 def _page(d: Daemon) -> str:
     code, body = d.get("/v1/page", TOKEN)
     assert code == 200, body
     return body["html"]  # type: ignore[index]
 
 
-def test_the_page_shows_memory_only_steps_per_daemon(tmp_path, monkeypatch):
+def test_the_page_shows_memory_only_steps_pernode(tmp_path, monkeypatch):
     (tmp_path / "token").write_text(TOKEN)
     (tmp_path / "token").chmod(0o600)
     monkeypatch.setenv("CKPTD_TOKEN", TOKEN)
@@ -46,8 +32,8 @@ def test_the_page_shows_memory_only_steps_per_daemon(tmp_path, monkeypatch):
     root = f"file://{job}"
     pa, pc = launch.free_port(), launch.free_port()
     urls = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pc}"]
-    a = _daemon(tmp_path, "a", root, pa, urls)
-    c = _daemon(tmp_path, "c", root, pc, urls)
+    a = node(tmp_path, "a", root, pa, urls)
+    c = node(tmp_path, "c", root, pc, urls)
     try:
         assert '<section id="memsteps">' in _page(a) and "no memory-only step held" in _page(a)
         state = {"w": torch.randn(16, 4), "b": torch.randn(4)}

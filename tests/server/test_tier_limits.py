@@ -8,14 +8,13 @@ the replica (HTTP 429, logged by the pusher) and keeps serving its own saves."""
 
 from __future__ import annotations
 
-import json
 import resource
 
 import pytest
 import torch
 
 from tests.distributed import launch
-from tests.server.daemon import Daemon, wait_for
+from tests.server.daemon import Daemon, node, wait_for
 from trainer_hooks import Checkpointer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -41,16 +40,7 @@ def _tiers(d: Daemon) -> dict:
 
 
 def _daemon(tmp, name: str, root: str, port: int, peers: list[str], low: bool) -> Daemon:
-    d = Daemon(
-        [root],
-        tmp / f"staging-{name}",
-        tmp / f"{name}.log",
-        token_file=tmp / "token",
-        preexec_fn=_low_nofile if low else None,
-        CKPTD_PEERS=json.dumps(peers),
-        CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
-    )
-    return d.start(port=port)
+    return node(tmp, name, root, port, peers, preexec_fn=_low_nofile if low else None)
 
 
 @pytest.fixture

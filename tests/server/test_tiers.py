@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.distributed import launch
-from tests.server.daemon import Daemon, kill_all, wait_for
+from tests.server.daemon import Daemon, kill_all, node, tier_totals, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,31 +58,10 @@ def _url(port: int) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def _daemon(tmp: Path, name: str, root: str, port: int, peers: list[str], **env: str) -> Daemon:
-    d = Daemon(
-        [root],
-        tmp / f"staging-{name}",
-        tmp / f"{name}.log",
-        token_file=tmp / "token",
-        CKPTD_PEERS=json.dumps(peers),
-        CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
-        **env,
-    )
-    return d.start(port=port)
-
-
-def _total(results: list[dict]) -> dict[str, int]:
-    out = {"local": 0, "peer": 0, "root": 0}
-    for r in results:
-        for k, v in r["tiers"].items():
-            out[k] += v
-    return out
-
-
 def _check(results: list[dict], step: int) -> dict[str, int]:
     assert all(r["step"] == step for r in results), results
     assert results[0]["mismatches"] == [], results[0]["mismatches"]
-    return _total(results)
+    return tier_totals(results)
 
 
 class _CorruptingPeer:
@@ -150,8 +129,8 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
     out = tmp_path / "out"
     pa, pb = launch.free_port(), launch.free_port()
     urls = [_url(pa), _url(pb)]
-    a = _daemon(tmp_path, "a", root, pa, urls)
-    b = _daemon(tmp_path, "b", root, pb, urls)
+    a = node(tmp_path, "a", root, pa, urls)
+    b = node(tmp_path, "b", root, pb, urls)
     c = None
     procs = []
     try:
@@ -205,7 +184,7 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         # Restore at 2 ranks on a new node c (empty memory; peers a and the dead b): every shard
         # from peer a by ranged reads, b skipped, nothing from the job root.
         pc = launch.free_port()  # every daemon start below on a fresh port: none waits for a port to free
-        c = _daemon(tmp_path, "c", root, pc, [urls[0], urls[1], _url(pc)])
+        c = node(tmp_path, "c", root, pc, [urls[0], urls[1], _url(pc)])
         res = _run(2, "restore_tiered", out / "r2", daemon=c.url, root=root, ref=str(out / "ref_step2.pt"))
         got = _check(res, 2)
         assert got["root"] == 0 and got["local"] == 0 and got["peer"] > 0, got
@@ -215,7 +194,7 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         # from the peer; the values are the committed ones.
         bad = _CorruptingPeer(a.url)
         try:
-            c = _daemon(tmp_path, "c", root, launch.free_port(), [bad.url])
+            c = node(tmp_path, "c", root, launch.free_port(), [bad.url])
             res = _run(2, "restore_tiered", out / "rbad", daemon=c.url, root=root, ref=str(out / "ref_step2.pt"))
             got = _check(res, 2)
             assert bad.corrupted["key"] is not None
@@ -237,9 +216,9 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         root2 = f"file://{tmp_path / 'job2'}"
         a.stop()
         pa, pc = launch.free_port(), launch.free_port()
-        a = _daemon(tmp_path, "a", root2, pa, [_url(pa), _url(pc)], CKPTD_FAULT_TIER_DELAY_S="3")
+        a = node(tmp_path, "a", root2, pa, [_url(pa), _url(pc)], CKPTD_FAULT_TIER_DELAY_S="3")
         _run(2, "save_steps", out / "s2", daemons=[a.url], root=root2, steps=[2])
-        c = _daemon(tmp_path, "c", root2, pc, [_url(pa), _url(pc)])
+        c = node(tmp_path, "c", root2, pc, [_url(pa), _url(pc)])
         ref2 = str(out / "s2" / "ref_step2.pt")
         # A peer slower than the readers' deadline: skipped after its first timeout, every shard
         # from the job root.
