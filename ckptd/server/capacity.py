@@ -44,6 +44,7 @@ FD_HEADROOM = 256  # descriptors kept for the daemon's own work (sockets, stagin
 MAP_HEADROOM = 8192  # mappings kept for it (the interpreter, its libraries, staged files, malloc)
 
 MEASURE_EVERY_S = 0.25  # how often ``take`` counts the descriptors the daemon's own work holds
+NEAR_OBJECTS = 256  # within this many objects of the descriptors' room, ``take`` counts at every call
 
 _lock = threading.Lock()
 _held = 0
@@ -110,20 +111,31 @@ def _open_fds() -> int | None:
 def _fd_room() -> int | None:
     """Objects the descriptors left allow: the open-files limit less the headroom and less what
     the daemon's own work holds now (staged files of saves in flight, connections), measured at
-    most every ``MEASURE_EVERY_S`` (a listing of /proc/self/fd costs one entry per descriptor)."""
+    most every ``MEASURE_EVERY_S`` (a listing of /proc/self/fd costs one entry per descriptor)
+    while the tier is far from that room, and at every call within ``NEAR_OBJECTS`` of it: a
+    save may open hundreds of staged files between two measurements, and a stale count near the
+    limit let the tier take the descriptors that save then needed (EMFILE in its upload)."""
     global _other, _measured_at
     lim = _limits or {}
     nofile = lim.get("open_files")
     if nofile is None:
         return None
     now = time.monotonic()
-    if now - _measured_at >= MEASURE_EVERY_S:
+    fresh = now - _measured_at >= MEASURE_EVERY_S
+    if not fresh:
+        with _lock:
+            fresh = _room_from(nofile, _other) - _held <= NEAR_OBJECTS
+    if fresh:
         live = _open_fds()
         if live is not None:
             with _lock:
                 _other = max(0, live - _held * FDS_PER_OBJECT)
                 _measured_at = now
-    return (nofile - max(FD_HEADROOM, nofile // 4) - _other) // FDS_PER_OBJECT
+    return _room_from(nofile, _other)
+
+
+def _room_from(nofile: int, other: int) -> int:
+    return (nofile - max(FD_HEADROOM, nofile // 4) - other) // FDS_PER_OBJECT
 
 
 def room() -> int | None:
