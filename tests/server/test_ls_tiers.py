@@ -15,7 +15,8 @@ import pytest
 
 from tests.distributed import launch
 from tests.server.daemon import ROOT, wait_for
-from tests.server.test_tiers import TOKEN, _daemon, _run, _tiers, _url
+from tests.server.daemon import node as _daemon
+from tests.server.test_tiers import TOKEN, _run, _tiers, _url
 
 pytestmark = pytest.mark.timeout(600)
 

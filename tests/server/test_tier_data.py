@@ -19,8 +19,9 @@ import pytest
 
 from ckptd.tierwire import F_GET_SEALS, MAX_HEADER, REPLY, REQUEST, SEALS, recv_frame, send_frame
 from tests.distributed import launch
+from tests.server.daemon import node as _daemon
 from tests.server.daemon import wait_for
-from tests.server.test_tiers import TOKEN, _check, _daemon, _run, _tiers, _url
+from tests.server.test_tiers import TOKEN, _check, _run, _tiers, _url
 from tests.server.test_tiers_batch import _object
 
 pytestmark = pytest.mark.timeout(600)
