@@ -274,19 +274,16 @@ FD_RESERVE = 256
 
 
 def _connection_cap(wanted: int, log: logging.Logger) -> int:
-    """Raise the open-files soft limit to the hard one, and keep ``FD_RESERVE`` descriptors of
-    it for everything but connections: more connections than that would starve uploads of files
-    and stop the server accepting anyone (``ckptd.server.conns``)."""
+    """Raise the open-files soft limit to the hard one (``server.capacity.raise_open_files``),
+    and keep ``FD_RESERVE`` descriptors of it for everything but connections: more connections
+    than that would starve uploads of files and stop the server accepting anyone
+    (``ckptd.server.conns``)."""
     import resource
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError) as e:
-            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
+    from ckptd.server import capacity
+
+    capacity.raise_open_files()
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     cap = wanted if soft == resource.RLIM_INFINITY else min(wanted, max(16, soft - FD_RESERVE))
     if cap < wanted:
         log.warning("at most %d connections (open-files limit %d); --max-connections asked for %d", cap, soft, wanted)

@@ -19,6 +19,7 @@ logs both limits (``describe``); operators size them with the rule in docs/opera
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 import threading
@@ -174,18 +175,22 @@ def release() -> None:
 
 def raise_open_files() -> tuple[int, int] | None:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard one (the daemon never uses ``select``);
-    returns (old soft, new soft), or None when nothing changed or it cannot be done."""
+    returns (old soft, new soft), or None when nothing changed or it cannot be done (logged).
+    The one place the daemon raises it (``ckptd serve`` sizes its connection cap after it)."""
     try:
         import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == hard or (hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft > hard):
-            return None
-        new = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-        if new <= soft:
-            return None
+    except ImportError:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard or (hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft > hard):
+        return None
+    new = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if new <= soft:
+        return None
+    try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    except (ImportError, OSError, ValueError):
+    except (OSError, ValueError) as e:
+        logging.getLogger("ckptd.server").warning("cannot raise the open-files limit from %d to %d: %s", soft, new, e)
         return None
     refresh()
     return soft, new
