@@ -316,14 +316,19 @@ class TierStore:
             self._data_read([(key, start, length)], views)
             return
         conn, resp, got = self._open(self._object_path(key, start, length), length)
+        self._read_body(conn, resp, got, views, key)
+
+    def _read_body(self, conn, resp, got: int, views, what: str) -> None:
+        """Check the reply about ``what`` (``got``: its Content-Length) and read its body straight
+        into ``views``; on any failure the connection is dropped (unread) and TierUnavailable."""
         try:
-            self._check_reply(key, resp, got, length)  # on failure the connection is dropped unread
+            self._check_reply(what, resp, got, sum(v.nbytes for v in views))
             for v in views:
                 pos = 0
                 while pos < v.nbytes:
                     n = resp.readinto(v[pos:])
                     if not n:
-                        raise TierUnavailable(f"{self.name}: {key}: the reply ended early")
+                        raise TierUnavailable(f"{self.name}: {what}: the reply ended early")
                     pos += n
         except TierUnavailable:
             self._drop_conn(conn)
@@ -351,20 +356,16 @@ class TierStore:
             headers = {**self._headers, "Content-Type": "application/json"}
             conn.request("POST", self._base + "/v1/tiers/read", body=json.dumps(body).encode(), headers=headers)
             resp = conn.getresponse()
-            got = resp.getheader("Content-Length")
-            got_n = int(got) if got is not None and got.isdigit() else -1
-            self._check_reply(f"a batch of {len(ranges)} ranges", resp, got_n, length)
-            out = bytearray(length)
-            view, pos = memoryview(out), 0
-            while pos < length:
-                n = resp.readinto(view[pos:])
-                if not n:
-                    raise TierUnavailable(f"{self.name}: a batch reply ended early")
-                pos += n
-            return out
-        except TierUnavailable:
-            self._drop_conn(conn)
-            raise
         except (OSError, http.client.HTTPException) as e:
             self._drop_conn(conn)
             raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
+        got = resp.getheader("Content-Length")
+        out = bytearray(length)
+        self._read_body(
+            conn,
+            resp,
+            int(got) if got is not None and got.isdigit() else -1,
+            [memoryview(out)],
+            f"a batch of {len(ranges)} ranges",
+        )
+        return out
