@@ -395,9 +395,13 @@ router = APIRouter()
 @router.get(HELLO_PATH, summary="the discovery challenge: HMAC(token, nonce, this daemon's URL); needs no token")
 def hello(request: Request, nonce: str = Query(min_length=2 * NONCE_BYTES, max_length=2 * NONCE_BYTES)):
     token = request.app.state.token
-    me = request.app.state.tiers.me
-    if token is None or me is None:
-        return JSONResponse({"detail": "this daemon has no token or no --advertise URL"}, status_code=404)
+    tiers = request.app.state.tiers
+    # Only a daemon that is itself in a discovered ring answers: anyone who reaches the route gets
+    # a MAC keyed by the token to test guesses of it offline, so a daemon that nobody discovers
+    # (no --discover) must not offer one.
+    if token is None or tiers.me is None or tiers.discovery is None:
+        return JSONResponse({"detail": "this daemon is not in a discovered ring (--discover)"}, status_code=404)
+    me = tiers.me
     try:
         raw = bytes.fromhex(nonce)
     except ValueError:
