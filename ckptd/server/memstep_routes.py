@@ -43,4 +43,8 @@ def held(request: Request, root: str = Query(min_length=1, max_length=4096)):
 @router.post("/v1/memsteps/reserve", summary="hold room for a rank's part of a memory-only step before its hand-off")
 def reserve(body: ReserveRequest, request: Request):
     root = _root(request, body.root)
+    # Room in the staging budget, for a root: the rule of a staging lease (``server.tenancy``),
+    # else another local user could hold the budget or replace a tenant's reservation.
+    tenancy = request.app.state.daemon.tenancy
+    tenancy.check_write(tenancy.caller(request.scope), root, bind=False)
     return {"ok": _ms(request).reserve(root, body.step, body.attempt, body.rank, body.bytes, body.objects)}
