@@ -3,7 +3,7 @@
 Invariant: ``commit.json`` is created once (``put_if_absent``, :func:`commit_step`) and only when
 the step's newest claim, its ``manifest.json`` (same step, attempt and world size) and a done
 record of every rank 0 .. N-1 all name the committing attempt, and the done records account
-for every shard the manifest needs (:func:`_check_before_commit`); ``ckptd verify`` re-checks
+for every shard the manifest needs (:func:`whole_step`); ``ckptd verify`` re-checks
 it on a committed step (:func:`check_consistency`). A committed checkpoint is immutable.
 
 The call sequence, on each rank once its data and done record are durable (``ckptd.persist``)::
@@ -57,13 +57,14 @@ def expected_shards(manifest: mf.Manifest) -> set[str]:
 
 
 def expected_digest(manifest: mf.Manifest) -> int:
-    """``donetree.shard_digest(expected_shards(manifest))`` in O(arrays): each array's grid sums
-    in closed form (``donetree.grid_digest``), so a commit at 4096 ranks x 900 arrays hashes
-    900 paths instead of 3.7 million shard keys (issue 31 item 2)."""
+    """``donetree.shard_digest(expected_shards(manifest), step, attempt)`` of the manifest's
+    step and attempt in O(arrays): each array's grid sums in closed form
+    (``donetree.grid_digest``), so a commit at 4096 ranks x 900 arrays hashes 900 paths instead
+    of 3.7 million shard keys."""
     total = 0
     for e in manifest.tensors.values():
         if e.value is None and e.layout.nbytes != 0:
-            total += donetree.grid_digest(e.path, e.layout.grid_shape)
+            total += donetree.grid_digest(e.path, e.layout.grid_shape, manifest.step, manifest.attempt)
     return total % donetree.P
 
 
@@ -133,10 +134,11 @@ def whole_step(where: str, step: int, attempt: str, world_size: int, m, sha: str
     CheckpointError naming what fails otherwise.
 
     1. the manifest names ``step``, ``attempt`` and ``world_size``;
-    2. every shard the manifest needs is named by some done record: ``total.digest`` equals the
-       manifest's (:func:`expected_digest`, O(arrays)); only if not are ``records`` ((key,
-       record) pairs, read lazily) consumed, to say what is missing (a rank may write more
-       than the manifest needs).
+    2. every shard the manifest needs is named by some done record: ``total.digest`` (keyed by
+       step and attempt) equals the manifest's (:func:`expected_digest`, O(arrays)); only if
+       not are ``records`` ((key, record) pairs, read lazily) consumed: each must add up to its
+       key's totals for this step and attempt (a record copied from another attempt does not),
+       and they must name every shard (a rank may write more than the manifest needs).
 
     The record keeps the pin digest (what every rank wrote, object by object) and the
     manifest's sha256, which readers check."""
@@ -149,8 +151,10 @@ def whole_step(where: str, step: int, attempt: str, world_size: int, m, sha: str
         shards: set[str] = set()
         for key, rec in records:
             try:
+                if donetree.record_totals(rec, step, attempt) != donetree.key_totals(key):
+                    raise CheckpointError(f"{where}: done record {key} does not add up to its name for this attempt")
                 shards.update(rec.get("shards", ()))
-            except (TypeError, AttributeError) as e:
+            except (TypeError, AttributeError, ValueError) as e:
                 raise CheckpointError(f"{where}: done record {key} is malformed ({e!r})") from None
         missing = expected_shards(m) - shards
         if missing:

@@ -180,7 +180,7 @@ def _check_whole(store: TierPartsStore, step: int, attempt: str, holders: dict) 
                     if want != sha:
                         raise CheckpointError("the manifest differs from the one its writer pinned")
                     pinned_manifest = True
-            totals.append(donetree.record_totals(rec))
+            totals.append(donetree.key_totals(key))  # what its name adds up to, as the tree sums it
             written = max(written, float(rec.get("time") or 0.0))
         except (StorageError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise CheckpointError(f"the done record of rank {r} is unreadable ({e})") from None

@@ -11,7 +11,7 @@ import pytest
 from ckptd import catalog, claims, commit, donetree, errors
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
-from tests.protocol.parts import SHARDS, committed_step, finish, save_part, write_part
+from tests.protocol.parts import SHARDS, committed_step, finish, memory_only, pinned_record, save_part, write_part
 
 
 def test_the_commit_waits_for_every_rank_then_is_written_once(store):
@@ -120,34 +120,16 @@ def test_step_bound():
 
 def _save_pinned(store, step, shards_by_rank, extra=()):
     """A step of ``len(shards_by_rank)`` ranks through the live path (``write_part``, then
-    ``commit.finish_rank``), each done record pinning what its rank wrote as ``persist`` pins it
-    (the shards' sizes; rank 0 also the manifest); rank 0 also names ``extra`` keys. Returns the
-    commit record, or raises the commit rule's error."""
-    world, folder, committed = len(shards_by_rank), mf.step_dir(step), False
+    ``commit.finish_rank`` with ``pinned_record``s); rank 0 also names ``extra`` keys. Returns
+    the commit record, or raises the commit rule's error."""
+    world, committed = len(shards_by_rank), False
     for r, shards in enumerate(shards_by_rank):
         write_part(store, step, "att", r, world, shards)
     for r, shards in enumerate(shards_by_rank):
-        meta = {mf.MANIFEST: store.get(f"{folder}/{mf.MANIFEST}")} if r == 0 else {}
-        pins = donetree.make_pins({k: (len(store.get(f"{folder}/{k}")), b"") for k in shards}, meta)
-        names = [*shards, *(extra if r == 0 else ())]
-        rec = {"rank": r, "writer": "job-a", "bytes": 16, "objects": 1, "shards": names, "pins": pins}
-        committed = commit.finish_rank(store, step, "att", r, world, {**rec, "time": 1000.0 + r})
+        rec = pinned_record(store, step, r, shards, [*shards, *(extra if r == 0 else ())])
+        committed = commit.finish_rank(store, step, "att", r, world, rec)
     assert committed
     return catalog.read_commit(store, step)
-
-
-def _memory_only(store, step):
-    """The memory-only choice over the step's parts as the tiers hold them (every object
-    ``persist`` wrote, no claim, no commit.json): ``memsteps._check_whole``'s record."""
-    from storage_backends.memory import MemoryStore
-    from trainer_hooks import memsteps
-
-    held = MemoryStore()
-    for info in store.list(f"{mf.step_dir(step)}/"):
-        if not info.key.endswith(f"/{mf.COMMIT}") and f"/{mf.CLAIMS}/" not in info.key:
-            held.put(info.key, store.get(info.key))
-    holders = {i.key: (len(held.get(i.key)), ["tier"]) for i in held.list("")}
-    return memsteps._check_whole(held, step, "att", holders)
 
 
 @pytest.mark.parametrize("extra", [(), (f"{mf.array_path('w')}/unused",)])
@@ -157,7 +139,7 @@ def test_a_memory_only_step_gets_the_record_its_commit_wrote(store, extra):
     decision (the commit's, the newest done record's). Also a rank naming more than the
     manifest needs, which the root commits."""
     persisted = _save_pinned(store, 11, [SHARDS[:1], SHARDS[1:]], extra)
-    mem = _memory_only(store, 11)
+    mem = memory_only(store, 11)
     assert mem["time"] == 1001.0
     assert mem == {**persisted, "time": mem["time"]}
 
@@ -168,5 +150,5 @@ def test_a_memory_only_step_the_rule_refuses_is_refused(store):
     with pytest.raises(CheckpointError, match="no rank wrote 1 shard objects the manifest needs") as root:
         _save_pinned(store, 12, [SHARDS[:1], SHARDS[:1]])
     with pytest.raises(CheckpointError) as mem:
-        _memory_only(store, 12)
+        memory_only(store, 12)
     assert str(mem.value).split(": ", 1)[1] == str(root.value).split(": ", 1)[1]
