@@ -16,14 +16,14 @@ rank, collective:
    hold (``GET /v1/memsteps``); the union is grouped by (step, attempt);
 2. newest first, a (step, attempt) newer than P counts only when the union holds its
    ``manifest.json`` (naming that step and attempt), every rank's done record of that attempt,
-   every object those records pin (with the pinned size), and the records' shard digest equals
-   the manifest's (the commit rule of ``ckptd.commit``, applied in memory);
+   every object those records pin (with the pinned size), and the root's commit rule
+   (``commit.whole_step``) finds the records and the manifest whole;
 3. rank 0 broadcasts its choice; every rank then runs the one restore path
    (``restore._restore_step``: ``layout.plan_reads`` unchanged, any world size) over a
    read-only store of those tiers (:class:`TierPartsStore`): every chunk is checked against
    its crc32c and the writers' pins, the manifest against the sha256 rank 0 computed, and no
-   byte comes from the job root. Its "commit record" is the one the commit would have written
-   (attempt, world size, manifest sha256, pin digest), built by rank 0 from the records.
+   byte comes from the job root. Its commit record is the one ``commit.whole_step`` returns,
+   as a commit of those records would write it (its "time": the newest record's).
 4. if none counts, or the restore fails on any rank (a tier died midway, a bad chunk with no
    other holder), every rank falls back to the persisted path exactly as before.
 
@@ -42,7 +42,7 @@ from typing import Any
 
 from ckptd import catalog, donetree
 from ckptd import manifest as mf
-from ckptd.commit import expected_digest
+from ckptd.commit import whole_step
 from ckptd.errors import CheckpointError, StateMismatchError
 from storage_backends import StorageError, Store
 from trainer_hooks.memparts import TierPartsStore, _Daemon
@@ -159,17 +159,15 @@ def _check_whole(store: TierPartsStore, step: int, attempt: str, holders: dict) 
     except StorageError as e:
         raise CheckpointError(f"no manifest held ({e})") from None
     m = mf.Manifest.from_bytes(data, store.uri)
-    if m.step != step or m.attempt != attempt:
-        raise CheckpointError(f"the manifest names step {m.step} attempt {m.attempt!r}")
     sha = hashlib.sha256(data).hexdigest()
-    totals, pinned_manifest, written = [], False, 0.0
+    records, totals, pinned_manifest, written = {}, [], False, 0.0
     for r in range(m.world_size):
         prefix = f"{donetree.folder(step, attempt, 1, r // donetree.FANOUT)}r{r:06d}."
         key = next((k for k in sorted(holders) if k.startswith(prefix)), None)
         if key is None:
             raise CheckpointError(f"the done record of rank {r} is not held")
         try:
-            rec = json.loads(store.get(key, limit=mf.MAX_RECORD_BYTES))
+            rec = records[key] = json.loads(store.get(key, limit=mf.MAX_RECORD_BYTES))
             pins = rec["pins"]
             for k, (size, _) in pins.get("shards", {}).items():
                 got = holders.get(f"{folder}/{k}")
@@ -182,26 +180,15 @@ def _check_whole(store: TierPartsStore, step: int, attempt: str, holders: dict) 
                     if want != sha:
                         raise CheckpointError("the manifest differs from the one its writer pinned")
                     pinned_manifest = True
-            totals.append(donetree.record_totals(rec))
+            totals.append(donetree.key_totals(key))  # what its name adds up to, as the tree sums it
             written = max(written, float(rec.get("time") or 0.0))
         except (StorageError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise CheckpointError(f"the done record of rank {r} is unreadable ({e})") from None
     if not pinned_manifest:
         raise CheckpointError("no done record pins the manifest")
-    total = donetree.sum_totals(totals)
-    if expected_digest(m) != total.digest:
-        raise CheckpointError("the done records do not name every shard the manifest needs")
-    return {
-        "step": step,
-        "attempt": attempt,
-        "world_size": m.world_size,
-        "bytes": total.bytes,
-        "objects": total.objects,
-        "manifest_sha256": sha,
-        "time": written,  # the newest done record's: two whole attempts of a step, the later wins
-        "memory_only": True,
-        **({} if total.pins is None else {"pins": f"{total.pins:016x}"}),
-    }
+    writer = next(iter(records.values())).get("writer")
+    total = donetree.sum_totals(totals)  # "time": the newest done record's (two whole attempts: the later wins)
+    return whole_step(store.uri, step, attempt, m.world_size, m, sha, writer, total, records.items(), written)
 
 
 def choose(root: str, daemon_url: str, newest_persisted: int | None, token, timeout_s) -> tuple[Any, list[str]]:
