@@ -10,7 +10,11 @@ does per client, the store paces itself:
   of them send through it: the limiter sits on the botocore client's ``before-send`` and
   ``needs-retry`` events, so botocore's own retries are paced too, not only ours). A scope is
   the first folder of the key below the store's root (``step_0000000100``, ``_latest``, ...):
-  one save's objects are one scope, the key range S3 throttles.
+  one save's objects are one scope, the key range S3 throttles. A step's claims and its writers'
+  lease renewals (``step_.../_claims/``) are a scope apart: a heartbeat queued behind the data's
+  reservations at the floor went out minutes late (16 of them: 80 s, against a 60 s lease), and
+  another job took a live writer's step over. Apart, it waits at most for the few liveness
+  requests throttled with it.
 - A scope has no limit until a request in it is throttled (SlowDown, 503, 429, the throttling
   codes of ``THROTTLE_CODES``). Then its rate becomes ``BETA`` (0.7) of what it was
   sending over the last second (multiplicative decrease), never below ``min_rate``; every
@@ -66,9 +70,15 @@ WINDOW = 1.0  # seconds over which the send rate is measured
 MAX_SCOPES = 256  # buckets kept before the unlimited, idle ones are forgotten
 
 
+LIVENESS = "_claims"  # a step's claims and lease renewals (``ckptd.manifest.CLAIMS``)
+
+
 def scope_of(key: str) -> str:
-    """The rate-limit scope of a key relative to the store's root: its first folder."""
-    head, sep, _ = key.partition("/")
+    """The rate-limit scope of a key relative to the store's root: its first folder, except a
+    step's claims and lease renewals (``<step>/_claims/...``), a scope of their own."""
+    head, sep, rest = key.partition("/")
+    if rest.partition("/")[0] == LIVENESS:
+        return f"{head}/{LIVENESS}"
     return head if sep else ""
 
 
