@@ -12,9 +12,11 @@ waits for until that deadline; a watchdog fails the future at the deadline even 
 not started yet (it then never starts). Past the deadline the save's future fails ("storage did
 not answer") and the save is aborted: if its thread ever gets an answer from storage, it writes
 nothing more, and neither a done record nor a commit, so the buffers the caller reuses for the
-next snapshot can never be committed half-overwritten. A thread stuck in a storage call stays
-stuck until that call's own timeout (S3: ``CKPTD_S3_*_TIMEOUT``); the writer does not wait for
-it.
+next snapshot can never be committed half-overwritten. A save that failed or was abandoned gives
+its claim on the step up (``ckptd.leases.abandon``; its heartbeat stops at the abort), so another
+job takes the step at once instead of being refused while the stuck thread lives. A thread
+stuck in a storage call stays stuck until that call's own timeout (S3: ``CKPTD_S3_*_TIMEOUT``);
+the writer does not wait for it.
 
 After a commit (``retention.after_commit``: the sweep of the committed step, retention) runs on a
 thread of its own, never the writer's: storage that stalls after a commit must not hold the next
@@ -34,7 +36,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ckptd import catalog, claims, persist, retention
+from ckptd import catalog, claims, leases, persist, retention
 from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
 from ckptd.savejob import SaveJob
 from storage_backends import Store
@@ -172,6 +174,11 @@ class BackgroundWriter:
                 self.dedupe.failed()
             if not isinstance(err, AlreadyCommitted | StepClaimed):
                 self._failed.append((job.step, job.attempt))  # not ours to reclaim otherwise
+                # Let go of the step now, not a lease later (its heartbeat stopped with the save
+                # or at the abort): from a thread, as storage may be what stalled the save.
+                threading.Thread(
+                    target=leases.abandon, args=(self.store, job.step, job.attempt), name="ckptd-give-up", daemon=True
+                ).start()
             fut.set_exception(err)
             return
         result = box["result"]

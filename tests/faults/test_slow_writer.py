@@ -18,7 +18,7 @@ import torch
 
 from ckptd import catalog, claims
 from ckptd import manifest as mf
-from ckptd.errors import AlreadyCommitted, StepClaimed
+from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
 from ckptd.verify import verify
 from storage_backends import open_store
 from storage_backends.faults import FaultPlan, FaultProxy, Rule
@@ -145,8 +145,9 @@ def test_a_stopped_local_writer_never_mixes_or_deletes_the_new_commit(tmp_path, 
 def test_an_s3_writer_whose_puts_land_late_never_mixes_the_new_commit(
     s3_target, short_lease, monkeypatch, save_timeout
 ):
-    """ "abandoned": A's save_timeout expires while its PUTs are held (its future fails at once);
-    its writes land later, and then its cleanup runs -- and must delete nothing of B's."""
+    """ "abandoned": A's save_timeout expires while its PUTs are held (its future fails at once,
+    and it gives its claim up); its writes land later, and then its cleanup runs -- and must
+    delete nothing of B's."""
     held = FaultPlan(
         rules=[
             Rule(lambda r: r.op == "PutObject" and "/arrays/" in r.path, "late", times=10**6),
@@ -162,9 +163,9 @@ def test_an_s3_writer_whose_puts_land_late_never_mixes_the_new_commit(
         try:
             fut = ck_a.save(3, state(1))
             wait_until(lambda: proxy.counters["fault:late"] >= 1, "A's first data write to be held")
-            # alive (heartbeats pass), its data slow: B is refused
-            with Checkpointer(s3_target.root, job_id="job-b") as ck, pytest.raises(StepClaimed):
-                ck.save(3, state(2)).result(timeout=120)
+            if save_timeout > 10:  # alive (heartbeats pass), its data slow: B is refused
+                with Checkpointer(s3_target.root, job_id="job-b") as ck, pytest.raises(StepClaimed):
+                    ck.save(3, state(2)).result(timeout=120)
             partitioned.append(1)  # A can no longer renew its lease, its data PUTs still in flight
             save_when_free(s3_target.root, "job-b", 2, 3)
             assert_holds(s3_target.root, 3, 2, "job-b")
@@ -202,6 +203,35 @@ def test_forged_claims_do_not_block_saves(tmp_path, short_lease):
 
 def _is_data_put(r) -> bool:
     return r.op == "PutObject" and "/arrays/" in r.path
+
+
+@pytest.mark.s3
+def test_an_abandoned_save_lets_go_of_its_step_at_once(s3_server, s3_bucket, monkeypatch):
+    """A's data PUTs are held by the proxy past its ``save_timeout``: its future fails, its
+    heartbeat stops and its claim is given up, so job B takes the step over at once -- well
+    within the default 60 s lease, which A's heartbeat would otherwise have renewed for as long
+    as its process lived ("last heartbeat 0 s ago") -- and commits it; A's late writes, landing
+    after, change nothing of B's."""
+    held = FaultPlan(rules=[Rule(_is_data_put, "late", times=10**6)])
+    with FaultProxy(s3_server, held) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        ck_a = Checkpointer(s3_bucket, job_id="job-a", save_timeout=3.0)  # through the proxy
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+        try:
+            fut = ck_a.save(3, state(1))
+            with pytest.raises(CheckpointError, match="save_timeout"):
+                fut.result(timeout=120)
+            assert proxy.counters["fault:late"] >= 1  # abandoned with its data PUTs in flight
+            save_when_free(s3_bucket, "job-b", 2, 3, timeout=30)  # half the lease
+            assert_holds(s3_bucket, 3, 2, "job-b")
+            proxy.release_late()
+            for _, t in ck_a._sink._abandoned:  # A's stuck thread: its late writes, its cleanup
+                t.join(240)
+                assert not t.is_alive()
+        finally:
+            proxy.release_late()
+            ck_a.close()
+    assert_holds(s3_bucket, 3, 2, "job-b")
 
 
 @pytest.mark.s3
