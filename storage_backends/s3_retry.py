@@ -8,7 +8,7 @@ does per client, the store paces itself:
 
 - ``AdaptiveLimiter`` is one token bucket per *scope*, shared by every thread of the store (all
   of them send through it: the limiter sits on the botocore client's ``before-send`` and
-  ``needs-retry`` events, so botocore's own retries are paced too, not only ours). A scope is
+  ``needs-retry`` events, so every request is paced, whoever retries it). A scope is
   the first folder of the key below the store's root (``step_0000000100``, ``_latest``, ...):
   one save's objects are one scope, the key range S3 throttles. A step's claims and its writers'
   lease renewals (``step_.../_claims/``) are a scope apart: a heartbeat queued behind the data's
