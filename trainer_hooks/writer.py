@@ -78,6 +78,7 @@ class BackgroundWriter:
         self._lock = threading.Lock()
         self._failed: list[tuple[int, str]] = []  # (step, attempt) of failed saves: reclaimed at the next save
         self._abandoned: list[tuple[int, threading.Thread]] = []  # saves past their deadline
+        self._giving_up: list[threading.Thread] = []  # failed saves' leases.abandon, in flight
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-writer")
         self._after: threading.Thread | None = None  # the thread running after_commit, if any
         self._after_queue: list = []  # results waiting for it (under _lock)
@@ -124,6 +125,7 @@ class BackgroundWriter:
         # The caller submits only after the collective of save(), which every rank reaches
         # after its previous save ended: no rank of this job still writes the failed steps.
         failed, self._failed = [(s, a) for s, a in self._failed if s != job.step], []
+        giving_up, self._giving_up = [t for t in self._giving_up if t.is_alive()], []
         self._abandoned = [(s, t) for s, t in self._abandoned if t.is_alive()]
         if any(s == job.step for s, _ in self._abandoned):
             # Its late puts could land over this attempt's: refuse rather than risk a mix.
@@ -140,6 +142,8 @@ class BackgroundWriter:
         def run() -> None:  # everything that talks to storage, under the save's deadline
             try:
                 if failed:
+                    for g in giving_up:  # its record lands before the folder goes, never after
+                        g.join()
                     claims.reclaim(self.store, [s for s, _ in failed], self.writer, {a for _, a in failed})
                 box["result"] = persist.persist(
                     self.store,
@@ -176,9 +180,11 @@ class BackgroundWriter:
                 self._failed.append((job.step, job.attempt))  # not ours to reclaim otherwise
                 # Let go of the step now, not a lease later (its heartbeat stopped with the save
                 # or at the abort): from a thread, as storage may be what stalled the save.
-                threading.Thread(
+                g = threading.Thread(
                     target=leases.abandon, args=(self.store, job.step, job.attempt), name="ckptd-give-up", daemon=True
-                ).start()
+                )
+                g.start()
+                self._giving_up.append(g)
             fut.set_exception(err)
             return
         result = box["result"]

@@ -215,7 +215,7 @@ def test_an_abandoned_save_lets_go_of_its_step_at_once(s3_server, s3_bucket, mon
     held = FaultPlan(rules=[Rule(_is_data_put, "late", times=10**6)])
     with FaultProxy(s3_server, held) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        ck_a = Checkpointer(s3_bucket, job_id="job-a", save_timeout=3.0)  # through the proxy
+        ck_a = Checkpointer(s3_bucket, job_id="job-a", save_timeout=5.0)  # through the proxy
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
         try:
             fut = ck_a.save(3, state(1))
