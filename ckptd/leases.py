@@ -120,11 +120,9 @@ def lease_age(store: Store, step: int, claim: str, attempt: str) -> float:
 
 
 def abandon(store: Store, step: int, attempt: str) -> None:
-    """Give up ``attempt``'s claim on ``step`` (its save failed, or was abandoned at its
-    deadline): its lease counts as run out from now on, so another writer takes the step over
-    at once, not a lease later. Safe whatever the attempt's threads still do: the takeover
-    fences them off (create-only data, the commit's claim check) as it would after the lease.
-    Best effort: a failure is logged, and the lease then runs out as it would have."""
+    """Give up ``attempt``'s claim on ``step`` (its save failed or was abandoned): its lease
+    counts as run out, so another writer takes the step over at once, fencing off whatever the
+    attempt's threads still do as after a lease. Best effort: a failure is logged."""
     try:
         store.put(abandoned_key(step, attempt), mf.dumps({"time": time.time()}))
     except (StorageError, OSError) as e:

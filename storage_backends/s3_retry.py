@@ -10,11 +10,9 @@ does per client, the store paces itself:
   of them send through it: the limiter sits on the botocore client's ``before-send`` and
   ``needs-retry`` events, so every request is paced, whoever retries it). A scope is
   the first folder of the key below the store's root (``step_0000000100``, ``_latest``, ...):
-  one save's objects are one scope, the key range S3 throttles. A step's claims and its writers'
-  lease renewals (``step_.../_claims/``) are a scope apart: a heartbeat queued behind the data's
-  reservations at the floor went out minutes late (16 of them: 80 s, against a 60 s lease), and
-  another job took a live writer's step over. Apart, it waits at most for the few liveness
-  requests throttled with it.
+  one save's objects are one scope, the key range S3 throttles. A step's claims and heartbeats
+  (``step_.../_claims/``) are a scope apart: behind 16 data reservations at the floor a heartbeat
+  went out 80 s late, against a 60 s lease, and another job took a live writer's step over.
 - A scope has no limit until a request in it is throttled (SlowDown, 503, 429, the throttling
   codes of ``THROTTLE_CODES``). Then its rate becomes ``BETA`` (0.7) of what it was
   sending over the last second (multiplicative decrease), never below ``min_rate``; every
@@ -177,12 +175,10 @@ def _refill(b: _Bucket, now: float) -> None:
 
 
 def _set_rate(b: _Bucket, rate: float | None, now: float) -> None:
-    """Change ``b``'s rate at ``now``. First credit what the old rate refilled until now: a
-    request that waited for its token has paid for it (dropping that credit on a cut made the
-    next request pay again, so the wait grew by a token with every throttle, past any bound).
-    What is left below zero is the reservations not yet sent, re-priced so that they still end
-    when they were due: a new request waits for them and one token, at most (requests waiting)
-    / rate. A cut keeps no burst saved at the old rate; no limit keeps no debt."""
+    """Change ``b``'s rate at ``now``, first crediting what the old rate refilled until now: a
+    request that waited for its token paid for it (without that credit every throttle made the
+    next request pay again, past any bound). Debt left is reservations not yet sent, re-priced to
+    end when they were due. A cut keeps no burst saved at the old rate; no limit, no debt."""
     if rate is None or b.rate is None:
         b.tokens = 0.0
     else:
