@@ -208,7 +208,7 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         tries = (retries + 1) * (max(1, max_attempts) if paced else 1)
         self._caller = Caller(bucket, self.endpoint_url, tries, backoff)
         self._rounds = retries + 1  # purge's DeleteObjects of the keys a batch reported failed
-        # One limiter for the whole store: every thread's requests (botocore's retries too) pass it.
+        # One limiter for the whole store: every request of every thread passes it.
         self.limiter: AdaptiveLimiter | None = None
         self._pacer: Pacer | None = None
         if paced:
