@@ -179,7 +179,8 @@ def begin(store: Store, step: int, attempt: str, writer: str, *, sole: bool = Tr
                         f"{writer!r}: two writers on one job root. Stop the other job; if it is dead, "
                         f"its claim expires {limit:.0f} s after its {what}; {retire}"
                     )
-                log.warning("%s: taking over step %d from job %r, %s %.0f s ago", where, step, other, what, idle)
+                seen = f"{what} {idle:.0f} s ago" if idle != float("inf") else what
+                log.warning("%s: taking over step %d from job %r, %s", where, step, other, seen)
             if store.put_if_absent(claim_key(step, n + 1), record):
                 if rec.get("writer") == writer:
                     log.info(
@@ -196,14 +197,16 @@ def liveness(store: Store, step: int, n: int, rec: dict) -> tuple[float, float, 
     """(seconds since the owner of claim ``n`` was last seen alive, the limit past which it may
     be taken over, what was seen). A claim with a lease (this version's) is alive while its
     attempt renews it (``ckptd.leases``: ``Heartbeat``, ``lease_age``); an older claim (no
-    lease) by its step's newest data write, up to ``CKPTD_STALE_ATTEMPT_S``. An operator's
+    lease) by its step's newest data write, up to ``CKPTD_STALE_ATTEMPT_S``. A claim its writer
+    gave up (``leases.abandon``: the save failed or was abandoned) is dead at once. An operator's
     fencing claim (``ckptd fence``, ``ckptd.fencing``) is never alive."""
     if rec.get("writer") == "ckptd-fence" and isinstance(rec.get("fenced"), str):
         return float("inf"), 0.0, "fencing claim (ckptd fence), written"
     if isinstance(rec.get("lease"), int | float) and isinstance(rec.get("attempt"), str):
         attempt = rec["attempt"]
         if WRITER_RE.match(attempt):
-            return lease_age(store, step, claim_key(step, n), attempt), lease_s(), "last heartbeat"
+            age = lease_age(store, step, claim_key(step, n), attempt)
+            return age, lease_s(), "last heartbeat" if age != float("inf") else "claim given up by its writer"
     return idle_seconds(store, step), stale_after(), "last write"
 
 

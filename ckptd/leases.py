@@ -13,9 +13,12 @@ held in flight -- and taking its step over then mixed two jobs' data (``docs/rel
 ``<step>/_claims/<attempt>/alive/<rank>.json`` re-put every quarter lease, by a thread of its
 own that a slow write does not hold up), and a writer is dead only when that renewal stopped.
 A failed renewal is logged, never raised: the lease then runs out, which only lets another
-writer fence this one off -- it never lets two write. A claim written by an older version (no
-``lease`` field) falls back to silence, the step's newest data write (:func:`idle_seconds`)
-against ``CKPTD_STALE_ATTEMPT_S`` (900 s; :func:`stale_after`), which also caps the lease.
+writer fence this one off -- it never lets two write. A save that failed or was abandoned at
+its deadline gives its claim up (:func:`abandon`): its heartbeats stop and its lease counts as
+run out at once, though the save's thread may stay inside a storage call for minutes. A claim
+written by an older version (no ``lease`` field) falls back to silence, the step's newest data
+write (:func:`idle_seconds`) against ``CKPTD_STALE_ATTEMPT_S`` (900 s; :func:`stale_after`),
+which also caps the lease.
 
 Clock clamping: every time read from storage (a claim's or heartbeat's mtime) goes through
 :func:`clamp` before it is compared with now. A time up to ``MAX_SKEW_S`` ahead (a storage
@@ -98,30 +101,60 @@ def alive_prefix(step: int, attempt: str) -> str:
     return f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/alive/"
 
 
+def abandoned_key(step: int, attempt: str) -> str:
+    """The record by which ``attempt``'s writer gives up its claim on ``step`` (:func:`abandon`)."""
+    return f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/abandoned.json"
+
+
 def lease_age(store: Store, step: int, claim: str, attempt: str) -> float:
     """Seconds since the claim record ``claim`` (a key) of ``step`` or a heartbeat of
-    ``attempt`` (the claim's) was last written, every time clamped to now."""
+    ``attempt`` (the claim's) was last written, every time clamped to now; infinite once the
+    attempt was given up (:func:`abandon`)."""
     now = time.time()
     times = [o.mtime for o in store.list(claim)]
-    times += [o.mtime for o in store.list(f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/")]
+    mine = list(store.list(f"{mf.step_dir(step)}/{CLAIMS}/{attempt}/"))
+    if any(o.key == abandoned_key(step, attempt) for o in mine):
+        return float("inf")
+    times += [o.mtime for o in mine]
     return now - max((clamp(t, now) for t in times), default=0.0)
+
+
+def abandon(store: Store, step: int, attempt: str) -> None:
+    """Give up ``attempt``'s claim on ``step`` (its save failed or was abandoned): its lease
+    counts as run out, so another writer takes the step over at once, fencing off whatever the
+    attempt's threads still do as after a lease. Best effort: a failure is logged."""
+    try:
+        store.put(abandoned_key(step, attempt), mf.dumps({"time": time.time()}))
+    except (StorageError, OSError) as e:
+        log.warning("cannot give up the claim on %s: %s", abandoned_key(step, attempt), e)
 
 
 class Heartbeat:
     """Renews ``attempt``'s lease on ``step`` while a rank writes it: a small thread re-puts
     ``<step>/_claims/<attempt>/alive/<rank>.json`` every quarter of the lease. Stop it (or leave
-    the ``with`` block) when the rank's part is done. A failed renewal is logged, never raised:
-    the lease then runs out, which only allows another writer to fence this one off."""
+    the ``with`` block) when the rank's part is done; it also stops once ``abort`` is set (the
+    save was abandoned, though its thread may stay inside a storage call). A failed renewal is
+    logged, never raised: the lease then runs out, which only allows another writer to fence
+    this one off."""
 
-    def __init__(self, store: Store, step: int, attempt: str, rank: int, period: float | None = None):
+    def __init__(
+        self,
+        store: Store,
+        step: int,
+        attempt: str,
+        rank: int,
+        period: float | None = None,
+        abort: threading.Event | None = None,
+    ):
         self._store = store
         self._key = f"{alive_prefix(step, attempt)}{rank:06d}.json"
         self._period = period if period is not None else max(0.05, lease_s() / 4)
         self._stop = threading.Event()
+        self._abort = abort or self._stop
         self._thread = threading.Thread(target=self._run, name=f"ckptd-heartbeat-{step}", daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._period):
+        while not self._stop.wait(self._period) and not self._abort.is_set():
             try:
                 self._store.put(self._key, mf.dumps({"time": time.time()}))
             except (StorageError, OSError) as e:
@@ -141,6 +174,8 @@ __all__ = [
     "DEFAULT_STALE_S",
     "Heartbeat",
     "MAX_SKEW_S",
+    "abandon",
+    "abandoned_key",
     "alive_prefix",
     "clamp",
     "idle_seconds",

@@ -145,7 +145,7 @@ def persist(
         lead_claim(store, part.step, part.attempt, writer, part.world_size, pool)
     else:
         follow_claim(store, part.step, part.attempt, writer, part.rank, commit_timeout, abort)
-    beat = Heartbeat(store, part.step, part.attempt, part.rank) if heartbeat else None
+    beat = Heartbeat(store, part.step, part.attempt, part.rank, abort=abort) if heartbeat else None
     if beat is not None:
         beat.__enter__()  # renews the attempt's lease until this rank's part is done
     try:

@@ -7,7 +7,7 @@ the store's pool, which must never wait on itself), resends only the keys a batc
 failed with a transient code, and fails with one StorageError only after every batch was tried.
 
 ``Listing`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's ``_call``,
-``_full``, ``_caller``, ``_client``, ``_prefix``, ``bucket`` and ``delete_workers``.
+``_full``, ``_caller``, ``_rounds``, ``_client``, ``_prefix``, ``bucket`` and ``delete_workers``.
 """
 
 from __future__ import annotations
@@ -132,9 +132,9 @@ class Listing:
 
     def _delete_batch(self, prefix: str, batch: list[str]) -> None:
         """One DeleteObjects of ``batch`` (relative keys), then again for the keys it reported
-        as failed with a transient code, with the Caller's tries and backoff."""
+        as failed with a transient code: ``retries + 1`` rounds, with the Caller's backoff."""
         left = batch
-        for attempt in range(1, self._caller.attempts + 1):
+        for attempt in range(1, self._rounds + 1):
             resp = self._call(
                 "DeleteObjects",
                 prefix,
@@ -146,7 +146,7 @@ class Listing:
             if not errors:
                 return
             final = [e for e in errors if e.get("Code") not in RETRY_CODES]
-            if final or attempt == self._caller.attempts:
+            if final or attempt == self._rounds:
                 e = (final or errors)[0]
                 after = f" after {attempt} attempts" if attempt > 1 else ""
                 raise StorageError(

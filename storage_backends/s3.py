@@ -23,12 +23,14 @@ checks it (it stores a body corrupted in flight), so there every body stays sign
 corrupted one is refused (XAmzContentSHA256Mismatch). Over https botocore never signs payloads
 that carry a checksum.
 
-Retries: botocore's own ("standard" mode), plus ours around each call (see ``_s3_calls``), and
-by default adaptive pacing (``s3_retry``): after a SlowDown (503, throttling) in a scope (the first
-folder below the root: one step's objects) every thread of the store sends fewer requests per
-second there, a token bucket whose rate drops to 0.7x on a throttle and grows back on successes.
-``CKPTD_S3_RETRY_MODE=standard`` turns pacing off; ``CKPTD_S3_MIN_RATE`` (requests/s, default 0.2)
-is the floor a scope's rate is never cut below.
+Retries: by default adaptive pacing (``s3_retry``): after a SlowDown (503, throttling) in a scope
+(the first folder below the root: one step's objects) every thread of the store sends fewer
+requests per second there, a token bucket whose rate drops to 0.7x on a throttle and grows back
+on successes; a paced store makes all of a call's ``max_attempts x (retries + 1)`` tries itself
+(``_s3_calls.Caller``), so no retry quota of botocore's can cut them short.
+``CKPTD_S3_RETRY_MODE=standard`` turns pacing off and leaves each try of ours to botocore's own
+retries ("standard" mode, with its retry quota); ``CKPTD_S3_MIN_RATE`` (requests/s, default
+0.2) is the floor a scope's rate is never cut below.
 
 ``purge`` sends its DeleteObjects (1000 keys each) from ``CKPTD_S3_DELETE_WORKERS`` (default 4)
 threads at once, retries the keys a batch reports as failed, and fails naming the rest.
@@ -123,8 +125,9 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         min_rate: float | None = None,
         delete_workers: int | None = None,
     ) -> None:
-        """``max_attempts`` is botocore's per-call attempts; ``retries`` our extra tries around
-        those, sleeping up to ``backoff * 2**n`` seconds (full jitter, capped at 10 s).
+        """A call gets ``max_attempts x (retries + 1)`` tries: ``max_attempts`` of botocore's
+        within each of ours (paced: all of them ours), sleeping up to ``backoff * 2**n`` seconds
+        between ours (full jitter, capped at 10 s).
 
         Every call has a deadline: ``connect_timeout`` to connect and ``read_timeout`` for each
         wait on the server, per attempt; so a call to an endpoint that stops answering fails
@@ -183,13 +186,17 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         # With a custom endpoint (MinIO, Ceph, moto) use path-style addressing: virtual hosts
         # like bucket.localhost rarely resolve there; AWS accepts both.
         env = os.environ
+        paced = retry_mode == "adaptive"
         custom_endpoint = endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         config = Config(
             # Pool workers plus caller threads each hold a connection; botocore's default of 10
             # would make them queue (and log "connection pool is full").
             max_pool_connections=workers + 16,
-            # total_max_attempts counts the first try; botocore's "max_attempts" would not.
-            retries={"mode": "standard", "total_max_attempts": max(1, max_attempts)},
+            # total_max_attempts counts the first try; botocore's "max_attempts" would not. A
+            # paced store makes every try itself (``Caller``): botocore's retry quota (500
+            # tokens per client, 5 per throttled retry) runs dry under sustained SlowDowns, and
+            # then a call got 1 try of botocore's per try of ours instead of ``max_attempts``.
+            retries={"mode": "standard", "total_max_attempts": 1 if paced else max(1, max_attempts)},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             tcp_keepalive=True,
@@ -198,11 +205,13 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         # endpoint_url=None lets botocore read AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL itself.
         self._client = new_client(region or os.environ.get("AWS_REGION") or None, endpoint_url, config)
         self.endpoint_url: str = self._client.meta.endpoint_url
-        self._caller = Caller(bucket, self.endpoint_url, retries + 1, backoff)
-        # One limiter for the whole store: every thread's requests (botocore's retries too) pass it.
+        tries = (retries + 1) * (max(1, max_attempts) if paced else 1)
+        self._caller = Caller(bucket, self.endpoint_url, tries, backoff)
+        self._rounds = retries + 1  # purge's DeleteObjects of the keys a batch reported failed
+        # One limiter for the whole store: every request of every thread passes it.
         self.limiter: AdaptiveLimiter | None = None
         self._pacer: Pacer | None = None
-        if retry_mode == "adaptive":
+        if paced:
             self.limiter = AdaptiveLimiter(min_rate)
             self._pacer = Pacer(self.limiter)
             self._pacer.attach(self._client.meta.events)

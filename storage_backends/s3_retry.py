@@ -8,9 +8,11 @@ does per client, the store paces itself:
 
 - ``AdaptiveLimiter`` is one token bucket per *scope*, shared by every thread of the store (all
   of them send through it: the limiter sits on the botocore client's ``before-send`` and
-  ``needs-retry`` events, so botocore's own retries are paced too, not only ours). A scope is
+  ``needs-retry`` events, so every request is paced, whoever retries it). A scope is
   the first folder of the key below the store's root (``step_0000000100``, ``_latest``, ...):
-  one save's objects are one scope, the key range S3 throttles.
+  one save's objects are one scope, the key range S3 throttles. A step's claims and heartbeats
+  (``step_.../_claims/``) are a scope apart: behind 16 data reservations at the floor a heartbeat
+  went out 80 s late, against a 60 s lease, and another job took a live writer's step over.
 - A scope has no limit until a request in it is throttled (SlowDown, 503, 429, the throttling
   codes of ``THROTTLE_CODES``). Then its rate becomes ``BETA`` (0.7) of what it was
   sending over the last second (multiplicative decrease), never below ``min_rate``; every
@@ -25,9 +27,12 @@ does per client, the store paces itself:
   nothing about the new rate and is ignored, so 16 threads throttled by one burst cut the rate
   once, not 16 times (that would collapse it to ``min_rate``).
 
-Bounded: a throttled request still counts as a try of botocore's and of our ``Caller``'s, so a
-call fails with one StorageError after ``max_attempts x (retries + 1)`` tries; the wait for a
-token is at most (threads waiting) / ``min_rate``. ``simulated.PartitionModel(paced=True)``
+Bounded: a throttled request still counts as a try, so a call fails with one StorageError after
+``max_attempts x (retries + 1)`` tries, all made by the store's ``Caller`` (botocore's retry
+quota, 500 tokens per client at 5 per throttled retry, would otherwise end them early under
+sustained throttling). The wait for a token is at most (requests waiting in the scope, itself
+included) / ``min_rate``: a rate change credits what the old rate refilled first, so a request
+pays for its token once, however many throttles follow. ``simulated.PartitionModel(paced=True)``
 applies the same rule, with these constants, to thousands of simulated clients as a fluid
 (their summed rate), which is how ``benchmarks/SCALE.md`` measures it at 1024-8192 ranks.
 """
@@ -63,9 +68,15 @@ WINDOW = 1.0  # seconds over which the send rate is measured
 MAX_SCOPES = 256  # buckets kept before the unlimited, idle ones are forgotten
 
 
+LIVENESS = "_claims"  # a step's claims and lease renewals (``ckptd.manifest.CLAIMS``)
+
+
 def scope_of(key: str) -> str:
-    """The rate-limit scope of a key relative to the store's root: its first folder."""
-    head, sep, _ = key.partition("/")
+    """The rate-limit scope of a key relative to the store's root: its first folder, except a
+    step's claims and lease renewals (``<step>/_claims/...``), a scope of their own."""
+    head, sep, rest = key.partition("/")
+    if rest.partition("/")[0] == LIVENESS:
+        return f"{head}/{LIVENESS}"
     return head if sep else ""
 
 
@@ -121,8 +132,7 @@ class AdaptiveLimiter:
                 b = self._buckets[scope] = _Bucket(refilled=now)
             wait = 0.0
             if b.rate is not None:
-                b.tokens = min(max(1.0, b.rate / 4), b.tokens + (now - b.refilled) * b.rate)
-                b.refilled = now
+                _refill(b, now)
                 b.tokens -= 1.0  # below zero: a reservation, paid by waiting
                 if b.tokens < 0:
                     wait = -b.tokens / b.rate
@@ -149,14 +159,36 @@ class AdaptiveLimiter:
                     return  # sent at the old rate: already accounted for by the last cut
                 measured = len(b.sent) / WINDOW
                 base = measured if b.rate is None else min(b.rate, measured)
-                b.rate = b.cut_rate = max(self.min_rate, BETA * base)
-                b.tokens = min(b.tokens, 0.0)
-                b.refilled = b.last_cut = self._clock()
+                b.last_cut = self._clock()
+                b.cut_rate = max(self.min_rate, BETA * base)
+                _set_rate(b, b.cut_rate, b.last_cut)
                 self.cuts += 1
             elif b.rate is not None:
-                b.rate += STEP * b.cut_rate / b.rate
-                if b.rate >= RELEASE * b.cut_rate:
-                    b.rate = None
+                rate = b.rate + STEP * b.cut_rate / b.rate
+                _set_rate(b, None if rate >= RELEASE * b.cut_rate else rate, self._clock())
+
+
+def _refill(b: _Bucket, now: float) -> None:
+    """Credit the tokens ``b``'s current rate refilled since it was last refilled."""
+    b.tokens = min(max(1.0, b.rate / 4), b.tokens + (now - b.refilled) * b.rate)
+    b.refilled = now
+
+
+def _set_rate(b: _Bucket, rate: float | None, now: float) -> None:
+    """Change ``b``'s rate at ``now``, first crediting what the old rate refilled until now: a
+    request that waited for its token paid for it (without that credit every throttle made the
+    next request pay again, past any bound). Debt left is reservations not yet sent, re-priced to
+    end when they were due. A cut keeps no burst saved at the old rate; no limit, no debt."""
+    if rate is None or b.rate is None:
+        b.tokens = 0.0
+    else:
+        _refill(b, now)
+        if b.tokens < 0:
+            b.tokens *= rate / b.rate
+        elif rate < b.rate:
+            b.tokens = 0.0
+    b.rate = rate
+    b.refilled = now
 
 
 class Pacer:

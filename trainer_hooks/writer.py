@@ -12,9 +12,11 @@ waits for until that deadline; a watchdog fails the future at the deadline even 
 not started yet (it then never starts). Past the deadline the save's future fails ("storage did
 not answer") and the save is aborted: if its thread ever gets an answer from storage, it writes
 nothing more, and neither a done record nor a commit, so the buffers the caller reuses for the
-next snapshot can never be committed half-overwritten. A thread stuck in a storage call stays
-stuck until that call's own timeout (S3: ``CKPTD_S3_*_TIMEOUT``); the writer does not wait for
-it.
+next snapshot can never be committed half-overwritten. A save that failed or was abandoned gives
+its claim on the step up (``ckptd.leases.abandon``; its heartbeat stops at the abort), so another
+job takes the step at once instead of being refused while the stuck thread lives. A thread
+stuck in a storage call stays stuck until that call's own timeout (S3: ``CKPTD_S3_*_TIMEOUT``);
+the writer does not wait for it.
 
 After a commit (``retention.after_commit``: the sweep of the committed step, retention) runs on a
 thread of its own, never the writer's: storage that stalls after a commit must not hold the next
@@ -34,7 +36,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ckptd import catalog, claims, persist, retention
+from ckptd import catalog, claims, leases, persist, retention
 from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
 from ckptd.savejob import SaveJob
 from storage_backends import Store
@@ -76,6 +78,7 @@ class BackgroundWriter:
         self._lock = threading.Lock()
         self._failed: list[tuple[int, str]] = []  # (step, attempt) of failed saves: reclaimed at the next save
         self._abandoned: list[tuple[int, threading.Thread]] = []  # saves past their deadline
+        self._giving_up: list[threading.Thread] = []  # failed saves' leases.abandon, in flight
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptd-writer")
         self._after: threading.Thread | None = None  # the thread running after_commit, if any
         self._after_queue: list = []  # results waiting for it (under _lock)
@@ -122,6 +125,7 @@ class BackgroundWriter:
         # The caller submits only after the collective of save(), which every rank reaches
         # after its previous save ended: no rank of this job still writes the failed steps.
         failed, self._failed = [(s, a) for s, a in self._failed if s != job.step], []
+        giving_up, self._giving_up = [t for t in self._giving_up if t.is_alive()], []
         self._abandoned = [(s, t) for s, t in self._abandoned if t.is_alive()]
         if any(s == job.step for s, _ in self._abandoned):
             # Its late puts could land over this attempt's: refuse rather than risk a mix.
@@ -138,6 +142,8 @@ class BackgroundWriter:
         def run() -> None:  # everything that talks to storage, under the save's deadline
             try:
                 if failed:
+                    for g in giving_up:  # its record lands before the folder goes, never after
+                        g.join()
                     claims.reclaim(self.store, [s for s, _ in failed], self.writer, {a for _, a in failed})
                 box["result"] = persist.persist(
                     self.store,
@@ -172,6 +178,13 @@ class BackgroundWriter:
                 self.dedupe.failed()
             if not isinstance(err, AlreadyCommitted | StepClaimed):
                 self._failed.append((job.step, job.attempt))  # not ours to reclaim otherwise
+                # Let go of the step now, not a lease later (its heartbeat stopped with the save
+                # or at the abort): from a thread, as storage may be what stalled the save.
+                g = threading.Thread(
+                    target=leases.abandon, args=(self.store, job.step, job.attempt), name="ckptd-give-up", daemon=True
+                )
+                g.start()
+                self._giving_up.append(g)
             fut.set_exception(err)
             return
         result = box["result"]

@@ -84,8 +84,26 @@ def test_only_slowdowns_fail_the_put_once_after_its_tries(s3_server, s3_bucket):
         s = S3Store(bucket, prefix, endpoint_url=proxy.url, max_attempts=2, retries=1, backoff=0.01, min_rate=50)
         with s, pytest.raises(StorageError, match="SlowDown") as e:
             s.put("step_1/k", b"x")
-        assert "\n" not in str(e.value) and "after 2 attempts" in str(e.value)
-        assert proxy.counters["op:PutObject"] == 4  # 2 of botocore's x 2 of ours, then it stops
+        assert "\n" not in str(e.value) and "after 4 attempts" in str(e.value)
+        assert proxy.counters["op:PutObject"] == 4  # max_attempts 2 x (retries 1 + 1), then it stops
+
+
+def test_throttles_enough_to_drain_botocore_retry_quota_fail_no_put(s3_server, s3_bucket):
+    """Every one of 80 PUTs gets 3 SlowDowns before it succeeds: 240 throttled tries, far past
+    what botocore's retry quota allows a client (500 tokens, 5 per throttled retry: 100). A
+    paced store makes its tries itself, so none is cut short: every PUT lands. With botocore
+    retrying, the quota ran dry after ~50 PUTs and each later PUT got 2 tries (1 of botocore's
+    per try of ours), so PUTs failed with SlowDown."""
+    bucket, prefix = _split(s3_bucket)
+    keys = [f"step_1/k{i:03d}" for i in range(80)]
+    rules = [Rule(lambda r, k=k: r.op == "PutObject" and r.path.endswith("/" + k), "503", times=3) for k in keys]
+    with FaultProxy(s3_server, FaultPlan(rules=rules)) as proxy:
+        s = S3Store(bucket, prefix, endpoint_url=proxy.url, max_attempts=8, retries=1, backoff=0.01, min_rate=50)
+        with s, ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda k: s.put(k, b"x"), keys))
+            assert sorted(i.key for i in s.list("step_1/")) == keys
+        assert proxy.counters["fault:503"] == 240
+        assert proxy.counters["op:PutObject"] == 320  # 4 tries each: 3 throttled, then it landed
 
 
 def _fill(uri: str, n: int) -> list[str]:
@@ -175,3 +193,48 @@ def test_the_limiter_rule_on_a_manual_clock():
     while lim.rate("step_1") is not None:  # successes grow it back; at twice the cut it is lifted
         lim.record("step_1", lim.acquire("step_1"), throttled=False)
     assert lim.acquire("step_1") == now[0]  # no wait once lifted
+
+
+def test_consecutive_throttles_wait_at_most_one_token_at_the_floor():
+    """One thread whose every request is throttled: each waits for one token at the floor rate,
+    at most 1 / min_rate (the module's bound: requests waiting / min_rate), however many
+    throttles came before. A cut that forgot the tokens refilled while a request waited made
+    every later request pay that wait again: 0, 1.4, 4.1 ... 120 s by the 25th."""
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    lim = AdaptiveLimiter(min_rate=0.2, clock=lambda: now[0], sleep=sleep)
+    for _ in range(200):
+        sent = lim.acquire("step_1")
+        now[0] += 0.1  # the round trip
+        lim.record("step_1", sent, throttled=True)
+    assert lim.cuts == 200 and lim.rate("step_1") == pytest.approx(0.2)
+    assert max(slept) <= 1 / 0.2 + 1e-9
+
+
+def test_many_threads_throttled_wait_at_most_their_number_over_the_floor():
+    """16 threads of one store, every request throttled, driven on a virtual clock (events in
+    time order; no thread sleeps): no request waits longer than 16 / min_rate, the time for the
+    15 others' reservations and its own token at the floor."""
+    import heapq
+
+    threads, min_rate, rtt = 16, 0.2, 0.05
+    now = [0.0]
+    lim = AdaptiveLimiter(min_rate=min_rate, clock=lambda: now[0], sleep=lambda s: None)
+    events = [(0.001 * i, i, None) for i in range(threads)]  # (time, thread, sent: None = about to send)
+    waits = []
+    while len(waits) < 2000:
+        now[0], i, sent = heapq.heappop(events)
+        if sent is None:
+            sent = lim.acquire("step_1")
+            waits.append(sent - now[0])
+            heapq.heappush(events, (sent + rtt, i, sent))
+        else:
+            lim.record("step_1", sent, throttled=True)
+            heapq.heappush(events, (now[0], i, None))
+    assert lim.rate("step_1") == pytest.approx(min_rate)
+    assert max(waits) <= threads / min_rate + 1e-6

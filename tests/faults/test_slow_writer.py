@@ -18,10 +18,11 @@ import torch
 
 from ckptd import catalog, claims
 from ckptd import manifest as mf
-from ckptd.errors import StepClaimed
+from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
 from ckptd.verify import verify
 from storage_backends import open_store
 from storage_backends.faults import FaultPlan, FaultProxy, Rule
+from storage_backends.s3 import S3Store
 from tests.faults.slow_writer_job import state
 from trainer_hooks import Checkpointer
 
@@ -144,8 +145,9 @@ def test_a_stopped_local_writer_never_mixes_or_deletes_the_new_commit(tmp_path, 
 def test_an_s3_writer_whose_puts_land_late_never_mixes_the_new_commit(
     s3_target, short_lease, monkeypatch, save_timeout
 ):
-    """ "abandoned": A's save_timeout expires while its PUTs are held (its future fails at once);
-    its writes land later, and then its cleanup runs -- and must delete nothing of B's."""
+    """ "abandoned": A's save_timeout expires while its PUTs are held (its future fails at once,
+    and it gives its claim up); its writes land later, and then its cleanup runs -- and must
+    delete nothing of B's."""
     held = FaultPlan(
         rules=[
             Rule(lambda r: r.op == "PutObject" and "/arrays/" in r.path, "late", times=10**6),
@@ -161,9 +163,9 @@ def test_an_s3_writer_whose_puts_land_late_never_mixes_the_new_commit(
         try:
             fut = ck_a.save(3, state(1))
             wait_until(lambda: proxy.counters["fault:late"] >= 1, "A's first data write to be held")
-            # alive (heartbeats pass), its data slow: B is refused
-            with Checkpointer(s3_target.root, job_id="job-b") as ck, pytest.raises(StepClaimed):
-                ck.save(3, state(2)).result(timeout=120)
+            if save_timeout > 10:  # alive (heartbeats pass), its data slow: B is refused
+                with Checkpointer(s3_target.root, job_id="job-b") as ck, pytest.raises(StepClaimed):
+                    ck.save(3, state(2)).result(timeout=120)
             partitioned.append(1)  # A can no longer renew its lease, its data PUTs still in flight
             save_when_free(s3_target.root, "job-b", 2, 3)
             assert_holds(s3_target.root, 3, 2, "job-b")
@@ -197,3 +199,74 @@ def test_forged_claims_do_not_block_saves(tmp_path, short_lease):
     assert [n for n, _ in claims.claims(store, 6)] == [999999, 1000000]
     assert_holds(root, 6, 3, "job-b")
     store.close()
+
+
+def _is_data_put(r) -> bool:
+    return r.op == "PutObject" and "/arrays/" in r.path
+
+
+@pytest.mark.s3
+def test_an_abandoned_save_lets_go_of_its_step_at_once(s3_server, s3_bucket, monkeypatch):
+    """A's data PUTs are held by the proxy past its ``save_timeout``: its future fails, its
+    heartbeat stops and its claim is given up, so job B takes the step over at once -- well
+    within the default 60 s lease, which A's heartbeat would otherwise have renewed for as long
+    as its process lived ("last heartbeat 0 s ago") -- and commits it; A's late writes, landing
+    after, change nothing of B's."""
+    held = FaultPlan(rules=[Rule(_is_data_put, "late", times=10**6)])
+    with FaultProxy(s3_server, held) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        ck_a = Checkpointer(s3_bucket, job_id="job-a", save_timeout=5.0)  # through the proxy
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+        try:
+            fut = ck_a.save(3, state(1))
+            with pytest.raises(CheckpointError, match="save_timeout"):
+                fut.result(timeout=120)
+            assert proxy.counters["fault:late"] >= 1  # abandoned with its data PUTs in flight
+            save_when_free(s3_bucket, "job-b", 2, 3, timeout=30)  # half the lease
+            assert_holds(s3_bucket, 3, 2, "job-b")
+            proxy.release_late()
+            for _, t in ck_a._sink._abandoned:  # A's stuck thread: its late writes, its cleanup
+                t.join(240)
+                assert not t.is_alive()
+        finally:
+            proxy.release_late()
+            ck_a.close()
+    assert_holds(s3_bucket, 3, 2, "job-b")
+
+
+@pytest.mark.s3
+def test_a_writer_throttled_at_the_floor_keeps_its_lease(s3_server, s3_bucket, monkeypatch):
+    """The first 60 data PUTs of A's save are answered SlowDown, so its store paces the step's
+    data at the floor with 16 upload threads queued; meanwhile job B tries to take the step every
+    half second. A's heartbeats are paced apart from its data, so B is refused every time and A
+    commits. Scaled from the defaults (a 60 s lease, a 0.2 requests/s floor: a heartbeat queued
+    behind 16 reservations went out 80 s late): lease 8 s, floor 2 requests/s (16 reservations:
+    8 s, and more with the debt a cut left), about 30 s of throttling."""
+    monkeypatch.setenv("CKPTD_CLAIM_LEASE_S", "8")
+    monkeypatch.setenv("CKPTD_S3_MIN_RATE", "2")
+    plan = FaultPlan(rules=[Rule(_is_data_put, "503", times=60)])
+    bucket, _, prefix = s3_bucket.removeprefix("s3://").partition("/")
+    taken: list = []
+    with FaultProxy(s3_server, plan) as proxy, S3Store(bucket, prefix, endpoint_url=s3_server) as other:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        g = torch.Generator().manual_seed(7)
+        big = {"t": {f"w{i:02d}": torch.randn(8, 8, generator=g) for i in range(64)}}
+        with Checkpointer(s3_bucket, job_id="job-a") as ck:
+            fut = ck.save(1, big)
+            wait_until(lambda: proxy.counters["fault:503"] >= 1, "A's first data write (after its claim)")
+            while not fut.done():
+                try:
+                    claims.begin(other, 1, "attempt-b", "job-b")
+                    taken.append(time.monotonic())  # a takeover: the live writer lost its step
+                    break
+                except StepClaimed:
+                    time.sleep(0.5)
+                except AlreadyCommitted:
+                    break
+            result = fut.exception(timeout=240)
+            throttled, limiter = proxy.counters["fault:503"], ck.store.limiter
+        assert not taken, f"job B took over a live writer's step ({result})"
+        assert result is None
+        assert throttled == 60 and limiter.cuts >= 1 and limiter.waits >= 16  # the data was paced
+        assert catalog.latest_step(other) == 1
+        assert catalog.read_commit(other, 1)["writer"] == "job-a"
