@@ -21,7 +21,7 @@ from ckptd import manifest as mf
 from ckptd.errors import StepClaimed
 from ckptd.verify import verify
 from storage_backends import open_store
-from storage_backends.faults import FaultPlan, FaultProxy, Rule
+from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.faults.slow_writer_job import state
 from trainer_hooks import Checkpointer
 
