@@ -185,7 +185,7 @@ class Campaign:
         what was journalled, then stops. Uploads are slowed a little so kills land mid-upload."""
         from tests.server.daemon import Daemon
 
-        d = Daemon([root.uri], staging, log, CKPTD_FAULT_UPLOAD_DELAY_S="0.05", **_daemon_env(root))
+        d = Daemon([root.uri], staging, log, upload_delay_s=0.05, **_daemon_env(root))
         d.start()
         try:
             p, prog = self.trainer(root, 50, daemon=d.url)
