@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     import boto3
 
     from benchmarks.s3 import moto_env
-    from storage_backends.faults import KINDS, FaultPlan, FaultProxy, tmpfs_mount
+    from tests.doubles.faults import KINDS, FaultPlan, FaultProxy, tmpfs_mount
     from tests.faults.campaign import Campaign, Root
     from tests.s3server import CREDENTIALS
 

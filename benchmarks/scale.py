@@ -1,9 +1,9 @@
 """The commit protocol at 64 ... 8192 ranks on a simulated S3 (``python -m benchmarks.scale``).
 
-Every simulated rank is a thread of a :class:`~storage_backends.simulated.VirtualClock`, and it
+Every simulated rank is a thread of a :class:`~tests.doubles.simulated.VirtualClock`, and it
 runs the real code a rank runs after its snapshot: ``persist`` (its data, its done record, the
 commit attempt, waiting for the commit), ``latest_step``, ``load_manifest`` and the done-record
-read of a restore, against a :class:`~storage_backends.simulated.SimulatedStore` (log-normal
+read of a restore, against a :class:`~tests.doubles.simulated.SimulatedStore` (log-normal
 latency, LIST pages of 1000 keys, SlowDown above 3500 PUT/s and 5500 GET/s per prefix, every
 request counted). Only the clock is replaced: the modules under test read ``time`` through
 :func:`virtual_time`, so their polling sleeps and deadlines run in simulated seconds. Figures
@@ -49,7 +49,7 @@ from ckptd import catalog
 from ckptd import commit as commit_mod
 from ckptd import manifest as mf
 from ckptd import persist as persist_mod
-from storage_backends.simulated import (
+from tests.doubles.simulated import (
     GET_CLASS,
     PUT_CLASS,
     PartitionModel,

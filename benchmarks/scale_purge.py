@@ -21,8 +21,8 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from storage_backends.faults import FaultPlan, FaultProxy, Rule
 from storage_backends.s3 import S3Store
+from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.s3server import CREDENTIALS, start_moto_server, stop
 
 

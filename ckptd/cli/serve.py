@@ -175,16 +175,6 @@ def run(args: argparse.Namespace) -> int:
             settings.port,
         )
     sock = _listen(settings.host, settings.port)
-    if settings.fault_upload_delay_s:
-        logging.getLogger("ckptd.server").warning(
-            "fault injection on: every shard put sleeps %.2f s (CKPTD_FAULT_UPLOAD_DELAY_S, for tests only)",
-            settings.fault_upload_delay_s,
-        )
-    if settings.fault_tier_delay_s:
-        logging.getLogger("ckptd.server").warning(
-            "fault injection on: every tier object read sleeps %.2f s (CKPTD_FAULT_TIER_DELAY_S, for tests only)",
-            settings.fault_tier_delay_s,
-        )
     try:
         app = create_app(settings)
     except (RuntimeError, OSError, ValueError) as e:  # ValueError: the token file (read_token)
@@ -231,7 +221,6 @@ def run(args: argparse.Namespace) -> int:
                 daemon.socket_path.with_name(DATA_SOCKET_NAME),
                 max_connections=limits.max_connections,
                 timeout_s=settings.request_timeout_s,
-                fault_delay_s=settings.fault_tier_delay_s,
             ).start()
         except (OSError, RuntimeError) as e:
             sock.close()

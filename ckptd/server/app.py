@@ -585,7 +585,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.daemon = Daemon(roots, runner, staging, metrics, folder, tenancy, sock)
     app.state.tiers = tiers
     app.state.memsteps = memsteps
-    app.state.settings_fault_tier_delay_s = settings.fault_tier_delay_s
     app.state.token = token  # for the connection limits (``ckptd.server.conns``): who is known
     app.add_middleware(Guard, token=token, max_body=settings.max_body_bytes)
     for exc_type, handler in HANDLERS.items():

@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd import catalog, claims, donetree, persist, retention
-from ckptd import manifest as mf
 from ckptd.commit import PACED_ABOVE, POLLS_PER_SECOND
 from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
 from ckptd.persist import SaveResult
@@ -52,42 +51,31 @@ log = logging.getLogger("ckptd.jobs")
 
 
 class _Counted:
-    """Counts the bytes of every put into ``job.bytes_uploaded``, for the status page's progress.
+    """Counts the bytes of every put into ``job.bytes_uploaded``, for the status page's progress."""
 
-    ``fault_delay_s`` (``CKPTD_FAULT_UPLOAD_DELAY_S``, for tests only; 0 in production): every
-    put of a shard (a key under ``arrays/``) sleeps that long first, so a test can kill the
-    daemon in the middle of its writes."""
-
-    def __init__(self, store: Store, job: Job, fault_delay_s: float = 0.0, tee: Callable | None = None):
-        self._store, self._job, self._fault_delay_s = store, job, fault_delay_s
+    def __init__(self, store: Store, job: Job, tee: Callable | None = None):
+        self._store, self._job = store, job
         self._tee = tee  # the memory tier's copy of each put (``server.tiers``), or None
         self._lock = threading.Lock()  # puts run on the io pool: ``+=`` alone would lose updates
 
     def put(self, key, data):
-        self._fault_delay(key)
         self._store.put(key, data)
         self._add(data)
         if self._tee is not None:
             self._tee(key, data)
 
     def put_deferred(self, key, data):
-        self._fault_delay(key)
         self._store.put_deferred(key, data)
         self._add(data)
         if self._tee is not None:
             self._tee(key, data)
 
     def put_new(self, key, data):
-        self._fault_delay(key)
         tag = self._store.put_new(key, data)
         self._add(data)
         if self._tee is not None:
             self._tee(key, data)
         return tag
-
-    def _fault_delay(self, key: str) -> None:
-        if self._fault_delay_s > 0 and f"/{mf.ARRAYS}/" in key:
-            time.sleep(self._fault_delay_s)
 
     def _add(self, data) -> None:
         with self._lock:
@@ -389,7 +377,7 @@ class Runner:
         job.state = "uploading"
         job.upload_started_at, job.bytes_uploaded = time.time(), 0
         tee = None if self.tiers is None else self.tiers.recorder(job.root, job.step, job.attempt, job.rank)
-        store: Any = _Counted(self.store(job.root), job, self.settings.fault_upload_delay_s, tee)
+        store: Any = _Counted(self.store(job.root), job, tee)
         result, err = self._upload_with_retries(job, store, lease)
         if result is None:
             if self._stop.is_set() and err is None:

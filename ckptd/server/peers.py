@@ -11,7 +11,6 @@ record and every chunk against its crc32c (``trainer_hooks.tiered``).
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -110,9 +109,6 @@ def read_object(
     length: int = Query(ge=0, le=1 << 34),
 ):
     _tiers(request).count("object_requests")
-    delay = request.app.state.settings_fault_tier_delay_s
-    if delay:
-        time.sleep(delay)  # tests only (CKPTD_FAULT_TIER_DELAY_S): a slow peer
     try:
         data = _tiers(request).read(_readable_root(request, root), step, attempt, key, start, length)
     except ValueError as e:
@@ -130,9 +126,6 @@ def read_objects(body: BatchReadRequest, request: Request):
     or nothing: 404 when any key is not held complete, 416 for a range outside its object."""
     t = _tiers(request)
     t.count("object_requests")
-    delay = request.app.state.settings_fault_tier_delay_s
-    if delay:
-        time.sleep(delay)  # tests only (CKPTD_FAULT_TIER_DELAY_S): a slow peer
     root = _readable_root(request, body.root)
     try:
         data = t.read_many(root, body.step, body.attempt, [(r.key, r.start, r.length) for r in body.ranges])

@@ -106,11 +106,6 @@ class Settings(BaseSettings):
     tier_data_port: int = Field(
         0, ge=0, lt=65536, description="TCP port of the tier data path (server.tierdata); 0: any free port"
     )
-    # For tests only: sleep this long before every shard put, so a test can kill the daemon
-    # mid-upload. Never set it in production.
-    fault_upload_delay_s: float = 0.0
-    # For tests only: every tier object read sleeps this long first (a slow peer).
-    fault_tier_delay_s: float = 0.0
 
 
 def group_id(name: str | None) -> int | None:

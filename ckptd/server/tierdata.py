@@ -77,13 +77,11 @@ class TierData:
         socket_path: Path,
         max_connections: int = 256,
         timeout_s: float = 30.0,
-        fault_delay_s: float = 0.0,
     ):
         self.tiers, self.roots, self.tenancy = tiers, roots, tenancy
         self.token = token.encode() if token is not None else None
         self.max_connections = max(1, max_connections)
         self.timeout_s = timeout_s
-        self.fault_delay_s = fault_delay_s
         self._count = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -211,8 +209,6 @@ class TierData:
             raise _Refused(403, str(e)) from None
         self.tiers.count("object_requests")
         self.tiers.count("data_requests")
-        if self.fault_delay_s:
-            time.sleep(self.fault_delay_s)  # tests only (CKPTD_FAULT_TIER_DELAY_S): a slow peer
         if op == "read":
             self._read(conn, h.get("ranges"), root, step, attempt)
         elif op == "fds":

@@ -1,5 +1,5 @@
 """The S3 store under throttling and at retention scale (issue 31), against moto's real server
-through ``storage_backends.faults.FaultProxy``: SlowDowns make the whole store (every thread)
+through ``tests.doubles.faults.FaultProxy``: SlowDowns make the whole store (every thread)
 send fewer requests and the save still commits; a store that only ever gets SlowDowns fails
 with one error after its tries; DeleteObjects' per-key errors are retried, never left silently;
 ``purge`` sends its batches of 1000 keys several at a time."""
@@ -13,9 +13,9 @@ import pytest
 
 from ckptd import catalog
 from storage_backends import StorageError
-from storage_backends.faults import FaultPlan, FaultProxy, Rule
 from storage_backends.s3 import S3Store
 from storage_backends.s3_retry import BETA, AdaptiveLimiter
+from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.faults.workers import campaign_state
 from tests.server.daemon import wait_for
 from trainer_hooks import Checkpointer

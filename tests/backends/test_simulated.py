@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from storage_backends.simulated import SimulatedStore
 from storage_backends.testing import StoreConformance
+from tests.doubles.simulated import SimulatedStore
 
 
 class TestSimulatedStore(StoreConformance):

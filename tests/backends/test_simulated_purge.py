@@ -4,7 +4,7 @@ Times are the virtual clock's (deterministic), never the wall's."""
 
 from __future__ import annotations
 
-from storage_backends.simulated import SimulatedStore, VirtualClock
+from tests.doubles.simulated import SimulatedStore, VirtualClock
 
 
 def _purge(workers: int) -> tuple[tuple[int, int], float, int, list[str]]:

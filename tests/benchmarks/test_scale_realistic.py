@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import scale
-from storage_backends.simulated import PartitionModel, SimulatedStore, VirtualClock
+from tests.doubles.simulated import PartitionModel, SimulatedStore, VirtualClock
 
 
 def test_tiny_realistic_run_commits_with_o_n_requests_and_counts_slowdowns(tmp_path):

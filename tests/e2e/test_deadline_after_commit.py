@@ -16,7 +16,7 @@ import torch
 
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
-from storage_backends.faults import FaultPlan, FaultProxy, Rule
+from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from trainer_hooks import Checkpointer
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(300)]

@@ -1,5 +1,5 @@
 """The fault campaign: trainers, ``gc`` runs and daemons killed with SIGKILL at random points,
-S3 requests failed through ``storage_backends.faults.FaultProxy``, a disk that fills up; after
+S3 requests failed through ``tests.doubles.faults.FaultProxy``, a disk that fills up; after
 every event the job root is checked against the invariants of issue 14:
 
 * every committed step is whole and unmixed: its manifest and its done records name the
@@ -185,7 +185,7 @@ class Campaign:
         what was journalled, then stops. Uploads are slowed a little so kills land mid-upload."""
         from tests.server.daemon import Daemon
 
-        d = Daemon([root.uri], staging, log, CKPTD_FAULT_UPLOAD_DELAY_S="0.05", **_daemon_env(root))
+        d = Daemon([root.uri], staging, log, upload_delay_s=0.05, **_daemon_env(root))
         d.start()
         try:
             p, prog = self.trainer(root, 50, daemon=d.url)
@@ -249,7 +249,7 @@ class Campaign:
         """A writer cut off from S3 but for its data PUTs (issue 26 part 1): its own fault
         proxy holds every shard PUT until released and fails every lease renewal; another job
         takes the step over once the lease ran out and commits; then the held PUTs land."""
-        from storage_backends.faults import FaultPlan, FaultProxy, Rule
+        from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 
         step = root.next_step
         direct = root.env["CAMPAIGN_DIRECT_ENDPOINT"]

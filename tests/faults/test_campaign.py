@@ -16,7 +16,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from storage_backends.faults import KINDS, FaultPlan, FaultProxy, tmpfs_mount
+from tests.doubles.faults import KINDS, FaultPlan, FaultProxy, tmpfs_mount
 from tests.faults.campaign import Campaign, Root
 from tests.s3server import CREDENTIALS
 

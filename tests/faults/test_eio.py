@@ -1,7 +1,7 @@
 """An I/O error (EIO) in the middle of a save: the save's future fails with one clear error,
 committed steps stay whole, the job saves again, gc leaves nothing of the failed step.
 
-EIO comes from ``storage_backends.faults.FailingStore``, a wrapper: this machine has no real
+EIO comes from ``tests.doubles.faults.FailingStore``, a wrapper: this machine has no real
 mechanism to make a filesystem return EIO on demand (no device-mapper ``error`` target), unlike
 ENOSPC, which ``test_campaign`` gets from a real, full tmpfs."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.errors import CheckpointError
-from storage_backends.faults import FailingStore
+from tests.doubles.faults import FailingStore
 from tests.faults.common import STEP_DIR, all_files, cli
 from tests.faults.workers import campaign_state, empty_state, same_state
 from trainer_hooks import Checkpointer

@@ -11,8 +11,8 @@ import os
 import pytest
 
 from ckptd.errors import CheckpointError
-from storage_backends.faults import FaultPlan, FaultProxy, Rule
 from storage_backends.s3 import S3Store
+from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.faults.common import cli
 from tests.faults.workers import campaign_state
 from tests.server.daemon import Daemon, wait_for

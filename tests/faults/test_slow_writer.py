@@ -21,8 +21,8 @@ from ckptd import manifest as mf
 from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
 from ckptd.verify import verify
 from storage_backends import open_store
-from storage_backends.faults import FaultPlan, FaultProxy, Rule
 from storage_backends.s3 import S3Store
+from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.faults.slow_writer_job import state
 from trainer_hooks import Checkpointer
 

@@ -1,6 +1,6 @@
 """The daemon's status page, in a real browser (Debian's chromium, driven by playwright) against
 real ``ckptd serve`` processes: a real trainer commits steps through the daemon and leaves one
-save in flight (the daemon's uploads slowed by ``CKPTD_FAULT_UPLOAD_DELAY_S``); a real hand-off
+save in flight (the daemon's uploads slowed by ``Daemon(upload_delay_s=...)``); a real hand-off
 under a job root named like an XSS payload fails; the page must show it all, escaped."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_status_page_in_a_browser(tmp_path, browser):
         [str(served)],
         tmp_path / "staging",
         tmp_path / "daemon.log",
-        CKPTD_FAULT_UPLOAD_DELAY_S="0.5",
+        upload_delay_s=0.5,
         CKPTD_IO_THREADS="1",
     ) as d:
         try:

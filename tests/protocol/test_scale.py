@@ -15,7 +15,7 @@ from ckptd import catalog, claims, commit, donetree, errors, latest, persist
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
 from storage_backends import MemoryStore
-from storage_backends.simulated import SimulatedStore, VirtualClock, VirtualTime
+from tests.doubles.simulated import SimulatedStore, VirtualClock, VirtualTime
 
 
 def _claim_with_manifest(store, step: int, attempt: str, n: int) -> None:

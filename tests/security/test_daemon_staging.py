@@ -155,7 +155,7 @@ def test_metadata_swapped_for_environ_link_is_not_uploaded(tmp_path, shm_dir, at
         shm_dir / "ckptd",
         tmp_path / "d.log",
         CKPTD_UPLOAD_WORKERS="1",
-        CKPTD_FAULT_UPLOAD_DELAY_S="1.5",
+        upload_delay_s=1.5,
         CKPTD_SECRET_FOR_TEST=secret,
     )
     with d, httpx.Client(base_url=d.url, timeout=30) as c:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from storage_backends import NotFoundError, StorageError
-from storage_backends.faults import FaultPlan, FaultProxy, Rule
 from storage_backends.s3 import S3Store
+from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
 

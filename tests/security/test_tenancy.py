@@ -331,7 +331,7 @@ def test_an_operator_binds_a_root(node):
 def test_a_restarted_daemon_resumes_a_tenants_hand_off(node):
     d = node["daemon"]
     d.stop()
-    d.env["CKPTD_FAULT_UPLOAD_DELAY_S"] = "2"
+    d.upload_delay_s = 2
     d.start(port=d.port)
     alice, root = node["tenant"](ALICE), str(node["roots"][ALICE])
     assert alice(op="open", root=root, daemon=node["addr"]) == {"ok": True}
@@ -346,7 +346,7 @@ def test_a_restarted_daemon_resumes_a_tenants_hand_off(node):
 
     wait_for(uploading, "alice's upload", 120, logs=d.logs)
     d.kill()
-    d.env.pop("CKPTD_FAULT_UPLOAD_DELAY_S")
+    d.upload_delay_s = 0
     d.start(port=d.port)
     assert json.loads(alice.proc.stdout.readline()) == {"ok": True}, d.logs()
     assert "resuming job" in d.logs()

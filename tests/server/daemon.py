@@ -21,10 +21,13 @@ SCENARIOS = "tests.server.daemon_scenarios"
 
 
 class Daemon:
-    """``ckptd serve`` in a subprocess. ``env`` adds ``CKPTD_*`` settings (e.g. the test-only
-    ``CKPTD_FAULT_UPLOAD_DELAY_S``). Stopped by its pid, never by name. ``trust_tcp``: with a
-    token, lease and hand-off routes over TCP need ``--trust-tcp`` (one trusted party, as these
-    tests are); the tenancy tests turn it off and reach the daemon through ``socket_url``."""
+    """``ckptd serve`` in a subprocess. ``env`` adds ``CKPTD_*`` settings. Stopped by its pid,
+    never by name. ``trust_tcp``: with a token, lease and hand-off routes over TCP need
+    ``--trust-tcp`` (one trusted party, as these tests are); the tenancy tests turn it off and
+    reach the daemon through ``socket_url``. Faults, read at each ``start``: ``upload_delay_s``,
+    each shard put into a job root sleeps that long first (a test kills the daemon mid-upload);
+    ``tier_delay_s``, each read of its memory tier sleeps first (a slow peer). Either runs the
+    daemon through ``tests.doubles.slow_serve``."""
 
     def __init__(
         self,
@@ -35,9 +38,12 @@ class Daemon:
         token_file: Path | None = None,
         trust_tcp: bool = True,
         preexec_fn=None,
+        upload_delay_s: float = 0.0,
+        tier_delay_s: float = 0.0,
         **env: str,
     ):
         self.roots, self.staging, self.log_path = roots, staging, log
+        self.upload_delay_s, self.tier_delay_s = upload_delay_s, tier_delay_s
         self.preexec_fn = preexec_fn  # run in the child before exec (e.g. lower its rlimits)
         self.token_file = token_file
         self.trust_tcp = trust_tcp
@@ -58,7 +64,11 @@ class Daemon:
         """Start on ``port`` (a restart on the same address), or on a free one."""
         for _ in range(3):  # the probed port may be taken before the daemon binds it
             self.port = port or launch.free_port()
-            args = [sys.executable, "-m", "ckptd.cli.main", "serve", "--port", str(self.port)]
+            args = [sys.executable, "-m", "ckptd.cli.main"]
+            if self.upload_delay_s or self.tier_delay_s:
+                args = [sys.executable, "-m", "tests.doubles.slow_serve"]
+                args += ["--upload-delay", str(self.upload_delay_s), "--tier-delay", str(self.tier_delay_s)]
+            args += ["serve", "--port", str(self.port)]
             for r in self.roots:
                 args += ["--root", r]
             if self.staging is not None:  # None: the daemon's default staging folder
@@ -142,15 +152,19 @@ class Daemon:
         self.stop()
 
 
-def node(tmp: Path, name: str, root: str, port: int, peers: list[str], preexec_fn=None, **env: str) -> Daemon:
+def node(
+    tmp: Path, name: str, root: str, port: int, peers: list[str], preexec_fn=None, tier_delay_s: float = 0.0, **env: str
+) -> Daemon:
     """A started daemon playing node ``name`` of a memory-tier test: its own staging folder and
-    log under ``tmp``, the token in ``tmp/token``, the ring ``peers`` and its own URL advertised."""
+    log under ``tmp``, the token in ``tmp/token``, the ring ``peers`` and its own URL advertised;
+    ``tier_delay_s``: a slow peer (``Daemon``)."""
     d = Daemon(
         [root],
         tmp / f"staging-{name}",
         tmp / f"{name}.log",
         token_file=tmp / "token",
         preexec_fn=preexec_fn,
+        tier_delay_s=tier_delay_s,
         CKPTD_PEERS=json.dumps(peers),
         CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
         **env,

@@ -232,7 +232,7 @@ def test_restart_discards_a_job_whose_files_are_lost(tmp_path, monkeypatch):
     job and says so; the step never commits; the client's future fails; the next save commits."""
     root = str(tmp_path / "job")
     staging = tmp_path / "staging"
-    slow = Daemon([root], staging, tmp_path / "d1.log", CKPTD_FAULT_UPLOAD_DELAY_S="2.0")
+    slow = Daemon([root], staging, tmp_path / "d1.log", upload_delay_s=2.0)
     slow.start()
     monkeypatch.delenv("CKPTD_TOKEN", raising=False)
     monkeypatch.delenv("CKPTD_TOKEN_FILE", raising=False)
@@ -351,7 +351,7 @@ def test_job_status_long_poll_answers_when_the_job_is_final(tmp_path):
     learns of a commit at once instead of on its next poll); without ``wait`` it answers now."""
     root = str(tmp_path / "jobs")
     with (
-        Daemon([root], tmp_path / "staging", tmp_path / "daemon.log", CKPTD_FAULT_UPLOAD_DELAY_S="1.5") as d,
+        Daemon([root], tmp_path / "staging", tmp_path / "daemon.log", upload_delay_s=1.5) as d,
         httpx.Client(base_url=d.url, timeout=60) as c,
     ):
         lease = _lease(c, root)

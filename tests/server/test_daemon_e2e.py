@@ -60,7 +60,7 @@ def _save_hang_kill(tmp_path: Path, daemons: list[Daemon], root: str, world: int
 def test_ranks_killed_after_save_still_commit_and_restore_at_3(tmp_path, shm_staging):
     root = str(tmp_path / "job")
     # Uploads slowed a little, so the trainers are certainly dead before the commit.
-    with Daemon([root], shm_staging, tmp_path / "daemon.log", CKPTD_FAULT_UPLOAD_DELAY_S="0.5") as d:
+    with Daemon([root], shm_staging, tmp_path / "daemon.log", upload_delay_s=0.5) as d:
         _save_hang_kill(tmp_path, [d], root)
         store = open_store(root)
         assert catalog.read_commit(store, 1) is None, "committed before the trainers died: the test proves nothing"
@@ -79,7 +79,7 @@ def test_ranks_killed_after_save_still_commit_and_restore_at_3(tmp_path, shm_sta
 def test_daemon_killed_mid_upload_then_restarted(tmp_path):
     root = str(tmp_path / "job")
     staging = tmp_path / "staging"
-    d = Daemon([root], staging, tmp_path / "d1.log", CKPTD_FAULT_UPLOAD_DELAY_S="1.0").start()
+    d = Daemon([root], staging, tmp_path / "d1.log", upload_delay_s=1.0).start()
     d2 = None
     procs = dm.spawn(1, "save_across_daemon_crash", {"daemon": d.url, "root": root}, tmp_path)
     logs = lambda: launch.logs(tmp_path, "save_across_daemon_crash", 1) + d.logs()  # noqa: E731
@@ -140,7 +140,7 @@ def test_budget_smaller_than_two_snapshots_makes_the_second_save_wait(tmp_path):
         tmp_path / "staging",
         tmp_path / "daemon.log",
         CKPTD_BUDGET=str(400 * 1024),
-        CKPTD_FAULT_UPLOAD_DELAY_S="2.0",
+        upload_delay_s=2.0,
     ) as d:
         a = dm.spawn(1, "save_big", {"daemon": d.url, "root": root + "/a", "tag": "a"}, tmp_path / "a")
         b = dm.spawn(
@@ -164,7 +164,7 @@ def test_budget_smaller_than_two_snapshots_makes_the_second_save_wait(tmp_path):
 @pytest.mark.timeout(300)
 def test_s3_root_end_to_end(tmp_path, s3_bucket):
     root = s3_bucket
-    with Daemon([root], tmp_path / "staging", tmp_path / "daemon.log", CKPTD_FAULT_UPLOAD_DELAY_S="0.5") as d:
+    with Daemon([root], tmp_path / "staging", tmp_path / "daemon.log", upload_delay_s=0.5) as d:
         _save_hang_kill(tmp_path, [d], root)
         store = open_store(root)
         assert catalog.read_commit(store, 1) is None

@@ -50,7 +50,7 @@ def test_a_dead_nodes_step_is_flagged_stalled_with_its_missing_rank(tmp_path):
     root = str(tmp_path / "job")
     # node A serves rank 0 and flags a wait over 1 s; node B (rank 1) uploads slowly, then dies
     a = Daemon([root], tmp_path / "sa", tmp_path / "a.log", CKPTD_STALL_AFTER_S="1").start()
-    b = Daemon([root], tmp_path / "sb", tmp_path / "b.log", CKPTD_FAULT_UPLOAD_DELAY_S="120").start()
+    b = Daemon([root], tmp_path / "sb", tmp_path / "b.log", upload_delay_s=120).start()
     procs = []
     try:
         logs = lambda: launch.logs(tmp_path, "save_and_hang", 2) + a.logs() + b.logs()  # noqa: E731

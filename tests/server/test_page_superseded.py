@@ -23,7 +23,7 @@ from trainer_hooks import Checkpointer
 def test_a_superseded_attempt_is_no_failure(tmp_path):
     root = str(tmp_path / "job")
     env = {"SLURM_JOB_ID": "4242"}  # the job's writer id, the same after its restart: slurm-4242
-    with Daemon([root], tmp_path / "staging", tmp_path / "d.log", CKPTD_FAULT_UPLOAD_DELAY_S="3") as d:
+    with Daemon([root], tmp_path / "staging", tmp_path / "d.log", upload_delay_s=3) as d:
         dm.kill_all(dm.saves_returned([d], root, tmp_path, extra_env=env))  # handed off, then killed
         # the job restarts (here, one rank in this process) and saves step 1 again
         with Checkpointer(root, job_id="slurm-4242") as ck:

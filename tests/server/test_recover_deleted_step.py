@@ -27,7 +27,7 @@ def test_a_recovered_job_of_a_step_deleted_since_is_discarded(tmp_path):
     root = str(tmp_path / "job")
     staging = tmp_path / "staging"
     env = {"SLURM_JOB_ID": "4343"}  # the job's writer id, the same after its restart: slurm-4343
-    d = Daemon([root], staging, tmp_path / "d1.log", CKPTD_FAULT_UPLOAD_DELAY_S="30").start()
+    d = Daemon([root], staging, tmp_path / "d1.log", upload_delay_s=30).start()
     try:
         procs = dm.saves_returned([d], root, tmp_path, extra_env=env)
         try:

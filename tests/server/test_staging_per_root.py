@@ -34,7 +34,7 @@ def test_daemons_of_other_roots_never_adopt_a_journal(tmp_path):
     root_b, root_a = str(tmp_path / "b" / "job"), str(tmp_path / "a" / "job")
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "CKPTD_BUDGET": str(1 << 60)}
     # B's daemon takes the hand-off but uploads slowly; trainer and daemon die before the commit
-    d1 = Daemon([root_b], None, tmp_path / "d1.log", CKPTD_FAULT_UPLOAD_DELAY_S="60", **env).start()
+    d1 = Daemon([root_b], None, tmp_path / "d1.log", upload_delay_s=60, **env).start()
     try:
         dm.kill_all(dm.saves_returned([d1], root_b, tmp_path))
     finally:

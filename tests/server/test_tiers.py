@@ -216,7 +216,7 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         root2 = f"file://{tmp_path / 'job2'}"
         a.stop()
         pa, pc = launch.free_port(), launch.free_port()
-        a = node(tmp_path, "a", root2, pa, [_url(pa), _url(pc)], CKPTD_FAULT_TIER_DELAY_S="3")
+        a = node(tmp_path, "a", root2, pa, [_url(pa), _url(pc)], tier_delay_s=3)
         _run(2, "save_steps", out / "s2", daemons=[a.url], root=root2, steps=[2])
         c = node(tmp_path, "c", root2, pc, [_url(pa), _url(pc)])
         ref2 = str(out / "s2" / "ref_step2.pt")

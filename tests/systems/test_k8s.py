@@ -220,7 +220,7 @@ def test_trainers_hand_off_to_a_separate_daemon_through_the_manifest_wiring(tmp_
         staging,
         tmp_path / "daemon.log",
         token_file=secret / "token",
-        CKPTD_FAULT_UPLOAD_DELAY_S="3",
+        upload_delay_s=3,
     )
     # The trainer "pod": the manifest's environment, its paths mapped to this machine's folders.
     trainer_env = {**base}
@@ -265,7 +265,7 @@ def test_trainers_hand_off_to_a_separate_daemon_through_the_manifest_wiring(tmp_
 
         # Resume at 3 ranks through the same wiring (daemon restarted without the slowdown).
         daemon.stop()
-        daemon.env.pop("CKPTD_FAULT_UPLOAD_DELAY_S")
+        daemon.upload_delay_s = 0
         daemon.start(port=port)
         hold.unlink()
         trainers = _torchrun(3, args, trainer_env, tmp_path / "trainers-3.log")

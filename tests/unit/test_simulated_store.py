@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from storage_backends.simulated import SimulatedStore, SimulationStalled, SlowDownError, VirtualClock
+from tests.doubles.simulated import SimulatedStore, SimulationStalled, SlowDownError, VirtualClock
 
 
 def test_list_is_paged_and_every_page_is_a_request() -> None:

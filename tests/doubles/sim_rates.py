@@ -7,7 +7,7 @@ Invariants: every verb belongs to one rate class (``GET_CLASS``: GET, HEAD, LIST
 is a fluid (rates per 50 ms tick, not single requests) whose pacing rule is the one
 ``storage_backends.s3_retry`` applies to the real store (``BETA``, ``STEP``, ``RELEASE``).
 
-No store and no clock here: ``storage_backends.simulated`` counts its requests in ``Stats``;
+No store and no clock here: ``tests.doubles.simulated`` counts its requests in ``Stats``;
 ``benchmarks.scale`` plays a save's bulk through ``PartitionModel``.
 """
 

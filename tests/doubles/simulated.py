@@ -5,7 +5,7 @@ It exists to run the real commit protocol at thousands of ranks on one small mac
 (``python -m benchmarks.scale``) and to test that protocol under S3's failure modes. It is a test
 and benchmark helper, never a backend a job root URI opens.
 
-Time: with a :class:`VirtualClock` (``_sim_clock``, whose docstring tells the rules for code
+Time: with a :class:`VirtualClock` (``sim_clock``, whose docstring tells the rules for code
 under simulation) every request sleeps in simulated time. Without a clock the store sleeps for
 real (latency 0 by default), which is how the conformance suite runs it from plain threads.
 
@@ -33,8 +33,8 @@ S3 behaviours modelled:
 Counters (:attr:`SimulatedStore.stats`): requests by verb, by (verb, prefix), SlowDowns, and the
 peak accepted requests per ``window`` per prefix and class.
 
-The clock lives in ``_sim_clock``, the request classes, counters and ``PartitionModel`` in
-``_sim_rates``; every name of ``__all__`` is still imported from here.
+The clock lives in ``sim_clock``, the request classes, counters and ``PartitionModel`` in
+``sim_rates``; every name of ``__all__`` is still imported from here.
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from storage_backends._sim_clock import SimulationStalled, VirtualClock, VirtualEvent, VirtualTime
-from storage_backends._sim_rates import CLASS_OF, GET_CLASS, PUT_CLASS, PartitionModel, Stats, folder_of
 from storage_backends.base import (
     Data,
     ExistsError,
@@ -64,6 +62,8 @@ from storage_backends.base import (
     resolve_range,
 )
 from storage_backends.memory import MemoryStore
+from tests.doubles.sim_clock import SimulationStalled, VirtualClock, VirtualEvent, VirtualTime
+from tests.doubles.sim_rates import CLASS_OF, GET_CLASS, PUT_CLASS, PartitionModel, Stats, folder_of
 
 
 class SlowDownError(StorageError):

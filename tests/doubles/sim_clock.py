@@ -12,7 +12,7 @@ module); a thread that waits on anything else (a lock another simulated thread h
 request, a future of an unregistered pool) stalls the simulation, which ``VirtualClock.run``
 reports (``SimulationStalled``) after a wall-clock timeout instead of hanging.
 
-No store here: ``storage_backends.simulated`` sleeps its requests on this clock.
+No store here: ``tests.doubles.simulated`` sleeps its requests on this clock.
 """
 
 from __future__ import annotations
