@@ -21,8 +21,29 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests import rgwserver
+from tests import load, rgwserver
 from tests.s3server import CREDENTIALS, start_moto_server, stop
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"ckptd timeouts: x{load.SCALE} (CKPTD_TEST_TIMEOUT_SCALE, else the load per core; tests/load.py)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest's timeout (a test's ``timeout`` mark, else ``--timeout``/the ini's) times
+    ``load.SCALE``, as every bound inside the harness is: a loaded machine stretches both alike,
+    so a subprocess's own timeout still fires first and its output reaches the report."""
+    if load.SCALE == 1:
+        return
+    default = getattr(config, "_env_timeout", None)  # pytest-timeout's resolved --timeout/ini value
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = (marker.kwargs.get("timeout", marker.args[0] if marker.args else None)) if marker else default
+        if not seconds:
+            continue  # no timeout, or 0 (none): nothing to scale
+        kwargs = {k: v for k, v in (marker.kwargs if marker else {}).items() if k != "timeout"}
+        args = tuple(marker.args[1:]) if marker and marker.args else ()
+        item.add_marker(pytest.mark.timeout(float(seconds) * load.SCALE, *args, **kwargs), append=False)
 
 
 def point_aws_at(mp: pytest.MonkeyPatch, url: str, credentials: dict[str, str]) -> None:
