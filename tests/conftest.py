@@ -24,6 +24,9 @@ import pytest
 from tests import load, rgwserver
 from tests.s3server import CREDENTIALS, start_moto_server, stop
 
+# Subprocesses (ranks, daemons, jobs) bound their waits with the same factor as this process.
+os.environ.setdefault("CKPTD_TEST_TIMEOUT_SCALE", str(load.SCALE))
+
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"ckptd timeouts: x{load.SCALE} (CKPTD_TEST_TIMEOUT_SCALE, else the load per core; tests/load.py)"
