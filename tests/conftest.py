@@ -15,6 +15,7 @@ error with the daemons' logs when they are present but the cluster does not star
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +48,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kwargs = {k: v for k, v in (marker.kwargs if marker else {}).items() if k != "timeout"}
         args = tuple(marker.args[1:]) if marker and marker.args else ()
         item.add_marker(pytest.mark.timeout(float(seconds) * load.SCALE, *args, **kwargs), append=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A child that timed out (``subprocess.TimeoutExpired``) or failed a ``check=True`` run
+    (``CalledProcessError``): what it wrote so far goes into the report, which would otherwise
+    show only the command line."""
+    outcome = yield
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(exc, subprocess.TimeoutExpired | subprocess.CalledProcessError):
+        report = outcome.get_result()
+        for name in ("stdout", "stderr"):
+            text = load.tail(getattr(exc, name, None))
+            if text:
+                report.sections.append((f"child {name} ({type(exc).__name__})", text))
 
 
 def point_aws_at(mp: pytest.MonkeyPatch, url: str, credentials: dict[str, str]) -> None:
