@@ -13,10 +13,11 @@ ZeRO-3's universal files are bare flat tensors, their shapes only in ``param_sha
 ``zero_pp_rank_*_model_states.pt`` beside ``zero/``: ckptd refused them; it now reads the shapes
 from there.
 
-Runs in CI (deepspeed is in the dev extra; ~1.5 min for the three stages on 2 cores): DeepSpeed's
-CPU accelerator would JIT-compile its ``deepspeed_shm_comm`` C++ op (about 9 minutes here) when the
-first engine starts; ``ds_train.py`` marks that op incompatible, as DeepSpeed does itself where it
-cannot build it, so the collectives go through torch.distributed (gloo) and nothing is compiled.
+Runs in CI (deepspeed is in the dev extra; ~1.5 min for the three stages on 2 idle cores, ~7 min
+at load average 14): DeepSpeed's CPU accelerator would JIT-compile its ``deepspeed_shm_comm`` C++
+op (about 9 minutes here) when the first engine starts; ``ds_train.py`` marks that op
+incompatible, as DeepSpeed does itself where it cannot build it, so the collectives go through
+torch.distributed (gloo) and nothing is compiled.
 """
 
 from __future__ import annotations
