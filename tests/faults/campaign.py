@@ -113,10 +113,12 @@ class Campaign:
     def run_trainer(self, root: Root, count: int, timeout: float = 300, **kw) -> list[str]:
         """A trainer that runs to its end; its progress lines."""
         p, prog = self.trainer(root, count, **kw)
-        p.join(timeout)
+        p.join(load.scaled(timeout))
         if p.is_alive():
             kill(p)
-            raise InvariantError(f"a trainer saving {count} steps to {root.uri} did not finish in {timeout} s")
+            raise InvariantError(
+                f"a trainer saving {count} steps to {root.uri} did not finish in {load.scaled(timeout)} s"
+            )
         lines = _progress(prog)
         self._account(root, lines)
         return lines
