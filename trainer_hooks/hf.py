@@ -42,10 +42,9 @@ except ImportError:  # pragma: no cover - an optional extra
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from ckptd.sampler_math import share
-from trainer_hooks._callback_common import CheckpointCallbackBase
+from trainer_hooks._callback_common import CheckpointCallbackBase, EpochLoader, check_even, rank_batches
 from trainer_hooks.checkpointer import Checkpointer
-from trainer_hooks.sampler import ElasticSampler, StatefulLoader
+from trainer_hooks.sampler import ElasticSampler
 
 __all__ = ["CkptdCallback", "ElasticTrainer", "PROGRESS_FIELDS", "TrainerStateAdapter"]
 
@@ -141,52 +140,12 @@ def _check_trainer_layout() -> None:
             )
 
 
-def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
-    return samples // batch_size if drop_last else -(-samples // batch_size)
-
-
-def _rank_batches(sampler: ElasticSampler, start: int, batch_size: int) -> list[int]:
-    """Batches each rank of the sampler's world gets from global position ``start`` of the epoch."""
-    n, world, drop = sampler.dataset_len, sampler.num_replicas, sampler.state_dict()["drop_last"]
-    return [_batches(share(n, start, r, world, drop), batch_size, drop) for r in range(world)]
-
-
 def _start_epoch(sampler: ElasticSampler, batch_size: int) -> None:
     """Right after the restore: move past an epoch that has no batch left, and refuse a world size
-    at which the rest of this epoch, or a whole one, gives the ranks different batch counts (the
-    ranks of a DDP step wait for each other, so the one with a batch more would wait forever)."""
-    if _rank_batches(sampler, sampler.position, batch_size)[sampler.rank] == 0:
+    at which the ranks' batch counts differ (``check_even``)."""
+    if rank_batches(sampler, sampler.position, batch_size)[sampler.rank] == 0:
         sampler.set_epoch(sampler.epoch + 1)  # the saved epoch was done: the next one
-    for start in sorted({sampler.position, 0}, reverse=True):
-        counts = _rank_batches(sampler, start, batch_size)
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"ElasticTrainer: {sampler.dataset_len - start} samples {'left ' if start else ''}of epoch "
-                f"{sampler.epoch} give {sampler.num_replicas} ranks {counts} batches of {batch_size}; "
-                "DDP needs the same count on every rank: set dataloader_drop_last=True"
-            )
-
-
-class _ElasticTrainLoader(StatefulLoader):
-    """The training loader :class:`ElasticTrainer` gives the Trainer: a ``StatefulLoader`` (the
-    sampler's position counts the batches the training loop received, whatever the workers
-    prefetch) whose ``len`` is a whole epoch at this world size, as the Trainer sizes epochs
-    with it, and whose ``set_epoch`` selects the sampler's epoch."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        super().__init__(loader)
-        self.dataset = loader.dataset
-        self.batch_size = loader.batch_size
-
-    def __len__(self) -> int:
-        return _rank_batches(self.sampler, 0, self.batch_size)[self.sampler.rank]
-
-    def batches_left(self) -> int:
-        """Batches this rank has left in the sampler's epoch, from its position."""
-        return _rank_batches(self.sampler, self.sampler.position, self.batch_size)[self.sampler.rank]
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    check_even(sampler, batch_size, "ElasticTrainer", "dataloader_drop_last=True")
 
 
 class _ElasticCallback(CkptdCallback):
@@ -311,7 +270,7 @@ class ElasticTrainer(Trainer):
             )
         return super().train(None, *args, **kwargs)
 
-    def get_train_dataloader(self) -> _ElasticTrainLoader:
+    def get_train_dataloader(self) -> EpochLoader:
         dataset = self.train_dataset
         if dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -357,11 +316,11 @@ class ElasticTrainer(Trainer):
             drop_last=args.dataloader_drop_last,
             worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=rank),
         )
-        return _ElasticTrainLoader(loader)
+        return EpochLoader(loader)
 
     def set_initial_training_values(self, args, dataloader):
         values = list(super().set_initial_training_values(args, dataloader))
-        if not isinstance(dataloader, _ElasticTrainLoader):
+        if not isinstance(dataloader, EpochLoader):
             return tuple(values)
         # (num_train_epochs, num_update_steps_per_epoch, ..., max_steps): the epoch loop runs
         # range(resumed epoch, num_train_epochs), and the first one is the resumed epoch's rest
@@ -392,7 +351,7 @@ class ElasticTrainer(Trainer):
             self.control.should_training_stop = True  # a restored job that had already finished
             return None
         loader = kwargs["train_dataloader"]
-        if isinstance(loader, _ElasticTrainLoader) and kwargs["epoch"] == loader.sampler.epoch:
+        if isinstance(loader, EpochLoader) and kwargs["epoch"] == loader.sampler.epoch:
             # the resumed epoch: its rest, so the last accumulation and the epoch's end fall right
             left = loader.batches_left()
             kwargs["steps_in_epoch"] = left
