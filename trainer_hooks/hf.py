@@ -17,10 +17,10 @@ the Checkpointer and restores (the model is wrapped and the optimizer and schedu
 then); ``on_step_end`` saves when ``state.global_step`` reaches a multiple of ``every_n_steps``;
 ``on_train_end`` saves the last step if it was not saved, waits for the commit and closes.
 
-With the callback on a stock ``Trainer`` the step budget continues from the restored global
-step but the data loader does not: the Trainer sizes its epochs and decides which batches to skip
-before any callback runs, so after a ckptd restore the epoch schedule starts over from its first
-batch. :class:`ElasticTrainer` is the Trainer whose data continues too, at any world size: its
+A stock ``Trainer`` sizes its epochs and decides which batches to skip before any callback runs,
+so after a restore mid-epoch it would start the epoch's data over from its first batch: the
+callback refuses such a step at ``on_train_begin`` (steps saved at an epoch's end resume).
+:class:`ElasticTrainer` is the Trainer whose data continues too, at any world size: its
 training loader deals the epoch with :class:`~trainer_hooks.ElasticSampler`, whose position is
 saved with the rest and restored before the Trainer sizes its epochs, so across a stop at N
 processes and a restart at M every sample of an epoch is trained on exactly once. Do not also
@@ -98,6 +98,13 @@ class CkptdCallback(CheckpointCallbackBase, TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         self._open(lambda: self.state(state, model, optimizer, lr_scheduler))
+        if self.restored_step is not None and state.epoch % 1:
+            self._close()
+            raise RuntimeError(
+                f"CkptdCallback: step {self.restored_step} was saved at epoch {state.epoch:.3f}, and this Trainer "
+                "starts that epoch's data over from its first batch (repeating those, never reaching others); "
+                "train with trainer_hooks.hf.ElasticTrainer"
+            )
 
     def _save(self, state, model, optimizer, lr_scheduler) -> None:
         self._save_step(state.global_step, lambda: self.state(state, model, optimizer, lr_scheduler))

@@ -232,6 +232,13 @@ def test_hf_trainer_saves_and_resumes(tmp_path):
     assert torch.equal(resumed.fc.weight, reference.fc.weight)
     assert torch.equal(resumed.fc.bias, reference.fc.bias)
 
+    # saved after step 1 of an epoch's 2: the stock Trainer would start the epoch's data over
+    mid = str(tmp_path / "mid")
+    fit(0, [CkptdCallback(mid, every_n_steps=1), _hf_stop_after(1)], "mid_stopped")
+    assert committed(mid) == [1]
+    with pytest.raises(RuntimeError, match=r"step 1 was saved at epoch 0\.500.*ElasticTrainer"):
+        fit(0, [CkptdCallback(mid, every_n_steps=1)], "mid_resumed")
+
 
 # ------------------------------------------------------------------------------ HF ElasticTrainer
 
