@@ -1,10 +1,11 @@
 """One Lightning job for tests/distributed/test_lightning_elastic.py, started as a user starts
 one (``python lightning_worker.py JSON_ARGS``): ``Trainer(strategy="ddp", devices=N)`` on the CPU
 (gloo), whose own launcher starts ranks 1..N-1 as copies of this command. ``CkptdCallback`` saves
-every 2 steps, and the training data is its ``loader``. Each training step appends one line
-``{"step", "epoch", "idx"}`` (the step its optimizer step makes, the epoch, the batch's sample
-indices) to ``OUT/records.rank{r}.jsonl``. With ``stop_at``, the job stops after that step, as a
-preempted one would after its last commit. Rank r writes ``OUT/result{r}.json`` at the end.
+every 2 steps, and the training data is its ``loader`` (with ``num_workers`` worker processes).
+Each training step appends one line ``{"step", "epoch", "idx"}`` (the step its optimizer step
+makes, the epoch, the batch's sample indices) to ``OUT/records.rank{r}.jsonl``. With
+``stop_at``, the job stops after that step, as a preempted one would after its last commit. Rank r
+writes ``OUT/result{r}.json`` at the end.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Net(out), cb.loader(IndexedData(N), BATCH, seed=SEED))
+    trainer.fit(Net(out), cb.loader(IndexedData(N), BATCH, seed=SEED, num_workers=a.get("num_workers", 0)))
     result = {"restored": cb.restored_step, "global_step": trainer.global_step, "epoch": trainer.current_epoch}
     (out / f"result{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -65,9 +65,10 @@ def test_two_processes_then_two_or_three_train_each_sample_once(tmp_path: Path) 
     assert sorted(r["step"] for r in first) == [1, 1, 2, 2, 3, 3, 4, 4]
     shutil.copytree(root, tmp_path / "job3")
 
-    # the rest of epoch 0 (16 samples), then epoch 1: 2 ranks take 2 + 6 steps, 3 ranks 2 + 4
-    for devices, where, final in ((2, root, 12), (3, tmp_path / "job3", 10)):
-        resumed = job(tmp_path / f"resumed{devices}", where, devices, max_epochs=2)
+    # the rest of epoch 0 (16 samples), then epoch 1: 2 ranks take 2 + 6 steps, 3 ranks 2 + 4;
+    # at 3, a worker process per rank, which prefetches batches ahead of training
+    for devices, where, final, workers in ((2, root, 12, 0), (3, tmp_path / "job3", 10, 1)):
+        resumed = job(tmp_path / f"resumed{devices}", where, devices, max_epochs=2, num_workers=workers)
         results = [json.loads((tmp_path / f"resumed{devices}" / f"result{r}.json").read_text()) for r in range(devices)]
         assert results == [{"restored": 4, "global_step": final, "epoch": 2}] * devices
         assert sorted({r["step"] for r in resumed}) == list(range(5, final + 1))
