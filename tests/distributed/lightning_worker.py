@@ -20,7 +20,7 @@ import torch
 from tests.hf_toy import IndexedData
 from trainer_hooks.lightning import CkptdCallback
 
-N, BATCH, SEED, EVERY = 48, 4, 5, 2
+N, BATCH, SEED, EVERY = 96, 4, 5, 2
 
 
 class Net(pl.LightningModule):

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("lightning_worker.py")
-N = 48  # as in lightning_worker.py: batches of 4, a save every 2 steps
+N = 96  # as in lightning_worker.py: batches of 4, a save every 2 steps
 
 
 def committed(root: Path) -> list[int]:
@@ -61,13 +61,14 @@ def once(indices: list[int]) -> tuple[list[int], list[int]]:
 def test_two_processes_then_two_or_three_train_each_sample_once(tmp_path: Path) -> None:
     root = tmp_path / "job"
     first = job(tmp_path / "first", root, 2, max_epochs=2, stop_at=4)
-    assert committed(root) == [2, 4]  # 2 ranks x 4 steps x 4 samples: 32 of the 48
+    assert committed(root) == [2, 4]  # 2 ranks x 4 steps x 4 samples: 32 of the 96
     assert sorted(r["step"] for r in first) == [1, 1, 2, 2, 3, 3, 4, 4]
     shutil.copytree(root, tmp_path / "job3")
 
-    # the rest of epoch 0 (16 samples), then epoch 1: 2 ranks take 2 + 6 steps, 3 ranks 2 + 4;
-    # at 3, a worker process per rank, which prefetches batches ahead of training
-    for devices, where, final, workers in ((2, root, 12, 0), (3, tmp_path / "job3", 10, 1)):
+    # the rest of epoch 0 (64 samples), then epoch 1: 2 ranks take 8 + 12 steps, 3 ranks 6 + 8
+    # (Lightning's batch counter, 4, plus the 6 left would pass the 8 of an epoch at 3); at 3, a
+    # worker process per rank, which prefetches batches ahead of training
+    for devices, where, final, workers in ((2, root, 24, 0), (3, tmp_path / "job3", 18, 1)):
         resumed = job(tmp_path / f"resumed{devices}", where, devices, max_epochs=2, num_workers=workers)
         results = [json.loads((tmp_path / f"resumed{devices}" / f"result{r}.json").read_text()) for r in range(devices)]
         assert results == [{"restored": 4, "global_step": final, "epoch": 2}] * devices
