@@ -29,7 +29,7 @@ from typing import Any
 
 from ckptd import catalog, claims, persist, retention
 from ckptd import manifest as mf
-from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from ckptd.errors import CheckpointError, CheckpointNotFoundError, StepHeld
 from storage_backends import StorageError, Store, open_store
 from trainer_hooks import hostcopy, memsteps, rng
 from trainer_hooks.coord import Coordinator
@@ -139,6 +139,7 @@ class Checkpointer:
         self._planner = Planner()
         self._inflight: tuple[int, Future] | None = None
         self._unreported: list[tuple[int, BaseException]] = []
+        self._skipped_held = False  # a step another job's live claim held was skipped (``save``)
         self._closed = False
         self.last_save_blocked_s = 0.0
         self.last_save_phases: dict[str, float] = {}
@@ -183,7 +184,11 @@ class Checkpointer:
 
         Returns once the snapshot is in host memory; the future resolves when the checkpoint is
         committed and raises its error if it is not. Raises at once if the previous save failed
-        and nobody looked at its future, so failures never pass silently.
+        and nobody looked at its future, so failures never pass silently -- with one exception:
+        the first save refused because another job's live claim holds its step (``StepHeld``:
+        a job requeued while the job it replaces still holds a lease) is skipped, with one
+        WARNING naming ``ckptd fence``, and this save goes on. A second such refusal is a
+        second writer still at work on the root: raised, as every other failure.
         """
         self._check_open()
         t0 = time.perf_counter()
@@ -241,7 +246,12 @@ class Checkpointer:
         if self._unreported:
             earlier, cause = self._unreported[0]
             self._unreported.clear()
-            err = f"an earlier save (step {earlier}) failed: {cause}"
+            if isinstance(cause, StepHeld) and not self._skipped_held:
+                self._skipped_held = True
+                if self.rank == 0:
+                    log.warning("step %d skipped, saving step %d instead: %s", earlier, step, cause)
+            else:
+                err = f"an earlier save (step {earlier}) failed: {cause}"
         elif step in self._committed_steps:
             err = f"{catalog.where(self.store, step)}: step {step} is already committed; refusing to overwrite"
         elif self.max_step_jump and self._newest_known is not None and step > self._newest_known + self.max_step_jump:
@@ -441,7 +451,8 @@ class _SaveFuture(Future):
             if exc is None:
                 outer.set_result(f.result())
             else:
-                log.error("save of step %d failed: %s", step, exc)
+                if not isinstance(exc, StepHeld):  # (the next save says whether it skips it)
+                    log.error("save of step %d failed: %s", step, exc)
                 outer.set_exception(exc)
 
         inner.add_done_callback(done)
