@@ -1,0 +1,136 @@
+"""What a restarting training process and the command line pay before doing anything.
+
+``import trainer_hooks`` (after torch) and ``ckptd --help``/``ls``/``show``/``verify`` load no
+heavy module until a checkpoint or a command needs it: ``ml_dtypes`` (its extension alone took
+1.1-1.45 s) only for a bfloat16/float8 array read as numpy, ``torch.distributed.checkpoint``
+(it imports DTensor and sympy, most of a second) only at the first save or restore of a module
+or optimizer, boto3 only for an ``s3://`` root, the daemon's and zarr's stacks only in their
+commands.
+
+The cost is also bounded, as a ratio to a bare ``python -c pass`` timed in the same run (the
+minimum of several rounds, so a loaded machine slows both sides alike). Idle figures on the
+2-core CI machine: ``python -c pass`` 0.03 s; ``import trainer_hooks`` after torch 0.08 s
+(ratio 3; 1.5 s, ratio 50, when every dependency loaded at import); ``ckptd --help`` 0.2 s
+(ratio 7; 0.75 s, ratio 25, before).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer_hooks import Checkpointer
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Modules nothing on the start-up path needs (top-level package names).
+HEAVY = {
+    "ml_dtypes",
+    "tensorstore",
+    "zarr",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "boto3",
+    "botocore",
+    "obstore",
+    "safetensors",
+    "sympy",
+}
+# Parts of torch that ``import torch`` does not load and ``import trainer_hooks`` must not.
+TORCH_HEAVY = {
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "torch.distributed.optim",
+    "torch.distributed.fsdp",
+}
+
+# Bounds on (time) / (python -c pass), with margin over the idle ratios above.
+TRAINER_HOOKS_BOUND = 10
+CLI_HELP_BOUND = 15
+ROUNDS = 5
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def _loaded(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``code``."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+def _heavy(mods: set[str]) -> list[str]:
+    return sorted(m for m in mods if m.split(".")[0] in HEAVY or m in TORCH_HEAVY)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    """A small local root whose arrays need ml_dtypes as numpy (bfloat16, float8)."""
+    path = tmp_path_factory.mktemp("root")
+    state = {
+        "model": torch.nn.Linear(4, 4),
+        "b": torch.ones(8, dtype=torch.bfloat16),
+        "f8": torch.ones(8).to(torch.float8_e4m3fn),
+    }
+    with Checkpointer(str(path)) as ck:
+        ck.save(1, state).result()
+    return str(path)
+
+
+def test_import_trainer_hooks_loads_nothing_heavy():
+    mods = _loaded("import torch, trainer_hooks")
+    assert "trainer_hooks.checkpointer" in mods
+    assert _heavy(mods) == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["ls"], ["show"], ["verify"]], ids=lambda a: a[0])
+def test_the_cli_starts_without_heavy_modules(root, argv):
+    args = argv + ([root] if argv != ["--help"] else [])
+    code = (
+        "import contextlib, io\n"
+        "from ckptd.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        f"    rc = main({args!r})\n"
+        "assert rc == 0 and out.getvalue(), (rc, out.getvalue())"
+    )
+    mods = _loaded(code)
+    assert "ckptd.cli.ls" in mods
+    assert _heavy(mods) == [] and "torch" not in mods
+
+
+def _wall(cmd: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, timeout=120, check=True)
+    return time.perf_counter() - t
+
+
+def _import_after_torch() -> float:
+    code = "import time, torch\nt = time.perf_counter()\nimport trainer_hooks\nprint(time.perf_counter() - t)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    return float(out.stdout.split()[-1])
+
+
+def test_start_up_cost_stays_within_its_bound():
+    bare, hooks, cli = [], [], []
+    for _ in range(ROUNDS):  # interleaved, so load on the machine weighs on each alike
+        bare.append(_wall([sys.executable, "-c", "pass"]))
+        hooks.append(_import_after_torch())
+        cli.append(_wall([sys.executable, "-m", "ckptd.cli.main", "--help"]))
+    base = min(bare)
+    figures = f"python -c pass {base:.3f} s, import trainer_hooks {min(hooks):.3f} s, ckptd --help {min(cli):.3f} s"
+    assert min(hooks) / base <= TRAINER_HOOKS_BOUND, figures
+    assert min(cli) / base <= CLI_HELP_BOUND, figures
