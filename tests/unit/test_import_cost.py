@@ -116,6 +116,20 @@ def test_the_cli_starts_without_heavy_modules(root, argv):
     assert _heavy(mods) == [] and "torch" not in mods
 
 
+def test_ml_dtypes_loads_only_for_a_checkpoint_that_holds_its_types(tmp_path):
+    code = (
+        "import torch\n"
+        "from trainer_hooks import Checkpointer\n"
+        "state = {{'model': torch.nn.Linear(4, 4).to({dtype}), 'step': torch.tensor(3)}}\n"
+        "with Checkpointer({root!r}) as ck:\n"
+        "    ck.save(1, state).result()\n"
+        "    assert ck.restore(state) == 1"
+    )
+    plain = _loaded(code.format(dtype="torch.float32", root=str(tmp_path / "f32")))
+    assert "ml_dtypes" not in plain and "torch.distributed.checkpoint" in plain  # the save ran
+    assert "ml_dtypes" in _loaded(code.format(dtype="torch.bfloat16", root=str(tmp_path / "bf16")))
+
+
 def _cpu(cmd: list[str]) -> float:
     """The CPU time (user + system) a command takes: on a loaded machine its wall time is mostly
     the wait for a core."""
