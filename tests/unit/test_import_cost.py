@@ -116,6 +116,7 @@ def test_the_cli_starts_without_heavy_modules(root, argv):
     assert _heavy(mods) == [] and "torch" not in mods
 
 
+@pytest.mark.slow
 def test_ml_dtypes_loads_only_for_a_checkpoint_that_holds_its_types(tmp_path):
     code = (
         "import torch\n"
@@ -148,6 +149,7 @@ def _import_after_torch() -> float:
     return float(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_start_up_cost_stays_within_its_bound():
     _import_after_torch(), _cpu([sys.executable, "-m", "ckptd.cli.main", "--help"])  # bytecode written
     bare, hooks, cli = [], [], []
