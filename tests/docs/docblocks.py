@@ -46,8 +46,9 @@ class Block:
     path: str  # relative to the repository
     line: int  # of the opening fence, 1-based
     lang: str
-    section: str
+    section: str  # the heading it sits under
     text: str
+    section_line: int = 0  # that heading's line: two headings of one title are two sections
 
     @property
     def id(self) -> str:
@@ -77,14 +78,14 @@ def blocks(path: str) -> list[Block]:
     """Every fenced block of ``path`` (relative to the repository), in order."""
     lines = (REPO / path).read_text().splitlines()
     found: list[Block] = []
-    section = ""
+    section, section_line = "", 0
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
         if not m:
             h = HEADING.match(lines[i])
             if h:
-                section = h["title"]
+                section, section_line = h["title"], i + 1
             i += 1
             continue
         indent, fence, start = m["indent"], m["fence"], i
@@ -95,7 +96,8 @@ def blocks(path: str) -> list[Block]:
         ):
             body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i].lstrip())
             i += 1
-        found.append(Block(path, start + 1, m["info"].strip().split(" ")[0].lower(), section, "\n".join(body) + "\n"))
+        lang = m["info"].strip().split(" ")[0].lower()
+        found.append(Block(path, start + 1, lang, section, "\n".join(body) + "\n", section_line))
         i += 1
     return found
 
@@ -126,7 +128,7 @@ class Section:
     """One heading's blocks, run in order in ``scratch`` with ``env``. ``close`` stops what the
     blocks left running (daemons, and any process group they started in the background)."""
 
-    def __init__(self, key: tuple[str, str], scratch: Path, env: dict[str, str]):
+    def __init__(self, key: tuple[str, int], scratch: Path, env: dict[str, str]):
         self.key, self.scratch, self.env = key, scratch, env
         self.ran: set[str] = set()
         self.daemons: list[tuple[subprocess.Popen, Path]] = []

@@ -145,7 +145,7 @@ def test_exceptions_name_existing_blocks():
 
 # -- running ------------------------------------------------------------------------------------
 
-_SECTIONS: dict[tuple[str, str], Section] = {}
+_SECTIONS: dict[tuple[str, int], Section] = {}
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def _fresh_bucket(endpoint: str) -> None:
 
 
 def _section(block: Block, endpoint: str) -> Section:
-    key = (block.path, block.section)
+    key = (block.path, block.section_line)
     if key in _SECTIONS:
         return _SECTIONS[key]
     for other in list(_SECTIONS.values()):  # one section's processes at a time
@@ -206,7 +206,7 @@ def _section(block: Block, endpoint: str) -> Section:
         OMP_NUM_THREADS="1",
     )
     _fresh_bucket(endpoint)
-    setup = scenarios.SETUP.get(key)
+    setup = scenarios.SETUP.get((block.path, block.section))
     if setup is not None:
         setup(env["ROOT"], scratch)
     s = _SECTIONS[key] = Section(key, scratch, env)
@@ -226,7 +226,7 @@ def test_block(block: Block, sections, s3_server):
     for earlier in RUN:
         if earlier is block:
             break
-        same = (earlier.path, earlier.section) == section.key
+        same = (earlier.path, earlier.section_line) == section.key
         if same and earlier.id not in section.ran and NOT_HERE.get(_key(earlier)) is None:
             section.run(earlier, ALLOWED_FAILURES, timeout=600)
     print(section.run(block, ALLOWED_FAILURES, timeout=600))  # shown with -rP, and on a failure
