@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
+from ckptd.daemon_conn import default_socket
 from ckptd.errors import AlreadyCommitted, CheckpointError, CheckpointNotFoundError
 from ckptd.server import capacity, jobroots
 from ckptd.server.discovery import HELLO_PATH, Discovery
@@ -54,7 +55,7 @@ from ckptd.server.safefiles import open_private_dir
 from ckptd.server.settings import Settings, default_staging_dir, group_id
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from ckptd.server.staging_routes import router as leases
-from ckptd.server.tenancy import SOCKET_NAME, Forbidden, Tenancy, can_isolate
+from ckptd.server.tenancy import Forbidden, Tenancy, can_isolate
 from ckptd.server.tiers import Tiers
 from storage_backends import StorageError
 
@@ -581,7 +582,7 @@ def create_app(settings: Settings) -> FastAPI:
         description="Owns every handed-off snapshot from hand-off to commit.",
         lifespan=lifespan,
     )
-    sock = Path(settings.socket) if settings.socket else folder / SOCKET_NAME
+    sock = Path(settings.socket) if settings.socket else default_socket()
     app.state.daemon = Daemon(roots, runner, staging, metrics, folder, tenancy, sock)
     app.state.tiers = tiers
     app.state.memsteps = memsteps

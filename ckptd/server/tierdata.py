@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import os
 import socket
 import struct
 import threading
@@ -45,15 +44,14 @@ import time
 from pathlib import Path
 
 from ckptd.server.roots import RootError
-from ckptd.server.tenancy import PEER_KEY, Forbidden, Peer, listen_unix
+from ckptd.server.tenancy import PEER_KEY, Forbidden, Peer, listen_unix, release_unix
 from ckptd.server.tiers import MAX_BATCH_RANGES
 from ckptd.tierwire import MAX_FDS, REPLY, REQUEST, WireError, recv_frame, send_frame
 
-__all__ = ["DATA_SOCKET_NAME", "TierData"]
+__all__ = ["TierData"]
 
 log = logging.getLogger("ckptd.tierdata")
 
-DATA_SOCKET_NAME = "ckptd-tiers.sock"
 MAX_KEY = 4096
 MAX_ATTEMPT = 64
 DRAIN_BYTES = 1 << 20
@@ -118,8 +116,7 @@ class TierData:
             with contextlib.suppress(OSError):
                 ls.shutdown(socket.SHUT_RDWR)
             ls.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.socket_path)
+        release_unix(self.socket_path)
 
     def _accept(self, ls: socket.socket) -> None:
         while not self._closed:
