@@ -1,25 +1,18 @@
-"""The one way to reach a ``ckptd serve`` daemon: HTTP/1.1 over keep-alive connections, for every
-caller -- the trainer (hand-off, staging, memory tiers, memory-only steps, fence), the CLI
-(``ckptd ls --daemon``) and the daemons themselves (replication, the discovery challenge).
+"""The one way to reach a ``ckptd serve`` daemon, for every caller: the trainer (hand-off,
+staging, memory tiers, memory-only steps, fence), the CLI (``ckptd ls --daemon``) and the daemons
+themselves (replication, the discovery challenge). Standard-library HTTP/1.1 only.
 
-Only the standard library speaks HTTP here, so training needs no HTTP package. An address is
+An address is ``unix:///abs/path/ckptd.sock`` or ``http+unix://%2Fabs%2Fpath%2Fckptd.sock`` (the
+daemon's Unix socket, where the kernel names the calling user: leases and hand-offs go there; a
+path longer than a socket address is reached through ``/proc/self/fd``), or
+``http(s)://host:port[/base]``. ``resolve(True)``, a trainer's ``daemon=True``: ``CKPTD_DAEMON``,
+else ``default_socket()``, where ``ckptd serve`` listens by default.
 
-* ``unix:///abs/path/ckptd.sock`` or ``http+unix://%2Fabs%2Fpath%2Fckptd.sock`` (the path
-  percent-encoded as the host): the daemon's Unix socket, where the kernel tells the daemon which
-  local user calls (leases and hand-offs go there); a path longer than a socket address holds is
-  reached through a descriptor of its folder (``/proc/self/fd``);
-* ``http(s)://host:port[/base]``: TCP.
-
-``resolve(True)`` is the address a trainer uses when it names none: ``CKPTD_DAEMON``, else the
-daemon's default socket (``default_socket``: ``CKPTD_SOCKET``, else ``/run/ckptd/ckptd.sock``
-where ``/run`` is writable, else ``/dev/shm/ckptd/ckptd.sock``), the same path ``ckptd serve``
-listens on by default.
-
-A ``DaemonConnection`` keeps one connection per thread (safe to share between threads) and sends
-``Authorization: Bearer <token>`` when it has a token (``ckptd.auth.daemon_token`` for clients;
-none until a discovered peer passed its challenge). A connection that was idle in the pool is
-retried once when it turns out stale (every request is idempotent or carries a client-chosen
-id); a fresh one that fails raises ``DaemonUnreachable``, naming the address and what to set.
+``DaemonConnection`` keeps one keep-alive connection per thread and sends the bearer token it
+holds (``ckptd.auth.daemon_token`` for clients; none until a discovered peer passed its
+challenge). A kept connection that turns out stale is replaced once (requests are idempotent or
+carry a client-chosen id); a fresh one that fails is ``DaemonUnreachable``, naming the address
+and what to set.
 """
 
 from __future__ import annotations
@@ -36,48 +29,35 @@ from urllib.parse import unquote, urlsplit
 
 from ckptd.errors import CheckpointError
 
-__all__ = [
-    "DaemonConnection",
-    "DaemonUnreachable",
-    "ENV_DAEMON",
-    "ENV_SOCKET",
-    "default_socket",
-    "detail",
-    "resolve",
-]
+__all__ = ["DaemonConnection", "DaemonUnreachable", "default_socket", "detail", "resolve"]
 
 log = logging.getLogger("ckptd.daemon_conn")
 
-ENV_DAEMON = "CKPTD_DAEMON"  # the address a trainer with daemon=True uses
-ENV_SOCKET = "CKPTD_SOCKET"  # the daemon's socket: where ``ckptd serve`` listens and trainers look
 MAX_REPLY = 64 << 20  # a reply read whole (JSON, a listing) may be at most this long
 _WAIT_LOG_EVERY_S = 30.0
-_HINT = f"start `ckptd serve`, or name its address in {ENV_DAEMON} (its socket: --socket / {ENV_SOCKET})"
+_HINT = "start `ckptd serve`, or name its address in CKPTD_DAEMON (its socket: --socket / CKPTD_SOCKET)"
 
 
 class DaemonUnreachable(CheckpointError):
-    """The daemon did not answer (gone, not started, a wrong address), or its reply was cut off
-    or over the size cap."""
+    """The daemon did not answer (gone, not started, a wrong address), or its reply broke off or
+    was over the cap."""
 
 
 def default_socket() -> Path:
     """The daemon's socket when none is named: ``CKPTD_SOCKET``, else ``/run/ckptd/ckptd.sock``
     where ``/run`` is writable (or that folder exists), else ``/dev/shm/ckptd/ckptd.sock``. It
     depends on nothing the daemon serves, so a trainer finds it without being told."""
-    env = os.environ.get(ENV_SOCKET)
-    if env:
-        return Path(env)
-    run = Path("/run/ckptd")
-    if run.is_dir() or os.access("/run", os.W_OK):
-        return run / "ckptd.sock"
-    return Path("/dev/shm/ckptd/ckptd.sock")
+    if os.environ.get("CKPTD_SOCKET"):
+        return Path(os.environ["CKPTD_SOCKET"])
+    run = os.path.isdir("/run/ckptd") or os.access("/run", os.W_OK)
+    return Path("/run/ckptd/ckptd.sock" if run else "/dev/shm/ckptd/ckptd.sock")
 
 
 def resolve(daemon: str | bool | None) -> str | None:
     """The address a ``daemon`` argument means: True -> ``CKPTD_DAEMON``, else the default
     socket; a string as given; None/False -> no daemon."""
     if daemon is True:
-        return os.environ.get(ENV_DAEMON) or f"unix://{default_socket()}"
+        return os.environ.get("CKPTD_DAEMON") or f"unix://{default_socket()}"
     return daemon or None
 
 
@@ -94,36 +74,16 @@ class _UnixConnection(http.client.HTTPConnection):
         self._path = path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        dfd = None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # closed by close() on failure
+        self.sock.settimeout(self.timeout)
+        head, name = os.path.split(self._path)
+        long = len(os.fsencode(self._path)) >= 108  # longer than a socket address holds
+        dfd = os.open(head, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if long else None
         try:
-            sock.settimeout(self.timeout)
-            path = self._path
-            if len(os.fsencode(path)) >= 108:  # longer than a socket address holds
-                head, name = os.path.split(path)
-                dfd = os.open(head, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-                path = f"/proc/self/fd/{dfd}/{name}"
-            sock.connect(path)
-        except OSError:
-            sock.close()
-            raise
+            self.sock.connect(self._path if dfd is None else f"/proc/self/fd/{dfd}/{name}")
         finally:
             if dfd is not None:
                 os.close(dfd)
-        self.sock = sock
-
-
-def _unix_path(url: str) -> str | None:
-    """The socket path of ``unix:///path`` or ``http+unix://%2Fpath``; None for other URLs."""
-    if url.startswith("unix://"):
-        path = url[len("unix://") :]
-    elif url.startswith("http+unix://"):
-        path = unquote(url[len("http+unix://") :].split("/", 1)[0])
-    else:
-        return None
-    if not path.startswith("/"):
-        raise CheckpointError(f"daemon socket must be an absolute path (unix:///path/to/ckptd.sock), got {url!r}")
-    return path
 
 
 class DaemonConnection:
@@ -134,40 +94,34 @@ class DaemonConnection:
     UNREACHABLE_WAIT_S = 60.0  # how long a patient call waits for an unreachable daemon (a restart)
 
     def __init__(self, url: str, token: str | None, timeout: float = 30.0, who: str = "client"):
+        bad = CheckpointError(f"daemon must be unix:///path/to/ckptd.sock or http://host:port, got {url!r}")
         if not isinstance(url, str):
-            raise CheckpointError(
-                f"daemon must be an address (unix:///path/to/ckptd.sock, http://host:port), got {url!r}"
-            )
-        self.url = url.rstrip("/")
-        self.token = token
-        self.who = who
+            raise bad
+        self.url, self.token, self.who = url.rstrip("/"), token, who
         self.reconnect = True  # False: a kept connection that breaks is an error, not replaced
         self.host: str | None = None  # the TCP host (None over a Unix socket)
-        path = _unix_path(url)
-        if path is not None:
+        self._base = ""
+        if url.startswith(("unix://", "http+unix://")):
+            path = url[7:] if url.startswith("unix://") else unquote(url[12:].split("/", 1)[0])
+            if not path.startswith("/"):
+                raise bad
             self._new = lambda: _UnixConnection(path, timeout)
-            self._base = ""
         else:
             try:
                 parts = urlsplit(url)
                 port = parts.port
             except ValueError:
-                parts, port = None, None
-            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-                raise CheckpointError(
-                    f"daemon must be unix:///path/to/ckptd.sock or http://host:port, got {url!r} ({ENV_DAEMON})"
-                )
+                raise bad from None
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise bad
             cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            self.host = parts.hostname
+            self.host, self._base = parts.hostname, parts.path.rstrip("/")
             self._new = lambda: cls(parts.hostname, port, timeout=timeout)
-            self._base = parts.path.rstrip("/")
         self._local = threading.local()
         self._all: list[http.client.HTTPConnection] = []  # every thread's, closed by close()
         self._lock = threading.Lock()
 
-    def send(
-        self, method: str, path: str, body=None, headers: dict | None = None
-    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def send(self, method: str, path: str, body=None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send one request (``body``: a dict sent as JSON, or bytes); return this thread's
         connection and the response, its body unread: read it whole before the next request on
         this thread, or ``drop`` the connection."""
@@ -179,7 +133,6 @@ class DaemonConnection:
             hdrs["Content-Type"] = "application/octet-stream"
         if self.token:
             hdrs["Authorization"] = f"Bearer {self.token}"
-        hdrs.update(headers or {})
         while True:
             conn = getattr(self._local, "conn", None)
             reused = conn is not None

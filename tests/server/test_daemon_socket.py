@@ -1,7 +1,7 @@
 """Reaching the daemon the way the docs print it (``ckptd.daemon_conn``): a daemon with a token
 file on its default socket (``CKPTD_SOCKET``, no ``--trust-tcp``), a trainer that names no
 address (``daemon=True``). Every call goes through the socket: save, restore from the memory
-tier, a memory-only step, the fence, ``ckptd ls --daemon unix://...``. A wrong or unreachable
+tier, a memory-only step, the fence, ``ckptd ls --daemon unix://...`` (and ``http+unix://``). A wrong or unreachable
 address is one error naming it and what to set; a second daemon cannot take a live daemon's
 socket, and a socket folder another user owns is refused."""
 
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def daemon(tmp_path, monkeypatch):
         yield d
 
 
-def test_every_call_goes_through_the_default_socket(tmp_path, daemon):
+def test_every_call_goes_through_the_default_socket(tmp_path, daemon, monkeypatch):
     root = f"file://{tmp_path / 'jobs' / 'run'}"
     with Checkpointer(root, daemon=True, persist_every=2) as ck:
         assert ck.daemon == daemon.socket_url
@@ -72,6 +73,8 @@ def test_every_call_goes_through_the_default_socket(tmp_path, daemon):
     assert rows[3]["memory_only"] and rows[3]["tiers"], rows
     assert rows[2]["committed"], rows
 
+    # The same socket in its other spelling, named by CKPTD_DAEMON, for the restores and the fence.
+    monkeypatch.setenv("CKPTD_DAEMON", "http+unix://" + quote(str(daemon.socket), safe=""))
     with Checkpointer(root, daemon=True) as ck:
         state = _state(99)
         assert ck.restore(state) == 3  # the memory-only step, from the daemon's memory
@@ -83,7 +86,7 @@ def test_every_call_goes_through_the_default_socket(tmp_path, daemon):
         assert all(torch.equal(state[k], v) for k, v in _state(2).items())
         assert ck.last_restore_tiers["root"] == 0, ck.last_restore_tiers
     # Restoring step 2 fenced step 3 away: the daemon (asked over its socket) no longer holds it.
-    rows = _ls(root, daemon.socket_url)
+    rows = _ls(root, os.environ["CKPTD_DAEMON"])
     assert 3 not in rows and rows[2]["committed"], rows
 
 
