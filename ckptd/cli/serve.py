@@ -210,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
     )
     daemon = app.state.daemon
     try:
-        unix = listen_unix(daemon.socket_path, 0o711 if settings.staging_group or daemon.staging.private else 0o700)
+        group = daemon.staging.group  # the socket's folder, if the daemon makes it, is reached as the staging folder
+        mode = 0o711 if daemon.staging.private else 0o710 if group is not None else 0o700
+        unix = listen_unix(daemon.socket_path, mode, group)
     except (OSError, RuntimeError) as e:
         sock.close()
         daemon.staging.close()

@@ -129,17 +129,17 @@ def peer_protocol(base: type) -> type:
 _LOCKS: dict[Path, int] = {}  # socket path -> the lock this process holds on it while it listens
 
 
-def listen_unix(path: Path, folder_mode: int = 0o700) -> socket.socket:
+def listen_unix(path: Path, folder_mode: int = 0o700, gid: int | None = None) -> socket.socket:
     """A Unix socket bound at ``path``, mode 0666 (whoever may enter its folder may connect; the
-    kernel names them). The folder is created with ``folder_mode`` if missing; it must not be a
-    link, and it and every folder above must belong to root or this daemon's user and not be
-    writable by others unless sticky (``check_ancestors``), so nobody else can swap or plant the
-    socket. ``<path>.lock`` stays locked while this process listens (``release_unix``): a second
-    daemon on a live daemon's socket is refused; a socket a dead daemon of this user left is
-    replaced; anything else is refused."""
+    kernel names them). The folder is created with ``folder_mode`` (and group ``gid``) if
+    missing; it must not be a link, and it and every folder above must belong to root or this
+    daemon's user and not be writable by others unless sticky (``check_ancestors``), so nobody
+    else can swap or plant the socket. ``<path>.lock`` stays locked while this process listens
+    (``release_unix``): a second daemon on a live daemon's socket is refused; a socket a dead
+    daemon of this user left is replaced; anything else is refused."""
     path = Path(path)
     if not os.path.lexists(path.parent):
-        os.close(open_private_dir(path.parent, folder_mode))
+        os.close(open_private_dir(path.parent, folder_mode, gid))
     if os.path.islink(path.parent):
         raise StagingError(f"socket folder {path.parent} is a symbolic link: refusing it")
     check_ancestors(path)

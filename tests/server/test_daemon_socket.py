@@ -144,3 +144,22 @@ def test_a_socket_folder_of_another_user_is_refused(tmp_path):
         assert str(sock.parent) in d.logs() and "Traceback" not in d.logs(), d.logs()
         assert not sock.exists()
         d.log_path.unlink()
+
+
+def test_the_daemon_makes_the_socket_folder_as_private_as_its_staging(tmp_path):
+    """A socket folder the daemon makes is its own: 0700, or 0710 and the trainers' group with
+    --staging-group (only its members reach the socket)."""
+    import grp
+
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    os.chmod(token, 0o600)
+    group = grp.getgrgid(os.getgid()).gr_name
+    for name, env, mode in (("plain", {}, 0o700), ("group", {"CKPTD_STAGING_GROUP": group}, 0o710)):
+        sock = tmp_path / name / "ckptd.sock"
+        d = Daemon([str(tmp_path / "jobs")], None, tmp_path / f"{name}.log", token_file=token, trust_tcp=False)
+        d.env.update(CKPTD_SOCKET=str(sock), CKPTD_ISOLATE_TENANTS="0", **env)
+        with d:
+            st = os.stat(sock.parent)
+            assert (st.st_mode & 0o7777, st.st_uid) == (mode, os.geteuid()) and st.st_gid == os.getgid()
+            assert sock.is_socket() and os.stat(sock).st_mode & 0o777 == 0o666
