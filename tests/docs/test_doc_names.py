@@ -15,7 +15,7 @@ from tests.docs.docblocks import REPO
 PACKAGES = ("ckptd", "trainer_hooks", "storage_backends")
 DOCS = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
 PATH = re.compile(r"(?<![\w/.-])((?:ckptd|trainer_hooks|storage_backends)/[\w/.-]*\w)")
-DOTTED = re.compile(r"`((?:ckptd|trainer_hooks|storage_backends)(?:\.[A-Za-z_]\w*)+)")
+DOTTED = re.compile(r"`((?:ckptd|trainer_hooks|storage_backends)(?:\.[A-Za-z_]\w*)+)(?![\w*])")  # not a glob (open_*)
 FILE_SUFFIXES = {"sock", "json", "yaml", "service", "md", "py", "png"}
 BARE = re.compile(r"`(_?[a-z][\w]*\.py)`")
 
