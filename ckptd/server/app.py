@@ -545,6 +545,8 @@ def create_app(settings: Settings) -> FastAPI:
         )
     metrics = Metrics()
     runner = Runner(settings, roots, staging, metrics)
+    if can_isolate():  # files committed into a tenant's local root are the tenant's
+        runner.owner_of = tenancy.owner_of
     tiers = Tiers(
         staging,
         settings.peers,
