@@ -349,6 +349,26 @@ class Tenancy:
                 f"job root {root}: {caller} cannot write {path} itself, so the daemon does not write it on its behalf"
             )
 
+    def owner_of(self, root: str) -> tuple[int, int] | None:
+        """(uid, gid) that what the daemon writes into ``root`` belongs to: for a local root
+        inside one bound to a uid other than the daemon's, that uid and the bound folder's group
+        (the uid's own group if that folder is gone); else None (the daemon's own)."""
+        key = _key(root)
+        if key[0] != "file":
+            return None
+        with self._lock:
+            held = self._holder(key)
+        if held is None or held[1]["uid"] in (0, self._me):
+            return None
+        uid = held[1]["uid"]
+        try:
+            return uid, os.stat("/" + "/".join(held[0][1])).st_gid
+        except OSError:
+            try:
+                return uid, pwd.getpwuid(uid).pw_gid
+            except KeyError:
+                return uid, uid
+
     def _who(self, held: tuple[tuple, dict]) -> str:
         k, b = held
         how = " (--bind)" if b.get("by") == "--bind" else ""

@@ -43,6 +43,7 @@ import threading
 import time
 from pathlib import Path
 
+from ckptd.server.parts import MAX_NUMBER
 from ckptd.server.roots import RootError
 from ckptd.server.tenancy import PEER_KEY, Forbidden, Peer, listen_unix, release_unix
 from ckptd.server.tiers import MAX_BATCH_RANGES
@@ -227,6 +228,8 @@ class TierData:
                 or not 0 < len(r[0]) <= MAX_KEY
                 or type(r[1]) is not int
                 or type(r[2]) is not int
+                or not -MAX_NUMBER <= r[1] <= MAX_NUMBER
+                or not -MAX_NUMBER <= r[2] <= MAX_NUMBER
             ):
                 raise _Refused(400, "a range is [key, start, length]")
             want.append((r[0], r[1], r[2]))
