@@ -79,5 +79,5 @@ SETUP = {
     ("docs/operations.md", "A node died (trainer or daemon killed mid-save)"): _node_died,
     ("docs/operations.md", "A checkpoint is corrupt"): _corrupt,
     ("docs/operations.md", "Storage is down or slow"): _storage_down,
-    ("docs/operations.md", "A restarted job is refused the dead job's step (`ckptd fence`)"): _fence,
+    ("docs/operations.md", "A restarted job skips the dead job's step (`ckptd fence`)"): _fence,
 }

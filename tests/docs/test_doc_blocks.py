@@ -143,6 +143,13 @@ def test_exceptions_name_existing_blocks():
     assert not stale, f"listed blocks that no longer exist: {stale}"
 
 
+def test_setups_name_existing_sections():
+    """A runbook setup keyed by a heading that was renamed would silently not run."""
+    sections = {(b.path, b.section) for b in RUN}
+    stale = [k for k in scenarios.SETUP if k not in sections]
+    assert not stale, f"setups for sections that no longer exist: {stale}"
+
+
 # -- running ------------------------------------------------------------------------------------
 
 _SECTIONS: dict[tuple[str, int], Section] = {}
