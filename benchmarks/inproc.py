@@ -121,6 +121,7 @@ class Daemon:
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         code = "import sys; from ckptd.cli.main import main; sys.exit(main())"
         args = ["serve", "--root", root, "--port", str(self.port), "--staging-dir", self.staging, "--insecure-no-auth"]
+        args += ["--socket", f"{self.staging}/ckptd.sock"]  # not the machine's default socket
         args += ["--budget", str(budget), "--log-level", "warning"]
         self.proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60

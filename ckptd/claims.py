@@ -78,7 +78,7 @@ import time
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.errors import AlreadyCommitted, CheckpointError, SaveAborted, StepClaimed
+from ckptd.errors import AlreadyCommitted, CheckpointError, SaveAborted, StepClaimed, StepHeld
 from ckptd.leases import idle_seconds, lease_age, lease_s, stale_after
 from ckptd.manifest import CLAIMS
 from storage_backends import NotFoundError, StorageError, Store
@@ -173,7 +173,7 @@ def begin(store: Store, step: int, attempt: str, writer: str, *, sole: bool = Tr
                         if named
                         else f"its claim record {claim_key(step, n)} names no job (damaged or forged)"
                     )
-                    raise StepClaimed(
+                    raise StepHeld(
                         f"{where}: step {step} is being written by job {other!r} (attempt "
                         f"{rec.get('attempt')!r}, {what} {idle:.0f} s ago); refusing to write it as job "
                         f"{writer!r}: two writers on one job root. Stop the other job; if it is dead, "
@@ -256,7 +256,7 @@ def outcome_keys(step: int, attempt: str, world_size: int) -> list[str]:
     return [outcome_key(step, attempt, g) for g in range(-(-world_size // OUTCOME_GROUP))]
 
 
-_REFUSALS = {"AlreadyCommitted": AlreadyCommitted, "StepClaimed": StepClaimed}
+_REFUSALS = {"AlreadyCommitted": AlreadyCommitted, "StepClaimed": StepClaimed, "StepHeld": StepHeld}
 
 
 def lead_claim(store: Store, step: int, attempt: str, writer: str, world_size: int, pool) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
-from ckptd.dtypes import DTYPE_ATTRIBUTE, NUMPY, STORED_AS, numpy_dtype, stored_name
+from ckptd.dtypes import DTYPE_ATTRIBUTE, NUMPY, STORED_AS, itemsize, numpy_dtype, stored_name
 from ckptd.errors import CheckpointError, CorruptChunkError
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "MAX_NDIM",
     "MAX_SMALL_GRID",
     "MIN_AVG_CHUNK_BYTES",
+    "check_chunk",
     "check_metadata",
     "crc32c",
     "crc_bytes",
@@ -150,8 +151,7 @@ class ArrayLayout:
     def check_bounds(self) -> None:
         """ValueError if the layout declares more than any real tensor needs (see the bounds
         above): computed from the declared numbers only, allocating nothing."""
-        itemsize = NUMPY[self.dtype].itemsize if self.dtype in NUMPY else 1
-        nbytes = math.prod(self.shape) * itemsize
+        nbytes = math.prod(self.shape) * (itemsize(self.dtype) if self.dtype in NUMPY else 1)
         if nbytes > MAX_ARRAY_BYTES:
             raise ValueError(f"shape {list(self.shape)} is {nbytes} bytes, more than {MAX_ARRAY_BYTES}")
         chunks = math.prod(-(-n // c) for n, c in zip(self.shape, self.chunk_shape, strict=True))
@@ -174,7 +174,7 @@ class ArrayLayout:
 
     @property
     def itemsize(self) -> int:
-        return self.np_dtype.itemsize
+        return itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -445,16 +445,21 @@ def image_crcs(layout: ArrayLayout, image: np.ndarray, chunks: int) -> bytes:
     return out + bytes(mv[-CRC_BYTES:]) if layout.sharded else out
 
 
-def decode_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> np.ndarray:
-    """Check a chunk's crc32c and view it as an array of ``chunk_shape``. ``where`` names the
-    chunk in the error message."""
+def check_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> memoryview:
+    """Check a chunk's size and crc32c; its body. ``where`` names the chunk in the error message.
+    Needs no numpy dtype (a check of a bfloat16 chunk imports no ``ml_dtypes``)."""
     mv = memoryview(data)
     if mv.nbytes != layout.chunk_nbytes + CRC_BYTES:
         raise CorruptChunkError(f"{where}: chunk has {mv.nbytes} bytes, expected {layout.chunk_nbytes + CRC_BYTES}")
     body, tail = mv[:-CRC_BYTES], mv[-CRC_BYTES:]
     if crc32c(body) != struct.unpack("<I", tail)[0]:
         raise CorruptChunkError(f"{where}: crc32c mismatch (corrupt chunk)")
-    return np.frombuffer(body, dtype=layout.np_dtype).reshape(layout.chunk_shape)
+    return body
+
+
+def decode_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> np.ndarray:
+    """``check_chunk``, then the chunk as an array of ``chunk_shape``."""
+    return np.frombuffer(check_chunk(layout, data, where), dtype=layout.np_dtype).reshape(layout.chunk_shape)
 
 
 def decode_index(layout: ArrayLayout, data: bytes, where: str) -> np.ndarray:

@@ -24,11 +24,10 @@ code stays torch-free, and only a caller that already holds tensors makes torch 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-import ml_dtypes
 import numpy as np
 
 from ckptd.errors import CheckpointError
@@ -41,6 +40,7 @@ __all__ = [
     "NUMPY",
     "STORED_AS",
     "as_numpy",
+    "itemsize",
     "numpy_dtype",
     "stored_name",
     "torch_dtype",
@@ -48,38 +48,63 @@ __all__ = [
     "zarr_name",
 ]
 
+# ckptd dtype name -> numpy dtype; for the rows numpy knows through ``ml_dtypes`` (the type of the
+# same name there), their itemsize instead: its extension takes about a second to import, so it
+# loads at the first look-up of such a row (a checkpoint that holds one, as numpy), never for the
+# names alone.
+_ROWS: dict[str, np.dtype | int] = {
+    "bool": np.dtype(np.bool_),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": 2,
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "complex64": np.dtype(np.complex64),
+    "complex128": np.dtype(np.complex128),
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": np.dtype(np.uint8),
+}
+
+
+class _Table(Mapping):
+    """``NUMPY``, read-only: membership, iteration and ``itemsize`` import no ``ml_dtypes``."""
+
+    def __getitem__(self, name: str) -> np.dtype:
+        row = _ROWS[name]
+        if isinstance(row, int):
+            import ml_dtypes
+
+            return np.dtype(getattr(ml_dtypes, name))
+        return row
+
+    def __contains__(self, name) -> bool:
+        return name in _ROWS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_ROWS)
+
+    def __len__(self) -> int:
+        return len(_ROWS)
+
+
 # ckptd dtype name -> numpy dtype. The torch dtype of each is ``torch.<name>``; the zarr v3
 # ``data_type`` is the name itself except where ``STORED_AS`` says otherwise.
-NUMPY: Mapping[str, np.dtype] = MappingProxyType(
-    {
-        "bool": np.dtype(np.bool_),
-        "int8": np.dtype(np.int8),
-        "int16": np.dtype(np.int16),
-        "int32": np.dtype(np.int32),
-        "int64": np.dtype(np.int64),
-        "uint8": np.dtype(np.uint8),
-        "uint16": np.dtype(np.uint16),
-        "uint32": np.dtype(np.uint32),
-        "uint64": np.dtype(np.uint64),
-        "float16": np.dtype(np.float16),
-        "bfloat16": np.dtype(ml_dtypes.bfloat16),
-        "float32": np.dtype(np.float32),
-        "float64": np.dtype(np.float64),
-        "complex64": np.dtype(np.complex64),
-        "complex128": np.dtype(np.complex128),
-        "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-        "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
-        "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
-        "float8_e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
-        "float8_e8m0fnu": np.dtype(ml_dtypes.float8_e8m0fnu),
-        "float4_e2m1fn_x2": np.dtype(np.uint8),
-    }
-)
+NUMPY: Mapping[str, np.dtype] = _Table()
 # The names whose zarr v3 ``data_type`` differs: the zarr.json names the ckptd dtype in the
 # attribute ``DTYPE_ATTRIBUTE``.
 STORED_AS: Mapping[str, str] = MappingProxyType({"float4_e2m1fn_x2": "uint8"})
 DTYPE_ATTRIBUTE = "ckptd_dtype"
-_BY_NUMPY = {dt: name for name, dt in NUMPY.items() if name not in STORED_AS}
 
 _WORKAROUND = (
     "supported dtypes: {names}. Store another dtype as its bits (t.view(torch.uint8), or the "
@@ -95,12 +120,27 @@ def numpy_dtype(name: str) -> np.dtype:
         raise CheckpointError(f"unsupported zarr data type {name!r}") from None
 
 
+def itemsize(name: str) -> int:
+    """The bytes per element of ckptd dtype ``name`` (without importing ``ml_dtypes``)."""
+    try:
+        row = _ROWS[name]
+    except (KeyError, TypeError):
+        numpy_dtype(name)  # raises the one error for a name outside the table
+        raise
+    return row if isinstance(row, int) else row.itemsize
+
+
 def zarr_name(dtype: np.dtype) -> str:
     """The zarr data type of a numpy dtype; CheckpointError if this format has none."""
     try:
-        return _BY_NUMPY[np.dtype(dtype)]
-    except (KeyError, TypeError):
+        dt = np.dtype(dtype)
+    except TypeError:
         raise CheckpointError(f"unsupported dtype {dtype}") from None
+    # an ml_dtypes type is named as its row; another byte order, or a row stored as another
+    # (float4_e2m1fn_x2 as uint8), is not that row
+    if dt.name not in NUMPY or dt.name in STORED_AS or NUMPY[dt.name] != dt:
+        raise CheckpointError(f"unsupported dtype {dtype}")
+    return dt.name
 
 
 def stored_name(name: str) -> str:

@@ -10,6 +10,7 @@ __all__ = [
     "SaveAborted",
     "StateMismatchError",
     "StepClaimed",
+    "StepHeld",
 ]
 
 
@@ -42,6 +43,12 @@ class AlreadyCommitted(CheckpointError):
 
 class StepClaimed(CheckpointError):
     """Another writer (job) is writing this step: two writers on one root are refused."""
+
+
+class StepHeld(StepClaimed):
+    """Another job's live claim (its lease is being renewed, or has not run out yet) holds this
+    step. That job may still commit it; a trainer hook skips the step once and saves the next
+    (``Checkpointer.save``)."""
 
 
 class SaveAborted(CheckpointError):

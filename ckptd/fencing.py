@@ -24,7 +24,7 @@ from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError, Store
 
-__all__ = ["FENCE_WRITER", "Fenced", "fence", "is_fence", "partial_steps_of_others", "unowned"]
+__all__ = ["FENCE_WRITER", "Fenced", "fence", "is_fence", "unowned"]
 
 log = logging.getLogger("ckptd.fencing")
 
@@ -97,27 +97,6 @@ def fence(store: Store, job: str, step: int | None = None, *, force: bool = Fals
             )
         log.warning("fenced job %r off %s (%s %.0f s ago)", job, catalog.where(store, s), what, idle)
         out.append(Fenced(s, str(rec.get("attempt")), idle, what))
-    return out
-
-
-def partial_steps_of_others(store: Store, writer: str, above: int) -> list[tuple[int, str]]:
-    """(step, job) of the partial steps above ``above`` whose newest claim is another job's (not
-    a fencing claim): where a resumed job ``writer`` will be refused until that job is fenced
-    or its claim expires. Best effort: a step that cannot be read is skipped."""
-    out = []
-    try:
-        steps = [s for s in catalog.steps(store) if s > above]
-    except (StorageError, CheckpointError):
-        return out
-    for s in steps:
-        try:
-            if store.exists(f"{mf.step_dir(s)}/{mf.COMMIT}"):
-                continue
-            rec = claims.owner(store, s)
-        except (StorageError, CheckpointError):
-            continue
-        if rec is not None and not is_fence(rec) and rec.get("writer") not in (None, writer):
-            out.append((s, str(rec.get("writer"))))
     return out
 
 

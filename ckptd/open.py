@@ -43,9 +43,9 @@ from ckptd.codec import (
     CRC_BYTES,
     EMPTY,
     ArrayLayout,
+    check_chunk,
     check_metadata,
     crc32c,
-    decode_chunk,
     decode_index,
     max_object_bytes,
 )
@@ -198,7 +198,7 @@ def _check_object(layout: ArrayLayout, data: bytes, name: str) -> None:
     """A whole chunk object (plain layout) or shard object, as ``verify`` checks it: the index
     and every chunk it points to pass their crc32c, and each lies inside the object."""
     if not layout.sharded:
-        decode_chunk(layout, data, name)
+        check_chunk(layout, data, name)
         return
     if len(data) < layout.index_nbytes:
         raise CorruptChunkError(f"{name}: object of {len(data)} bytes is shorter than its index")
@@ -209,7 +209,7 @@ def _check_object(layout: ArrayLayout, data: bytes, name: str) -> None:
             continue
         if n != layout.chunk_nbytes + CRC_BYTES or off + n > body:
             raise CorruptChunkError(f"{name}: index entry ({off}, {n}) is out of bounds")
-        decode_chunk(layout, mv[off : off + n], name)
+        check_chunk(layout, mv[off : off + n], name)
 
 
 class ConfinedZarrStore(ZarrStore):

@@ -4,8 +4,9 @@ and the restoring ranks (``trainer_hooks.tiered``). Standard library only.
 A frame is ``MAGIC`` (4 bytes) + the length of a JSON header (4 bytes, big endian) + the header;
 a read reply's header is followed by exactly ``length`` bytes of body, and an ``fds`` reply's
 header carries the descriptors (``SCM_RIGHTS``) with its first byte. The header length is checked
-against ``MAX_HEADER`` before anything is allocated, and a peer that closes mid-frame is a
-``WireError``: a frame is whole or it is an error, never a partial answer.
+against ``MAX_HEADER`` before anything is allocated, its nesting against ``MAX_DEPTH`` (by a
+loop over its brackets, before the JSON parser, which recurses, sees it), and a peer that closes
+mid-frame is a ``WireError``: a frame is whole or it is an error, never a partial answer.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import array
 import contextlib
 import json
 import os
+import re
 import socket
 import struct
 
 __all__ = [
     "F_ADD_SEALS",
     "F_GET_SEALS",
+    "MAX_DEPTH",
     "MAX_FDS",
     "MAX_HEADER",
     "SEALS",
@@ -35,6 +38,9 @@ REQUEST = b"CKTQ"
 REPLY = b"CKTA"
 MAX_HEADER = 1 << 20  # bytes of one frame's JSON header at most
 MAX_FDS = 128  # descriptors one ``fds`` reply passes at most
+MAX_DEPTH = 8  # levels of nesting of a header at most (a read request's ranges: 3)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _HEAD = struct.Struct(">4sI")
 F_ADD_SEALS, F_GET_SEALS = 1033, 1034  # fcntl commands (Linux)
 SEALS = 0x0002 | 0x0004 | 0x0008  # F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE: a passed memfd is immutable
@@ -96,6 +102,7 @@ def recv_frame(sock: socket.socket, magic: bytes, max_fds: int = 0) -> tuple[dic
             raise WireError(f"a header of {n} bytes is over {MAX_HEADER}")
         raw = bytearray(n)
         recv_exact(sock, memoryview(raw))
+        _check_depth(raw)
         try:
             header = json.loads(raw)
         except ValueError:
@@ -106,6 +113,16 @@ def recv_frame(sock: socket.socket, magic: bytes, max_fds: int = 0) -> tuple[dic
     except BaseException:
         _close(fds)
         raise
+
+
+def _check_depth(raw: bytearray) -> None:
+    """WireError if the JSON text in ``raw`` nests deeper than ``MAX_DEPTH`` (strings, whose
+    brackets are text, are skipped first)."""
+    depth = 0
+    for c in _STRING.sub(b"", raw).translate(None, _NOT_BRACKET):
+        depth += 1 if c in b"[{" else -1
+        if depth > MAX_DEPTH:
+            raise WireError(f"the header nests more than {MAX_DEPTH} levels deep")
 
 
 def _close(fds: list[int]) -> None:

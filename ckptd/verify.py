@@ -26,7 +26,7 @@ import numpy as np
 from ckptd import catalog, commit
 from ckptd import manifest as mf
 from ckptd import pins as pinsmod
-from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, check_metadata, decode_chunk, decode_index, max_object_bytes
+from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, check_chunk, check_metadata, decode_index, max_object_bytes
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import chunk_box
 from storage_backends import NotFoundError, StorageError, Store
@@ -102,7 +102,7 @@ def _check_shard(
 def _check_layout(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], name: str) -> None:
     """The shard's index, each chunk's place and crc32c (what the object says of itself)."""
     if not layout.sharded:
-        decode_chunk(layout, mv, name)
+        check_chunk(layout, mv, name)
         return
     if mv.nbytes < layout.index_nbytes:
         raise CorruptChunkError(f"{name}: object of {mv.nbytes} bytes is shorter than its index")
@@ -127,7 +127,7 @@ def _check_layout(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], n
                 f"{name} chunk {c}: at offset {off}, not where the format puts it (chunks of a shard "
                 "are stored back to back in C order); the shard was rewritten by another tool"
             )
-        decode_chunk(layout, mv[off : off + n], f"{name} chunk {c}")
+        check_chunk(layout, mv[off : off + n], f"{name} chunk {c}")
 
 
 def _pins(store: Store, step: int, where: str, threads: int) -> pinsmod.Pins | None:

@@ -16,6 +16,11 @@ both cases (the fsync, or the ``syncfs`` of ``sync``).
 
 Here: ``LocalStore``'s writes; its reads and listings are ``_local_reads``, its deletes
 ``_local_purge``, and the descriptor-relative primitives they share ``_local_fs``.
+
+``owner``: a function naming the (uid, gid) that what the store makes belongs to, or None. Each
+file and folder it makes is then given to them (``fchown`` and ``fchmod`` on a descriptor opened
+``O_NOFOLLOW``, before the file is renamed into place), files 0640 and folders 0750: no world
+bits. A daemon writing a tenant's root as root uses it (``ckptd.server.tenancy``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 from storage_backends._direct import DIRECT_MIN_BYTES, BouncePool, DirectUnsupported, open_direct, write_direct
 from storage_backends._local_fs import (
+    DIR_OPEN,
     DIR_RACE_TRIES,
+    FILE_OPEN,
     NO_LINK_ERRNOS,
     copy_file,
     identity,
@@ -66,7 +73,14 @@ class LocalStore(Reads, Deletes, Store):
     (``LinkRefused``) and is never deleted through; a FIFO or a device file is not an object.
     """
 
-    def __init__(self, root: str, direct_io: bool | None = None, *, below: str | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        direct_io: bool | None = None,
+        *,
+        below: str | None = None,
+        owner: Callable[[], tuple[int, int] | None] | None = None,
+    ) -> None:
         """``below``: a folder the root lies inside (a daemon's served root, the root a request
         named below it). Then only ``below`` itself may be a link: every folder from it down to the
         root is opened (or made) one level at a time with ``O_NOFOLLOW``, so a link planted on the
@@ -92,6 +106,7 @@ class LocalStore(Reads, Deletes, Store):
         # CKPTD_DIRECT_IO=0 or the filesystem refuses it.
         self._direct = direct_io if direct_io is not None else os.environ.get("CKPTD_DIRECT_IO", "1") != "0"
         self._bounce = BouncePool()
+        self._owner = owner
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -114,6 +129,8 @@ class LocalStore(Reads, Deletes, Store):
         Raises OSError: ENOENT for a missing level, ELOOP/ENOTDIR for a link or a file."""
 
         def made(parent: int, depth: int, missing: bool) -> None:
+            if missing:
+                self._own(parent, parts[depth - 1], folder=True)
             if missing and durable:
                 os.fsync(parent)
             elif missing or (durable and self._deferred_dirs):
@@ -143,6 +160,7 @@ class LocalStore(Reads, Deletes, Store):
 
         def made(parent: int, depth: int, missing: bool) -> None:
             if missing:
+                self._own(parent, self._below_parts[depth - 1], folder=True)
                 os.fsync(parent)
 
         return walk_down(fd, self._below_parts, create, made)
@@ -172,6 +190,18 @@ class LocalStore(Reads, Deletes, Store):
             )
         return self._fail(op, repr(key), e, hint)
 
+    def _own(self, dir_fd: int, name: str, folder: bool) -> None:
+        """Give ``name`` (just made in ``dir_fd``) to the store's owner, if it has one."""
+        who = self._owner() if self._owner is not None else None
+        if who is None:
+            return
+        fd = os.open(name, DIR_OPEN if folder else FILE_OPEN, dir_fd=dir_fd)
+        try:
+            os.fchown(fd, *who)
+            os.fchmod(fd, 0o750 if folder else 0o640)
+        finally:
+            os.close(fd)
+
     @staticmethod
     def _tmp_name(name: str) -> str:
         # Truncated so the temp name stays under NAME_MAX (255) for long keys.
@@ -188,6 +218,12 @@ class LocalStore(Reads, Deletes, Store):
                     stack.callback(os.close, fd)
                     tmp = self._tmp_name(name)
                     create(fd, tmp)
+                    try:
+                        self._own(fd, tmp, folder=False)
+                    except BaseException:
+                        with contextlib.suppress(OSError):
+                            os.unlink(tmp, dir_fd=fd)
+                        raise
                 except FileNotFoundError:
                     # A concurrent delete pruned the folder after we opened it (no file can be
                     # made in a removed folder): make it again.

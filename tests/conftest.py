@@ -80,6 +80,16 @@ def point_aws_at(mp: pytest.MonkeyPatch, url: str, credentials: dict[str, str]) 
         mp.setenv(name, ",".join(filter(None, [os.environ.get(name), "127.0.0.1", "localhost"])))
 
 
+@pytest.fixture(autouse=True)
+def _own_daemon_socket(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every test's daemons and trainers default to a socket of the test's own (``CKPTD_SOCKET``,
+    the variable the docs give two daemons on one machine), never the machine's default socket,
+    which the daemons of other tests (or the machine's own) would hold."""
+    base = tmp_path_factory.getbasetemp() / "sockets"
+    base.mkdir(mode=0o700, exist_ok=True)
+    monkeypatch.setenv("CKPTD_SOCKET", str(base / uuid.uuid4().hex[:12] / "ckptd.sock"))
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """The endpoint URL. AWS_* variables point at it for the rest of the session."""

@@ -57,10 +57,10 @@ def spawn_ranks(
     *,
     cwd: str | Path,
     pythonpath: str | Path | None = None,
-    extra_env: Mapping[str, str] | None = None,
+    extra_env: Mapping[str, str] | Callable[[int], Mapping[str, str]] | None = None,
 ) -> list[subprocess.Popen]:
     """Start ``argv`` as ranks 0..world-1 with a fresh MASTER_PORT; rank r's stdout and stderr go
-    to ``log_path(r)`` (its folder is created)."""
+    to ``log_path(r)`` (its folder is created). ``extra_env``: for every rank, or rank -> its own."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -70,7 +70,13 @@ def spawn_ranks(
             procs.append(
                 subprocess.Popen(
                     list(argv),
-                    env=rank_env(rank, world, port, pythonpath=pythonpath, extra_env=extra_env),
+                    env=rank_env(
+                        rank,
+                        world,
+                        port,
+                        pythonpath=pythonpath,
+                        extra_env=extra_env(rank) if callable(extra_env) else extra_env,
+                    ),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     cwd=str(cwd),

@@ -1,5 +1,6 @@
 """What the Lightning and Hugging Face callbacks share: options, opening the Checkpointer and
-restoring, saving a step once, and closing. Framework-free: :mod:`trainer_hooks.lightning` and
+restoring, saving a step once, closing, and the elastic training loader whose length is a whole
+epoch at this world size. Framework-free: :mod:`trainer_hooks.lightning` and
 :mod:`trainer_hooks.hf` import their framework themselves and mix this class into its callback.
 """
 
@@ -8,7 +9,54 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch.utils.data import DataLoader
+
+from ckptd.sampler_math import share
 from trainer_hooks.checkpointer import Checkpointer
+from trainer_hooks.sampler import ElasticSampler, StatefulLoader
+
+
+def rank_batches(sampler: ElasticSampler, start: int, batch_size: int) -> list[int]:
+    """Batches each rank of the sampler's world gets from global position ``start`` of the epoch."""
+    n, world, drop = sampler.dataset_len, sampler.num_replicas, sampler.state_dict()["drop_last"]
+    shares = (share(n, start, r, world, drop) for r in range(world))
+    return [s // batch_size if drop else -(-s // batch_size) for s in shares]
+
+
+def check_even(sampler: ElasticSampler, batch_size: int, who: str, fix: str) -> None:
+    """Refuse a world size at which the rest of the sampler's epoch, or a whole one, gives the
+    ranks different batch counts: the ranks of a DDP step wait for each other, so the one with a
+    batch more would wait forever."""
+    for start in sorted({sampler.position, 0}, reverse=True):
+        counts = rank_batches(sampler, start, batch_size)
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"{who}: {sampler.dataset_len - start} samples {'left ' if start else ''}of epoch "
+                f"{sampler.epoch} give {sampler.num_replicas} ranks {counts} batches of {batch_size}; "
+                f"DDP needs the same count on every rank: {fix}"
+            )
+
+
+class EpochLoader(StatefulLoader):
+    """The elastic training loader the callbacks hand their trainer: a ``StatefulLoader`` (the
+    sampler's position counts the batches the training loop received, whatever the workers
+    prefetch) whose ``len`` is a whole epoch at this world size, as the trainers size epochs
+    with it, and whose ``set_epoch`` selects the sampler's epoch."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self.dataset = loader.dataset
+        self.batch_size = loader.batch_size
+
+    def __len__(self) -> int:
+        return rank_batches(self.sampler, 0, self.batch_size)[self.sampler.rank]
+
+    def batches_left(self) -> int:
+        """Batches this rank has left in the sampler's epoch, from its position."""
+        return rank_batches(self.sampler, self.sampler.position, self.batch_size)[self.sampler.rank]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
 
 
 class CheckpointCallbackBase:

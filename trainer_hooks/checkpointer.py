@@ -29,7 +29,8 @@ from typing import Any
 
 from ckptd import catalog, claims, persist, retention
 from ckptd import manifest as mf
-from ckptd.errors import CheckpointError, CheckpointNotFoundError
+from ckptd.daemon_conn import resolve
+from ckptd.errors import CheckpointError, CheckpointNotFoundError, StepHeld
 from storage_backends import StorageError, Store, open_store
 from trainer_hooks import hostcopy, memsteps, rng
 from trainer_hooks.coord import Coordinator
@@ -49,8 +50,10 @@ def _io_threads() -> int:
 class Checkpointer:
     """Saves and restores ``state`` dicts under one job root URI.
 
-    ``daemon``: None persists from a background thread of this process; ``"http://host:port"``
-    hands each snapshot to a running ``ckptd serve``, which persists and commits it even if this
+    ``daemon``: None persists from a background thread of this process; an address
+    (``unix:///path/ckptd.sock``, ``http://host:port``; ``ckptd.daemon_conn``) or True (the
+    address in ``CKPTD_DAEMON``, else the daemon's default socket) hands each snapshot to a running
+    ``ckptd serve``, which persists and commits it even if this
     process dies right after ``save`` returned; ``restore`` then reads each shard from the nearest
     memory tier that holds the committed step (this node's daemon, its peers, then the job root;
     ``trainer_hooks.tiered``; ``tiered_restore=False``: always the job root). ``keep_last``:
@@ -93,7 +96,7 @@ class Checkpointer:
     def __init__(
         self,
         root_uri: str,
-        daemon: str | None = None,
+        daemon: str | bool | None = None,
         keep_last: int | None = None,
         *,
         process_group=None,
@@ -107,6 +110,7 @@ class Checkpointer:
     ):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+        daemon = resolve(daemon)
         if type(persist_every) is not int or persist_every < 1 or (persist_every > 1 and daemon is None):
             raise CheckpointError(
                 f"persist_every must be an int >= 1, and > 1 only with a daemon; got {persist_every!r}"
@@ -139,6 +143,7 @@ class Checkpointer:
         self._planner = Planner()
         self._inflight: tuple[int, Future] | None = None
         self._unreported: list[tuple[int, BaseException]] = []
+        self._skipped_held = False  # a step another job's live claim held was skipped (``save``)
         self._closed = False
         self.last_save_blocked_s = 0.0
         self.last_save_phases: dict[str, float] = {}
@@ -183,7 +188,11 @@ class Checkpointer:
 
         Returns once the snapshot is in host memory; the future resolves when the checkpoint is
         committed and raises its error if it is not. Raises at once if the previous save failed
-        and nobody looked at its future, so failures never pass silently.
+        and nobody looked at its future, so failures never pass silently -- with one exception:
+        the first save refused because another job's live claim holds its step (``StepHeld``:
+        a job requeued while the job it replaces still holds a lease) is skipped, with one
+        WARNING naming ``ckptd fence``, and this save goes on. A second such refusal is a
+        second writer still at work on the root: raised, as every other failure.
         """
         self._check_open()
         t0 = time.perf_counter()
@@ -241,7 +250,12 @@ class Checkpointer:
         if self._unreported:
             earlier, cause = self._unreported[0]
             self._unreported.clear()
-            err = f"an earlier save (step {earlier}) failed: {cause}"
+            if isinstance(cause, StepHeld) and not self._skipped_held:
+                self._skipped_held = True
+                if self.rank == 0:
+                    log.warning("step %d skipped, saving step %d instead: %s", earlier, step, cause)
+            else:
+                err = f"an earlier save (step {earlier}) failed: {cause}"
         elif step in self._committed_steps:
             err = f"{catalog.where(self.store, step)}: step {step} is already committed; refusing to overwrite"
         elif self.max_step_jump and self._newest_known is not None and step > self._newest_known + self.max_step_jump:
@@ -441,7 +455,8 @@ class _SaveFuture(Future):
             if exc is None:
                 outer.set_result(f.result())
             else:
-                log.error("save of step %d failed: %s", step, exc)
+                if not isinstance(exc, StepHeld):  # (the next save says whether it skips it)
+                    log.error("save of step %d failed: %s", step, exc)
                 outer.set_exception(exc)
 
         inner.add_done_callback(done)

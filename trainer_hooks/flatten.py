@@ -2,8 +2,9 @@
 
 Modules and optimizers go through ``torch.distributed.checkpoint.state_dict`` so every wrapper
 (DDP, FSDP2, TP, 2-D) yields the same FQN-keyed, DTensor-sharded view; we never reach into FSDP
-internals. Any object with ``state_dict``/``load_state_dict`` is stored through those. Every
-tensor met becomes a zarr array named by its path (``model/layers.0.weight``,
+internals (imported at first use: that package imports DTensor and sympy, most of a second
+of ``import trainer_hooks`` otherwise). Any object with ``state_dict``/``load_state_dict`` is
+stored through those. Every tensor met becomes a zarr array named by its path (``model/layers.0.weight``,
 ``optim/state/layers.0.weight/exp_avg``); everything else is typed JSON (``ckptd.jsonenc``).
 """
 
@@ -14,14 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from ckptd import jsonenc
 from ckptd.dtypes import as_numpy, zarr_dtype
@@ -98,6 +91,8 @@ def _paired_state_dicts(state: dict[str, Any]) -> dict[int, dict]:
     """For a model that exactly one optimizer of the state trains: both state dicts from one
     ``get_state_dict`` call (id of the model / optimizer -> its state dict). The helper's set-up
     (FQN maps over every parameter) then runs once instead of twice per save."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     owner: dict[int, list] = {}
     for o in state.values():
         if zero.is_zero(o):  # flattened by ``trainer_hooks.zero``, never by get_state_dict
@@ -112,6 +107,8 @@ def _paired_state_dicts(state: dict[str, Any]) -> dict[int, dict]:
 
 
 def flatten(state: dict[str, Any]) -> Flat:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     if not isinstance(state, dict):
         raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
     flat = Flat()
@@ -197,6 +194,11 @@ def apply(
     state back (an optimizer's state and groups, a stateful object's ``state_dict``, a dict's
     values); tensor contents are the caller's to put back. Any error is a ``StateMismatchError``
     naming the entry; the caller then runs ``undo`` in reverse."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     def tensor(key: str):
         return loaded.get(key, _MISSING)

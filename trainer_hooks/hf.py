@@ -17,10 +17,10 @@ the Checkpointer and restores (the model is wrapped and the optimizer and schedu
 then); ``on_step_end`` saves when ``state.global_step`` reaches a multiple of ``every_n_steps``;
 ``on_train_end`` saves the last step if it was not saved, waits for the commit and closes.
 
-With the callback on a stock ``Trainer`` the step budget continues from the restored global
-step but the data loader does not: the Trainer sizes its epochs and decides which batches to skip
-before any callback runs, so after a ckptd restore the epoch schedule starts over from its first
-batch. :class:`ElasticTrainer` is the Trainer whose data continues too, at any world size: its
+A stock ``Trainer`` sizes its epochs and decides which batches to skip before any callback runs,
+so after a restore mid-epoch it would start the epoch's data over from its first batch: the
+callback refuses such a step at ``on_train_begin`` (steps saved at an epoch's end resume).
+:class:`ElasticTrainer` is the Trainer whose data continues too, at any world size: its
 training loader deals the epoch with :class:`~trainer_hooks.ElasticSampler`, whose position is
 saved with the rest and restored before the Trainer sizes its epochs, so across a stop at N
 processes and a restart at M every sample of an epoch is trained on exactly once. Do not also
@@ -42,10 +42,9 @@ except ImportError:  # pragma: no cover - an optional extra
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from ckptd.sampler_math import share
-from trainer_hooks._callback_common import CheckpointCallbackBase
+from trainer_hooks._callback_common import CheckpointCallbackBase, EpochLoader, check_even, rank_batches
 from trainer_hooks.checkpointer import Checkpointer
-from trainer_hooks.sampler import ElasticSampler, StatefulLoader
+from trainer_hooks.sampler import ElasticSampler
 
 __all__ = ["CkptdCallback", "ElasticTrainer", "PROGRESS_FIELDS", "TrainerStateAdapter"]
 
@@ -99,6 +98,13 @@ class CkptdCallback(CheckpointCallbackBase, TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         self._open(lambda: self.state(state, model, optimizer, lr_scheduler))
+        if self.restored_step is not None and state.epoch % 1:
+            self._close()
+            raise RuntimeError(
+                f"CkptdCallback: step {self.restored_step} was saved at epoch {state.epoch:.3f}, and this Trainer "
+                "starts that epoch's data over from its first batch (repeating those, never reaching others); "
+                "train with trainer_hooks.hf.ElasticTrainer"
+            )
 
     def _save(self, state, model, optimizer, lr_scheduler) -> None:
         self._save_step(state.global_step, lambda: self.state(state, model, optimizer, lr_scheduler))
@@ -141,52 +147,12 @@ def _check_trainer_layout() -> None:
             )
 
 
-def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
-    return samples // batch_size if drop_last else -(-samples // batch_size)
-
-
-def _rank_batches(sampler: ElasticSampler, start: int, batch_size: int) -> list[int]:
-    """Batches each rank of the sampler's world gets from global position ``start`` of the epoch."""
-    n, world, drop = sampler.dataset_len, sampler.num_replicas, sampler.state_dict()["drop_last"]
-    return [_batches(share(n, start, r, world, drop), batch_size, drop) for r in range(world)]
-
-
 def _start_epoch(sampler: ElasticSampler, batch_size: int) -> None:
     """Right after the restore: move past an epoch that has no batch left, and refuse a world size
-    at which the rest of this epoch, or a whole one, gives the ranks different batch counts (the
-    ranks of a DDP step wait for each other, so the one with a batch more would wait forever)."""
-    if _rank_batches(sampler, sampler.position, batch_size)[sampler.rank] == 0:
+    at which the ranks' batch counts differ (``check_even``)."""
+    if rank_batches(sampler, sampler.position, batch_size)[sampler.rank] == 0:
         sampler.set_epoch(sampler.epoch + 1)  # the saved epoch was done: the next one
-    for start in sorted({sampler.position, 0}, reverse=True):
-        counts = _rank_batches(sampler, start, batch_size)
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"ElasticTrainer: {sampler.dataset_len - start} samples {'left ' if start else ''}of epoch "
-                f"{sampler.epoch} give {sampler.num_replicas} ranks {counts} batches of {batch_size}; "
-                "DDP needs the same count on every rank: set dataloader_drop_last=True"
-            )
-
-
-class _ElasticTrainLoader(StatefulLoader):
-    """The training loader :class:`ElasticTrainer` gives the Trainer: a ``StatefulLoader`` (the
-    sampler's position counts the batches the training loop received, whatever the workers
-    prefetch) whose ``len`` is a whole epoch at this world size, as the Trainer sizes epochs
-    with it, and whose ``set_epoch`` selects the sampler's epoch."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        super().__init__(loader)
-        self.dataset = loader.dataset
-        self.batch_size = loader.batch_size
-
-    def __len__(self) -> int:
-        return _rank_batches(self.sampler, 0, self.batch_size)[self.sampler.rank]
-
-    def batches_left(self) -> int:
-        """Batches this rank has left in the sampler's epoch, from its position."""
-        return _rank_batches(self.sampler, self.sampler.position, self.batch_size)[self.sampler.rank]
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    check_even(sampler, batch_size, "ElasticTrainer", "dataloader_drop_last=True")
 
 
 class _ElasticCallback(CkptdCallback):
@@ -311,7 +277,7 @@ class ElasticTrainer(Trainer):
             )
         return super().train(None, *args, **kwargs)
 
-    def get_train_dataloader(self) -> _ElasticTrainLoader:
+    def get_train_dataloader(self) -> EpochLoader:
         dataset = self.train_dataset
         if dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -357,11 +323,11 @@ class ElasticTrainer(Trainer):
             drop_last=args.dataloader_drop_last,
             worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=rank),
         )
-        return _ElasticTrainLoader(loader)
+        return EpochLoader(loader)
 
     def set_initial_training_values(self, args, dataloader):
         values = list(super().set_initial_training_values(args, dataloader))
-        if not isinstance(dataloader, _ElasticTrainLoader):
+        if not isinstance(dataloader, EpochLoader):
             return tuple(values)
         # (num_train_epochs, num_update_steps_per_epoch, ..., max_steps): the epoch loop runs
         # range(resumed epoch, num_train_epochs), and the first one is the resumed epoch's rest
@@ -392,7 +358,7 @@ class ElasticTrainer(Trainer):
             self.control.should_training_stop = True  # a restored job that had already finished
             return None
         loader = kwargs["train_dataloader"]
-        if isinstance(loader, _ElasticTrainLoader) and kwargs["epoch"] == loader.sampler.epoch:
+        if isinstance(loader, EpochLoader) and kwargs["epoch"] == loader.sampler.epoch:
             # the resumed epoch: its rest, so the last accumulation and the epoch's end fall right
             left = loader.batches_left()
             kwargs["steps_in_epoch"] = left

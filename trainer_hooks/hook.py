@@ -90,37 +90,17 @@ class CheckpointHook:
         when the job reaches one that is still committed, the hook does not save over it (a
         save refuses to overwrite a committed step): it logs a warning naming the step and the
         command, and the next periodic save goes on. Once quarantined, the step is saved again
-        as usual. So the runbook's order (fallback resume, then quarantine) works either way."""
+        as usual. So the runbook's order (fallback resume, then quarantine) works either way.
+
+        A step that another job's live claim still holds (the job this one replaces, e.g.
+        requeued under a new id, before its lease ran out) is skipped once, with a WARNING
+        naming ``ckptd fence``; the next save goes on (``Checkpointer.save``)."""
         step = self.ckpt.restore(self.state, fallback=self.fallback, require=require)
-        self._warn_partial_steps_of_others(-1 if step is None else step)
         self._skipped = {s for s, _ in self.ckpt.last_restore_skipped} if self.fallback else set()
         if step is None:
             return 0
         self.last_saved = step
         return step + 1
-
-    def _warn_partial_steps_of_others(self, resumed: int) -> None:
-        """Rank 0: one WARNING when a partial step of another job (a dead job this one replaces,
-        e.g. resubmitted under a new id) lies above the resumed step: saving it is refused until
-        that job's claim expires, or at once after ``ckptd fence``."""
-        if self.ckpt.rank != 0:
-            return
-        from ckptd import fencing
-
-        others = fencing.partial_steps_of_others(self.ckpt.store, self.ckpt.job_id, resumed)
-        if not others:
-            return
-        jobs = sorted({job for _, job in others})
-        steps = ", ".join(str(s) for s, _ in others[:8]) + (" ..." if len(others) > 8 else "")
-        log.warning(
-            "partial step(s) %s of %s lie above the resumed step %d: this job (%r) cannot save them "
-            "while their claims last; if that job is dead, retire its claims now with: %s",
-            steps,
-            " and ".join(f"job {j!r}" for j in jobs),
-            resumed,
-            self.ckpt.job_id,
-            "; ".join(f"ckptd fence {self.ckpt.store.uri} --job {j}" for j in jobs),
-        )
 
     def stop_requested(self) -> bool:
         """Whether any rank got a stop signal (collective when the job has several ranks)."""

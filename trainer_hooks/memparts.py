@@ -1,5 +1,4 @@
 """Reading a memory-only step from the daemons that hold its parts (``trainer_hooks.memsteps``):
-``_Daemon`` asks one daemon which parts of a root it holds (``GET /v1/memsteps``), and
 ``TierPartsStore`` is the read-only ``Store`` of one (step, attempt) over those daemons that
 the one restore path reads through.
 
@@ -13,13 +12,10 @@ a StorageError, and the caller falls back to the persisted step.
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import os
 import threading
 from collections.abc import Iterator
-from urllib.parse import urlencode, urlsplit
 
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
@@ -27,54 +23,9 @@ from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
 from trainer_hooks.tierstore import TierStore, TierUnavailable
 
-__all__ = ["MAX_LIST_REPLY", "TierPartsStore"]
+__all__ = ["TierPartsStore"]
 
 log = logging.getLogger("ckptd.memsteps")
-
-MAX_LIST_REPLY = 64 << 20
-
-
-class _Daemon:
-    """GETs of one daemon's memory-only routes (a connection per call: a restore asks little)."""
-
-    def __init__(self, url: str, token: str | None, timeout_s: float):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise CheckpointError(f"tier daemon must be an http://host:port URL, got {url!r}")
-        self.url = url.rstrip("/")
-        self._cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port, self._base = parts.hostname, parts.port, parts.path.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.timeout_s = timeout_s
-
-    def request(self, method: str, path: str, body: bytes | None = None, cap: int = MAX_LIST_REPLY):
-        """(status, headers, body) or OSError / HTTPException."""
-        conn = self._cls(self._host, self._port, timeout=self.timeout_s)
-        try:
-            headers = dict(self._headers)
-            if body is not None:
-                headers["Content-Type"] = "application/json"
-            conn.request(method, self._base + path, body=body, headers=headers)
-            resp = conn.getresponse()
-            length = resp.getheader("Content-Length")
-            if length is not None and length.isdigit() and int(length) > cap:
-                raise OSError(f"{self.url}: reply of {length} bytes where at most {cap} were expected")
-            raw = resp.read(cap + 1)
-            if len(raw) > cap:
-                raise OSError(f"{self.url}: reply over {cap} bytes")
-            return resp.status, resp, raw
-        finally:
-            conn.close()
-
-    def parts(self, root: str) -> tuple[list[dict], list[str], dict | None]:
-        status, _, raw = self.request("GET", "/v1/memsteps?" + urlencode({"root": root}))
-        if status != 200:
-            raise OSError(f"{self.url}: GET /v1/memsteps answered {status}")
-        body = json.loads(raw)
-        if not isinstance(body, dict) or not isinstance(body.get("parts"), list):
-            raise ValueError(f"{self.url}: malformed memsteps reply")
-        data = body.get("data") if isinstance(body.get("data"), dict) else None
-        return body["parts"], [p for p in body.get("peers", []) if isinstance(p, str)], data
 
 
 class TierPartsStore(Store):

@@ -35,17 +35,18 @@ than S, the future the job abandoned (docs/reliability.md argues why no restore 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import logging
 from typing import Any
+from urllib.parse import urlencode
 
 from ckptd import catalog, donetree
 from ckptd import manifest as mf
 from ckptd.commit import whole_step
 from ckptd.errors import CheckpointError, StateMismatchError
 from storage_backends import StorageError, Store
-from trainer_hooks.memparts import TierPartsStore, _Daemon
+from trainer_hooks.memparts import TierPartsStore
+from trainer_hooks.tierstore import ask
 
 __all__ = [
     "TierPartsStore",
@@ -119,8 +120,8 @@ def survey(daemon_url: str, root: str, token: str | None, timeout_s: float) -> t
             continue
         seen.add(url)
         try:
-            parts, peers, endpoint = _Daemon(url, token, timeout_s).parts(root)
-        except (OSError, ValueError, http.client.HTTPException, CheckpointError) as e:
+            parts, peers, endpoint = _parts(url, root, token, timeout_s)
+        except (ValueError, CheckpointError) as e:
             log.warning("restore: the memory tier of %s did not answer: %s", url, e)
             continue
         asked.append(url)
@@ -140,6 +141,19 @@ def survey(daemon_url: str, root: str, token: str | None, timeout_s: float) -> t
                 if got[0] == size and url not in got[1]:
                     got[1].append(url)
     return held, asked, data
+
+
+def _parts(url: str, root: str, token, timeout_s) -> tuple[list[dict], list[str], dict | None]:
+    """(the memory-only parts of ``root`` the daemon at ``url`` holds, the peers it names, its
+    data path)."""
+    status, raw = ask(url, token, timeout_s, "GET", "/v1/memsteps?" + urlencode({"root": root}))
+    if status != 200:
+        raise ValueError(f"GET /v1/memsteps answered {status}")
+    body = json.loads(raw)
+    if not isinstance(body, dict) or not isinstance(body.get("parts"), list):
+        raise ValueError("malformed memsteps reply")
+    data = body.get("data") if isinstance(body.get("data"), dict) else None
+    return body["parts"], [p for p in body.get("peers", []) if isinstance(p, str)], data
 
 
 def _complete(root: str, step: int, attempt: str, holders: dict, token, timeout_s, own, data) -> dict:
@@ -217,13 +231,13 @@ def fence(urls: list[str], root: str, step: int, token, timeout_s) -> None:
     """Tell each daemon of ``urls`` that ``root`` restored ``step`` (``POST /v1/tiers/restored``):
     memory-only steps newer than it are dropped. Best effort: a daemon that is gone holds
     nothing any more."""
-    body = json.dumps({"job_root": root, "restored_step": step}).encode()
+    body = {"job_root": root, "restored_step": step}
     for url in dict.fromkeys(u.rstrip("/") for u in urls):
         try:
-            status, _, raw = _Daemon(url, token, timeout_s).request("POST", "/v1/tiers/restored", body)
+            status, raw = ask(url, token, timeout_s, "POST", "/v1/tiers/restored", body)
             if status != 200:
                 log.warning("restore: %s did not take the fence at step %d: HTTP %d %s", url, step, status, raw[:200])
-        except (OSError, http.client.HTTPException, CheckpointError) as e:
+        except CheckpointError as e:
             log.warning("restore: could not tell %s that step %d was restored: %s", url, step, e)
 
 
@@ -277,9 +291,9 @@ def restore_newest(
         parts.close()
     tiers.last = dict(parts.bytes)
     try:  # the daemon's ckptd_restore_bytes_*_total, as a tiered restore reports them
-        body = json.dumps({"local": parts.bytes["local"], "peer": parts.bytes["peer"], "root": 0}).encode()
-        _Daemon(tiers.daemon_url, tiers._token, tiers.timeout_s).request("POST", "/v1/tiers/restored", body)
-    except (OSError, http.client.HTTPException, CheckpointError) as e:
+        body = {"local": parts.bytes["local"], "peer": parts.bytes["peer"], "root": 0}
+        ask(tiers.daemon_url, tiers._token, tiers.timeout_s, "POST", "/v1/tiers/restored", body)
+    except CheckpointError as e:
         log.debug("restore: could not report tier bytes to the daemon: %s", e)
     log.info(
         "restored memory-only step %d: %d bytes from this node's daemon, %d from peers, 0 from the job root",

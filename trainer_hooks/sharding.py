@@ -9,6 +9,7 @@ its behaviour so a torch upgrade that changes it fails loudly instead of writing
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -19,18 +20,14 @@ import torch.distributed as dist
 from ckptd.errors import CheckpointError
 from ckptd.layout import Box
 
-try:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover - torch >= 2.6 has both
-    DTensor = None
-    _compute_local_shape_and_global_offset = None
-
 __all__ = ["Sharding", "is_dtensor", "local_tensor", "owned_sharding", "sharding_of", "world"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # Not imported here: ``torch.distributed.tensor`` imports sympy, most of a second of
+    # ``import trainer_hooks``. A DTensor exists only once its module has been imported.
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -128,6 +125,8 @@ def _dtensor_sharding(shape, mesh_shape, ranks, coord, placements, ws, local_sha
 
 
 def _box(shape, mesh_shape, coord, placements) -> Box:
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
     local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
     if not offset:
         offset = tuple(0 for _ in shape)

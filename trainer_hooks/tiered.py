@@ -19,19 +19,17 @@ alive) and the per-tier byte counts are guarded by a lock.
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import os
 import threading
 
+from ckptd.auth import daemon_token
 from ckptd.codec import CRC_BYTES, parse_inline
 from ckptd.errors import CheckpointError
 from ckptd.layout import plan_reads
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import StorageError, Store
-from trainer_hooks.daemon_client import _token
-from trainer_hooks.tierstore import BATCH_BYTES, DEFAULT_TIER_TIMEOUT_S, TierStore, TierUnavailable, _Fetched
+from trainer_hooks.tierstore import BATCH_BYTES, DEFAULT_TIER_TIMEOUT_S, TierStore, TierUnavailable, _Fetched, ask
 
 __all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierStore", "TieredReader", "TieredRestore"]
 
@@ -207,7 +205,7 @@ class TieredRestore:
         env = os.environ.get("CKPTD_TIER_TIMEOUT_S")
         self.timeout_s = timeout_s if timeout_s is not None else float(env) if env else DEFAULT_TIER_TIMEOUT_S
         self.last: dict[str, int] = {}
-        self._token = _token()
+        self._token = daemon_token()
 
     def reader(self, store: Store, prefix: str, step: int, attempt: str, coord=None) -> TieredReader:
         """The reader of committed ``step`` (whose commit record names ``attempt``). Collective
@@ -248,7 +246,11 @@ class TieredRestore:
         for url, info in sorted(held.items()):
             if url.rstrip("/") == self.daemon_url:
                 continue  # this rank's own daemon: asked above, read as the nearest tier
-            peer = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
+            try:
+                peer = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
+            except CheckpointError as e:  # an address it cannot use: a tier never fails a restore
+                log.warning("restore: skipping the memory tier of peer %s: %s", url, e)
+                continue
             peer.use_data(info.get("data"), unix=False)
             tier = _Tier(peer, "peer", prefix)
             for k in info.get("keys", ()):
@@ -286,14 +288,8 @@ class TieredRestore:
             self.last["peer"],
             self.last["root"],
         )
-        own = TierStore(self.daemon_url, "daemon", self.root_uri, 0, "", self._token, self.timeout_s)
         try:
-            conn = own._cls(own._host, own._port, timeout=self.timeout_s)
-            body = json.dumps(self.last).encode()
-            headers = {**own._headers, "Content-Type": "application/json"}
-            conn.request("POST", own._base + "/v1/tiers/restored", body=body, headers=headers)
-            conn.getresponse().read()
-            conn.close()
-        except (OSError, http.client.HTTPException) as e:
+            ask(self.daemon_url, self._token, self.timeout_s, "POST", "/v1/tiers/restored", self.last)
+        except CheckpointError as e:
             log.debug("restore: could not report tier bytes to the daemon: %s", e)
         return self.last

@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p)
     p.add_argument(
         "--daemon",
-        metavar="URL",
-        help="also show which daemons' memory tiers hold each step (asks this daemon and its peers)",
+        metavar="ADDRESS",
+        help="also show which daemons' memory tiers hold each step (asks this daemon, unix:///path/ckptd.sock "
+        "or http://host:port, and its peers)",
     )
 
 

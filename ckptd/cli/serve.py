@@ -15,20 +15,19 @@ Slow or idle clients cannot starve it (``ckptd.server.conns``): requests must ar
 limit, which is raised to its hard value), and over a cap the oldest connection that has not yet
 delivered an authenticated request is closed. Log messages are escaped to one line each.
 
-Tenants: the daemon also listens on a Unix socket (``--socket``, by default ``ckptd.sock`` in the
-staging folder), where the kernel names each caller's uid; trainers of several local users hand
-off through it (``daemon="unix://<staging folder>/ckptd.sock"``, the path the daemon logs at
-start; give ``--staging-dir`` or ``--socket`` for a fixed one), and each one's leases, jobs and
-job roots are its own (``ckptd.server.tenancy``). Over TCP, leases and hand-offs need
+Tenants: the daemon also listens on a Unix socket, where the kernel names each caller's uid: by
+default ``/run/ckptd/ckptd.sock``, or ``/dev/shm/ckptd/ckptd.sock`` where ``/run`` is not writable
+(``ckptd.daemon_conn.default_socket``; ``--socket`` or ``CKPTD_SOCKET`` moves it). Trainers of
+several local users find it with ``daemon=True`` and hand off through it, and each one's leases,
+jobs and job roots are its own (``ckptd.server.tenancy``). A second daemon on the socket of a
+live one refuses to start. Over TCP, leases and hand-offs need
 ``--trust-tcp`` (one trusted party: a single-user node, a port private to one pod).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import os
 import socket
 
 from ckptd.cli.common import UsageError, positive_int, printable
@@ -67,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--socket",
         metavar="PATH",
-        help="Unix socket for trainers, which names each caller's uid (default: ckptd.sock in the staging folder)",
+        help="Unix socket for trainers, which names each caller's uid "
+        "(default CKPTD_SOCKET, else /run/ckptd/ckptd.sock, or /dev/shm/ckptd/ckptd.sock where /run is not writable)",
     )
     p.add_argument(
         "--trust-tcp",
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from ckptd.server.app import create_app
     from ckptd.server.conns import ConnectionLimits, guarded_protocol
     from ckptd.server.settings import Settings, parse_size
-    from ckptd.server.tenancy import listen_unix, peer_protocol
+    from ckptd.server.tenancy import listen_unix, peer_protocol, release_unix
 
     given = {
         "roots": args.root,
@@ -200,7 +200,9 @@ def run(args: argparse.Namespace) -> int:
     )
     daemon = app.state.daemon
     try:
-        unix = listen_unix(daemon.socket_path)
+        group = daemon.staging.group  # the socket's folder, if the daemon makes it, is reached as the staging folder
+        mode = 0o711 if daemon.staging.private else 0o710 if group is not None else 0o700
+        unix = listen_unix(daemon.socket_path, mode, group)
     except (OSError, RuntimeError) as e:
         sock.close()
         daemon.staging.close()
@@ -208,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("trainers hand off through unix://%s (the kernel names each caller)", daemon.socket_path)
     tier_data = None
     if settings.tiers:
-        from ckptd.server.tierdata import DATA_SOCKET_NAME, TierData
+        from ckptd.server.tierdata import TierData
 
         try:
             tier_data = TierData(
@@ -218,13 +220,14 @@ def run(args: argparse.Namespace) -> int:
                 app.state.token,
                 settings.host,
                 settings.tier_data_port,
-                daemon.socket_path.with_name(DATA_SOCKET_NAME),
+                daemon.socket_path.with_name(f"{daemon.socket_path.stem}-tiers.sock"),
                 max_connections=limits.max_connections,
                 timeout_s=settings.request_timeout_s,
             ).start()
         except (OSError, RuntimeError) as e:
             sock.close()
             unix.close()
+            release_unix(daemon.socket_path)
             daemon.staging.close()
             raise UsageError(f"cannot listen for tier data: {getattr(e, 'strerror', None) or e}") from None
         app.state.tiers.data_endpoint = tier_data.endpoint
@@ -253,8 +256,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if tier_data is not None:
             tier_data.close()
-        with contextlib.suppress(OSError):
-            os.unlink(daemon.socket_path)
+        release_unix(daemon.socket_path)
     return 0 if server.started else 1
 
 

@@ -31,11 +31,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
+from ckptd.daemon_conn import default_socket
 from ckptd.errors import AlreadyCommitted, CheckpointError, CheckpointNotFoundError
 from ckptd.server import capacity, jobroots
 from ckptd.server.discovery import HELLO_PATH, Discovery
@@ -47,14 +49,14 @@ from ckptd.server.memsteps import MemSteps
 from ckptd.server.metrics import Metrics
 from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
-from ckptd.server.parts import Daemon, Parts, Who, own_lease
+from ckptd.server.parts import MAX_NUMBER, MAX_RANK, MAX_STEP, Count, Daemon, Parts, Rank, Step, Who, own_lease
 from ckptd.server.peers import router as peers
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.safefiles import open_private_dir
 from ckptd.server.settings import Settings, default_staging_dir, group_id
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from ckptd.server.staging_routes import router as leases
-from ckptd.server.tenancy import SOCKET_NAME, Forbidden, Tenancy, can_isolate
+from ckptd.server.tenancy import Forbidden, Tenancy, can_isolate
 from ckptd.server.tiers import Tiers
 from storage_backends import StorageError
 
@@ -93,16 +95,16 @@ class RootRequest(BaseModel):
 
 
 class LayoutModel(BaseModel):
-    shape: list[int] = Field(max_length=64)
+    shape: list[Count] = Field(max_length=64)
     dtype: str = Field(max_length=32)
-    shard_shape: list[int] = Field(max_length=64)
-    chunk_shape: list[int] = Field(max_length=64)
+    shard_shape: list[Count] = Field(max_length=64)
+    chunk_shape: list[Count] = Field(max_length=64)
 
 
 class ShardModel(BaseModel):
     key: str = Field(min_length=1, max_length=4096)
     layout: LayoutModel
-    coord: list[int] = Field(max_length=64)
+    coord: list[Count] = Field(max_length=64)
     file: str = _NAME
     image: bool = Field(False, description="the file is the shard's object image (trainer_hooks.snapshot)")
 
@@ -116,11 +118,11 @@ class JobRequest(BaseModel):
     job: str | None = Field(None, max_length=64, description="client-chosen id (hex): a retried hand-off is idempotent")
     lease: str = _NAME
     root: str = Field(min_length=1, max_length=4096)
-    step: int = Field(ge=0, le=10**10 - 1)
+    step: Step
     attempt: str = _NAME
     writer: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:@-]{1,128}$", description="the job id claiming the step")
-    rank: int = Field(ge=0)
-    world_size: int = Field(ge=1)
+    rank: Rank
+    world_size: int = Field(ge=1, le=MAX_RANK + 1)
     shards: list[ShardModel]
     metadata: list[MetadataModel] = []
     done: dict = {}
@@ -344,7 +346,7 @@ def list_job_roots(
     request: Request,
     d: Parts,
     root: str | None = Query(None, max_length=4096),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_NUMBER),
     limit: int = Query(100, ge=1, le=1000),
 ):
     base = d.root_of(root)
@@ -368,7 +370,9 @@ def list_checkpoints(d: Parts, who: Who, root: str | None = Query(None, max_leng
 
 
 @read_only.get("/v1/checkpoints/{step}", summary="one checkpoint: commit state and, if committed, its tensors")
-def get_checkpoint(step: int, d: Parts, who: Who, root: str | None = Query(None, max_length=4096)):
+def get_checkpoint(
+    d: Parts, who: Who, step: int = PathParam(ge=0, le=MAX_STEP), root: str | None = Query(None, max_length=4096)
+):
     r = d.root_of(root)
     d.tenancy.check_read(who, r)
     store = d.runner.store(r)
@@ -542,6 +546,8 @@ def create_app(settings: Settings) -> FastAPI:
         )
     metrics = Metrics()
     runner = Runner(settings, roots, staging, metrics)
+    if can_isolate():  # files committed into a tenant's local root are the tenant's
+        runner.owner_of = tenancy.owner_of
     tiers = Tiers(
         staging,
         settings.peers,
@@ -581,7 +587,7 @@ def create_app(settings: Settings) -> FastAPI:
         description="Owns every handed-off snapshot from hand-off to commit.",
         lifespan=lifespan,
     )
-    sock = Path(settings.socket) if settings.socket else folder / SOCKET_NAME
+    sock = Path(settings.socket) if settings.socket else default_socket()
     app.state.daemon = Daemon(roots, runner, staging, metrics, folder, tenancy, sock)
     app.state.tiers = tiers
     app.state.memsteps = memsteps

@@ -120,8 +120,10 @@ MAX_DEPTH = 64  # nesting of the free-form ``done`` object (RNG state is 4 deep)
 
 
 def _shallow(obj, what: str):
-    """``obj`` if it nests at most MAX_DEPTH levels (checked without recursion), else BadJob: a
-    deeper one would make the journal's and the done record's JSON encoding recurse too far."""
+    """``obj`` if it nests at most MAX_DEPTH levels (checked without recursion) and its numbers
+    are finite and under 2^64 in magnitude (a digest's), else BadJob: a deeper one would make
+    the journal's and the done record's JSON encoding recurse too far, an infinite one would
+    write JSON no reader parses."""
     stack = [(obj, 1)]
     while stack:
         x, depth = stack.pop()
@@ -131,6 +133,8 @@ def _shallow(obj, what: str):
             stack += [(v, depth + 1) for v in x.values()]
         elif isinstance(x, list):
             stack += [(v, depth + 1) for v in x]
+        elif isinstance(x, float | int) and not abs(x) < 2**64:  # nan and inf fail it too
+            raise BadJob(f"{what} holds a number out of range")
     return obj
 
 

@@ -100,6 +100,8 @@ class Runner:
         self.metrics = metrics
         self.tiers: Any = None  # ``server.tiers.Tiers`` when the memory tier is on (set by create_app)
         self.memsteps: Any = None  # ``server.memsteps.MemSteps`` (set by create_app)
+        # who the files written into a root belong to (``Tenancy.owner_of``; set by create_app)
+        self.owner_of: Callable[[str], tuple[int, int] | None] = lambda root: None
         self._lock = threading.Lock()
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._stores: dict[str, Store] = {}
@@ -124,7 +126,7 @@ class Runner:
         with self._lock:
             st = self._stores.get(root)
             if st is None:
-                st = self._stores[root] = self.roots.open_store(root)
+                st = self._stores[root] = self.roots.open_store(root, lambda: self.owner_of(root))
             return st
 
     def get(self, job_id: str) -> Job | None:

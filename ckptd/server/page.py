@@ -32,6 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.server import page_data
 from ckptd.server.page_data import one_line as _line
+from ckptd.server.parts import MAX_NUMBER, MAX_STEP
 from ckptd.server.roots import RootError
 from ckptd.server.tenancy import Forbidden
 from storage_backends import StorageError
@@ -401,7 +402,7 @@ def static(name: str) -> Response:
 def overview(
     request: Request,
     root: str | None = Query(None, max_length=4096, description="the job root that offset pages"),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_NUMBER),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=500, description="checkpoint rows per job root"),
 ):
     try:
@@ -414,7 +415,7 @@ def overview(
 def page(
     request: Request,
     root: str | None = Query(None, max_length=4096),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_NUMBER),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=500),
 ):
     try:
@@ -425,7 +426,7 @@ def page(
 
 
 @router.post("/v1/page/verify", summary="re-read every chunk of a committed step; the page shows the verdict")
-def verify(request: Request, root: str = Query(max_length=4096), step: int = Query(ge=0)):
+def verify(request: Request, root: str = Query(max_length=4096), step: int = Query(ge=0, le=MAX_STEP)):
     if request.headers.get(PAGE_HEADER) != "1":
         return JSONResponse({"detail": f"verify needs the {PAGE_HEADER}: 1 header (the status page sends it)"}, 403)
     ov = page_data.overview(request.app.state)

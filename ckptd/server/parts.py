@@ -4,6 +4,11 @@
 with the ``Parts`` dependency and for the caller (``ckptd.server.tenancy``: its uid from the Unix
 socket, or a trusted TCP client) with ``Who``. A route module (``app``'s groups,
 ``staging_routes``) imports these from here, never from ``app``, which imports the routes.
+
+Every number a request carries is bounded here, once: a count, size or offset (``Count``) is an
+integer in [0, ``MAX_NUMBER``] (2^53: exact as a JSON number and as a float, so every counter it
+feeds stays finite); a step is in [0, ``MAX_STEP``], a rank or world size in [0, ``MAX_RANK``].
+Anything else is a 422 before a route runs.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
+from pydantic import Field
 
 from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
@@ -20,7 +26,14 @@ from ckptd.server.roots import RootError, Roots
 from ckptd.server.staging import Staging
 from ckptd.server.tenancy import Caller, Forbidden, Tenancy
 
-__all__ = ["Daemon", "Parts", "Who", "own_lease"]
+__all__ = ["MAX_NUMBER", "MAX_RANK", "MAX_STEP", "Count", "Daemon", "Parts", "Rank", "Step", "Who", "own_lease"]
+
+MAX_NUMBER = 2**53
+MAX_STEP = 10**10 - 1
+MAX_RANK = (1 << 24) - 1
+Count = Annotated[int, Field(ge=0, le=MAX_NUMBER)]
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Rank = Annotated[int, Field(ge=0, le=MAX_RANK)]
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ record and every chunk against its crc32c (``trainer_hooks.tiered``).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
+from ckptd.server.parts import MAX_NUMBER, Count, Rank
 from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS
 
 __all__ = ["BatchReadRequest", "ReplicaRequest", "RestoredReport", "router"]
@@ -30,7 +31,7 @@ _ATTEMPT = Query(min_length=1, max_length=64)
 
 class ReplicaObject(BaseModel):
     key: str = Field(min_length=1, max_length=4096)
-    size: int = Field(ge=0)
+    size: Count
     crc32c: int = Field(ge=0, lt=2**32)
 
 
@@ -40,13 +41,13 @@ class ReplicaRequest(BaseModel):
     attempt: str = Field(min_length=1, max_length=64)
     source: str = Field(min_length=1, max_length=4096)
     kind: Literal["hot", "memory_only"] = "hot"  # a hot copy, or one rank's part of a memory-only step
-    ranks: list[Annotated[int, Field(ge=0, lt=1 << 24)]] = Field(default_factory=list, max_length=1 << 20)
+    ranks: list[Rank] = Field(default_factory=list, max_length=1 << 20)
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
 
 
 class RangeModel(BaseModel):
     key: str = Field(min_length=1, max_length=4096)
-    start: int
+    start: int = Field(ge=-MAX_NUMBER, le=MAX_NUMBER)  # negative: from the end
     length: int = Field(ge=0, le=1 << 34)
 
 
@@ -58,9 +59,9 @@ class BatchReadRequest(BaseModel):
 
 
 class RestoredReport(BaseModel):
-    local: int = Field(0, ge=0)
-    peer: int = Field(0, ge=0)
-    root: int = Field(0, ge=0)
+    local: Count = 0
+    peer: Count = 0
+    root: Count = 0
     # A job of ``job_root`` restored ``restored_step``: memory-only steps newer than it are an
     # abandoned future and are dropped (``server.memsteps.MemSteps.fence``).
     job_root: str | None = Field(None, min_length=1, max_length=4096)
@@ -105,7 +106,7 @@ def read_object(
     step: int = _STEP,
     attempt: str = _ATTEMPT,
     key: str = Query(min_length=1, max_length=4096),
-    start: int = Query(),
+    start: int = Query(ge=-MAX_NUMBER, le=MAX_NUMBER),
     length: int = Query(ge=0, le=1 << 34),
 ):
     _tiers(request).count("object_requests")
@@ -176,7 +177,10 @@ def begin_replica(body: ReplicaRequest, request: Request):
 
 @router.put("/v1/tiers/replicas/{rid}", summary="one piece of one object of a replica")
 async def put_piece(
-    rid: str, request: Request, key: str = Query(min_length=1, max_length=4096), offset: int = Query(ge=0)
+    rid: str,
+    request: Request,
+    key: str = Query(min_length=1, max_length=4096),
+    offset: int = Query(ge=0, le=MAX_NUMBER),
 ):
     data = await request.body()
     try:

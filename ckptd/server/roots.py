@@ -18,6 +18,7 @@ import errno
 import os
 import re
 import stat
+from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
 
 from storage_backends import Store, open_store
@@ -85,16 +86,17 @@ class Roots:
             _no_links_below(uri, best, comps)
         return scheme, best, comps
 
-    def open_store(self, uri: str) -> Store:
+    def open_store(self, uri: str, owner: Callable[[], tuple[int, int] | None] | None = None) -> Store:
         """The store of a served job root: for a folder below a served folder, one that never
         follows a link below the served root (``LocalStore(below=...)``). Not the ``lstat`` walk
-        of ``check``: the store's ``O_NOFOLLOW`` opens are what hold, whenever a link appears."""
+        of ``check``: the store's ``O_NOFOLLOW`` opens are what hold, whenever a link appears.
+        ``owner``: who what it makes in a local root belongs to (``LocalStore``)."""
         scheme, base, comps = self._served(uri, links=False)
         if scheme != "file":
             return open_store(uri)
         from storage_backends.local import LocalStore
 
-        return LocalStore("/" + "/".join(comps), below="/" + "/".join(base))
+        return LocalStore("/" + "/".join(comps), below="/" + "/".join(base), owner=owner)
 
     def only(self) -> str | None:
         return self.uris[0] if len(self.uris) == 1 else None

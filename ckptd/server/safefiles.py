@@ -111,9 +111,9 @@ def check_ancestors(path: Path) -> None:
     for d in [path.parent.resolve(), *path.parent.resolve().parents]:
         st = os.stat(d)
         if st.st_uid not in (0, me):
-            raise StagingError(f"staging folder {path}: {d} belongs to uid {st.st_uid}, not to root or this daemon")
+            raise StagingError(f"{path}: {d} belongs to uid {st.st_uid}, not to root or this daemon")
         if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise StagingError(f"staging folder {path}: {d} is writable by other users and not sticky")
+            raise StagingError(f"{path}: {d} is writable by other users and not sticky")
 
 
 def open_private_dir(name: str | Path, mode: int, gid: int | None = None, dir_fd: int | None = None) -> int:

@@ -47,7 +47,9 @@ class Settings(BaseSettings):
     )
     budget: int | None = Field(None, description="bytes of staged snapshots; default half the staging filesystem")
     socket: str | None = Field(
-        None, description="the Unix socket trainers hand off through (the kernel names them); default: in staging"
+        None,
+        description="the Unix socket trainers hand off through (the kernel names them); default /run/ckptd/ckptd.sock, "
+        "or /dev/shm/ckptd/ckptd.sock where /run is not writable (CKPTD_SOCKET)",
     )
     trust_tcp: bool = Field(
         False, description="TCP callers (token holders) may use leases and hand-offs: one trusted party"

@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from ckptd.server.parts import Parts, Who, own_lease
+from ckptd.server.parts import Count, Parts, Rank, Who, own_lease
 from ckptd.server.staging import LeaseGone
 
 __all__ = ["GrowRequest", "LeaseRequest", "router"]
@@ -23,15 +23,15 @@ __all__ = ["GrowRequest", "LeaseRequest", "router"]
 
 class LeaseRequest(BaseModel):
     root: str = Field(min_length=1, max_length=4096)
-    rank: int = Field(ge=0)
-    bytes: int = Field(ge=0, description="bytes needed now")
-    want: int = Field(0, ge=0, description="bytes wanted (e.g. the whole snapshot), granted if they fit")
+    rank: Rank
+    bytes: Count = Field(description="bytes needed now")
+    want: Count = Field(0, description="bytes wanted (e.g. the whole snapshot), granted if they fit")
     client: str = Field(min_length=1, max_length=64, description="the requesting client, for fair waiting")
 
 
 class GrowRequest(BaseModel):
-    bytes: int = Field(ge=0)
-    want: int = Field(0, ge=0)
+    bytes: Count
+    want: Count = 0
 
 
 router = APIRouter()

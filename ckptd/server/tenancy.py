@@ -2,7 +2,7 @@
 
 The token says that a caller may talk to the daemon at all; it is shared by every trainer of the
 node, so it cannot tell them apart. The kernel can: the daemon also listens on a Unix socket
-(``--socket``, by default ``ckptd.sock`` in its staging folder, mode 0666) and reads each
+(``--socket``, by default ``ckptd.daemon_conn.default_socket()``, mode 0666) and reads each
 connection's ``SO_PEERCRED`` (pid, uid, gid of the process that connected), which a caller cannot
 forge. ``peer_protocol`` puts it into every request's ``scope["state"]`` (uvicorn copies the
 protocol's ``app_state`` into each request's scope); a TCP connection carries none.
@@ -32,6 +32,7 @@ written through a fresh ``O_EXCL | O_NOFOLLOW`` file renamed into place and read
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.server.roots import RootError, normalize
-from ckptd.server.safefiles import StagingError, read_staged, write_json_atomic
+from ckptd.server.safefiles import StagingError, check_ancestors, open_private_dir, read_staged, write_json_atomic
 
 __all__ = [
     "BINDINGS_FILE",
@@ -59,6 +60,7 @@ __all__ = [
     "listen_unix",
     "parse_bind",
     "peer_protocol",
+    "release_unix",
 ]
 
 log = logging.getLogger("ckptd.tenancy")
@@ -124,16 +126,43 @@ def peer_protocol(base: type) -> type:
     return PeerCredProtocol
 
 
-def listen_unix(path: Path) -> socket.socket:
-    """A Unix socket bound at ``path``, mode 0666 (any local user may connect; the kernel names
-    them). A socket left by a previous daemon of this user is replaced; anything else is refused."""
+_LOCKS: dict[Path, int] = {}  # socket path -> the lock this process holds on it while it listens
+
+
+def listen_unix(path: Path, folder_mode: int = 0o700, gid: int | None = None) -> socket.socket:
+    """A Unix socket bound at ``path``, mode 0666 (whoever may enter its folder may connect; the
+    kernel names them). The folder is created with ``folder_mode`` (and group ``gid``) if
+    missing; it must not be a link, and it and every folder above must belong to root or this
+    daemon's user and not be writable by others unless sticky (``check_ancestors``), so nobody
+    else can swap or plant the socket. ``<path>.lock`` stays locked while this process listens
+    (``release_unix``): a second daemon on a live daemon's socket is refused; a socket a dead
+    daemon of this user left is replaced; anything else is refused."""
     path = Path(path)
-    with contextlib.suppress(FileNotFoundError):
-        st = os.lstat(path)
-        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
-            raise StagingError(f"socket path {path} exists and is not a socket of this daemon's user: refusing it")
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if not os.path.lexists(path.parent):
+        os.close(open_private_dir(path.parent, folder_mode, gid))
+    if os.path.islink(path.parent):
+        raise StagingError(f"socket folder {path.parent} is a symbolic link: refusing it")
+    check_ancestors(path)
+    lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(lock).st_uid != os.geteuid():
+            raise StagingError(f"{path}.lock belongs to another user: refusing the socket {path}")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(path)
+            if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+                raise StagingError(f"socket path {path} exists and is not a socket of this daemon's user: refusing it")
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except BlockingIOError:
+        os.close(lock)
+        raise StagingError(
+            f"another ckptd serve listens on {path}: stop it, or give this daemon a socket of its own "
+            "(--socket PATH or CKPTD_SOCKET)"
+        ) from None
+    except BaseException:
+        os.close(lock)
+        raise
     try:
         if len(os.fsencode(path)) < _SUN_PATH_MAX:
             sock.bind(str(path))
@@ -147,8 +176,20 @@ def listen_unix(path: Path) -> socket.socket:
         sock.set_inheritable(True)
     except OSError:
         sock.close()
+        os.close(lock)
         raise
+    _LOCKS[path] = lock
     return sock
+
+
+def release_unix(path: Path) -> None:
+    """Remove the socket ``listen_unix`` bound at ``path`` and release its lock."""
+    path = Path(path)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    lock = _LOCKS.pop(path, None)
+    if lock is not None:
+        os.close(lock)
 
 
 def can_isolate() -> bool:
@@ -307,6 +348,26 @@ class Tenancy:
             raise Forbidden(
                 f"job root {root}: {caller} cannot write {path} itself, so the daemon does not write it on its behalf"
             )
+
+    def owner_of(self, root: str) -> tuple[int, int] | None:
+        """(uid, gid) that what the daemon writes into ``root`` belongs to: for a local root
+        inside one bound to a uid other than the daemon's, that uid and the bound folder's group
+        (the uid's own group if that folder is gone); else None (the daemon's own)."""
+        key = _key(root)
+        if key[0] != "file":
+            return None
+        with self._lock:
+            held = self._holder(key)
+        if held is None or held[1]["uid"] in (0, self._me):
+            return None
+        uid = held[1]["uid"]
+        try:
+            return uid, os.stat("/" + "/".join(held[0][1])).st_gid
+        except OSError:
+            try:
+                return uid, pwd.getpwuid(uid).pw_gid
+            except KeyError:
+                return uid, uid
 
     def _who(self, held: tuple[tuple, dict]) -> str:
         k, b = held

@@ -6,8 +6,8 @@ part, one loop iteration per socket write), which costs more than the copy itsel
 answers the same reads on plain sockets, one thread per connection, writing the held buffers
 themselves (``sendall`` of the views: no join, no copy); the reader ``recv_into``s the reply
 straight into its tensors. It listens on a TCP port (``CKPTD_TIER_DATA_PORT``, 0: any free port,
-on the daemon's ``--host``) and on a Unix socket next to the daemon's (``ckptd-tiers.sock``,
-mode 0666: the kernel names each caller). Both are advertised by ``GET /v1/tiers`` and
+on the daemon's ``--host``) and on a Unix socket next to the daemon's (``ckptd-tiers.sock`` beside
+``ckptd.sock``, mode 0666: the kernel names each caller). Both are advertised by ``GET /v1/tiers`` and
 ``GET /v1/tiers/keys`` as ``"data": {"port": P, "socket": PATH}``; a reader uses the port on the
 host of the daemon URL it already has, and the socket only for its own node's daemon.
 
@@ -37,23 +37,22 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import os
 import socket
 import struct
 import threading
 import time
 from pathlib import Path
 
+from ckptd.server.parts import MAX_NUMBER
 from ckptd.server.roots import RootError
-from ckptd.server.tenancy import PEER_KEY, Forbidden, Peer, listen_unix
+from ckptd.server.tenancy import PEER_KEY, Forbidden, Peer, listen_unix, release_unix
 from ckptd.server.tiers import MAX_BATCH_RANGES
 from ckptd.tierwire import MAX_FDS, REPLY, REQUEST, WireError, recv_frame, send_frame
 
-__all__ = ["DATA_SOCKET_NAME", "TierData"]
+__all__ = ["TierData"]
 
 log = logging.getLogger("ckptd.tierdata")
 
-DATA_SOCKET_NAME = "ckptd-tiers.sock"
 MAX_KEY = 4096
 MAX_ATTEMPT = 64
 DRAIN_BYTES = 1 << 20
@@ -116,8 +115,7 @@ class TierData:
             with contextlib.suppress(OSError):
                 ls.shutdown(socket.SHUT_RDWR)
             ls.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.socket_path)
+        release_unix(self.socket_path)
 
     def _accept(self, ls: socket.socket) -> None:
         while not self._closed:
@@ -230,6 +228,8 @@ class TierData:
                 or not 0 < len(r[0]) <= MAX_KEY
                 or type(r[1]) is not int
                 or type(r[2]) is not int
+                or not -MAX_NUMBER <= r[1] <= MAX_NUMBER
+                or not -MAX_NUMBER <= r[2] <= MAX_NUMBER
             ):
                 raise _Refused(400, "a range is [key, start, length]")
             want.append((r[0], r[1], r[2]))

@@ -4,7 +4,7 @@ would start it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment, g
     python hf_worker.py trainer|plain|accelerate JSON_ARGS
 
 ``trainer`` trains with ``trainer_hooks.hf.ElasticTrainer``; ``plain`` with a stock
-``transformers.Trainer`` and ``CkptdCallback`` (what users had before, for comparison);
+``transformers.Trainer`` and ``CkptdCallback`` (which refuses a resume mid-epoch);
 ``accelerate`` runs a plain Accelerate loop with the documented swap to ckptd. The model records
 the sample indices of every forward pass; after each optimizer step the rank appends one line
 ``{"step", "epoch", "idx"}`` to ``OUT/records.rank{r}.jsonl``. With ``kill_at``, every rank waits

@@ -63,8 +63,8 @@ def slow_uploads(delay_s: float) -> None:
     opened = Roots.open_store
 
     @functools.wraps(opened)
-    def open_store(self, uri: str):
-        return SlowShardPuts(opened(self, uri), delay_s)
+    def open_store(self, uri: str, owner=None):
+        return SlowShardPuts(opened(self, uri, owner), delay_s)
 
     Roots.open_store = open_store
 

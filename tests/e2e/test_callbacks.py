@@ -93,6 +93,72 @@ def test_lightning_saves_and_resumes(tmp_path):
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 3  # stepped per epoch: 1 saved + 2
 
 
+@pytest.mark.filterwarnings(
+    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning",
+    # Lightning's hints about a small loader on the CPU; not about this code
+    r"ignore:.*(does not have many workers|smaller than the logging interval).*",
+    # what Lightning says of a plain loader resumed mid-epoch, and then trains on; the test is
+    # whether the callback lets it
+    r"ignore:You're resuming from a checkpoint that ended before the epoch ended",
+)
+def test_lightning_mid_epoch_resume_trains_each_sample_once_or_is_refused(tmp_path):
+    """One process (``tests/distributed/test_lightning_elastic.py`` runs 2 -> 2 and 2 -> 3 under
+    Lightning's DDP launcher): a job stopped after step 1 of 4 and resumed on ``CkptdCallback.loader``
+    trains each sample of the epoch once; resumed on a plain ``DataLoader``, whose data Lightning
+    starts over, it is refused instead of training the first batch again."""
+    pl = pytest.importorskip(
+        "lightning.pytorch", reason="the lightning extra is not installed (pip install -e .[lightning])"
+    )
+    from torch.utils.data import DataLoader
+
+    from trainer_hooks.lightning import CkptdCallback
+
+    seen: list[int] = []
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = IndexedNet()
+
+        def training_step(self, batch, batch_idx):
+            seen.extend(batch["idx"].tolist())
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    class StopAt1(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step == 1
+
+    def fit(root, loader, stop: bool) -> CkptdCallback:
+        cb = CkptdCallback(str(root), every_n_steps=1)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[cb, StopAt1()] if stop else [cb],
+        )
+        trainer.fit(Model(), loader(cb))
+        return cb
+
+    data = IndexedData(N)
+    plain = lambda cb: DataLoader(data, batch_size=BATCH, shuffle=True)  # noqa: E731
+    fit(tmp_path / "plain", plain, stop=True)
+    with pytest.raises(RuntimeError, match=r"step 1 was saved after batch 1 of epoch 0.*CkptdCallback.loader"):
+        fit(tmp_path / "plain", plain, stop=False)
+
+    seen.clear()
+    elastic = lambda cb: cb.loader(data, BATCH, seed=3)  # noqa: E731
+    fit(tmp_path / "elastic", elastic, stop=True)
+    assert len(seen) == BATCH and committed(str(tmp_path / "elastic")) == [1]
+    assert fit(tmp_path / "elastic", elastic, stop=False).restored_step == 1
+    assert sorted(seen) == list(range(N))
+
+
 # ------------------------------------------------------------------------------------ HF
 
 
@@ -165,6 +231,13 @@ def test_hf_trainer_saves_and_resumes(tmp_path):
     assert committed(root) == [2, 4, 6]
     assert torch.equal(resumed.fc.weight, reference.fc.weight)
     assert torch.equal(resumed.fc.bias, reference.fc.bias)
+
+    # saved after step 1 of an epoch's 2: the stock Trainer would start the epoch's data over
+    mid = str(tmp_path / "mid")
+    fit(0, [CkptdCallback(mid, every_n_steps=1), _hf_stop_after(1)], "mid_stopped")
+    assert committed(mid) == [1]
+    with pytest.raises(RuntimeError, match=r"step 1 was saved at epoch 0\.500.*ElasticTrainer"):
+        fit(0, [CkptdCallback(mid, every_n_steps=1)], "mid_resumed")
 
 
 # ------------------------------------------------------------------------------ HF ElasticTrainer

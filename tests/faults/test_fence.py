@@ -14,7 +14,7 @@ import pytest
 
 from ckptd import catalog, claims, donetree
 from ckptd import manifest as mf
-from ckptd.errors import StepClaimed
+from ckptd.errors import CheckpointError, StepHeld
 from ckptd.verify import verify
 from storage_backends import open_store
 from tests.faults.slow_writer_job import state
@@ -53,17 +53,16 @@ def test_fence_lets_a_resubmitted_job_save_the_dead_jobs_step(tmp_path, caplog):
     finally:
         a.send_signal(signal.SIGKILL)  # the node dies
         a.communicate()
-    # the job is resubmitted under a new id: it resumes from step 4 and is told what is in its way
-    with Checkpointer(root, job_id="job-b") as ck, caplog.at_level(logging.WARNING, "ckptd.hook"):
+    # the job is resubmitted under a new id: it resumes from step 4; step 5 is refused, naming
+    # the command that retires the dead job's claims
+    with Checkpointer(root, job_id="job-b") as ck:
         hook = CheckpointHook(ck, state(0), every_n_steps=None, save_on_signal=False)
         try:
             assert hook.resume() == 5
         finally:
             hook.close()
-        with pytest.raises(StepClaimed, match="ckptd fence"):  # within the dead job's lease
-            ck.save(5, state(2)).result(timeout=120)
-    warned = [r.getMessage() for r in caplog.records if r.name == "ckptd.hook" and "ckptd fence" in r.getMessage()]
-    assert len(warned) == 1 and f"ckptd fence {open_store(root).uri} --job job-a" in warned[0], warned
+        with pytest.raises(StepHeld, match=f"ckptd fence {open_store(root).uri} --job job-a"):
+            ck.save(5, state(2)).result(timeout=120)  # within the dead job's lease
     r = ckptd("fence", root, "--job", "job-a", "--force")  # the operator knows the node is dead
     assert r.returncode == 0 and "fenced step 5 of job 'job-a'" in r.stdout, r.stderr
     assert ckptd("fence", root, "--job", "job-a").stderr.strip().endswith("no partial step of job 'job-a' in " + root)
@@ -74,6 +73,75 @@ def test_fence_lets_a_resubmitted_job_save_the_dead_jobs_step(tmp_path, caplog):
     report = verify(store, 5)
     assert report.ok and report.warnings == [], report
     store.close()
+
+
+def test_a_requeued_job_skips_the_step_a_live_lease_holds_and_saves_the_next(tmp_path, caplog):
+    """Job A holds a live lease on step 5 (a real writer process, held while writing it). Job B,
+    requeued under a new id, resumes from step 4 and reaches step 5: it skips 5 with one WARNING
+    naming `ckptd fence`, and saves and commits step 6. A may still commit 5 (it is alive here and
+    does); the newest committed step, B's 6, is what a restore takes."""
+    root = str(tmp_path / "root")
+    with Checkpointer(root, job_id="job-a") as ck:
+        ck.save(4, state(0)).result(timeout=120)
+    a = writing_writer(root, "job-a", 1, 5, tmp_path / "a")
+    try:
+        with Checkpointer(root, job_id="job-b") as ck, caplog.at_level(logging.WARNING, "ckptd"):
+            hook = CheckpointHook(ck, state(3), every_n_steps=1, save_on_signal=False)
+            try:
+                assert hook.resume() == 5  # state(3) now holds step 4's values: state(0)
+                hook.after_step(5)  # refused in the background: A's claim is alive
+                hook.after_step(6)  # skips 5, saves 6
+            finally:
+                hook.close()  # waits for step 6's commit; raises if it failed
+        store = open_store(root)
+        try:
+            assert catalog.committed_steps(store) == [4, 6]
+            assert claims.owner(store, 5)["writer"] == "job-a"  # B wrote nothing there
+        finally:
+            store.close()
+        assert_holds(root, 6, 0, "job-b")
+        fence_lines = [r for r in caplog.records if "ckptd fence" in r.getMessage()]
+        assert len(fence_lines) == 1 and fence_lines[0].levelno == logging.WARNING, fence_lines
+        assert "step 5 skipped, saving step 6 instead" in fence_lines[0].getMessage()
+        assert "--job job-a" in fence_lines[0].getMessage()
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+        a.stdin.write("go\n")  # A was alive all along: it finishes and commits step 5
+        a.stdin.flush()
+        log_a, _ = a.communicate(timeout=240)
+        assert a.returncode == 0, log_a[-4000:]
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.communicate()
+    store = open_store(root)
+    try:
+        assert catalog.committed_steps(store) == [4, 5, 6]
+        assert catalog.read_commit(store, 5)["writer"] == "job-a"
+    finally:
+        store.close()
+    got = state(9)
+    with Checkpointer(root, job_id="job-c") as ck:
+        assert ck.restore(got) == 6  # the newest committed step, whoever committed 5 later
+
+
+def test_a_second_step_held_by_a_live_job_stops_the_save(tmp_path):
+    """Skipping is once per job: a live job that holds a second step this job reaches is a
+    second writer at work on the root, and the save fails as two writers must."""
+    root = str(tmp_path / "root")
+    a = writing_writer(root, "job-a", 1, 5, tmp_path / "a")
+    a2 = None
+    try:
+        a2 = writing_writer(root, "job-a", 1, 6, tmp_path / "a2")
+        with Checkpointer(root, job_id="job-b") as ck:
+            ck.save(5, state(2))  # refused in the background, looked at by nobody
+            ck.save(6, state(2))  # skips 5 (once); refused in the background
+            with pytest.raises(CheckpointError, match="an earlier save \\(step 6\\) failed: .*ckptd fence"):
+                ck.save(7, state(2))
+    finally:
+        for p in (a, a2):
+            if p is not None:
+                p.kill()
+                p.communicate()
 
 
 def test_a_resaved_step_keeps_nothing_of_the_attempt_it_took_over(tmp_path):

@@ -429,3 +429,73 @@ def test_a_staging_path_longer_than_a_socket_address_still_serves_its_socket(tmp
         with Checkpointer(root, daemon=d.socket_url) as ckpt:
             ckpt.save(1, {"w": torch.ones(4)}).result()
         assert Path(root, "step_0000000001", "commit.json").exists()
+
+
+# ------------------------------------------------------------------- committed files, on disk
+
+
+def _cli_as(user: pwd.struct_passwd, *argv: str) -> subprocess.CompletedProcess:
+    """``ckptd ARGV`` run as ``user`` (``cli_as.py``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tests.security.cli_as", user.pw_name, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+        env=env(),
+    )
+
+
+def _tree(root: Path) -> list[Path]:
+    """Every file and folder below ``root`` (walked as root, links not followed)."""
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        out += [Path(dirpath) / n for n in dirs + files]
+    return out
+
+
+def _reads(user: pwd.struct_passwd, f: Path) -> bool:
+    return run_as(user, "sh", "-c", 'cat -- "$1" >/dev/null', "sh", str(f)).returncode == 0
+
+
+def test_committed_files_belong_to_their_tenant(node):
+    """What the daemon (root) commits into alice's root is hers, with no world bits: bob cannot
+    read a byte of it, through ``ckptd show`` or ``cat``; alice reads it, and her own ``ckptd
+    gc`` and ``ckptd quarantine`` (run as her, not root) retire her steps."""
+    users, root = node["users"], Path(node["roots"][ALICE])
+    alice_pw, bob_pw = users[ALICE], users[BOB]
+    alice = node["tenant"](ALICE)
+    assert alice(op="open", root=str(root), daemon=node["addr"]) == {"ok": True}
+    for step in (1, 2, 3, 4):
+        assert alice(op="save", step=step, seed=step) == {"ok": True}
+    made = _tree(root)
+    files = [p for p in made if p.is_file()]
+    assert files and any(p.name == "zarr.json" for p in files), made
+    # bob: no command of his reads her weights
+    p = _cli_as(bob_pw, "show", str(root))
+    assert p.returncode != 0 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
+    read = [str(f) for f in files if _reads(bob_pw, f)]
+    assert not read, f"bob read alice's committed files: {read[:5]}"
+    gid = root.stat().st_gid
+    wrong = [
+        (str(p), st.st_uid, st.st_gid, oct(stat.S_IMODE(st.st_mode)))
+        for p in made
+        if (st := p.lstat()).st_uid != alice_pw.pw_uid or st.st_gid != gid or st.st_mode & 0o007
+    ]
+    assert not wrong, wrong
+    # alice: reads everything, and retires her own steps as herself
+    assert all(_reads(alice_pw, f) for f in files)
+    p = _cli_as(alice_pw, "show", str(root))
+    assert p.returncode == 0, p.stderr
+    p = _cli_as(alice_pw, "gc", str(root), "--keep-last", "2")
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert not (root / "step_0000000001").exists() and not (root / "step_0000000002").exists()
+    p = _cli_as(alice_pw, "quarantine", str(root), "--step", "4", "--reason", "test")
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert alice(op="restore", root=str(root)) == {"step": 3, "digest": _expected(3)}
+    # and her next save through the daemon is hers too (what her own commands made is as her
+    # umask made it)
+    assert alice(op="save", step=5, seed=5) == {"ok": True}
+    step5 = root / "step_0000000005"
+    wrong = [str(p) for p in [step5, *_tree(step5)] if p.lstat().st_uid != alice_pw.pw_uid or p.lstat().st_mode & 0o007]
+    assert not wrong, wrong

@@ -58,9 +58,19 @@ class Daemon:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def socket(self) -> Path:
+        """The daemon's Unix socket: ``CKPTD_SOCKET`` when the test names one, else ``ckptd.sock``
+        in its staging folder (or next to its log): never the machine's default socket, which
+        the daemons of other tests would share."""
+        if "CKPTD_SOCKET" in self.env:
+            return Path(self.env["CKPTD_SOCKET"])
+        if self.staging is not None:
+            return Path(self.staging).absolute() / "ckptd.sock"
+        return self.log_path.with_name(f"{self.log_path.stem}-socket") / "ckptd.sock"
+
+    @property
     def socket_url(self) -> str:
-        """The daemon's Unix socket (its default place, in the staging folder)."""
-        return f"unix://{Path(self.staging).absolute()}/ckptd.sock"
+        return f"unix://{self.socket}"
 
     def start(self, timeout: float = 90.0, port: int | None = None) -> Daemon:
         """Start on ``port`` (a restart on the same address), or on a free one."""
@@ -81,7 +91,8 @@ class Daemon:
                     args += ["--trust-tcp"]
             else:  # loopback, one user: the tests' own choice, made explicit as the CLI requires
                 args += ["--insecure-no-auth"]
-            env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **self.env}
+            env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            env.update({"CKPTD_SOCKET": str(self.socket), **self.env})
             with open(self.log_path, "a") as log:
                 self.proc = subprocess.Popen(
                     args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), preexec_fn=self.preexec_fn
@@ -155,16 +166,26 @@ class Daemon:
 
 
 def node(
-    tmp: Path, name: str, root: str, port: int, peers: list[str], preexec_fn=None, tier_delay_s: float = 0.0, **env: str
+    tmp: Path,
+    name: str,
+    root: str,
+    port: int,
+    peers: list[str],
+    preexec_fn=None,
+    tier_delay_s: float = 0.0,
+    trust_tcp: bool = True,
+    **env: str,
 ) -> Daemon:
     """A started daemon playing node ``name`` of a memory-tier test: its own staging folder and
     log under ``tmp``, the token in ``tmp/token``, the ring ``peers`` and its own URL advertised;
-    ``tier_delay_s``: a slow peer (``Daemon``)."""
+    ``tier_delay_s``: a slow peer (``Daemon``). ``trust_tcp=False``: as the docs run it, trainers
+    reach it on its socket only."""
     d = Daemon(
         [root],
         tmp / f"staging-{name}",
         tmp / f"{name}.log",
         token_file=tmp / "token",
+        trust_tcp=trust_tcp,
         preexec_fn=preexec_fn,
         tier_delay_s=tier_delay_s,
         CKPTD_PEERS=json.dumps(peers),

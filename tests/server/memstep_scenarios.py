@@ -5,6 +5,7 @@ node's daemon at another world size (``restore_tiered``)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed.scenarios import BATCH, compare_with_reference, full_state, make_state, train_step, world
-from trainer_hooks import Checkpointer
+from trainer_hooks import Checkpointer, ElasticSampler
 
 LOG_LEVEL = logging.INFO
 
@@ -73,3 +74,45 @@ def restore_position(daemon: str, root: str, out: str, ref: str, seed: int = 123
         tiers = ck.last_restore_tiers
     mismatches = compare_with_reference(state, out, ref)
     return {"step": got, "position": int(state["extra"]["position"]), "mismatches": mismatches, "tiers": tiers}
+
+
+DATASET = 100  # samples in the epoch of ``save_sampled`` / ``resume_sampled``
+PER_STEP = 2  # samples each rank draws per step
+
+
+def save_sampled(root: str, out: str, last: int, persist_every: int) -> dict:
+    """README "Through the daemon" as printed, with no address: ``daemon=True`` (this rank's
+    node's socket in ``CKPTD_SOCKET``, the token in ``CKPTD_TOKEN_FILE``). Train steps
+    1..``last``, each drawing ``PER_STEP`` samples from an ``ElasticSampler`` (part of the state),
+    saving every step with ``persist_every`` and waiting for it; the samples drawn so far go to
+    ``seen_{rank}.json``, the full state of step s to ``ref_step{s}.pt``. Then flag
+    ``saved_{rank}`` and wait to be killed."""
+    rank, ws = world()
+    state, dp_rank, dp_size = make_state("fsdp", 0)
+    state["sampler"] = sampler = ElasticSampler(DATASET, seed=7)
+    ck = Checkpointer(root, daemon=True, persist_every=persist_every)
+    it, seen = iter(sampler), []
+    for s in range(1, last + 1):
+        seen += [next(it) for _ in range(PER_STEP)]
+        train_step(state, s, dp_rank, dp_size)
+        ck.save(s, state).result()
+        Path(out, f"seen_{rank}.json").write_text(json.dumps(seen))
+        ref = full_state(state)
+        if rank == 0:
+            torch.save(ref, Path(out) / f"ref_step{s}.pt")
+    Path(out, f"saved_{rank}").write_text("1")
+    time.sleep(600)
+    return {}
+
+
+def resume_sampled(root: str, out: str, ref: str) -> dict:
+    """Resume with ``daemon=True`` at this world size into a differently initialised state;
+    compare with ``ref`` bitwise; return the step, the bytes per tier and the samples this rank
+    draws for the rest of the epoch."""
+    state, _, _ = make_state("fsdp", 123)
+    state["sampler"] = sampler = ElasticSampler(DATASET, seed=7)
+    with Checkpointer(root, daemon=True) as ck:
+        got = ck.restore(state)
+        tiers = ck.last_restore_tiers
+    mismatches = compare_with_reference(state, out, ref)
+    return {"step": got, "mismatches": mismatches, "tiers": tiers, "rest": list(sampler)}

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -31,7 +33,8 @@ from storage_backends import open_store
 from tests import load
 from tests.distributed import launch
 from tests.distributed.scenarios import BATCH
-from tests.server.daemon import Daemon, kill_all, node, tier_totals, wait_for
+from tests.server.daemon import ROOT, Daemon, kill_all, node, tier_totals, wait_for
+from tests.server.memstep_scenarios import DATASET, PER_STEP
 from trainer_hooks import Checkpointer
 
 pytestmark = pytest.mark.timeout(900)
@@ -151,6 +154,88 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
         res = _run(2, "restore_position", out / "rfloor", daemon=c.url, root=root, ref=str(out / f"ref_step{EVERY}.pt"))
         got = _restored(res, EVERY)
         assert got["root"] > 0, got
+    finally:
+        kill_all(procs)
+        for d in (a, b, c):
+            if d is not None:
+                d.kill()
+
+
+def test_the_documented_daemon_path_survives_a_node_loss(tmp_path):
+    """README "Through the daemon" and "Recovery from the daemons' memory" as printed: two node
+    daemons with a token file on their default sockets (``CKPTD_SOCKET``, one per node as two
+    machines would have), no --trust-tcp; a 4-rank job with ``daemon=True`` and
+    ``persist_every=3`` (2 ranks per node, each rank's environment naming its node's socket).
+    Node b dies (its daemon and ranks SIGKILLed) after step 5: the job resumes from the tiers at
+    3 ranks and at 2 (on a new node), bitwise, 0 bytes from the root, every sample once; ``ckptd
+    ls --daemon unix://...`` shows the memory-only steps."""
+    last, every = 5, 3
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    root = f"file://{tmp_path / 'job'}"
+    ports = {n: launch.free_port() for n in "abc"}
+    urls = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
+    socks = {n: str(tmp_path / f"node-{n}" / "ckptd.sock") for n in "abc"}
+    env = {"CKPTD_TOKEN_FILE": str(tmp_path / "token")}
+
+    def start(n: str, peers: list[str]) -> Daemon:
+        return node(tmp_path, n, root, ports[n], peers, trust_tcp=False, CKPTD_SOCKET=socks[n])
+
+    def resume(world: int, n: str, out: Path) -> list[dict]:
+        ref = str(tmp_path / "out" / f"ref_step{last}.pt")
+        procs = launch.spawn(
+            world,
+            "resume_sampled",
+            {"root": root, "ref": ref},
+            out,
+            {**env, "CKPTD_SOCKET": socks[n]},
+            scenarios=SCENARIOS,
+        )
+        res = launch.wait(procs, out, "resume_sampled", timeout=600)
+        assert all(r["step"] == last for r in res) and res[0]["mismatches"] == [], res
+        got = tier_totals(res)
+        assert got["root"] == 0, got
+        rest = [i for r in res for i in r["rest"]]  # every sample once: drawn before, or after
+        assert sorted(seen + rest) == list(range(DATASET)), (len(seen), len(rest))
+        return got
+
+    a = b = c = None
+    procs = []
+    try:
+        a, b = start("a", [urls["a"], urls["b"]]), start("b", [urls["a"], urls["b"]])
+        out = tmp_path / "out"
+        args = {"root": root, "last": last, "persist_every": every}
+        procs = launch.spawn(
+            4, "save_sampled", args, out, lambda r: {**env, "CKPTD_SOCKET": socks["ab"[r // 2]]}, scenarios=SCENARIOS
+        )
+        wait_for(
+            lambda: all((out / f"saved_{r}").exists() for r in range(4)),
+            "the saves",
+            600,
+            procs,
+            lambda: launch.logs(out, "save_sampled", 4),
+        )
+        wait_for(lambda: _has(a, root, last, {2, 3}, urls["b"]), "b's parts of step 5 replicated to a", 120)
+        seen = [i for r in range(4) for i in json.loads((out / f"seen_{r}.json").read_text())]
+        assert len(seen) == last * 4 * PER_STEP
+        ls = subprocess.run(
+            [sys.executable, "-m", "ckptd.cli.main", "ls", root, "--daemon", f"unix://{socks['a']}", "--json"],
+            env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert ls.returncode == 0 and "not listed" not in ls.stderr, ls.stderr
+        rows = {row["step"]: row for row in json.loads(ls.stdout)}
+        assert rows[every]["committed"] and all(rows[s]["memory_only"] for s in (4, 5)), rows
+
+        b.kill()  # node b fails: its daemon and its ranks
+        kill_all(procs)
+        got = resume(3, "a", tmp_path / "r3")
+        assert got["local"] > 0, got
+        c = start("c", [urls["a"], urls["b"], urls["c"]])  # a new node, empty memory
+        got = resume(2, "c", tmp_path / "r2")
+        assert got["local"] == 0 and got["peer"] > 0, got
     finally:
         kill_all(procs)
         for d in (a, b, c):

@@ -15,8 +15,9 @@ nothing), accounting (no slurmdbd/MySQL: ``accounting_storage/none``), and more 
 not tried here): an allocation's size changes in ranks per node, not in nodes.
 
 Two partitions: ``low`` (the default) is preempted by jobs of ``high`` the way production
-clusters preempt (``preempt/partition_prio``, ``PreemptMode=REQUEUE``, ``GraceTime=60``: SIGTERM to
-the job, SIGKILL 60 s later if it has not ended, then the job is requeued).
+clusters preempt (``preempt/partition_prio``, ``PreemptMode=REQUEUE``, ``GraceTime=150``: SIGTERM to
+the job, SIGKILL 150 s later if it has not ended (longer than the recipe's
+torchrun --shutdown-timeout, 100 s, as the recipe asks), then the job is requeued).
 
 ``python -m tests.systems.slurm DIR`` starts a cluster in DIR and keeps it up until Ctrl-C or SIGTERM.
 """
@@ -107,7 +108,7 @@ InactiveLimit=0
 NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-PartitionName=low Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=60
+PartitionName=low Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=150
 PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
         )

@@ -10,6 +10,10 @@ state independent of the world size bit for bit, so the job's final model and Ad
 equal those of an uninterrupted single-process run exactly, and every sample of the epoch must
 have been trained on exactly once.
 
+The recipe as shipped, with its own training script (``examples/train_elastic.py``) on an S3 root:
+a listing of the root that fails is retried, and one that keeps failing fails the job with the
+reason instead of starting the ranks as if the root were empty.
+
 Needs ``slurm-wlm`` and ``munge`` (``.ci/run`` installs them); skipped when they are absent.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -26,9 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptd import catalog
+from storage_backends import open_store
 from tests import load
 from tests.distributed import launch
+from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.systems.slurm import SlurmCluster, missing_binaries
+from trainer_hooks import Checkpointer
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "deploy" / "slurm" / "elastic.sbatch"
@@ -38,7 +47,7 @@ STOP_AT_4, STOP_AT_3 = 9, 24  # steps where the test stops the job
 pytestmark = [
     pytest.mark.slow,
     # Above the sum of the longest test's own bounds (~1,900 s), so that one of those fires first
-    # with the job's output; idle the file takes ~3 min. Both times load.SCALE.
+    # with the job's output; idle the file takes a few minutes. Both times load.SCALE.
     pytest.mark.timeout(2400),
     pytest.mark.skipif(bool(missing_binaries()), reason=f"Slurm/munge not installed: {missing_binaries()}"),
 ]
@@ -114,7 +123,6 @@ def test_sbatch_recipe_preempted_and_time_limited_resumes_at_4_3_2_tasks_exactly
         "TRAIN": "tests/systems/exact_train.py",
         "GLOBAL_BATCH": str(GLOBAL_BATCH),
         "RDZV_PORT": str(launch.free_port()),
-        "SHUTDOWN_TIMEOUT": "60",
         "EXACT_SAMPLES": str(SAMPLES),
         "EXACT_LOG_DIR": str(logs),
         "EXACT_FINAL": str(tmp_path / "final.pt"),
@@ -264,7 +272,6 @@ def test_plain_scancel_saves_and_the_job_stays_cancelled(cluster, tmp_path):
         TRAIN="tests/systems/exact_train.py",
         GLOBAL_BATCH=str(GLOBAL_BATCH),
         RDZV_PORT=str(launch.free_port()),
-        SHUTDOWN_TIMEOUT="60",
         EXACT_SAMPLES=str(SAMPLES),
         EXACT_LOG_DIR=str(logs),
         EXACT_HOLD_FILE=str(hold),
@@ -279,3 +286,93 @@ def test_plain_scancel_saves_and_the_job_stays_cancelled(cluster, tmp_path):
     info = cluster.job(job)
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, _out(job))
     assert "cancelled: not requeueing (latest committed step 2)" in _out(job)
+
+
+# -- the root cannot be listed ------------------------------------------------------------------
+# The job's storage goes through a fault proxy in front of the moto server that answers 500 to
+# every listing while the test says so. The S3 store's own retries are cut down
+# (CKPTD_S3_MAX_ATTEMPTS/RETRIES) so that each failed `ckptd ls` takes seconds, not minutes; the
+# recipe's retries are what is tested.
+FAST_FAILING_S3 = {"CKPTD_S3_MAX_ATTEMPTS": "2", "CKPTD_S3_RETRIES": "0"}
+FAIL_LISTINGS = FaultPlan(rules=[Rule(lambda r: r.op == "ListObjectsV2", "500", times=10**9)])
+
+
+def _submit_shipped(cluster: SlurmCluster, tmp_path: Path, tasks: int, root: str, endpoint: str, **env: str) -> int:
+    """The recipe as shipped, with its own training script (examples/train_elastic.py) and its
+    defaults; only the size (one node here), the output file and the root are set."""
+    return cluster.sbatch(
+        ["--nodes=1", f"--ntasks-per-node={tasks}", "--cpus-per-task=1", "--time=30", f"--chdir={REPO}"]
+        + [f"--output={tmp_path}/slurm-%j.out", str(SBATCH)],
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        CKPT_ROOT=root,
+        AWS_ENDPOINT_URL=endpoint,
+        RDZV_PORT=str(launch.free_port()),
+        **FAST_FAILING_S3,
+        **env,
+    )
+
+
+def _wait_output(job: int, text: str, cluster: SlurmCluster, timeout: float = 300.0) -> None:
+    deadline = load.deadline(timeout)
+    while text not in _out(job, tail=10**7):
+        info = cluster.job(job)
+        if info["JobState"] not in ("RUNNING", "PENDING", "CONFIGURING"):
+            raise AssertionError(f"job ended ({info['JobState']}) before printing {text!r}:\n{_out(job)}")
+        assert time.monotonic() < deadline, f"no {text!r} in the job's output:\n{_out(job)}"
+        time.sleep(0.2)
+
+
+@pytest.mark.s3
+def test_a_root_that_cannot_be_listed_fails_the_job_with_the_reason(cluster, s3_server, s3_bucket, tmp_path):
+    """Every listing of the root fails: the recipe retries LIST_TRIES times, then the job fails
+    saying why, and no rank starts -- the committed step is not trained over from step 0."""
+    _OUT_DIR[:] = [tmp_path]
+    with Checkpointer(s3_bucket, job_id="earlier") as ck:
+        ck.save(7, {"w": torch.arange(8.0)}).result(timeout=120)
+    with FaultProxy(s3_server, FAIL_LISTINGS) as proxy:
+        job = _submit_shipped(cluster, tmp_path, 2, s3_bucket, proxy.url, LIST_TRIES="3")
+        info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
+        output = _out(job, tail=10**7)
+        assert info["JobState"] == "FAILED" and info["Restarts"] == "0", (info, output)
+        assert proxy.counters["fault:500:ListObjectsV2"] >= 3
+    for n in (1, 2):
+        assert f"listing {s3_bucket} failed (try {n}/3): retrying in {5 * 2 ** (n - 1)} s" in output, output
+    assert f"cannot list {s3_bucket} (tried 3 times)" in output, output
+    assert f"not starting the ranks: {s3_bucket} could not be listed" in output, output
+    assert "starting at step" not in output and "torchrun" not in output, output
+    store = open_store(s3_bucket)
+    try:
+        assert catalog.committed_steps(store) == [7]
+        assert [i.step for i in catalog.list_checkpoints(store)] == [7]  # nothing else written
+    finally:
+        store.close()
+
+
+@pytest.mark.s3
+def test_the_shipped_recipe_retries_a_failed_listing_and_resumes(cluster, s3_server, s3_bucket, tmp_path):
+    """The recipe and examples/train_elastic.py as shipped, on S3: a first job trains its epoch
+    at 2 tasks and commits its last step; a second job at 3 tasks finds every listing failing,
+    retries, and once storage answers again reshards to 3 and resumes after that step instead
+    of starting over."""
+    _OUT_DIR[:] = [tmp_path]
+    with FaultProxy(s3_server) as proxy:
+        first = _submit_shipped(cluster, tmp_path, 2, s3_bucket, proxy.url)
+        info = cluster.wait_state(first, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=600)
+        out1 = _out(first, tail=10**7)
+        assert info["JobState"] == "COMPLETED", out1
+        assert "[rank 0/2] starting at step 0" in out1, out1
+        last = int(re.search(r"training ended \(latest committed step (\d+)\)", out1).group(1))
+        assert last >= 0, out1
+
+        proxy.set_plan(FAIL_LISTINGS)
+        second = _submit_shipped(cluster, tmp_path, 3, s3_bucket, proxy.url)
+        _wait_output(second, f"listing {s3_bucket} failed (try 1/5)", cluster)
+        proxy.set_plan(FaultPlan())  # storage answers again
+        info = cluster.wait_state(second, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=600)
+    out2 = _out(second, tail=10**7)
+    assert info["JobState"] == "COMPLETED", out2
+    assert "1 nodes x 3 = 3 ranks" in out2, out2
+    assert f"[rank 0/3] starting at step {last + 1}" in out2, out2
+    assert "starting at step 0" not in out2, out2
+    assert f"training ended (latest committed step {last})" in out2, out2
