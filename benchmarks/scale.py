@@ -1081,7 +1081,10 @@ def main(argv: list[str] | None = None) -> int:
             r = simulate_partitions(n, args)
             res["partitions"].append(r)
             print(json.dumps(r), flush=True)
-    res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "only")}
+    # a partitions-only run keeps the settings of the label's save run
+    res["settings_partitions" if only == {"partitions"} else "settings"] = {
+        k: v for k, v in vars(args).items() if k not in ("out", "plot", "only")
+    }
     args.out.write_text(json.dumps(allres, indent=1, default=str) + "\n")
     if args.plot:
         plot(allres, args.plot)
