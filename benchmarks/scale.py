@@ -746,6 +746,7 @@ def restore_reads(n: int, m: int, arrays: int) -> dict:
         "n": n,
         "m": m,
         "per_rank_gets": max(x["gets"] for x in per_rank),
+        "per_rank_shard_gets": max(shard_gets),
         "per_rank_lists": max(x["lists"] for x in per_rank),
         "per_rank_records": max(x["records"] for x in per_rank),
         "per_rank_bytes": max(x["bytes"] for x in per_rank),
@@ -886,8 +887,8 @@ def partition_table(results: dict) -> list[str]:
     out = [
         "",
         "| N | objects (= PUTs) | bytes | PUTs per folder | clients x g | duration s | SlowDowns | failed PUTs "
-        "| ranks with a failed PUT | partitions at the end (splits at s) |",
-        "|" + "---|" * 10,
+        "| ranks with a failed PUT | longest wait for a token s | partitions at the end (splits at s) |",
+        "|" + "---|" * 11,
     ]
     rows = [p for res in results.values() for p in res.get("partitions", []) if "save" in p]
     for p in sorted(rows, key=lambda p: p["n"]):
@@ -896,7 +897,7 @@ def partition_table(results: dict) -> list[str]:
         out.append(
             f"| {p['n']} | {p['objects']:,} | {p['bytes'] / 2**30:.0f} GiB | 1 | {x['clients']} x {x['aggregate']} "
             f"| {x['seconds']:.0f} | {x['slowdowns']:,} | {x['failed']:,} | {x['clients_failed']:,} "
-            f"| {x['partitions']} ({splits}) |"
+            f"| {x.get('max_wait_s', 0):.0f} | {x['partitions']} ({splits}) |"
         )
     out += [
         "",

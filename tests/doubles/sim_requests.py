@@ -93,12 +93,14 @@ class RequestPartitionModel:
                 push(cl.start, 0, i, 1)
         failed = 0
         last = 0.0
+        max_wait = 0.0
         while events:
             t, _, kind, i, tries, sent = heapq.heappop(events)
             now[0] = t
             cl = clients[i]
             if kind == 0:  # a thread sends a try: its token first
                 sent = cl.limiter.acquire("step")
+                max_wait = max(max_wait, sent - t)
                 if sent > t:
                     push(sent, 1, i, tries, sent)
                     continue
@@ -159,6 +161,7 @@ class RequestPartitionModel:
             "clients": len(clients),
             "aggregate": g,
             "waits": sum(c.limiter.waits for c in clients) * g,
+            "max_wait_s": max_wait,  # the longest a try waited for its token
             "mean_wait_s": sum(c.limiter.waited_s for c in clients) / max(1, sum(c.limiter.waits for c in clients)),
         }
 
