@@ -28,7 +28,8 @@ chart ``benchmarks/SCALE.png`` comparing the labels.
 0's 16 I/O threads, a daemon's 2 upload workers and 16 I/O threads, the CPU of every simulated
 thread charged to its virtual time (``VirtualClock(cpu_scale=...)``), the S3 store's HEAD after
 a 412 and batch purge, a full-size checkpoint for retention to delete, and the save's data PUTs
-against S3's partitions (:func:`simulate_partitions`). See :class:`Realistic` and SCALE.md.
+and a restore's GETs against S3's partitions, request by request with the real limiter
+(:func:`simulate_partitions`). See :class:`Realistic` and SCALE.md.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from ckptd import persist as persist_mod
 from tests.doubles.simulated import (
     GET_CLASS,
     PUT_CLASS,
-    PartitionModel,
     SimulatedStore,
     VirtualClock,
     VirtualEvent,
@@ -694,28 +694,124 @@ def _read_done(store, manifest, rank: int) -> None:
         store.get(mf.done_key(manifest.step, manifest.attempt, rank))
 
 
+def restore_reads(n: int, m: int, arrays: int) -> dict:
+    """The requests of a restore at ``m`` ranks of a save at ``n`` (``Realistic``'s manifest:
+    ``arrays`` arrays, each one shard per saving rank), per restoring rank, as the real reader
+    makes them: the shard reads of ``layout.plan_reads`` coalesced as ``CheckpointReader`` does
+    (one ranged GET per run of chunks), the pins of the done records of the ranks that wrote
+    those shards (``restore.pins_for``: one LIST per group of ``donetree.FANOUT`` writers, one
+    GET per writer), the rank's own done record for its RNG state (a LIST and a GET) and, on
+    rank 0 only, the manifest and the commit record. The benchmark's arrays are identical, so
+    one array's plan times ``arrays`` is exact."""
+    from benchmarks.pins_cost import manifest
+    from ckptd import donetree
+    from ckptd.layout import Box, plan_reads, shard_index
+    from ckptd.reader import COALESCE_GAP, CheckpointReader
+
+    entry = next(iter(manifest(1, n).tensors.values()))
+    layout = entry.layout
+    rows, cols = layout.shape
+    shard_gets, shard_bytes, writers = [], [], []
+    for r in range(m):
+        want = Box((r * rows // m, 0), ((r + 1) * rows // m, cols))
+        gets = nbytes = 0
+        who = set()
+        for sr in plan_reads(layout, want):
+            who.add(entry.writer_of(shard_index(layout, sr.shard)))
+            end = None
+            for off, size, _ in sorted(CheckpointReader._computed_spans(layout, sr)):
+                if end is None or off - end > COALESCE_GAP:
+                    gets += 1
+                nbytes += size
+                end = off + size
+        shard_gets.append(gets * arrays)
+        shard_bytes.append(nbytes * arrays)
+        writers.append(sorted(who))
+    record = len(done_record_bytes(n, arrays))
+    per_rank = []
+    for r in range(m):
+        w = writers[r]
+        lists = len({x // donetree.FANOUT for x in w}) + 1  # + its own record's LIST
+        gets = shard_gets[r] + len(w) + 1 + (2 if r == 0 else 0)
+        per_rank.append(
+            {
+                "gets": gets,
+                "lists": lists,
+                "shard_gets": shard_gets[r],
+                "records": len(w) + 1,
+                "bytes": shard_bytes[r] + record * (len(w) + 1),
+            }
+        )
+    return {
+        "n": n,
+        "m": m,
+        "per_rank_gets": max(x["gets"] for x in per_rank),
+        "per_rank_shard_gets": max(shard_gets),
+        "per_rank_lists": max(x["lists"] for x in per_rank),
+        "per_rank_records": max(x["records"] for x in per_rank),
+        "per_rank_bytes": max(x["bytes"] for x in per_rank),
+        "gets": sum(x["gets"] for x in per_rank),
+        "lists": sum(x["lists"] for x in per_rank),
+        "bytes": sum(x["bytes"] for x in per_rank),
+        "record_bytes": record,
+        "counts": [x["gets"] + x["lists"] for x in per_rank],
+    }
+
+
+def done_record_bytes(n: int, arrays: int) -> bytes:
+    """A done record of ``Realistic``'s save, as ``persist`` writes it: its rank's shard keys and
+    their pins (``donetree.make_pins``)."""
+    import json as _json
+
+    from ckptd import donetree
+
+    r = Realistic(n, arrays, 1, "a")
+    keys = [f"{path}/{layout.shard_key((n - 1, 0))}" for path, layout in r.grids]
+    rec = {
+        "rank": n - 1,
+        "writer": "x" * 32,
+        "bytes": Realistic.SHARD_BYTES * arrays,
+        "objects": arrays,
+        "shards": keys,
+        "pins": donetree.make_pins({k: (Realistic.SHARD_BYTES, Realistic.CRC) for k in keys}, {}),
+        "time": 1.0e9,
+    }
+    return _json.dumps(rec, separators=(",", ":")).encode()
+
+
 def simulate_partitions(n: int, args, seed: int = 0) -> dict:
-    """The data PUTs of one save (``arrays`` per rank, each rank's over its upload time) against
-    S3's partitions of the new ``step_N/`` key range (:class:`PartitionModel`): as botocore's
-    standard retries send them, then with each mitigation -- ``paced`` (the clients hold their
-    PUTs to the capacity they see: botocore's ``retries={"mode": "adaptive"}``), and the range
-    of the next step pre-warmed into 64 partitions before the save (sustained requests on
-    ``step_<next>/`` keys for 6 x ``split_after`` seconds: ``warm_s``, ``warm_requests``, by the
-    model's split rule; the keys, and so zarr's view of the checkpoint, do not change)."""
+    """One save's data PUTs (``arrays`` per rank) and the GETs of a restore of it at M = N/4,
+    N/2 and N against S3's partitions of the step's key range, request by request
+    (:class:`~tests.doubles.sim_requests.RequestPartitionModel`): every rank a paced
+    ``S3Store`` with the real ``AdaptiveLimiter`` and its retries, ``--model-clients`` clients
+    at most (identical ranks aggregated, see the model's assumptions). A rank's other PUTs (its
+    done record, rank 0's array metadata: under 0.2 % of the save's) are left out here; the
+    ``save`` run above counts them."""
+    from tests.doubles.sim_requests import Client, RequestPartitionModel, aggregate_for
+
     rng = random.Random(seed)
-    times = finish_times(n, rng, args.write_s, args.skew, args.straggle_s)
-    offers = [(rng.uniform(0.0, args.start_s), t, args.arrays) for t in times]
-    out: dict = {"n": n, "arrays": args.arrays, "puts": n * args.arrays, "write_s": max(times)}
-    for name, model, paced in (
-        ("standard", PartitionModel(), False),
-        ("paced", PartitionModel(), True),
-        ("prewarmed_64", PartitionModel(partitions=64), False),
-        ("prewarmed_64_paced", PartitionModel(partitions=64), True),
-    ):
-        out[name] = model.drain(offers, paced=paced)
-    m = PartitionModel()
-    out["warm_s"] = 6 * m.split_after  # 1 -> 64 partitions: 6 splits
-    out["warm_requests"] = round(sum(m.busy * m.put_rate * 2**i * m.split_after for i in range(6)))
+    g = aggregate_for(n, args.model_clients)
+    hold = args.write_s * args.io_threads / max(1, args.arrays)  # a rank's PUTs take write_s
+    clients = [Client(args.arrays, rng.uniform(0.0, args.start_s)) for _ in range(n // g)]
+    save = RequestPartitionModel(rate=3500.0, hold_s=hold, threads=args.io_threads, aggregate=g, seed=seed)
+    out: dict = {
+        "n": n,
+        "arrays": args.arrays,
+        "puts": n * args.arrays,
+        "objects": n * args.arrays,
+        "bytes": n * args.arrays * Realistic.SHARD_BYTES,
+        "hold_s": hold,
+        "save": save.run(clients),
+    }
+    out["restore"] = []
+    for m in (n // 4, n // 2, n):
+        reads = restore_reads(n, m, args.arrays)
+        gm = aggregate_for(m, args.model_clients)
+        counts = reads.pop("counts")
+        cl = [Client(counts[i * gm], rng.uniform(0.0, args.start_s)) for i in range(m // gm)]
+        model = RequestPartitionModel(rate=5500.0, hold_s=hold, threads=args.io_threads, aggregate=gm, seed=seed)
+        reads["model"] = model.run(cl)
+        out["restore"].append(reads)
     return out
 
 
@@ -786,6 +882,40 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def partition_table(results: dict) -> list[str]:
+    """Markdown tables of the request-level partition model's saves and restores."""
+    out = [
+        "",
+        "| N | objects (= PUTs) | bytes | PUTs per folder | clients x g | duration s | SlowDowns | failed PUTs "
+        "| ranks with a failed PUT | longest wait for a token s | partitions at the end (splits at s) |",
+        "|" + "---|" * 11,
+    ]
+    rows = [p for res in results.values() for p in res.get("partitions", []) if "save" in p]
+    for p in sorted(rows, key=lambda p: p["n"]):
+        x = p["save"]
+        splits = ", ".join(f"{t:.0f}" for t in x["splits"]) or "-"
+        out.append(
+            f"| {p['n']} | {p['objects']:,} | {p['bytes'] / 2**30:.0f} GiB | 1 | {x['clients']} x {x['aggregate']} "
+            f"| {x['seconds']:.0f} | {x['slowdowns']:,} | {x['failed']:,} | {x['clients_failed']:,} "
+            f"| {x.get('max_wait_s', 0):.0f} | {x['partitions']} ({splits}) |"
+        )
+    out += [
+        "",
+        "| N | M | GETs per rank (max) | LISTs per rank | done records read per rank | GiB per rank "
+        "| GETs + LISTs | GiB | duration s | SlowDowns | failed GETs | partitions at the end |",
+        "|" + "---|" * 12,
+    ]
+    for p in sorted(rows, key=lambda p: p["n"]):
+        for r in p["restore"]:
+            x = r["model"]
+            out.append(
+                f"| {p['n']} | {r['m']} | {r['per_rank_gets']:,} | {r['per_rank_lists']} | {r['per_rank_records']} "
+                f"| {r['per_rank_bytes'] / 2**30:.2f} | {r['gets'] + r['lists']:,} | {r['bytes'] / 2**30:.0f} "
+                f"| {x['seconds']:.0f} | {x['slowdowns']:,} | {x['failed']:,} | {x['partitions']} |"
+            )
+    return out
+
+
 def realistic_table(results: dict) -> str:
     """Markdown tables of the ``--realistic`` runs' saves and partition models, for SCALE.md."""
 
@@ -807,22 +937,7 @@ def realistic_table(results: dict) -> str:
             f"| {f(s['claim_s_median'])} / {f(s['claim_s_max'])} | {s['retention_requests']} "
             f"| {f(s['retention_s'], '{:.1f}')} |"
         )
-    out += [
-        "",
-        "| N | data PUTs | mitigation | save's PUTs done at s | SlowDowns | PUTs out of tries (saves failed) "
-        "| splits at s |",
-        "|" + "---|" * 7,
-    ]
-    for res in results.values():
-        for p in res.get("partitions", []):
-            for name in ("standard", "paced", "prewarmed_64", "prewarmed_64_paced"):
-                if name in p:
-                    x = p[name]
-                    splits = ", ".join(f"{t:.0f}" for t in x["splits"]) or "-"
-                    out.append(
-                        f"| {p['n']} | {p['puts']:,} | {name} | {x['seconds']:.1f} | {x['slowdowns']:,} "
-                        f"| {x['exhausted']:,} | {splits} |"
-                    )
+    out += partition_table(results)
     return "\n".join(out)
 
 
@@ -916,6 +1031,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1_100_000,
         help="--realistic: the checkpoint retention deletes holds every rank's shards when N x arrays <= this",
     )
+    p.add_argument(
+        "--model-clients",
+        dest="model_clients",
+        type=int,
+        default=256,
+        help="partitions: model at most this many clients (identical ranks aggregated)",
+    )
     p.add_argument("--label", default="after")
     p.add_argument("--only", choices=["save", "latest", "restore", "partitions"], action="append")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -960,7 +1082,10 @@ def main(argv: list[str] | None = None) -> int:
             r = simulate_partitions(n, args)
             res["partitions"].append(r)
             print(json.dumps(r), flush=True)
-    res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "only")}
+    # a partitions-only run keeps the settings of the label's save run
+    res["settings_partitions" if only == {"partitions"} else "settings"] = {
+        k: v for k, v in vars(args).items() if k not in ("out", "plot", "only")
+    }
     args.out.write_text(json.dumps(allres, indent=1, default=str) + "\n")
     if args.plot:
         plot(allres, args.plot)

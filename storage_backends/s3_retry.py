@@ -32,9 +32,8 @@ Bounded: a throttled request still counts as a try, so a call fails with one Sto
 quota, 500 tokens per client at 5 per throttled retry, would otherwise end them early under
 sustained throttling). The wait for a token is at most (requests waiting in the scope, itself
 included) / ``min_rate``: a rate change credits what the old rate refilled first, so a request
-pays for its token once, however many throttles follow. ``simulated.PartitionModel(paced=True)``
-applies the same rule, with these constants, to thousands of simulated clients as a fluid
-(their summed rate), which is how ``benchmarks/SCALE.md`` measures it at 1024-8192 ranks.
+pays for its token once, however many throttles follow. ``benchmarks/SCALE.md`` runs this
+limiter, one per simulated client, against S3's partitions at 1024-8192 ranks.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ S3 behaviours modelled:
 Counters (:attr:`SimulatedStore.stats`): requests by verb, by (verb, prefix), SlowDowns, and the
 peak accepted requests per ``window`` per prefix and class.
 
-The clock lives in ``sim_clock``, the request classes, counters and ``PartitionModel`` in
+The clock lives in ``sim_clock``, the request classes and counters in
 ``sim_rates``; every name of ``__all__`` is still imported from here.
 """
 
@@ -63,7 +63,7 @@ from storage_backends.base import (
 )
 from storage_backends.memory import MemoryStore
 from tests.doubles.sim_clock import SimulationStalled, VirtualClock, VirtualEvent, VirtualTime
-from tests.doubles.sim_rates import CLASS_OF, GET_CLASS, PUT_CLASS, PartitionModel, Stats, folder_of
+from tests.doubles.sim_rates import CLASS_OF, GET_CLASS, PUT_CLASS, Stats, folder_of
 
 
 class SlowDownError(StorageError):
@@ -362,7 +362,7 @@ class SimulatedStore(Store):
     def bulk_put(self, prefix: str, count: int) -> None:
         """Count ``count`` data PUTs under ``prefix`` without running them one by one (a
         benchmark's bulk upload, whose time it models itself and whose rate
-        :class:`PartitionModel` judges): stats only, no time, no objects."""
+        ``tests.doubles.sim_requests`` judges): stats only, no time, no objects."""
         with self._lock:
             self.stats.requests["PUT"] += count
             self.stats.by_prefix[("PUT", self.prefix_of(prefix + "x"))] += count
@@ -449,7 +449,6 @@ class SimulatedStore(Store):
 __all__ = [
     "GET_CLASS",
     "PUT_CLASS",
-    "PartitionModel",
     "SimulatedStore",
     "SimulationStalled",
     "SlowDownError",
