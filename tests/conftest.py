@@ -15,14 +15,54 @@ error with the daemons' logs when they are present but the cluster does not star
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from tests import rgwserver
+from tests import load, rgwserver
 from tests.s3server import CREDENTIALS, start_moto_server, stop
+
+# Subprocesses (ranks, daemons, jobs) bound their waits with the same factor as this process.
+os.environ.setdefault("CKPTD_TEST_TIMEOUT_SCALE", str(load.SCALE))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"ckptd timeouts: x{load.SCALE} (CKPTD_TEST_TIMEOUT_SCALE, else the load per core; tests/load.py)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest's timeout (a test's ``timeout`` mark, else ``--timeout``/the ini's) times
+    ``load.SCALE``, as every bound inside the harness is: a loaded machine stretches both alike,
+    so a subprocess's own timeout still fires first and its output reaches the report."""
+    if load.SCALE == 1:
+        return
+    default = getattr(config, "_env_timeout", None)  # pytest-timeout's resolved --timeout/ini value
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = (marker.kwargs.get("timeout", marker.args[0] if marker.args else None)) if marker else default
+        if not seconds:
+            continue  # no timeout, or 0 (none): nothing to scale
+        kwargs = {k: v for k, v in (marker.kwargs if marker else {}).items() if k != "timeout"}
+        args = tuple(marker.args[1:]) if marker and marker.args else ()
+        item.add_marker(pytest.mark.timeout(float(seconds) * load.SCALE, *args, **kwargs), append=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A child that timed out (``subprocess.TimeoutExpired``) or failed a ``check=True`` run
+    (``CalledProcessError``): what it wrote so far goes into the report, which would otherwise
+    show only the command line."""
+    outcome = yield
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(exc, subprocess.TimeoutExpired | subprocess.CalledProcessError):
+        report = outcome.get_result()
+        for name in ("stdout", "stderr"):
+            text = load.tail(getattr(exc, name, None))
+            if text:
+                report.sections.append((f"child {name} ({type(exc).__name__})", text))
 
 
 def point_aws_at(mp: pytest.MonkeyPatch, url: str, credentials: dict[str, str]) -> None:

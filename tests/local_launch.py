@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from tests.load import scaled
+
 MASTER_ADDR = "127.0.0.1"
 
 
@@ -84,10 +86,11 @@ def spawn_ranks(
 
 
 def wait_ranks(procs: Sequence[subprocess.Popen], timeout: float) -> list[int]:
-    """Wait for every rank, ``timeout`` seconds in all, and return their exit codes. On timeout
+    """Wait for every rank, ``timeout`` seconds in all (times ``tests.load.SCALE``: a bound for an
+    idle machine), and return their exit codes. On timeout
     (or any other exception) the ranks still running are killed and the exception propagates
     (``subprocess.TimeoutExpired`` for the timeout)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -28,6 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests import load
+from tests.load import scaled
 from tests.local_launch import free_port
 from tests.s3server import answers, terminate
 
@@ -106,13 +108,35 @@ ms mon client mode = crc
 """
 
 
+def _transient(result: subprocess.CompletedProcess | BaseException) -> bool:
+    """A Ceph client's passing failure on a loaded machine: EAGAIN (errno 11, "Resource
+    temporarily unavailable") or a timed-out connection to the monitor."""
+    if isinstance(result, subprocess.TimeoutExpired):
+        return True
+    if isinstance(result, BaseException) or result.returncode == 0:
+        return False
+    text = result.stderr.lower()
+    return result.returncode == 11 or any(
+        s in text for s in ("resource temporarily unavailable", "eagain", "(11)", "timed out", "error connecting")
+    )
+
+
 def _run(server: RGWServer, *args: str, timeout: float = 60) -> str:
-    """A Ceph command-line tool against this cluster; raises with its output and the logs."""
+    """A Ceph command-line tool against this cluster; raises with its output and the logs. The
+    cluster's own clients (``ceph``, ``radosgw-admin``: idempotent here) are retried on a
+    transient failure (``_transient``); ``--mkfs`` runs are not."""
     cmd = [args[0], "-c", str(server.conf), *args[1:]]
+
+    def once() -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(timeout), stdin=subprocess.DEVNULL)
+
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        retried = args[0] in ("ceph", "radosgw-admin")
+        r = load.retry(once, _transient, " ".join(args[:3])) if retried else once()
     except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"{' '.join(cmd)} timed out after {timeout}s\n{server.log_tail()}") from e
+        raise RuntimeError(
+            f"{' '.join(cmd)} timed out after {e.timeout:.0f}s\n{load.tail(e.stderr)}\n{server.log_tail()}"
+        ) from e
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr.strip()}\n{server.log_tail()}")
     return r.stdout
@@ -158,16 +182,16 @@ def _bootstrap(server: RGWServer, timeout: float) -> None:
     _run(server, "ceph-mon", "--mkfs", "-i", "a", "--monmap", monmap)
     _daemon(server, "mon", "ceph-mon", "-i", "a")
     osd_uuid = str(uuid.uuid4())
-    osd_id = _run(server, "ceph", "--connect-timeout", "30", "osd", "new", osd_uuid).strip()
+    osd_id = _run(server, "ceph", "--connect-timeout", str(int(scaled(30))), "osd", "new", osd_uuid).strip()
     _run(server, "ceph-osd", "--mkfs", "-i", osd_id, "--osd-uuid", osd_uuid)
     _daemon(server, "osd", "ceph-osd", "-i", osd_id)
     _daemon(server, "rgw", "radosgw", "-n", "client.rgw")
     url = f"http://127.0.0.1:{rgw_port}"
-    deadline = time.monotonic() + timeout
+    deadline = load.deadline(timeout)  # idle: 10-20 s
     while not answers(url + "/"):
         dead = [n for n, p in server.procs.items() if p.poll() is not None]
         if dead or time.monotonic() > deadline:
-            why = f"{', '.join(dead)} exited" if dead else f"no answer after {timeout}s"
+            why = f"{', '.join(dead)} exited" if dead else f"no answer after {scaled(timeout):.0f}s"
             raise RuntimeError(f"RGW did not start on {url}: {why}\n{server.log_tail()}")
         time.sleep(0.2)
     _run(

@@ -16,6 +16,8 @@ import time
 import urllib.error
 import urllib.request
 
+from tests.load import deadline as load_deadline
+from tests.load import scaled
 from tests.local_launch import free_port
 
 # What boto3 needs to talk to the server; set by the s3_server fixture for the whole session.
@@ -28,12 +30,13 @@ CREDENTIALS = {
 
 
 def answers(url: str) -> bool:
-    """Whether an HTTP server answers at ``url`` (any status counts: it is serving)."""
+    """Whether an HTTP server answers at ``url`` (any status below 500 counts: it is serving; a
+    5xx is a server still starting up, asked again by the caller's loop)."""
     try:
-        with urllib.request.urlopen(url, timeout=1):
+        with urllib.request.urlopen(url, timeout=scaled(1)):
             return True
-    except urllib.error.HTTPError:
-        return True  # any HTTP answer means it is serving
+    except urllib.error.HTTPError as e:
+        return e.code < 500  # any other HTTP answer means it is serving
     except OSError:
         return False
 
@@ -55,7 +58,7 @@ def start_moto_server(timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
         )
         proc.log_path = log.name  # type: ignore[attr-defined]
         log.close()
-        deadline = time.monotonic() + timeout
+        deadline = load_deadline(timeout)  # idle start-up: ~2 s
         while time.monotonic() < deadline and proc.poll() is None:
             if answers(url + "/moto-api/"):
                 return proc, url
@@ -73,10 +76,10 @@ def terminate(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=scaled(10))
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(timeout=10)
+            proc.wait(timeout=scaled(10))
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -24,6 +24,7 @@ import pytest
 
 from ckptd import catalog
 from storage_backends import open_store
+from tests import load
 
 pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e .[hf])")
 pytest.importorskip("accelerate", reason="the hf extra is not installed (pip install -e .[hf])")
@@ -52,7 +53,9 @@ def job(mode: str, world: int, out: Path, root: str, **args) -> None:
     env["OMP_NUM_THREADS"] = "1"
     log = out / "torchrun.log"
     with open(log, "w") as f:  # an idle machine takes ~20 s a job; a loaded one several times that
-        rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600).returncode
+        rc = subprocess.run(
+            argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=load.scaled(600)
+        ).returncode
     text = log.read_text()
     if "kill_at" in args:
         assert rc != 0 and "Signal 9 (SIGKILL)" in text, text[-6000:]

@@ -23,6 +23,7 @@ import torch
 
 from ckptd import catalog
 from storage_backends import open_store
+from tests import load
 from tests.local_launch import spawn_ranks, wait_ranks
 from trainer_hooks import Checkpointer, CheckpointError, CheckpointHook, ElasticSampler
 
@@ -190,7 +191,7 @@ def wait_all(procs: list[subprocess.Popen], log_dir: Path, timeout: float = 180)
 
 def wait_for_step(log_dir: Path, step: int, procs: list[subprocess.Popen], timeout: float = 120) -> None:
     log0 = log_dir / "rank0.jsonl"
-    deadline = time.monotonic() + timeout
+    deadline = load.deadline(timeout)
     while True:
         if log0.exists() and any(
             r["event"] == "step" and r["step"] >= step for r in map(json.loads, log0.read_text().splitlines())

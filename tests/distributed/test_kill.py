@@ -15,6 +15,7 @@ import torch
 
 from ckptd import catalog
 from storage_backends import open_store
+from tests import load
 from tests.distributed import launch
 from tests.distributed.scenarios import Tiny
 from trainer_hooks import Checkpointer
@@ -30,10 +31,10 @@ def ckptd(*args: str) -> subprocess.CompletedProcess:
 def test_sigkill_mid_save_leaves_partial_and_previous_restores(tmp_path, world):
     root = str(tmp_path / "job")
     procs = launch.spawn(world, "save_then_hang", {"root": root, "delay": 0.3}, tmp_path)
-    deadline = time.monotonic() + 180
+    deadline = load.deadline(180)
     while not all((tmp_path / f"save_returned_{r}").exists() for r in range(world)):
         assert all(p.poll() is None for p in procs), launch.logs(tmp_path, "save_then_hang", world)
-        assert time.monotonic() < deadline, "save never returned"
+        assert time.monotonic() < deadline, "save never returned\n" + launch.logs(tmp_path, "save_then_hang", world)
         time.sleep(0.1)
     time.sleep(0.5)  # some (slowed) puts of step 2 are under way
     for p in procs:

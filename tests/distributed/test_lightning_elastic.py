@@ -19,6 +19,7 @@ import pytest
 
 from ckptd import catalog
 from storage_backends import open_store
+from tests import load
 
 pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed (pip install -e .[lightning])")
 
@@ -40,7 +41,9 @@ def job(out: Path, root: Path, devices: int, **args) -> list[dict]:
     argv = [sys.executable, str(WORKER), json.dumps({"root": str(root), "out": str(out), "devices": devices, **args})]
     log = out / "job.log"
     with open(log, "w") as f:  # an idle machine takes ~15 s; a loaded one 60 s and more
-        rc = subprocess.run(argv, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=600).returncode
+        rc = subprocess.run(
+            argv, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=load.scaled(600)
+        ).returncode
     assert rc == 0, log.read_text()[-6000:]
     lines = [line for r in range(devices) for line in (out / f"records.rank{r}.jsonl").read_text().splitlines()]
     return [json.loads(line) for line in lines]

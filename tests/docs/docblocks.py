@@ -26,6 +26,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests import load
+
 REPO = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 HEADING = re.compile(r"^#{1,6}\s+(?P<title>.+?)\s*#*\s*$")
@@ -192,7 +194,7 @@ class Section:
             )
         self.daemons.append((proc, log))
         url = f"http://127.0.0.1:{self.env['CKPTD_PORT']}/healthz"
-        deadline = time.monotonic() + timeout
+        deadline = load.deadline(timeout)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise BlockFailed(f"{block.id}: the daemon exited {proc.returncode}:\n{_tail(log)}")

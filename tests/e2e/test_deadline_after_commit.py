@@ -16,6 +16,7 @@ import torch
 
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
+from tests import load
 from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from trainer_hooks import Checkpointer
 
@@ -41,7 +42,7 @@ def test_a_stall_after_a_commit_does_not_hold_the_next_save_past_its_deadline(s3
 
     proxy.set_plan(FaultPlan(rules=[Rule(stall_after_commit, "stall")]))
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    ck = Checkpointer(s3_bucket, keep_last=1, save_timeout=5)
+    ck = Checkpointer(s3_bucket, keep_last=1, save_timeout=load.scaled(5))  # step 1: ~1 s idle
     try:
         state = {"w": torch.randn(16, 16)}
         ck.save(1, state).result(timeout=GUARD_S)

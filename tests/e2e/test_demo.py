@@ -16,6 +16,7 @@ import pytest
 
 from ckptd import catalog
 from storage_backends import open_store
+from tests import load
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -84,7 +85,7 @@ def records(log_dir: Path) -> list[dict]:
 
 
 def wait_for_step(log_dir: Path, step: int, agent: subprocess.Popen, log: Path, timeout: float = 150) -> list[dict]:
-    deadline = time.monotonic() + timeout
+    deadline = load.deadline(timeout)
     while True:
         recs = records(log_dir)
         if any(r["event"] == "step" and r["step"] >= step for r in recs):

@@ -17,6 +17,7 @@ import torch
 from ckptd import catalog
 from ckptd.verify import verify
 from storage_backends import open_store
+from tests import load
 from trainer_hooks import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,20 +30,28 @@ def run_two_jobs(root: str, out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):  # two jobs: two identities
         env.pop(k, None)
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "tests.e2e.writer_job", root, name, value, str(out), str(STEPS)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for name, value in (("a", "1"), ("b", "2"))
-    }
-    for name, p in procs.items():
-        log, _ = p.communicate(timeout=400)
-        assert p.returncode == 0, f"job {name}:\n{log[-4000:]}"
+    # Each job's output goes to a file: a pipe read only after the other job ends could fill
+    # and stop a job that waits for the other at a barrier.
+    procs = {}
+    for name, value in (("a", "1"), ("b", "2")):
+        with open(out / f"{name}.log", "w") as log:  # the child keeps its own descriptor
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "tests.e2e.writer_job", root, name, value, str(out), str(STEPS)],
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+    try:
+        for name, p in procs.items():
+            load.wait(p, 400, out / f"{name}.log")
+            log = (out / f"{name}.log").read_text(errors="replace")
+            assert p.returncode == 0, f"job {name}:\n{log[-4000:]}"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return {name: json.loads((out / f"{name}.json").read_text()) for name in procs}
 
 

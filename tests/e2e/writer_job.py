@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
+from tests import load
 from trainer_hooks import Checkpointer
 
 
 def barrier(out: Path, name: str, step: int) -> None:
     (out / f"{name}.ready{step}").write_text("1")
-    deadline = time.monotonic() + 120
+    deadline = load.deadline(120)
     while len(list(out.glob(f"*.ready{step}"))) < 2:
         if time.monotonic() > deadline:
             raise SystemExit(f"{name}: the other job never reached step {step}")

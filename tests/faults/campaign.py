@@ -35,6 +35,7 @@ from ckptd import manifest as mf
 from ckptd.cli import main as cli_main
 from ckptd.verify import verify
 from storage_backends import open_store
+from tests import load
 from tests.faults import workers
 
 
@@ -112,10 +113,12 @@ class Campaign:
     def run_trainer(self, root: Root, count: int, timeout: float = 300, **kw) -> list[str]:
         """A trainer that runs to its end; its progress lines."""
         p, prog = self.trainer(root, count, **kw)
-        p.join(timeout)
+        p.join(load.scaled(timeout))
         if p.is_alive():
             kill(p)
-            raise InvariantError(f"a trainer saving {count} steps to {root.uri} did not finish in {timeout} s")
+            raise InvariantError(
+                f"a trainer saving {count} steps to {root.uri} did not finish in {load.scaled(timeout)} s"
+            )
         lines = _progress(prog)
         self._account(root, lines)
         return lines
@@ -141,7 +144,7 @@ class Campaign:
         """A trainer saving steps in a loop, SIGKILLed at a random moment of it."""
         p, prog = self.trainer(root, 50, keep_last=keep_last)
         # wait until it is really saving (forked, opened the store) before the clock starts
-        deadline = time.monotonic() + 120
+        deadline = load.deadline(120)
         while not _progress(prog) and p.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(self.rng.uniform(*window))
@@ -189,7 +192,7 @@ class Campaign:
         d.start()
         try:
             p, prog = self.trainer(root, 50, daemon=d.url)
-            deadline = time.monotonic() + 120
+            deadline = load.deadline(120)
             while not _progress(prog) and p.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(self.rng.uniform(0.2, 2.0))
@@ -200,7 +203,7 @@ class Campaign:
             self._account(root, [x for x in lines if not x.startswith("fail")])  # a killed daemon fails the save
             self.counts["saves failed when their daemon was killed"] += sum(x.startswith("fail") for x in lines)
             d.start()  # the restart resumes or discards what the dead one had accepted
-            settle = time.monotonic() + 120
+            settle = load.deadline(120)
             while time.monotonic() < settle:
                 status, jobs = d.get("/v1/jobs?limit=4096")
                 if status == 200 and all(j["state"] in ("committed", "failed", "discarded") for j in jobs):
@@ -224,7 +227,7 @@ class Campaign:
         b_env = {**a_env, "TORCHELASTIC_RUN_ID": "campaign-slow-a" if same_id else "campaign-slow-b"}
         p, prog = self.trainer(root, 1, env=a_env, slow_rename_s=0.5)
         folder = Path(root.uri) / mf.step_dir(step)
-        deadline = time.monotonic() + 120
+        deadline = load.deadline(120)
         while not _has_temp_file(folder):
             if not p.is_alive() or time.monotonic() > deadline:
                 raise InvariantError(f"the slow writer of step {step} never started writing")
@@ -263,7 +266,7 @@ class Campaign:
         with FaultProxy(direct, plan) as cut:
             a_env = {**env, "TORCHELASTIC_RUN_ID": "campaign-cut-a", "AWS_ENDPOINT_URL": cut.url}
             p, prog = self.trainer(root, 1, env=a_env)
-            deadline = time.monotonic() + 120
+            deadline = load.deadline(120)
             while cut.counters["fault:late"] < 1:
                 if not p.is_alive() or time.monotonic() > deadline:
                     raise InvariantError(f"the partitioned writer of step {step} never sent a shard")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import load
 from tests.faults.campaign import Campaign, Root, kill
 from tests.faults.common import STEP_DIR, all_files, cli
 
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _wait_for_temp_files(folder: Path, proc, timeout: float = 120) -> list[str]:
-    deadline = time.monotonic() + timeout
+    deadline = load.deadline(timeout)
     while time.monotonic() < deadline:
         temps = [f for f in all_files(folder) if ".tmp." in f]
         if temps:
@@ -109,7 +110,7 @@ def test_gc_removes_temp_files_a_killed_writer_left_inside_a_committed_step(tmp_
     flag = tmp_path / "written"
     p = subprocess.Popen([sys.executable, "-c", code, root.uri, str(flag)], cwd=str(Path(__file__).parents[2]))
     try:
-        deadline = time.monotonic() + 120
+        deadline = load.deadline(120)
         while not flag.exists():
             assert p.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)

@@ -17,6 +17,7 @@ import pytest
 from ckptd import catalog, donetree, latest
 from ckptd import manifest as mf
 from storage_backends import open_store
+from tests import load
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ def _start(tmp_path: Path, root: str, mode: str, nprocs: int, world: int, hold: 
 
 
 def _results(tmp_path: Path, nprocs: int, procs) -> list:
-    deadline = time.monotonic() + 240
+    deadline = load.deadline(240)
     while not all((tmp_path / f"out{p}").exists() for p in range(nprocs)):
         assert time.monotonic() < deadline, "workers did not finish"
         assert all(p.poll() in (None, 0) for p in procs), [p.poll() for p in procs]

@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 
 from tests.distributed import launch
+from tests.load import deadline as load_deadline
+from tests.load import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = "tests.server.daemon_scenarios"
@@ -95,7 +97,7 @@ class Daemon:
                 self.proc = subprocess.Popen(
                     args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), preexec_fn=self.preexec_fn
                 )
-            deadline = time.monotonic() + timeout
+            deadline = load_deadline(timeout)  # idle start-up: ~2-5 s
             while time.monotonic() < deadline and self.proc.poll() is None:
                 if self.healthy():
                     return self
@@ -109,7 +111,7 @@ class Daemon:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/healthz", timeout=1) as r:
+            with urllib.request.urlopen(self.url + "/healthz", timeout=scaled(1)) as r:
                 return r.status == 200
         except (OSError, urllib.error.URLError):
             return False
@@ -118,13 +120,13 @@ class Daemon:
         """SIGKILL: no shutdown code runs."""
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=scaled(30))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=scaled(30))
             except subprocess.TimeoutExpired:
                 self.kill()
 
@@ -138,7 +140,7 @@ class Daemon:
         if token:
             req.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=scaled(10)) as r:
                 body = r.read()
                 status = r.status
         except urllib.error.HTTPError as e:
@@ -262,7 +264,7 @@ def hand_off_body(
 
 
 def wait_for(pred, what: str, timeout: float = 120.0, procs=(), logs=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
+    deadline = load_deadline(timeout)
     while not pred():
         for p in procs:
             assert p.poll() is None, f"a process exited while waiting for {what}:\n{logs()}"
@@ -275,4 +277,4 @@ def kill_all(procs) -> None:
         if p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
     for p in procs:
-        p.wait(timeout=30)
+        p.wait(timeout=scaled(30))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from tests import load
 from tests.distributed.scenarios import full_state, make_state, save_reference, train_step, world
 from trainer_hooks import Checkpointer
 
@@ -85,7 +86,7 @@ def save_big(daemon: str, root: str, out: str, wait_for: str | None = None, tag:
     state = {"w": {"big": torch.randn(256, 256, generator=g), "small": torch.randn(16, generator=g)}}
     with Checkpointer(root, daemon=daemon) as ck:
         if wait_for is not None:
-            deadline = time.monotonic() + 120
+            deadline = load.deadline(120)
             while not Path(wait_for).exists():
                 assert time.monotonic() < deadline, "the other trainer never saved"
                 time.sleep(0.01)

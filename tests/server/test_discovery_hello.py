@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from tests import load
 from tests.distributed import launch
 from tests.server.daemon import node
 
@@ -23,7 +24,7 @@ TOKEN = "hello-test-token-0123456789abcdef"
 
 def _get(url: str) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.urlopen(url, timeout=load.scaled(10)) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")

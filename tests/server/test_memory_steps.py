@@ -30,6 +30,7 @@ from ckptd import manifest as mf
 from ckptd.cli.tiers_view import tier_copies
 from ckptd.errors import CheckpointError
 from storage_backends import open_store
+from tests import load
 from tests.distributed import launch
 from tests.distributed.scenarios import BATCH
 from tests.server.daemon import ROOT, Daemon, kill_all, node, tier_totals, wait_for
@@ -59,7 +60,7 @@ def _post(d: Daemon, path: str, body: dict, token: str | None = TOKEN) -> int:
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=load.scaled(10)) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code

@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from tests import load
 from tests.distributed import launch
 from tests.server.daemon import Daemon
 
@@ -36,7 +37,7 @@ def test_a_memory_only_reservation_follows_the_lease_rule(tmp_path):
             {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
         )
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=load.scaled(10)) as r:
                 code = r.status
         except urllib.error.HTTPError as e:
             code = e.code

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests import load
 from tests.distributed import launch
 from tests.server.daemon import Daemon, kill_all, node, tier_totals, wait_for
 
@@ -38,7 +39,7 @@ def _get(d_url: str, path: str, token: str | None = TOKEN) -> tuple[int, object]
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=load.scaled(10)) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()

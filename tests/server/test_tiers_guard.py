@@ -16,6 +16,7 @@ import pytest
 from ckptd.codec import crc32c
 from ckptd.server.staging import Staging
 from ckptd.server.tiers import Tiers, replica_targets
+from tests import load
 from tests.server import daemon as dm
 
 TOKEN = "guard-test-token-0123456789"
@@ -30,7 +31,7 @@ def _call(
         req.add_header("Authorization", f"Bearer {token}")
     req.add_header("Content-Type", ctype)
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=load.scaled(10)) as r:
             return r.status, r.read(), r.headers
     except urllib.error.HTTPError as e:
         return e.code, e.read(), e.headers

@@ -34,6 +34,9 @@ import sys
 import time
 from pathlib import Path
 
+from tests import load
+from tests.load import scaled
+
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
 
 
@@ -153,7 +156,7 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
         log.close()
 
     def _wait(self, ready, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = load.deadline(timeout)  # idle: munged < 1 s, slurmctld ~2 s, the node ~5 s
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
                 if p.poll() is not None:
@@ -164,10 +167,11 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
         raise RuntimeError(f"timed out waiting for {what}:\n{self.logs()}")
 
     def _controller_up(self) -> bool:
-        return self.run(["scontrol", "ping"], check=False).returncode == 0
+        return self.run(["scontrol", "ping"], check=False, attempts=1).returncode == 0
 
     def _node_idle(self) -> bool:
-        out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()  # a line per partition
+        # a line per partition
+        out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False, attempts=1).stdout.split()
         return bool(out) and all(s.rstrip("*") in ("idle", "mixed", "allocated") for s in out)
 
     def _node_idle_only(self) -> bool:
@@ -181,7 +185,7 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
         if self.procs.get("slurmctld") is not None and self.procs["slurmctld"].poll() is None:
             self.run(["scancel", "--full", "--state=PENDING"], check=False)
             self.run(["scancel", "--full", "--state=RUNNING"], check=False)
-            deadline = time.monotonic() + 60
+            deadline = load.deadline(60)
             while time.monotonic() < deadline:
                 if not self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip():
                     break
@@ -192,10 +196,10 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
                 continue
             p.send_signal(signal.SIGTERM)
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=scaled(30))
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait(timeout=30)
+                p.wait(timeout=scaled(30))
 
     def logs(self) -> str:
         out = []
@@ -206,8 +210,18 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
 
     # -- clients ----------------------------------------------------------------------------
 
-    def run(self, args: list[str], check: bool = True, **extra_env: str) -> subprocess.CompletedProcess:
-        p = subprocess.run(args, env=self.env(**extra_env), capture_output=True, text=True, timeout=60)
+    def run(
+        self, args: list[str], check: bool = True, attempts: int = 5, **extra_env: str
+    ) -> subprocess.CompletedProcess:
+        """A client command (idle: well under 1 s each; 60 s allowed, times ``load.SCALE``).
+        Transient failures of a loaded controller are retried (``_transient``); a command that
+        may have taken effect although it failed (``sbatch``, ``scontrol requeue``) only when the
+        controller was not reached at all. ``attempts=1`` for a probe polled by its caller."""
+
+        def once() -> subprocess.CompletedProcess:
+            return subprocess.run(args, env=self.env(**extra_env), capture_output=True, text=True, timeout=scaled(60))
+
+        p = load.retry(once, lambda r: _transient(args, r), " ".join(args[:2]), attempts=attempts)
         if check and p.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} exited with {p.returncode}: {p.stderr.strip()}")
         return p
@@ -231,7 +245,7 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
         returned bounds the second in which slurmd revoked the old run's credential (the revoke
         comes with the terminate request, before the processes are killed and the node is idle);
         ``start_requeued`` needs it."""
-        deadline = time.monotonic() + timeout
+        deadline = load.deadline(timeout)
         while True:
             info = self.job(job_id)
             if info["JobState"] == "PENDING" and int(info["Restarts"]) == restarts and self._node_idle_only():
@@ -264,7 +278,7 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
         self.run(["scontrol", "update", f"JobId={job_id}", *updates, "StartTime=now"])
 
     def wait_state(self, job_id: int, states: set[str], timeout: float) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
+        deadline = load.deadline(timeout)
         while True:
             info = self.job(job_id)
             if info.get("JobState") in states:
@@ -272,6 +286,26 @@ PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMod
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} is {info.get('JobState')}, not in {states}:\n{self.logs()}")
             time.sleep(0.5)
+
+
+# What a Slurm client prints when the controller did not answer in time or could not be reached
+# (a loaded machine: slurmctld busy, its RPC thread late), and what it prints when the request was
+# never delivered. SIGPIPE (-13): the client's connection cut under it.
+_NOT_ANSWERED = ("socket timed out", "zero bytes were transmitted", "resource temporarily unavailable", "broken pipe")
+_NOT_REACHED = ("unable to contact slurm controller", "connection refused")
+
+
+def _transient(args: list[str], result: subprocess.CompletedProcess | BaseException) -> bool:
+    """Whether ``args`` failed with a passing error of a loaded controller, safe to run again."""
+    may_have_acted = args[0] == "sbatch" or args[:2] == ["scontrol", "requeue"]
+    if isinstance(result, subprocess.TimeoutExpired):
+        return not may_have_acted
+    if isinstance(result, BaseException) or result.returncode == 0:
+        return False
+    text = result.stderr.lower()
+    if any(s in text for s in _NOT_REACHED):
+        return True
+    return not may_have_acted and (result.returncode == -signal.SIGPIPE or any(s in text for s in _NOT_ANSWERED))
 
 
 if __name__ == "__main__":

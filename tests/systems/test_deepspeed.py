@@ -13,10 +13,11 @@ ZeRO-3's universal files are bare flat tensors, their shapes only in ``param_sha
 ``zero_pp_rank_*_model_states.pt`` beside ``zero/``: ckptd refused them; it now reads the shapes
 from there.
 
-Runs in CI (deepspeed is in the dev extra; ~1.5 min for the three stages on 2 cores): DeepSpeed's
-CPU accelerator would JIT-compile its ``deepspeed_shm_comm`` C++ op (about 9 minutes here) when the
-first engine starts; ``ds_train.py`` marks that op incompatible, as DeepSpeed does itself where it
-cannot build it, so the collectives go through torch.distributed (gloo) and nothing is compiled.
+Runs in CI (deepspeed is in the dev extra; ~1.5 min for the three stages on 2 idle cores, ~7 min
+at load average 14): DeepSpeed's CPU accelerator would JIT-compile its ``deepspeed_shm_comm`` C++
+op (about 9 minutes here) when the first engine starts; ``ds_train.py`` marks that op
+incompatible, as DeepSpeed does itself where it cannot build it, so the collectives go through
+torch.distributed (gloo) and nothing is compiled.
 """
 
 from __future__ import annotations
@@ -30,17 +31,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import load
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(600),
+    # Above the sum of the four runs' own bounds (4 x 300 s), so that one of those fires first
+    # with the run's output (pytest's own timeout reports no child output). Both times load.SCALE.
+    pytest.mark.timeout(1500),
 ]
 
 
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Idle, each run takes ~5-20 s; ``timeout`` is times ``load.SCALE``, its failure carries the
+    run's output."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    p = load.run(args, timeout, cwd=REPO, env=env)
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     return p
 

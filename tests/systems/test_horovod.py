@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import load
+
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES, GLOBAL_BATCH, STOP_AT = 96, 12, 3  # 8 steps; 12 splits over 2 and 3 ranks
 
@@ -38,7 +40,7 @@ hvd = pytest.importorskip(
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(900),  # above the sum of the runs' own bounds (2 x 300 + 120 s), times load.SCALE
     pytest.mark.skipif(shutil.which("horovodrun") is None, reason="horovodrun not on PATH"),
 ]
 
@@ -46,17 +48,15 @@ pytestmark = [
 def _horovodrun(n: int, *args: str, **env: str) -> subprocess.CompletedProcess:
     cmd = ["horovodrun", "-np", str(n), "--gloo", sys.executable, "tests/systems/hvd_train.py", *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env}
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
+    return load.run(cmd, 300, cwd=REPO, env=full_env)
 
 
 def _ls(root: Path) -> list[dict]:
-    p = subprocess.run(
+    p = load.run(
         [sys.executable, "-m", "ckptd.cli.main", "ls", str(root), "--json"],
+        120,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
@@ -118,7 +118,7 @@ with Checkpointer({str(tmp_path / "root")!r}) as ck:
     print("STEP", resume(ck, {{"model": model, "wrapped": wrapped}}))
 """
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    p = load.run([sys.executable, "-c", code], 120, cwd=REPO, env=env)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "REFUSED: state['opt'] is the optimizer given to hvd.DistributedOptimizer" in p.stdout, p.stdout
     assert "STEP 0" in p.stdout, p.stdout

@@ -28,6 +28,7 @@ import pytest
 import torch
 import yaml
 
+from tests import load
 from tests.distributed import launch
 from tests.server.daemon import Daemon
 
@@ -38,7 +39,9 @@ K8S = REPO / "deploy" / "k8s"
 K8S_VERSION = "1.37.0"  # the newest schemas bundled with kubernetes-validate 1.37
 SAMPLES, GLOBAL_BATCH = 240, 12
 
-pytestmark = pytest.mark.timeout(600)
+# Above the sum of the wiring test's own bounds below (~1,400 s), so that one of those fires
+# first, with its output; idle the file takes ~1-2 min. Both times ``load.SCALE``.
+pytestmark = pytest.mark.timeout(1500)
 
 
 def _docs(name: str) -> list[dict]:
@@ -146,12 +149,10 @@ def _steps(log_dir: Path) -> list[dict]:
 
 
 def _committed(root: Path) -> list[int]:
-    p = subprocess.run(
+    p = load.run(  # idle ~2 s
         [sys.executable, "-m", "ckptd.cli.main", "ls", str(root), "--json"],
-        capture_output=True,
-        text=True,
+        120,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=120,
     )
     if p.returncode != 0:
         return []
@@ -159,7 +160,7 @@ def _committed(root: Path) -> list[int]:
 
 
 def _wait_gone(pid: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = load.deadline(timeout)
     while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, f"process {pid} survived SIGKILL"
         time.sleep(0.05)
@@ -201,14 +202,12 @@ def test_trainers_hand_off_to_a_separate_daemon_through_the_manifest_wiring(tmp_
     base = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "EXACT_SAMPLES": str(SAMPLES)}
     for k in ("CKPTD_DAEMON", "CKPTD_TOKEN", "CKPTD_TOKEN_FILE"):
         base.pop(k, None)
-    ref = subprocess.run(
+    ref = load.run(  # idle ~20 s
         [sys.executable, "tests/systems/exact_train.py", "--root", str(tmp_path / "ref")]
         + ["--global-batch", str(GLOBAL_BATCH), "--final", str(tmp_path / "ref.pt")],
+        300,
         cwd=REPO,
         env=base,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert ref.returncode == 0, ref.stderr
 
@@ -241,10 +240,12 @@ def test_trainers_hand_off_to_a_separate_daemon_through_the_manifest_wiring(tmp_
         # 2 ranks: step 4 is saved (handed off), then the ranks hold after step 5; SIGKILL them.
         hold.write_text("5")
         trainers = _torchrun(2, args, trainer_env, tmp_path / "trainers-2.log")
-        deadline = time.monotonic() + 300
+        deadline = load.deadline(300)  # idle ~20 s
         while len({r["rank"] for r in _steps(logs) if r["event"] == "step" and r["step"] == 5}) < 2:
             assert trainers.poll() is None, (tmp_path / "trainers-2.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "the trainers did not reach step 5"
+            assert time.monotonic() < deadline, "the trainers did not reach step 5\n" + load.tail(
+                (tmp_path / "trainers-2.log").read_text()
+            )
             time.sleep(0.1)
         # torchrun starts its ranks in sessions of their own: kill them by the pids they logged
         ranks = [r["pid"] for r in _steps(logs) if r["event"] == "start" and r["world"] == 2]
@@ -252,13 +253,13 @@ def test_trainers_hand_off_to_a_separate_daemon_through_the_manifest_wiring(tmp_
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        trainers.wait(timeout=60)
+        trainers.wait(timeout=load.scaled(60))
         for pid in ranks:
             _wait_gone(pid)
         assert 4 not in _committed(root), "step 4 was committed before the trainers died: nothing tested"
 
         # The daemon commits what it was handed, with every trainer dead.
-        deadline = time.monotonic() + 180
+        deadline = load.deadline(180)  # idle ~10 s (the uploads slowed by 3 s)
         while 4 not in _committed(root):
             assert time.monotonic() < deadline, daemon.logs()
             time.sleep(0.5)
@@ -269,7 +270,9 @@ def test_trainers_hand_off_to_a_separate_daemon_through_the_manifest_wiring(tmp_
         daemon.start(port=port)
         hold.unlink()
         trainers = _torchrun(3, args, trainer_env, tmp_path / "trainers-3.log")
-        assert trainers.wait(timeout=300) == 0, (tmp_path / "trainers-3.log").read_text()[-4000:]
+        assert load.wait(trainers, 300, tmp_path / "trainers-3.log") == 0, (  # idle ~30 s
+            tmp_path / "trainers-3.log"
+        ).read_text()[-4000:]
     finally:
         if trainers is not None and trainers.poll() is None:
             os.killpg(trainers.pid, signal.SIGKILL)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -24,12 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import load
+
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES, GLOBAL_BATCH, STOP = 240, 12, 7
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(1200),
+    pytest.mark.timeout(1500),  # above the sum of the runs' own bounds (300 + 1,100 s), times load.SCALE
 ]
 
 
@@ -40,27 +41,23 @@ def test_torchtrainer_4_workers_stop_then_3_workers_exactly_once_bitwise(tmp_pat
     then 3 (a node lost between the runs)."""
     pytest.importorskip("ray.train.torch")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
-    ref = subprocess.run(
+    ref = load.run(
         [sys.executable, "tests/systems/exact_train.py", "--root", str(tmp_path / "ref"), "--samples", str(SAMPLES)]
         + ["--global-batch", str(GLOBAL_BATCH), "--final", str(tmp_path / "ref.pt")],
+        300,
         cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert ref.returncode == 0, ref.stderr
     root, logs = tmp_path / "root", tmp_path / "logs"
-    p = subprocess.run(
+    p = load.run(
         [sys.executable, "-m", "tests.systems.ray_job", "--root", str(root), "--run", f"4:{STOP}", "--run", "3"]
         + ["--log-dir", str(logs), "--storage", str(tmp_path / "ray"), "--final", str(tmp_path / "final.pt")]
         + ["--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--every", "5"]
         + (["--elastic", elastic] if elastic else []),
+        1100,
         cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=1100,
     )
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     results = [json.loads(line[len("RESULT ") :]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]

@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -34,6 +33,7 @@ import torch
 
 from ckptd import catalog
 from storage_backends import open_store
+from tests import load
 from tests.distributed import launch
 from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.systems.slurm import SlurmCluster, missing_binaries
@@ -46,7 +46,9 @@ STOP_AT_4, STOP_AT_3 = 9, 24  # steps where the test stops the job
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(900),
+    # Above the sum of the longest test's own bounds (~1,900 s), so that one of those fires first
+    # with the job's output; idle the file takes a few minutes. Both times load.SCALE.
+    pytest.mark.timeout(2400),
     pytest.mark.skipif(bool(missing_binaries()), reason=f"Slurm/munge not installed: {missing_binaries()}"),
 ]
 
@@ -68,7 +70,7 @@ def _steps(log_dir: Path) -> list[dict]:
 
 
 def _wait_all_ranks_at(log_dir: Path, step: int, world: int, cluster: SlurmCluster, job: int, timeout=300.0):
-    deadline = time.monotonic() + timeout
+    deadline = load.deadline(timeout)
     while True:
         done = {r["rank"] for r in _steps(log_dir) if (r["event"], r["step"], r["world"]) == ("step", step, world)}
         if len(done) == world:
@@ -104,14 +106,12 @@ def test_sbatch_recipe_preempted_and_time_limited_resumes_at_4_3_2_tasks_exactly
     env_common = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
     # The reference: one process, never stopped.
-    ref = subprocess.run(
+    ref = load.run(
         [sys.executable, "tests/systems/exact_train.py", "--root", str(tmp_path / "ref"), "--samples", str(SAMPLES)]
         + ["--global-batch", str(GLOBAL_BATCH), "--final", str(tmp_path / "ref.pt")],
+        300,
         cwd=REPO,
         env={**os.environ, **env_common},
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert ref.returncode == 0, ref.stderr
 
@@ -238,7 +238,7 @@ def test_requeued_job_restarted_early_is_never_refused(cluster, tmp_path):
     finally:
         cluster.run(["scancel", str(job)], check=False)
     assert "already killed" not in (cluster.dir / "log" / "slurmd.log").read_text()
-    deadline = time.monotonic() + 60  # the last run's line, once its output is written
+    deadline = load.deadline(60)  # the last run's line, once its output is written
     while f"run {restarts}" not in out.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [line for line in out.read_text().splitlines() if line.startswith("run ")] == [
@@ -247,7 +247,7 @@ def test_requeued_job_restarted_early_is_never_refused(cluster, tmp_path):
 
 
 def _wait_running(cluster: SlurmCluster, job: int, restarts: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = load.deadline(timeout)
     while True:
         info = cluster.job(job)
         if info["JobState"] == "RUNNING" and int(info["Restarts"]) == restarts:
@@ -280,7 +280,7 @@ def test_plain_scancel_saves_and_the_job_stays_cancelled(cluster, tmp_path):
     cluster.run(["scancel", str(job)])
     info = cluster.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED", "PENDING"}, timeout=120)
     # wait for the batch script to have finished deciding (its last line), then look again
-    deadline = time.monotonic() + 120
+    deadline = load.deadline(120)
     while "cancelled: not requeueing" not in _out(job) and time.monotonic() < deadline:
         time.sleep(0.5)
     info = cluster.job(job)
@@ -314,7 +314,7 @@ def _submit_shipped(cluster: SlurmCluster, tmp_path: Path, tasks: int, root: str
 
 
 def _wait_output(job: int, text: str, cluster: SlurmCluster, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = load.deadline(timeout)
     while text not in _out(job, tail=10**7):
         info = cluster.job(job)
         if info["JobState"] not in ("RUNNING", "PENDING", "CONFIGURING"):
