@@ -1,5 +1,5 @@
 """Reading a memory-only step from the daemons that hold its parts (``trainer_hooks.memsteps``):
-``_Daemon`` asks one daemon which parts of a root it holds (``GET /v1/memsteps``), and
+``_Daemon`` asks one daemon which parts of a root it holds (``GET /v1/tiers?keys=true``), and
 ``TierPartsStore`` is the read-only ``Store`` of one (step, attempt) over those daemons that
 the one restore path reads through.
 
@@ -67,14 +67,14 @@ class _Daemon:
             conn.close()
 
     def parts(self, root: str) -> tuple[list[dict], list[str], dict | None]:
-        status, _, raw = self.request("GET", "/v1/memsteps?" + urlencode({"root": root}))
+        status, _, raw = self.request("GET", "/v1/tiers?" + urlencode({"root": root, "keys": "true"}))
         if status != 200:
-            raise OSError(f"{self.url}: GET /v1/memsteps answered {status}")
+            raise OSError(f"{self.url}: GET /v1/tiers answered {status}")
         body = json.loads(raw)
-        if not isinstance(body, dict) or not isinstance(body.get("parts"), list):
-            raise ValueError(f"{self.url}: malformed memsteps reply")
+        if not isinstance(body, dict) or not isinstance(body.get("memory_only"), list):
+            raise ValueError(f"{self.url}: malformed tiers listing")
         data = body.get("data") if isinstance(body.get("data"), dict) else None
-        return body["parts"], [p for p in body.get("peers", []) if isinstance(p, str)], data
+        return body["memory_only"], [p for p in body.get("peers", []) if isinstance(p, str)], data
 
 
 class TierPartsStore(Store):

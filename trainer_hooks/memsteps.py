@@ -3,9 +3,9 @@ surviving daemons hold whole (``Checkpointer(..., daemon=URL, persist_every=K)``
 
 Save: a step divisible by ``persist_every`` persists to the job root as always; any other step
 is memory-only (``ckptd.server.memsteps``): every rank asks its node's daemon to reserve room
-for its part (``POST /v1/memsteps/reserve``) and the ranks agree (one ``all_max``): if any
+for its part (``POST /v1/tiers/reserve``) and the ranks agree (one ``all_max``): if any
 daemon has no room, every rank persists the step instead (one WARNING on rank 0, and
-``ckptd_memsteps_persisted_instead_total`` on the daemon that said no), so a memory-only save
+``ckptd_tier_persisted_instead_total`` on the daemon that said no), so a memory-only save
 is never silently lost and never half in memory, half in the root.
 
 Restore (``restore``/``resume`` with no step asked, a daemon and ``tiered_restore``), on every
@@ -13,7 +13,7 @@ rank, collective:
 
 1. rank 0 reads the newest committed step P of the root (``catalog.latest_step``) and asks its
    daemon and the peers that daemon names which parts of memory-only steps of this root they
-   hold (``GET /v1/memsteps``); the union is grouped by (step, attempt);
+   hold (``GET /v1/tiers``); the union is grouped by (step, attempt);
 2. newest first, a (step, attempt) newer than P counts only when the union holds its
    ``manifest.json`` (naming that step and attempt), every rank's done record of that attempt,
    every object those records pin (with the pinned size), and the records' shard digest equals

@@ -272,19 +272,20 @@ class TierStore:
 
     def keys(self) -> tuple[set[str], list[str]]:
         """(the objects this tier holds complete for the step, the peers it names)."""
-        q = urlencode({"root": self.root, "step": self.step, "attempt": self.attempt})
-        status, _, raw = self._get(f"/v1/tiers/keys?{q}", MAX_KEYS_REPLY)
+        q = urlencode({"root": self.root, "step": self.step, "attempt": self.attempt, "keys": "true"})
+        status, _, raw = self._get(f"/v1/tiers?{q}", MAX_KEYS_REPLY)
         if status != 200:
-            raise TierUnavailable(f"{self.name}: GET /v1/tiers/keys answered {status}")
+            raise TierUnavailable(f"{self.name}: GET /v1/tiers answered {status}")
         try:
             body = json.loads(raw)
-            keys = {k for k in body["keys"] if isinstance(k, str)}
+            copies = [c for kind in ("hot", "replicas", "memory_only") for c in body[kind]]
+            if any(c["step"] != self.step or c["attempt"] != self.attempt for c in copies):
+                raise TierUnavailable(f"{self.name}: the listing holds another step or attempt")
+            keys = {k for c in copies for k in c["keys"] if isinstance(k, str)}
             peers = [p for p in body.get("peers", []) if isinstance(p, str)]
             self.advertised = body.get("data")
         except (ValueError, KeyError, TypeError) as e:
-            raise TierUnavailable(f"{self.name}: malformed keys reply ({e})") from None
-        if body.get("step") != self.step or body.get("attempt") != self.attempt:
-            raise TierUnavailable(f"{self.name}: keys reply is for another step or attempt")
+            raise TierUnavailable(f"{self.name}: malformed listing ({e})") from None
         return keys, peers
 
     def _object_path(self, key: str, start: int, length: int) -> str:

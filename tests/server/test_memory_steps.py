@@ -46,9 +46,9 @@ def _run(world: int, scenario: str, out: Path, **args) -> list[dict]:
 
 
 def _parts(d: Daemon, root: str) -> list[dict]:
-    status, body = d.get(f"/v1/memsteps?root={root}", TOKEN)
+    status, body = d.get(f"/v1/tiers?root={root}&keys=true", TOKEN)
     assert status == 200, body
-    return body["parts"]  # type: ignore[index]
+    return body["memory_only"]  # type: ignore[index]
 
 
 def _post(d: Daemon, path: str, body: dict, token: str | None = TOKEN) -> int:
@@ -185,8 +185,8 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
 
         # The routes need the token; a pushed part holds objects of its step's folder only,
         # never a commit record.
-        assert a.get(f"/v1/memsteps?root={root}")[0] == 401
-        assert a.get(f"/v1/memsteps?root={root}", "wrong")[0] == 401
+        assert a.get(f"/v1/tiers?root={root}&keys=true")[0] == 401
+        assert a.get(f"/v1/tiers?root={root}&keys=true", "wrong")[0] == 401
         # (One protocol: a part is pushed on the tier's replica route, kind memory_only.)
         part = {"root": root, "step": 9, "attempt": "x", "kind": "memory_only", "ranks": [0], "source": "http://evil"}
         for key in ("step_0000000008/arrays/a", "step_0000000009/../x", f"{mf.step_dir(9)}/{mf.COMMIT}"):
@@ -215,7 +215,7 @@ def test_a_memory_only_step_that_does_not_fit_is_persisted_instead(tmp_path):
     try:
         _run(2, "save_memory", tmp_path / "out", daemons=[d.url], root=root, last=2, persist_every=EVERY, hang=False)
         assert catalog.committed_steps(open_store(root)) == [1, 2]
-        assert d.metric("ckptd_memsteps_persisted_instead_total", TOKEN) >= 2
+        assert d.metric("ckptd_tier_persisted_instead_total", TOKEN) >= 2
         assert "is persisted to the job root instead" in d.logs()
         assert _parts(d, root) == []
     finally:

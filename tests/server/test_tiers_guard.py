@@ -95,9 +95,9 @@ def test_replica_protocol_and_reads_refuse_what_is_not_the_committed_copy(tmp_pa
         assert _read(d.url, root, attempt="att0")[0] == 404  # a stale attempt of the same step
         assert _read(d.url, root, start=4, length=8)[0] == 416
         q = urllib.parse.urlencode({"root": root, "step": 2, "attempt": "att1"})
-        status, raw, _ = _call(d.url, "GET", f"/v1/tiers/keys?{q}")
-        assert json.loads(raw)["keys"] == [KEY]
-        assert _call(d.url, "GET", f"/v1/tiers/keys?{q}", token=None)[0] == 401
+        status, raw, _ = _call(d.url, "GET", f"/v1/tiers?{q}&keys=true")
+        assert list(json.loads(raw)["replicas"][0]["keys"]) == [KEY]
+        assert _call(d.url, "GET", f"/v1/tiers?{q}&keys=true", token=None)[0] == 401
 
 
 def test_full_budget_degrades_to_persist_only(tmp_path):
