@@ -1,6 +1,6 @@
 """The read side of one daemon's memory tier (``TierStore``): how a restoring rank talks to a
-daemon that holds a step, for ``trainer_hooks.tiered`` (committed steps) and
-``trainer_hooks.memsteps`` (memory-only steps).
+daemon that holds a step, for ``trainer_hooks.tiered.TierSource`` (committed and memory-only
+steps alike).
 
 Transport, nearest first: the rank's own daemon lends its sealed buffers over the Unix socket
 (SCM_RIGHTS; mapped ``PROT_READ``, the seals checked before use, no byte over a socket); a peer
@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlsplit
 
 import numpy as np
 
@@ -30,12 +30,13 @@ from ckptd.errors import CheckpointError
 from ckptd.tierwire import F_GET_SEALS, MAX_FDS, REPLY, REQUEST, SEALS, WireError, recv_exact, recv_frame, send_frame
 from storage_backends.base import as_writable_buffers
 
-__all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "MAX_KEYS_REPLY", "TierStore", "TierUnavailable"]
+__all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "MAX_KEYS_REPLY", "MAX_LIST_REPLY", "TierStore", "TierUnavailable"]
 
 log = logging.getLogger("ckptd.tiered")
 
 DEFAULT_TIER_TIMEOUT_S = 10.0  # a peer slower than this per request is skipped (CKPTD_TIER_TIMEOUT_S)
 MAX_KEYS_REPLY = 256 << 20
+MAX_LIST_REPLY = 256 << 20  # a daemon's listing (``GET /v1/tiers?keys=true``) at most
 BATCH_BYTES = int(
     os.environ.get("CKPTD_TIER_BATCH_BYTES", 4 << 20)
 )  # shard-object bytes one batched tier read asks for (at most one object more)
@@ -82,6 +83,39 @@ class _Fetched:
         for v in views:
             np.frombuffer(v, np.uint8)[:] = data[pos : pos + v.nbytes]  # numpy copies without the GIL
             pos += v.nbytes
+
+
+class _Daemon:
+    """JSON calls to one daemon's tier routes (a connection per call: a restore asks little)."""
+
+    def __init__(self, url: str, token: str | None, timeout_s: float):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CheckpointError(f"tier daemon must be an http://host:port URL, got {url!r}")
+        self.url = url.rstrip("/")
+        self._cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port, self._base = parts.hostname, parts.port, parts.path.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout_s = timeout_s
+
+    def request(self, method: str, path: str, body: bytes | None = None, cap: int = MAX_LIST_REPLY):
+        """(status, headers, body) or OSError / HTTPException."""
+        conn = self._cls(self._host, self._port, timeout=self.timeout_s)
+        try:
+            headers = dict(self._headers)
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+            conn.request(method, self._base + path, body=body, headers=headers)
+            resp = conn.getresponse()
+            length = resp.getheader("Content-Length")
+            if length is not None and length.isdigit() and int(length) > cap:
+                raise OSError(f"{self.url}: reply of {length} bytes where at most {cap} were expected")
+            raw = resp.read(cap + 1)
+            if len(raw) > cap:
+                raise OSError(f"{self.url}: reply over {cap} bytes")
+            return resp.status, resp, raw
+        finally:
+            conn.close()
 
 
 class TierStore:
@@ -261,32 +295,6 @@ class TierStore:
             self._drop_conn(conn)
             raise TierUnavailable(f"{self.name}: reply of {length} bytes where at most {cap} were asked")
         return conn, resp, int(length)
-
-    def _get(self, path: str, cap: int) -> tuple[int, dict, bytes]:
-        conn, resp, _ = self._open(path, cap)
-        try:
-            return resp.status, dict(resp.getheaders()), resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            self._drop_conn(conn)
-            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
-
-    def keys(self) -> tuple[set[str], list[str]]:
-        """(the objects this tier holds complete for the step, the peers it names)."""
-        q = urlencode({"root": self.root, "step": self.step, "attempt": self.attempt, "keys": "true"})
-        status, _, raw = self._get(f"/v1/tiers?{q}", MAX_KEYS_REPLY)
-        if status != 200:
-            raise TierUnavailable(f"{self.name}: GET /v1/tiers answered {status}")
-        try:
-            body = json.loads(raw)
-            copies = [c for kind in ("hot", "replicas", "memory_only") for c in body[kind]]
-            if any(c["step"] != self.step or c["attempt"] != self.attempt for c in copies):
-                raise TierUnavailable(f"{self.name}: the listing holds another step or attempt")
-            keys = {k for c in copies for k in c["keys"] if isinstance(k, str)}
-            peers = [p for p in body.get("peers", []) if isinstance(p, str)]
-            self.advertised = body.get("data")
-        except (ValueError, KeyError, TypeError) as e:
-            raise TierUnavailable(f"{self.name}: malformed listing ({e})") from None
-        return keys, peers
 
     def _object_path(self, key: str, start: int, length: int) -> str:
         q = f"root={quote(self.root, safe='')}&step={self.step}&attempt={quote(self.attempt, safe='')}"
