@@ -1,7 +1,6 @@
 """The daemon's bearer token as a client reads it: ``CKPTD_TOKEN``, else the file that
-``CKPTD_TOKEN_FILE`` names. One reading for every client of the daemon -- the trainer hooks
-(``trainer_hooks.daemon_client``) and the CLI (``ckptd ls --daemon``) -- kept in ckptd's core
-because the CLI may not import ``trainer_hooks``."""
+``CKPTD_TOKEN_FILE`` names. One reading for every client of the daemon (``ckptd.daemon_conn``):
+the trainer hooks and the CLI (``ckptd ls --daemon``)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from ckptd import catalog, claims, persist, retention
 from ckptd import manifest as mf
+from ckptd.daemon_conn import resolve
 from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from storage_backends import StorageError, Store, open_store
 from trainer_hooks import hostcopy, memsteps, rng
@@ -49,8 +50,10 @@ def _io_threads() -> int:
 class Checkpointer:
     """Saves and restores ``state`` dicts under one job root URI.
 
-    ``daemon``: None persists from a background thread of this process; ``"http://host:port"``
-    hands each snapshot to a running ``ckptd serve``, which persists and commits it even if this
+    ``daemon``: None persists from a background thread of this process; an address
+    (``unix:///path/ckptd.sock``, ``http://host:port``; ``ckptd.daemon_conn``) or True (the
+    address in ``CKPTD_DAEMON``, else the daemon's default socket) hands each snapshot to a running
+    ``ckptd serve``, which persists and commits it even if this
     process dies right after ``save`` returned; ``restore`` then reads each shard from the nearest
     memory tier that holds the committed step (this node's daemon, its peers, then the job root;
     ``trainer_hooks.tiered``; ``tiered_restore=False``: always the job root). ``keep_last``:
@@ -93,7 +96,7 @@ class Checkpointer:
     def __init__(
         self,
         root_uri: str,
-        daemon: str | None = None,
+        daemon: str | bool | None = None,
         keep_last: int | None = None,
         *,
         process_group=None,
@@ -107,6 +110,7 @@ class Checkpointer:
     ):
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+        daemon = resolve(daemon)
         if type(persist_every) is not int or persist_every < 1 or (persist_every > 1 and daemon is None):
             raise CheckpointError(
                 f"persist_every must be an int >= 1, and > 1 only with a daemon; got {persist_every!r}"

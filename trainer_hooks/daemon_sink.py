@@ -12,7 +12,7 @@ Per save, on every rank (the training thread, inside ``Checkpointer.save``):
    committed. While the daemon is unreachable (restarting), the poller reads the commit record
    from storage instead; it fails after ``commit_timeout``.
 
-HTTP goes through ``daemon_client.DaemonClient``. Concurrency: the training thread calls
+HTTP goes through ``ckptd.daemon_conn.DaemonConnection``. Concurrency: the training thread calls
 ``stager().buffer``, ``submit`` and ``shutdown``; the poller thread resolves futures and
 heartbeats the lease.
 """
@@ -29,11 +29,12 @@ from urllib.parse import quote
 
 from ckptd import catalog
 from ckptd import manifest as mf
+from ckptd.auth import daemon_token
+from ckptd.daemon_conn import DaemonConnection, detail
 from ckptd.errors import CheckpointError
 from ckptd.persist import SaveResult
 from ckptd.savejob import SaveJob
 from storage_backends import StorageError, open_store
-from trainer_hooks.daemon_client import DaemonClient, detail
 from trainer_hooks.daemon_stager import DaemonStager
 from trainer_hooks.snapshot import Stager
 
@@ -74,7 +75,7 @@ class DaemonSink:
         self.rank, self.world_size = rank, world_size
         self.keep_last, self.commit_timeout = keep_last, commit_timeout
         self.client_id = uuid.uuid4().hex[:16]
-        self._client = DaemonClient(self.url, rank)
+        self._client = DaemonConnection(self.url, daemon_token(), who=f"rank {rank}")
         try:
             status, body, _ = self._client.call("POST", "/v1/roots/check", {"root": root_uri})
             if status != 200:

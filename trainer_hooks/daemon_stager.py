@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from ckptd.codec import ArrayLayout, image_nbytes
+from ckptd.daemon_conn import DaemonConnection, detail
 from ckptd.errors import CheckpointError
 from ckptd.savejob import SaveJob, format_image
-from trainer_hooks.daemon_client import DaemonClient, detail
 from trainer_hooks.snapshot import Stager, staged_image_chunks
 
 __all__ = ["DaemonStager"]
@@ -75,7 +75,7 @@ class DaemonStager(Stager):
     lease too: the daemon checks their size against the layout, rewrites the index, fills in the
     checksums in its private mapping and writes the file's pages as they are."""
 
-    def __init__(self, client: DaemonClient, root: str, rank: int, client_id: str):
+    def __init__(self, client: DaemonConnection, root: str, rank: int, client_id: str):
         super().__init__()
         self._client = client
         self._root, self._rank, self._client_id = root, rank, client_id

@@ -24,7 +24,6 @@ alive) and the per-tier byte counts are guarded by a lock.
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
@@ -34,20 +33,20 @@ from urllib.parse import urlencode
 
 from ckptd import catalog
 from ckptd import manifest as mf
+from ckptd.auth import daemon_token
 from ckptd.codec import CRC_BYTES, parse_inline
 from ckptd.errors import CheckpointError
 from ckptd.layout import plan_reads
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
-from trainer_hooks.daemon_client import _token
 from trainer_hooks.tierstore import (
     BATCH_BYTES,
     DEFAULT_TIER_TIMEOUT_S,
     TierStore,
     TierUnavailable,
-    _Daemon,
     _Fetched,
+    ask,
 )
 
 __all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierSource", "TierStore", "TieredReader", "TieredRestore"]
@@ -377,14 +376,13 @@ class TieredRestore:
         env = os.environ.get("CKPTD_TIER_TIMEOUT_S")
         self.timeout_s = timeout_s if timeout_s is not None else float(env) if env else DEFAULT_TIER_TIMEOUT_S
         self.last: dict[str, int] = {}
-        self._token = _token()
+        self._token = daemon_token()
 
     def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
-        """One JSON request to the daemon ``url``; OSError (or HTTPException, CheckpointError)."""
-        raw_body = None if body is None else json.dumps(body).encode()
-        status, _, raw = _Daemon(url, self._token, self.timeout_s).request(method, path, raw_body)
+        """One JSON request to the daemon ``url``; CheckpointError (DaemonUnreachable) or ValueError."""
+        status, raw = ask(url, self._token, self.timeout_s, method, path, body)
         if status != 200:
-            raise OSError(f"{url}: {method} {path.split('?')[0]} answered {status}: {raw[:200]!r}")
+            raise ValueError(f"{url}: {method} {path.split('?')[0]} answered {status}: {raw[:200]!r}")
         got = json.loads(raw)
         if not isinstance(got, dict):
             raise ValueError(f"{url}: {method} {path.split('?')[0]} answered no object")
@@ -413,15 +411,7 @@ class TieredRestore:
                     ((int(c["step"]), str(c["attempt"])), {str(k): int(v) for k, v in c["keys"].items()})
                     for c in copies
                 ]
-            except (
-                OSError,
-                ValueError,
-                KeyError,
-                TypeError,
-                AttributeError,
-                http.client.HTTPException,
-                CheckpointError,
-            ) as e:
+            except (ValueError, KeyError, TypeError, AttributeError, CheckpointError) as e:
                 log.warning("restore: the memory tier of %s did not answer: %s", url, e)
                 continue
             if not asked:
@@ -488,7 +478,7 @@ class TieredRestore:
         )
         try:  # the daemon's ckptd_restore_bytes_*_total
             self._call(self.daemon_url, "POST", "/v1/tiers/restored", got)
-        except (OSError, ValueError, http.client.HTTPException, CheckpointError) as e:
+        except (ValueError, CheckpointError) as e:
             log.debug("restore: could not report tier bytes to the daemon: %s", e)
 
     def fence(self, urls: list[str], step: int) -> None:
@@ -499,5 +489,5 @@ class TieredRestore:
         for url in dict.fromkeys(u.rstrip("/") for u in urls):
             try:
                 self._call(url, "POST", "/v1/tiers/restored", body)
-            except (OSError, ValueError, http.client.HTTPException, CheckpointError) as e:
+            except (ValueError, CheckpointError) as e:
                 log.warning("restore: could not tell %s that step %d was restored: %s", url, step, e)

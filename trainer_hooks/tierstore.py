@@ -14,7 +14,6 @@ their crc32c and pins by the reader).
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 import mmap
 import os
@@ -22,24 +21,35 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import numpy as np
 
-from ckptd.errors import CheckpointError
+from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable
 from ckptd.tierwire import F_GET_SEALS, MAX_FDS, REPLY, REQUEST, SEALS, WireError, recv_exact, recv_frame, send_frame
 from storage_backends.base import as_writable_buffers
 
-__all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "MAX_KEYS_REPLY", "MAX_LIST_REPLY", "TierStore", "TierUnavailable"]
+__all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "MAX_KEYS_REPLY", "TierStore", "TierUnavailable", "ask"]
 
 log = logging.getLogger("ckptd.tiered")
 
 DEFAULT_TIER_TIMEOUT_S = 10.0  # a peer slower than this per request is skipped (CKPTD_TIER_TIMEOUT_S)
 MAX_KEYS_REPLY = 256 << 20
-MAX_LIST_REPLY = 256 << 20  # a daemon's listing (``GET /v1/tiers?keys=true``) at most
 BATCH_BYTES = int(
     os.environ.get("CKPTD_TIER_BATCH_BYTES", 4 << 20)
 )  # shard-object bytes one batched tier read asks for (at most one object more)
+
+
+def ask(url: str, token: str | None, timeout_s: float, method: str, path: str, body=None, cap: int = MAX_KEYS_REPLY):
+    """(status, body) of one request to the daemon at ``url`` on a connection of its own (a
+    restore's few calls that are not reads: the memory-only listing, the fence, the tier bytes
+    report). DaemonUnreachable (a CheckpointError) when it does not answer."""
+    conn = DaemonConnection(url, token, timeout_s)
+    try:
+        status, _, raw = conn.fetch(method, path, body, cap)
+        return status, raw
+    finally:
+        conn.close()
 
 
 class TierUnavailable(Exception):  # noqa: N818 - not a StorageError: the reader must not turn it into a bad chunk
@@ -85,52 +95,14 @@ class _Fetched:
             pos += v.nbytes
 
 
-class _Daemon:
-    """JSON calls to one daemon's tier routes (a connection per call: a restore asks little)."""
-
-    def __init__(self, url: str, token: str | None, timeout_s: float):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise CheckpointError(f"tier daemon must be an http://host:port URL, got {url!r}")
-        self.url = url.rstrip("/")
-        self._cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port, self._base = parts.hostname, parts.port, parts.path.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.timeout_s = timeout_s
-
-    def request(self, method: str, path: str, body: bytes | None = None, cap: int = MAX_LIST_REPLY):
-        """(status, headers, body) or OSError / HTTPException."""
-        conn = self._cls(self._host, self._port, timeout=self.timeout_s)
-        try:
-            headers = dict(self._headers)
-            if body is not None:
-                headers["Content-Type"] = "application/json"
-            conn.request(method, self._base + path, body=body, headers=headers)
-            resp = conn.getresponse()
-            length = resp.getheader("Content-Length")
-            if length is not None and length.isdigit() and int(length) > cap:
-                raise OSError(f"{self.url}: reply of {length} bytes where at most {cap} were expected")
-            raw = resp.read(cap + 1)
-            if len(raw) > cap:
-                raise OSError(f"{self.url}: reply over {cap} bytes")
-            return resp.status, resp, raw
-        finally:
-            conn.close()
-
-
 class TierStore:
     """The read side of one daemon's memory tier for one (root, step, attempt), shaped like the
     ``Store`` methods ``CheckpointReader`` reads chunks with."""
 
     def __init__(self, url: str, name: str, root: str, step: int, attempt: str, token: str | None, timeout_s: float):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise CheckpointError(f"tier daemon must be an http://host:port URL, got {url!r}")
-        self.url, self.name, self.uri = url.rstrip("/"), name, url
-        self._cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port, self._base = parts.hostname, parts.port, parts.path.rstrip("/")
+        self._http = DaemonConnection(url, token, timeout_s)
+        self.url, self.name, self.uri = self._http.url, name, url
         self.root, self.step, self.attempt = root, step, attempt
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._token = token
         self.timeout_s = timeout_s
         # The data path (``ckptd.server.tierdata``), as the keys reply advertises it: the TCP port
@@ -139,7 +111,7 @@ class TierStore:
         self.data_socket: str | None = None
         self.advertised = None  # the keys reply's "data"
         self._local = threading.local()
-        self._conns: list = []  # every thread's connection, closed by close()
+        self._conns: list = []  # every thread's data-path socket, closed by close()
         self._conns_lock = threading.Lock()
 
     # Small objects are fetched in batches on either path: one request (HTTP or data path) per
@@ -152,30 +124,18 @@ class TierStore:
         if not isinstance(data, dict):
             return
         port, path = data.get("port"), data.get("socket")
-        if type(port) is int and 0 < port < 65536:
+        if type(port) is int and 0 < port < 65536 and self._http.host is not None:
             self.data_port = port
         if unix and isinstance(path, str) and os.path.isabs(path) and sys.platform.startswith("linux"):
             self.data_socket = path
 
     def close(self) -> None:
         """Close every thread's connection (a restore ends with its tiers)."""
+        self._http.close()
         with self._conns_lock:
             conns, self._conns = self._conns, []
         for conn in conns:
             conn.close()
-
-    def _conn(self) -> http.client.HTTPConnection:
-        """This thread's connection to the tier (kept open across requests: one per pool thread)."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self._cls(self._host, self._port, timeout=self.timeout_s)
-            with self._conns_lock:
-                self._conns.append(conn)
-        return conn
-
-    def _drop_conn(self, conn) -> None:
-        conn.close()
-        self._local.conn = None
 
     def _data_conn(self, unix: bool) -> socket.socket:
         """This thread's connection to the data path (kept open across requests)."""
@@ -191,7 +151,7 @@ class TierStore:
                     sock.close()
                     raise
             else:
-                sock = socket.create_connection((self._host, self.data_port), timeout=self.timeout_s)
+                sock = socket.create_connection((self._http.host, self.data_port), timeout=self.timeout_s)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             setattr(self._local, name, sock)
             with self._conns_lock:
@@ -280,19 +240,16 @@ class TierStore:
             raise
         return mapped
 
-    def _open(self, path: str, cap: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, int]:
-        """Send a GET; return the response with its body unread and its Content-Length (at
-        most ``cap``)."""
-        conn = self._conn()
+    def _open(self, path: str, cap: int, body=None) -> tuple:
+        """Send a request; return the connection and the response with its body unread and its
+        Content-Length (at most ``cap``)."""
         try:
-            conn.request("GET", self._base + path, headers=self._headers)
-            resp = conn.getresponse()
-        except (OSError, http.client.HTTPException) as e:
-            self._drop_conn(conn)
-            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
+            conn, resp = self._http.send("POST" if body is not None else "GET", path, body)
+        except DaemonUnreachable as e:
+            raise TierUnavailable(f"{self.name}: {e}") from None
         length = resp.getheader("Content-Length")
         if length is None or not length.isdigit() or int(length) > cap:
-            self._drop_conn(conn)
+            self._http.drop(conn)
             raise TierUnavailable(f"{self.name}: reply of {length} bytes where at most {cap} were asked")
         return conn, resp, int(length)
 
@@ -300,7 +257,7 @@ class TierStore:
         q = f"root={quote(self.root, safe='')}&step={self.step}&attempt={quote(self.attempt, safe='')}"
         return f"/v1/tiers/object?{q}&key={quote(key, safe='')}&start={start}&length={length}"
 
-    def _check_reply(self, key: str, resp: http.client.HTTPResponse, got: int, length: int) -> None:
+    def _check_reply(self, key: str, resp, got: int, length: int) -> None:
         if resp.status != 200:
             raise TierUnavailable(f"{self.name}: {key} answered {resp.status}")
         if resp.getheader("X-Ckptd-Step") != str(self.step) or resp.getheader("X-Ckptd-Attempt") != self.attempt:
@@ -340,10 +297,10 @@ class TierStore:
                         raise TierUnavailable(f"{self.name}: {what}: the reply ended early")
                     pos += n
         except TierUnavailable:
-            self._drop_conn(conn)
+            self._http.drop(conn)
             raise
         except (OSError, http.client.HTTPException) as e:
-            self._drop_conn(conn)
+            self._http.drop(conn)
             raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
 
     def get_batch(self, ranges: Sequence[tuple[str, int, int]]) -> bytearray:
@@ -360,20 +317,12 @@ class TierStore:
             "attempt": self.attempt,
             "ranges": [{"key": k, "start": st, "length": n} for k, st, n in ranges],
         }
-        conn = self._conn()
-        try:
-            headers = {**self._headers, "Content-Type": "application/json"}
-            conn.request("POST", self._base + "/v1/tiers/read", body=json.dumps(body).encode(), headers=headers)
-            resp = conn.getresponse()
-        except (OSError, http.client.HTTPException) as e:
-            self._drop_conn(conn)
-            raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
-        got = resp.getheader("Content-Length")
+        conn, resp, got = self._open("/v1/tiers/read", length, body)
         out = bytearray(length)
         self._read_body(
             conn,
             resp,
-            int(got) if got is not None and got.isdigit() else -1,
+            got,
             [memoryview(out)],
             f"a batch of {len(ranges)} ranges",
         )

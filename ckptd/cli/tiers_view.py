@@ -11,10 +11,9 @@ committed."""
 
 from __future__ import annotations
 
-import http.client
 import json
-from urllib.parse import urlsplit
 
+from ckptd.daemon_conn import DaemonConnection
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import normalize
 
@@ -24,23 +23,13 @@ MAX_REPLY = 16 << 20
 
 
 def _describe(url: str, token: str | None, timeout: float) -> dict:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CheckpointError(f"--daemon must be an http://host:port URL, got {url!r}")
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = cls(parts.hostname, parts.port, timeout=timeout)
+    conn = DaemonConnection(url, token, timeout)
     try:
-        conn.request(
-            "GET", parts.path.rstrip("/") + "/v1/tiers", headers={"Authorization": f"Bearer {token}"} if token else {}
-        )
-        resp = conn.getresponse()
-        raw = resp.read(MAX_REPLY + 1)
+        status, _, raw = conn.fetch("GET", "/v1/tiers", cap=MAX_REPLY)
     finally:
         conn.close()
-    if resp.status != 200:
-        raise OSError(f"GET /v1/tiers answered {resp.status}")
-    if len(raw) > MAX_REPLY:
-        raise OSError(f"GET /v1/tiers answered over {MAX_REPLY} bytes")
+    if status != 200:
+        raise ValueError(f"GET /v1/tiers answered {status}")
     body = json.loads(raw)
     if not isinstance(body, dict):
         raise ValueError("GET /v1/tiers answered no object")
@@ -63,7 +52,7 @@ def tier_copies(
         seen.add(url)
         try:
             body = _describe(url, token, timeout)
-        except (OSError, ValueError, http.client.HTTPException) as e:
+        except (ValueError, CheckpointError) as e:
             failed.append(f"{url}: {e or type(e).__name__}")
             continue
         todo += [p.rstrip("/") for p in body.get("peers", []) if isinstance(p, str)]

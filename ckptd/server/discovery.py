@@ -28,7 +28,7 @@ accepted only when that equals the MAC this daemon computes for the URL it diale
 holder of the token can answer; one that relays the nonce to a real daemon gets that daemon's
 MAC over *its* URL, not over the relay's, so it fails (docs/security.md, "Peer discovery").
 ``--peers`` given explicitly stay trusted without a challenge, as before. The ring that a
-daemon names to restoring ranks (``GET /v1/tiers/keys``: ``peers``) is only the discovered
+daemon names to restoring ranks (``GET /v1/tiers``: ``peers``) is only the discovered
 daemons that passed the challenge within ``discover_ttl_s``: a rank sends them its token.
 """
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import http.client
 import json
 import logging
 import os
@@ -53,6 +52,8 @@ from fastapi.responses import JSONResponse
 
 from ckptd import __version__
 from ckptd import manifest as mf
+from ckptd.daemon_conn import DaemonConnection
+from ckptd.errors import CheckpointError
 from ckptd.leases import clamp
 from ckptd.server.roots import normalize
 from ckptd.server.tiers import replica_targets
@@ -140,28 +141,16 @@ def record_bytes(daemon_id: str, me: str) -> bytes:
     return json.dumps({**rec, "version": __version__}, sort_keys=True).encode()
 
 
-def _request_path(url: str, path: str) -> str:
-    return urlsplit(url).path.rstrip("/") + path
-
-
-def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
-    parts = urlsplit(url)
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    return cls(parts.hostname, parts.port, timeout=timeout)
-
-
-def challenge(conn: http.client.HTTPConnection, url: str, token: str) -> None:
-    """Ask the daemon at ``url`` (over ``conn``, no token sent) to prove that it holds ``token``
-    and is the daemon of that URL; NotVerified when it does not."""
+def challenge(conn: DaemonConnection, url: str, token: str) -> None:
+    """Ask the daemon at ``url`` (over ``conn``, which sends no token yet) to prove that it holds
+    ``token`` and is the daemon of that URL; NotVerified when it does not."""
     nonce = os.urandom(NONCE_BYTES)
     try:
-        conn.request("GET", _request_path(url, f"{HELLO_PATH}?nonce={nonce.hex()}"))
-        resp = conn.getresponse()
-        raw = resp.read(MAX_HELLO_REPLY + 1)
-    except (OSError, http.client.HTTPException) as e:
-        raise NotVerified(f"{url}: no answer to the challenge ({e or type(e).__name__})") from None
-    if resp.status != 200 or len(raw) > MAX_HELLO_REPLY:
-        raise NotVerified(f"{url}: the challenge was answered with HTTP {resp.status}: not a ckptd daemon of this job")
+        status, _, raw = conn.fetch("GET", f"{HELLO_PATH}?nonce={nonce.hex()}", cap=MAX_HELLO_REPLY)
+    except CheckpointError as e:
+        raise NotVerified(f"{url}: no answer to the challenge ({e})") from None
+    if status != 200:
+        raise NotVerified(f"{url}: the challenge was answered with HTTP {status}: not a ckptd daemon of this job")
     try:
         mac = json.loads(raw)["mac"]
     except (ValueError, KeyError, TypeError):
@@ -306,7 +295,7 @@ class Discovery:
 
     # ------------------------------------------------------------------------ the ring
 
-    def challenge(self, conn: http.client.HTTPConnection, url: str) -> None:
+    def challenge(self, conn: DaemonConnection, url: str) -> None:
         """``challenge`` with this daemon's token (``Tiers._dial``, before a push's requests)."""
         challenge(conn, url, self.token)
 
@@ -321,7 +310,7 @@ class Discovery:
             return True
         if failed is not None and now - failed <= self.ttl_s / 2:
             return False
-        conn = _connect(url, self.timeout_s)
+        conn = DaemonConnection(url, None, self.timeout_s)
         try:
             challenge(conn, url, self.token)
         except NotVerified as e:

@@ -21,17 +21,17 @@ whose pusher stopped sending is dropped after ``INCOMING_TTL_S``.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from ckptd import manifest as mf
 from ckptd.codec import crc32c
+from ckptd.daemon_conn import DaemonConnection
 from ckptd.server.sealed import Sealed, new_buffer, seal
 
 __all__ = ["Copy", "HOT", "INCOMING_TTL_S", "KINDS", "MAX_OBJECTS", "MEMORY_ONLY", "PIECE_BYTES", "Replication"]
@@ -102,15 +102,19 @@ class Replication:
             return self.targets
         return self.discovery.targets(root, self.replicas)
 
-    def _dial(self, peer: str) -> http.client.HTTPConnection:
-        """A connection to ``peer``; to a discovered one only after it passed the challenge on it."""
-        conn = _connect(peer, self.timeout_s)
-        if self.discovery is not None:
-            try:
-                self.discovery.challenge(conn, peer)
-            except BaseException:
-                conn.close()
-                raise
+    def _dial(self, peer: str) -> DaemonConnection:
+        """A connection to ``peer`` that sends the token; to a discovered peer only after it
+        passed the challenge on that connection (which it then keeps: ``reconnect`` off)."""
+        if self.discovery is None:
+            return DaemonConnection(peer, self.token, self.timeout_s)
+        conn = DaemonConnection(peer, None, self.timeout_s)
+        conn.reconnect = False
+        try:
+            self.discovery.challenge(conn, peer)
+        except BaseException:
+            conn.close()
+            raise
+        conn.token = self.token
         return conn
 
     def push_later(self, copies: list[Copy]) -> None:
@@ -154,7 +158,7 @@ class Replication:
         }
         conn = self._dial(peer)
         try:
-            reply = _request(conn, peer, "POST", "/v1/tiers/replicas", self.token, json.dumps(body).encode(), _JSON)
+            reply = _request(conn, "POST", "/v1/tiers/replicas", body)
             rid = reply["replica"]
             for key, buf in objects.items():
                 mv = memoryview(buf)
@@ -162,8 +166,8 @@ class Replication:
                     if group.dropped:
                         raise RuntimeError("the copy was dropped during the push (a newer step, or its room)")
                     q = f"/v1/tiers/replicas/{rid}?key={quote(key, safe='')}&offset={off}"
-                    _request(conn, peer, "PUT", q, self.token, mv[off : off + PIECE_BYTES])
-            _request(conn, peer, "POST", f"/v1/tiers/replicas/{rid}/seal", self.token, b"{}", _JSON)
+                    _request(conn, "PUT", q, mv[off : off + PIECE_BYTES])
+            _request(conn, "POST", f"/v1/tiers/replicas/{rid}/seal", {})
         finally:
             conn.close()
 
@@ -277,27 +281,11 @@ class Replication:
         self._release(gone)
 
 
-def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
-    parts = urlsplit(url)
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    return cls(parts.hostname, parts.port, timeout=timeout)
-
-
-_JSON = "application/json"
-
-
-def _request(
-    conn, url: str, method: str, path: str, token: str | None, body, ctype: str = "application/octet-stream"
-) -> dict:
-    headers = {"Content-Type": ctype}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    conn.request(method, urlsplit(url).path.rstrip("/") + path, body=body, headers=headers)
-    resp = conn.getresponse()
-    raw = resp.read()
-    if resp.status != 200:
+def _request(conn: DaemonConnection, method: str, path: str, body) -> dict:
+    status, _, raw = conn.fetch(method, path, body)
+    if status != 200:
         detail = raw[:200].decode(errors="replace")
-        raise RuntimeError(f"{method} {path.split('?')[0]}: HTTP {resp.status} {detail}")
+        raise RuntimeError(f"{method} {path.split('?')[0]}: HTTP {status} {detail}")
     with contextlib.suppress(ValueError):
         return json.loads(raw) if raw else {}
     return {}

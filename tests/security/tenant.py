@@ -31,8 +31,9 @@ import traceback
 
 import torch
 
-import trainer_hooks.daemon_client as daemon_client
 import trainer_hooks.daemon_sink  # noqa: F401 - imported while the interpreter is readable
+from ckptd.auth import daemon_token
+from ckptd.daemon_conn import DaemonConnection
 from trainer_hooks import Checkpointer
 
 
@@ -88,7 +89,7 @@ def main() -> None:
             elif op == "restore":
                 out = restore(cmd["root"])
             elif op == "http":
-                client = daemon_client.DaemonClient(cmd["daemon"], 0)
+                client = DaemonConnection(cmd["daemon"], daemon_token())
                 try:
                     status, body, _ = client.call(cmd["method"], cmd["path"], cmd.get("body"))
                 finally:

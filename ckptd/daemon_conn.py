@@ -1,0 +1,289 @@
+"""The one way to reach a ``ckptd serve`` daemon: HTTP/1.1 over keep-alive connections, for every
+caller -- the trainer (hand-off, staging, memory tiers, memory-only steps, fence), the CLI
+(``ckptd ls --daemon``) and the daemons themselves (replication, the discovery challenge).
+
+Only the standard library speaks HTTP here, so training needs no HTTP package. An address is
+
+* ``unix:///abs/path/ckptd.sock`` or ``http+unix://%2Fabs%2Fpath%2Fckptd.sock`` (the path
+  percent-encoded as the host): the daemon's Unix socket, where the kernel tells the daemon which
+  local user calls (leases and hand-offs go there); a path longer than a socket address holds is
+  reached through a descriptor of its folder (``/proc/self/fd``);
+* ``http(s)://host:port[/base]``: TCP.
+
+``resolve(True)`` is the address a trainer uses when it names none: ``CKPTD_DAEMON``, else the
+daemon's default socket (``default_socket``: ``CKPTD_SOCKET``, else ``/run/ckptd/ckptd.sock``
+where ``/run`` is writable, else ``/dev/shm/ckptd/ckptd.sock``), the same path ``ckptd serve``
+listens on by default.
+
+A ``DaemonConnection`` keeps one connection per thread (safe to share between threads) and sends
+``Authorization: Bearer <token>`` when it has a token (``ckptd.auth.daemon_token`` for clients;
+none until a discovered peer passed its challenge). A connection that was idle in the pool is
+retried once when it turns out stale (every request is idempotent or carries a client-chosen
+id); a fresh one that fails raises ``DaemonUnreachable``, naming the address and what to set.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from ckptd.errors import CheckpointError
+
+__all__ = [
+    "DaemonConnection",
+    "DaemonUnreachable",
+    "ENV_DAEMON",
+    "ENV_SOCKET",
+    "default_socket",
+    "detail",
+    "resolve",
+]
+
+log = logging.getLogger("ckptd.daemon_conn")
+
+ENV_DAEMON = "CKPTD_DAEMON"  # the address a trainer with daemon=True uses
+ENV_SOCKET = "CKPTD_SOCKET"  # the daemon's socket: where ``ckptd serve`` listens and trainers look
+MAX_REPLY = 64 << 20  # a reply read whole (JSON, a listing) may be at most this long
+_WAIT_LOG_EVERY_S = 30.0
+_HINT = f"start `ckptd serve`, or name its address in {ENV_DAEMON} (its socket: --socket / {ENV_SOCKET})"
+
+
+class DaemonUnreachable(CheckpointError):
+    """The daemon did not answer (gone, not started, a wrong address), or its reply was cut off
+    or over the size cap."""
+
+
+def default_socket() -> Path:
+    """The daemon's socket when none is named: ``CKPTD_SOCKET``, else ``/run/ckptd/ckptd.sock``
+    where ``/run`` is writable (or that folder exists), else ``/dev/shm/ckptd/ckptd.sock``. It
+    depends on nothing the daemon serves, so a trainer finds it without being told."""
+    env = os.environ.get(ENV_SOCKET)
+    if env:
+        return Path(env)
+    run = Path("/run/ckptd")
+    if run.is_dir() or os.access("/run", os.W_OK):
+        return run / "ckptd.sock"
+    return Path("/dev/shm/ckptd/ckptd.sock")
+
+
+def resolve(daemon: str | bool | None) -> str | None:
+    """The address a ``daemon`` argument means: True -> ``CKPTD_DAEMON``, else the default
+    socket; a string as given; None/False -> no daemon."""
+    if daemon is True:
+        return os.environ.get(ENV_DAEMON) or f"unix://{default_socket()}"
+    return daemon or None
+
+
+def detail(body: dict) -> str:
+    """The daemon's error message in a reply body."""
+    return str(body.get("detail", body))
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a Unix stream socket."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dfd = None
+        try:
+            sock.settimeout(self.timeout)
+            path = self._path
+            if len(os.fsencode(path)) >= 108:  # longer than a socket address holds
+                head, name = os.path.split(path)
+                dfd = os.open(head, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                path = f"/proc/self/fd/{dfd}/{name}"
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            raise
+        finally:
+            if dfd is not None:
+                os.close(dfd)
+        self.sock = sock
+
+
+def _unix_path(url: str) -> str | None:
+    """The socket path of ``unix:///path`` or ``http+unix://%2Fpath``; None for other URLs."""
+    if url.startswith("unix://"):
+        path = url[len("unix://") :]
+    elif url.startswith("http+unix://"):
+        path = unquote(url[len("http+unix://") :].split("/", 1)[0])
+    else:
+        return None
+    if not path.startswith("/"):
+        raise CheckpointError(f"daemon socket must be an absolute path (unix:///path/to/ckptd.sock), got {url!r}")
+    return path
+
+
+class DaemonConnection:
+    """Requests to one daemon, one keep-alive connection per thread. ``token``: sent as a bearer
+    token (assign ``token`` later to start sending one). ``timeout``: seconds per socket
+    operation. ``who`` names the caller in the log lines of waiting calls."""
+
+    UNREACHABLE_WAIT_S = 60.0  # how long a patient call waits for an unreachable daemon (a restart)
+
+    def __init__(self, url: str, token: str | None, timeout: float = 30.0, who: str = "client"):
+        if not isinstance(url, str):
+            raise CheckpointError(
+                f"daemon must be an address (unix:///path/to/ckptd.sock, http://host:port), got {url!r}"
+            )
+        self.url = url.rstrip("/")
+        self.token = token
+        self.who = who
+        self.reconnect = True  # False: a kept connection that breaks is an error, not replaced
+        self.host: str | None = None  # the TCP host (None over a Unix socket)
+        path = _unix_path(url)
+        if path is not None:
+            self._new = lambda: _UnixConnection(path, timeout)
+            self._base = ""
+        else:
+            try:
+                parts = urlsplit(url)
+                port = parts.port
+            except ValueError:
+                parts, port = None, None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+                raise CheckpointError(
+                    f"daemon must be unix:///path/to/ckptd.sock or http://host:port, got {url!r} ({ENV_DAEMON})"
+                )
+            cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            self.host = parts.hostname
+            self._new = lambda: cls(parts.hostname, port, timeout=timeout)
+            self._base = parts.path.rstrip("/")
+        self._local = threading.local()
+        self._all: list[http.client.HTTPConnection] = []  # every thread's, closed by close()
+        self._lock = threading.Lock()
+
+    def send(
+        self, method: str, path: str, body=None, headers: dict | None = None
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send one request (``body``: a dict sent as JSON, or bytes); return this thread's
+        connection and the response, its body unread: read it whole before the next request on
+        this thread, or ``drop`` the connection."""
+        hdrs = {"Accept": "application/json"}
+        if isinstance(body, dict):
+            body = json.dumps(body).encode()
+            hdrs["Content-Type"] = "application/json"
+        elif body is not None:
+            hdrs["Content-Type"] = "application/octet-stream"
+        if self.token:
+            hdrs["Authorization"] = f"Bearer {self.token}"
+        hdrs.update(headers or {})
+        while True:
+            conn = getattr(self._local, "conn", None)
+            reused = conn is not None
+            if conn is None:
+                conn = self._local.conn = self._new()
+                with self._lock:
+                    self._all.append(conn)
+            try:
+                conn.request(method, self._base + path, body=body, headers=hdrs)
+                return conn, conn.getresponse()
+            except (OSError, http.client.HTTPException) as e:
+                self.drop(conn)
+                if not reused or not self.reconnect:  # a fresh connection failed: the daemon is not there
+                    raise DaemonUnreachable(f"cannot reach the ckptd daemon at {self.url}: {e}; {_HINT}") from None
+
+    def fetch(self, method: str, path: str, body=None, cap: int = MAX_REPLY) -> tuple[int, dict, bytes]:
+        """(status, headers, body) of one request; a body over ``cap`` bytes is DaemonUnreachable."""
+        conn, resp = self.send(method, path, body)
+        try:
+            length = resp.getheader("Content-Length")
+            if length is not None and length.isdigit() and int(length) > cap:
+                raise DaemonUnreachable(f"{self.url}: reply of {length} bytes where at most {cap} were expected")
+            raw = resp.read(cap + 1)
+            if len(raw) > cap:
+                raise DaemonUnreachable(f"{self.url}: reply over {cap} bytes")
+        except DaemonUnreachable:
+            self.drop(conn)
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            self.drop(conn)
+            raise DaemonUnreachable(f"{self.url}: {e or type(e).__name__}") from None
+        return resp.status, dict(resp.headers), raw
+
+    def call(self, method: str, path: str, body: dict | None = None, patient: bool = False) -> tuple[int, dict, dict]:
+        """(status, JSON body or {}, headers). ``patient``: while the daemon is unreachable (a
+        restart), retry for up to ``UNREACHABLE_WAIT_S``, logging why the caller waits. A 401 is
+        a CheckpointError naming the variables that carry the token."""
+        deadline = time.monotonic() + self.UNREACHABLE_WAIT_S
+        logged = False
+        while True:
+            try:
+                status, headers, raw = self.fetch(method, path, body)
+                break
+            except DaemonUnreachable as e:
+                if not patient or time.monotonic() > deadline:
+                    raise
+                if not logged:
+                    log.warning("%s waits for the ckptd daemon: %s", self.who, e)
+                    logged = True
+                time.sleep(0.5)
+        if status == 401:
+            raise CheckpointError(
+                f"ckptd daemon at {self.url} refused the request (401): set CKPTD_TOKEN or CKPTD_TOKEN_FILE"
+            )
+        try:
+            payload = json.loads(raw) if raw else {}
+        except ValueError:
+            payload = {"detail": raw[:200].decode(errors="replace")}
+        return status, payload if isinstance(payload, dict) else {"items": payload}, headers
+
+    def call_waiting(self, method: str, path: str, body: dict) -> dict:
+        """A staging request; while the daemon answers 429 (budget full) wait and ask again."""
+        waited_since = None
+        last_log = 0.0
+        while True:
+            status, reply, headers = self.call(method, path, body, patient=True)
+            if status == 200:
+                if waited_since is not None:
+                    log.info("staging memory granted after waiting %.1f s", time.monotonic() - waited_since)
+                return reply
+            if status not in (429, 503):
+                raise CheckpointError(f"ckptd daemon at {self.url}: {method} {path} failed ({status}): {detail(reply)}")
+            now = time.monotonic()
+            if waited_since is None:
+                waited_since = now
+            if now - last_log >= _WAIT_LOG_EVERY_S:
+                last_log = now
+                log.warning(
+                    "%s: save waits for staging memory: the ckptd daemon's budget is full (%s of %s bytes "
+                    "staged, %d needed)",
+                    self.who,
+                    reply.get("staged", "?"),
+                    reply.get("budget", "?"),
+                    body.get("bytes", 0),
+                )
+            try:
+                retry = float(headers.get("Retry-After", "1"))
+            except ValueError:
+                retry = 1.0
+            time.sleep(min(max(retry, 0.05), 0.25))
+
+    def drop(self, conn: http.client.HTTPConnection) -> None:
+        """Close ``conn`` (a reply left unread or broken); this thread's next request opens another."""
+        conn.close()
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+
+    def close(self) -> None:
+        """Close every thread's connection."""
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+        self._local.conn = None
