@@ -334,8 +334,10 @@ class Tiers(Replication):
         """Copy ``data`` into sealed memory as ``key`` of ``c``; None, or why it was not kept."""
         n = data_size(data)
         with self._lock:
-            if c.degraded or c.dropped:
-                return None if c.degraded else "it was dropped (a save needed its room, or a newer hand-off came)"
+            if c.dropped and c.kind == MEMORY_ONLY:
+                return "it was dropped (a save needed its room, or a newer hand-off came)"
+            if c.degraded or c.dropped:  # a hot copy not kept: its puts go nowhere
+                return None
             old = c.objects.pop(key, None)  # a retried put
             if old is not None:
                 c.bytes -= len(old)
