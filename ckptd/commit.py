@@ -3,15 +3,16 @@
 Invariant: ``commit.json`` is created once (``put_if_absent``, :func:`commit_step`) and only when
 the step's newest claim, its ``manifest.json`` (same step, attempt and world size) and a done
 record of every rank 0 .. N-1 all name the committing attempt, and the done records account
-for every shard the manifest needs (:func:`_check_before_commit`); ``ckptd verify`` re-checks
+for every shard the manifest needs (:func:`whole_step`); ``ckptd verify`` re-checks
 it on a committed step (:func:`check_consistency`). A committed checkpoint is immutable.
 
 The call sequence, on each rank once its data and done record are durable (``ckptd.persist``)::
 
     1. finish_rank / climb      climb the done tree (ckptd.donetree); the rank that completes
                                 it runs 2-4, the others stop
-    2.   _check_before_commit   claim, manifest, done totals (the commit rules); raises if any
-                                fails, and nothing is committed
+    2.   _check_before_commit   the claim, then whole_step (the commit rule, a pure function of
+                                the manifest and the done totals, which the memory-only
+                                choice also uses); raises if any fails, nothing is committed
     3.   commit_step            link the step into the latest-step chain (ckptd.latest), then
                                 put_if_absent commit.json, then move the chain's hint
     4.   _write_notices         above 1024 ranks: the notices the waiting ranks poll
@@ -56,22 +57,20 @@ def expected_shards(manifest: mf.Manifest) -> set[str]:
 
 
 def expected_digest(manifest: mf.Manifest) -> int:
-    """``donetree.shard_digest(expected_shards(manifest))`` in O(arrays): each array's grid sums
-    in closed form (``donetree.grid_digest``), so a commit at 4096 ranks x 900 arrays hashes
-    900 paths instead of 3.7 million shard keys (issue 31 item 2)."""
+    """``donetree.shard_digest(expected_shards(manifest), step, attempt)`` of the manifest's
+    step and attempt in O(arrays): each array's grid sums in closed form
+    (``donetree.grid_digest``), so a commit at 4096 ranks x 900 arrays hashes 900 paths instead
+    of 3.7 million shard keys."""
     total = 0
     for e in manifest.tensors.values():
         if e.value is None and e.layout.nbytes != 0:
-            total += donetree.grid_digest(e.path, e.layout.grid_shape)
+            total += donetree.grid_digest(e.path, e.layout.grid_shape, manifest.step, manifest.attempt)
     return total % donetree.P
 
 
-def _claimed_manifest(
-    store: Store, step: int, attempt: str, world_size: int, where: str
-) -> tuple[dict, mf.Manifest, str]:
-    """(the owning claim, the manifest, the manifest's sha256) of ``attempt``, which must own the step (newest claim)
-    and whose manifest must name the same step, attempt and world size; read under the manifest
-    size cap. Raises otherwise."""
+def _claimed_manifest(store: Store, step: int, attempt: str, where: str) -> tuple[dict, mf.Manifest, str]:
+    """(the owning claim, the manifest, the manifest's sha256) of ``attempt``, which must own the
+    step (newest claim); the manifest is read under its size cap. Raises otherwise."""
     rec = owner(store, step)
     if rec is None or rec.get("attempt") != attempt:
         who = "nobody" if rec is None else f"job {rec.get('writer')!r} (attempt {rec.get('attempt')!r})"
@@ -80,13 +79,7 @@ def _claimed_manifest(
         data = store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES)
     except NotFoundError:
         raise CheckpointError(f"{where}: not committing attempt {attempt}: manifest.json is missing") from None
-    m = mf.Manifest.from_bytes(data, where)
-    if (m.step, m.attempt, m.world_size) != (step, attempt, world_size):
-        raise CheckpointError(
-            f"{where}: not committing attempt {attempt} of world size {world_size}: the manifest names step "
-            f"{m.step}, attempt {m.attempt!r}, world size {m.world_size}"
-        )
-    return rec, m, hashlib.sha256(data).hexdigest()
+    return rec, mf.Manifest.from_bytes(data, where), hashlib.sha256(data).hexdigest()
 
 
 # -- the scalable commit (issue 17): the done tree, the latest-step chain, paced polling ------------
@@ -109,7 +102,7 @@ def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, ext
 
     def commit(total: donetree.Totals) -> bool:
         rec = _check_before_commit(store, step, attempt, world_size, total)
-        won = commit_step(store, step, {**rec, "done_layout": "tree", **(extra or {})})
+        won = commit_step(store, step, {**rec, **(extra or {})})
         if won:
             _write_notices(store, step, attempt, world_size)
         return won
@@ -120,31 +113,50 @@ def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, ext
 def _check_before_commit(store: Store, step: int, attempt: str, world_size: int, total) -> dict:
     """The commit rules, checked by the rank that completed the done tree (which already holds
     one record of ``attempt`` per rank 0 .. N-1, other attempts' records being in other
-    folders), from the tree's totals instead of every done record:
-
-    1. the newest claim names ``attempt`` (:func:`_claimed_manifest`);
-    2. ``manifest.json`` exists and names this step, ``attempt`` and ``world_size``;
-    3. every shard the manifest needs is named by some done record: the tree sums a hash of
-       each rank's shard keys, compared with the same sum over the manifest's grids, which
-       :func:`expected_digest` computes in O(arrays); only when they differ are the shards
-       listed (:func:`expected_shards`) and the records read to say what is missing (a rank
-       may write more than the manifest needs).
-
-    The commit record keeps the root's pin digest (``pins``: what every rank wrote, object by
-    object, ``ckptd.donetree``) and the manifest's sha256, which readers check.
-
+    folders): the newest claim names ``attempt`` (:func:`_claimed_manifest`), then
+    :func:`whole_step` over the tree's totals, the done records read only if it asks for them.
     Raises StepClaimed / CheckpointError if a rule fails; returns the commit record."""
     where = catalog.where(store, step)
-    rec, m, sha = _claimed_manifest(store, step, attempt, world_size, where)
-    if expected_digest(m) != total.digest:
-        expected = expected_shards(m)
-        shards: set[str] = set()
+    rec, m, sha = _claimed_manifest(store, step, attempt, where)
+
+    def records():  # listed and read only if whole_step asks
         for info in store.list(f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/"):
+            yield info.key, mf.read_json(store, info.key, where, "done record")
+
+    return whole_step(where, step, attempt, world_size, m, sha, rec.get("writer"), total, records(), time.time())
+
+
+def whole_step(where: str, step: int, attempt: str, world_size: int, m, sha: str, writer, total, records, now) -> dict:
+    """The commit rule, a pure function that the root's commit (:func:`_check_before_commit`) and
+    the memory-only choice (``trainer_hooks.memsteps``) both decide with: the commit record
+    (``now`` its time) if manifest ``m`` (sha256 ``sha``) and the done records of ``attempt``,
+    one per rank 0 .. N-1 and summed into ``total`` (``donetree.Totals``), make ``step`` whole;
+    CheckpointError naming what fails otherwise.
+
+    1. the manifest names ``step``, ``attempt`` and ``world_size``;
+    2. every shard the manifest needs is named by some done record: ``total.digest`` (keyed by
+       step and attempt) equals the manifest's (:func:`expected_digest`, O(arrays)); only if
+       not are ``records`` ((key, record) pairs, read lazily) consumed: each must add up to its
+       key's totals for this step and attempt (a record copied from another attempt does not),
+       and they must name every shard (a rank may write more than the manifest needs).
+
+    The record keeps the pin digest (what every rank wrote, object by object) and the
+    manifest's sha256, which readers check."""
+    if (m.step, m.attempt, m.world_size) != (step, attempt, world_size):
+        raise CheckpointError(
+            f"{where}: not committing attempt {attempt} of world size {world_size}: the manifest names step "
+            f"{m.step}, attempt {m.attempt!r}, world size {m.world_size}"
+        )
+    if expected_digest(m) != total.digest:
+        shards: set[str] = set()
+        for key, rec in records:
             try:
-                shards.update(mf.read_json(store, info.key, where, "done record").get("shards", ()))
-            except (ValueError, TypeError, AttributeError) as e:
-                raise CheckpointError(f"{where}: done record {info.key} is malformed ({e!r})") from None
-        missing = expected - shards
+                if donetree.record_totals(rec, step, attempt) != donetree.key_totals(key):
+                    raise CheckpointError(f"{where}: done record {key} does not add up to its name for this attempt")
+                shards.update(rec.get("shards", ()))
+            except (TypeError, AttributeError, ValueError) as e:
+                raise CheckpointError(f"{where}: done record {key} is malformed ({e!r})") from None
+        missing = expected_shards(m) - shards
         if missing:
             raise CheckpointError(
                 f"{where}: not committing attempt {attempt}: no rank wrote {len(missing)} shard objects the "
@@ -153,13 +165,14 @@ def _check_before_commit(store: Store, step: int, attempt: str, world_size: int,
     return {
         "step": step,
         "attempt": attempt,
-        "writer": rec.get("writer"),
+        "writer": writer,
         "world_size": world_size,
         "bytes": total.bytes,
         "objects": total.objects,
-        "time": time.time(),
+        "time": now,
         "manifest_sha256": sha,
         **({} if total.pins is None else {"pins": f"{total.pins:016x}"}),
+        "done_layout": "tree",
     }
 
 
@@ -284,4 +297,5 @@ __all__ = [
     "finish_rank",
     "poll_delays",
     "wait_commit",
+    "whole_step",
 ]

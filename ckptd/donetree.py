@@ -40,10 +40,12 @@ which the tree sums like the others; the commit record stores the root's sum. A 
 recomputes the sum from the records' contents and finds the commit's knows it holds exactly
 the pins the committing attempt wrote. Records without pins (older writers) have five fields.
 
-The shard digest is a polynomial hash of (array path, shard coordinate) modulo the prime
-``P = 2**61 - 1`` (:func:`shard_hash`): the sum over an array's whole shard grid has a closed
-form (:func:`grid_digest`), so the committer compares the root with the manifest in O(arrays),
-never walking N x A shard keys (issue 31 item 2).
+The shard digest is a polynomial hash of (step, attempt, array path, shard coordinate) modulo
+the prime ``P = 2**61 - 1`` (:func:`shard_hash`): the sum over an array's whole shard grid has a
+closed form (:func:`grid_digest`), so the committer compares the root with the manifest in
+O(arrays), never walking N x A shard keys. Keyed by step and attempt, a record copied from
+another attempt never adds up; a key spelled otherwise than its grid spells it (``c/03/0``)
+hashes as another object, and :func:`write_done` refuses it.
 
 At N = 4096 (F = 64) the tree's part of the last rank's path is 4 requests (done record, LIST,
 node, LIST); with the commit's own checks and writes (LIST ``_claims/``, GET claim, GET manifest,
@@ -68,6 +70,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ckptd.errors import CheckpointError
 from ckptd.manifest import DONE, MAX_RECORD_BYTES, done_key, step_dir
 from storage_backends import Store
 
@@ -101,8 +104,8 @@ def _base(dim: int) -> int:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _path_hash(path: str) -> int:
-    return 1 + _h(path.encode()) % (P - 1)
+def _path_hash(step: int, attempt: str, path: str) -> int:
+    return 1 + _h(json.dumps([step, attempt, path]).encode()) % (P - 1)
 
 
 def _split_shard_key(key: str) -> tuple[str, tuple[int, ...]] | None:
@@ -120,25 +123,32 @@ def _split_shard_key(key: str) -> tuple[str, tuple[int, ...]] | None:
     return path, tuple(int(p) for p in parts)
 
 
-def shard_hash(key: str) -> int:
-    """The hash of one shard key: ``H(path) * prod_d g_d ** c_d`` mod ``P`` for the shard at
-    coordinate ``c`` of the array at ``path``. Equal sums mean (up to a chance of about
-    grid size / 2**61) equal multisets; a key of another form hashes as a whole (it is never
-    expected, so it only ever makes a sum differ)."""
+def canonical(key: str) -> str:
+    """``key`` spelled as its grid spells it (``c/03/0``: ``c/3/0``, another object's key that
+    would hash as the same shard); a key of another form unchanged."""
     parsed = _split_shard_key(key)
-    if parsed is None:
+    return key if parsed is None else "/".join([parsed[0], "c", *map(str, parsed[1])])
+
+
+def shard_hash(key: str, step: int, attempt: str) -> int:
+    """The hash of one shard key of (``step``, ``attempt``): ``H(step, attempt, path) *
+    prod_d g_d ** c_d`` mod ``P`` for the shard at coordinate ``c`` of the array at ``path``.
+    Equal sums mean (up to a chance of about grid size / 2**61) equal multisets; a key of
+    another form, or misspelled, hashes as a whole (never expected: it only makes sums differ)."""
+    parsed = _split_shard_key(key)
+    if parsed is None or canonical(key) != key:
         return _h(b"other:" + key.encode()) % P
     path, coord = parsed
-    h = _path_hash(path)
+    h = _path_hash(step, attempt, path)
     for d, c in enumerate(coord):
         h = h * pow(_base(d), c, P) % P
     return h
 
 
-def shard_digest(keys: Iterable[str]) -> int:
+def shard_digest(keys: Iterable[str], step: int, attempt: str) -> int:
     """The sum (mod ``P``) of :func:`shard_hash` of ``keys``: the root compares what all ranks
     wrote with what the manifest needs (:func:`grid_digest`) without reading anyone's list."""
-    return sum(shard_hash(k) for k in keys) % P
+    return sum(shard_hash(k, step, attempt) for k in keys) % P
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -147,11 +157,11 @@ def _geometric(g: int, n: int) -> int:
     return (pow(g, n, P) - 1) * pow(g - 1, P - 2, P) % P
 
 
-def grid_digest(path: str, grid_shape: tuple[int, ...]) -> int:
+def grid_digest(path: str, grid_shape: tuple[int, ...], step: int, attempt: str) -> int:
     """:func:`shard_digest` of every shard of a grid, in O(ndim log n) instead of O(shards):
-    the sum over the grid of ``H(path) * prod_d g_d ** c_d`` factors into a product of
-    geometric series, one per dimension."""
-    h = _path_hash(path)
+    the sum over the grid of ``H(step, attempt, path) * prod_d g_d ** c_d`` factors into a
+    product of geometric series, one per dimension."""
+    h = _path_hash(step, attempt, path)
     for d, n in enumerate(grid_shape):
         h = h * _geometric(_base(d), n) % P
     return h
@@ -204,19 +214,26 @@ def _name(kind: str, index: int, t: Totals) -> str:
     return f"{kind}{index:06d}.{t.bytes}.{t.objects}.{t.digest:016x}{pins}.json"
 
 
-def record_totals(record: dict) -> Totals:
-    """What a done record adds to the tree, from its contents."""
+def record_totals(record: dict, step: int, attempt: str) -> Totals:
+    """What a done record of (step, attempt) adds to the tree, from its contents."""
     return Totals(
         int(record.get("bytes", 0)),
         int(record.get("objects", 0)),
-        shard_digest(record.get("shards", ())),
+        shard_digest(record.get("shards", ()), step, attempt),
         pin_digest(record.get("pins")),
     )
 
 
 def record_key(step: int, attempt: str, rank: int, record: dict) -> str:
     """Where rank's done record ``record`` goes (its totals are in the name)."""
-    return folder(step, attempt, 1, rank // FANOUT) + _name("r", rank, record_totals(record))
+    return folder(step, attempt, 1, rank // FANOUT) + _name("r", rank, record_totals(record, step, attempt))
+
+
+def key_totals(key: str) -> Totals:
+    """The totals a done record's key names (ValueError if none)."""
+    if (parsed := _parse(key.rsplit("/", 1)[-1])) is None:
+        raise ValueError(f"{key} names no totals")
+    return parsed[1]
 
 
 def node_key(step: int, attempt: str, level: int, index: int, t: Totals) -> str:
@@ -252,8 +269,14 @@ def sum_totals(parts: Iterable[Totals]) -> Totals:
 
 def write_done(store: Store, step: int, attempt: str, rank: int, record: dict) -> str:
     """Write rank's done record (after all its data is durable); returns its key. ``record``
-    holds at least ``bytes``, ``objects`` and ``shards`` (the shard keys this rank wrote); the
-    rest (RNG state) is for restores."""
+    holds at least ``bytes``, ``objects`` and ``shards`` (the shard keys this rank wrote, spelled
+    as their grids spell them: a misspelled key is refused); the rest (RNG state) is for
+    restores."""
+    for k in record.get("shards", ()):
+        if canonical(k) != k:
+            raise CheckpointError(
+                f"{step_dir(step)}: rank {rank} names shard {k!r}, which its grid spells {canonical(k)!r}"
+            )
     key = record_key(step, attempt, rank, record)
     store.put(key, json.dumps(record, separators=(",", ":")).encode())
     return key
@@ -368,10 +391,12 @@ __all__ = [
     "P",
     "Totals",
     "attempts",
+    "canonical",
     "climb",
     "count_done",
     "done_record_key",
     "grid_digest",
+    "key_totals",
     "levels",
     "make_pins",
     "notice_keys",

@@ -13,11 +13,12 @@ Restore: the newest whole memory-only step is the first candidate of ``restore.r
 this root they hold (``TieredRestore.walk``); newest first, a (step, attempt) newer than the
 newest committed step counts only when the union holds its ``manifest.json`` (naming that step
 and attempt), every rank's done record of that attempt, every object those records pin (with the
-pinned size), and the records' shard digest equals the manifest's (the commit rule of
-``ckptd.commit``). Every rank then reads it through the one restore path over a
+pinned size), and the root's commit rule (``commit.whole_step``) finds the records and the
+manifest whole. Every rank then reads it through the one restore path over a
 ``tiered.TierSource`` with no job root behind it: every chunk checked against its crc32c and the
-writers' pins, no byte from the job root; its "commit record" is the one the commit would have
-written. If none counts, or its restore fails on any rank, the committed steps follow.
+writers' pins, no byte from the job root; its commit record is the one ``commit.whole_step``
+returns, as a commit of those records would write it (its "time": the newest record's). If
+none counts, or its restore fails on any rank, the committed steps follow.
 Fencing: after any restore of step S, the daemons asked drop memory-only steps newer than S
 (``TieredRestore.fence``), the future the job abandoned (docs/reliability.md argues why no
 restore mixes two).
@@ -32,7 +33,7 @@ from typing import Any
 
 from ckptd import donetree
 from ckptd import manifest as mf
-from ckptd.commit import expected_digest
+from ckptd.commit import whole_step
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError, Store
 from trainer_hooks.tiered import TierSource
@@ -94,17 +95,15 @@ def _check_whole(store: Store, step: int, attempt: str, holders: dict) -> dict:
     except StorageError as e:
         raise CheckpointError(f"no manifest held ({e})") from None
     m = mf.Manifest.from_bytes(data, store.uri)
-    if m.step != step or m.attempt != attempt:
-        raise CheckpointError(f"the manifest names step {m.step} attempt {m.attempt!r}")
     sha = hashlib.sha256(data).hexdigest()
-    totals, pinned_manifest, written = [], False, 0.0
+    records, totals, pinned_manifest, written = {}, [], False, 0.0
     for r in range(m.world_size):
         prefix = f"{donetree.folder(step, attempt, 1, r // donetree.FANOUT)}r{r:06d}."
         key = next((k for k in sorted(holders) if k.startswith(prefix)), None)
         if key is None:
             raise CheckpointError(f"the done record of rank {r} is not held")
         try:
-            rec = json.loads(store.get(key, limit=mf.MAX_RECORD_BYTES))
+            rec = records[key] = json.loads(store.get(key, limit=mf.MAX_RECORD_BYTES))
             pins = rec["pins"]
             for k, (size, _) in pins.get("shards", {}).items():
                 got = holders.get(f"{folder}/{k}")
@@ -117,26 +116,15 @@ def _check_whole(store: Store, step: int, attempt: str, holders: dict) -> dict:
                     if want != sha:
                         raise CheckpointError("the manifest differs from the one its writer pinned")
                     pinned_manifest = True
-            totals.append(donetree.record_totals(rec))
+            totals.append(donetree.key_totals(key))  # what its name adds up to, as the tree sums it
             written = max(written, float(rec.get("time") or 0.0))
         except (StorageError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise CheckpointError(f"the done record of rank {r} is unreadable ({e})") from None
     if not pinned_manifest:
         raise CheckpointError("no done record pins the manifest")
-    total = donetree.sum_totals(totals)
-    if expected_digest(m) != total.digest:
-        raise CheckpointError("the done records do not name every shard the manifest needs")
-    return {
-        "step": step,
-        "attempt": attempt,
-        "world_size": m.world_size,
-        "bytes": total.bytes,
-        "objects": total.objects,
-        "manifest_sha256": sha,
-        "time": written,  # the newest done record's: two whole attempts of a step, the later wins
-        "memory_only": True,
-        **({} if total.pins is None else {"pins": f"{total.pins:016x}"}),
-    }
+    writer = next(iter(records.values())).get("writer")
+    total = donetree.sum_totals(totals)  # "time": the newest done record's (two whole attempts: the later wins)
+    return whole_step(store.uri, step, attempt, m.world_size, m, sha, writer, total, records.items(), written)
 
 
 def choose(tiers, newest_persisted: int | None) -> tuple[Any, list[str]]:

@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from ckptd import claims, commit, persist
+from ckptd import claims, commit, donetree, persist
 from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
 from storage_backends import StorageError, memory
 
-__all__ = ["ClaimReadsFail", "LAYOUT", "SHARDS", "committed_step", "finish", "save_part", "write_part"]
+__all__ = [
+    "ClaimReadsFail",
+    "LAYOUT",
+    "SHARDS",
+    "committed_step",
+    "finish",
+    "memory_only",
+    "pinned_record",
+    "save_part",
+    "write_part",
+]
 
 LAYOUT = ArrayLayout((4, 2), "float32", (2, 2), (2, 2))  # two shards
 SHARDS = [f"{mf.array_path('w')}/{LAYOUT.shard_key((i, 0))}" for i in range(2)]
@@ -39,6 +49,31 @@ def finish(store, step, attempt, rank, world_size, shards, writer="job-a", extra
     (``commit.finish_rank``); True if this rank wrote the commit record."""
     rec = {"rank": rank, "writer": writer, "bytes": 16, "objects": len(shards), "shards": list(shards)}
     return commit.finish_rank(store, step, attempt, rank, world_size, rec, extra)
+
+
+def pinned_record(store, step, rank, shards, names=None, writer="job-a"):
+    """Rank's done record as ``persist`` makes it: naming ``names`` (default ``shards``),
+    pinning the ``shards`` it wrote (their sizes as stored; rank 0 also the manifest), its
+    time ``1000 + rank``."""
+    folder = mf.step_dir(step)
+    meta = {mf.MANIFEST: store.get(f"{folder}/{mf.MANIFEST}")} if rank == 0 else {}
+    pins = donetree.make_pins({k: (len(store.get(f"{folder}/{k}")), b"") for k in shards}, meta)
+    names = list(shards if names is None else names)
+    rec = {"rank": rank, "writer": writer, "bytes": 16, "objects": 1, "shards": names, "pins": pins}
+    return {**rec, "time": 1000.0 + rank}
+
+
+def memory_only(store, step, attempt="att"):
+    """The memory-only choice over the step's parts as the tiers would hold them (every object
+    of the step but its claims and commit.json): ``memsteps._check_whole``'s commit record."""
+    from trainer_hooks import memsteps
+
+    held = memory.MemoryStore()
+    for info in store.list(f"{mf.step_dir(step)}/"):
+        if not info.key.endswith(f"/{mf.COMMIT}") and f"/{mf.CLAIMS}/" not in info.key:
+            held.put(info.key, store.get(info.key))
+    holders = {i.key: (len(held.get(i.key)), ["tier"]) for i in held.list("")}
+    return memsteps._check_whole(held, step, attempt, holders)
 
 
 def save_part(store, step, attempt, rank, world_size, shards, writer="job-a", manifest=None):

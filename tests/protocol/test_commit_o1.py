@@ -85,9 +85,12 @@ def test_a_missing_shard_is_still_refused_and_named(counted):
 def test_the_closed_form_equals_the_sum_over_every_shard(shape, shard):
     lay = ArrayLayout(shape, "float32", shard, shard)
     keys = [f"arrays/x/{lay.shard_key(c)}" for c in lay.shard_coords()]
-    assert donetree.grid_digest("arrays/x", lay.grid_shape) == donetree.shard_digest(keys)
+    assert donetree.grid_digest("arrays/x", lay.grid_shape, 1, "a") == donetree.shard_digest(keys, 1, "a")
     m = mf.Manifest(1, 1, {"x": mf.TensorEntry("x", lay)}, {}, "a")
-    assert commit.expected_digest(m) == donetree.shard_digest(commit.expected_shards(m))
-    assert donetree.shard_digest(keys[1:] + keys[:1]) == donetree.shard_digest(keys)
+    assert commit.expected_digest(m) == donetree.shard_digest(commit.expected_shards(m), 1, "a")
+    assert donetree.shard_digest(keys[1:] + keys[:1], 1, "a") == donetree.shard_digest(keys, 1, "a")
     if len(keys) > 1:  # a shard named twice in place of another is a different sum
-        assert donetree.shard_digest([keys[0], *keys[:-1]]) != donetree.shard_digest(keys)
+        assert donetree.shard_digest([keys[0], *keys[:-1]], 1, "a") != donetree.shard_digest(keys, 1, "a")
+    # keyed: the same keys of another attempt or step are another sum
+    assert donetree.shard_digest(keys, 1, "b") != donetree.shard_digest(keys, 1, "a")
+    assert donetree.shard_digest(keys, 2, "a") != donetree.shard_digest(keys, 1, "a")

@@ -11,7 +11,7 @@ import pytest
 from ckptd import catalog, claims, commit, donetree, errors
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
-from tests.protocol.parts import SHARDS, committed_step, finish, save_part, write_part
+from tests.protocol.parts import SHARDS, committed_step, finish, memory_only, pinned_record, save_part, write_part
 
 
 def test_the_commit_waits_for_every_rank_then_is_written_once(store):
@@ -113,3 +113,42 @@ def test_step_bound():
     assert mf.step_dir(10**10 - 1) == "step_9999999999"
     with pytest.raises(CheckpointError, match="at most 9999999999"):
         mf.step_dir(10**10)
+
+
+# -- one rule for the root and the memory tier --------------------------------------------------
+
+
+def _save_pinned(store, step, shards_by_rank, extra=()):
+    """A step of ``len(shards_by_rank)`` ranks through the live path (``write_part``, then
+    ``commit.finish_rank`` with ``pinned_record``s); rank 0 also names ``extra`` keys. Returns
+    the commit record, or raises the commit rule's error."""
+    world, committed = len(shards_by_rank), False
+    for r, shards in enumerate(shards_by_rank):
+        write_part(store, step, "att", r, world, shards)
+    for r, shards in enumerate(shards_by_rank):
+        rec = pinned_record(store, step, r, shards, [*shards, *(extra if r == 0 else ())])
+        committed = commit.finish_rank(store, step, "att", r, world, rec)
+    assert committed
+    return catalog.read_commit(store, step)
+
+
+@pytest.mark.parametrize("extra", [(), (f"{mf.array_path('w')}/unused",)])
+def test_a_memory_only_step_gets_the_record_its_commit_wrote(store, extra):
+    """The memory-only choice decides with the root's rule (``commit.whole_step``) and returns
+    the record the commit wrote for the same records; only "time" is the moment of the
+    decision (the commit's, the newest done record's). Also a rank naming more than the
+    manifest needs, which the root commits."""
+    persisted = _save_pinned(store, 11, [SHARDS[:1], SHARDS[1:]], extra)
+    mem = memory_only(store, 11)
+    assert mem["time"] == 1001.0
+    assert mem == {**persisted, "time": mem["time"]}
+
+
+def test_a_memory_only_step_the_rule_refuses_is_refused(store):
+    """Both ranks name one shard and nobody the other: the root refuses it, and the memory-only
+    choice refuses the same part set with the same reason."""
+    with pytest.raises(CheckpointError, match="no rank wrote 1 shard objects the manifest needs") as root:
+        _save_pinned(store, 12, [SHARDS[:1], SHARDS[:1]])
+    with pytest.raises(CheckpointError) as mem:
+        memory_only(store, 12)
+    assert str(mem.value).split(": ", 1)[1] == str(root.value).split(": ", 1)[1]
