@@ -2,7 +2,7 @@
 surviving daemons hold whole (``Checkpointer(..., daemon=URL, persist_every=K)``).
 
 Save: a step divisible by ``persist_every`` persists to the job root as always; any other step
-is memory-only (``ckptd.server.memsteps``): every rank asks its node's daemon to reserve room
+is memory-only (``ckptd.server.tiers``): every rank asks its node's daemon to reserve room
 for its part (``POST /v1/tiers/reserve``) and the ranks agree (one ``all_max``): if any
 daemon has no room, every rank persists the step instead (one WARNING on rank 0, and
 ``ckptd_tier_persisted_instead_total`` on the daemon that said no), so a memory-only save

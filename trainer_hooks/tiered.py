@@ -392,8 +392,10 @@ class TieredRestore:
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers the
         first one names) what it holds complete of this root (of exactly ``step`` and ``attempt``
         when given). Returns ((step, attempt) -> key -> (size, [URLs], in the order asked); URL ->
-        its advertised data path; the URLs that answered; the peers the first one named). A
-        daemon that does not answer is left out (logged)."""
+        its advertised data path; the URLs that answered; the peers the first one named). This
+        rank's own daemon is named by the URL it advertises (``--advertise``) where it has one, so
+        that ranks on other nodes can reach it (this rank may have dialled its node's socket);
+        every other daemon by the URL asked. A daemon that does not answer is left out (logged)."""
         held: dict[tuple[int, str], dict[str, tuple[int, list[str]]]] = {}
         data: dict[str, dict] = {}
         asked: list[str] = []
@@ -418,14 +420,16 @@ class TieredRestore:
                 named = [p.rstrip("/") for p in body.get("peers", []) if isinstance(p, str)]
                 todo += named if follow else []
             asked.append(url)
+            own = url == self.daemon_url and isinstance(body.get("advertise"), str)
+            name = body["advertise"].rstrip("/") if own else url  # reachable from other nodes
             if isinstance(body.get("data"), dict):
-                data[url] = body["data"]
+                data[name] = body["data"]
             for gid, keys in found:
                 table = held.setdefault(gid, {})
                 for k, size in keys.items():
                     got = table.setdefault(k, (size, []))
-                    if got[0] == size and url not in got[1]:
-                        got[1].append(url)
+                    if got[0] == size and name not in got[1]:
+                        got[1].append(name)
         return held, data, asked, named
 
     def source(self, store: Store, coord, step: int) -> TierSource:
@@ -442,7 +446,7 @@ class TieredRestore:
         attempt = coord.broadcast(attempt if isinstance(attempt, str) else None)
         if attempt is None:
             return TierSource(self, step, "", {}, {}, store)
-        held, data, _, peers = self.walk([self.daemon_url], step, attempt, follow=False)
+        held, data, _, peers = self._own(step, attempt)
         theirs: tuple = ({}, {})
         if coord.rank == 0:
             got, pdata, _, _ = self.walk([p for p in peers if p != self.daemon_url], step, attempt, follow=False)
@@ -457,10 +461,22 @@ class TieredRestore:
         src.map_own()
         return src
 
+    def _own(self, step: int, attempt: str):
+        """``walk`` of this rank's own daemon alone, for (step, attempt), named by the address
+        this rank dialled (its parts are then read as this node's: mapped, on its socket)."""
+        held, data, asked, peers = self.walk([self.daemon_url], step, attempt, follow=False)
+        held = {g: {k: (n, [self.daemon_url]) for k, (n, _) in t.items()} for g, t in held.items()}
+        return held, ({self.daemon_url: next(iter(data.values()))} if data else {}), asked, peers
+
     def memory_only_source(self, attempt: str, step: int, holders, commit: dict, data) -> TierSource:
         """The store of memory-only (step, attempt) that ``memsteps.choose`` found whole: no job
-        root behind it; this node's daemon's parts mapped."""
-        src = TierSource(self, step, attempt, holders, data, None, commit)
+        root behind it; this rank's own daemon asked for its parts first (mapped, on its socket)."""
+        mine, own_data, _, _ = self._own(step, attempt)
+        for k, (size, _) in mine.get((step, attempt), {}).items():
+            got = holders.get(k)
+            if got is not None and got[0] == size:
+                holders[k] = (size, [self.daemon_url, *(u for u in got[1] if u != self.daemon_url)])
+        src = TierSource(self, step, attempt, holders, {**data, **own_data}, None, commit)
         src.map_own()
         return src
 

@@ -1,4 +1,4 @@
-"""Memory-only steps (``Checkpointer(..., persist_every=K)``, ``ckptd.server.memsteps``,
+"""Memory-only steps (``Checkpointer(..., persist_every=K)``, ``ckptd.server.tiers``,
 ``trainer_hooks.memsteps``) with real daemons on loopback as 2 nodes (each its own staging
 folder and port, one token): a 4-rank gloo job, 2 ranks per node, saves every step, persisting
 every 5th (steps 1..7: step 5 in the job root, the others in the daemons' memory only).
@@ -155,6 +155,25 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
         for d in (a, b, c):
             if d is not None:
                 d.kill()
+
+
+def test_each_rank_reads_its_own_nodes_parts_through_its_socket(tmp_path):
+    """Ranks that reach their node's daemon on its Unix socket (an address only that node can
+    use) still read their own node's parts as this node's: mapped from its sealed memory, not
+    through another node's address. Each rank's restore reads local bytes."""
+    root, a, b, urls = _setup(tmp_path)
+    out = tmp_path / "out"
+    try:
+        args = {"daemons": [a.url, b.url], "root": root, "last": LAST, "persist_every": EVERY, "hang": False}
+        _run(4, "save_memory", out, **args)
+        wait_for(lambda: _has(a, root, LAST, {2, 3}, urls[1]) and _has(b, root, LAST, {0, 1}, urls[0]), "replicas", 120)
+        ref = str(out / f"ref_step{LAST}.pt")
+        res = _run(4, "restore_position", out / "r4", daemon=[a.socket_url, b.socket_url], root=root, ref=ref)
+        _restored(res, LAST)
+        assert all(r["tiers"]["root"] == 0 and r["tiers"]["local"] > 0 for r in res), [r["tiers"] for r in res]
+    finally:
+        a.kill()
+        b.kill()
 
 
 def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
