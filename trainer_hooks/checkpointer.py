@@ -35,7 +35,7 @@ from storage_backends import StorageError, Store, open_store
 from trainer_hooks import hostcopy, memsteps, rng
 from trainer_hooks.coord import Coordinator
 from trainer_hooks.flatten import flatten
-from trainer_hooks.restore import restore_fallback, restore_state
+from trainer_hooks.restore import restore
 from trainer_hooks.sink import Sink
 from trainer_hooks.snapshot import Planner, take
 from trainer_hooks.writer import BackgroundWriter
@@ -344,35 +344,22 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
-        asked: list[str] = []  # the daemons rank 0 asked for memory-only steps (told of the restore)
-        if fallback:
-            if step is not None:
-                raise CheckpointError("restore: fallback=True picks the step itself; do not pass step")
-            got, self.last_restore_skipped = None, []
-            if self._tiers is not None:  # the newest memory-only step held whole
-                got, asked = memsteps.restore_newest(
-                    self.store, self.coord, state, strict, self._io, in_place, self._tiers
-                )
-            if got is None:
-                got, self.last_restore_skipped = restore_fallback(
-                    self.store, self.coord, state, strict, self._io, in_place=in_place, tiers=self._tiers
-                )
-            newest = max([got or 0, *(s for s, _ in self.last_restore_skipped)]) if got is not None else None
-        else:
-            self.last_restore_skipped = []
-            got = None
-            if self._tiers is not None and step is None:  # the newest memory-only step held whole
-                got, asked = memsteps.restore_newest(
-                    self.store, self.coord, state, strict, self._io, in_place, self._tiers
-                )
-            if got is None:
-                got = restore_state(
-                    self.store, self.coord, state, step, strict, self._io, in_place=in_place, tiers=self._tiers
-                )
-            newest = got
+        if fallback and step is not None:
+            raise CheckpointError("restore: fallback=True picks the step itself; do not pass step")
+        got, self.last_restore_skipped, asked = restore(
+            self.store,
+            self.coord,
+            state,
+            step,
+            strict,
+            self._io,
+            in_place=in_place,
+            fallback=fallback,
+            tiers=self._tiers,
+        )
+        newest = max([got, *(s for s, _ in self.last_restore_skipped)]) if got is not None else None
         if self._tiers is not None and got is not None:  # drop the abandoned future's memory-only steps
-            t = self._tiers
-            memsteps.fence([t.daemon_url, *asked], self.root_uri, got, t._token, t.timeout_s)
+            self._tiers.fence([self._tiers.daemon_url, *asked], got)
         self._know(got, newest)
         if got is None:  # every rank got the same answer from rank 0
             if require:

@@ -111,7 +111,7 @@ class DaemonSink:
         memory-only steps)."""
         body = {"root": self.root, "step": step, "attempt": attempt, "rank": self.rank, "bytes": nbytes}
         body["objects"] = objects
-        status, reply, _ = self._client.call("POST", "/v1/memsteps/reserve", body)
+        status, reply, _ = self._client.call("POST", "/v1/tiers/reserve", body)
         return status == 200 and isinstance(reply, dict) and reply.get("ok") is True
 
     def submit(self, job: SaveJob) -> Future:
@@ -119,7 +119,7 @@ class DaemonSink:
 
     def submit_memory(self, job: SaveJob) -> Future:
         """``submit`` of a memory-only step: the daemon holds this rank's part in its memory and
-        never writes it to the job root (``ckptd.server.memsteps``); the future resolves once it
+        never writes it to the job root (``ckptd.server.tiers``); the future resolves once it
         holds the part."""
         return self._submit(job, True)
 

@@ -2,34 +2,26 @@
 surviving daemons hold whole (``Checkpointer(..., daemon=URL, persist_every=K)``).
 
 Save: a step divisible by ``persist_every`` persists to the job root as always; any other step
-is memory-only (``ckptd.server.memsteps``): every rank asks its node's daemon to reserve room
-for its part (``POST /v1/memsteps/reserve``) and the ranks agree (one ``all_max``): if any
+is memory-only (``ckptd.server.tiers``): every rank asks its node's daemon to reserve room
+for its part (``POST /v1/tiers/reserve``) and the ranks agree (one ``all_max``): if any
 daemon has no room, every rank persists the step instead (one WARNING on rank 0, and
-``ckptd_memsteps_persisted_instead_total`` on the daemon that said no), so a memory-only save
+``ckptd_tier_persisted_instead_total`` on the daemon that said no), so a memory-only save
 is never silently lost and never half in memory, half in the root.
 
-Restore (``restore``/``resume`` with no step asked, a daemon and ``tiered_restore``), on every
-rank, collective:
-
-1. rank 0 reads the newest committed step P of the root (``catalog.latest_step``) and asks its
-   daemon and the peers that daemon names which parts of memory-only steps of this root they
-   hold (``GET /v1/memsteps``); the union is grouped by (step, attempt);
-2. newest first, a (step, attempt) newer than P counts only when the union holds its
-   ``manifest.json`` (naming that step and attempt), every rank's done record of that attempt,
-   every object those records pin (with the pinned size), and the root's commit rule
-   (``commit.whole_step``) finds the records and the manifest whole;
-3. rank 0 broadcasts its choice; every rank then runs the one restore path
-   (``restore._restore_step``: ``layout.plan_reads`` unchanged, any world size) over a
-   read-only store of those tiers (:class:`TierPartsStore`): every chunk is checked against
-   its crc32c and the writers' pins, the manifest against the sha256 rank 0 computed, and no
-   byte comes from the job root. Its commit record is the one ``commit.whole_step`` returns,
-   as a commit of those records would write it (its "time": the newest record's).
-4. if none counts, or the restore fails on any rank (a tier died midway, a bad chunk with no
-   other holder), every rank falls back to the persisted path exactly as before.
-
-Fencing: after any restore of step S, each rank tells its daemon, and rank 0 every daemon it
-asked, that the root restored S (``POST /v1/tiers/restored``); they drop memory-only steps newer
-than S, the future the job abandoned (docs/reliability.md argues why no restore mixes two).
+Restore: the newest whole memory-only step is the first candidate of ``restore.restore``
+(with no step asked and a daemon): rank 0 asks its daemon and the peers it names what parts of
+this root they hold (``TieredRestore.walk``); newest first, a (step, attempt) newer than the
+newest committed step counts only when the union holds its ``manifest.json`` (naming that step
+and attempt), every rank's done record of that attempt, every object those records pin (with the
+pinned size), and the root's commit rule (``commit.whole_step``) finds the records and the
+manifest whole. Every rank then reads it through the one restore path over a
+``tiered.TierSource`` with no job root behind it: every chunk checked against its crc32c and the
+writers' pins, no byte from the job root; its commit record is the one ``commit.whole_step``
+returns, as a commit of those records would write it (its "time": the newest record's). If
+none counts, or its restore fails on any rank, the committed steps follow.
+Fencing: after any restore of step S, the daemons asked drop memory-only steps newer than S
+(``TieredRestore.fence``), the future the job abandoned (docs/reliability.md argues why no
+restore mixes two).
 """
 
 from __future__ import annotations
@@ -38,25 +30,15 @@ import hashlib
 import json
 import logging
 from typing import Any
-from urllib.parse import urlencode
 
-from ckptd import catalog, donetree
+from ckptd import donetree
 from ckptd import manifest as mf
 from ckptd.commit import whole_step
-from ckptd.errors import CheckpointError, StateMismatchError
+from ckptd.errors import CheckpointError
 from storage_backends import StorageError, Store
-from trainer_hooks.memparts import TierPartsStore
-from trainer_hooks.tierstore import ask
+from trainer_hooks.tiered import TierSource
 
-__all__ = [
-    "TierPartsStore",
-    "choose",
-    "fence",
-    "memory_only_save",
-    "reserve_bytes",
-    "reserve_objects",
-    "restore_newest",
-]
+__all__ = ["choose", "memory_only_save", "reserve_bytes", "reserve_objects"]
 
 log = logging.getLogger("ckptd.memsteps")
 
@@ -106,67 +88,7 @@ def memory_only_save(sink, coord, step: int, attempt: str, job, persist_every: i
 # ------------------------------------------------------------------------------ choosing
 
 
-def survey(daemon_url: str, root: str, token: str | None, timeout_s: float) -> tuple[dict, list[str], dict]:
-    """(step, attempt) -> key -> (size, [URLs], own daemon first) over the daemon and the peers
-    it names; the URLs that answered; and the data path each advertised (URL -> {"port",
-    "socket"}). A daemon that does not answer is left out (logged)."""
-    held: dict[tuple[int, str], dict[str, tuple[int, list[str]]]] = {}
-    asked: list[str] = []
-    data: dict[str, dict] = {}
-    todo, seen = [daemon_url.rstrip("/")], set()
-    while todo:
-        url = todo.pop(0)
-        if url in seen:
-            continue
-        seen.add(url)
-        try:
-            parts, peers, endpoint = _parts(url, root, token, timeout_s)
-        except (ValueError, CheckpointError) as e:
-            log.warning("restore: the memory tier of %s did not answer: %s", url, e)
-            continue
-        asked.append(url)
-        if endpoint is not None:
-            data[url] = endpoint
-        if url == daemon_url.rstrip("/"):
-            todo += [p.rstrip("/") for p in peers]
-        for p in parts:
-            try:
-                gid = (int(p["step"]), str(p["attempt"]))
-                keys = {str(k): int(v) for k, v in p["keys"].items()}
-            except (KeyError, TypeError, ValueError, AttributeError):
-                continue
-            table = held.setdefault(gid, {})
-            for k, size in keys.items():
-                got = table.setdefault(k, (size, []))
-                if got[0] == size and url not in got[1]:
-                    got[1].append(url)
-    return held, asked, data
-
-
-def _parts(url: str, root: str, token, timeout_s) -> tuple[list[dict], list[str], dict | None]:
-    """(the memory-only parts of ``root`` the daemon at ``url`` holds, the peers it names, its
-    data path)."""
-    status, raw = ask(url, token, timeout_s, "GET", "/v1/memsteps?" + urlencode({"root": root}))
-    if status != 200:
-        raise ValueError(f"GET /v1/memsteps answered {status}")
-    body = json.loads(raw)
-    if not isinstance(body, dict) or not isinstance(body.get("parts"), list):
-        raise ValueError("malformed memsteps reply")
-    data = body.get("data") if isinstance(body.get("data"), dict) else None
-    return body["parts"], [p for p in body.get("peers", []) if isinstance(p, str)], data
-
-
-def _complete(root: str, step: int, attempt: str, holders: dict, token, timeout_s, own, data) -> dict:
-    """The commit record of memory-only (step, attempt) if the union ``holders`` holds it whole
-    (module docstring, 2); CheckpointError saying what is missing otherwise."""
-    store = TierPartsStore(root, step, attempt, holders, None, token, timeout_s, own, data)
-    try:
-        return _check_whole(store, step, attempt, holders)
-    finally:
-        store.close()
-
-
-def _check_whole(store: TierPartsStore, step: int, attempt: str, holders: dict) -> dict:
+def _check_whole(store: Store, step: int, attempt: str, holders: dict) -> dict:
     folder = mf.step_dir(step)
     try:
         data = store.get(f"{folder}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES)
@@ -205,100 +127,24 @@ def _check_whole(store: TierPartsStore, step: int, attempt: str, holders: dict) 
     return whole_step(store.uri, step, attempt, m.world_size, m, sha, writer, total, records.items(), written)
 
 
-def choose(root: str, daemon_url: str, newest_persisted: int | None, token, timeout_s) -> tuple[Any, list[str]]:
+def choose(tiers, newest_persisted: int | None) -> tuple[Any, list[str]]:
     """Rank 0: (the newest memory-only step newer than ``newest_persisted`` that the surviving
     tiers hold whole, as ``(step, attempt, holders, commit, data paths)``, or None; the daemons
-    asked)."""
-    held, asked, data = survey(daemon_url, root, token, timeout_s)
+    asked, for the fence)."""
+    held, data, asked, _ = tiers.walk([tiers.daemon_url])
     for step in sorted({s for s, _ in held}, reverse=True):
         if newest_persisted is not None and step <= newest_persisted:
             break
         whole = []
         for attempt in sorted(a for s, a in held if s == step):
+            store = TierSource(tiers, step, attempt, held[(step, attempt)], data)
             try:
-                whole.append(
-                    (attempt, _complete(root, step, attempt, held[(step, attempt)], token, timeout_s, daemon_url, data))
-                )
+                whole.append((attempt, _check_whole(store, step, attempt, held[(step, attempt)])))
             except CheckpointError as e:
                 log.info("memory-only step %d (attempt %s) is not held whole: %s", step, attempt, e)
+            finally:
+                store.close()
         if whole:  # two whole attempts of one step (the job restored and saved it again): the later
             attempt, commit = max(whole, key=lambda w: w[1]["time"])
             return (step, attempt, held[(step, attempt)], commit, data), asked
     return None, asked
-
-
-def fence(urls: list[str], root: str, step: int, token, timeout_s) -> None:
-    """Tell each daemon of ``urls`` that ``root`` restored ``step`` (``POST /v1/tiers/restored``):
-    memory-only steps newer than it are dropped. Best effort: a daemon that is gone holds
-    nothing any more."""
-    body = {"job_root": root, "restored_step": step}
-    for url in dict.fromkeys(u.rstrip("/") for u in urls):
-        try:
-            status, raw = ask(url, token, timeout_s, "POST", "/v1/tiers/restored", body)
-            if status != 200:
-                log.warning("restore: %s did not take the fence at step %d: HTTP %d %s", url, step, status, raw[:200])
-        except CheckpointError as e:
-            log.warning("restore: could not tell %s that step %d was restored: %s", url, step, e)
-
-
-# ----------------------------------------------------------------------------- restoring
-
-
-def restore_newest(
-    store: Store, coord, state, strict: bool, pool, in_place: bool, tiers
-) -> tuple[int | None, list[str]]:
-    """Restore the newest memory-only step the surviving tiers hold whole, if it is newer than
-    the newest persisted step (module docstring). Collective. Returns (the step restored, or
-    None when the persisted path must run; the daemons rank 0 asked, for the fence)."""
-    from trainer_hooks.restore import _restore_step  # the one restore path
-
-    choice: Any = None
-    asked: list[str] = []
-    if coord.rank == 0:
-        try:
-            newest = catalog.latest_step(store)
-            choice, asked = choose(tiers.root_uri, tiers.daemon_url, newest, tiers._token, tiers.timeout_s)
-        except (CheckpointError, StorageError) as e:
-            log.warning("restore: not looking for memory-only steps: %s", e)
-    choice, asked = coord.broadcast((choice, asked))
-    if choice is None:
-        return None, asked
-    step, attempt, holders, commit, data = choice
-    holders = {k: (v[0], list(v[1])) for k, v in holders.items()}
-    parts = TierPartsStore(
-        tiers.root_uri, step, attempt, holders, commit, tiers._token, tiers.timeout_s, tiers.daemon_url, data
-    )
-    parts.map_own()  # this node's daemon: its sealed memory, mapped
-    try:
-        got = _restore_step(
-            parts,
-            coord,
-            state,
-            step,
-            strict=strict,
-            pool=pool,
-            restore_rng=True,
-            in_place=in_place,
-            planned=False,
-            tiers=None,
-        )
-    except StateMismatchError:
-        raise
-    except CheckpointError as e:  # agreed on every rank: all fall back together
-        log.warning("restore: memory-only step %d did not restore (%s); restoring the newest persisted step", step, e)
-        return None, asked
-    finally:
-        parts.close()
-    tiers.last = dict(parts.bytes)
-    try:  # the daemon's ckptd_restore_bytes_*_total, as a tiered restore reports them
-        body = {"local": parts.bytes["local"], "peer": parts.bytes["peer"], "root": 0}
-        ask(tiers.daemon_url, tiers._token, tiers.timeout_s, "POST", "/v1/tiers/restored", body)
-    except CheckpointError as e:
-        log.debug("restore: could not report tier bytes to the daemon: %s", e)
-    log.info(
-        "restored memory-only step %d: %d bytes from this node's daemon, %d from peers, 0 from the job root",
-        got,
-        parts.bytes["local"],
-        parts.bytes["peer"],
-    )
-    return got, asked

@@ -21,7 +21,6 @@ Steps, on every rank (collective):
 
 from __future__ import annotations
 
-import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -43,22 +42,9 @@ from trainer_hooks.state_check import validate
 from trainer_hooks.storage_swap import can_swap_memory, exchange, settle
 from trainer_hooks.zero import local_optimizer
 
-__all__ = ["pins_for", "restore_state"]
+__all__ = ["pins_for", "restore"]
 
 log = logging.getLogger("ckptd.restore")
-
-
-def _pick_step(store: Store, coord: Coordinator, step: int | None) -> int | None:
-    choice: Any = None
-    if coord.rank == 0:
-        try:
-            choice = catalog.latest_step(store) if step is None else catalog.resolve_step(store, step)
-        except (CheckpointError, StorageError) as e:
-            choice = ("missing" if isinstance(e, CheckpointNotFoundError) else "error", str(e))
-    choice = coord.broadcast(choice)
-    if isinstance(choice, tuple | list):
-        raise (CheckpointNotFoundError if choice[0] == "missing" else CheckpointError)(choice[1])
-    return choice
 
 
 def _load_manifest(store: Store, coord: Coordinator, step: int) -> mf.Manifest:
@@ -128,49 +114,6 @@ def _planned_store(store: Store, coord: Coordinator, step: int) -> Store:
         raise CheckpointError(f"{uri}: cannot open the rechunked copy named by the reshard plan ({e})") from None
 
 
-def restore_state(
-    store: Store,
-    coord: Coordinator,
-    state: dict[str, Any],
-    step: int | None,
-    strict: bool,
-    pool: ThreadPoolExecutor,
-    restore_rng: bool = True,
-    in_place: bool = False,
-    tiers: Any = None,
-) -> int | None:
-    """``tiers``: a ``trainer_hooks.tiered.TieredRestore``: chunks are read from the nearest
-    memory tier that holds the committed step, else from ``store``.
-
-    ``in_place``: read straight into the state's CPU tensors instead of fresh buffers (no
-    second copy of the state in memory, no page faults on new buffers); tensors on a GPU go
-    through a host buffer each and are copied into place. The state is still checked against the
-    manifest before any byte is read, but a read that fails midway (an I/O error, a corrupt
-    chunk) leaves the state partly overwritten, as ``dcp.load`` does."""
-    asked = step
-    step = _pick_step(store, coord, step)
-    if step is None:
-        return None
-    return _one_step(store, coord, state, strict, pool, restore_rng, in_place, tiers)(step, planned=asked is None)
-
-
-def _one_step(store, coord, state, strict, pool, restore_rng, in_place, tiers):
-    """:func:`_restore_step` bound to the caller's state and options: ``f(step, planned=...)``,
-    what each choice of step (:func:`restore_state`: the step asked or the latest;
-    :func:`restore_fallback`: newest first) runs for the step it chose."""
-    return functools.partial(
-        _restore_step,
-        store,
-        coord,
-        state,
-        strict=strict,
-        pool=pool,
-        restore_rng=restore_rng,
-        in_place=in_place,
-        tiers=tiers,
-    )
-
-
 def _restore_step(
     store: Store,
     coord: Coordinator,
@@ -182,9 +125,10 @@ def _restore_step(
     restore_rng: bool,
     in_place: bool,
     planned: bool,
-    tiers: Any = None,
 ) -> int:
-    """Restore committed ``step`` (read from its reshard plan's copy when ``planned``)."""
+    """Restore ``step`` from ``store`` (a job root, or a ``tiered.TierSource``: the tiers of one
+    step, whose own reader reads each shard from the nearest tier); read from its reshard plan's
+    copy when ``planned``."""
     src = _planned_store(store, coord, step) if planned else store
     where = catalog.where(src, step)
     err: CheckpointError | None = None
@@ -198,15 +142,9 @@ def _restore_step(
         if isinstance(o, torch.optim.Optimizer) and not local_optimizer(o).state
     ]
     reading = False  # whether this rank began to read chunks (into the state, with in_place)
-    tiered = None  # the memory tiers' reader of this step (``trainer_hooks.tiered``), if any
     try:
         m = _load_manifest(src, coord, step)
         saved = m if src is store else _load_manifest(store, coord, step)  # its done records hold the RNG
-        # Memory tiers hold the step as committed (not a rechunked copy); the commit checked that
-        # the manifest names the committing attempt, and tiers must serve that attempt's objects.
-        # Collective (rank 0 asks the peers): here, where every rank gets the same manifest.
-        if tiers is not None and src is store and m.attempt:
-            tiered = tiers.reader(src, mf.step_dir(step), step, m.attempt, coord)
         flat = flatten(state)
         keys = validate(m, flat, where, strict)
         requests, outs = [], {}
@@ -222,17 +160,14 @@ def _restore_step(
             outs[k] = (live, out)
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
         pins = pins_for(src, m, step, where, pool, requests)
-        if tiered is not None:  # every chunk a tier serves is checked against the writers' pins too
-            tiered.pins = pins
-            reader = tiered
-        else:
-            reader = CheckpointReader(src, mf.step_dir(step), pins=pins)
+        # A tier store reads each shard from the nearest tier (every chunk checked against its
+        # crc32c and the writers' pins as any read's).
+        tiered = getattr(src, "reader", None)
+        reader = tiered(mf.step_dir(step), pins) if tiered else CheckpointReader(src, mf.step_dir(step), pins=pins)
         reading = True
         # The fresh buffers' pages are faulted in ahead of the reader threads (``hostcopy``).
         with hostcopy.prefaulting([out for live, out in outs.values() if out is not live]):
             reader.read(requests, pool)
-        if tiered is not None:
-            tiers.report(tiered)
         for k in keys:
             t = flat.tensors[k]
             live, out = outs.pop(k)
@@ -258,8 +193,6 @@ def _restore_step(
     finally:
         if src is not store:
             src.close()
-        if tiered is not None:
-            tiered.close()
     failure = coord.agree(None if err is None else (type(err).__name__, str(err)))
     if failure is None:
         failure, err = _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord, pool)
@@ -282,72 +215,131 @@ def _restore_step(
     return step
 
 
-def restore_fallback(
+MEMORY_ONLY, COMMITTED = "memory-only", "committed"
+
+
+def _candidates(store: Store, coord: Coordinator, step: int | None, fallback: bool, tiers) -> tuple[list, list[str]]:
+    """Rank 0 orders the steps a restore tries and every rank gets its list of (kind, step,
+    memory-only choice), and the daemons asked: with ``step`` asked, that committed step; else
+    the newest memory-only step the tiers hold whole when it is newer than the newest committed
+    one (``trainer_hooks.memsteps.choose``), then the newest committed step, or with
+    ``fallback`` every committed step, newest first. Rank 0's error is raised on every rank."""
+    from trainer_hooks import memsteps
+
+    got: Any = None
+    asked: list[str] = []
+    if coord.rank == 0:
+        try:
+            if step is not None:
+                order = [catalog.resolve_step(store, step)]
+            elif fallback:
+                order = list(reversed(catalog.committed_steps(store)))
+            else:
+                order = [s for s in [catalog.latest_step(store)] if s is not None]
+            got = [(COMMITTED, s, None) for s in order]
+        except (CheckpointError, StorageError) as e:
+            got = ("missing" if isinstance(e, CheckpointNotFoundError) else "error", str(e))
+        if tiers is not None and step is None and isinstance(got, list):
+            try:
+                choice, asked = memsteps.choose(tiers, order[0] if order else None)
+            except (CheckpointError, StorageError) as e:
+                log.warning("restore: not looking for memory-only steps: %s", e)
+                choice = None
+            if choice is not None:
+                got.insert(0, (MEMORY_ONLY, choice[0], choice))
+    got, asked = coord.broadcast((got, asked))
+    if isinstance(got, tuple | list) and got and isinstance(got[0], str):
+        raise (CheckpointNotFoundError if got[0] == "missing" else CheckpointError)(got[1])
+    return got, asked
+
+
+def restore(
     store: Store,
     coord: Coordinator,
     state: dict[str, Any],
+    step: int | None,
     strict: bool,
     pool: ThreadPoolExecutor,
-    restore_rng: bool = True,
+    *,
     in_place: bool = False,
+    fallback: bool = False,
     tiers: Any = None,
-) -> tuple[int | None, list[tuple[int, str]]]:
-    """The newest committed step that restores cleanly, and the newer steps skipped with why.
-
-    Rank 0 lists the committed steps, newest first, and drops those ``ckptd verify`` recorded
-    as bad; every rank then tries them in that order. A try that fails because the checkpoint
-    is broken (its manifest does not load, a chunk fails its crc32c or is missing, storage
-    errors reading it) moves on to the next older step; a mismatch between the state and the
-    checkpoint (keys, shapes, dtypes) is the caller's and is raised at once, as it would be for
-    every step. Without ``in_place`` a failed try leaves ``state`` untouched; with it, the next
-    try overwrites whatever the failed one wrote. Returns (None, []) when the root has no
-    committed step; raises CheckpointError naming every skipped step when none restores (storage
-    that is down must not make a job start again from step 0).
-    """
+) -> tuple[int | None, list[tuple[int, str]], list[str]]:
+    """Restore ``state`` from the first candidate step that restores (``_candidates``): the
+    newest whole memory-only step, then the committed step asked or the latest; with
+    ``fallback`` the committed steps newest first, skipping those ``ckptd verify`` recorded bad
+    and those that fail because the checkpoint is broken (its manifest does not load, a chunk
+    fails its crc32c or is missing, storage errors reading it). ``tiers`` (a
+    ``tiered.TieredRestore``): each step is read through the memory tiers' store of it. A
+    mismatch between the state and the checkpoint (keys, shapes, dtypes) is the caller's and is
+    raised at once; a memory-only step that does not restore falls through to the next
+    candidate on every rank. Returns (the step restored, or None when the root has none; the
+    committed steps skipped with why; the daemons asked for memory-only steps). Raises
+    CheckpointError naming every skipped step when none restores (storage that is down must not
+    make a job start again from step 0). Without ``in_place`` a failed try leaves ``state``
+    untouched; with it, the next try overwrites whatever the failed one wrote."""
     from ckptd import verify as _verify  # verdicts of ``ckptd verify``
 
-    order: Any = None
-    if coord.rank == 0:
-        try:
-            order = list(reversed(catalog.committed_steps(store)))
-        except (CheckpointError, StorageError) as e:
-            order = ("error", str(e))
-    order = coord.broadcast(order)
-    if isinstance(order, tuple):
-        raise CheckpointError(order[1])
+    candidates, asked = _candidates(store, coord, step, fallback, tiers)
+    newest = next((s for kind, s, _ in candidates if kind == COMMITTED), None)
     skipped: list[tuple[int, str]] = []
-    newest = order[0] if order else None
-    restore_one = _one_step(store, coord, state, strict, pool, restore_rng, in_place, tiers)
-    for step in order:
-        # Rank 0 reads the step's verdict only when the step's turn comes (a verdict is checked
-        # against the step's commit record and manifest: reading them for every older step up
-        # front would cost a manifest per step); every rank gets the same answer.
-        bad: Any = None
-        if coord.rank == 0:
-            rec = _verify.read_record(store, step)
-            bad = None if rec is None or rec["ok"] else "; ".join(rec["errors"][:1]) or "recorded bad"
-        bad = coord.broadcast(bad)
-        if bad is not None:
-            skipped.append((step, f"ckptd verify recorded it bad: {bad}"))
-            log.warning("restore: skipping step %d: ckptd verify recorded it bad (%s)", step, bad)
-            continue
+    for kind, s, choice in candidates:
+        if kind == COMMITTED and fallback:
+            # Rank 0 reads the step's verdict only when its turn comes (a verdict is checked
+            # against the step's commit record and manifest); every rank gets the same answer.
+            bad: Any = None
+            if coord.rank == 0:
+                rec = _verify.read_record(store, s)
+                bad = None if rec is None or rec["ok"] else "; ".join(rec["errors"][:1]) or "recorded bad"
+            bad = coord.broadcast(bad)
+            if bad is not None:
+                skipped.append((s, f"ckptd verify recorded it bad: {bad}"))
+                log.warning("restore: skipping step %d: ckptd verify recorded it bad (%s)", s, bad)
+                continue
+        src = store
+        if tiers is not None and kind == MEMORY_ONLY:
+            _, attempt, holders, commit, data = choice
+            holders = {k: (v[0], list(v[1])) for k, v in holders.items()}
+            src = tiers.memory_only_source(attempt, s, holders, commit, data)
+        elif tiers is not None:
+            src = tiers.source(store, coord, s)
         try:
-            got = restore_one(step, planned=step == newest)
+            got = _restore_step(
+                src,
+                coord,
+                state,
+                s,
+                strict=strict,
+                pool=pool,
+                restore_rng=True,
+                in_place=in_place,
+                planned=kind == COMMITTED and step is None and s == newest,
+            )
         except StateMismatchError:
             raise
         except CheckpointError as e:
-            skipped.append((step, str(e)))
-            log.warning("restore: skipping step %d: %s", step, e)
+            if kind == MEMORY_ONLY:  # agreed on every rank: all go on to the committed steps
+                log.warning("restore: memory-only step %d did not restore (%s); trying the committed steps", s, e)
+                continue
+            if not fallback:
+                raise
+            skipped.append((s, str(e)))
+            log.warning("restore: skipping step %d: %s", s, e)
             continue
+        finally:
+            if src is not store:
+                src.close()
+        if tiers is not None:
+            tiers.report(src, got)
         if skipped:
-            log.warning("restored step %d after skipping newer steps %s", got, ", ".join(str(s) for s, _ in skipped))
-        return got, skipped
+            log.warning("restored step %d after skipping newer steps %s", got, ", ".join(str(x) for x, _ in skipped))
+        return got, skipped, asked
     if skipped:  # never start a job from scratch because its checkpoints could not be read
         raise CheckpointError(
             f"{store.uri}: no committed checkpoint restores; skipped "
-            + "; ".join(f"step {s}: {why}" for s, why in skipped)
+            + "; ".join(f"step {x}: {why}" for x, why in skipped)
         )
-    return None, skipped
+    return None, skipped, asked
 
 
 # What a hostile manifest can make Python raise past the explicit checks; mapped to CheckpointError.

@@ -1,17 +1,22 @@
-"""Tiered restore reads: each shard range from the nearest tier that holds the committed step.
+"""Restoring from the memory tiers: one read-only ``Store`` of one (step, attempt) over the
+daemons that hold it, falling back to the job root.
 
-``TieredRestore(daemon_url, root_uri)`` is handed to ``restore_state``; for the committed step
-(and attempt, from the commit record the manifest was written with) it asks this rank's daemon
-and the peers that daemon names (``GET /v1/tiers/keys``) which shard objects they hold complete,
-then reads every shard of the restore's plan (``layout.plan_reads``, unchanged: any world size)
-from the first of: its own node's daemon, a peer daemon (ranged reads), the job root.
+``TieredRestore(daemon_url, root_uri)`` (one per ``Checkpointer`` with a daemon) asks the daemons
+what they hold (``GET /v1/tiers?keys=true``: ``walk``, the one peer walk: the rank's own daemon,
+then the peers it names) and builds a ``TierSource`` for each step a restore tries: a committed
+step (``source``: every rank asks its own daemon, rank 0 the peers, and broadcasts their
+answers) or the newest whole memory-only step (``trainer_hooks.memsteps`` chooses it). The one
+restore path (``restore._restore_step``) reads the step through that store: each shard from its
+own node's daemon (its sealed memory mapped), then a peer daemon (the data path, in batches),
+then the job root (none for a memory-only step: the restore then fails and the next candidate is
+tried).
 
 Trust: a tier is a cache, never a source of truth. Every chunk read from a tier is checked
-against the crc32c stored with it, and every answer must carry the step and attempt of the
-commit record (``X-Ckptd-Step`` / ``X-Ckptd-Attempt``) and exactly the bytes asked for. A tier
-that is gone or slower than ``timeout_s`` is skipped for the rest of the restore; a shard that
-fails any check is read again from the next tier, at last from the job root. So a tier can make
-a restore slower, never make it fail or return other values than the job root holds.
+against the crc32c stored with it and the writers' pins, and every answer must carry the step
+and attempt asked for (``X-Ckptd-Step`` / ``X-Ckptd-Attempt``) and exactly the bytes asked for. A
+tier that is gone or slower than ``timeout_s`` is skipped for the rest of the restore; a shard
+that fails any check is read again from the next tier, at last from the job root. So a tier can
+make a restore slower, never make it fail or return other values than the job root holds.
 
 Thread safety: ``TieredReader.read_shard`` runs on the restore's pool; tier state (dead or
 alive) and the per-tier byte counts are guarded by a lock.
@@ -19,19 +24,32 @@ alive) and the per-tier byte counts are guarded by a lock.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from urllib.parse import urlencode
 
+from ckptd import catalog
+from ckptd import manifest as mf
 from ckptd.auth import daemon_token
 from ckptd.codec import CRC_BYTES, parse_inline
 from ckptd.errors import CheckpointError
 from ckptd.layout import plan_reads
 from ckptd.reader import CheckpointReader, ReadRequest
-from storage_backends import StorageError, Store
-from trainer_hooks.tierstore import BATCH_BYTES, DEFAULT_TIER_TIMEOUT_S, TierStore, TierUnavailable, _Fetched, ask
+from storage_backends import NotFoundError, StorageError, Store
+from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
+from trainer_hooks.tierstore import (
+    BATCH_BYTES,
+    DEFAULT_TIER_TIMEOUT_S,
+    TierStore,
+    TierUnavailable,
+    _Fetched,
+    ask,
+)
 
-__all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierStore", "TieredReader", "TieredRestore"]
+__all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierSource", "TierStore", "TieredReader", "TieredRestore"]
 
 log = logging.getLogger("ckptd.tiered")
 
@@ -48,20 +66,15 @@ class _Tier:
 
 
 class TieredReader(CheckpointReader):
-    """A ``CheckpointReader`` of the job root that reads each shard from the first tier holding
-    it (``holders``: object key -> tiers, nearest first) and falls back to the root."""
+    """The ``CheckpointReader`` of a ``TierSource``: each shard from the first tier holding it
+    (nearest first), else from the job root (for a memory-only step, none: a StorageError)."""
 
-    def __init__(self, store: Store, prefix: str, holders: dict[str, list[_Tier]]):
-        super().__init__(store, prefix)
-        self._holders = holders
+    def __init__(self, source: TierSource, prefix: str, pins=None):
+        super().__init__(source.root or source, prefix, pins=pins)
+        self._source = source
         self._tlock = threading.Lock()
         self._bytes = {"local": 0, "peer": 0}  # bytes of the shards each tier kind served
         self.skipped = 0  # shard reads a tier failed and a later tier (or the root) served
-
-    def close(self) -> None:
-        """Close the tiers' connections (the restore is over, read or failed)."""
-        for store in {id(t.store): t.store for tiers in self._holders.values() for t in tiers}.values():
-            store.close()
 
     def read(self, requests, pool=None) -> None:
         """Fill every request's ``out``. The shard objects a live tier holds (the ranges of them
@@ -83,7 +96,7 @@ class TieredReader(CheckpointReader):
         plain = []
         for req, sr in tasks:
             key = self._object(req.entry, sr.shard)
-            tier = next((t for t in self._holders.get(key, ()) if not t.dead), None)
+            tier = next((t for t in self._source.holders_of(key) if not t.dead), None)
             if tier is None or not BATCH_BYTES or not tier.store.batched:
                 plain.append((req, sr))
                 continue
@@ -146,10 +159,7 @@ class TieredReader(CheckpointReader):
     def _tier_failed(self, tier: _Tier, e: Exception) -> None:
         with self._tlock:
             self.skipped += 1
-            first = not tier.dead
-            tier.dead = True
-        if first:
-            log.warning("restore: skipping the memory tier %s: %s", tier.store.name, e)
+        self._source.failed(tier, e)
 
     def read_shard(self, req: ReadRequest, sr) -> None:
         self._read_one(req, sr, None)
@@ -172,7 +182,7 @@ class TieredReader(CheckpointReader):
                     self.skipped += 1
                 log.warning("restore: %s; reading that shard from the next tier", e)
                 source = tier
-        for tier in self._holders.get(self._object(req.entry, sr.shard), ()):
+        for tier in self._source.holders_of(self._object(req.entry, sr.shard)):
             if tier.dead or tier is source:
                 continue
             reader = tier.reader(self.pins)
@@ -196,8 +206,169 @@ class TieredReader(CheckpointReader):
             return {**self._bytes, "root": self.stats.bytes_read}
 
 
+class TierSource(Store):
+    """A read-only store of one (step, attempt) over the daemons that hold its objects
+    (``holders``: key -> (size, daemon URLs, this rank's own daemon first); ``data``: the data
+    path each advertised), wrapped around ``root`` (the job root; None for a memory-only step,
+    whose ``commit`` record, the one its commit would have written, is served as its
+    ``commit.json``). A read tries this node's mapped sealed memory, then each live daemon
+    holding the key, then the root; a daemon that fails or answers other than exactly the asked
+    bytes of that step and attempt is skipped for the rest of the restore."""
+
+    def __init__(self, tiers: TieredRestore, step: int, attempt: str, holders, data, root=None, commit=None):
+        self.uri = root.uri if root is not None else f"{tiers.root_uri.rstrip('/')} [memory tiers]"
+        self.tiers, self.step, self.attempt = tiers, step, attempt
+        self.holders: dict[str, tuple[int, list[str]]] = holders
+        self.root, self.commit = root, commit
+        self._data: dict = data or {}
+        self._commit_key = f"{mf.step_dir(step)}/{mf.COMMIT}"
+        self._lock = threading.Lock()
+        self._tiers: dict[str, _Tier] = {}
+        self._mapped: _Tier | None = None  # this node's daemon's objects, mapped (``map_own``)
+        self._reader: TieredReader | None = None
+        self.bytes = {"local": 0, "peer": 0}  # bytes read through the store's own methods
+
+    def _tier(self, url: str) -> _Tier:
+        with self._lock:
+            t = self._tiers.get(url)
+            if t is None:
+                own = url == self.tiers.daemon_url
+                name = f"{'daemon' if own else 'peer'} {url}"
+                ts = TierStore(
+                    url, name, self.tiers.root_uri, self.step, self.attempt, self.tiers._token, self.tiers.timeout_s
+                )
+                ts.use_data(self._data.get(url), unix=own)
+                t = self._tiers[url] = _Tier(ts, "local" if own else "peer", mf.step_dir(self.step))
+            return t
+
+    def holders_of(self, key: str) -> list[_Tier]:
+        """The tiers that hold ``key``, nearest first."""
+        got = self.holders.get(key)
+        if got is None:
+            return []
+        mapped = [self._mapped] if self._mapped is not None and key in self._mapped.store.held else []
+        return mapped + [self._tier(u) for u in got[1]]
+
+    def failed(self, tier: _Tier, e: Exception) -> None:
+        """``tier`` did not answer or answered wrong: skip it for the rest of the restore."""
+        with self._lock:
+            first, tier.dead = not tier.dead, True
+        if first:
+            log.warning("restore: skipping the memory tier %s: %s", tier.store.name, e)
+
+    def map_own(self) -> None:
+        """Map every object this rank's own daemon holds from the sealed memory it passes on its
+        Unix data socket; where that fails the objects are read over the data path."""
+        own = self.tiers.daemon_url
+        if os.environ.get("CKPTD_TIER_SHARED_MEMORY", "1") == "0":
+            return
+        keys = sorted(k for k, (size, urls) in self.holders.items() if size > 0 and own in urls)
+        if not keys:
+            return
+        tier = self._tier(own)
+        if tier.store.data_socket is None:
+            return
+        try:
+            self._mapped = _Tier(tier.store.map_objects(keys), "local", tier.prefix)  # type: ignore[arg-type]
+        except TierUnavailable as e:
+            log.info("restore: reading this node's tier copy over its socket: %s", e)
+            tier.store.data_socket = None
+        tier.store.close()
+
+    def reader(self, prefix: str, pins=None) -> TieredReader:
+        """The reader ``restore._restore_step`` reads the step's chunks with."""
+        self._reader = TieredReader(self, prefix, pins)
+        return self._reader
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes the restore read from this node's daemon, from peers and from the job root."""
+        got = self._reader.tier_bytes() if self._reader is not None else {"local": 0, "peer": 0, "root": 0}
+        return {k: got[k] + self.bytes.get(k, 0) for k in ("local", "peer", "root")}
+
+    def close(self) -> None:
+        """Close every daemon's connections and forget the mapped objects (the restore is over)."""
+        with self._lock:
+            tiers, self._tiers = list(self._tiers.values()), {}
+        for t in tiers:
+            t.store.close()
+        if self._mapped is not None:
+            self._mapped.store.close()
+
+    def _size(self, key: str) -> int:
+        if key == self._commit_key and self.commit is not None:
+            return len(mf.dumps(self.commit))
+        got = self.holders.get(key)
+        if got is None:
+            raise NotFoundError(f"{self.uri}: no object {key!r}")
+        return got[0]
+
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        if self.root is not None and key not in self.holders:
+            return self.root.get(key, limit)
+        size = self._size(key)
+        check_limit(self.uri, key, size, limit)
+        return self.get_range(key, 0, size)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.get_range_into(key, start, [buf])
+        return bytes(buf)
+
+    def get_range_into(self, key: str, start: int, buffers) -> None:
+        if self.root is not None and key not in self.holders:
+            self.root.get_range_into(key, start, buffers)
+            return
+        views = as_writable_buffers(buffers)
+        length = sum(v.nbytes for v in views)
+        begin = resolve_range(self.uri, key, start, length, self._size(key))
+        if key == self._commit_key and self.commit is not None:
+            data = memoryview(mf.dumps(self.commit))[begin : begin + length]
+            for v in views:
+                v[:], data = data[: v.nbytes], data[v.nbytes :]
+            return
+        for tier in self.holders_of(key):
+            if tier.dead:
+                continue
+            try:
+                tier.store.get_range_into(key, begin, views)
+            except (TierUnavailable, CheckpointError) as e:  # gone, slow, wrong answer, or a bad URL
+                self.failed(tier, e)
+                continue
+            with self._lock:
+                self.bytes[tier.kind] += length
+            return
+        if self.root is not None:
+            self.root.get_range_into(key, begin, views)
+            return
+        raise StorageError(f"{self.uri}: no live daemon serves {key!r}")
+
+    def put(self, key, data) -> None:
+        raise StorageError(f"{self.uri}: read-only")
+
+    def put_if_absent(self, key, data) -> bool:
+        raise StorageError(f"{self.uri}: read-only")
+
+    def delete(self, key) -> None:
+        raise StorageError(f"{self.uri}: read-only")
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        if self.root is not None:
+            yield from self.root.list(prefix)
+            return
+        keys = set(self.holders) | ({self._commit_key} if self.commit is not None else set())
+        for k in sorted(k for k in keys if k.startswith(prefix)):
+            yield ObjectInfo(k, self._size(k), 0.0)
+
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        if self.root is not None:
+            return self.root.list_dir(prefix)
+        rest = [info.key[len(prefix) :].partition("/") for info in self.list(prefix)]
+        return [h for h, sep, _ in rest if not sep], sorted({h for h, sep, _ in rest if sep})
+
+
 class TieredRestore:
-    """Builds the ``TieredReader`` of each restore and keeps what the last one read per tier."""
+    """The memory tiers of one job root as a restoring rank sees them: ``walk`` (what the
+    daemons hold), ``source`` (the store of one step to restore), ``report`` and ``fence``."""
 
     def __init__(self, daemon_url: str, root_uri: str, timeout_s: float | None = None):
         self.daemon_url = daemon_url.rstrip("/")
@@ -207,89 +378,132 @@ class TieredRestore:
         self.last: dict[str, int] = {}
         self._token = daemon_token()
 
-    def reader(self, store: Store, prefix: str, step: int, attempt: str, coord=None) -> TieredReader:
-        """The reader of committed ``step`` (whose commit record names ``attempt``). Collective
-        when ``coord`` is given (every rank calls it once; it never raises): each rank asks its
-        own daemon what it holds, rank 0 alone asks the peers its daemon names and broadcasts
-        their answers (one request per peer per restore, not per rank). A tier that cannot say
-        what it holds is left out; with none, every shard comes from the root."""
-        holders: dict[str, list[_Tier]] = {}
-        peers: list[str] = []
-        own = None
-        try:
-            own = TierStore(
-                self.daemon_url, f"daemon {self.daemon_url}", self.root_uri, step, attempt, self._token, self.timeout_s
-            )
-            keys, peers = own.keys()
-            own.use_data(own.advertised, unix=True)
-            local = _Tier(own, "local", prefix)
-            if keys and own.data_socket is not None and os.environ.get("CKPTD_TIER_SHARED_MEMORY", "1") != "0":
-                try:  # the node's own daemon: its sealed memory mapped, no byte over a socket
-                    local = _Tier(own.map_objects(sorted(keys)), "local", prefix)
-                except TierUnavailable as e:
-                    log.info("restore: reading this node's tier copy over its socket: %s", e)
-                    own.data_socket = None
-                own.close()
-            for k in keys:
-                holders.setdefault(k, []).append(local)
-            if not keys:
-                own.close()  # nothing to read from it
-        except Exception as e:  # noqa: BLE001 - a tier never fails a restore (and rank 0 must reach the broadcast)
-            log.warning("restore: this node's daemon holds no tier copy: %s", e)
-            if own is not None:
-                own.close()
-        held: dict[str, dict] = {}
-        if coord is None or coord.rank == 0:
-            held = self._ask_peers(peers, step, attempt)
-        if coord is not None:
-            held = coord.broadcast(held)
-        for url, info in sorted(held.items()):
-            if url.rstrip("/") == self.daemon_url:
-                continue  # this rank's own daemon: asked above, read as the nearest tier
-            try:
-                peer = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
-            except CheckpointError as e:  # an address it cannot use: a tier never fails a restore
-                log.warning("restore: skipping the memory tier of peer %s: %s", url, e)
-                continue
-            peer.use_data(info.get("data"), unix=False)
-            tier = _Tier(peer, "peer", prefix)
-            for k in info.get("keys", ()):
-                holders.setdefault(k, []).append(tier)
-        return TieredReader(store, prefix, holders)
+    def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
+        """One JSON request to the daemon ``url``; CheckpointError (DaemonUnreachable) or ValueError."""
+        status, raw = ask(url, self._token, self.timeout_s, method, path, body)
+        if status != 200:
+            raise ValueError(f"{url}: {method} {path.split('?')[0]} answered {status}: {raw[:200]!r}")
+        got = json.loads(raw)
+        if not isinstance(got, dict):
+            raise ValueError(f"{url}: {method} {path.split('?')[0]} answered no object")
+        return got
 
-    def _ask_peers(self, peers: list[str], step: int, attempt: str) -> dict[str, dict]:
-        """peer URL -> {"keys": the objects it holds complete for (step, attempt), "data": its
-        advertised data path}; peers that do not answer are left out (logged)."""
-        held: dict[str, dict] = {}
-        for url in peers:
-            url = url.rstrip("/")
-            if url == self.daemon_url or url in held:
+    def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
+        """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers the
+        first one names) what it holds complete of this root (of exactly ``step`` and ``attempt``
+        when given). Returns ((step, attempt) -> key -> (size, [URLs], in the order asked); URL ->
+        its advertised data path; the URLs that answered; the peers the first one named). This
+        rank's own daemon is named by the URL it advertises (``--advertise``) where it has one, so
+        that ranks on other nodes can reach it (this rank may have dialled its node's socket);
+        every other daemon by the URL asked. A daemon that does not answer is left out (logged)."""
+        held: dict[tuple[int, str], dict[str, tuple[int, list[str]]]] = {}
+        data: dict[str, dict] = {}
+        asked: list[str] = []
+        named: list[str] = []
+        q = {"root": self.root_uri, "keys": "true"} | ({} if step is None else {"step": step, "attempt": attempt})
+        todo = [u.rstrip("/") for u in urls]
+        while todo:
+            url = todo.pop(0)
+            if url in asked:
                 continue
-            peer = None
             try:
-                peer = TierStore(url, f"peer {url}", self.root_uri, step, attempt, self._token, self.timeout_s)
-                keys, _ = peer.keys()
-            except Exception as e:  # noqa: BLE001 - a peer never fails a restore
-                log.warning("restore: skipping the memory tier of peer %s: %s", url, e)
+                body = self._call(url, "GET", "/v1/tiers?" + urlencode(q))
+                copies = [c for kind in ("hot", "replicas", "memory_only") for c in body.get(kind, [])]
+                found = [
+                    ((int(c["step"]), str(c["attempt"])), {str(k): int(v) for k, v in c["keys"].items()})
+                    for c in copies
+                ]
+            except (ValueError, KeyError, TypeError, AttributeError, CheckpointError) as e:
+                log.warning("restore: the memory tier of %s did not answer: %s", url, e)
                 continue
-            finally:
-                if peer is not None:
-                    peer.close()
-            if keys:
-                held[url] = {"keys": sorted(keys), "data": peer.advertised}
-        return held
+            if not asked:
+                named = [p.rstrip("/") for p in body.get("peers", []) if isinstance(p, str)]
+                todo += named if follow else []
+            asked.append(url)
+            own = url == self.daemon_url and isinstance(body.get("advertise"), str)
+            name = body["advertise"].rstrip("/") if own else url  # reachable from other nodes
+            if isinstance(body.get("data"), dict):
+                data[name] = body["data"]
+            for gid, keys in found:
+                table = held.setdefault(gid, {})
+                for k, size in keys.items():
+                    got = table.setdefault(k, (size, []))
+                    if got[0] == size and name not in got[1]:
+                        got[1].append(name)
+        return held, data, asked, named
 
-    def report(self, reader: TieredReader) -> dict[str, int]:
-        """Record and log the bytes the restore read per tier; tell the daemon (``/metrics``)."""
-        self.last = reader.tier_bytes()
+    def source(self, store: Store, coord, step: int) -> TierSource:
+        """The store of committed ``step`` over the tiers, wrapped around the job root ``store``.
+        Collective, never raises: rank 0 reads the commit record's attempt and asks the peers its
+        daemon names, every rank its own daemon; a tier that cannot say what it holds is left
+        out (then every shard comes from the root)."""
+        attempt = None
+        if coord.rank == 0:
+            try:
+                attempt = (catalog.read_commit(store, step) or {}).get("attempt")
+            except (CheckpointError, StorageError) as e:
+                log.warning("restore: no tier read of step %d: %s", step, e)
+        attempt = coord.broadcast(attempt if isinstance(attempt, str) else None)
+        if attempt is None:
+            return TierSource(self, step, "", {}, {}, store)
+        held, data, _, peers = self._own(step, attempt)
+        theirs: tuple = ({}, {})
+        if coord.rank == 0:
+            got, pdata, _, _ = self.walk([p for p in peers if p != self.daemon_url], step, attempt, follow=False)
+            theirs = (got.get((step, attempt), {}), pdata)
+        theirs = coord.broadcast(theirs)
+        holders = held.get((step, attempt), {})
+        for k, (size, urls) in theirs[0].items():
+            mine = holders.setdefault(k, (size, []))
+            if mine[0] == size:
+                mine[1].extend(u for u in urls if u != self.daemon_url and u not in mine[1])
+        src = TierSource(self, step, attempt, holders, {**theirs[1], **data}, store)
+        src.map_own()
+        return src
+
+    def _own(self, step: int, attempt: str):
+        """``walk`` of this rank's own daemon alone, for (step, attempt), named by the address
+        this rank dialled (its parts are then read as this node's: mapped, on its socket)."""
+        held, data, asked, peers = self.walk([self.daemon_url], step, attempt, follow=False)
+        held = {g: {k: (n, [self.daemon_url]) for k, (n, _) in t.items()} for g, t in held.items()}
+        return held, ({self.daemon_url: next(iter(data.values()))} if data else {}), asked, peers
+
+    def memory_only_source(self, attempt: str, step: int, holders, commit: dict, data) -> TierSource:
+        """The store of memory-only (step, attempt) that ``memsteps.choose`` found whole: no job
+        root behind it; this rank's own daemon asked for its parts first (mapped, on its socket)."""
+        mine, own_data, _, _ = self._own(step, attempt)
+        for k, (size, _) in mine.get((step, attempt), {}).items():
+            got = holders.get(k)
+            if got is not None and got[0] == size:
+                holders[k] = (size, [self.daemon_url, *(u for u in got[1] if u != self.daemon_url)])
+        src = TierSource(self, step, attempt, holders, {**data, **own_data}, None, commit)
+        src.map_own()
+        return src
+
+    def report(self, source: Store, step: int) -> None:
+        """Record and log the bytes the restore of ``step`` read per tier; tell the daemon."""
+        got = source.tier_bytes() if isinstance(source, TierSource) else {"local": 0, "peer": 0, "root": 0}
+        self.last = got
         log.info(
-            "restore read %d bytes from this node's daemon, %d from peers, %d from the job root",
-            self.last["local"],
-            self.last["peer"],
-            self.last["root"],
+            "restored %s %d: %d bytes from this node's daemon, %d from peers, %d from the job root",
+            "memory-only step" if isinstance(source, TierSource) and source.root is None else "step",
+            step,
+            got["local"],
+            got["peer"],
+            got["root"],
         )
-        try:
-            ask(self.daemon_url, self._token, self.timeout_s, "POST", "/v1/tiers/restored", self.last)
-        except CheckpointError as e:
+        try:  # the daemon's ckptd_restore_bytes_*_total
+            self._call(self.daemon_url, "POST", "/v1/tiers/restored", got)
+        except (ValueError, CheckpointError) as e:
             log.debug("restore: could not report tier bytes to the daemon: %s", e)
-        return self.last
+
+    def fence(self, urls: list[str], step: int) -> None:
+        """Tell each daemon of ``urls`` that the root restored ``step`` (``POST
+        /v1/tiers/restored``): memory-only steps newer than it are dropped. Best effort: a
+        daemon that is gone holds nothing any more."""
+        body = {"job_root": self.root_uri, "restored_step": step}
+        for url in dict.fromkeys(u.rstrip("/") for u in urls):
+            try:
+                self._call(url, "POST", "/v1/tiers/restored", body)
+            except (ValueError, CheckpointError) as e:
+                log.warning("restore: could not tell %s that step %d was restored: %s", url, step, e)

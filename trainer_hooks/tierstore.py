@@ -1,6 +1,6 @@
 """The read side of one daemon's memory tier (``TierStore``): how a restoring rank talks to a
-daemon that holds a step, for ``trainer_hooks.tiered`` (committed steps) and
-``trainer_hooks.memsteps`` (memory-only steps).
+daemon that holds a step, for ``trainer_hooks.tiered.TierSource`` (committed and memory-only
+steps alike).
 
 Transport, nearest first: the rank's own daemon lends its sealed buffers over the Unix socket
 (SCM_RIGHTS; mapped ``PROT_READ``, the seals checked before use, no byte over a socket); a peer
@@ -14,7 +14,6 @@ their crc32c and pins by the reader).
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 import mmap
 import os
@@ -22,7 +21,7 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
-from urllib.parse import quote, urlencode
+from urllib.parse import quote
 
 import numpy as np
 
@@ -253,26 +252,6 @@ class TierStore:
             self._http.drop(conn)
             raise TierUnavailable(f"{self.name}: reply of {length} bytes where at most {cap} were asked")
         return conn, resp, int(length)
-
-    def keys(self) -> tuple[set[str], list[str]]:
-        """(the objects this tier holds complete for the step, the peers it names)."""
-        q = urlencode({"root": self.root, "step": self.step, "attempt": self.attempt})
-        try:
-            status, _, raw = self._http.fetch("GET", f"/v1/tiers/keys?{q}", cap=MAX_KEYS_REPLY)
-        except DaemonUnreachable as e:
-            raise TierUnavailable(f"{self.name}: {e}") from None
-        if status != 200:
-            raise TierUnavailable(f"{self.name}: GET /v1/tiers/keys answered {status}")
-        try:
-            body = json.loads(raw)
-            keys = {k for k in body["keys"] if isinstance(k, str)}
-            peers = [p for p in body.get("peers", []) if isinstance(p, str)]
-            self.advertised = body.get("data")
-        except (ValueError, KeyError, TypeError) as e:
-            raise TierUnavailable(f"{self.name}: malformed keys reply ({e})") from None
-        if body.get("step") != self.step or body.get("attempt") != self.attempt:
-            raise TierUnavailable(f"{self.name}: keys reply is for another step or attempt")
-        return keys, peers
 
     def _object_path(self, key: str, start: int, length: int) -> str:
         q = f"root={quote(self.root, safe='')}&step={self.step}&attempt={quote(self.attempt, safe='')}"

@@ -44,8 +44,6 @@ from ckptd.server.discovery import HELLO_PATH, Discovery
 from ckptd.server.discovery import router as discovery
 from ckptd.server.handoff import FINAL, BadJob
 from ckptd.server.jobs import Runner
-from ckptd.server.memstep_routes import router as memstep_routes
-from ckptd.server.memsteps import MemSteps
 from ckptd.server.metrics import Metrics
 from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
@@ -127,7 +125,7 @@ class JobRequest(BaseModel):
     metadata: list[MetadataModel] = []
     done: dict = {}
     commit_timeout: float = Field(1800.0, gt=0, le=7 * 86400)
-    memory_only: bool = Field(False, description="hold the step in the memory tier only (server.memsteps)")
+    memory_only: bool = Field(False, description="hold the step in the memory tier only (server.tiers)")
 
 
 # --------------------------------------------------------------------------- middleware
@@ -441,7 +439,7 @@ async def get_job(
 
 
 # Every group of routes the daemon serves, in this order.
-ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers, memstep_routes, discovery)
+ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers, discovery)
 
 
 # ---------------------------------------------------------------------------------- app
@@ -557,10 +555,9 @@ def create_app(settings: Settings) -> FastAPI:
         settings.replica_timeout_s,
         settings.tiers,
     )
-    runner.tiers = tiers if settings.tiers else None
+    runner.tiers = tiers
     finder = _discovery(settings, roots, runner, tiers, token)
-    runner.memsteps = memsteps = MemSteps(staging, tiers, settings.tiers)
-    for name, (text, fn) in (tiers.gauges() | memsteps.gauges()).items():
+    for name, (text, fn) in tiers.gauges().items():
         metrics.gauge(name, text, fn)
     _capacity(metrics)
     runner.recover()
@@ -590,7 +587,6 @@ def create_app(settings: Settings) -> FastAPI:
     sock = Path(settings.socket) if settings.socket else default_socket()
     app.state.daemon = Daemon(roots, runner, staging, metrics, folder, tenancy, sock)
     app.state.tiers = tiers
-    app.state.memsteps = memsteps
     app.state.token = token  # for the connection limits (``ckptd.server.conns``): who is known
     app.add_middleware(Guard, token=token, max_body=settings.max_body_bytes)
     for exc_type, handler in HANDLERS.items():

@@ -28,7 +28,7 @@ accepted only when that equals the MAC this daemon computes for the URL it diale
 holder of the token can answer; one that relays the nonce to a real daemon gets that daemon's
 MAC over *its* URL, not over the relay's, so it fails (docs/security.md, "Peer discovery").
 ``--peers`` given explicitly stay trusted without a challenge, as before. The ring that a
-daemon names to restoring ranks (``GET /v1/tiers/keys``: ``peers``) is only the discovered
+daemon names to restoring ranks (``GET /v1/tiers``: ``peers``) is only the discovered
 daemons that passed the challenge within ``discover_ttl_s``: a rank sends them its token.
 """
 

@@ -36,7 +36,7 @@ __all__ = ["ATTEMPT", "BadJob", "FINAL", "JOB_ID", "Job", "MAX_DEPTH", "MAX_META
 ATTEMPT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JOB_ID = re.compile(r"^[0-9a-f]{8,64}$")
 MAX_META_BYTES = 1 << 30
-FINAL = ("committed", "held", "failed", "discarded")  # held: a memory-only step's part (server.memsteps)
+FINAL = ("committed", "held", "failed", "discarded")  # held: a memory-only step's part (server.tiers)
 
 
 class BadJob(ValueError):
@@ -58,7 +58,7 @@ class Job:
     writer: str | None = None  # the job id that claims the step (None: the attempt id)
     uid: int | None = None  # the lease's owner (who handed off); its staged files must be theirs
     commit_timeout: float = 1800.0
-    memory_only: bool = False  # held in the memory tier, never written to the root (server.memsteps)
+    memory_only: bool = False  # held in the memory tier, never written to the root (server.tiers)
     state: str = "queued"
     error: str | None = None
     accepted_at: float = field(default_factory=time.time)

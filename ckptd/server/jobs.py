@@ -98,8 +98,7 @@ class Runner:
         self.roots = roots
         self.staging = staging
         self.metrics = metrics
-        self.tiers: Any = None  # ``server.tiers.Tiers`` when the memory tier is on (set by create_app)
-        self.memsteps: Any = None  # ``server.memsteps.MemSteps`` (set by create_app)
+        self.tiers: Any = None  # ``server.tiers.Tiers`` (set by create_app)
         # who the files written into a root belong to (``Tenancy.owner_of``; set by create_app)
         self.owner_of: Callable[[str], tuple[int, int] | None] = lambda root: None
         self._lock = threading.Lock()
@@ -371,14 +370,15 @@ class Runner:
         """Upload ``job`` (:meth:`_upload_with_retries`), then record the outcome: failed, or
         uploaded and handed to the commit watch (:meth:`_uploaded`)."""
         lease = self.staging.get(job.lease)
-        if job.memory_only and self.memsteps is not None:
+        if job.memory_only:
             self._hold(job, lease)
             return
-        if self.memsteps is not None:  # a step the job persists after all: its room is not needed
-            self.memsteps.release_reservation(job.root, job.step, job.attempt, job.rank)
+        tiers = self.tiers if self.tiers is not None and self.tiers.enabled else None
+        if self.tiers is not None:  # a step the job persists after all: its memory-only room is not needed
+            self.tiers.release_reservation(job.root, job.step, job.attempt, job.rank)
         job.state = "uploading"
         job.upload_started_at, job.bytes_uploaded = time.time(), 0
-        tee = None if self.tiers is None else self.tiers.recorder(job.root, job.step, job.attempt, job.rank)
+        tee = None if tiers is None else tiers.recorder(job.root, job.step, job.attempt, job.rank)
         store: Any = _Counted(self.store(job.root), job, tee)
         result, err = self._upload_with_retries(job, store, lease)
         if result is None:
@@ -390,12 +390,30 @@ class Runner:
         self._uploaded(job, store, result)
 
     def _hold(self, job: Job, lease: Lease) -> None:
-        """A memory-only step's part: held in memory (``server.memsteps``), never uploaded."""
+        """A memory-only step's part: written by the one write path into the memory tier
+        (``server.tiers``: the upload tee, one copy into sealed memory), never uploaded."""
         job.state = "uploading"
+        t = self.tiers
         try:
-            self.memsteps.hold(job, lease.dir)
+            if t is None or not t.enabled:
+                raise CheckpointError("this daemon keeps no memory tier (--no-tiers): memory-only steps are refused")
+            store = t.holder(job.root, job.step, job.attempt, job.rank)
+            part = load(job, lease.dir)
+            try:
+                writer = job.writer or job.attempt
+                persist.persist(store, part, self._io, writer=writer, wait=False, claim="caller", heartbeat=False)
+            except CheckpointError:
+                # A job of one rank completes its done tree at once and its commit rules find no
+                # claim (none is made in memory): its done record is written all the same.
+                if job.world_size != 1:
+                    raise
+            finally:
+                del part  # unmap the staging files
+            t.held(job.root, job.step, job.attempt, job.rank)
         except (OSError, CheckpointError) as e:
-            self.memsteps.release_reservation(job.root, job.step, job.attempt, job.rank)
+            if t is not None:
+                t.release_reservation(job.root, job.step, job.attempt, job.rank)
+                t.failed(job.root, job.step, job.attempt, job.rank)
             job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "failed", "error": str(e)})
             self._finish(job, "failed", f"memory-only step: {e}")
             return
@@ -492,10 +510,10 @@ class Runner:
         if state == "committed":
             job.committed_at = job.finished_at
         job.state, job.error = state, error
-        if self.tiers is not None and not job.memory_only:  # the hot copy: promoted on commit, dropped on failure
+        if self.tiers is not None and self.tiers.enabled and not job.memory_only:  # the hot copy: kept on commit
             (self.tiers.committed if state == "committed" else self.tiers.failed)(job.root, job.step, job.attempt)
         self._notify_final(job.job)
-        if state == "held":  # counted by ``server.memsteps`` (ckptd_memsteps_parts_held_total)
+        if state == "held":  # counted by ``server.tiers`` (ckptd_tier_parts_held_total)
             log.debug("job %s: %s step %d rank %d held in memory", job.job, job.root, job.step, job.rank)
         elif state == "committed":
             self.metrics.inc("ckptd_jobs_committed_total")

@@ -385,9 +385,8 @@ def collect(state, root: str | None, offset: int, limit: int) -> dict:
     tiers = getattr(state, "tiers", None)
     if tiers is not None:  # this daemon's memory tier: which steps it holds, for whom, where pushed
         data["tiers"] = tiers.describe()
-    memsteps = getattr(state, "memsteps", None)
-    if memsteps is not None and tiers is not None and tiers.enabled:
-        data["memory_only"] = memory_only(memsteps)
+        if tiers.enabled:
+            data["memory_only"] = memory_only(tiers)
     return data
 
 
@@ -395,13 +394,13 @@ MAX_MEMSTEP_ROWS = 200  # memory-only steps listed on the page at most (newest f
 MAX_MANIFEST_PARSE = 8 << 20  # a held manifest larger than this is not read for its world size
 
 
-def memory_only(memsteps) -> list[dict]:
-    """The memory-only steps this daemon holds (``server.memsteps``), one entry per (root, step,
+def memory_only(tiers) -> list[dict]:
+    """The memory-only steps this daemon holds (``server.tiers``), one entry per (root, step,
     attempt), newest first: its parts (this node's own ranks, and replicas with the peer they came
     from), their bytes, and whether this daemon alone holds the whole step: every rank of the
     world size its held manifest names (None when it holds no manifest of the step)."""
     steps: dict[tuple[str, int, str], dict] = {}
-    for d in memsteps.describe():
+    for d in tiers.describe(keys=True)["memory_only"]:
         key = (d["root"], d["step"], d["attempt"])
         s = steps.setdefault(
             key, {"root": d["root"], "step": d["step"], "attempt": d["attempt"], "parts": [], "world_size": None}
@@ -410,7 +409,7 @@ def memory_only(memsteps) -> list[dict]:
         manifest = f"{mf.step_dir(d['step'])}/{mf.MANIFEST}"
         size = d["keys"].get(manifest)
         if s["world_size"] is None and size is not None and size <= MAX_MANIFEST_PARSE:
-            s["world_size"] = _world_size(memsteps, *key, manifest, size)
+            s["world_size"] = _world_size(tiers, *key, manifest, size)
     out = sorted(steps.values(), key=lambda s: (s["step"], s["root"]), reverse=True)[:MAX_MEMSTEP_ROWS]
     for s in out:
         s["parts"].sort(key=lambda p: (p["rank"], p["source"] != "self", p["source"]))
@@ -422,10 +421,10 @@ def memory_only(memsteps) -> list[dict]:
     return out
 
 
-def _world_size(memsteps, root: str, step: int, attempt: str, key: str, size: int) -> int | None:
-    # Straight from the held parts (``MemSteps.copies``): not a served read, so the tier's
+def _world_size(tiers, root: str, step: int, attempt: str, key: str, size: int) -> int | None:
+    # Straight from the held parts (``Tiers.holding``): not a served read, so the tier's
     # serving metrics count restores only.
-    view = next((v for c in memsteps.copies(root, step, attempt) if (v := c.objects.get(key)) is not None), None)
+    view = next((v for c in tiers.holding(root, step, attempt) if (v := c.objects.get(key)) is not None), None)
     if view is None or len(view) != size:
         return None
     try:

@@ -1,6 +1,7 @@
-"""The memory tier's routes (``server.tiers``): what a daemon holds, ranged reads of it for
-restoring ranks, and the replica pushes of its peers (hot copies and memory-only parts alike,
-``kind``: ``server.replication``).
+"""The memory tier's routes (``server.tiers``): what a daemon holds (one listing, ``GET
+/v1/tiers``), ranged reads of it for restoring ranks, the replica pushes of its peers (hot copies
+and memory-only parts alike, ``kind``: ``server.replication``), a client's reservation before a
+memory-only hand-off, and the report (and fence) after a restore.
 
 Every route needs the daemon token (``app.Guard``) and names a served root. Objects are looked
 up in the tier's table by (root, step, attempt, key): no route turns a request into a path, so
@@ -20,7 +21,7 @@ from pydantic import BaseModel, Field
 from ckptd.server.parts import MAX_NUMBER, Count, Rank
 from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS
 
-__all__ = ["BatchReadRequest", "ReplicaRequest", "RestoredReport", "router"]
+__all__ = ["BatchReadRequest", "ReplicaRequest", "ReserveRequest", "RestoredReport", "router"]
 
 router = APIRouter()
 
@@ -45,6 +46,15 @@ class ReplicaRequest(BaseModel):
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
 
 
+class ReserveRequest(BaseModel):
+    root: str = Field(min_length=1, max_length=4096)
+    step: int = Field(ge=0, le=10**10 - 1)
+    attempt: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    rank: int = Field(ge=0, lt=1 << 24)
+    bytes: int = Field(ge=0, le=1 << 50)
+    objects: int = Field(0, ge=0, le=1 << 24)  # the objects the part holds, at most
+
+
 class RangeModel(BaseModel):
     key: str = Field(min_length=1, max_length=4096)
     start: int = Field(ge=-MAX_NUMBER, le=MAX_NUMBER)  # negative: from the end
@@ -63,7 +73,7 @@ class RestoredReport(BaseModel):
     peer: Count = 0
     root: Count = 0
     # A job of ``job_root`` restored ``restored_step``: memory-only steps newer than it are an
-    # abandoned future and are dropped (``server.memsteps.MemSteps.fence``).
+    # abandoned future and are dropped (``server.tiers.Tiers.fence``).
     job_root: str | None = Field(None, min_length=1, max_length=4096)
     restored_step: int | None = Field(None, ge=0, le=10**10 - 1)
 
@@ -86,17 +96,34 @@ def _readable_root(request: Request, root: str) -> str:
     return r
 
 
-@router.get("/v1/tiers", summary="the hot copies and replicas this daemon holds, and its peers")
-def describe(request: Request, root: str | None = Query(None, max_length=4096)):
-    r = None if root is None else _root(request, root)
-    return _tiers(request).describe(r) | {"memory_only": request.app.state.memsteps.describe_brief(r)}
+@router.get("/v1/tiers", summary="the complete copies this daemon holds in memory, its peers and its data path")
+def describe(
+    request: Request,
+    root: str | None = Query(None, max_length=4096),
+    step: int | None = Query(None, ge=0, le=10**10 - 1),
+    attempt: str | None = Query(None, min_length=1, max_length=64),
+    keys: bool = False,
+):
+    """Hot copies, replicas and memory-only parts (of ``root``; of exactly ``step`` and
+    ``attempt`` when given); ``keys=true`` (with a root the caller may read) lists each copy's
+    objects and their sizes: what a restoring rank reads."""
+    if root is None:
+        if keys or step is not None or attempt is not None:
+            return JSONResponse({"detail": "name the root (?root=) to list keys or a step"}, status_code=400)
+        return _tiers(request).describe()
+    r = _readable_root(request, root) if keys else _root(request, root)
+    return _tiers(request).describe(r, step, attempt, keys)
 
 
-@router.get("/v1/tiers/keys", summary="the shard objects held complete for exactly (root, step, attempt)")
-def held_keys(request: Request, root: str = _ROOT, step: int = _STEP, attempt: str = _ATTEMPT):
-    t = _tiers(request)
-    keys = t.keys(_readable_root(request, root), step, attempt)
-    return {"step": step, "attempt": attempt, "keys": keys, "peers": t.peers, "data": t.data_endpoint}
+@router.post("/v1/tiers/reserve", summary="hold room for a rank's part of a memory-only step before its hand-off")
+def reserve(body: ReserveRequest, request: Request):
+    root = _root(request, body.root)
+    # Room in the staging budget, for a root: the rule of a staging lease (``server.tenancy``),
+    # else another local user could hold the budget or replace a tenant's reservation.
+    tenancy = request.app.state.daemon.tenancy
+    tenancy.check_write(tenancy.caller(request.scope), root, bind=False)
+    ok = _tiers(request).reserve(root, body.step, body.attempt, body.rank, body.bytes, body.objects)
+    return {"ok": ok}
 
 
 @router.get("/v1/tiers/object", summary="a byte range of a held shard object")
@@ -208,5 +235,5 @@ def restored(body: RestoredReport, request: Request):
     _tiers(request).restored(body.local, body.peer, body.root)
     fenced = 0
     if body.job_root is not None and body.restored_step is not None:
-        fenced = request.app.state.memsteps.fence(_readable_root(request, body.job_root), body.restored_step)
+        fenced = _tiers(request).fence(_readable_root(request, body.job_root), body.restored_step)
     return {"ok": True, "fenced": fenced}

@@ -1,20 +1,19 @@
 """Replication of the memory tier (``server.tiers``): a daemon pushes each new copy to its ring
 successors, and receives and checks its predecessors' replicas.
 
-``Tiers`` holds the tables and the lock; this mixin holds the one replica protocol (and ``Copy``,
-the record of one held copy, hot, replica or memory-only part). Two kinds of copy travel on it,
-named by ``kind`` in the push: ``hot`` (a node's hot copy of a committed step: shard objects
-only) and ``memory_only`` (one rank's part of a memory-only step, ``server.memsteps``: every
-object of the step's folder but a commit record). Each is pushed to the ``replicas`` daemons
+``Tiers`` holds the table and the lock; this mixin holds the one replica protocol (and ``Copy``,
+the record of one held copy). Both kinds of copy travel on it, named by ``kind`` in the push, one
+rank's objects each: ``hot`` (of a committed step: shard objects only) and ``memory_only`` (a
+rank's part of a memory-only step: every object of the step's folder but a commit record). Each
+is pushed to the ``replicas`` daemons
 that follow this one in ``--peers`` (a ring; the list may name this daemon, found by
 ``--advertise``; with ``--discover`` the ring of the job root, each peer challenged on the
 connection first: ``targets_for``, ``_dial``), authenticated with the daemon token:
 ``POST /v1/tiers/replicas`` (kind, the objects, their sizes and whole-object crc32c), then the
 bytes in pieces of ``PIECE_BYTES``, then ``seal``. The receiver fills sealable buffers
 (``server.sealed``) and holds a replica only once every object arrived whole and matches its
-crc32c; it then seals them (read-only, shareable with a rank on its node) and keeps it: a hot
-replica, one per (root, source daemon), the newest step; a memory-only part by the retention
-rules of ``server.memsteps``. Until then it serves nothing of it. Both kinds take their bytes
+crc32c; it then seals them (read-only, shareable with a rank on its node) and keeps it by the
+one retention rule (``Tiers._retain``). Until then it serves nothing of it. Both kinds take their bytes
 from the one staging budget: a replica that does not fit is not kept (429), and an incoming one
 whose pusher stopped sending is dropped after ``INCOMING_TTL_S``.
 """
@@ -47,25 +46,25 @@ HOT, MEMORY_ONLY = "hot", "memory_only"  # the kinds of copy (module doc)
 KINDS = (HOT, MEMORY_ONLY)
 
 
-@dataclass
+@dataclass(eq=False)
 class Copy:
-    """The shard objects of one (root, step, attempt) held in memory."""
+    """One rank's objects of one (root, step, attempt) held in memory (``Tiers``' table)."""
 
     root: str
     step: int
     attempt: str
-    source: str  # "self" for a hot copy, the pushing daemon's URL for a replica
+    source: str  # "self" for this daemon's own copy, the pushing daemon's URL for a replica
+    rank: int = 0
     objects: dict[str, Sealed | bytearray] = field(default_factory=dict)  # sealed once complete (``sealed``)
     expected: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica: key -> (size, crc32c)
     filled: dict[str, int] = field(default_factory=dict)  # replica: bytes received per key
-    ranks: set[int] = field(default_factory=set)
     bytes: int = 0
     complete: bool = False
-    degraded: bool = False  # a hot copy that did not fit: none kept for this step
+    degraded: bool = False  # a hot copy that did not fit: none kept of this step on this node
     dropped: bool = False
     created: float = field(default_factory=time.monotonic)
     pushed: dict[str, str] = field(default_factory=dict)  # peer -> "complete" or why not
-    kind: str = HOT  # HOT or MEMORY_ONLY (a rank's part of a memory-only step: ``ranks == {rank}``)
+    kind: str = HOT  # HOT or MEMORY_ONLY
 
     def info(self) -> dict:
         return {
@@ -73,7 +72,9 @@ class Copy:
             "step": self.step,
             "attempt": self.attempt,
             "source": self.source,
-            "ranks": sorted(self.ranks),
+            "kind": self.kind,
+            "rank": self.rank,
+            "ranks": [self.rank],
             "bytes": self.bytes,
             "objects": len(self.objects),
             "complete": self.complete,
@@ -116,33 +117,32 @@ class Replication:
         conn.token = self.token
         return conn
 
-    def push_later(self, group: Copy, count=None) -> None:
-        """Push ``group`` to the ring's daemons on a thread of its own (none when there is no ring);
-        ``count(name)`` counts its pushes and failures (``self.count`` by default)."""
+    def push_later(self, copies: list[Copy]) -> None:
+        """Push ``copies`` to the ring's daemons on a thread of their own (none when there is no ring)."""
         if self.targets or self.discovery is not None:
-            args = (group, count or self.count)
-            threading.Thread(target=self._push_all, args=args, name="ckptd-tier-push", daemon=True).start()
+            threading.Thread(target=self._push_all, args=(copies,), name="ckptd-tier-push", daemon=True).start()
 
-    def _push_all(self, group: Copy, count) -> None:
-        for peer in self.targets_for(group.root):
-            try:
-                self._push(peer, group)
-            except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
-                group.pushed[peer] = f"failed: {e}"
-                count("replica_push_failures")
-                log.warning(
-                    "memory tier: %s replica of %s step %d (ranks %s) to %s failed: %s",
-                    group.kind,
-                    group.root,
-                    group.step,
-                    sorted(group.ranks),
-                    peer,
-                    e,
-                )
-            else:
-                group.pushed[peer] = "complete"
-                count("replicas_pushed")
-                log.info("memory tier: %s %s step %d replicated to %s", group.kind, group.root, group.step, peer)
+    def _push_all(self, copies: list[Copy]) -> None:
+        for c in copies:
+            for peer in self.targets_for(c.root):
+                try:
+                    self._push(peer, c)
+                except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
+                    c.pushed[peer] = f"failed: {e}"
+                    self.count("replica_push_failures")
+                    log.warning(
+                        "memory tier: %s replica of %s step %d (rank %d) to %s failed: %s",
+                        c.kind,
+                        c.root,
+                        c.step,
+                        c.rank,
+                        peer,
+                        e,
+                    )
+                else:
+                    c.pushed[peer] = "complete"
+                    self.count("replicas_pushed")
+                    log.info("memory tier: %s %s step %d rank %d pushed to %s", c.kind, c.root, c.step, c.rank, peer)
 
     def _push(self, peer: str, group: Copy) -> None:
         with self._lock:
@@ -153,7 +153,7 @@ class Replication:
             "attempt": group.attempt,
             "kind": group.kind,
             "source": self.me or "unnamed",
-            "ranks": sorted(group.ranks),
+            "ranks": [group.rank],
             "objects": [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()],
         }
         conn = self._dial(peer)
@@ -177,16 +177,16 @@ class Replication:
         """A peer starts pushing a replica of ``kind``. Returns its id, or "" when it is not kept
         (no room in the budget, or tiers off): HTTP 429. ValueError for a malformed one: a hot
         replica holds shard objects of its step only; a memory-only part the objects of its
-        step's folder, never a commit record, of exactly one rank."""
+        step's folder, never a commit record; either, exactly one rank's."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         memory_only = kind == MEMORY_ONLY
-        if not self.enabled or (memory_only and self.memsteps is None):
+        if not self.enabled:
             return ""
         if len(objects) > MAX_OBJECTS:
             raise ValueError(f"a replica of {len(objects)} objects is over {MAX_OBJECTS}")
-        if memory_only and len(ranks) != 1:
-            raise ValueError("a memory-only part is one rank's")
+        if len(ranks) != 1:
+            raise ValueError("a replica is one rank's copy")
         folder = mf.step_dir(step)
         prefix = f"{folder}/" if memory_only else f"{folder}/{mf.ARRAYS}/"
         expected: dict[str, tuple[int, int]] = {}
@@ -200,9 +200,8 @@ class Replication:
             expected[key] = (size, crc)
         total = sum(s for s, _ in expected.values())
         self._expire_incoming()
-        count = self.memsteps._count if memory_only else self.count
         if not self.staging.reserve(total):
-            count("dropped_for_room" if memory_only else "degraded")
+            self.count("degraded")
             log.warning(
                 "memory tier: no room for the %s replica of %s step %d from %s (%d bytes): not kept",
                 kind,
@@ -213,12 +212,12 @@ class Replication:
             )
             return ""
         rid = uuid.uuid4().hex
-        c = Copy(root, step, attempt, source, expected=expected, ranks=set(ranks), bytes=total, kind=kind)
+        c = Copy(root, step, attempt, source, ranks[0], expected=expected, bytes=total, kind=kind)
         try:
             c.objects = {k: new_buffer(s) for k, (s, _) in expected.items()}
         except OSError as e:
             self.staging.unreserve(total)
-            count("dropped_for_room" if memory_only else "degraded")
+            self.count("degraded")
             log.warning("memory tier: cannot hold the %s replica of %s step %d in memory: %s", kind, root, step, e)
             return ""
         c.filled = dict.fromkeys(expected, 0)
@@ -246,49 +245,39 @@ class Replication:
             raise KeyError(f"no replica {rid!r} being received")
         bad = [k for k, (size, crc) in c.expected.items() if c.filled[k] != size or crc32c(c.objects[k]) != crc]
         if bad:
-            with self._lock:
-                self._drop(c)
             self._release([c])
             raise ValueError(f"replica {rid}: {len(bad)} objects incomplete or failing their crc32c, e.g. {bad[0]!r}")
         try:
             c.objects = {k: seal(v) for k, v in c.objects.items()}  # read-only from now on
         except OSError as e:  # no descriptor or mapping left: refused whole, its budget given back
-            with self._lock:
-                self._drop(c)
-                self.counters["degraded"] += 1
+            self.count("degraded")
             self._release([c])
             log.warning("memory tier: cannot hold the replica of %s step %d in memory: %s", c.root, c.step, e)
             raise ValueError(f"replica {rid}: not kept, this daemon cannot hold it ({e.strerror or e})") from e
-        if c.kind == MEMORY_ONLY:
-            c.complete = True
-            self.memsteps.keep(c)  # its retention rules (``server.memsteps``)
-            self.memsteps._count("replicas_received")
-            return
-        release = []
+        c.complete = True
+        key = (c.root, c.step, c.attempt, c.rank, c.source)
         with self._lock:
-            old = self._replicas.get((c.root, c.source))
-            if old is not None and old.step > c.step:
-                release.append(self._drop(c))
-            else:
-                if old is not None:
-                    release.append(self._drop(self._replicas.pop((c.root, c.source))))
-                c.complete = True
-                self._replicas[(c.root, c.source)] = c
-                self.counters["replicas_received"] += 1
+            release = [old] if (old := self._held.pop(key, None)) is not None else []
+            self._held[key] = c
+            release += self._retain(c.root, c.kind, c.source)
+            kept = c not in release
+            self.counters["replicas_received"] += kept
         self._release(release)
-        if c.complete:
+        if kept:
             log.info(
-                "memory tier: replica of %s step %d from %s complete (%d bytes)", c.root, c.step, c.source, c.bytes
+                "memory tier: %s replica of %s step %d rank %d from %s complete (%d bytes)",
+                c.kind,
+                c.root,
+                c.step,
+                c.rank,
+                c.source,
+                c.bytes,
             )
 
     def _expire_incoming(self) -> None:
         now = time.monotonic()
         with self._lock:
-            gone = [
-                self._drop(self._incoming.pop(r))
-                for r, c in list(self._incoming.items())
-                if now - c.created > INCOMING_TTL_S
-            ]
+            gone = [self._incoming.pop(r) for r, c in list(self._incoming.items()) if now - c.created > INCOMING_TTL_S]
         self._release(gone)
 
 

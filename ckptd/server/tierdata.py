@@ -7,9 +7,9 @@ answers the same reads on plain sockets, one thread per connection, writing the 
 themselves (``sendall`` of the views: no join, no copy); the reader ``recv_into``s the reply
 straight into its tensors. It listens on a TCP port (``CKPTD_TIER_DATA_PORT``, 0: any free port,
 on the daemon's ``--host``) and on a Unix socket next to the daemon's (``ckptd-tiers.sock`` beside
-``ckptd.sock``, mode 0666: the kernel names each caller). Both are advertised by ``GET /v1/tiers`` and
-``GET /v1/tiers/keys`` as ``"data": {"port": P, "socket": PATH}``; a reader uses the port on the
-host of the daemon URL it already has, and the socket only for its own node's daemon.
+``ckptd.sock``, mode 0666: the kernel names each caller). Both are advertised by ``GET /v1/tiers``
+as ``"data": {"port": P, "socket": PATH}``; a reader uses the port on the host of the daemon URL it
+already has, and the socket only for its own node's daemon.
 
 Wire (``ckptd.tierwire``): a request frame's JSON header is ``{"token", "op", "root", "step",
 "attempt", ...}``; ``op`` is

@@ -1,36 +1,49 @@
-"""The memory tier: the node's hot copy of the newest committed step, and its peers' replicas.
+"""The memory tier: one table of the copies of checkpoint objects this daemon holds in memory.
 
-Hot copy: while a job uploads, every shard object it puts (keys under ``step_*/arrays/``) is
-copied into this daemon's memory (``Tiers.recorder``); when the job's step commits with the
-job's attempt, the copies of all the jobs of that (root, step, attempt) become the root's *hot
-copy* and the previous one is released. A failed or superseded attempt's copies are dropped.
-Hot copies are exact copies of committed objects: the manifest, the layout and the crc32c of
-every chunk stored in each object stay the only truth, and a reader checks every chunk against
-them (``trainer_hooks.tiered``).
+A *held copy* is one rank's objects of one (root, step, attempt), made by one daemon (``source``:
+``"self"``, or the URL of the peer that pushed it), keyed by (root, step, attempt, rank, source),
+of one of two kinds:
 
-Replication (``server.replication``, a mixin of ``Tiers``; the one protocol for hot copies and
-memory-only parts, told apart by ``kind``): each new hot copy is pushed to the
-``replicas`` daemons that follow this one in ``--peers`` (a ring; the list may name this daemon,
-found by ``--advertise``), authenticated with the daemon token: ``POST /v1/tiers/replicas`` (the
-objects, their sizes and whole-object crc32c), then the bytes in pieces, then ``seal``. The
-receiver holds a replica only once every object arrived whole and matches its crc32c; until then
-it serves nothing of it. It keeps one replica per (root, source daemon), the newest step.
-With ``--discover`` the ring is read from the job root at each push instead, and a discovered
-peer must pass a challenge on the push's connection before it sees the token
-(``server.discovery``; ``replication.targets_for`` and ``_dial``).
+- ``hot``: the shard objects (keys under ``step_*/arrays/``) of a step the job persists. While a
+  job uploads, the upload tee (``recorder``) copies every shard object it puts into sealed
+  memory; when the step commits with the job's attempt (``committed``) the copies of every rank
+  of that (root, step, attempt) on this node become complete; a failed or superseded attempt's
+  copies are dropped (``failed``). They are exact copies of committed objects: the manifest, the
+  layout and the crc32c of every chunk stay the only truth, and a reader checks every chunk.
+- ``memory_only``: one rank's part of a memory-only step (``Checkpointer(..., persist_every=K)``),
+  never written to the job root. The daemon runs the one write path (``ckptd.persist.persist``)
+  into ``holder``'s store, whose puts are the same tee: every object of the step's folder (shard
+  objects, ``zarr.json`` nodes, rank 0's manifest, the rank's done record with its pins) goes
+  once into sealed memory, and the part is complete (``held``) once its done record is in. No
+  commit record exists anywhere: a memory-only step is never shown as committed in the job root.
 
-Budget: every byte of a copy (hot, replica, or pending) is held through
-``Staging.reserve``: a copy that does not fit is not kept (the step is then persist-only on
-this node: one WARNING per step and ``ckptd_tier_degraded_total``), and a lease that needs room
-reclaims copies (replicas first, then hot copies) before a save waits. A copy never makes a
-save fail or wait.
+Retention (``_retain``, the one rule, per root, kind and source): the complete copies of the
+newest ``KEEP_STEPS[kind]`` steps are kept (hot: 1, the newest committed step and, per source,
+its newest replica; memory-only: 2, so a node dying during step N's save leaves N-1 whole on its
+peers). Besides: a rank's hand-off of a memory-only (step, attempt) drops every memory-only part
+of the root, of any source, of another attempt at the same or a newer step (an abandoned future:
+the job restored and saves again; a replica, which may arrive late, drops none), and ``fence(root,
+step)`` (a restore of ``step``, ``POST /v1/tiers/restored``) drops every memory-only part newer
+than ``step``.
+
+Replication (``server.replication``, a mixin of ``Tiers``): each complete own copy, of either kind,
+is pushed to the ``replicas`` daemons that follow this one in ``--peers`` (or the discovered ring)
+with the one protocol; a receiver holds it only once every object arrived whole and matches its
+crc32c, and then applies the same retention.
+
+Budget: every byte of a copy (own, replica, or one being received) is held through
+``Staging.reserve``. A hot copy that does not fit is not kept (the step is then persist-only on
+this node: one WARNING per step and ``ckptd_tier_degraded_total``); a client reserves a
+memory-only step's bytes before its hand-off (``reserve``; if any rank's daemon has no room the
+whole step is persisted instead: ``ckptd_tier_persisted_instead_total``). A lease that needs room
+reclaims copies (``_reclaim``: replicas before own copies, hot before memory-only, oldest step
+first) before a save waits; each drop is logged and counted. A copy never makes a save wait.
 
 Serving (``server.peers``; bulk reads on ``server.tierdata``, outside the HTTP server's event
 loop): objects are looked up by (root, step, attempt, key) in this table, never by a path: no
-tier route can read a file. Only complete copies are served: hot copies, replicas, and the
-memory-only parts of ``server.memsteps`` (``self.memsteps``; same reads, same data path).
-Every held object is a sealed memfd once complete (``server.sealed``; a ``bytearray`` where that
-is not available), so its descriptor can be passed to a rank on this node, which cannot change it.
+tier route can read a file. Only complete copies are served. Every held object is a sealed memfd
+once filled (``server.sealed``; a ``bytearray`` where that is not available), so its descriptor
+can be passed to a rank on this node, which cannot change it.
 
 Concurrency: one lock guards the tables; it is never held while calling into ``Staging``
 (``Staging`` calls ``reclaim`` under its own lock).
@@ -40,21 +53,38 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 from ckptd import manifest as mf
-from ckptd.server.replication import MAX_OBJECTS, PIECE_BYTES, Copy, Replication, replica_targets
+from ckptd.errors import CheckpointError
+from ckptd.server import capacity
+from ckptd.server.replication import HOT, MAX_OBJECTS, MEMORY_ONLY, PIECE_BYTES, Copy, Replication, replica_targets
 from ckptd.server.sealed import Sealed, new_buffer, seal
 from ckptd.server.staging import Staging
-from storage_backends.base import as_buffers, data_size
+from storage_backends.base import (
+    NotFoundError,
+    ObjectInfo,
+    Store,
+    as_buffers,
+    check_limit,
+    data_size,
+    resolve_range,
+)
 
-__all__ = ["Copy", "MAX_BATCH_BYTES", "MAX_BATCH_RANGES", "MAX_OBJECTS", "PIECE_BYTES", "Tiers", "replica_targets"]
+__all__ = ["Copy", "KEEP_STEPS", "MAX_BATCH_BYTES", "MAX_BATCH_RANGES", "MAX_OBJECTS", "PIECE_BYTES"]
+__all__ += ["RESERVE_TTL_S", "SELF", "Tiers", "replica_targets"]
 
 log = logging.getLogger("ckptd.tiers")
 
 MAX_BATCH_BYTES = 256 << 20  # bytes one batched tier read answers at most
 MAX_BATCH_RANGES = 4096  # ranges in one batched tier read at most
+KEEP_STEPS = {HOT: 1, MEMORY_ONLY: 2}  # steps kept per (root, kind, source): ``_retain``
+RESERVE_TTL_S = 600.0  # a memory-only reservation whose hand-off never came is released after this
+SELF = "self"  # the source of this daemon's own copies
+
+Key = tuple[str, int, str, int, str]  # (root, step, attempt, rank, source)
 
 
 class Tiers(Replication):
@@ -72,7 +102,7 @@ class Tiers(Replication):
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"peer daemon must be an http(s)://host:port URL, got {url!r} (--peers, --advertise)")
-        self.enabled = enabled  # False (--no-tiers): no hot copies, no replicas accepted
+        self.enabled = enabled  # False (--no-tiers): no copies held, no replicas accepted
         self.staging = staging
         self.peers = [p.rstrip("/") for p in peers]
         self.me = me.rstrip("/") if me else None
@@ -82,25 +112,28 @@ class Tiers(Replication):
         self.token = token
         self.timeout_s = timeout_s
         self.data_endpoint: dict | None = None  # the data path's {"port", "socket"} (``server.tierdata``)
-        self.memsteps = None  # ``server.memsteps.MemSteps``: its parts are pushed and served here too
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, int, str], Copy] = {}
-        self._hot: dict[str, Copy] = {}
-        self._replicas: dict[tuple[str, str], Copy] = {}
-        self._incoming: dict[str, Copy] = {}
-        self.counters = {
-            "degraded": 0,  # steps whose hot copy or replica did not fit the budget
-            "replicas_pushed": 0,
-            "replica_push_failures": 0,
-            "replicas_received": 0,
-            "bytes_served": 0,
-            "bytes_shared": 0,  # of bytes_served: passed as sealed memory, not sent over a socket
-            "object_requests": 0,
-            "data_requests": 0,  # of object_requests: asked on the data path (``server.tierdata``)
-            "restore_bytes_local": 0,
-            "restore_bytes_peer": 0,
-            "restore_bytes_root": 0,
-        }
+        self._held: dict[Key, Copy] = {}  # own copies (filling or complete) and complete replicas
+        self._incoming: dict[str, Copy] = {}  # replicas being received, by id
+        self._reserved: dict[tuple[str, int, str, int], tuple[int, float, int]] = {}  # -> (bytes, when, objects)
+        self.counters = dict.fromkeys(
+            (
+                "degraded",  # copies not kept, or dropped, for lack of budget, descriptors or mappings
+                "persisted_instead",  # memory-only saves refused at their reservation
+                "parts_held",
+                "replicas_pushed",
+                "replica_push_failures",
+                "replicas_received",
+                "bytes_served",
+                "bytes_shared",  # of bytes_served: passed as sealed memory, not sent over a socket
+                "object_requests",
+                "data_requests",  # of object_requests: asked on the data path (``server.tierdata``)
+                "restore_bytes_local",
+                "restore_bytes_peer",
+                "restore_bytes_root",
+            ),
+            0,
+        )
         staging.reclaim = self._reclaim
 
     # ------------------------------------------------------------------------- accounting
@@ -112,23 +145,39 @@ class Tiers(Replication):
     def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
         """Metric name -> (help, value) for ``Metrics.gauge``."""
 
-        def held(kind: str) -> Callable[[], float]:
+        def held(kind: str, own: bool) -> Callable[[], float]:
             def fn() -> float:
                 with self._lock:
-                    copies = self._hot.values() if kind == "hot" else self._replicas.values()
-                    return float(sum(c.bytes for c in copies))
+                    return float(sum(c.bytes for c in self._complete() if c.kind == kind and (c.source == SELF) == own))
 
             return fn
+
+        def memory_only() -> float:
+            with self._lock:
+                return float(sum(c.bytes for c in self._complete() if c.kind == MEMORY_ONLY))
+
+        def replicas() -> float:
+            with self._lock:
+                return float(len({(c.root, c.step, c.attempt, c.source) for c in self._complete() if c.source != SELF}))
 
         def counter(name: str) -> Callable[[], float]:
             return lambda: float(self.counters[name])
 
         return {
-            "ckptd_tier_hot_bytes": ("bytes of hot copies of committed steps held", held("hot")),
-            "ckptd_tier_replica_bytes": ("bytes of complete replicas of peers' hot copies held", held("replica")),
-            "ckptd_tier_replicas": ("complete replicas held", lambda: float(len(self._replicas))),
-            "ckptd_tier_degraded_total": ("copies not kept for lack of budget (persist only)", counter("degraded")),
-            "ckptd_tier_replicas_pushed_total": ("hot copies replicated to a peer", counter("replicas_pushed")),
+            "ckptd_tier_hot_bytes": ("bytes of hot copies of committed steps held", held(HOT, True)),
+            "ckptd_tier_replica_bytes": ("bytes of complete replicas of peers' hot copies held", held(HOT, False)),
+            "ckptd_tier_memory_only_bytes": ("bytes of memory-only steps held (own parts and replicas)", memory_only),
+            "ckptd_tier_replicas": ("complete replicas held (one per peer's step, of either kind)", replicas),
+            "ckptd_tier_degraded_total": (
+                "copies not kept or dropped for room (budget, descriptors or mappings)",
+                counter("degraded"),
+            ),
+            "ckptd_tier_persisted_instead_total": (
+                "memory-only saves that did not fit and were persisted instead",
+                counter("persisted_instead"),
+            ),
+            "ckptd_tier_parts_held_total": ("ranks' parts of memory-only steps held", counter("parts_held")),
+            "ckptd_tier_replicas_pushed_total": ("copies pushed to a peer (either kind)", counter("replicas_pushed")),
             "ckptd_tier_replica_push_failures_total": ("replica pushes that failed", counter("replica_push_failures")),
             "ckptd_tier_bytes_served_total": ("tier bytes served to restoring ranks", counter("bytes_served")),
             "ckptd_tier_object_requests_total": ("ranged reads of tier objects asked", counter("object_requests")),
@@ -161,77 +210,141 @@ class Tiers(Replication):
             self.counters["restore_bytes_peer"] += peer
             self.counters["restore_bytes_root"] += root
 
-    def _release(self, copies: list[Copy]) -> None:
-        """Give the budget of dropped copies back (outside the lock)."""
-        for c in copies:
-            if c.bytes:
-                self.staging.unreserve(c.bytes)
+    # --------------------------------------------------------------- budget and retention
 
-    def _drop(self, c: Copy) -> Copy:
-        """Mark ``c`` dropped and forget its bytes. Holds the lock; release it after."""
-        c.dropped = True
-        c.objects.clear()
-        return c
+    def _release(self, copies: list[Copy]) -> None:
+        """Drop ``copies`` (already out of the table) and give their budget back (outside the lock)."""
+        for c in copies:
+            c.dropped = True
+            c.objects.clear()
+            n, c.bytes = c.bytes, 0
+            if n:
+                self.staging.unreserve(n)
+
+    def _take(self, keys) -> list[Copy]:
+        """Under the lock: take ``keys`` out of the table (release them after)."""
+        return [self._held.pop(k) for k in list(keys)]
+
+    def _complete(self) -> Iterator[Copy]:
+        return (c for c in self._held.values() if c.complete and not c.dropped)
+
+    def _retain(self, root: str, kind: str, source: str) -> list[Copy]:
+        """Under the lock: the retention rule (module doc). Of the complete copies of ``kind``
+        that ``source`` made of ``root``, those of the newest ``KEEP_STEPS[kind]`` steps stay;
+        the others are taken out of the table and returned (the caller releases them)."""
+        mine = [k for k, c in self._held.items() if k[0] == root and k[4] == source and c.kind == kind and c.complete]
+        keep = sorted({k[1] for k in mine}, reverse=True)[: KEEP_STEPS[kind]]
+        return self._take(k for k in mine if k[1] not in keep)
 
     def _reclaim(self, nbytes: int) -> int:
-        """Called by Staging under its lock when a lease needs room: drop copies (incoming and
-        replicas, then pending, then hot) until ``nbytes`` are freed; return the bytes freed
-        (Staging takes them off its reservation itself)."""
+        """Called by Staging under its lock when a lease needs room: drop copies (being received,
+        then replicas before own copies, hot before memory-only, oldest step first) until
+        ``nbytes`` are freed; return the bytes freed (Staging takes them off its reservation
+        itself). A memory-only part being written is not taken: its client reserved its room."""
+
+        def order(kc: tuple[Key, Copy]) -> tuple[int, int]:
+            (_, step, _, _, source), c = kc
+            own = source == SELF
+            if c.kind == HOT:
+                return (0 if not own else 1 if not c.complete else 2), step
+            return (3 if not own else 4), step
+
         freed = 0
         with self._lock:
-            order = [
-                *[(self._incoming, k) for k in self._incoming],
-                *[(self._replicas, k) for k in self._replicas],
-                *[(self._pending, k) for k in self._pending],
-                *[(self._hot, k) for k in self._hot],
-            ]
-            for table, k in order:
+            candidates = [(rid, c) for rid, c in self._incoming.items()]
+            candidates += sorted(
+                ((k, c) for k, c in self._held.items() if c.kind == HOT or c.complete or c.source != SELF), key=order
+            )
+            for k, c in candidates:
                 if freed >= nbytes:
                     break
-                c = table.pop(k)
+                (self._incoming if isinstance(k, str) else self._held).pop(k)
                 freed += c.bytes
                 c.bytes = 0
-                self._drop(c)
+                c.dropped = True
+                c.objects.clear()
                 self.counters["degraded"] += 1
                 log.warning(
-                    "dropping the memory-tier copy of %s step %d (from %s): a save needs the staging memory",
+                    "dropping the %s copy of %s step %d (rank %d, from %s): a save needs the staging memory",
+                    c.kind,
                     c.root,
                     c.step,
+                    c.rank,
                     c.source,
                 )
         return freed
 
-    # ---------------------------------------------------------------------------- hot copy
+    def fence(self, root: str, step: int) -> int:
+        """A job of ``root`` restored ``step``: drop every memory-only part newer than it (of the
+        abandoned trajectory). Returns how many parts were dropped."""
+        with self._lock:
+            newer = [k for k, c in self._held.items() if k[0] == root and k[1] > step and c.kind == MEMORY_ONLY]
+            gone = self._take(newer)
+        self._release(gone)
+        if gone:
+            log.info("memory-only steps of %s newer than restored step %d dropped (%d parts)", root, step, len(gone))
+        return len(gone)
 
-    def recorder(self, root: str, step: int, attempt: str, rank: int) -> Callable[[str, object], None]:
-        """A function the upload calls with every (key, data) it put; shard objects are copied."""
-        prefix = f"{mf.step_dir(step)}/{mf.ARRAYS}/"
+    # ------------------------------------------------------------------ own copies: the tee
+
+    def recorder(self, root: str, step: int, attempt: str, rank: int, kind: str = HOT) -> Callable[[str, object], None]:
+        """The upload tee: a function the write path calls with every (key, data) it put. A hot
+        copy takes the step's shard objects, and a copy that does not fit is dropped for the
+        whole (root, step, attempt) on this node (never a failed save); a memory-only part takes
+        every object of the step's folder, and a put that cannot be held raises CheckpointError."""
+        k = (root, step, attempt, rank, SELF)
+        with self._lock:
+            c = self._held.get(k)
+            if c is None or c.complete or c.kind != kind:  # a retried upload reuses its copy
+                old = [self._held.pop(k)] if c is not None else []
+                c = self._held[k] = Copy(root, step, attempt, SELF, rank=rank, kind=kind)
+                c.degraded = kind == HOT and any(x.degraded for x in self._group(root, step, attempt))
+            else:
+                old = []
+        self._release(old)
+        prefix = f"{mf.step_dir(step)}/" + (f"{mf.ARRAYS}/" if kind == HOT else "")
 
         def tee(key: str, data) -> None:
-            if key.startswith(prefix):
-                try:
-                    self._add_pending(root, step, attempt, rank, key, data)
-                except Exception:  # noqa: BLE001 - a copy must never fail a save
-                    log.exception("memory tier: cannot copy %s", key)
+            if not key.startswith(prefix):
+                return
+            if kind == MEMORY_ONLY:
+                why = self._put(c, key, data)
+                if why is not None:
+                    raise CheckpointError(f"memory-only step {step}: rank {rank}'s part cannot be held: {why}")
+                return
+            try:
+                why = self._put(c, key, data)
+            except Exception as e:  # noqa: BLE001 - a copy must never fail a save
+                log.exception("memory tier: cannot copy %s", key)
+                why = repr(e)
+            if why is not None:
+                self._degrade(c, why)
 
         return tee
 
-    def _add_pending(self, root: str, step: int, attempt: str, rank: int, key: str, data) -> None:
+    def _group(self, root: str, step: int, attempt: str) -> list[Copy]:
+        """Under the lock: this node's unfinished hot copies of (root, step, attempt), every rank."""
+        return [
+            c
+            for (r, s, a, _, src), c in self._held.items()
+            if (r, s, a, src) == (root, step, attempt, SELF) and c.kind == HOT and not c.complete
+        ]
+
+    def _put(self, c: Copy, key: str, data) -> str | None:
+        """Copy ``data`` into sealed memory as ``key`` of ``c``; None, or why it was not kept."""
         n = data_size(data)
-        gid = (root, step, attempt)
         with self._lock:
-            group = self._pending.setdefault(gid, Copy(root, step, attempt, "self"))
-            group.ranks.add(rank)
-            if group.degraded:
-                return
-            old = group.objects.pop(key, None)  # a retried put
+            if c.dropped and c.kind == MEMORY_ONLY:
+                return "it was dropped (a save needed its room, or a newer hand-off came)"
+            if c.degraded or c.dropped:  # a hot copy not kept: its puts go nowhere
+                return None
+            old = c.objects.pop(key, None)  # a retried put
             if old is not None:
-                group.bytes -= len(old)
+                c.bytes -= len(old)
         if old is not None:
             self.staging.unreserve(len(old))
         if not self.staging.reserve(n):
-            self._degrade(gid, f"{n} more bytes do not fit the staging budget")
-            return
+            return f"{n} more bytes do not fit the staging budget"
         try:
             buf = new_buffer(n)
             pos = 0
@@ -239,120 +352,199 @@ class Tiers(Replication):
                 buf[pos : pos + v.nbytes] = v.cast("B")
                 pos += v.nbytes
             buf = seal(buf)
-        except OSError as e:  # no descriptor or memory left: not kept, never a failed save
+        except OSError as e:  # no descriptor or memory left
             self.staging.unreserve(n)
-            self._degrade(gid, f"cannot hold {key} in memory ({e.strerror or e})")
-            return
+            return f"cannot hold {key} in memory ({e.strerror or e})"
         with self._lock:
-            if not group.dropped and not group.degraded:
-                group.objects[key] = buf
-                group.bytes += n
-                return
+            if not c.dropped and not c.degraded:
+                c.objects[key] = buf
+                c.bytes += n
+                return None
         self.staging.unreserve(n)
+        return None
 
-    def _degrade(self, gid: tuple[str, int, str], why: str) -> None:
+    def _degrade(self, c: Copy, why: str) -> None:
+        """A hot copy did not fit: none is kept of its (root, step, attempt) on this node."""
         with self._lock:
-            group = self._pending.get(gid)
-            if group is None or group.degraded:
-                return
-            group.degraded = True
-            freed, group.bytes = group.bytes, 0
-            group.objects.clear()
-            self.counters["degraded"] += 1
-        log.warning(
-            "memory tier: no hot copy of %s step %d on this node (%s): the step is persist-only here",
-            gid[0],
-            gid[1],
-            why,
-        )
+            group = self._group(c.root, c.step, c.attempt)
+            first = not any(x.degraded for x in group)
+            freed = 0
+            for x in group:
+                x.degraded = True
+                freed, x.bytes = freed + x.bytes, 0
+                x.objects.clear()
+            if first:
+                self.counters["degraded"] += 1
+        if first:
+            log.warning(
+                "memory tier: no hot copy of %s step %d on this node (%s): the step is persist-only here",
+                c.root,
+                c.step,
+                why,
+            )
         if freed:
             self.staging.unreserve(freed)
 
     def committed(self, root: str, step: int, attempt: str) -> None:
-        """A job of (root, step, attempt) committed: its group becomes the root's hot copy, the
-        older one is released, and the new one is pushed to the peers."""
-        release: list[Copy] = []
+        """A job of (root, step, attempt) committed: this node's copies of it (every rank) become
+        the root's hot copy, older ones go by the retention rule, and it is pushed to the peers."""
         with self._lock:
-            group = self._pending.pop((root, step, attempt), None)
-            if group is None:
+            group = self._group(root, step, attempt)
+            if not group:
                 return  # promoted by another job of the group, or never recorded
-            for gid in [g for g in self._pending if g[0] == root and g[1] <= step]:
-                release.append(self._drop(self._pending.pop(gid)))
-            old = self._hot.get(root)
-            if group.degraded or (old is not None and old.step >= step):
-                release.append(self._drop(group))
-                group = None
-            else:
-                if old is not None:
-                    release.append(self._drop(self._hot.pop(root)))
-                group.complete = True
-                self._hot[root] = group
+            stale = [  # other attempts' copies of this step or older: never committed
+                k
+                for k, c in self._held.items()
+                if (k[0], k[4], c.kind) == (root, SELF, HOT) and k[1] <= step and not c.complete and c not in group
+            ]
+            release = self._take(stale)
+            if any(c.degraded for c in group):
+                release += self._take(k for k, c in self._held.items() if c in group)
+                group = []
+            for c in group:
+                c.complete = True
+            release += self._retain(root, HOT, SELF)
         self._release(release)
-        if group is not None:
+        group = [c for c in group if not c.dropped]
+        if group:
             log.info(
                 "memory tier: hot copy of %s step %d (%d objects, %d bytes, ranks %s)",
                 root,
                 step,
-                len(group.objects),
-                group.bytes,
-                sorted(group.ranks),
+                sum(len(c.objects) for c in group),
+                sum(c.bytes for c in group),
+                sorted(c.rank for c in group),
             )
             self.push_later(group)
 
-    def failed(self, root: str, step: int, attempt: str) -> None:
-        """A job of (root, step, attempt) failed: its step is not this attempt's; drop the copies."""
+    def failed(self, root: str, step: int, attempt: str, rank: int | None = None) -> None:
+        """A job of (root, step, attempt) failed: drop this node's unfinished copies of it (of
+        ``rank`` alone when given: a memory-only part that could not be held)."""
         with self._lock:
-            group = self._pending.pop((root, step, attempt), None)
-            if group is not None:
-                self._drop(group)
-        if group is not None:
-            self._release([group])
+            gone = self._take(
+                k
+                for k, c in self._held.items()
+                if k[:3] == (root, step, attempt) and k[4] == SELF and not c.complete and rank in (None, k[3])
+            )
+        self._release(gone)
+
+    # ---------------------------------------------------------------- memory-only parts
+
+    def holder(self, root: str, step: int, attempt: str, rank: int) -> Store:
+        """The store rank's part of memory-only (root, step, attempt) is written into (its
+        reservation is released: each put now holds its own bytes)."""
+        self.release_reservation(root, step, attempt, rank)
+        tee = self.recorder(root, step, attempt, rank, MEMORY_ONLY)
+        with self._lock:
+            c = self._held[(root, step, attempt, rank, SELF)]
+        return _Holding(self, c, tee)
+
+    def held(self, root: str, step: int, attempt: str, rank: int) -> None:
+        """Rank's part written into ``holder``'s store is complete: keep it (retention) and push
+        it to the peers. CheckpointError when it was dropped meanwhile or has no done record."""
+        k = (root, step, attempt, rank, SELF)
+        with self._lock:
+            c = self._held.get(k)
+            if c is None or c.dropped:
+                raise CheckpointError(f"memory-only step {step}: rank {rank}'s part was dropped while it was written")
+            if not any(f"/{mf.DONE}/" in key for key in c.objects):
+                raise CheckpointError(f"memory-only step {step}: rank {rank} wrote no done record")
+            # A hand-off is the job's present: every part of this root (any source) of another
+            # attempt at this step or newer is an abandoned future or the same step saved again.
+            release = self._take(
+                j
+                for j, x in self._held.items()
+                if j[0] == root and j[1] >= step and j[2] != attempt and x.kind == MEMORY_ONLY and x.complete
+            )
+            c.complete = True
+            release += self._retain(root, MEMORY_ONLY, SELF)
+            self.counters["parts_held"] += 1
+        self._release(release)
+        n = len(c.objects)
+        log.info("memory-only step %d of %s: rank %d held (%d objects, %d bytes)", step, root, rank, n, c.bytes)
+        self.push_later([c])
+
+    def reserve(self, root: str, step: int, attempt: str, rank: int, nbytes: int, objects: int = 0) -> bool:
+        """Hold ``nbytes`` for rank's part of a memory-only step before its hand-off; False (and
+        counted, logged) when it does not fit the staging budget, or its ``objects`` do not fit
+        what the daemon's descriptors and mappings let the tier hold (``server.capacity``): the
+        job then persists the step instead, rather than failing the save at hold time."""
+        self._expire_reservations()
+        key = (root, step, attempt, rank)
+        with self._lock:
+            old = self._reserved.pop(key, None)
+            pending = sum(n for _, _, n in self._reserved.values())  # objects other reservations hold
+        if old is not None:
+            self.staging.unreserve(old[0])
+        room = capacity.room()
+        why = None
+        if not self.enabled:
+            why = "this daemon keeps no memory tier"
+        elif room is not None and objects > room - pending:
+            why = f"its {objects} objects do not fit the {max(0, room - pending)} the daemon's limits leave"
+        elif not self.staging.reserve(nbytes):
+            why = "it does not fit the staging budget"
+        if why is not None:
+            self.count("persisted_instead")
+            log.warning(
+                "memory-only step %d of %s (rank %d, %d bytes): %s: the step is persisted to the job root instead",
+                step,
+                root,
+                rank,
+                nbytes,
+                why,
+            )
+            return False
+        with self._lock:
+            self._reserved[key] = (nbytes, time.monotonic(), objects)
+        return True
+
+    def release_reservation(self, root: str, step: int, attempt: str, rank: int) -> int:
+        with self._lock:
+            got = self._reserved.pop((root, step, attempt, rank), None)
+        if got is not None:
+            self.staging.unreserve(got[0])
+            return got[0]
+        return 0
+
+    def _expire_reservations(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [k for k, (_, t, _) in self._reserved.items() if now - t > RESERVE_TTL_S]
+            gone = [self._reserved.pop(k)[0] for k in old]
+        for n in gone:
+            self.staging.unreserve(n)
 
     # ----------------------------------------------------------------------------- serving
 
-    def _copies(self, root: str, parts: list[Copy]) -> list[Copy]:
-        """Under the lock: every copy of ``root`` that may serve (hot first, then replicas, then
-        the memory-only ``parts``, taken from ``server.memsteps`` before the lock)."""
-        out = [c for c in [self._hot.get(root)] if c is not None]
-        return out + [c for (r, _), c in self._replicas.items() if r == root] + parts
-
-    def _parts(self, root: str, step: int, attempt: str) -> list[Copy]:
-        """The memory-only parts of exactly (root, step, attempt) (outside the lock)."""
-        return [] if self.memsteps is None else self.memsteps.copies(root, step, attempt)
-
     def holding(self, root: str, step: int, attempt: str) -> list[Copy]:
-        """The complete copies (hot first; memory-only parts last) of exactly (root, step, attempt)."""
-        parts = self._parts(root, step, attempt)
+        """The complete copies of exactly (root, step, attempt): own hot copies first, then
+        replicas, then memory-only parts."""
         with self._lock:
-            out = self._copies(root, parts)
-            return [c for c in out if c.complete and not c.dropped and c.step == step and c.attempt == attempt]
+            out = [c for (r, s, a, _, _), c in self._held.items() if (r, s, a) == (root, step, attempt)]
+        out = [c for c in out if c.complete and not c.dropped]
+        return sorted(out, key=lambda c: (c.kind != HOT, c.source != SELF))
 
     def keys(self, root: str, step: int, attempt: str) -> list[str]:
-        found: set[str] = set()
-        for c in self.holding(root, step, attempt):
-            found.update(c.objects)
-        return sorted(found)
+        return sorted({k for c in self.holding(root, step, attempt) for k in c.objects})
+
+    def _find(self, root: str, step: int, attempt: str, key: str):
+        return next((buf for c in self.holding(root, step, attempt) if (buf := c.objects.get(key)) is not None), None)
 
     def read(self, root: str, step: int, attempt: str, key: str, start: int, length: int) -> memoryview | None:
         """``length`` bytes at ``start`` (negative: from the end) of a held object, as a read-only
         view of the copy (no copy: a held object is never written again, and a dropped copy's
         buffer lives on while a reply still sends from it); None when no complete copy of
         (root, step, attempt) holds ``key``; ValueError for a range past its end."""
-        parts = self._parts(root, step, attempt)
-        with self._lock:
-            for c in self._copies(root, parts):
-                if not c.complete or c.dropped or c.step != step or c.attempt != attempt:
-                    continue
-                buf = c.objects.get(key)
-                if buf is None:
-                    continue
-                size = len(buf)
-                begin = size + start if start < 0 else start
-                if begin < 0 or length < 0 or begin + length > size:
-                    raise ValueError(f"range {start}+{length} is outside {key!r} ({size} bytes)")
-                self.counters["bytes_served"] += length
-                return memoryview(buf).toreadonly()[begin : begin + length]
-        return None
+        buf = self._find(root, step, attempt, key)
+        if buf is None:
+            return None
+        size = len(buf)
+        begin = size + start if start < 0 else start
+        if begin < 0 or length < 0 or begin + length > size:
+            raise ValueError(f"range {start}+{length} is outside {key!r} ({size} bytes)")
+        self.count("bytes_served", length)
+        return memoryview(buf).toreadonly()[begin : begin + length]
 
     def read_many(
         self, root: str, step: int, attempt: str, ranges: list[tuple[str, int, int]]
@@ -375,33 +567,106 @@ class Tiers(Replication):
         """The sealed buffers of ``keys`` of the complete copies of (root, step, attempt), whose
         descriptors may be passed to a reader (``server.tierdata``); None when a key is not held
         or its copy is not a sealed memfd (not Linux, or an empty object)."""
-        out = []
-        parts = self._parts(root, step, attempt)
+        out = [self._find(root, step, attempt, key) for key in keys]
+        if not all(isinstance(buf, Sealed) and buf.sealed for buf in out):
+            return None
+        n = sum(len(b) for b in out)
         with self._lock:
-            copies = [c for c in self._copies(root, parts) if c.complete and not c.dropped]
-            for key in keys:
-                buf = next(
-                    (c.objects[key] for c in copies if c.step == step and c.attempt == attempt and key in c.objects),
-                    None,
-                )
-                if not isinstance(buf, Sealed) or not buf.sealed:
-                    return None
-                out.append(buf)
-            self.counters["bytes_served"] += sum(len(b) for b in out)
-            self.counters["bytes_shared"] += sum(len(b) for b in out)
-        return out
+            self.counters["bytes_served"] += n
+            self.counters["bytes_shared"] += n
+        return out  # type: ignore[return-value]
 
-    def describe(self, root: str | None = None) -> dict:
+    def describe(self, root: str | None = None, step: int | None = None, attempt: str | None = None, keys=False):
+        """What ``GET /v1/tiers`` answers: the complete copies held (of ``root``, and of exactly
+        ``step`` and ``attempt`` when given): ``hot`` (this node's, one entry per step with its
+        ranks) and ``replicas`` (one per source and step) of hot copies, ``memory_only`` (one per
+        rank's part); with ``keys``, each with its objects and their sizes. And the ring, the
+        budget held and the data path."""
+        groups: dict[tuple, dict] = {}
+        parts: list[dict] = []
         with self._lock:
-            hot = [c.info() for r, c in self._hot.items() if root is None or r == root]
-            reps = [c.info() for (r, _), c in self._replicas.items() if root is None or r == root]
+            for (r, s, a, _, _), c in self._held.items():
+                if not c.complete or c.dropped or (root is not None and r != root):
+                    continue
+                if (step is not None and s != step) or (attempt is not None and a != attempt):
+                    continue
+                d = c.info() | ({"keys": {k: len(v) for k, v in c.objects.items()}} if keys else {})
+                if c.kind == MEMORY_ONLY:
+                    parts.append(d)
+                    continue
+                g = groups.get(gid := (r, s, a, c.source))
+                if g is None:
+                    groups[gid] = d
+                    continue
+                g["ranks"] = sorted(g["ranks"] + d["ranks"])
+                g["bytes"] += d["bytes"]
+                g["objects"] += d["objects"]
+                g.get("keys", {}).update(d.get("keys", {}))
+                for peer, how in d["replicated_to"].items():
+                    if g["replicated_to"].get(peer, "complete") == "complete":
+                        g["replicated_to"][peer] = how
+        copies = sorted(groups.values(), key=lambda g: (g["root"], g["step"], g["source"]))
+        for g in copies:
+            g.pop("rank")
         return {
             "peers": self.peers,
             "advertise": self.me,
             "replicate_to": self.targets,
-            "hot": hot,
-            "replicas": reps,
+            "hot": [g for g in copies if g["source"] == SELF],
+            "replicas": [g for g in copies if g["source"] != SELF],
+            "memory_only": sorted(parts, key=lambda p: (p["root"], p["step"], p["rank"], p["source"])),
             "reserved_bytes": self.staging.reserved_bytes,
             "data": self.data_endpoint,
             **({"discovery": self.discovery.describe()} if self.discovery is not None else {}),
         }
+
+
+class _Holding(Store):
+    """The store a memory-only part is written into by the one write path: every put is the
+    tee (one copy, into sealed memory); ``persist``'s own reads (its commit rules) read it back."""
+
+    def __init__(self, tiers: Tiers, c: Copy, tee: Callable[[str, object], None]):
+        self._tiers, self._c, self._tee = tiers, c, tee
+        self.uri = f"memory tier [{c.root} step {c.step} rank {c.rank}]"
+
+    def _buf(self, key: str):
+        buf = self._c.objects.get(key)
+        if buf is None:
+            raise NotFoundError(f"{self.uri}: no object {key!r}")
+        return buf
+
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        buf = self._buf(key)
+        check_limit(self.uri, key, len(buf), limit)
+        return bytes(buf)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        buf = self._buf(key)
+        begin = resolve_range(self.uri, key, start, length, len(buf))
+        return bytes(buf[begin : begin + length])
+
+    def put(self, key: str, data) -> None:
+        self._tee(key, data)
+
+    def put_if_absent(self, key: str, data) -> bool:
+        if key in self._c.objects:
+            return False
+        self._tee(key, data)
+        return True
+
+    def delete(self, key: str) -> None:
+        with self._tiers._lock:
+            buf = self._c.objects.pop(key, None)
+            if buf is not None:
+                self._c.bytes -= len(buf)
+        if buf is not None:
+            self._tiers.staging.unreserve(len(buf))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for k in sorted(k for k in list(self._c.objects) if k.startswith(prefix)):
+            yield ObjectInfo(k, len(self._c.objects.get(k, b"")), 0.0)
+
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+        rest = [info.key[len(prefix) :].partition("/") for info in self.list(prefix)]
+        return [h for h, sep, _ in rest if not sep], sorted({h for h, sep, _ in rest if sep})

@@ -96,7 +96,7 @@ def _hostile(root: str, lease: str) -> list[tuple[str, str, dict]]:
         ("GET", f"/v1/overview?offset={HUGE}", {}),
         ("GET", f"/v1/page?offset={HUGE}", {}),
         ("POST", f"/v1/page/verify?root={r}&step={HUGE}", {"headers": {"X-Ckptd-Page": "1"}}),
-        ("POST", "/v1/memsteps/reserve", _json(tier | {"rank": 0, "bytes": "@huge"})),
+        ("POST", "/v1/tiers/reserve", _json(tier | {"rank": 0, "bytes": "@huge"})),
         ("POST", "/v1/tiers/restored", {"content": b"[" * 300_000, "headers": {"Content-Type": "application/json"}}),
     ]
 

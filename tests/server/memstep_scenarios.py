@@ -63,10 +63,13 @@ def save_memory(
     return {}
 
 
-def restore_position(daemon: str, root: str, out: str, ref: str, seed: int = 123) -> dict:
-    """Restore through ``daemon`` (this node's) into a differently initialised state at this
-    world size; compare with ``ref`` bitwise; report the step, the data position and the bytes
-    read per tier."""
+def restore_position(daemon: str | list[str], root: str, out: str, ref: str, seed: int = 123) -> dict:
+    """Restore through ``daemon`` (this node's; a list: ranks split evenly over it) into a
+    differently initialised state at this world size; compare with ``ref`` bitwise; report the
+    step, the data position and the bytes read per tier."""
+    if isinstance(daemon, list):
+        rank, ws = world()
+        daemon = daemon[rank * len(daemon) // ws]
     state, _, _ = make_state("fsdp", seed)
     state["extra"]["position"] = torch.tensor([-1], dtype=torch.int64)
     with Checkpointer(root, daemon=daemon) as ck:

@@ -261,7 +261,7 @@ def test_a_forged_record_never_gets_the_token_nor_replica_bytes(tmp_path):
         # Nor is it named to restoring ranks, which would send it their token.
         for d in (a, b):
             assert relay.url not in _tiers(d)["peers"]
-            status, body = d.get(f"/v1/tiers/keys?root={root}&step=1&attempt=x", TOKEN)
+            status, body = d.get(f"/v1/tiers?root={root}&step=1&attempt=x&keys=true", TOKEN)
             assert status == 200 and relay.url not in body["peers"], body
         assert "wrong challenge answer" in _log(a)
     finally:

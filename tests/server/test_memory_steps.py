@@ -1,4 +1,4 @@
-"""Memory-only steps (``Checkpointer(..., persist_every=K)``, ``ckptd.server.memsteps``,
+"""Memory-only steps (``Checkpointer(..., persist_every=K)``, ``ckptd.server.tiers``,
 ``trainer_hooks.memsteps``) with real daemons on loopback as 2 nodes (each its own staging
 folder and port, one token): a 4-rank gloo job, 2 ranks per node, saves every step, persisting
 every 5th (steps 1..7: step 5 in the job root, the others in the daemons' memory only).
@@ -50,9 +50,9 @@ def _run(world: int, scenario: str, out: Path, **args) -> list[dict]:
 
 
 def _parts(d: Daemon, root: str) -> list[dict]:
-    status, body = d.get(f"/v1/memsteps?root={root}", TOKEN)
+    status, body = d.get(f"/v1/tiers?root={root}&keys=true", TOKEN)
     assert status == 200, body
-    return body["parts"]  # type: ignore[index]
+    return body["memory_only"]  # type: ignore[index]
 
 
 def _post(d: Daemon, path: str, body: dict, token: str | None = TOKEN) -> int:
@@ -243,6 +243,25 @@ def test_the_documented_daemon_path_survives_a_node_loss(tmp_path):
                 d.kill()
 
 
+def test_each_rank_reads_its_own_nodes_parts_through_its_socket(tmp_path):
+    """Ranks that reach their node's daemon on its Unix socket (an address only that node can
+    use) still read their own node's parts as this node's: mapped from its sealed memory, not
+    through another node's address. Each rank's restore reads local bytes."""
+    root, a, b, urls = _setup(tmp_path)
+    out = tmp_path / "out"
+    try:
+        args = {"daemons": [a.url, b.url], "root": root, "last": LAST, "persist_every": EVERY, "hang": False}
+        _run(4, "save_memory", out, **args)
+        wait_for(lambda: _has(a, root, LAST, {2, 3}, urls[1]) and _has(b, root, LAST, {0, 1}, urls[0]), "replicas", 120)
+        ref = str(out / f"ref_step{LAST}.pt")
+        res = _run(4, "restore_position", out / "r4", daemon=[a.socket_url, b.socket_url], root=root, ref=ref)
+        _restored(res, LAST)
+        assert all(r["tiers"]["root"] == 0 and r["tiers"]["local"] > 0 for r in res), [r["tiers"] for r in res]
+    finally:
+        a.kill()
+        b.kill()
+
+
 def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
     root, a, b, urls = _setup(tmp_path)
     out = tmp_path / "out"
@@ -271,8 +290,8 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
 
         # The routes need the token; a pushed part holds objects of its step's folder only,
         # never a commit record.
-        assert a.get(f"/v1/memsteps?root={root}")[0] == 401
-        assert a.get(f"/v1/memsteps?root={root}", "wrong")[0] == 401
+        assert a.get(f"/v1/tiers?root={root}&keys=true")[0] == 401
+        assert a.get(f"/v1/tiers?root={root}&keys=true", "wrong")[0] == 401
         # (One protocol: a part is pushed on the tier's replica route, kind memory_only.)
         part = {"root": root, "step": 9, "attempt": "x", "kind": "memory_only", "ranks": [0], "source": "http://evil"}
         for key in ("step_0000000008/arrays/a", "step_0000000009/../x", f"{mf.step_dir(9)}/{mf.COMMIT}"):
@@ -301,7 +320,7 @@ def test_a_memory_only_step_that_does_not_fit_is_persisted_instead(tmp_path):
     try:
         _run(2, "save_memory", tmp_path / "out", daemons=[d.url], root=root, last=2, persist_every=EVERY, hang=False)
         assert catalog.committed_steps(open_store(root)) == [1, 2]
-        assert d.metric("ckptd_memsteps_persisted_instead_total", TOKEN) >= 2
+        assert d.metric("ckptd_tier_persisted_instead_total", TOKEN) >= 2
         assert "is persisted to the job root instead" in d.logs()
         assert _parts(d, root) == []
     finally:

@@ -1,4 +1,4 @@
-"""A memory-only step's reservation (``POST /v1/memsteps/reserve``) takes room in the staging
+"""A memory-only step's reservation (``POST /v1/tiers/reserve``) takes room in the staging
 budget, as a staging lease does, so it follows the lease rule of ``server.tenancy``: a caller
 the kernel did not name (TCP without ``--trust-tcp``) or another identity's root is refused (403),
 else another local user could hold the budget or replace a tenant's reservation."""
@@ -32,7 +32,7 @@ def test_a_memory_only_reservation_follows_the_lease_rule(tmp_path):
     try:
         body = {"root": root, "step": 3, "attempt": "a1", "rank": 0, "bytes": 1 << 20, "objects": 4}
         req = urllib.request.Request(
-            d.url + "/v1/memsteps/reserve",
+            d.url + "/v1/tiers/reserve",
             json.dumps(body).encode(),
             {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
         )

@@ -41,9 +41,9 @@ def held(tmp_path_factory):
         hot = _tiers(d)["hot"]
         assert [h["step"] for h in hot] == [1], hot
         attempt = hot[0]["attempt"]
-        code, body = d.get(f"/v1/tiers/keys?root={quote(root, safe='')}&step=1&attempt={attempt}", TOKEN)
+        code, body = d.get(f"/v1/tiers?root={quote(root, safe='')}&step=1&attempt={attempt}&keys=true", TOKEN)
         assert code == 200 and body["data"]["port"] > 0, body
-        yield d, root, attempt, body["keys"], body["data"], tmp
+        yield d, root, attempt, sorted(body["hot"][0]["keys"]), body["data"], tmp
     finally:
         d.kill()
 

@@ -134,7 +134,7 @@ def test_memory_only_steps_past_the_descriptor_limit_are_persisted_instead(tmp_p
                 ck.save(s, state).result()  # never a failed save
         logs = d.logs()
         assert "do not fit the" in logs and "persisted to the job root instead" in logs, logs
-        assert d.metric("ckptd_memsteps_persisted_instead_total", TOKEN) >= 2
+        assert d.metric("ckptd_tier_persisted_instead_total", TOKEN) >= 2
         assert "memory-only step: " not in logs, logs  # no part failed at hold time
         with Checkpointer(root) as ck:  # steps 1 and 3, meant to be memory-only, are in the root
             for s, state in states.items():

@@ -90,7 +90,7 @@ class _CorruptingPeer:
                 conn.request(method, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = bytearray(resp.read())
-                if resp.status == 200 and self.path.startswith("/v1/tiers/keys"):
+                if resp.status == 200 and self.path.startswith("/v1/tiers?"):
                     # no data path advertised: the reader comes through this proxy (HTTP)
                     data = bytearray(json.dumps({**json.loads(data), "data": None}).encode())
                 if resp.status == 200 and data and self.path.startswith(("/v1/tiers/object", "/v1/tiers/read")):
@@ -167,7 +167,7 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
 
         # Security: the tier routes need the token.
         assert _get(a.url, "/v1/tiers", token=None)[0] == 401
-        assert _get(a.url, f"/v1/tiers/keys?root={root}&step=2&attempt=x", token="wrong")[0] == 401
+        assert _get(a.url, f"/v1/tiers?root={root}&step=2&attempt=x&keys=true", token="wrong")[0] == 401
 
         # Node b fails: its daemon and its ranks are SIGKILLed; the job's other ranks go too
         # (the job restarts at a smaller world size).

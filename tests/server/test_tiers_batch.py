@@ -64,9 +64,9 @@ def test_tier_reads_are_batched(tmp_path):
         attempt = rep["attempt"]
         status, raw, _ = _post(c.url, "/v1/tiers/read", {"root": root, "step": 1, "attempt": attempt, "ranges": []})
         assert status == 400, raw  # at least one range
-        code, body = c.get(f"/v1/tiers/keys?root={quote(root, safe='')}&step=1&attempt={attempt}", TOKEN)
+        code, body = c.get(f"/v1/tiers?root={quote(root, safe='')}&step=1&attempt={attempt}&keys=true", TOKEN)
         assert code == 200, body
-        keys = body["keys"]
+        keys = sorted(body["replicas"][0]["keys"])
         assert len(keys) >= 4, keys
 
         # The batch answers the concatenation of exactly the ranges asked for.

@@ -96,9 +96,9 @@ def test_replica_protocol_and_reads_refuse_what_is_not_the_committed_copy(tmp_pa
         assert _read(d.url, root, attempt="att0")[0] == 404  # a stale attempt of the same step
         assert _read(d.url, root, start=4, length=8)[0] == 416
         q = urllib.parse.urlencode({"root": root, "step": 2, "attempt": "att1"})
-        status, raw, _ = _call(d.url, "GET", f"/v1/tiers/keys?{q}")
-        assert json.loads(raw)["keys"] == [KEY]
-        assert _call(d.url, "GET", f"/v1/tiers/keys?{q}", token=None)[0] == 401
+        status, raw, _ = _call(d.url, "GET", f"/v1/tiers?{q}&keys=true")
+        assert list(json.loads(raw)["replicas"][0]["keys"]) == [KEY]
+        assert _call(d.url, "GET", f"/v1/tiers?{q}&keys=true", token=None)[0] == 401
 
 
 def test_full_budget_degrades_to_persist_only(tmp_path):
@@ -188,3 +188,22 @@ def test_a_reader_refuses_bytes_of_another_step_or_attempt():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_hot_copy_dropped_for_room_takes_later_puts_silently(tmp_path):
+    """A lease reclaims a hot copy while its upload still puts: the rest of its puts are not
+    kept and count no further drop (one per copy, not one per object)."""
+    staging = Staging(tmp_path / "staging", budget=1000)
+    try:
+        tiers = Tiers(staging, [], None, 0, None)
+        tee = tiers.recorder("file:///job", 5, "att", 0)
+        tee("step_0000000005/arrays/w/c/0", b"x" * 600)
+        staging.create("file:///job", 0, 700, 700, "client-1")  # takes the copy's room
+        assert tiers.counters["degraded"] == 1
+        for i in range(1, 4):
+            tee(f"step_0000000005/arrays/w/c/{i}", b"y" * 10)
+        assert tiers.counters["degraded"] == 1
+        tiers.committed("file:///job", 5, "att")
+        assert tiers.keys("file:///job", 5, "att") == [] and staging.reserved_bytes == 0
+    finally:
+        staging.close()
