@@ -10,7 +10,8 @@ botocore itself does not read ``AWS_REGION``, so we pass it.
 
 One botocore client and one thread pool per store, both thread-safe and shared by every call:
 large objects are uploaded as multipart uploads whose parts go up in parallel, and read back as
-parallel ranged GETs. Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
+parallel ranged GETs; up to the multipart threshold an object is one PUT and a range one GET.
+Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
 ``CKPTD_S3_MULTIPART_THRESHOLD`` (default two parts) (bytes, or with a K/M/G suffix, binary) and
 ``CKPTD_S3_WORKERS``, or the constructor's arguments.
 
