@@ -265,8 +265,10 @@ def _write_data(
     for key, _ in part.metadata:
         if mf.is_reserved(key):
             raise CheckpointError(f"{where}: metadata key {key!r} is reserved for the commit protocol")
-    futures = [pool.submit(put_meta, k, d) for k, d in part.metadata]
-    futures += [pool.submit(put_shard, sw) for sw in part.shards]
+    # Largest first, the small metadata objects last: a big shard queued behind the others
+    # would otherwise be the one request still running while the rest of the pool idles.
+    futures = [pool.submit(put_shard, sw) for sw in sorted(part.shards, key=lambda sw: -sw.buffer.nbytes)]
+    futures += [pool.submit(put_meta, k, d) for k, d in part.metadata]
     nbytes, err = 0, None
     for f in futures:
         try:

@@ -240,6 +240,8 @@ class CheckpointReader:
             for req, sr in tasks:
                 self.read_shard(req, sr)
             return
+        # Largest first: a big shard read last would run alone while the rest of the pool idles.
+        tasks.sort(key=lambda t: -len(t[1].chunks) * t[0].entry.layout.chunk_nbytes)
         futures = [pool.submit(self.read_shard, req, sr) for req, sr in tasks]
         errors = []
         for f in futures:

@@ -7,7 +7,8 @@ times); a buffer is never allocated for more than the caller's ``limit`` or
 that sends more than the range asked for is refused rather than buffered.
 
 ``Reads`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's ``_call``,
-``_full``, ``_where``, ``_submit_all``, ``_client``, ``bucket``, ``part_size`` and ``uri``.
+``_full``, ``_where``, ``_submit_all``, ``_client``, ``bucket``, ``part_size``,
+``multipart_threshold`` and ``uri``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def _total_size(resp: dict) -> int | None:
 
 class Reads:
     """GetObject and HeadObject verbs of ``S3Store``."""
+
+    @property
+    def _one_get(self) -> int:
+        """The longest range read in one GET, like the largest object written in one PUT (two
+        parts by default): a shard a little over one part costs one request, not a HEAD (for
+        the size and the ETag that pins the pieces) and two GETs."""
+        return max(self.part_size, self.multipart_threshold)
 
     def _get_into(self, key: str, start: int, views: list[memoryview], if_match: str | None = None) -> dict:
         """One ranged GET streamed into ``views``; returns the response (its ETag, ContentRange).
@@ -128,7 +136,7 @@ class Reads:
         return self._call("GetObject", key, attempt)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        if length <= 0 or length > self.part_size:
+        if length <= 0 or length > self._one_get:
             buf = bytearray(max(length, 0))
             self._range_into(key, start, length, [memoryview(buf)] if length > 0 else [])
             return bytes(buf)
@@ -153,7 +161,7 @@ class Reads:
 
     def _range_into(self, key: str, start: int, length: int, views: list[memoryview]) -> None:
         check_key(key)
-        if 0 < length <= self.part_size:
+        if 0 < length <= self._one_get:
             self._get_into(key, start, views)
             return
         # Empty or large: learn the size first, and the ETag that pins the pieces to one version.

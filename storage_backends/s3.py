@@ -10,7 +10,8 @@ botocore itself does not read ``AWS_REGION``, so we pass it.
 
 One botocore client and one thread pool per store, both thread-safe and shared by every call:
 large objects are uploaded as multipart uploads whose parts go up in parallel, and read back as
-parallel ranged GETs. Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
+parallel ranged GETs; up to the multipart threshold an object is one PUT and a range one GET.
+Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
 ``CKPTD_S3_MULTIPART_THRESHOLD`` (default two parts) (bytes, or with a K/M/G suffix, binary) and
 ``CKPTD_S3_WORKERS``, or the constructor's arguments.
 
@@ -65,6 +66,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from botocore.config import Config
+from botocore.utils import determine_content_length
 
 from storage_backends._s3_buffers import MiB, join
 from storage_backends._s3_calls import Caller, env_number, env_size, new_client
@@ -90,7 +92,19 @@ DEFAULT_WORKERS = 16
 DEFAULT_DELETE_WORKERS = 4  # DeleteObjects in flight at once in ``purge``
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PUT_SIZE = 5 << 30  # S3's maximum for one PutObject
+SMALL_BODY = 1 * MiB  # PUT bodies below this go without waiting for 100-continue
 T = TypeVar("T")
+
+
+def _no_wait_for_small_bodies(params: dict, **_: Any) -> None:
+    """botocore sends every PUT body with ``Expect: 100-continue`` and waits for the server's
+    go-ahead before the body: one more round trip per request. It lets the server refuse a large
+    body before it travels (a 412, a redirect); a body under ``SMALL_BODY`` (each zarr.json, a
+    small tensor's chunk) costs less to send than that wait, so it goes at once. (``Expect`` is
+    not signed.)"""
+    n = determine_content_length(params.get("body"))
+    if n is not None and n < SMALL_BODY:
+        params.get("headers", {}).pop("Expect", None)
 
 
 class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
@@ -215,6 +229,7 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
             self.limiter = AdaptiveLimiter(min_rate)
             self._pacer = Pacer(self.limiter)
             self._pacer.attach(self._client.meta.events)
+        self._client.meta.events.register_last("before-call.s3", _no_wait_for_small_bodies)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3")
         self.max_put_size = max_put_size
         self._checksums_checked = False  # the server showed it checks our CRC32s

@@ -334,6 +334,40 @@ def test_an_object_up_to_two_parts_is_one_put(s3_target: S3Target) -> None:
     assert client.head_object(Bucket=bucket, Key=f"{prefix}/big")["ETag"].strip('"').endswith("-3")
 
 
+def test_a_range_up_to_two_parts_is_one_get(s3_target: S3Target) -> None:
+    """A shard a little over one part is read back as one GET, as it was written as one PUT: not
+    a HEAD (size, ETag) and two ranged GETs pinned by If-Match."""
+    bucket, prefix = _split(s3_target.root)
+    data = os.urandom(MIN_PART_SIZE + 100)
+    with S3Store(bucket, prefix, part_size=MIN_PART_SIZE, max_workers=2) as store:
+        store.put("k", data)
+        store.put("big", data * 2)  # over two parts: pieces pinned to one version
+        sent = _sent(store)
+        out = bytearray(len(data))
+        store.get_range_into("k", 0, [out])
+        assert out == data and store.get_range("k", 50, len(data) - 50) == data[50:]
+        assert [m for m, url, _ in sent] == ["GET", "GET"]
+        del sent[:]
+        assert store.get_range("big", 0, 2 * len(data)) == data * 2
+        assert [m for m, _, _ in sent].count("HEAD") == 1
+        assert all(h.get("if-match") for m, _, h in sent if m == "GET")
+
+
+def test_small_bodies_do_not_wait_for_100_continue(s3_target: S3Target) -> None:
+    """botocore waits for the server's 100 Continue before every PUT body: a round trip that a
+    small object (each zarr.json) costs more than its body. Large bodies still wait for it, so
+    the server can refuse one (412) before it travels."""
+    bucket, prefix = _split(s3_target.root)
+    with S3Store(bucket, prefix, part_size=MIN_PART_SIZE, max_workers=2) as store:
+        sent = _sent(store)
+        store.put("small", b"x" * 1000)
+        store.put_new("small-new", [memoryview(b"y" * 100)] * 3)
+        store.put("large", os.urandom(2 * MiB))
+        assert store.get("small") == b"x" * 1000 and store.get("small-new") == b"y" * 300
+    expect = {url.split("?")[0].rsplit("/", 1)[-1]: h.get("expect") for m, url, h in sent if m == "PUT"}
+    assert expect == {"small": None, "small-new": None, "large": "100-continue"}
+
+
 def _rival_lands_first(store: S3Store, rival: S3Store, key: str) -> list[str]:
     """Just before ``store`` sends its conditional write (PutObject or CompleteMultipartUpload
     with ``If-None-Match: *``), ``rival`` writes ``key``: the race two writers run at a commit,
