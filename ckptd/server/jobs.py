@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd import catalog, claims, donetree, persist, retention
+from ckptd import catalog, claims, donetree, leases, persist, retention
 from ckptd.commit import PACED_ABOVE, POLLS_PER_SECOND
 from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
 from ckptd.persist import SaveResult
@@ -382,6 +382,9 @@ class Runner:
         if result is None:
             if self._stop.is_set() and err is None:
                 return  # shutting down: the journal still says accepted; a restart resumes it
+            job.error_kind = type(err).__name__ if type(err).__name__ in claims.REFUSALS else None
+            if job.error_kind is None:  # ours: give the step up now, not a lease later (as the in-process writer)
+                leases.abandon(self.store(job.root), job.step, job.attempt)
             job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "failed", "error": str(err)})
             self._finish(job, "failed", str(err))
             return
