@@ -34,7 +34,7 @@ from typing import Any
 
 from ckptd import catalog, claims, donetree, leases, persist, retention
 from ckptd.commit import PACED_ABOVE, POLLS_PER_SECOND
-from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
+from ckptd.errors import AlreadyCommitted, CheckpointError, SaveAborted, StepClaimed
 from ckptd.persist import SaveResult
 from ckptd.server.handoff import FINAL, JOB_ID, BadJob, Job, intact, load, validate
 from ckptd.server.metrics import Metrics
@@ -422,6 +422,10 @@ class Runner:
                 f"{catalog.where(store, job.step)}: step {job.step} was committed by attempt "
                 f"{commit.get('attempt')!r}; refusing to overwrite"
             )
+        abort = threading.Event()  # the trainer gives the job up commit_timeout after the hand-off: so do we
+        timer = threading.Timer(max(0.0, job.accepted_at + job.commit_timeout - time.time()), abort.set)
+        timer.daemon = True
+        timer.start()
         for attempt in range(tries):
             if result is not None or self._stop.is_set():
                 break
@@ -440,6 +444,7 @@ class Runner:
                         self._io,
                         writer=writer,
                         commit_timeout=job.commit_timeout,
+                        abort=abort,
                         wait=False,
                         claim="caller",
                     )
@@ -447,8 +452,8 @@ class Runner:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
                 err = e
-                if isinstance(e, AlreadyCommitted | StepClaimed):
-                    break  # a refusal: the step is not this attempt's to write, a retry cannot change that
+                if isinstance(e, AlreadyCommitted | StepClaimed | SaveAborted):
+                    break  # a refusal, or past the deadline: a retry cannot change that
                 if isinstance(e, OSError | CheckpointError) and intact(job, lease.dir) is not None:
                     break  # the files are gone: retrying cannot help
                 if attempt < self.settings.upload_retries:
@@ -458,6 +463,7 @@ class Runner:
                     time.sleep(min(0.5 * 2**attempt, 5.0))
             finally:
                 job.upload_seconds += time.perf_counter() - t0
+        timer.cancel()
         return result, err
 
     def _uploaded(self, job: Job, store: Any, result: SaveResult | str) -> None:

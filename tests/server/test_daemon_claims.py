@@ -22,7 +22,7 @@ from ckptd.errors import CheckpointError
 from storage_backends import open_store
 from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.faults.slow_writer_job import state
-from tests.faults.test_slow_writer import assert_holds, save_when_free, writing_writer
+from tests.faults.test_slow_writer import assert_holds, save_when_free, wait_until, writing_writer
 from tests.server.daemon import Daemon
 from trainer_hooks import Checkpointer
 from trainer_hooks.hook import CheckpointHook
@@ -55,7 +55,25 @@ def test_a_daemon_save_that_fails_gives_its_step_up_at_once(s3_server, s3_bucket
             with Checkpointer(root, job_id="job-a", daemon=True) as ck, pytest.raises(CheckpointError):
                 ck.save(3, state(1)).result(timeout=120)
             assert proxy.counters["fault:500"] >= 1, d.logs()
-    save_when_free(root, "job-b", 2, 3, timeout=30)  # in-process, straight to moto
+    assert save_when_free(root, "job-b", 2, 3, timeout=30) == 0  # not refused once; straight to moto
+    assert_holds(root, 3, 2, "job-b")
+
+
+def test_a_daemon_upload_past_the_trainers_deadline_is_given_up(tmp_path, monkeypatch):
+    """Each shard put of the daemon takes 8 s; job A's trainer gives the save up after its
+    ``commit_timeout`` (2 s). The daemon gives it up too: it writes no more, never commits the
+    step (the trainer was told it failed), and lets go of its claim, so job B, once the daemon
+    says the job failed, takes the step on its first try -- A's lease, renewed until then,
+    would otherwise hold it for 60 s more."""
+    monkeypatch.delenv("CKPTD_CLAIM_LEASE_S", raising=False)
+    root = f"file://{tmp_path / 'jobs' / 'run'}"
+    d = _daemon(tmp_path, monkeypatch, str(tmp_path / "jobs"), CKPTD_UPLOAD_RETRIES="0")
+    d.upload_delay_s = 8.0
+    with d:
+        with Checkpointer(root, job_id="job-a", daemon=True, commit_timeout=2.0) as ck, pytest.raises(CheckpointError):
+            ck.save(3, state(1)).result(timeout=120)
+        wait_until(lambda: "step 3 rank 0 failed" in d.logs(), "the daemon to give the job up")
+        assert save_when_free(root, "job-b", 2, 3) == 0, d.logs()  # not refused once
     assert_holds(root, 3, 2, "job-b")
 
 
