@@ -452,6 +452,8 @@ class Runner:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
                 err = e
+                if isinstance(e, SaveAborted):  # said as the commit watch says it
+                    err = SaveAborted(f"not committed {job.commit_timeout:.0f} s after hand-off")
                 if isinstance(e, AlreadyCommitted | StepClaimed | SaveAborted):
                     break  # a refusal, or past the deadline: a retry cannot change that
                 if isinstance(e, OSError | CheckpointError) and intact(job, lease.dir) is not None:

@@ -72,7 +72,10 @@ def test_a_daemon_upload_past_the_trainers_deadline_is_given_up(tmp_path, monkey
     with d:
         with Checkpointer(root, job_id="job-a", daemon=True, commit_timeout=2.0) as ck, pytest.raises(CheckpointError):
             ck.save(3, state(1)).result(timeout=120)
-        wait_until(lambda: "step 3 rank 0 failed" in d.logs(), "the daemon to give the job up")
+        wait_until(
+            lambda: "step 3 rank 0 failed: not committed 2 s after hand-off" in d.logs(),
+            "the daemon to give the job up",
+        )
         assert save_when_free(root, "job-b", 2, 3) == 0, d.logs()  # not refused once
     assert_holds(root, 3, 2, "job-b")
 
