@@ -256,8 +256,7 @@ def outcome_keys(step: int, attempt: str, world_size: int) -> list[str]:
     return [outcome_key(step, attempt, g) for g in range(-(-world_size // OUTCOME_GROUP))]
 
 
-# A refusal by its kind: the one closed set by which a claim outcome record or a daemon's job
-# status names its error (never anything a reader would unpickle or evaluate).
+# Refusals by kind, as claim outcome records and daemon job statuses name them: a closed set
 REFUSALS = {"AlreadyCommitted": AlreadyCommitted, "StepClaimed": StepClaimed, "StepHeld": StepHeld}
 
 
