@@ -256,7 +256,8 @@ def outcome_keys(step: int, attempt: str, world_size: int) -> list[str]:
     return [outcome_key(step, attempt, g) for g in range(-(-world_size // OUTCOME_GROUP))]
 
 
-_REFUSALS = {"AlreadyCommitted": AlreadyCommitted, "StepClaimed": StepClaimed, "StepHeld": StepHeld}
+# Refusals by kind, as claim outcome records and daemon job statuses name them: a closed set
+REFUSALS = {"AlreadyCommitted": AlreadyCommitted, "StepClaimed": StepClaimed, "StepHeld": StepHeld}
 
 
 def lead_claim(store: Store, step: int, attempt: str, writer: str, world_size: int, pool) -> None:
@@ -366,7 +367,7 @@ def _read_outcome(store: Store, key: str, attempt: str, writer: str, where: str)
 
 
 def _refusal(rec: dict) -> CheckpointError:
-    return _REFUSALS.get(rec.get("error"), CheckpointError)(str(rec.get("message") or "claim refused by rank 0"))
+    return REFUSALS.get(rec.get("error"), CheckpointError)(str(rec.get("message") or "claim refused by rank 0"))
 
 
 def check_abort(abort: threading.Event | None, where: str) -> None:
@@ -406,6 +407,7 @@ __all__ = [
     "liveness",
     "LEADER",
     "OUTCOME_GROUP",
+    "REFUSALS",
     "begin",
     "check_abort",
     "check_writer",

@@ -68,8 +68,8 @@ class Checkpointer:
     gloo group made here (which makes the constructor collective). ``commit_timeout``: seconds a
     save waits, after this rank's data and done record are durable, for the other ranks and the
     commit record; past it the save's future fails with ``CheckpointError`` (the checkpoint stays
-    partial, and a later commit by the others still completes it). With a daemon, the daemon
-    waits that long and the client gives up after it too.
+    partial, and a later commit by the others still completes it). With a daemon, it bounds the
+    whole save from its hand-off: past it the client and the daemon both give the save up.
     ``save_timeout``: seconds one save may take in the background, from ``save`` to its future's
     outcome, time queued behind the previous save included (in-process writer only; the daemon
     has its own bounds); the sweep and retention after a commit run off that path. A save whose storage does

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from ckptd import catalog
+from ckptd import catalog, claims
 from ckptd import manifest as mf
 from ckptd.auth import daemon_token
 from ckptd.daemon_conn import DaemonConnection, detail
@@ -245,7 +245,8 @@ class DaemonSink:
                 )
                 return True
             if state in ("failed", "discarded"):
-                p.future.set_exception(CheckpointError(f"{where}: rank {self.rank}: {body.get('error') or state}"))
+                kind = claims.REFUSALS.get(str(body.get("error_kind")), CheckpointError)  # a closed set of kinds
+                p.future.set_exception(kind(f"{where}: rank {self.rank}: {body.get('error') or state}"))
                 return True
         else:
             # The daemon is down or restarted without this job: the storage has the truth.

@@ -61,6 +61,7 @@ class Job:
     memory_only: bool = False  # held in the memory tier, never written to the root (server.tiers)
     state: str = "queued"
     error: str | None = None
+    error_kind: str | None = None  # a refusal's kind (a key of ``claims.REFUSALS``), else None
     accepted_at: float = field(default_factory=time.time)
     uploaded_at: float | None = None
     committed_at: float | None = None

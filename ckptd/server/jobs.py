@@ -32,9 +32,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd import catalog, claims, donetree, persist, retention
+from ckptd import catalog, claims, donetree, leases, persist, retention
 from ckptd.commit import PACED_ABOVE, POLLS_PER_SECOND
-from ckptd.errors import AlreadyCommitted, CheckpointError, StepClaimed
+from ckptd.errors import AlreadyCommitted, CheckpointError, SaveAborted, StepClaimed
 from ckptd.persist import SaveResult
 from ckptd.server.handoff import FINAL, JOB_ID, BadJob, Job, intact, load, validate
 from ckptd.server.metrics import Metrics
@@ -384,6 +384,9 @@ class Runner:
         if result is None:
             if self._stop.is_set() and err is None:
                 return  # shutting down: the journal still says accepted; a restart resumes it
+            job.error_kind = type(err).__name__ if type(err).__name__ in claims.REFUSALS else None
+            if job.error_kind is None:  # ours: give the step up now, not a lease later (as the in-process writer)
+                leases.abandon(self.store(job.root), job.step, job.attempt)
             job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "failed", "error": str(err)})
             self._finish(job, "failed", str(err))
             return
@@ -439,6 +442,10 @@ class Runner:
                 f"{catalog.where(store, job.step)}: step {job.step} was committed by attempt "
                 f"{commit.get('attempt')!r}; refusing to overwrite"
             )
+        abort = threading.Event()  # the trainer gives the job up commit_timeout after the hand-off: so do we
+        timer = threading.Timer(max(0.0, job.accepted_at + job.commit_timeout - time.time()), abort.set)
+        timer.daemon = True
+        timer.start()
         for attempt in range(tries):
             if result is not None or self._stop.is_set():
                 break
@@ -457,6 +464,7 @@ class Runner:
                         self._io,
                         writer=writer,
                         commit_timeout=job.commit_timeout,
+                        abort=abort,
                         wait=False,
                         claim="caller",
                     )
@@ -464,8 +472,10 @@ class Runner:
                     del save_job  # unmap the staging files
             except (OSError, CheckpointError, StorageError) as e:
                 err = e
-                if isinstance(e, AlreadyCommitted | StepClaimed):
-                    break  # a refusal: the step is not this attempt's to write, a retry cannot change that
+                if isinstance(e, SaveAborted):  # said as the commit watch says it
+                    err = SaveAborted(f"not committed {job.commit_timeout:.0f} s after hand-off")
+                if isinstance(e, AlreadyCommitted | StepClaimed | SaveAborted):
+                    break  # a refusal, or past the deadline: a retry cannot change that
                 if isinstance(e, OSError | CheckpointError) and intact(job, lease.dir) is not None:
                     break  # the files are gone: retrying cannot help
                 if attempt < self.settings.upload_retries:
@@ -475,6 +485,7 @@ class Runner:
                     time.sleep(min(0.5 * 2**attempt, 5.0))
             finally:
                 job.upload_seconds += time.perf_counter() - t0
+        timer.cancel()
         return result, err
 
     def _uploaded(self, job: Job, store: Any, result: SaveResult | str) -> None:
