@@ -344,7 +344,7 @@ def test_a_refused_claim_fails_every_rank_with_rank_0s_error_and_writes_no_data(
     if case == "other_writer":  # another job claimed step 7 just now and is writing it
         pre.put(claims.claim_key(7, 0), mf.dumps({"writer": "other-job", "attempt": "x", "time": 1.7e9}))
         pre.put(f"{mf.step_dir(7)}/{mf.ARRAYS}/w/c/0", b"theirs")
-        expected, match = errors.StepClaimed, "being written by job 'other-job'"
+        expected, match = errors.StepHeld, "being written by job 'other-job'"
     else:
         pre.put(f"{mf.step_dir(7)}/{mf.COMMIT}", b'{"attempt":"x"}')
         expected, match = errors.AlreadyCommitted, "already committed"
