@@ -4,7 +4,6 @@ warning that names the command, and a re-saved step holding nothing of the attem
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from ckptd.errors import CheckpointError, StepHeld
 from ckptd.verify import verify
 from storage_backends import open_store
 from tests.faults.slow_writer_job import state
-from tests.faults.test_slow_writer import ROOT, assert_holds, writing_writer
+from tests.faults.test_slow_writer import ROOT, assert_holds, skips_a_held_step, writing_writer
 from trainer_hooks import Checkpointer
 from trainer_hooks.hook import CheckpointHook
 
@@ -81,44 +80,8 @@ def test_a_requeued_job_skips_the_step_a_live_lease_holds_and_saves_the_next(tmp
     naming `ckptd fence`, and saves and commits step 6. A may still commit 5 (it is alive here and
     does); the newest committed step, B's 6, is what a restore takes."""
     root = str(tmp_path / "root")
-    with Checkpointer(root, job_id="job-a") as ck:
-        ck.save(4, state(0)).result(timeout=120)
-    a = writing_writer(root, "job-a", 1, 5, tmp_path / "a")
-    try:
-        with Checkpointer(root, job_id="job-b") as ck, caplog.at_level(logging.WARNING, "ckptd"):
-            hook = CheckpointHook(ck, state(3), every_n_steps=1, save_on_signal=False)
-            try:
-                assert hook.resume() == 5  # state(3) now holds step 4's values: state(0)
-                hook.after_step(5)  # refused in the background: A's claim is alive
-                hook.after_step(6)  # skips 5, saves 6
-            finally:
-                hook.close()  # waits for step 6's commit; raises if it failed
-        store = open_store(root)
-        try:
-            assert catalog.committed_steps(store) == [4, 6]
-            assert claims.owner(store, 5)["writer"] == "job-a"  # B wrote nothing there
-        finally:
-            store.close()
-        assert_holds(root, 6, 0, "job-b")
-        fence_lines = [r for r in caplog.records if "ckptd fence" in r.getMessage()]
-        assert len(fence_lines) == 1 and fence_lines[0].levelno == logging.WARNING, fence_lines
-        assert "step 5 skipped, saving step 6 instead" in fence_lines[0].getMessage()
-        assert "--job job-a" in fence_lines[0].getMessage()
-        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
-        a.stdin.write("go\n")  # A was alive all along: it finishes and commits step 5
-        a.stdin.flush()
-        log_a, _ = a.communicate(timeout=240)
-        assert a.returncode == 0, log_a[-4000:]
-    finally:
-        if a.poll() is None:
-            a.kill()
-            a.communicate()
-    store = open_store(root)
-    try:
-        assert catalog.committed_steps(store) == [4, 5, 6]
-        assert catalog.read_commit(store, 5)["writer"] == "job-a"
-    finally:
-        store.close()
+    warning = skips_a_held_step(root, tmp_path / "a", caplog, lambda: Checkpointer(root, job_id="job-b"))
+    assert "--job job-a" in warning
     got = state(9)
     with Checkpointer(root, job_id="job-c") as ck:
         assert ck.restore(got) == 6  # the newest committed step, whoever committed 5 later

@@ -6,6 +6,7 @@ fault proxy in front of moto (and Ceph RGW where it runs)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from storage_backends.s3 import S3Store
 from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.faults.slow_writer_job import state
 from trainer_hooks import Checkpointer
+from trainer_hooks.hook import CheckpointHook
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE = "2"
@@ -108,6 +110,51 @@ def writing_writer(root: str, job_id: str, seed: int, step: int, out: Path) -> s
         a.communicate()
         raise
     return a
+
+
+def skips_a_held_step(root: str, out: Path, caplog, job_b) -> str:
+    """Job A (a real writer process) holds a live lease on step 5 over a committed step 4; job B
+    (``job_b()``: a context manager giving its ``Checkpointer``) resumes at 5 and reaches step 5:
+    it skips 5 with one WARNING naming ``ckptd fence`` and no ERROR, and commits step 6. Then A,
+    alive all along, commits step 5. Returns the WARNING's text."""
+    with Checkpointer(root, job_id="job-a") as ck:
+        ck.save(4, state(0)).result(timeout=120)
+    a = writing_writer(root, "job-a", 1, 5, out)
+    try:
+        with job_b() as ck, caplog.at_level(logging.WARNING, "ckptd"):
+            hook = CheckpointHook(ck, state(3), every_n_steps=1, save_on_signal=False)
+            try:
+                assert hook.resume() == 5  # state(3) now holds step 4's values: state(0)
+                hook.after_step(5)  # refused in the background: A's claim is alive
+                hook.after_step(6)  # skips 5, saves 6
+            finally:
+                hook.close()  # waits for step 6's commit; raises if it failed
+        store = open_store(root)
+        try:
+            assert catalog.committed_steps(store) == [4, 6]
+            assert claims.owner(store, 5)["writer"] == "job-a"  # B wrote nothing there
+        finally:
+            store.close()
+        assert_holds(root, 6, 0, "job-b")
+        fence_lines = [r for r in caplog.records if "ckptd fence" in r.getMessage()]
+        assert len(fence_lines) == 1 and fence_lines[0].levelno == logging.WARNING, fence_lines
+        assert "step 5 skipped, saving step 6 instead" in fence_lines[0].getMessage()
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+        a.stdin.write("go\n")  # A was alive all along: it finishes and commits step 5
+        a.stdin.flush()
+        log_a, _ = a.communicate(timeout=240)
+        assert a.returncode == 0, log_a[-4000:]
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.communicate()
+    store = open_store(root)
+    try:
+        assert catalog.committed_steps(store) == [4, 5, 6]
+        assert catalog.read_commit(store, 5)["writer"] == "job-a"
+    finally:
+        store.close()
+    return fence_lines[0].getMessage()
 
 
 @pytest.mark.parametrize("same_id", [False, True], ids=["another_job", "same_job_restarted"])

@@ -12,20 +12,17 @@ Each test runs the daemon as the docs print it (a token file, its default socket
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
 
 import pytest
 
-from ckptd import catalog, claims
 from ckptd.errors import CheckpointError
-from storage_backends import open_store
 from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.faults.slow_writer_job import state
-from tests.faults.test_slow_writer import assert_holds, save_when_free, wait_until, writing_writer
+from tests.faults.test_slow_writer import assert_holds, save_when_free, skips_a_held_step, wait_until
 from tests.server.daemon import Daemon
 from trainer_hooks import Checkpointer
-from trainer_hooks.hook import CheckpointHook
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -85,35 +82,11 @@ def test_a_step_a_live_lease_holds_is_skipped_once_through_the_daemon(tmp_path, 
     through the daemon, reaches step 5: the daemon refuses it, B skips 5 with one WARNING naming
     ``ckptd fence``, and saves and commits step 6."""
     root = f"file://{tmp_path / 'jobs' / 'run'}"
-    with Checkpointer(root, job_id="job-a") as ck:
-        ck.save(4, state(0)).result(timeout=120)
-    a = writing_writer(root, "job-a", 1, 5, tmp_path / "a")
-    try:
-        daemon = _daemon(tmp_path, monkeypatch, str(tmp_path / "jobs"))
-        with daemon, Checkpointer(root, job_id="job-b", daemon=True) as ck, caplog.at_level(logging.WARNING, "ckptd"):
-            hook = CheckpointHook(ck, state(3), every_n_steps=1, save_on_signal=False)
-            try:
-                assert hook.resume() == 5
-                hook.after_step(5)  # refused by the daemon: A's claim is alive
-                hook.after_step(6)  # skips 5, saves 6
-            finally:
-                hook.close()  # waits for step 6's commit; raises if it failed
-        store = open_store(root)
-        try:
-            assert catalog.committed_steps(store) == [4, 6]
-            assert claims.owner(store, 5)["writer"] == "job-a"  # B wrote nothing there
-        finally:
-            store.close()
-        assert_holds(root, 6, 0, "job-b")
-        fence_lines = [r for r in caplog.records if "ckptd fence" in r.getMessage()]
-        assert len(fence_lines) == 1 and fence_lines[0].levelno == logging.WARNING, fence_lines
-        assert "step 5 skipped, saving step 6 instead" in fence_lines[0].getMessage()
-        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
-        a.stdin.write("go\n")  # A was alive all along: it finishes and commits step 5
-        a.stdin.flush()
-        log_a, _ = a.communicate(timeout=240)
-        assert a.returncode == 0, log_a[-4000:]
-    finally:
-        if a.poll() is None:
-            a.kill()
-            a.communicate()
+    daemon = _daemon(tmp_path, monkeypatch, str(tmp_path / "jobs"))
+
+    @contextlib.contextmanager
+    def job_b():
+        with daemon, Checkpointer(root, job_id="job-b", daemon=True) as ck:
+            yield ck
+
+    skips_a_held_step(root, tmp_path / "a", caplog, job_b)
