@@ -214,13 +214,6 @@ class SimulatedStore(Store):
         check_key(key)
         return self._request("HEAD", key, lambda: self.inner.head(key))
 
-    def exists(self, key: str) -> bool:
-        try:
-            self.head(key)
-        except NotFoundError:
-            return False
-        return True
-
     def _index_add(self, key: str) -> None:
         self._infos[key] = self.inner.head(key)
         i = bisect.bisect_left(self._keys, key)
