@@ -44,6 +44,10 @@ def main() -> None:
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         if engine.global_rank == 0:
             torch.save({k: v.detach().clone() for k, v in engine.module.named_parameters()}, out / "module.pt")
+    # Tear the process group down before the interpreter exits: left to static destruction, gloo's
+    # threads were once still joinable when destroyed and rank 0 died in std::terminate (SIGABRT,
+    # "terminate called without an active exception") after the checkpoint was written.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
