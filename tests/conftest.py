@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests import load, rgwserver
+from tests import load, rgwserver, s3server
 from tests.s3server import CREDENTIALS, start_moto_server, stop
 
 # Subprocesses (ranks, daemons, jobs) bound their waits with the same factor as this process.
@@ -105,16 +105,8 @@ def s3_server() -> Iterator[str]:
 
 def _new_bucket(url: str, credentials: dict[str, str]) -> Iterator[str]:
     """A new, empty bucket; yields ``s3://<bucket>/job``. Emptied and removed afterwards."""
-    import boto3
-
     bucket = f"ckptd-test-{uuid.uuid4().hex[:16]}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=url,
-        region_name=credentials["AWS_REGION"],
-        aws_access_key_id=credentials["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=credentials["AWS_SECRET_ACCESS_KEY"],
-    )
+    client = s3server.client(url, credentials)
     try:
         client.create_bucket(Bucket=bucket)
         yield f"s3://{bucket}/job"
@@ -169,18 +161,8 @@ class S3Target:
         return self.root.split("/")[2]
 
     def client(self):
-        """A boto3 client for it (with explicit credentials: boto3's default session keeps the
-        first ones it found, which may be the other server's)."""
-        import boto3
-
-        creds = rgwserver.CREDENTIALS if self.name == "rgw" else CREDENTIALS
-        return boto3.client(
-            "s3",
-            endpoint_url=self.url,
-            region_name=creds["AWS_REGION"],
-            aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
-        )
+        """A boto3 client for it (``s3server.client``: explicit credentials)."""
+        return s3server.client(self.url, rgwserver.CREDENTIALS if self.name == "rgw" else CREDENTIALS)
 
 
 @pytest.fixture(params=["moto", "rgw"])

@@ -29,6 +29,22 @@ CREDENTIALS = {
 }
 
 
+def client(url: str, credentials: dict[str, str] | None = None):
+    """A boto3 S3 client of the server at ``url`` with explicit credentials (``CREDENTIALS`` by
+    default): boto3's default session keeps the first ones it found, which may be another
+    server's."""
+    import boto3
+
+    creds = credentials or CREDENTIALS
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name=creds["AWS_REGION"],
+        aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
+    )
+
+
 def answers(url: str) -> bool:
     """Whether an HTTP server answers at ``url`` (any status below 500 counts: it is serving; a
     5xx is a server still starting up, asked again by the caller's loop)."""

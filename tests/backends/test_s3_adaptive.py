@@ -165,10 +165,9 @@ def test_purge_sends_its_batches_in_parallel(s3_server, s3_bucket):
         assert list(store.list("step_1/")) == []
 
 
-def test_the_limiter_rule_on_a_manual_clock():
-    """The rule itself, on a clock the test moves: no limit before a throttle; one cut per round
-    trip (throttles of requests sent before the cut are ignored); the floor; the additive
-    regrowth, then the limit lifted."""
+def _manual_limiter() -> tuple[AdaptiveLimiter, list[float], list[float]]:
+    """A limiter at the 0.2/s floor on a clock the test moves: (limiter, [now], the sleeps it
+    asked for, each of which moves the clock)."""
     now = [0.0]
     slept: list[float] = []
 
@@ -176,7 +175,14 @@ def test_the_limiter_rule_on_a_manual_clock():
         slept.append(s)
         now[0] += s
 
-    lim = AdaptiveLimiter(min_rate=0.2, clock=lambda: now[0], sleep=sleep)
+    return AdaptiveLimiter(min_rate=0.2, clock=lambda: now[0], sleep=sleep), now, slept
+
+
+def test_the_limiter_rule_on_a_manual_clock():
+    """The rule itself, on a clock the test moves: no limit before a throttle; one cut per round
+    trip (throttles of requests sent before the cut are ignored); the floor; the additive
+    regrowth, then the limit lifted."""
+    lim, now, slept = _manual_limiter()
     sent = [lim.acquire("step_1") for _ in range(10)]  # 10 requests in the same instant
     assert slept == [] and lim.rate("step_1") is None
     for t in sent:  # all 10 throttled: one cut, to BETA x the 10/s sent
@@ -200,14 +206,7 @@ def test_consecutive_throttles_wait_at_most_one_token_at_the_floor():
     at most 1 / min_rate (the module's bound: requests waiting / min_rate), however many
     throttles came before. A cut that forgot the tokens refilled while a request waited made
     every later request pay that wait again: 0, 1.4, 4.1 ... 120 s by the 25th."""
-    now = [0.0]
-    slept: list[float] = []
-
-    def sleep(s: float) -> None:
-        slept.append(s)
-        now[0] += s
-
-    lim = AdaptiveLimiter(min_rate=0.2, clock=lambda: now[0], sleep=sleep)
+    lim, now, slept = _manual_limiter()
     for _ in range(200):
         sent = lim.acquire("step_1")
         now[0] += 0.1  # the round trip

@@ -165,17 +165,9 @@ def sections(s3_server):
 
 
 def _fresh_bucket(endpoint: str) -> None:
-    import boto3
+    from tests import s3server
 
-    from tests.s3server import CREDENTIALS
-
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        region_name=CREDENTIALS["AWS_REGION"],
-    )
+    s3 = s3server.client(endpoint)
     try:
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket="bucket"):
             for o in page.get("Contents", []):
