@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from tests.local_launch import spawn_ranks, wait_ok
+from tests.local_launch import exit_after, spawn_ranks, wait_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

@@ -210,5 +210,20 @@ def train(args: argparse.Namespace, rank: int, world: int, under_torchrun: bool,
     return 0
 
 
+def _exit(code: int | str | None) -> None:
+    """Leave without interpreter teardown: after a clean run (barrier, ``destroy_process_group``,
+    last commit waited for) torch/gloo's native destructors have still aborted rank 0 now and then
+    at exit ("terminate called without an active exception", SIGABRT), failing a finished job."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        _exit(main())
+    except SystemExit as stop:
+        _exit(stop.code)

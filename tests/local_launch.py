@@ -6,12 +6,16 @@ not shipped (training jobs use torchrun or their scheduler's launcher).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
+import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from tests.load import scaled
 
@@ -120,3 +124,28 @@ def wait_ok(procs: Sequence[subprocess.Popen], timeout: float, log_path: Callabl
         raise AssertionError(f"{what}: timed out\n{log_tails(log_path, len(procs))}") from None
     if any(codes):
         raise AssertionError(f"{what}: exit codes {codes}\n{log_tails(log_path, len(procs))}")
+
+
+def exit_after(main: Callable[..., int | None], *args) -> NoReturn:
+    """Run one rank's ``main(*args)`` and leave with its exit code, skipping interpreter teardown.
+
+    After a clean run (barrier, ``destroy_process_group``, results on disk) torch/gloo's native
+    destructors have still aborted rank 0 at interpreter exit now and then ("terminate called
+    without an active exception", SIGABRT): seen in the ZeRO and the elastic-demo ranks. What
+    the rank had to do is done by then; ``os._exit`` after flushing leaves those destructors out.
+    """
+    code = 1
+    try:
+        code = main(*args) or 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -9,6 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tests.local_launch import exit_after
 from trainer_hooks import Checkpointer
 
 
@@ -33,4 +34,4 @@ def main(phase: str, root: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    exit_after(main, *sys.argv[1:4])

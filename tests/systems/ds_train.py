@@ -14,6 +14,9 @@ from pathlib import Path
 import deepspeed
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.local_launch import exit_after  # noqa: E402
+
 
 def main() -> None:
     out, stage = Path(sys.argv[1]), int(sys.argv[2])
@@ -44,11 +47,8 @@ def main() -> None:
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         if engine.global_rank == 0:
             torch.save({k: v.detach().clone() for k, v in engine.module.named_parameters()}, out / "module.pt")
-    # Tear the process group down before the interpreter exits: left to static destruction, gloo's
-    # threads were once still joinable when destroyed and rank 0 died in std::terminate (SIGABRT,
-    # "terminate called without an active exception") after the checkpoint was written.
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

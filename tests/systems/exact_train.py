@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script by torchrun or srun
     sys.path.insert(0, str(REPO))
 
+from tests.local_launch import exit_after  # noqa: E402
 from trainer_hooks import Checkpointer, CheckpointHook, ElasticSampler  # noqa: E402
 
 DIM_IN, DIM_HIDDEN, DIM_OUT = 8, 16, 4
@@ -229,4 +230,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after(main)

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script by horovodrun
     sys.path.insert(0, str(REPO))
 
+from tests.local_launch import exit_after  # noqa: E402
 from trainer_hooks import Checkpointer, ElasticSampler  # noqa: E402
 from trainer_hooks.horovod import init_process_group, resume  # noqa: E402
 
@@ -91,4 +92,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after(main)
