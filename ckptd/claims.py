@@ -92,6 +92,14 @@ WRITER_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 _CLAIM_NAME = re.compile(r"(\d{6}|[1-9]\d{6,17})\.json")
 
 
+FENCE_WRITER = "ckptd-fence"  # the writer of an operator's fencing claim (``ckptd.fencing``)
+
+
+def is_fence(rec: dict) -> bool:
+    """Whether a claim record is an operator's fencing claim (never alive)."""
+    return rec.get("writer") == FENCE_WRITER and isinstance(rec.get("fenced"), str)
+
+
 def check_writer(writer: str) -> str:
     if not isinstance(writer, str) or not WRITER_RE.match(writer):
         raise CheckpointError(f"invalid writer (job) id {writer!r}: 1-128 of A-Z a-z 0-9 _ . : @ -")
@@ -200,7 +208,7 @@ def liveness(store: Store, step: int, n: int, rec: dict) -> tuple[float, float, 
     lease) by its step's newest data write, up to ``CKPTD_STALE_ATTEMPT_S``. A claim its writer
     gave up (``leases.abandon``: the save failed or was abandoned) is dead at once. An operator's
     fencing claim (``ckptd fence``, ``ckptd.fencing``) is never alive."""
-    if rec.get("writer") == "ckptd-fence" and isinstance(rec.get("fenced"), str):
+    if is_fence(rec):
         return float("inf"), 0.0, "fencing claim (ckptd fence), written"
     if isinstance(rec.get("lease"), int | float) and isinstance(rec.get("attempt"), str):
         attempt = rec["attempt"]
@@ -270,17 +278,11 @@ def lead_claim(store: Store, step: int, attempt: str, writer: str, world_size: i
     err: CheckpointError | None = None
     try:
         begin(store, step, attempt, writer)
-        outcome: dict = {"ok": True, "writer": writer, "attempt": attempt, "time": time.time()}
     except CheckpointError as e:
         err = e
-        outcome = {
-            "ok": False,
-            "writer": writer,
-            "attempt": attempt,
-            "time": time.time(),
-            "error": type(e).__name__,
-            "message": str(e),
-        }
+    outcome = {"ok": err is None, "writer": writer, "attempt": attempt, "time": time.time()}
+    if err is not None:
+        outcome.update(error=type(err).__name__, message=str(err))
     data = mf.dumps(outcome)
     futures = [pool.submit(store.put_if_absent, key, data) for key in outcome_keys(step, attempt, world_size)]
     failed, existed = None, False

@@ -199,11 +199,6 @@ def levels(world_size: int) -> int:
     return lvl
 
 
-def _count(world_size: int, level: int) -> int:
-    """How many nodes level ``level`` has (ranks at level 0)."""
-    return -(-world_size // FANOUT**level)
-
-
 def folder(step: int, attempt: str, level: int, index: int) -> str:
     """The folder of node (level, index)'s children."""
     return f"{step_dir(step)}/{DONE}/{attempt}/t{level}/{index:06d}/"
@@ -290,7 +285,7 @@ def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, com
     top = levels(world_size)
     level, index = 1, rank // FANOUT
     while True:
-        below = _count(world_size, level - 1)
+        below = -(-world_size // FANOUT ** (level - 1))  # nodes of the level below (ranks at 0)
         lo, hi = index * FANOUT, min((index + 1) * FANOUT, below)
         where = folder(step, attempt, level, index)
         kids: dict[int, Totals] = {}
@@ -370,10 +365,7 @@ def done_record_key(store: Store, step: int, attempt: str, rank: int) -> str:
 
 def read_done_record(store: Store, step: int, attempt: str, rank: int) -> dict:
     """Rank's done record in either layout. Raises NotFoundError, or ValueError if malformed."""
-    prefix = f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}."
-    for info in store.list(prefix):
-        return _load(store, info.key)
-    return _load(store, done_key(step, attempt, rank))
+    return _load(store, done_record_key(store, step, attempt, rank))
 
 
 def _load(store: Store, key: str) -> dict:

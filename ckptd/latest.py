@@ -78,10 +78,6 @@ def _read_step(store: Store, key: str) -> int | None:
     return value
 
 
-def _dumps(step: int) -> bytes:
-    return str(step).encode()
-
-
 def _hint(store: Store) -> int | None:
     """The hint, or None when it is absent or malformed (a hint is never worth failing for)."""
     try:
@@ -113,7 +109,7 @@ def link(store: Store, step: int, newest_by_listing) -> bool:
     if cur is None:
         base = newest_by_listing(store)
         first = step if base is None or step > base else base
-        if store.put_if_absent(FIRST, _dumps(first)):
+        if store.put_if_absent(FIRST, str(first).encode()):
             return first == step
         cur = _read_step(store, FIRST)
         if cur is None:  # deleted under us: someone is resetting the root
@@ -125,7 +121,7 @@ def link(store: Store, step: int, newest_by_listing) -> bool:
             return False
         nxt = _read_step(store, link_key(cur))
         if nxt is None:
-            if store.put_if_absent(link_key(cur), _dumps(step)):
+            if store.put_if_absent(link_key(cur), str(step).encode()):
                 return True
             nxt = _read_step(store, link_key(cur))
         if nxt is None or nxt <= cur:
@@ -136,7 +132,7 @@ def link(store: Store, step: int, newest_by_listing) -> bool:
 
 def set_hint(store: Store, step: int) -> None:
     """After ``step`` committed and ``link`` said it is on the chain."""
-    store.put(HINT, _dumps(step))
+    store.put(HINT, str(step).encode())
 
 
 def latest_from_chain(store: Store) -> tuple[bool, int | None]:

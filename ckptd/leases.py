@@ -45,25 +45,26 @@ DEFAULT_STALE_S = 900.0
 DEFAULT_LEASE_S = 60.0
 
 
+def _seconds(name: str, default: float) -> tuple[float, str]:
+    """(the number of seconds in variable ``name``, else ``default``; its raw text)."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        return (float(raw) if raw else default), raw
+    except ValueError:
+        raise CheckpointError(f"{name}={raw!r}: expected a number of seconds") from None
+
+
 def stale_after() -> float:
     """Seconds without a write after which another writer's partial step may be taken over
     (``CKPTD_STALE_ATTEMPT_S``, default 900)."""
-    raw = os.environ.get("CKPTD_STALE_ATTEMPT_S", "").strip()
-    try:
-        return float(raw) if raw else DEFAULT_STALE_S
-    except ValueError:
-        raise CheckpointError(f"CKPTD_STALE_ATTEMPT_S={raw!r}: expected a number of seconds") from None
+    return _seconds("CKPTD_STALE_ATTEMPT_S", DEFAULT_STALE_S)[0]
 
 
 def lease_s() -> float:
     """Seconds after its attempt's last heartbeat (or its claim) before another writer may take
     a step over: ``CKPTD_CLAIM_LEASE_S`` (default 60), or ``CKPTD_STALE_ATTEMPT_S`` if that is
     shorter (it stays the bound it always was); the heartbeat renews it every quarter."""
-    raw = os.environ.get("CKPTD_CLAIM_LEASE_S", "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_LEASE_S
-    except ValueError:
-        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a number of seconds") from None
+    value, raw = _seconds("CKPTD_CLAIM_LEASE_S", DEFAULT_LEASE_S)
     if not value > 0:
         raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a positive number of seconds")
     return min(value, stale_after())

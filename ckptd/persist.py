@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,16 +146,11 @@ def persist(
         lead_claim(store, part.step, part.attempt, writer, part.world_size, pool)
     else:
         follow_claim(store, part.step, part.attempt, writer, part.rank, commit_timeout, abort)
-    beat = Heartbeat(store, part.step, part.attempt, part.rank, abort=abort) if heartbeat else None
-    if beat is not None:
-        beat.__enter__()  # renews the attempt's lease until this rank's part is done
-    try:
+    # the heartbeat renews the attempt's lease until this rank's part is done
+    with Heartbeat(store, part.step, part.attempt, part.rank, abort=abort) if heartbeat else nullcontext():
         return _persist_claimed(
             store, part, pool, writer, where, dedupe, to_numpy, abort, commit_timeout, wait, t0, started_at
         )
-    finally:
-        if beat is not None:
-            beat.__exit__()
 
 
 def _persist_claimed(store, part, pool, writer, where, dedupe, to_numpy, abort, commit_timeout, wait, t0, started_at):
@@ -349,13 +345,8 @@ def clean_up(
         except StorageError:
             failed += 1
     if keys:
-        log.warning(
-            "%s: rank %d's save failed; deleted %d of the %d objects it wrote",
-            where,
-            rank,
-            len(keys) - failed,
-            len(keys),
-        )
+        n = len(keys)
+        log.warning("%s: rank %d's save failed; deleted %d of the %d objects it wrote", where, rank, n - failed, n)
 
 
 # ------------------------------------------------------------------------ incremental saves

@@ -95,9 +95,18 @@ def _load(store: Store, key: str, where: str) -> dict:
 
 
 def _records(store: Store, keys: list[str], where: str, pool: ThreadPoolExecutor | None) -> list[dict]:
-    if pool is None:
-        return [_load(store, k, where) for k in keys]
-    return list(pool.map(lambda k: _load(store, k, where), keys))
+    return list((map if pool is None else pool.map)(lambda k: _load(store, k, where), keys))
+
+
+def _rank_keys(store: Store, prefix: str) -> dict[int, str]:
+    """rank -> key of its done record ``r<rank>....json`` under ``prefix``: the first in key
+    order (a rank that wrote its record twice counts once, as in the climb)."""
+    out: dict[int, str] = {}
+    for o in store.list(prefix):  # in key order
+        head = o.key.rsplit("/", 1)[-1].split(".", 1)[0]
+        if head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
+            out.setdefault(int(head[1:]), o.key)
+    return out
 
 
 def read_all(store: Store, step: int, commit: dict, where: str, pool: ThreadPoolExecutor | None = None) -> Pins:
@@ -105,12 +114,7 @@ def read_all(store: Store, step: int, commit: dict, where: str, pool: ThreadPool
     their pin digests sum to the commit record's (CheckpointError otherwise: a done record was
     changed, added or removed after the commit). O(N) GETs: ``ckptd verify``."""
     attempt = commit.get("attempt")
-    prefix = f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/"
-    first: dict[int, str] = {}  # a rank that wrote its record twice counts once, as in the climb
-    for key in sorted(o.key for o in store.list(prefix)):
-        head = key.rsplit("/", 1)[-1].split(".", 1)[0]
-        if head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
-            first.setdefault(int(head[1:]), key)
+    first = _rank_keys(store, f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/")
     keys = [first[r] for r in sorted(first)]
     recs = _records(store, keys, where, pool)
     out, total = Pins(), 0
@@ -137,12 +141,7 @@ def read_ranks(
     ranks = sorted(set(ranks))
     keys = []
     for g in sorted({r // donetree.FANOUT for r in ranks}):
-        folder = donetree.folder(step, attempt, 1, g)
-        found = {}
-        for o in store.list(folder):
-            head = o.key[len(folder) :].split(".", 1)[0]
-            if head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
-                found.setdefault(int(head[1:]), o.key)
+        found = _rank_keys(store, donetree.folder(step, attempt, 1, g))
         for r in ranks:
             if r // donetree.FANOUT == g:
                 if r not in found:
@@ -191,15 +190,7 @@ def load_manifest(store: Store, step: int) -> mf.Manifest:
     step = catalog.resolve_step(store, step)
     where = catalog.where(store, step)
     commit = catalog.read_commit(store, step) or {}
-    try:
-        data = store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES)
-    except NotFoundError:
-        raise CheckpointError(f"{where}: committed but the manifest is missing") from None
-    except StorageError as e:
-        raise CheckpointError(f"{where}: cannot read the manifest ({e})") from None
-    m = mf.Manifest.from_bytes(data, where)  # what is wrong with it, if anything, said as before
-    if m.step != step:
-        raise CheckpointError(f"{where}: manifest says step {m.step}")
+    data, m = catalog.read_manifest(store, step)  # what is wrong with it, if anything, said as before
     sha = commit.get("manifest_sha256")
     if isinstance(sha, str) and hashlib.sha256(data).hexdigest() != sha:
         raise CorruptChunkError(
