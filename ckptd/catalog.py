@@ -36,15 +36,8 @@ class CheckpointInfo:
     expected_bytes: int | None = None
 
     def to_json(self) -> dict:
-        return {
-            "step": self.step,
-            "committed": self.committed,
-            "world_size": self.world_size,
-            "bytes": self.bytes,
-            "time": self.time,
-            "checkpoint_path": self.path,
-            "expected_bytes": self.expected_bytes,
-        }
+        out = {k: getattr(self, k) for k in ("step", "committed", "world_size", "bytes", "time")}
+        return {**out, "checkpoint_path": self.path, "expected_bytes": self.expected_bytes}
 
 
 def _root_dirs(store: Store) -> list[str]:

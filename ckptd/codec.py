@@ -133,7 +133,7 @@ class ArrayLayout:
             raise ValueError(f"dtype must be a string: {self.dtype!r}")
         for dims in (self.shape, self.shard_shape, self.chunk_shape):
             if not isinstance(dims, tuple) or not all(
-                isinstance(n, int | np.integer) and n is not True and n is not False for n in dims
+                isinstance(n, int | np.integer) and not isinstance(n, bool) for n in dims
             ):
                 raise ValueError(f"shapes must be lists of integers: {self}")
         if len(self.shape) != len(self.shard_shape) or len(self.shape) != len(self.chunk_shape):

@@ -154,11 +154,9 @@ def choose_chunk_shape(
             chunk[d] = 1
             continue  # one slice along d is still too big: split the next dimension too
         divs = _divisors(n)
-        under = [k for k in divs if k * row <= target]
-        best = under[-1] if under else 1
+        best = next((k for k in reversed(divs) if k * row <= target), 1)
         if best * row < floor:
-            over = [k for k in divs if k * row >= floor]
-            best = over[0] if over else n
+            best = next((k for k in divs if k * row >= floor), n)
         chunk[d] = best
         break
     return tuple(chunk)

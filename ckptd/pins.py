@@ -8,21 +8,10 @@ a 64-bit hash of each record's pins (``donetree.pin_digest``) and ``commit.json`
 root's sum (``pins``) and the manifest's sha256 (``manifest_sha256``).
 
 Why it holds: the done records and ``commit.json`` live under keys that only the committing
-attempt writes (``_done/<attempt>/``; ``commit.json`` is created once with ``put_if_absent``),
-while shard and metadata keys are shared by every attempt at the step, so a late write of
-another attempt can replace a shard after the commit, never the pins. A replaced object of the
-same layout, validly encoded, passes every crc32c of its own; its crcs differ from the pinned
-ones unless its data is equal (a crc32c collision per chunk: 2**-32 each, by chance). A reader
-checks:
-
-* ``ckptd verify``: reads every done record of the attempt, recomputes the sum and compares it
-  with the commit record (a swapped or edited done record is caught), then every shard object's
-  size and stored crcs and every metadata object's sha256 (:func:`read_all`, :func:`check_shard`);
-* ``restore``: rank 0 checks the manifest's sha256 against the commit record; each rank reads
-  the done records of the ranks that wrote the shards it reads (the manifest's ``writers``, else
-  all of them) and the reader compares each chunk's stored crc32c with its pin
-  (:func:`read_ranks`, ``CheckpointReader(pins=...)``): a difference is a ``CorruptChunkError``
-  naming the object, so ``restore(fallback=True)`` moves on to an older step.
+attempt writes, while shard and metadata keys are shared by every attempt at the step, so a
+late write of another attempt can replace a shard after the commit, never the pins. Who checks
+what (``ckptd verify``: :func:`read_all`; ``restore``: :func:`load_manifest`, :func:`read_ranks`,
+``CheckpointReader(pins=...)``): ``docs/reliability.md``, "A committed step verifies itself".
 
 Old checkpoints: a commit record without ``pins`` (written before pins existed) means no pins
 to check; such steps are read as before (each chunk's own crc32c), and a reader never asks

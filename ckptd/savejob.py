@@ -6,10 +6,8 @@ written by the commit protocol. Its buffers are whatever holds the snapshot (tor
 trainer side, mappings of staging files in the daemon); this module only describes them and
 imports no torch.
 
-An *object image* is a shard's buffer laid out as its stored object (``ckptd.codec``'s
-``image_chunks``/``image_nbytes``): inner chunks back to back, each followed by its crc32c slot,
-then the index. ``format_image`` writes the index into a fresh image and returns the view of
-its data that a snapshot copies into; the writer fills in the checksums.
+``format_image`` prepares an *object image* (a shard's buffer laid out as its stored object,
+``ckptd.codec``) for a snapshot to copy into; the writer fills in the checksums.
 """
 
 from __future__ import annotations

@@ -150,14 +150,7 @@ class CheckpointWriter:
 
     def commit(self, extra: dict | None = None) -> None:
         self._drain()
-        m = mf.Manifest(
-            step=self.step,
-            world_size=self.world_size,
-            tensors=self.entries,
-            state=self.state,
-            attempt=self.attempt,
-            layout=self.layout_info,
-        )
+        m = mf.Manifest(self.step, self.world_size, self.entries, self.state, self.attempt, layout=self.layout_info)
         for key, data in persist.manifest_objects(m):
             self._meta[key] = data
             self._put(key, data, len(data))
