@@ -35,12 +35,9 @@ and its name carries a sixth field, a 64-bit sum of hashes of the pins (:func:`p
 which the tree sums like the others; the commit record stores the root's sum. Records without
 pins (older writers) have five fields.
 
-The shard digest is a polynomial hash of (step, attempt, array path, shard coordinate) modulo
-the prime ``P = 2**61 - 1`` (:func:`shard_hash`): the sum over an array's whole shard grid has a
-closed form (:func:`grid_digest`), so the committer compares the root with the manifest in
-O(arrays), never walking N x A shard keys. Keyed by step and attempt, a record copied from
-another attempt never adds up; a key spelled otherwise than its grid spells it (``c/03/0``)
-hashes as another object, and :func:`write_done` refuses it.
+The shard digest (:func:`shard_hash`, :func:`grid_digest`) lets the committer compare the root
+with the manifest in O(arrays), never walking N x A shard keys; keyed by step and attempt, a
+record copied from another attempt never adds up (``docs/reliability.md``).
 
 At N = 4096 (F = 64) the tree's part of the last rank's path is 4 requests (done record, LIST,
 node, LIST); with the commit's own checks and writes (LIST ``_claims/``, GET claim, GET manifest,

@@ -198,8 +198,9 @@ def _write_data(
     abort,
     tags: dict[str, object],
 ) -> tuple[int, list[str], dict]:
-    """Put every shard and metadata object of ``part``, create-only (not yet durable: one ``sync``
-    follows; on a filesystem one syncfs instead of an fsync per file and folder). Appends each
+    """Put every shard and metadata object of ``part``, create-only: a key already taken (a
+    superseded attempt's late write) fails the save, never mixes it. Not yet durable: one
+    ``sync`` follows (on a filesystem one syncfs, not an fsync per file and folder). Appends each
     key to ``written`` before putting it (a failed put may leave it) and the identity of each
     object it created to ``tags``. Returns the bytes written, the shard object keys (relative to
     the step folder) and the pins for the done record (``donetree.make_pins``; a deduplicated
