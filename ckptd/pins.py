@@ -87,13 +87,15 @@ def _records(store: Store, keys: list[str], where: str, pool: ThreadPoolExecutor
     return list((map if pool is None else pool.map)(lambda k: _load(store, k, where), keys))
 
 
-def _rank_keys(store: Store, prefix: str) -> dict[int, str]:
-    """rank -> key of its done record ``r<rank>....json`` under ``prefix``: the first in key
-    order (a rank that wrote its record twice counts once, as in the climb)."""
+def _rank_keys(store: Store, prefix: str, depth: int) -> dict[int, str]:
+    """rank -> key of its done record ``r<rank>....json`` ``depth`` folders below ``prefix`` (the
+    group folders): the first in key order (a rank that wrote its record twice counts once, as in
+    the climb); a key at another depth is no rank's record."""
     out: dict[int, str] = {}
     for o in store.list(prefix):  # in key order
-        head = o.key.rsplit("/", 1)[-1].split(".", 1)[0]
-        if head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
+        parts = o.key[len(prefix) :].split("/")
+        head = parts[-1].split(".", 1)[0]
+        if len(parts) == depth + 1 and head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
             out.setdefault(int(head[1:]), o.key)
     return out
 
@@ -103,7 +105,7 @@ def read_all(store: Store, step: int, commit: dict, where: str, pool: ThreadPool
     their pin digests sum to the commit record's (CheckpointError otherwise: a done record was
     changed, added or removed after the commit). O(N) GETs: ``ckptd verify``."""
     attempt = commit.get("attempt")
-    first = _rank_keys(store, f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/")
+    first = _rank_keys(store, f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/", 1)
     keys = [first[r] for r in sorted(first)]
     recs = _records(store, keys, where, pool)
     out, total = Pins(), 0
@@ -130,7 +132,7 @@ def read_ranks(
     ranks = sorted(set(ranks))
     keys = []
     for g in sorted({r // donetree.FANOUT for r in ranks}):
-        found = _rank_keys(store, donetree.folder(step, attempt, 1, g))
+        found = _rank_keys(store, donetree.folder(step, attempt, 1, g), 0)
         for r in ranks:
             if r // donetree.FANOUT == g:
                 if r not in found:
