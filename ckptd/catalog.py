@@ -36,35 +36,27 @@ class CheckpointInfo:
     expected_bytes: int | None = None
 
     def to_json(self) -> dict:
-        return {
-            "step": self.step,
-            "committed": self.committed,
-            "world_size": self.world_size,
-            "bytes": self.bytes,
-            "time": self.time,
-            "checkpoint_path": self.path,
-            "expected_bytes": self.expected_bytes,
-        }
+        out = {k: getattr(self, k) for k in ("step", "committed", "world_size", "bytes", "time")}
+        return {**out, "checkpoint_path": self.path, "expected_bytes": self.expected_bytes}
+
+
+def _root_dirs(store: Store) -> list[str]:
+    try:
+        return store.list_dir("")[1]
+    except StorageError as e:
+        raise CheckpointError(f"{store.uri}: cannot list job root ({e})") from None
 
 
 def steps(store: Store) -> list[int]:
     """Every step that has a folder, committed or not, ascending."""
-    try:
-        _, dirs = store.list_dir("")
-    except StorageError as e:
-        raise CheckpointError(f"{store.uri}: cannot list job root ({e})") from None
-    return sorted(s for d in dirs if (s := parse_step_dir(d)) is not None)
+    return sorted(s for d in _root_dirs(store) if (s := parse_step_dir(d)) is not None)
 
 
 def ignored_names(store: Store) -> list[str]:
     """Folders of the job root that look like checkpoints (``step_...``) but are not named
     ``step_`` + exactly ten ASCII digits: nothing lists, restores or deletes them; ``ls`` names
     them so an operator sees them."""
-    try:
-        _, dirs = store.list_dir("")
-    except StorageError as e:
-        raise CheckpointError(f"{store.uri}: cannot list job root ({e})") from None
-    return [d for d in dirs if d.lower().startswith("step") and parse_step_dir(d) is None]
+    return [d for d in _root_dirs(store) if d.lower().startswith("step") and parse_step_dir(d) is None]
 
 
 def read_commit(store: Store, step: int) -> dict | None:
@@ -91,10 +83,7 @@ def latest_step(store: Store) -> int | None:
 def latest_step_by_listing(store: Store) -> int | None:
     """The newest committed step by listing every step folder (one request per 1000 steps on
     S3), then checking from the newest down, so usually one existence check."""
-    for s in reversed(steps(store)):
-        if store.exists(f"{step_dir(s)}/{COMMIT}"):
-            return s
-    return None
+    return next((s for s in reversed(steps(store)) if store.exists(f"{step_dir(s)}/{COMMIT}")), None)
 
 
 def list_checkpoints(store: Store) -> list[CheckpointInfo]:
@@ -102,16 +91,8 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
     for s in steps(store):
         commit = read_commit(store, s)
         if commit is not None:
-            out.append(
-                CheckpointInfo(
-                    s,
-                    True,
-                    _num(commit.get("world_size"), int),
-                    _num(commit.get("bytes"), int),
-                    _num(commit.get("time"), float),
-                    step_dir(s),
-                )
-            )
+            nums = [_num(commit.get(k), kind) for k, kind in (("world_size", int), ("bytes", int), ("time", float))]
+            out.append(CheckpointInfo(s, True, *nums, step_dir(s)))
             continue
         objs = list(store.list(f"{step_dir(s)}/"))
         if not objs:
@@ -124,17 +105,8 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
             data = store.get(f"{step_dir(s)}/{MANIFEST}", limit=MAX_MANIFEST_BYTES)
             m = Manifest.from_bytes(data, where(store, s))
             ws, expected = m.world_size, _stored_bytes(m)
-        out.append(
-            CheckpointInfo(
-                s,
-                False,
-                ws,
-                sum(o.size for o in objs),
-                max((o.mtime for o in objs), default=None),
-                step_dir(s),
-                expected,
-            )
-        )
+        size, mtime = sum(o.size for o in objs), max(o.mtime for o in objs)
+        out.append(CheckpointInfo(s, False, ws, size, mtime, step_dir(s), expected))
     return out
 
 
@@ -177,7 +149,12 @@ def resolve_step(store: Store, step: int | None) -> int:
 
 def load_manifest(store: Store, step: int | None = None) -> Manifest:
     """The manifest of a committed checkpoint (the latest if ``step`` is None)."""
-    step = resolve_step(store, step)
+    return read_manifest(store, resolve_step(store, step))[1]
+
+
+def read_manifest(store: Store, step: int) -> tuple[bytes, Manifest]:
+    """(the bytes, the manifest) of committed ``step``: CheckpointError if it is missing,
+    unreadable, malformed or names another step."""
     try:
         data = store.get(f"{step_dir(step)}/{MANIFEST}", limit=MAX_MANIFEST_BYTES)
     except NotFoundError:
@@ -187,7 +164,7 @@ def load_manifest(store: Store, step: int | None = None) -> Manifest:
     m = Manifest.from_bytes(data, where(store, step))
     if m.step != step:
         raise CheckpointError(f"{where(store, step)}: manifest says step {m.step}")
-    return m
+    return data, m
 
 
 def delete_checkpoint(store: Store, step: int) -> tuple[int, int]:

@@ -3,43 +3,33 @@
 Invariant: a step is written by one (writer, attempt) at a time, and committed only by the one
 its newest claim names (``ckptd.commit`` re-checks it at the commit, ``ckptd verify`` after).
 Claims are created with ``put_if_absent`` only and never deleted or replaced, so two writers
-cannot both believe they own a step.
+cannot both believe they own a step. The argument in full: ``docs/reliability.md``, "Fencing".
 
 Writer identity and fencing (two jobs on one root are refused, never mixed)
 ---------------------------------------------------------------------------
-A *writer* is a job id (``Checkpointer(job_id=...)``; by default ``TORCHELASTIC_RUN_ID``,
-``SLURM_JOB_ID``, or a uuid agreed across ranks; :func:`check_writer`); an *attempt* is one save
-of one step by that writer (a fresh id per save). Before writing a byte, an attempt claims the
-step (:func:`begin`) with a conditional create (``put_if_absent``, atomic on a filesystem and on
-S3) of the claim record ``<step>/_claims/<n>.json`` naming (writer, attempt); the step belongs to
-the newest claim (:func:`owner`). A claimant that finds the newest claim naming:
+A *writer* is a job id (``Checkpointer(job_id=...)``; :func:`check_writer`); an *attempt* is one
+save of one step by that writer (a fresh id per save). Before writing a byte, an attempt claims
+the step (:func:`begin`) by creating the claim record ``<step>/_claims/<n>.json`` naming
+(writer, attempt); the step belongs to the newest claim (:func:`owner`). A claimant that finds
+the newest claim naming:
 
 * its own attempt: proceeds (another rank of the attempt made the claim);
 * another attempt of its *own writer* (the same job restarted after preemption, or a save of
   this step that failed): takes the step over by creating claim ``n+1`` -- unless its own
   attempt already held an older claim (it was superseded: it never takes the step back);
-* another writer whose lease ran out (:func:`liveness`): takes it over the same way, with a
-  warning. Liveness is a lease, not the age of data (``ckptd.leases``: every rank of an attempt
-  renews it while it writes with ``leases.Heartbeat``, and the claim is dead once its newest
-  heartbeat, or the claim itself, is older than ``CKPTD_CLAIM_LEASE_S``; a claim of an older
-  version falls back to ``CKPTD_STALE_ATTEMPT_S``; storage times are clamped to now); an
-  operator's fencing claim (``ckptd fence``) is never alive;
+* another writer whose lease ran out (:func:`liveness`, ``ckptd.leases``): takes it over the
+  same way, with a warning; an operator's fencing claim (``ckptd fence``) is never alive;
 * another writer, alive: refuses with :class:`StepClaimed`, naming that job and the
   ``ckptd fence`` command, and writes and deletes nothing.
 
-A claim that supersedes another attempt (a takeover, of either kind) first removes everything
-the superseded attempts left in the step but the ``_claims/`` records (:func:`clear_superseded`)
--- before a byte of its own is written. Data is written create-only (``Store.put_new``), so a
-late write of a superseded attempt either lands before ours (our create fails: the save fails
-and a retry takes over again, never mixed) or fails; and a superseded attempt deletes nothing
-in its cleanup (``persist.clean_up``). Claim numbers are total: ``<n>.json`` is six digits or
-more (``999999`` is followed by ``1000000``, read back like any other). The argument in full:
-``docs/reliability.md``, "Fencing".
+A takeover first removes what the superseded attempts left (:func:`clear_superseded`), before a
+byte of its own is written; data is written create-only (``Store.put_new``) and a superseded
+attempt deletes nothing in its cleanup (``persist.clean_up``). Claim numbers are total:
+``<n>.json`` is six digits or more (``999999`` is followed by ``1000000``).
 
 A committed step is never claimed again (:class:`AlreadyCommitted`, before a byte is written).
-The in-process writer remembers steps whose save failed and, at its next save (after the
-collective that proves no rank of the job still writes them), deletes those folders if they are
-still partial and claimed by its own writer (:func:`reclaim`).
+The in-process writer deletes the leftovers of its own failed saves at its next save
+(:func:`reclaim`).
 
 One claim per attempt (issue 17): the call sequence
 ---------------------------------------------------
@@ -50,21 +40,13 @@ the first tenth of a second of a save: over S3's 5500 reads/s per prefix from ~2
                                       error class and message -- to
                                       <step>/_claims/<attempt>/<g>/go.json for every group g of
                                       64 ranks (put_if_absent, in parallel; a prefix per group)
-    2. rank r > 0:  follow_claim(...) polls record r // 64 (pauses doubling from ~2 round trips
-                                      up to 0.1 s); returns on go, raises rank 0's refusal
+    2. rank r > 0:  follow_claim(...) polls record r // 64; returns on go, raises rank 0's refusal
     3. every rank:  writes its data (ckptd.persist), only after 1 or 2 returned
 
-The fencing is ``begin``'s, decided once. Without an outcome (rank 0 died or cannot reach
-storage) a rank fails when ``commit_timeout`` runs out or its save is aborted
-(:func:`check_abort`), having written nothing. A go older than ``CKPTD_STALE_ATTEMPT_S / 4`` is
-not :func:`trusted` (a rank resumed long after rank 0 claimed): that rank runs ``begin`` itself.
-The outcome records are attempt-scoped (a retried save has a new attempt, hence new keys), are
-not claims (:func:`claims` reads only ``_claims/<n>.json``), and do not count as activity for
-the stale takeover (a refused job's records must not keep a dead job's step alive). Writing a
-refusal into another job's or a committed step adds only these records, never data.
-
-The daemon shares one claim among the ranks it serves instead
-(``ckptd.server.shared_claim.SharedClaim``, then ``persist(claim="caller")``).
+The fencing is ``begin``'s, decided once. The outcome records are attempt-scoped, are not claims
+(:func:`claims` reads only ``_claims/<n>.json``), and do not count as activity for the stale
+takeover (a refused job's records must not keep a dead job's step alive). The daemon shares one
+claim among the ranks it serves instead (``ckptd.server.shared_claim.SharedClaim``).
 """
 
 from __future__ import annotations
@@ -92,13 +74,18 @@ WRITER_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 _CLAIM_NAME = re.compile(r"(\d{6}|[1-9]\d{6,17})\.json")
 
 
+FENCE_WRITER = "ckptd-fence"  # the writer of an operator's fencing claim (``ckptd.fencing``)
+
+
+def is_fence(rec: dict) -> bool:
+    """Whether a claim record is an operator's fencing claim (never alive)."""
+    return rec.get("writer") == FENCE_WRITER and isinstance(rec.get("fenced"), str)
+
+
 def check_writer(writer: str) -> str:
     if not isinstance(writer, str) or not WRITER_RE.match(writer):
         raise CheckpointError(f"invalid writer (job) id {writer!r}: 1-128 of A-Z a-z 0-9 _ . : @ -")
     return writer
-
-
-# ------------------------------------------------------------------------------------ begin
 
 
 def claim_key(step: int, n: int) -> str:
@@ -195,12 +182,10 @@ def begin(store: Store, step: int, attempt: str, writer: str, *, sole: bool = Tr
 
 def liveness(store: Store, step: int, n: int, rec: dict) -> tuple[float, float, str]:
     """(seconds since the owner of claim ``n`` was last seen alive, the limit past which it may
-    be taken over, what was seen). A claim with a lease (this version's) is alive while its
-    attempt renews it (``ckptd.leases``: ``Heartbeat``, ``lease_age``); an older claim (no
-    lease) by its step's newest data write, up to ``CKPTD_STALE_ATTEMPT_S``. A claim its writer
-    gave up (``leases.abandon``: the save failed or was abandoned) is dead at once. An operator's
-    fencing claim (``ckptd fence``, ``ckptd.fencing``) is never alive."""
-    if rec.get("writer") == "ckptd-fence" and isinstance(rec.get("fenced"), str):
+    be taken over, what was seen), by the rules of ``ckptd.leases`` (a claim given up with
+    ``leases.abandon`` is dead at once). An operator's fencing claim (``ckptd fence``) is never
+    alive."""
+    if is_fence(rec):
         return float("inf"), 0.0, "fencing claim (ckptd fence), written"
     if isinstance(rec.get("lease"), int | float) and isinstance(rec.get("attempt"), str):
         attempt = rec["attempt"]
@@ -214,12 +199,12 @@ def clear_superseded(store: Store, step: int, where: str, newer_than: str | None
     """Remove every object the superseded attempts left in ``step`` (data, metadata, done
     records; never ``commit.json`` and nothing under ``_claims/``: the claims, and the small
     attempt-scoped outcome and heartbeat records, which a superseded attempt's ranks still read
-    to learn at once that they were superseded) right after this
-    attempt's claim superseded them and before it writes a byte: with create-only data writes a
-    late write of theirs then either lands before ours (our create fails: the save fails, never
-    mixed) or fails. A commit record found here means the step was committed meanwhile:
-    AlreadyCommitted, nothing deleted. ``newer_than`` (a claim key): objects written since that
-    claim (storage times) are kept -- the claimant's own ranks may be writing already."""
+    to learn at once that they were superseded) right after this attempt's claim superseded
+    them and before it writes a byte: with create-only data writes a late write of theirs then
+    either lands before ours (our create fails: the save fails, never mixed) or fails. A commit
+    record found here: AlreadyCommitted, nothing deleted. ``newer_than`` (a claim key): objects
+    written since that claim (storage times) are kept -- the claimant's own ranks may be writing
+    already."""
     folder = f"{mf.step_dir(step)}/"
     claims_prefix = f"{folder}{CLAIMS}/"
     since = store.head(newer_than).mtime if newer_than is not None else None
@@ -270,17 +255,11 @@ def lead_claim(store: Store, step: int, attempt: str, writer: str, world_size: i
     err: CheckpointError | None = None
     try:
         begin(store, step, attempt, writer)
-        outcome: dict = {"ok": True, "writer": writer, "attempt": attempt, "time": time.time()}
     except CheckpointError as e:
         err = e
-        outcome = {
-            "ok": False,
-            "writer": writer,
-            "attempt": attempt,
-            "time": time.time(),
-            "error": type(e).__name__,
-            "message": str(e),
-        }
+    outcome = {"ok": err is None, "writer": writer, "attempt": attempt, "time": time.time()}
+    if err is not None:
+        outcome.update(error=type(err).__name__, message=str(err))
     data = mf.dumps(outcome)
     futures = [pool.submit(store.put_if_absent, key, data) for key in outcome_keys(step, attempt, world_size)]
     failed, existed = None, False
@@ -374,9 +353,6 @@ def check_abort(abort: threading.Event | None, where: str) -> None:
     """Raise SaveAborted once ``abort`` (the caller's deadline passed) is set."""
     if abort is not None and abort.is_set():
         raise SaveAborted(f"{where}: save abandoned after its deadline")
-
-
-# ---------------------------------------------------------------------------------- reclaim
 
 
 def reclaim(store: Store, steps: list[int], writer: str, attempts: set[str] | None = None) -> list[int]:

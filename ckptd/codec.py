@@ -71,8 +71,7 @@ MAX_SMALL_GRID = 1 << 16  # any layout may have this many chunks ...
 MIN_AVG_CHUNK_BYTES = 1024  # ... more only if they average at least this size
 
 
-def crc32c(data) -> int:
-    return _crc32c.crc32c(data)
+crc32c = _crc32c.crc32c
 
 
 def crc_bytes(data) -> bytes:
@@ -134,7 +133,7 @@ class ArrayLayout:
             raise ValueError(f"dtype must be a string: {self.dtype!r}")
         for dims in (self.shape, self.shard_shape, self.chunk_shape):
             if not isinstance(dims, tuple) or not all(
-                isinstance(n, int | np.integer) and n is not True and n is not False for n in dims
+                isinstance(n, int | np.integer) and not isinstance(n, bool) for n in dims
             ):
                 raise ValueError(f"shapes must be lists of integers: {self}")
         if len(self.shape) != len(self.shard_shape) or len(self.shape) != len(self.chunk_shape):
@@ -215,12 +214,9 @@ class ArrayLayout:
         that lies in the array, with its crc32c, then the shard index (a plain chunk: the one
         chunk and its crc32c). What ``ls`` sums for a partial step and ``gc``'s restorability
         check expects of each object."""
-        per_chunk = self.chunk_nbytes + CRC_BYTES
-        if not self.sharded:
-            return per_chunk
         start, stop = self.shard_box(coord)
         present = math.prod(-(-(b - a) // c) for a, b, c in zip(start, stop, self.chunk_shape, strict=True))
-        return present * per_chunk + self.index_nbytes
+        return image_nbytes(self, present if self.sharded else 1)
 
     def shard_extent(self, coord: Sequence[int]) -> tuple[int, ...]:
         """The shape of a shard clipped to the array."""
@@ -282,31 +278,6 @@ class ArrayLayout:
         grid = tuple(max(1, n) for n in shape)
         return cls(tuple(shape), dtype, grid, grid)
 
-    @classmethod
-    def from_metadata(cls, meta: dict) -> ArrayLayout:
-        """Parse a ``zarr.json`` that this module wrote (or one of the same form)."""
-        try:
-            shape = tuple(meta["shape"])
-            grid = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
-            codecs = meta["codecs"]
-            if codecs[0]["name"] == "sharding_indexed":
-                chunk = tuple(codecs[0]["configuration"]["chunk_shape"])
-                inner = codecs[0]["configuration"]["codecs"]
-            else:
-                chunk, inner = grid, codecs
-            names = [c["name"] for c in inner]
-            if names != ["bytes", "crc32c"]:
-                raise CheckpointError(f"unsupported codec chain {names}")
-            dtype = meta["data_type"]
-            named = (meta.get("attributes") or {}).get(DTYPE_ATTRIBUTE)
-            if named is not None:
-                if STORED_AS.get(named) != dtype:
-                    raise CheckpointError(f"zarr.json: attribute {DTYPE_ATTRIBUTE}={named!r} with data_type {dtype!r}")
-                dtype = named
-            return cls(shape, dtype, grid, chunk)
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"malformed zarr.json: {e!r}") from None
-
 
 _ABSENT = object()
 
@@ -334,17 +305,17 @@ def check_metadata(meta: Any, layout: ArrayLayout, value: Any = None) -> None:
 
 def max_object_bytes(layout: ArrayLayout) -> int:
     """The largest a shard (or plain chunk) object of this layout can be: read no more."""
-    if not layout.sharded:
-        return layout.chunk_nbytes + CRC_BYTES
-    return math.prod(layout.chunks_per_shard) * (layout.chunk_nbytes + CRC_BYTES) + layout.index_nbytes
+    return image_nbytes(layout, math.prod(layout.chunks_per_shard))  # a plain layout: one chunk
 
 
-def _padded(region: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def _padded(region: np.ndarray, shape: tuple[int, ...]) -> memoryview:
+    """The bytes of a chunk: ``region`` zero-padded to ``shape`` (a view when it needs none)."""
     if region.shape == shape:
-        return np.ascontiguousarray(region)
-    out = np.zeros(shape, dtype=region.dtype)
-    out[tuple(slice(0, n) for n in region.shape)] = region
-    return out
+        out = np.ascontiguousarray(region)
+    else:
+        out = np.zeros(shape, dtype=region.dtype)
+        out[tuple(slice(0, n) for n in region.shape)] = region
+    return memoryview(out.reshape(-1).view(np.uint8))
 
 
 def encode_shard(layout: ArrayLayout, coord: Sequence[int], block: np.ndarray) -> list:
@@ -358,8 +329,7 @@ def encode_shard(layout: ArrayLayout, coord: Sequence[int], block: np.ndarray) -
     if block.shape != expect:
         raise ValueError(f"shard {tuple(coord)} needs a block of shape {expect}, got {block.shape}")
     if not layout.sharded:
-        data = _padded(block, layout.chunk_shape)
-        view = memoryview(data.reshape(-1).view(np.uint8))
+        view = _padded(block, layout.chunk_shape)
         return [view, crc_bytes(view)]
     cps = layout.chunks_per_shard
     index = np.full((*cps, 2), EMPTY, dtype="<u8")
@@ -370,16 +340,12 @@ def encode_shard(layout: ArrayLayout, coord: Sequence[int], block: np.ndarray) -
         if any(a >= n for a, n in zip(lo, expect, strict=True)):
             continue  # wholly outside the array: absent
         region = block[tuple(slice(a, a + c) for a, c in zip(lo, layout.chunk_shape, strict=True))]
-        data = _padded(region, layout.chunk_shape)
-        view = memoryview(data.reshape(-1).view(np.uint8))
-        bufs.append(view)
-        bufs.append(crc_bytes(view))
+        view = _padded(region, layout.chunk_shape)
+        bufs += [view, crc_bytes(view)]
         index[ci] = (offset, view.nbytes + CRC_BYTES)
         offset += view.nbytes + CRC_BYTES
     ib = index.tobytes()
-    bufs.append(ib)
-    bufs.append(crc_bytes(ib))
-    return bufs
+    return [*bufs, ib, crc_bytes(ib)]
 
 
 # ------------------------------------------------------------------------------ object images
@@ -399,15 +365,11 @@ def image_chunks(layout: ArrayLayout, coord: Sequence[int], itemsize: int) -> in
     be staged as one: a 0-d array, a shard clipped by the array's edge (edge chunks are padded
     copies), chunks that are not whole rows, or (several chunks) a chunk stride that is not a
     whole number of elements."""
-    if not layout.shape:
-        return None
-    if layout.shard_extent(coord) != tuple(layout.shard_shape):
+    if not layout.shape or layout.shard_extent(coord) != layout.shard_shape:
         return None
     if not layout.sharded:
         return 1
-    if tuple(layout.chunk_shape[1:]) != tuple(layout.shard_shape[1:]):
-        return None
-    if (layout.chunk_nbytes + CRC_BYTES) % itemsize:
+    if layout.chunk_shape[1:] != layout.shard_shape[1:] or (layout.chunk_nbytes + CRC_BYTES) % itemsize:
         return None
     return math.prod(layout.chunks_per_shard)
 
@@ -451,10 +413,14 @@ def check_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> me
     mv = memoryview(data)
     if mv.nbytes != layout.chunk_nbytes + CRC_BYTES:
         raise CorruptChunkError(f"{where}: chunk has {mv.nbytes} bytes, expected {layout.chunk_nbytes + CRC_BYTES}")
-    body, tail = mv[:-CRC_BYTES], mv[-CRC_BYTES:]
-    if crc32c(body) != struct.unpack("<I", tail)[0]:
+    if not _crc_ok(mv):
         raise CorruptChunkError(f"{where}: crc32c mismatch (corrupt chunk)")
-    return body
+    return mv[:-CRC_BYTES]
+
+
+def _crc_ok(data) -> bool:
+    """Whether ``data`` ends in the crc32c of the rest."""
+    return crc32c(data[:-CRC_BYTES]) == struct.unpack("<I", data[-CRC_BYTES:])[0]
 
 
 def decode_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> np.ndarray:
@@ -466,7 +432,6 @@ def decode_index(layout: ArrayLayout, data: bytes, where: str) -> np.ndarray:
     """Check and parse a shard index: an array of shape ``chunks_per_shard + (2,)``."""
     if len(data) != layout.index_nbytes:
         raise CorruptChunkError(f"{where}: shard index has {len(data)} bytes, expected {layout.index_nbytes}")
-    body, tail = data[:-CRC_BYTES], data[-CRC_BYTES:]
-    if crc32c(body) != struct.unpack("<I", tail)[0]:
+    if not _crc_ok(data):
         raise CorruptChunkError(f"{where}: crc32c mismatch in shard index (corrupt shard)")
-    return np.frombuffer(body, dtype="<u8").reshape((*layout.chunks_per_shard, 2))
+    return np.frombuffer(data[:-CRC_BYTES], dtype="<u8").reshape((*layout.chunks_per_shard, 2))

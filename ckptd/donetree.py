@@ -27,25 +27,17 @@ keeps one, all of them climb on (the loser's climb is redundant, never wrong), a
 so a rank that wrote its record twice is counted once.
 
 Above ``NOTICE_GROUP`` ranks the committer also writes a few notices after ``commit.json``
-(:func:`notice_keys`) that the waiting ranks poll instead, ``NOTICE_GROUP`` ranks per notice,
-each on its own prefix: they learn of the commit about as fast at 8192 ranks as at 1024, where a
-single ``commit.json`` polled by everyone within S3's rate would take seconds. A waiting rank
-still checks ``commit.json`` itself in a random ``NOTICE_GROUP / N`` of its polls, in case the
-committer died before writing the notices.
+(:func:`notice_keys`) that the waiting ranks poll instead, each on its own prefix: they learn
+of the commit about as fast at 8192 ranks as at 1024 (``commit.wait_commit``).
 
-Pins (issue 26): a done record also pins what its rank wrote (``pins``: per shard object its
-size and the crc32c of each part as stored, per metadata object its sha256; :func:`make_pins`),
+Pins (issue 26, ``ckptd.pins``): a done record also pins what its rank wrote (:func:`make_pins`),
 and its name carries a sixth field, a 64-bit sum of hashes of the pins (:func:`pin_digest`),
-which the tree sums like the others; the commit record stores the root's sum. A reader that
-recomputes the sum from the records' contents and finds the commit's knows it holds exactly
-the pins the committing attempt wrote. Records without pins (older writers) have five fields.
+which the tree sums like the others; the commit record stores the root's sum. Records without
+pins (older writers) have five fields.
 
-The shard digest is a polynomial hash of (step, attempt, array path, shard coordinate) modulo
-the prime ``P = 2**61 - 1`` (:func:`shard_hash`): the sum over an array's whole shard grid has a
-closed form (:func:`grid_digest`), so the committer compares the root with the manifest in
-O(arrays), never walking N x A shard keys. Keyed by step and attempt, a record copied from
-another attempt never adds up; a key spelled otherwise than its grid spells it (``c/03/0``)
-hashes as another object, and :func:`write_done` refuses it.
+The shard digest (:func:`shard_hash`, :func:`grid_digest`) lets the committer compare the root
+with the manifest in O(arrays), never walking N x A shard keys; keyed by step and attempt, a
+record copied from another attempt never adds up (``docs/reliability.md``).
 
 At N = 4096 (F = 64) the tree's part of the last rank's path is 4 requests (done record, LIST,
 node, LIST); with the commit's own checks and writes (LIST ``_claims/``, GET claim, GET manifest,
@@ -199,11 +191,6 @@ def levels(world_size: int) -> int:
     return lvl
 
 
-def _count(world_size: int, level: int) -> int:
-    """How many nodes level ``level`` has (ranks at level 0)."""
-    return -(-world_size // FANOUT**level)
-
-
 def folder(step: int, attempt: str, level: int, index: int) -> str:
     """The folder of node (level, index)'s children."""
     return f"{step_dir(step)}/{DONE}/{attempt}/t{level}/{index:06d}/"
@@ -290,7 +277,7 @@ def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, com
     top = levels(world_size)
     level, index = 1, rank // FANOUT
     while True:
-        below = _count(world_size, level - 1)
+        below = -(-world_size // FANOUT ** (level - 1))  # nodes of the level below (ranks at 0)
         lo, hi = index * FANOUT, min((index + 1) * FANOUT, below)
         where = folder(step, attempt, level, index)
         kids: dict[int, Totals] = {}
@@ -327,12 +314,8 @@ def notice_keys(step: int, attempt: str, world_size: int) -> list[str]:
 def count_done(store: Store, step: int, attempt: str) -> int:
     """How many ranks of ``attempt`` wrote a done record (either layout); for error messages."""
     prefix = f"{step_dir(step)}/{DONE}/{attempt}/"
-    n = 0
-    for info in store.list(prefix):
-        name = info.key[len(prefix) :]
-        if name.startswith("rank_") or (name.startswith("t1/") and "/r" in name):
-            n += 1
-    return n
+    names = (info.key[len(prefix) :] for info in store.list(prefix))
+    return sum(1 for n in names if n.startswith("rank_") or (n.startswith("t1/") and "/r" in n))
 
 
 def attempts(store: Store, step: int) -> set[str]:
@@ -370,10 +353,7 @@ def done_record_key(store: Store, step: int, attempt: str, rank: int) -> str:
 
 def read_done_record(store: Store, step: int, attempt: str, rank: int) -> dict:
     """Rank's done record in either layout. Raises NotFoundError, or ValueError if malformed."""
-    prefix = f"{folder(step, attempt, 1, rank // FANOUT)}r{rank:06d}."
-    for info in store.list(prefix):
-        return _load(store, info.key)
-    return _load(store, done_key(step, attempt, rank))
+    return _load(store, done_record_key(store, step, attempt, rank))
 
 
 def _load(store: Store, key: str) -> dict:

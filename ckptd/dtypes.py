@@ -53,26 +53,13 @@ __all__ = [
 # loads at the first look-up of such a row (a checkpoint that holds one, as numpy), never for the
 # names alone.
 _ROWS: dict[str, np.dtype | int] = {
-    "bool": np.dtype(np.bool_),
-    "int8": np.dtype(np.int8),
-    "int16": np.dtype(np.int16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16),
-    "uint32": np.dtype(np.uint32),
-    "uint64": np.dtype(np.uint64),
-    "float16": np.dtype(np.float16),
+    **{
+        n: np.dtype(n)
+        for n in ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16"]
+    },
     "bfloat16": 2,
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "complex64": np.dtype(np.complex64),
-    "complex128": np.dtype(np.complex128),
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
+    **{n: np.dtype(n) for n in ("float32", "float64", "complex64", "complex128")},
+    **dict.fromkeys(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"), 1),
     "float4_e2m1fn_x2": np.dtype(np.uint8),
 }
 

@@ -21,19 +21,13 @@ from dataclasses import dataclass
 
 from ckptd import catalog, claims
 from ckptd import manifest as mf
+from ckptd.claims import FENCE_WRITER, is_fence
 from ckptd.errors import CheckpointError
 from storage_backends import StorageError, Store
 
 __all__ = ["FENCE_WRITER", "Fenced", "fence", "is_fence", "unowned"]
 
 log = logging.getLogger("ckptd.fencing")
-
-FENCE_WRITER = "ckptd-fence"
-
-
-def is_fence(rec: dict) -> bool:
-    """Whether a claim record is an operator's fencing claim (never alive)."""
-    return rec.get("writer") == FENCE_WRITER and isinstance(rec.get("fenced"), str)
 
 
 @dataclass(frozen=True)

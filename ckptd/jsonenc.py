@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -62,10 +63,7 @@ def encode(obj: Any, on_tensor: Callable[[tuple[str, ...], Any], str] | None = N
             raise CheckpointError(f"key {'/'.join(path)!r}: numpy array too large or of unsupported dtype")
         data = base64.b64encode(np.ascontiguousarray(obj).astype(obj.dtype.newbyteorder("<")).tobytes())
         return {"$ndarray": [obj.dtype.name, list(obj.shape), data.decode()]}
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
+    torch = sys.modules.get("torch")  # a tensor or torch.dtype implies torch is imported
     if torch is not None:
         if isinstance(obj, torch.Tensor):
             if on_tensor is None:
@@ -136,18 +134,11 @@ def _hashable(k: Any) -> Any:
 
 def tensor_refs(data: Any) -> list[str]:
     """Every array key referenced from an encoded tree."""
-    out: list[str] = []
-
-    def walk(x):
-        if isinstance(x, list):
-            for v in x:
-                walk(v)
-        elif isinstance(x, dict):
-            if len(x) == 1 and "$tensor" in x:
-                out.append(x["$tensor"])
-            else:
-                for v in x.values():
-                    walk(v)
-
-    walk(data)
+    out, todo = [], [data]
+    while todo:  # depth first, in order, with no recursion
+        x = todo.pop()
+        if isinstance(x, dict) and len(x) == 1 and "$tensor" in x:
+            out.append(x["$tensor"])
+        elif isinstance(x, list | dict):
+            todo.extend(reversed(x if isinstance(x, list) else list(x.values())))
     return out

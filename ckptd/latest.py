@@ -27,13 +27,10 @@ Rules:
 - Links are never deleted: retention removes checkpoints, never numbers of the chain (a few
   bytes per save). A deleted chain end reads as "not committed" and falls back to listing.
 
-The chain is a hint, never the authority: anyone who can write the root can write ``_latest/``.
-The answer above holds whatever the hint and the links say (a link dropped and the hint
-pointed back only adds the skipped steps' folders to the short listing after the start); a
-forged value only costs requests. Each value is read with a cap of ``MAX_VALUE_BYTES`` and must
-be a step (at most 10 digits); anything else (a huge or deeply nested hint, a step of 11
-digits, a link that does not increase) is ignored: readers list, ``link`` starts from
-``first.json`` and the commit proceeds without the chain if that is malformed too.
+The chain is a hint, never the authority (anyone who can write the root can write
+``_latest/``): the answer above holds whatever the hint and the links say, a forged value only
+costs requests. Each value is read capped at ``MAX_VALUE_BYTES`` and must be a step of at most
+10 digits; anything else is ignored (``docs/security.md``, "The latest-step chain").
 
 A root written by an older ckptd has no chain; the first commit by this version seeds
 ``first`` with the larger of its own step and the newest step found by listing. Every writer of
@@ -78,10 +75,6 @@ def _read_step(store: Store, key: str) -> int | None:
     return value
 
 
-def _dumps(step: int) -> bytes:
-    return str(step).encode()
-
-
 def _hint(store: Store) -> int | None:
     """The hint, or None when it is absent or malformed (a hint is never worth failing for)."""
     try:
@@ -113,7 +106,7 @@ def link(store: Store, step: int, newest_by_listing) -> bool:
     if cur is None:
         base = newest_by_listing(store)
         first = step if base is None or step > base else base
-        if store.put_if_absent(FIRST, _dumps(first)):
+        if store.put_if_absent(FIRST, str(first).encode()):
             return first == step
         cur = _read_step(store, FIRST)
         if cur is None:  # deleted under us: someone is resetting the root
@@ -125,7 +118,7 @@ def link(store: Store, step: int, newest_by_listing) -> bool:
             return False
         nxt = _read_step(store, link_key(cur))
         if nxt is None:
-            if store.put_if_absent(link_key(cur), _dumps(step)):
+            if store.put_if_absent(link_key(cur), str(step).encode()):
                 return True
             nxt = _read_step(store, link_key(cur))
         if nxt is None or nxt <= cur:
@@ -136,18 +129,14 @@ def link(store: Store, step: int, newest_by_listing) -> bool:
 
 def set_hint(store: Store, step: int) -> None:
     """After ``step`` committed and ``link`` said it is on the chain."""
-    store.put(HINT, _dumps(step))
+    store.put(HINT, str(step).encode())
 
 
 def latest_from_chain(store: Store) -> tuple[bool, int | None]:
     """(True, newest committed step) when the chain answers; (False, None) when the caller must
     list (no chain, a malformed or too long walk, more than ``MAX_WALK`` step folders after the
-    start, or nothing committed at or after it). Loops are bounded, never recursive.
-
-    Starts at the hint (else walks from ``first`` to the chain's end), then asks for the step
-    folders that sort after the start: the newest committed one of those, else the start if it
-    is committed, is the newest committed step. The answer never depends on the links or the
-    hint being honest, only its cost does."""
+    start, or nothing committed at or after it); how and why: the module docstring. Loops are
+    bounded, never recursive."""
     try:
         cur = _hint(store)
         if cur is None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptd.codec import ArrayLayout
@@ -122,15 +122,9 @@ def stable_hash(key: str) -> int:
 
 
 def _divisors(n: int) -> list[int]:
-    small, large = [], []
-    i = 1
-    while i * i <= n:
-        if n % i == 0:
-            small.append(i)
-            if i != n // i:
-                large.append(n // i)
-        i += 1
-    return small + large[::-1]
+    """The divisors of ``n`` >= 1, ascending, in O(sqrt n)."""
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
+    return small + [n // i for i in reversed(small) if i * i != n]
 
 
 def choose_chunk_shape(
@@ -160,11 +154,9 @@ def choose_chunk_shape(
             chunk[d] = 1
             continue  # one slice along d is still too big: split the next dimension too
         divs = _divisors(n)
-        under = [k for k in divs if k * row <= target]
-        best = under[-1] if under else 1
+        best = next((k for k in reversed(divs) if k * row <= target), 1)
         if best * row < floor:
-            over = [k for k in divs if k * row >= floor]
-            best = over[0] if over else n
+            best = next((k for k in divs if k * row >= floor), n)
         chunk[d] = best
         break
     return tuple(chunk)
@@ -322,19 +314,13 @@ class Grid:
         if not self.gather:
             return [(j, t) for j, t in enumerate(self.transfers(key)) if rank in (t.src, t.dst)]
         dst = self.writer(key, 0)
-        h = stable_hash(key)
-        out, j = [], 0
         if rank == dst:
-            for ranks, box in self.pieces[0]:
-                if dst not in ranks:
-                    out.append((j, Transfer(ranks[h % len(ranks)], dst, box)))
-                    j += 1
-            return out
+            return list(enumerate(self.transfers(key)))
         i = self._block_of.get(rank)
         if i is None:
             return []
         ranks, box = self.pieces[0][i]
-        if dst in ranks or ranks[h % len(ranks)] != rank:
+        if dst in ranks or ranks[stable_hash(key) % len(ranks)] != rank:
             return []  # the writer holds this block itself, or another replica sends it
         # its index among the pieces the writer receives: the pieces before it, less the writer's
         j = i - (1 if self._block_of.get(dst, len(self.pieces[0])) < i else 0)
@@ -388,10 +374,8 @@ def plan_grid(
         pieces = tuple((tuple(replicas[b]), b) for b in boxes)
         return Grid(mk(shape), (tuple([0] * ndim),), (holders,), pieces=(pieces,), gather=True)
 
-    steps = []
-    for d in range(ndim):
-        ivs = {(b.start[d], b.stop[d]) for b in replicas}
-        steps.append(interval_grid(ivs, shape[d]))
+    ivs = [{(b.start[d], b.stop[d]) for b in replicas} for d in range(ndim)]
+    steps = [interval_grid(iv, n) for iv, n in zip(ivs, shape, strict=True)]
     regular = all(s is not None for s in steps) and len(replicas) == math.prod(
         -(-n // s) for n, s in zip(shape, steps, strict=True)
     )
@@ -404,11 +388,7 @@ def plan_grid(
 
     # Irregular: an even grid over each dimension, and transfers of the rows that a shard's
     # writer lacks from the ranks that hold them.
-    shard_shape = []
-    for d in range(ndim):
-        ivs = {(b.start[d], b.stop[d]) for b in replicas}
-        shard_shape.append(steps[d] if steps[d] is not None else -(-shape[d] // len(ivs)))
-    layout = mk(tuple(shard_shape))
+    layout = mk(tuple(s if s is not None else -(-n // len(iv)) for s, n, iv in zip(steps, shape, ivs, strict=True)))
     boxes = sorted(replicas, key=lambda b: b.start)
     coords, candidates, pieces = [], [], []
     for coord in layout.shard_coords():
@@ -452,7 +432,7 @@ def plan_reads(layout: ArrayLayout, want: Box) -> list[ShardRead]:
         return []
     out = []
     shard_ranges = [_range(a, b, s) for a, b, s in zip(want.start, want.stop, layout.shard_shape, strict=True)]
-    for shard in _product(shard_ranges):
+    for shard in itertools.product(*shard_ranges):  # of nothing: one empty tuple (a 0-d array)
         s_start, s_stop = layout.shard_box(shard)
         local = Box(s_start, s_stop).intersect(want)
         if local is None:
@@ -461,7 +441,7 @@ def plan_reads(layout: ArrayLayout, want: Box) -> list[ShardRead]:
             _range(a - o, b - o, c)
             for a, b, o, c in zip(local.start, local.stop, s_start, layout.chunk_shape, strict=True)
         ]
-        out.append(ShardRead(shard, tuple(_product(chunk_ranges))))
+        out.append(ShardRead(shard, tuple(itertools.product(*chunk_ranges))))
     return out
 
 
@@ -476,12 +456,5 @@ def chunk_box(layout: ArrayLayout, shard: Sequence[int], chunk: Sequence[int]) -
 
 def read_cost(layout: ArrayLayout, want: Box) -> tuple[int, int]:
     """(bytes fetched, objects touched) to fill ``want``: what ``ckptd reshard`` reports."""
-    nbytes = objects = 0
-    for sr in plan_reads(layout, want):
-        objects += 1
-        nbytes += len(sr.chunks) * (layout.chunk_nbytes + 4)
-    return nbytes, objects
-
-
-def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
-    return itertools.product(*ranges)  # product() of nothing is one empty tuple: a 0-d array
+    reads = plan_reads(layout, want)
+    return sum(len(sr.chunks) for sr in reads) * (layout.chunk_nbytes + 4), len(reads)

@@ -6,25 +6,19 @@ the newest of the claim record and its attempt's heartbeats is older than
 The decision itself (whose claim, which rule) is ``ckptd.claims.liveness``; this module holds
 the clock: the settings, the heartbeat, and the ages read from storage.
 
-Why a lease, not silence: the age of a step's newest data says nothing about its writer. A live
-writer can be silent for minutes -- a GC pause, a frozen node, a throttled disk, an S3 PUT
-held in flight -- and taking its step over then mixed two jobs' data (``docs/reliability.md``,
-"Fencing"). So every rank of an attempt renews a lease while it writes (:class:`Heartbeat`:
-``<step>/_claims/<attempt>/alive/<rank>.json`` re-put every quarter lease, by a thread of its
-own that a slow write does not hold up), and a writer is dead only when that renewal stopped.
-A failed renewal is logged, never raised: the lease then runs out, which only lets another
-writer fence this one off -- it never lets two write. A save that failed or was abandoned at
-its deadline gives its claim up (:func:`abandon`): its heartbeats stop and its lease counts as
-run out at once, though the save's thread may stay inside a storage call for minutes. A claim
-written by an older version (no ``lease`` field) falls back to silence, the step's newest data
-write (:func:`idle_seconds`) against ``CKPTD_STALE_ATTEMPT_S`` (900 s; :func:`stale_after`),
-which also caps the lease.
+Why a lease, not silence: a live writer can be silent for minutes (a GC pause, a throttled
+disk, an S3 PUT held in flight), and taking its step over then mixed two jobs' data
+(``docs/reliability.md``, "Fencing"). So every rank of an attempt renews a lease while it
+writes (:class:`Heartbeat`: ``<step>/_claims/<attempt>/alive/<rank>.json`` re-put every quarter
+lease, by a thread of its own that a slow write does not hold up). A failed renewal is logged,
+never raised: the lease then runs out, which only lets another writer fence this one off. A
+save that failed or was abandoned gives its claim up at once (:func:`abandon`). A claim of an
+older version (no ``lease`` field) falls back to the step's newest data write
+(:func:`idle_seconds`) against ``CKPTD_STALE_ATTEMPT_S`` (:func:`stale_after`), which also caps
+the lease.
 
-Clock clamping: every time read from storage (a claim's or heartbeat's mtime) goes through
-:func:`clamp` before it is compared with now. A time up to ``MAX_SKEW_S`` ahead (a storage
-clock ahead of this host's) counts as now; one further ahead (a forged file time) counts as
-never written, since read at every check a future time would keep a claim alive for ever; NaN
-likewise. So a forged or skewed record can hold a step for one lease at most.
+Every time read from storage goes through :func:`clamp` before it is compared with now, so a
+forged or skewed record can hold a step for one lease at most.
 """
 
 from __future__ import annotations
@@ -45,25 +39,26 @@ DEFAULT_STALE_S = 900.0
 DEFAULT_LEASE_S = 60.0
 
 
+def _seconds(name: str, default: float) -> tuple[float, str]:
+    """(the number of seconds in variable ``name``, else ``default``; its raw text)."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        return (float(raw) if raw else default), raw
+    except ValueError:
+        raise CheckpointError(f"{name}={raw!r}: expected a number of seconds") from None
+
+
 def stale_after() -> float:
     """Seconds without a write after which another writer's partial step may be taken over
     (``CKPTD_STALE_ATTEMPT_S``, default 900)."""
-    raw = os.environ.get("CKPTD_STALE_ATTEMPT_S", "").strip()
-    try:
-        return float(raw) if raw else DEFAULT_STALE_S
-    except ValueError:
-        raise CheckpointError(f"CKPTD_STALE_ATTEMPT_S={raw!r}: expected a number of seconds") from None
+    return _seconds("CKPTD_STALE_ATTEMPT_S", DEFAULT_STALE_S)[0]
 
 
 def lease_s() -> float:
     """Seconds after its attempt's last heartbeat (or its claim) before another writer may take
     a step over: ``CKPTD_CLAIM_LEASE_S`` (default 60), or ``CKPTD_STALE_ATTEMPT_S`` if that is
     shorter (it stays the bound it always was); the heartbeat renews it every quarter."""
-    raw = os.environ.get("CKPTD_CLAIM_LEASE_S", "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_LEASE_S
-    except ValueError:
-        raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a number of seconds") from None
+    value, raw = _seconds("CKPTD_CLAIM_LEASE_S", DEFAULT_LEASE_S)
     if not value > 0:
         raise CheckpointError(f"CKPTD_CLAIM_LEASE_S={raw!r}: expected a positive number of seconds")
     return min(value, stale_after())
@@ -130,12 +125,9 @@ def abandon(store: Store, step: int, attempt: str) -> None:
 
 
 class Heartbeat:
-    """Renews ``attempt``'s lease on ``step`` while a rank writes it: a small thread re-puts
-    ``<step>/_claims/<attempt>/alive/<rank>.json`` every quarter of the lease. Stop it (or leave
-    the ``with`` block) when the rank's part is done; it also stops once ``abort`` is set (the
-    save was abandoned, though its thread may stay inside a storage call). A failed renewal is
-    logged, never raised: the lease then runs out, which only allows another writer to fence
-    this one off."""
+    """Renews ``attempt``'s lease on ``step`` while a rank writes it (see the module docstring).
+    Stop it (or leave the ``with`` block) when the rank's part is done; it also stops once
+    ``abort`` is set (the save was abandoned, though its thread may stay inside a storage call)."""
 
     def __init__(
         self,

@@ -30,17 +30,9 @@
                                not a checkpoint; listings of steps never see it
 
 A folder without ``commit.json`` is partial: nothing restores it, ``ls`` shows it as partial.
-The commit protocol needs no process group: each rank writes its data, then its done record,
-then climbs the tree of done records (``ckptd.donetree``: groups of 64 ranks, then groups of
-64 groups ...), listing one folder of at most 64 entries per level; the rank that completes the
-root checks the claim, the manifest and the shard digest against the manifest's shards, links
-the step into the latest-step chain and writes ``commit.json`` with ``put_if_absent``, so
-exactly one commit happens even when ranks (or daemons) race.
-
-Older layouts stay readable: checkpoints committed before the tree have flat done records
-``_done/<attempt>/rank_00003.json`` (``donetree.read_done_record`` finds either), and a root
-without ``_latest/`` is found by listing (``latest_step`` falls back to it; the first commit by
-this version seeds the chain past the steps it lists).
+The commit protocol needs no process group (``ckptd.commit``, ``ckptd.donetree``). Older
+layouts stay readable: flat done records ``_done/<attempt>/rank_00003.json`` (``ckptd.donetree``)
+and roots without ``_latest/`` (``ckptd.latest``).
 """
 
 from __future__ import annotations
@@ -226,18 +218,8 @@ class Manifest:
         return sum(t.layout.nbytes for t in self.tensors.values())
 
     def to_bytes(self) -> bytes:
-        head = json.dumps(
-            {
-                "format": "ckptd",
-                "format_version": self.format_version,
-                "step": self.step,
-                "world_size": self.world_size,
-                "attempt": self.attempt,
-                "created": self.created,
-                "layout": self.layout,
-            },
-            separators=(",", ":"),
-        )
+        fields = ("format_version", "step", "world_size", "attempt", "created", "layout")
+        head = json.dumps({"format": "ckptd", **{k: getattr(self, k) for k in fields}}, separators=(",", ":"))
         tensors = _tensors_json(tuple(self.tensors.values()))
         state = json.dumps(self.state, separators=(",", ":"))
         return f'{head[:-1]},"tensors":{tensors},"state":{state}}}'.encode()

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,9 +82,6 @@ def manifest_objects(manifest: mf.Manifest) -> list[tuple[str, bytes]]:
     return [*mf.group_nodes(manifest.tensors, manifest.step), (mf.MANIFEST, manifest.to_bytes())]
 
 
-# ---------------------------------------------------------------------------------- persist
-
-
 def persist(
     store: Store,
     part: SaveJob,
@@ -114,17 +112,13 @@ def persist(
     at the previous committed step are hard-linked (filesystem) or server-side copied (S3) from
     that checkpoint instead of uploaded; every checkpoint stays complete on its own.
 
-    ``claim``: ``"leader"`` (default): rank 0 claims the step for the attempt and the others
-    wait for its outcome (:func:`lead_claim`, :func:`follow_claim`), bounded by
-    ``commit_timeout`` and ``abort``: N ranks make ~N/64 + 3 requests on the claims instead of
-    3N on one prefix at once. Every rank of the attempt must be persisting (rank 0 included).
-    ``"each"``: every rank runs :func:`begin` itself -- for callers that may run a rank's part
-    long before or after rank 0's, or cannot run them side by side (the daemon: its bounded
-    upload workers could all be taken by parts that wait for a rank 0 queued behind them).
-    ``"caller"``: the caller has already claimed the step for this attempt and writer (the
-    daemon: :meth:`SharedClaim.claim`, one ``begin`` per attempt for all the ranks it serves);
-    ``persist`` claims nothing and writes at once. The fencing still holds at the commit: the
-    newest claim must name the attempt.
+    ``claim`` (step 1 of the module docstring; why: ``ckptd.claims``): ``"leader"`` (default)
+    needs every rank of the attempt persisting, rank 0 included; the others wait for its
+    outcome, bounded by ``commit_timeout`` and ``abort``. ``"each"``: for callers that may run a
+    rank's part long before or after rank 0's, or cannot run them side by side (the daemon: its
+    bounded upload workers could all be taken by parts that wait for a rank 0 queued behind them).
+    ``"caller"``: the caller already claimed the step for this attempt and writer; ``persist``
+    writes at once. The fencing still holds at the commit: the newest claim must name the attempt.
 
     ``heartbeat``: renew the attempt's lease on the step while this rank writes
     (:class:`ckptd.leases.Heartbeat`, a small thread); False only for simulations whose clock
@@ -145,16 +139,11 @@ def persist(
         lead_claim(store, part.step, part.attempt, writer, part.world_size, pool)
     else:
         follow_claim(store, part.step, part.attempt, writer, part.rank, commit_timeout, abort)
-    beat = Heartbeat(store, part.step, part.attempt, part.rank, abort=abort) if heartbeat else None
-    if beat is not None:
-        beat.__enter__()  # renews the attempt's lease until this rank's part is done
-    try:
+    # the heartbeat renews the attempt's lease until this rank's part is done
+    with Heartbeat(store, part.step, part.attempt, part.rank, abort=abort) if heartbeat else nullcontext():
         return _persist_claimed(
             store, part, pool, writer, where, dedupe, to_numpy, abort, commit_timeout, wait, t0, started_at
         )
-    finally:
-        if beat is not None:
-            beat.__exit__()
 
 
 def _persist_claimed(store, part, pool, writer, where, dedupe, to_numpy, abort, commit_timeout, wait, t0, started_at):
@@ -209,15 +198,13 @@ def _write_data(
     abort,
     tags: dict[str, object],
 ) -> tuple[int, list[str], dict]:
-    """Put every shard and metadata object of ``part`` (not yet durable: one ``sync`` follows;
-    on a filesystem that is one syncfs instead of an fsync per file and folder). Appends each
+    """Put every shard and metadata object of ``part``, create-only: a key already taken (a
+    superseded attempt's late write) fails the save, never mixes it. Not yet durable: one
+    ``sync`` follows (on a filesystem one syncfs, not an fsync per file and folder). Appends each
     key to ``written`` before putting it (a failed put may leave it) and the identity of each
-    object it created to ``tags``. Writes are create-only (``put_new``): a key already taken --
-    a superseded attempt's late write landed before ours -- fails the save, never mixes it.
-    Returns the bytes written, the shard object keys (relative to the step folder) and the pins
-    of every object for the done record (``donetree.make_pins``: the crc32c of each part of a
-    shard as encoded, which a deduplicated shard shares with its source since its bytes are the
-    same)."""
+    object it created to ``tags``. Returns the bytes written, the shard object keys (relative to
+    the step folder) and the pins for the done record (``donetree.make_pins``; a deduplicated
+    shard's are its source's, since its bytes are the same)."""
     folder = mf.step_dir(part.step)
     lock = threading.Lock()
     shard_pins: dict[str, tuple[int, bytes]] = {}
@@ -349,13 +336,8 @@ def clean_up(
         except StorageError:
             failed += 1
     if keys:
-        log.warning(
-            "%s: rank %d's save failed; deleted %d of the %d objects it wrote",
-            where,
-            rank,
-            len(keys) - failed,
-            len(keys),
-        )
+        n = len(keys)
+        log.warning("%s: rank %d's save failed; deleted %d of the %d objects it wrote", where, rank, n - failed, n)
 
 
 # ------------------------------------------------------------------------ incremental saves

@@ -8,21 +8,10 @@ a 64-bit hash of each record's pins (``donetree.pin_digest``) and ``commit.json`
 root's sum (``pins``) and the manifest's sha256 (``manifest_sha256``).
 
 Why it holds: the done records and ``commit.json`` live under keys that only the committing
-attempt writes (``_done/<attempt>/``; ``commit.json`` is created once with ``put_if_absent``),
-while shard and metadata keys are shared by every attempt at the step, so a late write of
-another attempt can replace a shard after the commit, never the pins. A replaced object of the
-same layout, validly encoded, passes every crc32c of its own; its crcs differ from the pinned
-ones unless its data is equal (a crc32c collision per chunk: 2**-32 each, by chance). A reader
-checks:
-
-* ``ckptd verify``: reads every done record of the attempt, recomputes the sum and compares it
-  with the commit record (a swapped or edited done record is caught), then every shard object's
-  size and stored crcs and every metadata object's sha256 (:func:`read_all`, :func:`check_shard`);
-* ``restore``: rank 0 checks the manifest's sha256 against the commit record; each rank reads
-  the done records of the ranks that wrote the shards it reads (the manifest's ``writers``, else
-  all of them) and the reader compares each chunk's stored crc32c with its pin
-  (:func:`read_ranks`, ``CheckpointReader(pins=...)``): a difference is a ``CorruptChunkError``
-  naming the object, so ``restore(fallback=True)`` moves on to an older step.
+attempt writes, while shard and metadata keys are shared by every attempt at the step, so a
+late write of another attempt can replace a shard after the commit, never the pins. Who checks
+what (``ckptd verify``: :func:`read_all`; ``restore``: :func:`load_manifest`, :func:`read_ranks`,
+``CheckpointReader(pins=...)``): ``docs/reliability.md``, "A committed step verifies itself".
 
 Old checkpoints: a commit record without ``pins`` (written before pins existed) means no pins
 to check; such steps are read as before (each chunk's own crc32c), and a reader never asks
@@ -95,9 +84,20 @@ def _load(store: Store, key: str, where: str) -> dict:
 
 
 def _records(store: Store, keys: list[str], where: str, pool: ThreadPoolExecutor | None) -> list[dict]:
-    if pool is None:
-        return [_load(store, k, where) for k in keys]
-    return list(pool.map(lambda k: _load(store, k, where), keys))
+    return list((map if pool is None else pool.map)(lambda k: _load(store, k, where), keys))
+
+
+def _rank_keys(store: Store, prefix: str, depth: int) -> dict[int, str]:
+    """rank -> key of its done record ``r<rank>....json`` ``depth`` folders below ``prefix`` (the
+    group folders): the first in key order (a rank that wrote its record twice counts once, as in
+    the climb); a key at another depth is no rank's record."""
+    out: dict[int, str] = {}
+    for o in store.list(prefix):  # in key order
+        parts = o.key[len(prefix) :].split("/")
+        head = parts[-1].split(".", 1)[0]
+        if len(parts) == depth + 1 and head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
+            out.setdefault(int(head[1:]), o.key)
+    return out
 
 
 def read_all(store: Store, step: int, commit: dict, where: str, pool: ThreadPoolExecutor | None = None) -> Pins:
@@ -105,12 +105,7 @@ def read_all(store: Store, step: int, commit: dict, where: str, pool: ThreadPool
     their pin digests sum to the commit record's (CheckpointError otherwise: a done record was
     changed, added or removed after the commit). O(N) GETs: ``ckptd verify``."""
     attempt = commit.get("attempt")
-    prefix = f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/"
-    first: dict[int, str] = {}  # a rank that wrote its record twice counts once, as in the climb
-    for key in sorted(o.key for o in store.list(prefix)):
-        head = key.rsplit("/", 1)[-1].split(".", 1)[0]
-        if head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
-            first.setdefault(int(head[1:]), key)
+    first = _rank_keys(store, f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/", 1)
     keys = [first[r] for r in sorted(first)]
     recs = _records(store, keys, where, pool)
     out, total = Pins(), 0
@@ -137,12 +132,7 @@ def read_ranks(
     ranks = sorted(set(ranks))
     keys = []
     for g in sorted({r // donetree.FANOUT for r in ranks}):
-        folder = donetree.folder(step, attempt, 1, g)
-        found = {}
-        for o in store.list(folder):
-            head = o.key[len(folder) :].split(".", 1)[0]
-            if head.startswith("r") and head[1:].isascii() and head[1:].isdigit():
-                found.setdefault(int(head[1:]), o.key)
+        found = _rank_keys(store, donetree.folder(step, attempt, 1, g), 0)
         for r in ranks:
             if r // donetree.FANOUT == g:
                 if r not in found:
@@ -191,15 +181,7 @@ def load_manifest(store: Store, step: int) -> mf.Manifest:
     step = catalog.resolve_step(store, step)
     where = catalog.where(store, step)
     commit = catalog.read_commit(store, step) or {}
-    try:
-        data = store.get(f"{mf.step_dir(step)}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES)
-    except NotFoundError:
-        raise CheckpointError(f"{where}: committed but the manifest is missing") from None
-    except StorageError as e:
-        raise CheckpointError(f"{where}: cannot read the manifest ({e})") from None
-    m = mf.Manifest.from_bytes(data, where)  # what is wrong with it, if anything, said as before
-    if m.step != step:
-        raise CheckpointError(f"{where}: manifest says step {m.step}")
+    data, m = catalog.read_manifest(store, step)  # what is wrong with it, if anything, said as before
     sha = commit.get("manifest_sha256")
     if isinstance(sha, str) and hashlib.sha256(data).hexdigest() != sha:
         raise CorruptChunkError(

@@ -116,7 +116,7 @@ def read_plan(store: Store, step: int, world_size: int) -> dict | None:
     """The plan of (step, world size), None if there is none. Raises CheckpointError on a
     record that is not a plan."""
     key = plan_key(step, world_size)
-    where = f"{store.uri.rstrip('/')}/{key}"
+    where = sub_uri(store, key)
     try:
         rec = mf.read_json(store, key, where, "plan")
     except NotFoundError:
@@ -140,7 +140,7 @@ def planned_source(store: Store, step: int, world_size: int) -> str | None:
     if rec is None or rec.get("use_step") is None:
         return None
     root, use_step = rec.get("use_root"), rec.get("use_step")
-    where = f"{store.uri.rstrip('/')}/{plan_key(step, world_size)}"
+    where = sub_uri(store, plan_key(step, world_size))
     if not isinstance(root, str) or not _ROOT_RE.match(root) or ".." in root or use_step != step:
         log.warning("ignoring reshard plan %s: it names %r step %r, not a copy of step %d", where, root, use_step, step)
         return None

@@ -6,14 +6,13 @@ written by the commit protocol. Its buffers are whatever holds the snapshot (tor
 trainer side, mappings of staging files in the daemon); this module only describes them and
 imports no torch.
 
-An *object image* is a shard's buffer laid out as its stored object (``ckptd.codec``'s
-``image_chunks``/``image_nbytes``): inner chunks back to back, each followed by its crc32c slot,
-then the index. ``format_image`` writes the index into a fresh image and returns the view of
-its data that a snapshot copies into; the writer fills in the checksums.
+``format_image`` prepares an *object image* (a shard's buffer laid out as its stored object,
+``ckptd.codec``) for a snapshot to copy into; the writer fills in the checksums.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -72,24 +71,21 @@ def format_image(image: torch.Tensor, layout: ArrayLayout, chunks: int, dtype) -
     (chunks, *chunk_shape) view of its data: chunk ``k`` starts at ``k * (chunk_nbytes + 4)``
     bytes, its crc slot after it (``ckptd.codec.image_chunks``)."""
     init_image(layout, image.numpy(), chunks)
-    itemsize = dtype.itemsize
-    stride = (layout.chunk_nbytes + CRC_BYTES) // itemsize  # whole elements whenever chunks > 1
-    data = image[: (chunks - 1) * stride * itemsize + layout.chunk_nbytes].view(dtype)
-    inner = [1]
-    for n in reversed(layout.chunk_shape[1:]):
-        inner.insert(0, inner[0] * n)
-    return data.as_strided((chunks, *layout.chunk_shape), (stride, *inner))
+    stride = (layout.chunk_nbytes + CRC_BYTES) // dtype.itemsize  # whole elements whenever chunks > 1
+    data = image[: (chunks - 1) * stride * dtype.itemsize + layout.chunk_nbytes].view(dtype)
+    return data.as_strided((chunks, *layout.chunk_shape), (stride, *_row_strides(layout, 1)))
 
 
 def format_image_np(image: np.ndarray, layout: ArrayLayout, chunks: int, dtype: np.dtype) -> np.ndarray:
     """``format_image`` for a numpy image (the daemon's mapping of a staging file; no torch):
     the same (chunks, *chunk_shape) view of its data, with byte strides."""
     init_image(layout, image, chunks)
-    itemsize = dtype.itemsize
-    data = image[: (chunks - 1) * (layout.chunk_nbytes + CRC_BYTES) + layout.chunk_nbytes].view(dtype)
-    inner = [itemsize]
-    for n in reversed(layout.chunk_shape[1:]):
-        inner.insert(0, inner[0] * n)
-    return np.lib.stride_tricks.as_strided(
-        data, (chunks, *layout.chunk_shape), (layout.chunk_nbytes + CRC_BYTES, *inner), writeable=False
-    )
+    stride = layout.chunk_nbytes + CRC_BYTES
+    data = image[: (chunks - 1) * stride + layout.chunk_nbytes].view(dtype)
+    strides = (stride, *_row_strides(layout, dtype.itemsize))
+    return np.lib.stride_tricks.as_strided(data, (chunks, *layout.chunk_shape), strides, writeable=False)
+
+
+def _row_strides(layout: ArrayLayout, unit: int) -> list[int]:
+    """The C-order strides of a chunk's dimensions (``unit`` for the last one)."""
+    return [unit * math.prod(layout.chunk_shape[d + 1 :]) for d in range(len(layout.chunk_shape))]

@@ -28,8 +28,9 @@ from ckptd import manifest as mf
 from ckptd.codec import ArrayLayout, encode_shard
 from ckptd.dtypes import as_numpy, zarr_name
 from ckptd.errors import CheckpointError
-from ckptd.layout import Box, choose_chunk_shape
+from ckptd.layout import choose_chunk_shape
 from storage_backends import Store
+from storage_backends.base import data_size
 
 __all__ = ["CheckpointWriter", "MAX_SHARD_BYTES", "default_layout"]
 
@@ -129,7 +130,7 @@ class CheckpointWriter:
         layout = self.entries[key].layout
         bufs = encode_shard(layout, coord, block)
         name = f"{mf.array_path(key)}/{layout.shard_key(coord)}"
-        size = sum(memoryview(b).nbytes for b in bufs)
+        size = data_size(bufs)
         self._shards.append(name)
         self._shard_pins[name] = (size, b"".join(bytes(b) for b in bufs[1::2]))
         self._put(name, bufs, size)
@@ -141,8 +142,7 @@ class CheckpointWriter:
         layout = layout or default_layout(arr.shape, dtype, arr.dtype.itemsize)
         self.declare(key, layout, placements)
         for coord in layout.shard_coords() if arr.size else ():
-            box = Box(*layout.shard_box(coord))
-            self.write_shard(key, coord, arr[box.relative_to(Box.full(arr.shape))])
+            self.write_shard(key, coord, arr[tuple(map(slice, *layout.shard_box(coord)))])
 
     def set_state(self, tree: dict[str, Any]) -> None:
         """The manifest's state tree: ``{name: {"kind": ..., "data": <jsonenc with $tensor refs>}}``."""
@@ -150,14 +150,7 @@ class CheckpointWriter:
 
     def commit(self, extra: dict | None = None) -> None:
         self._drain()
-        m = mf.Manifest(
-            step=self.step,
-            world_size=self.world_size,
-            tensors=self.entries,
-            state=self.state,
-            attempt=self.attempt,
-            layout=self.layout_info,
-        )
+        m = mf.Manifest(self.step, self.world_size, self.entries, self.state, self.attempt, layout=self.layout_info)
         for key, data in persist.manifest_objects(m):
             self._meta[key] = data
             self._put(key, data, len(data))
@@ -204,9 +197,4 @@ class CheckpointWriter:
 
 
 def _as_numpy(array) -> np.ndarray:
-    if isinstance(array, np.ndarray):
-        return array
-    t = array.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return as_numpy(t.contiguous())
+    return array if isinstance(array, np.ndarray) else as_numpy(array.detach().cpu().contiguous())
