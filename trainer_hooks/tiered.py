@@ -24,7 +24,6 @@ alive) and the per-tier byte counts are guarded by a lock.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -38,16 +37,10 @@ from ckptd.codec import CRC_BYTES, parse_inline
 from ckptd.errors import CheckpointError
 from ckptd.layout import plan_reads
 from ckptd.reader import CheckpointReader, ReadRequest
+from ckptd.tierwire import ask_json
 from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
-from trainer_hooks.tierstore import (
-    BATCH_BYTES,
-    DEFAULT_TIER_TIMEOUT_S,
-    TierStore,
-    TierUnavailable,
-    _Fetched,
-    ask,
-)
+from trainer_hooks.tierstore import BATCH_BYTES, DEFAULT_TIER_TIMEOUT_S, TierStore, TierUnavailable, _Fetched
 
 __all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierSource", "TierStore", "TieredReader", "TieredRestore"]
 
@@ -380,13 +373,7 @@ class TieredRestore:
 
     def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
         """One JSON request to the daemon ``url``; CheckpointError (DaemonUnreachable) or ValueError."""
-        status, raw = ask(url, self._token, self.timeout_s, method, path, body)
-        if status != 200:
-            raise ValueError(f"{url}: {method} {path.split('?')[0]} answered {status}: {raw[:200]!r}")
-        got = json.loads(raw)
-        if not isinstance(got, dict):
-            raise ValueError(f"{url}: {method} {path.split('?')[0]} answered no object")
-        return got
+        return ask_json(url, self._token, self.timeout_s, method, path, body)
 
     def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers the

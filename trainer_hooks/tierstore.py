@@ -29,27 +29,14 @@ from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable
 from ckptd.tierwire import F_GET_SEALS, MAX_FDS, REPLY, REQUEST, SEALS, WireError, recv_exact, recv_frame, send_frame
 from storage_backends.base import as_writable_buffers
 
-__all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "MAX_KEYS_REPLY", "TierStore", "TierUnavailable", "ask"]
+__all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "TierStore", "TierUnavailable"]
 
 log = logging.getLogger("ckptd.tiered")
 
 DEFAULT_TIER_TIMEOUT_S = 10.0  # a peer slower than this per request is skipped (CKPTD_TIER_TIMEOUT_S)
-MAX_KEYS_REPLY = 256 << 20
 BATCH_BYTES = int(
     os.environ.get("CKPTD_TIER_BATCH_BYTES", 4 << 20)
 )  # shard-object bytes one batched tier read asks for (at most one object more)
-
-
-def ask(url: str, token: str | None, timeout_s: float, method: str, path: str, body=None, cap: int = MAX_KEYS_REPLY):
-    """(status, body) of one request to the daemon at ``url`` on a connection of its own (a
-    restore's few calls that are not reads: the memory-only listing, the fence, the tier bytes
-    report). DaemonUnreachable (a CheckpointError) when it does not answer."""
-    conn = DaemonConnection(url, token, timeout_s)
-    try:
-        status, _, raw = conn.fetch(method, path, body, cap)
-        return status, raw
-    finally:
-        conn.close()
 
 
 class TierUnavailable(Exception):  # noqa: N818 - not a StorageError: the reader must not turn it into a bad chunk
@@ -109,7 +96,6 @@ class TierStore:
         # on this daemon's host, and the Unix socket when this is the rank's own node's daemon.
         self.data_port: int | None = None
         self.data_socket: str | None = None
-        self.advertised = None  # the keys reply's "data"
         self._local = threading.local()
         self._conns: list = []  # every thread's data-path socket, closed by close()
         self._conns_lock = threading.Lock()

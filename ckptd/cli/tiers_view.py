@@ -11,29 +11,13 @@ committed."""
 
 from __future__ import annotations
 
-import json
-
-from ckptd.daemon_conn import DaemonConnection
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import normalize
+from ckptd.tierwire import ask_json
 
 __all__ = ["tier_copies"]
 
 MAX_REPLY = 16 << 20
-
-
-def _describe(url: str, token: str | None, timeout: float) -> dict:
-    conn = DaemonConnection(url, token, timeout)
-    try:
-        status, _, raw = conn.fetch("GET", "/v1/tiers", cap=MAX_REPLY)
-    finally:
-        conn.close()
-    if status != 200:
-        raise ValueError(f"GET /v1/tiers answered {status}")
-    body = json.loads(raw)
-    if not isinstance(body, dict):
-        raise ValueError("GET /v1/tiers answered no object")
-    return body
 
 
 def tier_copies(
@@ -51,7 +35,7 @@ def tier_copies(
             continue
         seen.add(url)
         try:
-            body = _describe(url, token, timeout)
+            body = ask_json(url, token, timeout, "GET", "/v1/tiers", cap=MAX_REPLY)
         except (ValueError, CheckpointError) as e:
             failed.append(f"{url}: {e or type(e).__name__}")
             continue
@@ -67,15 +51,6 @@ def tier_copies(
                 k = {"hot": "hot", "replicas": "replica"}.get(kind) or (
                     "memory" if c.get("source") == "self" else "memory-replica"
                 )
-                out.setdefault(step, []).append(
-                    {
-                        "where": f"{k}@{url}",
-                        "kind": k,
-                        "daemon": url,
-                        "source": c.get("source"),
-                        "attempt": c.get("attempt"),
-                        "ranks": c.get("ranks"),
-                        "bytes": c.get("bytes"),
-                    }
-                )
+                fields = {f: c.get(f) for f in ("source", "attempt", "ranks", "bytes")}
+                out.setdefault(step, []).append({"where": f"{k}@{url}", "kind": k, "daemon": url} | fields)
     return out, failed

@@ -83,6 +83,30 @@ MAX_BATCH_RANGES = 4096  # ranges in one batched tier read at most
 KEEP_STEPS = {HOT: 1, MEMORY_ONLY: 2}  # steps kept per (root, kind, source): ``_retain``
 RESERVE_TTL_S = 600.0  # a memory-only reservation whose hand-off never came is released after this
 SELF = "self"  # the source of this daemon's own copies
+# Metric -> (the counter of ``Tiers.counters`` it shows, its help); ``replicas_received`` has none.
+COUNTED = {
+    "ckptd_tier_degraded_total": ("degraded", "copies not kept or dropped for room (budget, descriptors or mappings)"),
+    "ckptd_tier_persisted_instead_total": (
+        "persisted_instead",  # memory-only saves refused at their reservation
+        "memory-only saves that did not fit and were persisted instead",
+    ),
+    "ckptd_tier_parts_held_total": ("parts_held", "ranks' parts of memory-only steps held"),
+    "ckptd_tier_replicas_pushed_total": ("replicas_pushed", "copies pushed to a peer (either kind)"),
+    "ckptd_tier_replica_push_failures_total": ("replica_push_failures", "replica pushes that failed"),
+    "ckptd_tier_bytes_served_total": ("bytes_served", "tier bytes served to restoring ranks"),
+    "ckptd_tier_object_requests_total": ("object_requests", "ranged reads of tier objects asked"),
+    "ckptd_tier_data_requests_total": (
+        "data_requests",
+        "tier reads asked on the data path (of ckptd_tier_object_requests_total)",
+    ),
+    "ckptd_tier_bytes_shared_total": (
+        "bytes_shared",
+        "tier bytes lent to ranks on this node as sealed memory (of ckptd_tier_bytes_served_total)",
+    ),
+    "ckptd_restore_bytes_local_total": ("restore_bytes_local", "restored bytes ranks read from their own daemon"),
+    "ckptd_restore_bytes_peer_total": ("restore_bytes_peer", "restored bytes ranks read from peer daemons"),
+    "ckptd_restore_bytes_root_total": ("restore_bytes_root", "restored bytes ranks read from the job root"),
+}
 
 Key = tuple[str, int, str, int, str]  # (root, step, attempt, rank, source)
 
@@ -116,24 +140,7 @@ class Tiers(Replication):
         self._held: dict[Key, Copy] = {}  # own copies (filling or complete) and complete replicas
         self._incoming: dict[str, Copy] = {}  # replicas being received, by id
         self._reserved: dict[tuple[str, int, str, int], tuple[int, float, int]] = {}  # -> (bytes, when, objects)
-        self.counters = dict.fromkeys(
-            (
-                "degraded",  # copies not kept, or dropped, for lack of budget, descriptors or mappings
-                "persisted_instead",  # memory-only saves refused at their reservation
-                "parts_held",
-                "replicas_pushed",
-                "replica_push_failures",
-                "replicas_received",
-                "bytes_served",
-                "bytes_shared",  # of bytes_served: passed as sealed memory, not sent over a socket
-                "object_requests",
-                "data_requests",  # of object_requests: asked on the data path (``server.tierdata``)
-                "restore_bytes_local",
-                "restore_bytes_peer",
-                "restore_bytes_root",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys([*(name for name, _ in COUNTED.values()), "replicas_received"], 0)
         staging.reclaim = self._reclaim
 
     # ------------------------------------------------------------------------- accounting
@@ -168,57 +175,20 @@ class Tiers(Replication):
             "ckptd_tier_replica_bytes": ("bytes of complete replicas of peers' hot copies held", held(HOT, False)),
             "ckptd_tier_memory_only_bytes": ("bytes of memory-only steps held (own parts and replicas)", memory_only),
             "ckptd_tier_replicas": ("complete replicas held (one per peer's step, of either kind)", replicas),
-            "ckptd_tier_degraded_total": (
-                "copies not kept or dropped for room (budget, descriptors or mappings)",
-                counter("degraded"),
-            ),
-            "ckptd_tier_persisted_instead_total": (
-                "memory-only saves that did not fit and were persisted instead",
-                counter("persisted_instead"),
-            ),
-            "ckptd_tier_parts_held_total": ("ranks' parts of memory-only steps held", counter("parts_held")),
-            "ckptd_tier_replicas_pushed_total": ("copies pushed to a peer (either kind)", counter("replicas_pushed")),
-            "ckptd_tier_replica_push_failures_total": ("replica pushes that failed", counter("replica_push_failures")),
-            "ckptd_tier_bytes_served_total": ("tier bytes served to restoring ranks", counter("bytes_served")),
-            "ckptd_tier_object_requests_total": ("ranged reads of tier objects asked", counter("object_requests")),
-            "ckptd_tier_data_requests_total": (
-                "tier reads asked on the data path (of ckptd_tier_object_requests_total)",
-                counter("data_requests"),
-            ),
-            "ckptd_tier_bytes_shared_total": (
-                "tier bytes lent to ranks on this node as sealed memory (of ckptd_tier_bytes_served_total)",
-                counter("bytes_shared"),
-            ),
-            "ckptd_restore_bytes_local_total": (
-                "restored bytes ranks read from their own daemon",
-                counter("restore_bytes_local"),
-            ),
-            "ckptd_restore_bytes_peer_total": (
-                "restored bytes ranks read from peer daemons",
-                counter("restore_bytes_peer"),
-            ),
-            "ckptd_restore_bytes_root_total": (
-                "restored bytes ranks read from the job root",
-                counter("restore_bytes_root"),
-            ),
-        }
+        } | {metric: (text, counter(name)) for metric, (name, text) in COUNTED.items()}
 
     def restored(self, local: int, peer: int, root: int) -> None:
         """A rank reports what its restore read from each tier."""
         with self._lock:
-            self.counters["restore_bytes_local"] += local
-            self.counters["restore_bytes_peer"] += peer
-            self.counters["restore_bytes_root"] += root
+            for kind, n in (("local", local), ("peer", peer), ("root", root)):
+                self.counters[f"restore_bytes_{kind}"] += n
 
     # --------------------------------------------------------------- budget and retention
 
     def _release(self, copies: list[Copy]) -> None:
         """Drop ``copies`` (already out of the table) and give their budget back (outside the lock)."""
         for c in copies:
-            c.dropped = True
-            c.objects.clear()
-            n, c.bytes = c.bytes, 0
-            if n:
+            if n := _drop(c):
                 self.staging.unreserve(n)
 
     def _take(self, keys) -> list[Copy]:
@@ -259,10 +229,7 @@ class Tiers(Replication):
                 if freed >= nbytes:
                     break
                 (self._incoming if isinstance(k, str) else self._held).pop(k)
-                freed += c.bytes
-                c.bytes = 0
-                c.dropped = True
-                c.objects.clear()
+                freed += _drop(c)
                 self.counters["degraded"] += 1
                 log.warning(
                     "dropping the %s copy of %s step %d (rank %d, from %s): a save needs the staging memory",
@@ -470,12 +437,9 @@ class Tiers(Replication):
         what the daemon's descriptors and mappings let the tier hold (``server.capacity``): the
         job then persists the step instead, rather than failing the save at hold time."""
         self._expire_reservations()
-        key = (root, step, attempt, rank)
+        self.release_reservation(root, step, attempt, rank)
         with self._lock:
-            old = self._reserved.pop(key, None)
             pending = sum(n for _, _, n in self._reserved.values())  # objects other reservations hold
-        if old is not None:
-            self.staging.unreserve(old[0])
         room = capacity.room()
         why = None
         if not self.enabled:
@@ -496,7 +460,7 @@ class Tiers(Replication):
             )
             return False
         with self._lock:
-            self._reserved[key] = (nbytes, time.monotonic(), objects)
+            self._reserved[(root, step, attempt, rank)] = (nbytes, time.monotonic(), objects)
         return True
 
     def release_reservation(self, root: str, step: int, attempt: str, rank: int) -> int:
@@ -619,6 +583,14 @@ class Tiers(Replication):
             "data": self.data_endpoint,
             **({"discovery": self.discovery.describe()} if self.discovery is not None else {}),
         }
+
+
+def _drop(c: Copy) -> int:
+    """Mark ``c`` dropped and empty it; returns the bytes it held (the caller gives them back)."""
+    c.dropped = True
+    c.objects.clear()
+    n, c.bytes = c.bytes, 0
+    return n
 
 
 class _Holding(Store):
