@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from typing import NoReturn
 from urllib.parse import urlencode
 
 from ckptd import catalog
@@ -40,7 +41,14 @@ from ckptd.reader import CheckpointReader, ReadRequest
 from ckptd.tierwire import ask_json
 from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
-from trainer_hooks.tierstore import BATCH_BYTES, DEFAULT_TIER_TIMEOUT_S, TierStore, TierUnavailable, _Fetched
+from trainer_hooks.tierstore import (
+    BATCH_BYTES,
+    DEFAULT_TIER_TIMEOUT_S,
+    TierStore,
+    TierUnavailable,
+    _Fetched,
+    _RangeReads,
+)
 
 __all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierSource", "TierStore", "TieredReader", "TieredRestore"]
 
@@ -52,10 +60,12 @@ class _Tier:
         self.store, self.kind, self.prefix = store, kind, prefix
         self.dead = False
 
-    def reader(self, pins=None) -> CheckpointReader:
-        """A reader of this tier for one shard: its byte count is the shard's alone; every chunk
-        is checked against ``pins`` (the committing attempt's, ``ckptd.pins``) where given."""
-        return CheckpointReader(self.store, self.prefix, where=f"{self.store.name} (memory tier)", pins=pins)  # type: ignore[arg-type]
+    def reader(self, pins=None, store=None) -> CheckpointReader:
+        """A reader of this tier (or of ``store``, bytes fetched from it) for one shard: its byte
+        count is the shard's alone; every chunk is checked against ``pins`` (the committing
+        attempt's, ``ckptd.pins``) where given."""
+        where = f"{self.store.name} (memory tier)"
+        return CheckpointReader(store or self.store, self.prefix, where=where, pins=pins)  # type: ignore[arg-type]
 
 
 class TieredReader(CheckpointReader):
@@ -67,7 +77,6 @@ class TieredReader(CheckpointReader):
         self._source = source
         self._tlock = threading.Lock()
         self._bytes = {"local": 0, "peer": 0}  # bytes of the shards each tier kind served
-        self.skipped = 0  # shard reads a tier failed and a later tier (or the root) served
 
     def read(self, requests, pool=None) -> None:
         """Fill every request's ``out``. The shard objects a live tier holds (the ranges of them
@@ -105,17 +114,15 @@ class TieredReader(CheckpointReader):
             # its shards stream straight into the caller's tensors (one GET per coalesced range).
             plain += by_key.pop(key)[3]
         batches: list[tuple[_Tier, list[str]]] = []
-        open_batch: dict[int, tuple[list[str], list[int]]] = {}
+        filling: dict[int, tuple[_Tier, list[str], int]] = {}  # id(tier) -> (tier, keys, bytes)
         for key, (tier, lo, hi, _) in by_key.items():
-            keys, size = open_batch.setdefault(id(tier), ([], [0]))
-            if keys and size[0] + hi - lo > BATCH_BYTES:
+            _, keys, size = filling.get(id(tier), (tier, [], 0))
+            if keys and size + hi - lo > BATCH_BYTES:
                 batches.append((tier, keys))
-                keys, size = open_batch[id(tier)] = ([], [0])
+                keys, size = [], 0
             keys.append(key)
-            size[0] += hi - lo
-        for key_list, _ in open_batch.values():
-            if key_list:
-                batches.append((by_key[key_list[0]][0], key_list))
+            filling[id(tier)] = (tier, keys, size + hi - lo)
+        batches += [(tier, keys) for tier, keys, _ in filling.values()]
 
         def run_batch(tier: _Tier, keys: list[str]) -> None:
             fetched = None
@@ -129,7 +136,7 @@ class TieredReader(CheckpointReader):
                         fetched.held[k] = (lo, buf[pos : pos + n])
                         pos += n
                 except TierUnavailable as e:
-                    self._tier_failed(tier, e)
+                    self._source.failed(tier, e)
             for k in keys:
                 for req, sr in by_key[k][3]:
                     self._read_one(req, sr, (tier, fetched) if fetched is not None else None)
@@ -149,11 +156,6 @@ class TieredReader(CheckpointReader):
         if errors:
             raise errors[0]
 
-    def _tier_failed(self, tier: _Tier, e: Exception) -> None:
-        with self._tlock:
-            self.skipped += 1
-        self._source.failed(tier, e)
-
     def read_shard(self, req: ReadRequest, sr) -> None:
         self._read_one(req, sr, None)
 
@@ -161,36 +163,31 @@ class TieredReader(CheckpointReader):
         """Read one shard: from the bytes a batch already fetched (``fetched``: (tier, _Fetched)),
         else (or when those fail a check) from the first other live tier holding it, else from
         the job root."""
-        source = None  # the tier whose fetched bytes failed: not asked again for this shard
+        done = None  # the tier whose fetched bytes failed: not asked again for this shard
         if fetched is not None:
-            tier, store = fetched
-            reader = CheckpointReader(store, tier.prefix, where=f"{tier.store.name} (memory tier)", pins=self.pins)  # type: ignore[arg-type]
-            try:
-                reader.read_shard(req, sr)  # every chunk checked against its crc32c
-                with self._tlock:
-                    self._bytes[tier.kind] += reader.stats.bytes_read
+            done, store = fetched
+            if self._read_from(done, done.reader(self.pins, store), req, sr):
                 return
-            except (TierUnavailable, CheckpointError, StorageError) as e:  # a bad chunk, or not fetched
-                with self._tlock:
-                    self.skipped += 1
-                log.warning("restore: %s; reading that shard from the next tier", e)
-                source = tier
         for tier in self._source.holders_of(self._object(req.entry, sr.shard)):
-            if tier.dead or tier is source:
-                continue
-            reader = tier.reader(self.pins)
-            try:
-                reader.read_shard(req, sr)  # every chunk checked against its crc32c
-                with self._tlock:
-                    self._bytes[tier.kind] += reader.stats.bytes_read
+            if not tier.dead and tier is not done and self._read_from(tier, tier.reader(self.pins), req, sr):
                 return
-            except TierUnavailable as e:
-                self._tier_failed(tier, e)
-            except (CheckpointError, StorageError) as e:  # a bad chunk: this shard from the next tier
-                with self._tlock:
-                    self.skipped += 1
-                log.warning("restore: %s; reading that shard from the next tier", e)
         super().read_shard(req, sr)  # the job root: the chunks the plan reads, checked the same way
+
+    def _read_from(self, tier: _Tier, reader: CheckpointReader, req: ReadRequest, sr) -> bool:
+        """Whether ``reader`` (of ``tier``, or of bytes fetched from it) read the shard, every
+        chunk checked against its crc32c. A tier that does not answer is skipped for the rest of
+        the restore; a bad chunk (or a range a batch did not fetch) only for this shard."""
+        try:
+            reader.read_shard(req, sr)
+        except (TierUnavailable, CheckpointError, StorageError) as e:
+            if isinstance(e, TierUnavailable) and reader.store is tier.store:
+                self._source.failed(tier, e)
+            else:
+                log.warning("restore: %s; reading that shard from the next tier", e)
+            return False
+        with self._tlock:
+            self._bytes[tier.kind] += reader.stats.bytes_read
+        return True
 
     def tier_bytes(self) -> dict[str, int]:
         """Chunk bytes each tier served: ``local`` (own daemon), ``peer``, ``root``; bytes a tier
@@ -199,7 +196,7 @@ class TieredReader(CheckpointReader):
             return {**self._bytes, "root": self.stats.bytes_read}
 
 
-class TierSource(Store):
+class TierSource(_RangeReads, Store):
     """A read-only store of one (step, attempt) over the daemons that hold its objects
     (``holders``: key -> (size, daemon URLs, this rank's own daemon first); ``data``: the data
     path each advertised), wrapped around ``root`` (the job root; None for a memory-only step,
@@ -302,11 +299,6 @@ class TierSource(Store):
         check_limit(self.uri, key, size, limit)
         return self.get_range(key, 0, size)
 
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        buf = bytearray(length)
-        self.get_range_into(key, start, [buf])
-        return bytes(buf)
-
     def get_range_into(self, key: str, start: int, buffers) -> None:
         if self.root is not None and key not in self.holders:
             self.root.get_range_into(key, start, buffers)
@@ -335,14 +327,10 @@ class TierSource(Store):
             return
         raise StorageError(f"{self.uri}: no live daemon serves {key!r}")
 
-    def put(self, key, data) -> None:
+    def _read_only(self, *_) -> NoReturn:
         raise StorageError(f"{self.uri}: read-only")
 
-    def put_if_absent(self, key, data) -> bool:
-        raise StorageError(f"{self.uri}: read-only")
-
-    def delete(self, key) -> None:
-        raise StorageError(f"{self.uri}: read-only")
+    put = put_if_absent = delete = _read_only
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if self.root is not None:

@@ -52,10 +52,8 @@ def _close(fd: int) -> None:
 
 def _adopt(fd: int, size: int, writable: bool) -> Sealed:
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    if TRACKFD:  # no duplicate of ``fd`` kept by the mapping: one descriptor per buffer, not two
-        buf = Sealed(fd, size, flags=mmap.MAP_SHARED, prot=prot, trackfd=False)
-    else:
-        buf = Sealed(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+    # trackfd=False: no duplicate of ``fd`` kept by the mapping: one descriptor per buffer, not two
+    buf = Sealed(fd, size, flags=mmap.MAP_SHARED, prot=prot, **({"trackfd": False} if TRACKFD else {}))
     buf.fd = fd
     buf.sealed = not writable
     buf.closer = weakref.finalize(buf, _close, fd)  # gives the count of ``capacity.take`` back

@@ -59,9 +59,18 @@ DRAIN_BYTES = 1 << 20
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, detail: str):
-        super().__init__(detail)
-        self.status, self.detail = status, detail
+    """(status, detail): one error reply, then the end of the connection."""
+
+
+def _is_key(k) -> bool:
+    return isinstance(k, str) and 0 < len(k) <= MAX_KEY
+
+
+def _is_range(r) -> bool:
+    """[key, start, length], the numbers bounded."""
+    if not (isinstance(r, list) and len(r) == 3 and _is_key(r[0])):
+        return False
+    return all(type(n) is int and -MAX_NUMBER <= n <= MAX_NUMBER for n in r[1:])
 
 
 class TierData:
@@ -162,7 +171,7 @@ class TierData:
                     try:
                         self._answer(conn, got[0], caller, peer is not None)
                     except _Refused as e:
-                        self._error(conn, e.status, e.detail)
+                        self._error(conn, *e.args)
                         return
         except OSError as e:  # the reader went away mid-reply: its read fails there, not here
             log.debug("tier data connection closed: %s", e)
@@ -219,22 +228,10 @@ class TierData:
     def _read(self, conn: socket.socket, ranges, root: str, step: int, attempt: str) -> None:
         if not isinstance(ranges, list) or not 0 < len(ranges) <= MAX_BATCH_RANGES:
             raise _Refused(400, f"ranges must be a list of 1 to {MAX_BATCH_RANGES} [key, start, length]")
-        want = []
-        for r in ranges:
-            if (
-                not isinstance(r, list)
-                or len(r) != 3
-                or not isinstance(r[0], str)
-                or not 0 < len(r[0]) <= MAX_KEY
-                or type(r[1]) is not int
-                or type(r[2]) is not int
-                or not -MAX_NUMBER <= r[1] <= MAX_NUMBER
-                or not -MAX_NUMBER <= r[2] <= MAX_NUMBER
-            ):
-                raise _Refused(400, "a range is [key, start, length]")
-            want.append((r[0], r[1], r[2]))
+        if not all(map(_is_range, ranges)):
+            raise _Refused(400, "a range is [key, start, length]")
         try:
-            parts = self.tiers.read_many(root, step, attempt, want)
+            parts = self.tiers.read_many(root, step, attempt, [tuple(r) for r in ranges])
         except ValueError as e:
             raise _Refused(416, str(e)) from None
         if parts is None:
@@ -245,11 +242,7 @@ class TierData:
                 conn.sendall(p)
 
     def _fds(self, conn: socket.socket, keys, root: str, step: int, attempt: str) -> None:
-        if (
-            not isinstance(keys, list)
-            or not 0 < len(keys) <= MAX_FDS
-            or not all(isinstance(k, str) and 0 < len(k) <= MAX_KEY for k in keys)
-        ):
+        if not isinstance(keys, list) or not 0 < len(keys) <= MAX_FDS or not all(map(_is_key, keys)):
             raise _Refused(400, f"keys must be a list of 1 to {MAX_FDS} object keys")
         bufs = self.tiers.shared(root, step, attempt, keys)
         if bufs is None:

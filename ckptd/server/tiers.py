@@ -4,32 +4,23 @@ A *held copy* is one rank's objects of one (root, step, attempt), made by one da
 ``"self"``, or the URL of the peer that pushed it), keyed by (root, step, attempt, rank, source),
 of one of two kinds:
 
-- ``hot``: the shard objects (keys under ``step_*/arrays/``) of a step the job persists. While a
-  job uploads, the upload tee (``recorder``) copies every shard object it puts into sealed
-  memory; when the step commits with the job's attempt (``committed``) the copies of every rank
-  of that (root, step, attempt) on this node become complete; a failed or superseded attempt's
-  copies are dropped (``failed``). They are exact copies of committed objects: the manifest, the
-  layout and the crc32c of every chunk stay the only truth, and a reader checks every chunk.
-- ``memory_only``: one rank's part of a memory-only step (``Checkpointer(..., persist_every=K)``),
-  never written to the job root. The daemon runs the one write path (``ckptd.persist.persist``)
-  into ``holder``'s store, whose puts are the same tee: every object of the step's folder (shard
-  objects, ``zarr.json`` nodes, rank 0's manifest, the rank's done record with its pins) goes
-  once into sealed memory, and the part is complete (``held``) once its done record is in. No
-  commit record exists anywhere: a memory-only step is never shown as committed in the job root.
+- ``hot``: the shard objects (keys under ``step_*/arrays/``) of a step the job persists, copied
+  into sealed memory by the upload tee (``recorder``) as they are put; complete once the step
+  commits with the job's attempt (``committed``), dropped if it fails or is superseded
+  (``failed``). Exact copies of committed objects: the manifest, the layout and the crc32c of
+  every chunk stay the only truth, and a reader checks every chunk.
+- ``memory_only``: one rank's part of a memory-only step (``persist_every``), never written to
+  the job root: the one write path (``ckptd.persist.persist``) writes every object of the step's
+  folder into ``holder``'s store, the same tee, and the part is complete (``held``) once its done
+  record is in. No commit record exists anywhere (docs/reliability.md, "Memory-only steps").
 
-Retention (``_retain``, the one rule, per root, kind and source): the complete copies of the
-newest ``KEEP_STEPS[kind]`` steps are kept (hot: 1, the newest committed step and, per source,
-its newest replica; memory-only: 2, so a node dying during step N's save leaves N-1 whole on its
-peers). Besides: a rank's hand-off of a memory-only (step, attempt) drops every memory-only part
-of the root, of any source, of another attempt at the same or a newer step (an abandoned future:
-the job restored and saves again; a replica, which may arrive late, drops none), and ``fence(root,
-step)`` (a restore of ``step``, ``POST /v1/tiers/restored``) drops every memory-only part newer
-than ``step``.
-
-Replication (``server.replication``, a mixin of ``Tiers``): each complete own copy, of either kind,
-is pushed to the ``replicas`` daemons that follow this one in ``--peers`` (or the discovered ring)
-with the one protocol; a receiver holds it only once every object arrived whole and matches its
-crc32c, and then applies the same retention.
+Retention (``_retain``, per root, kind and source): the complete copies of the newest
+``KEEP_STEPS[kind]`` steps are kept (hot: 1; memory-only: 2, so a node dying during step N's save
+leaves N-1 whole on its peers). A rank's hand-off of a memory-only (step, attempt) also drops
+every memory-only part of the root, of any source, of another attempt at the same or a newer step
+(an abandoned future; a replica, which may arrive late, drops none), and ``fence(root, step)``
+(``POST /v1/tiers/restored``) every memory-only part newer than ``step``. Each complete own copy
+is pushed to the ring (``server.replication``, a mixin of ``Tiers``).
 
 Budget: every byte of a copy (own, replica, or one being received) is held through
 ``Staging.reserve``. A hot copy that does not fit is not kept (the step is then persist-only on
@@ -39,10 +30,9 @@ whole step is persisted instead: ``ckptd_tier_persisted_instead_total``). A leas
 reclaims copies (``_reclaim``: replicas before own copies, hot before memory-only, oldest step
 first) before a save waits; each drop is logged and counted. A copy never makes a save wait.
 
-Serving (``server.peers``; bulk reads on ``server.tierdata``, outside the HTTP server's event
-loop): objects are looked up by (root, step, attempt, key) in this table, never by a path: no
-tier route can read a file. Only complete copies are served. Every held object is a sealed memfd
-once filled (``server.sealed``; a ``bytearray`` where that is not available), so its descriptor
+Serving (``server.peers``, ``server.tierdata``): objects are looked up by (root, step, attempt,
+key) in this table, never by a path: no tier route can read a file. Only complete copies are
+served. Every held object is a sealed memfd once filled (``server.sealed``), so its descriptor
 can be passed to a rank on this node, which cannot change it.
 
 Concurrency: one lock guards the tables; it is never held while calling into ``Staging``
@@ -152,16 +142,15 @@ class Tiers(Replication):
     def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
         """Metric name -> (help, value) for ``Metrics.gauge``."""
 
-        def held(kind: str, own: bool) -> Callable[[], float]:
+        def held(kind: str, own: bool | None = None) -> Callable[[], float]:  # own None: either source
             def fn() -> float:
                 with self._lock:
-                    return float(sum(c.bytes for c in self._complete() if c.kind == kind and (c.source == SELF) == own))
+                    mine = (
+                        c for c in self._complete() if c.kind == kind and (own is None or (c.source == SELF) == own)
+                    )
+                    return float(sum(c.bytes for c in mine))
 
             return fn
-
-        def memory_only() -> float:
-            with self._lock:
-                return float(sum(c.bytes for c in self._complete() if c.kind == MEMORY_ONLY))
 
         def replicas() -> float:
             with self._lock:
@@ -173,7 +162,10 @@ class Tiers(Replication):
         return {
             "ckptd_tier_hot_bytes": ("bytes of hot copies of committed steps held", held(HOT, True)),
             "ckptd_tier_replica_bytes": ("bytes of complete replicas of peers' hot copies held", held(HOT, False)),
-            "ckptd_tier_memory_only_bytes": ("bytes of memory-only steps held (own parts and replicas)", memory_only),
+            "ckptd_tier_memory_only_bytes": (
+                "bytes of memory-only steps held (own parts and replicas)",
+                held(MEMORY_ONLY),
+            ),
             "ckptd_tier_replicas": ("complete replicas held (one per peer's step, of either kind)", replicas),
         } | {metric: (text, counter(name)) for metric, (name, text) in COUNTED.items()}
 
@@ -245,8 +237,9 @@ class Tiers(Replication):
         """A job of ``root`` restored ``step``: drop every memory-only part newer than it (of the
         abandoned trajectory). Returns how many parts were dropped."""
         with self._lock:
-            newer = [k for k, c in self._held.items() if k[0] == root and k[1] > step and c.kind == MEMORY_ONLY]
-            gone = self._take(newer)
+            gone = self._take(
+                k for k, c in self._held.items() if k[0] == root and k[1] > step and c.kind == MEMORY_ONLY
+            )
         self._release(gone)
         if gone:
             log.info("memory-only steps of %s newer than restored step %d dropped (%d parts)", root, step, len(gone))
@@ -260,14 +253,13 @@ class Tiers(Replication):
         whole (root, step, attempt) on this node (never a failed save); a memory-only part takes
         every object of the step's folder, and a put that cannot be held raises CheckpointError."""
         k = (root, step, attempt, rank, SELF)
+        old = []
         with self._lock:
             c = self._held.get(k)
             if c is None or c.complete or c.kind != kind:  # a retried upload reuses its copy
                 old = [self._held.pop(k)] if c is not None else []
                 c = self._held[k] = Copy(root, step, attempt, SELF, rank=rank, kind=kind)
                 c.degraded = kind == HOT and any(x.degraded for x in self._group(root, step, attempt))
-            else:
-                old = []
         self._release(old)
         prefix = f"{mf.step_dir(step)}/" + (f"{mf.ARRAYS}/" if kind == HOT else "")
 
@@ -305,11 +297,7 @@ class Tiers(Replication):
                 return "it was dropped (a save needed its room, or a newer hand-off came)"
             if c.degraded or c.dropped:  # a hot copy not kept: its puts go nowhere
                 return None
-            old = c.objects.pop(key, None)  # a retried put
-            if old is not None:
-                c.bytes -= len(old)
-        if old is not None:
-            self.staging.unreserve(len(old))
+        self._forget(c, key)  # a retried put
         if not self.staging.reserve(n):
             return f"{n} more bytes do not fit the staging budget"
         try:
@@ -329,6 +317,15 @@ class Tiers(Replication):
                 return None
         self.staging.unreserve(n)
         return None
+
+    def _forget(self, c: Copy, key: str) -> None:
+        """Take ``key`` out of ``c`` (if there) and give its bytes back."""
+        with self._lock:
+            old = c.objects.pop(key, None)
+            if old is not None:
+                c.bytes -= len(old)
+        if old is not None:
+            self.staging.unreserve(len(old))
 
     def _degrade(self, c: Copy, why: str) -> None:
         """A hot copy did not fit: none is kept of its (root, step, attempt) on this node."""
@@ -465,11 +462,10 @@ class Tiers(Replication):
 
     def release_reservation(self, root: str, step: int, attempt: str, rank: int) -> int:
         with self._lock:
-            got = self._reserved.pop((root, step, attempt, rank), None)
-        if got is not None:
-            self.staging.unreserve(got[0])
-            return got[0]
-        return 0
+            n = self._reserved.pop((root, step, attempt, rank), (0,))[0]
+        if n:
+            self.staging.unreserve(n)
+        return n
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()
@@ -485,8 +481,7 @@ class Tiers(Replication):
         """The complete copies of exactly (root, step, attempt): own hot copies first, then
         replicas, then memory-only parts."""
         with self._lock:
-            out = [c for (r, s, a, _, _), c in self._held.items() if (r, s, a) == (root, step, attempt)]
-        out = [c for c in out if c.complete and not c.dropped]
+            out = [c for c in self._complete() if (c.root, c.step, c.attempt) == (root, step, attempt)]
         return sorted(out, key=lambda c: (c.kind != HOT, c.source != SELF))
 
     def keys(self, root: str, step: int, attempt: str) -> list[str]:
@@ -627,12 +622,7 @@ class _Holding(Store):
         return True
 
     def delete(self, key: str) -> None:
-        with self._tiers._lock:
-            buf = self._c.objects.pop(key, None)
-            if buf is not None:
-                self._c.bytes -= len(buf)
-        if buf is not None:
-            self._tiers.staging.unreserve(len(buf))
+        self._tiers._forget(self._c, key)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         for k in sorted(k for k in list(self._c.objects) if k.startswith(prefix)):
