@@ -1,22 +1,20 @@
 """Restoring from the memory tiers: one read-only ``Store`` of one (step, attempt) over the
-daemons that hold it, falling back to the job root.
+daemons that hold it, falling back to the job root (docs/operations.md, "A node died").
 
-``TieredRestore(daemon_url, root_uri)`` (one per ``Checkpointer`` with a daemon) asks the daemons
-what they hold (``GET /v1/tiers?keys=true``: ``walk``, the one peer walk: the rank's own daemon,
-then the peers it names) and builds a ``TierSource`` for each step a restore tries: a committed
-step (``source``: every rank asks its own daemon, rank 0 the peers, and broadcasts their
-answers) or the newest whole memory-only step (``trainer_hooks.memsteps`` chooses it). The one
-restore path (``restore._restore_step``) reads the step through that store: each shard from its
-own node's daemon (its sealed memory mapped), then a peer daemon (the data path, in batches),
-then the job root (none for a memory-only step: the restore then fails and the next candidate is
-tried).
+``TieredRestore`` (one per ``Checkpointer`` with a daemon) asks the daemons what they hold
+(``walk``: the rank's own daemon, then the peers it names) and builds a ``TierSource`` for each
+step a restore tries: a committed step (``source``) or the newest whole memory-only step
+(``trainer_hooks.memsteps`` chooses it). The one restore path (``restore._restore_step``) reads
+the step through that store: each shard from its own node's daemon (its sealed memory mapped),
+then a peer daemon (the data path, in batches), then the job root (none for a memory-only step:
+the restore then fails and the next candidate is tried).
 
 Trust: a tier is a cache, never a source of truth. Every chunk read from a tier is checked
 against the crc32c stored with it and the writers' pins, and every answer must carry the step
-and attempt asked for (``X-Ckptd-Step`` / ``X-Ckptd-Attempt``) and exactly the bytes asked for. A
-tier that is gone or slower than ``timeout_s`` is skipped for the rest of the restore; a shard
-that fails any check is read again from the next tier, at last from the job root. So a tier can
-make a restore slower, never make it fail or return other values than the job root holds.
+and attempt asked for and exactly the bytes asked for. A tier that is gone or slower than
+``timeout_s`` is skipped for the rest of the restore; a shard that fails any check is read again
+from the next tier, at last from the job root. So a tier can make a restore slower, never make it
+fail or return other values than the job root holds.
 
 Thread safety: ``TieredReader.read_shard`` runs on the restore's pool; tier state (dead or
 alive) and the per-tier byte counts are guarded by a lock.
@@ -79,13 +77,11 @@ class TieredReader(CheckpointReader):
         self._bytes = {"local": 0, "peer": 0}  # bytes of the shards each tier kind served
 
     def read(self, requests, pool=None) -> None:
-        """Fill every request's ``out``. The shard objects a live tier holds (the ranges of them
-        this rank reads, when under ``BATCH_BYTES``; larger ones are read as one GET per range,
-        straight into the tensors) are fetched in batches (one POST ``/v1/tiers/read`` per
-        ``BATCH_BYTES`` of one tier, each batch on the pool with the reads of its shards: the
-        per-request cost of HTTP is paid per batch, and at most a pool's worth of batches is in
-        memory); every chunk is then checked as any read's. A batch that fails marks its tier
-        dead and leaves its shards to the per-shard path (the next tier, at last the job root)."""
+        """Fill every request's ``out``. The shard objects a live tier holds are fetched in
+        batches of ``BATCH_BYTES`` per tier (the per-request cost is paid per batch), each batch on
+        the pool with the reads of its shards (at most a pool's worth of batches in memory); a
+        larger range is read straight into the tensors. Every chunk is then checked as any read's.
+        A batch that fails marks its tier dead and leaves its shards to the per-shard path."""
         tasks = []
         for req in requests:
             if req.out.shape != req.want.shape:
@@ -103,8 +99,7 @@ class TieredReader(CheckpointReader):
                 plain.append((req, sr))
                 continue
             layout = req.entry.layout
-            n = layout.chunk_nbytes + CRC_BYTES
-            spans = self._computed_spans(layout, sr) if layout.sharded else [(0, n, ())]
+            spans = self._computed_spans(layout, sr) if layout.sharded else [(0, layout.chunk_nbytes + CRC_BYTES, ())]
             lo, hi = min(o for o, _, _ in spans), max(o + m for o, m, _ in spans)
             got = by_key.setdefault(key, [tier, lo, hi, []])
             got[1], got[2] = min(got[1], lo), max(got[2], hi)

@@ -1,14 +1,11 @@
-"""The read side of one daemon's memory tier (``TierStore``): how a restoring rank talks to a
-daemon that holds a step, for ``trainer_hooks.tiered.TierSource`` (committed and memory-only
-steps alike).
+"""The read side of one daemon's memory tier (``TierStore``) for ``trainer_hooks.tiered``.
 
 Transport, nearest first: the rank's own daemon lends its sealed buffers over the Unix socket
 (SCM_RIGHTS; mapped ``PROT_READ``, the seals checked before use, no byte over a socket); a peer
-answers on its threaded data path (``ckptd.tierwire``: token, then frames; replies read straight
-into the destination buffers); the HTTP tier routes are the fallback. Whatever the transport,
-every reply must name the step and attempt asked for and carry exactly the bytes asked for, else
-``TierUnavailable``: the caller skips the tier, it never trusts it (chunks are checked against
-their crc32c and pins by the reader).
+answers on its threaded data path (``ckptd.tierwire``; replies read straight into the
+destination buffers); the HTTP tier routes are the fallback. A reply that does not name the step
+and attempt asked for or carry exactly the bytes asked for is ``TierUnavailable``: the caller
+skips the tier (its trust rule: ``trainer_hooks.tiered``).
 """
 
 from __future__ import annotations

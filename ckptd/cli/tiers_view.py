@@ -1,13 +1,9 @@
-"""What the memory tiers hold of one job root, for ``ckptd ls --daemon URL``.
-
-Asks ``GET /v1/tiers`` of the daemon named and of every peer it names (with the daemon token
-from ``CKPTD_TOKEN`` / ``CKPTD_TOKEN_FILE``), and returns, per step, where a copy of it lives:
-``hot@URL`` (the node's own copy, ranks it served) or ``replica@URL`` (a peer's copy, pushed
-from ``source``); for a memory-only step (``server.tiers``), ``memory@URL`` (a rank's part
-the node holds) or ``memory-replica@URL`` (a peer's part), one entry per rank's part. Only
-complete copies are listed: a tier serves nothing else. A daemon that does not answer is noted
-on stderr and left out: the listing is a view, the job root stays the only truth of what is
-committed."""
+"""What the memory tiers hold of one job root, for ``ckptd ls --daemon URL``: asks ``GET
+/v1/tiers`` of the daemon named and of every peer it names, and returns, per step, each complete
+copy (a tier serves nothing else): ``hot@URL`` (the node's own), ``replica@URL`` (a peer's,
+pushed from ``source``), or for a memory-only step, one per rank's part, ``memory@URL`` or
+``memory-replica@URL``. A daemon that does not answer is noted on stderr and left out: the
+listing is a view, the job root stays the only truth of what is committed."""
 
 from __future__ import annotations
 

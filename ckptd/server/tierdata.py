@@ -1,15 +1,11 @@
 """The memory tier's data path: bulk tier reads served by threads, outside the HTTP server's
-event loop.
+event loop (docs/operations.md, "Transport").
 
 ``POST /v1/tiers/read`` moves every byte through uvicorn's asyncio loop (one ASGI message per
 part, one loop iteration per socket write), which costs more than the copy itself. This listener
-answers the same reads on plain sockets, one thread per connection, writing the held buffers
-themselves (``sendall`` of the views: no join, no copy); the reader ``recv_into``s the reply
-straight into its tensors. It listens on a TCP port (``CKPTD_TIER_DATA_PORT``, 0: any free port,
-on the daemon's ``--host``) and on a Unix socket next to the daemon's (``ckptd-tiers.sock`` beside
-``ckptd.sock``, mode 0666: the kernel names each caller). Both are advertised by ``GET /v1/tiers``
-as ``"data": {"port": P, "socket": PATH}``; a reader uses the port on the host of the daemon URL it
-already has, and the socket only for its own node's daemon.
+answers the same reads on plain sockets (TCP ``CKPTD_TIER_DATA_PORT`` and the Unix socket
+``ckptd-tiers.sock``, both advertised by ``GET /v1/tiers`` as ``"data"``), one thread per
+connection, writing the held buffers themselves (``sendall`` of the views: no join, no copy).
 
 Wire (``ckptd.tierwire``): a request frame's JSON header is ``{"token", "op", "root", "step",
 "attempt", ...}``; ``op`` is
@@ -24,12 +20,11 @@ The rules are the HTTP routes' (``server.peers``): the daemon token, compared in
 in every request (``--insecure-no-auth``: none); the root must be served and readable by the
 caller by the tenancy rule (``server.tenancy``: a Unix caller is named by ``SO_PEERCRED``, a TCP
 caller by nobody); objects are looked up by (root, step, attempt, key) in the tier table only,
-never turned into a path; the batch caps of ``server.tiers``. Anything else -- a wrong or missing
-token, a header over ``MAX_HEADER``, a malformed request, an unknown key, a range outside its
-object -- gets one error reply ``{"ok": false, "status", "detail"}`` and the connection is closed.
-Connections are capped (``max_connections``; over it: one error, closed) and a request must
-arrive whole within ``timeout_s`` (an idle connection is closed after the same time), so slow or
-half-closed clients cannot hold the threads.
+never turned into a path; the batch caps of ``server.tiers``. Anything else gets one error reply
+``{"ok": false, "status", "detail"}`` and the connection is closed. Connections are capped
+(``max_connections``; over it: one error, closed) and a request must arrive whole within
+``timeout_s`` (an idle connection is closed after the same time), so slow or half-closed clients
+cannot hold the threads.
 """
 
 from __future__ import annotations
@@ -90,7 +85,7 @@ class TierData:
         self.token = token.encode() if token is not None else None
         self.max_connections = max(1, max_connections)
         self.timeout_s = timeout_s
-        self._count = 0
+        self.connections = 0  # open now
         self._lock = threading.Lock()
         self._closed = False
         self.refused = 0
@@ -104,10 +99,6 @@ class TierData:
         self._listeners = [tcp, unix]
         self.socket_path = Path(socket_path)
         self.port = tcp.getsockname()[1]
-
-    @property
-    def connections(self) -> int:
-        return self._count
 
     @property
     def endpoint(self) -> dict:
@@ -136,9 +127,9 @@ class TierData:
                 time.sleep(0.05)  # out of descriptors: try again, never spin
                 continue
             with self._lock:
-                full = self._count >= self.max_connections
+                full = self.connections >= self.max_connections
                 if not full:
-                    self._count += 1
+                    self.connections += 1
             if full:
                 self.refused += 1
                 threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
@@ -177,7 +168,7 @@ class TierData:
             log.debug("tier data connection closed: %s", e)
         finally:
             with self._lock:
-                self._count -= 1
+                self.connections -= 1
 
     @staticmethod
     def _error(conn: socket.socket, status: int, detail: str) -> None:

@@ -191,9 +191,8 @@ class Tiers(Replication):
         return (c for c in self._held.values() if c.complete and not c.dropped)
 
     def _retain(self, root: str, kind: str, source: str) -> list[Copy]:
-        """Under the lock: the retention rule (module doc). Of the complete copies of ``kind``
-        that ``source`` made of ``root``, those of the newest ``KEEP_STEPS[kind]`` steps stay;
-        the others are taken out of the table and returned (the caller releases them)."""
+        """Under the lock: take out of the table and return (for the caller to release) the
+        complete copies of ``kind`` that ``source`` made of ``root`` which the retention rule drops."""
         mine = [k for k, c in self._held.items() if k[0] == root and k[4] == source and c.kind == kind and c.complete]
         keep = sorted({k[1] for k in mine}, reverse=True)[: KEEP_STEPS[kind]]
         return self._take(k for k in mine if k[1] not in keep)
