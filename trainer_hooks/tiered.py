@@ -274,10 +274,8 @@ class TierSource(_RangeReads, Store):
         """Close every daemon's connections and forget the mapped objects (the restore is over)."""
         with self._lock:
             tiers, self._tiers = list(self._tiers.values()), {}
-        for t in tiers:
+        for t in [*tiers, *([self._mapped] if self._mapped is not None else [])]:
             t.store.close()
-        if self._mapped is not None:
-            self._mapped.store.close()
 
     def _size(self, key: str) -> int:
         if key == self._commit_key and self.commit is not None:
@@ -378,10 +376,10 @@ class TieredRestore:
                 continue
             try:
                 body = self._call(url, "GET", "/v1/tiers?" + urlencode(q))
-                copies = [c for kind in ("hot", "replicas", "memory_only") for c in body.get(kind, [])]
                 found = [
                     ((int(c["step"]), str(c["attempt"])), {str(k): int(v) for k, v in c["keys"].items()})
-                    for c in copies
+                    for kind in ("hot", "replicas", "memory_only")
+                    for c in body.get(kind, [])
                 ]
             except (ValueError, KeyError, TypeError, AttributeError, CheckpointError) as e:
                 log.warning("restore: the memory tier of %s did not answer: %s", url, e)
@@ -452,8 +450,7 @@ class TieredRestore:
 
     def report(self, source: Store, step: int) -> None:
         """Record and log the bytes the restore of ``step`` read per tier; tell the daemon."""
-        got = source.tier_bytes() if isinstance(source, TierSource) else {"local": 0, "peer": 0, "root": 0}
-        self.last = got
+        got = self.last = source.tier_bytes() if isinstance(source, TierSource) else {"local": 0, "peer": 0, "root": 0}
         log.info(
             "restored %s %d: %d bytes from this node's daemon, %d from peers, %d from the job root",
             "memory-only step" if isinstance(source, TierSource) and source.root is None else "step",

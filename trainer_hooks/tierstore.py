@@ -31,9 +31,8 @@ __all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "TierStore", "TierUnavailabl
 log = logging.getLogger("ckptd.tiered")
 
 DEFAULT_TIER_TIMEOUT_S = 10.0  # a peer slower than this per request is skipped (CKPTD_TIER_TIMEOUT_S)
-BATCH_BYTES = int(
-    os.environ.get("CKPTD_TIER_BATCH_BYTES", 4 << 20)
-)  # shard-object bytes one batched tier read asks for (at most one object more)
+# Shard-object bytes one batched tier read asks for (at most one object more).
+BATCH_BYTES = int(os.environ.get("CKPTD_TIER_BATCH_BYTES", 4 << 20))
 
 
 class TierUnavailable(Exception):  # noqa: N818 - not a StorageError: the reader must not turn it into a bad chunk
