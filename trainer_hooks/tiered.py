@@ -104,13 +104,14 @@ class TieredReader(CheckpointReader):
             got = by_key.setdefault(key, [tier, lo, hi, []])
             got[1], got[2] = min(got[1], lo), max(got[2], hi)
             got[3].append((req, sr))
-        for key in [k for k, v in by_key.items() if v[2] - v[1] > BATCH_BYTES]:
-            # A large range gains nothing from batching and would be held whole in a buffer:
-            # its shards stream straight into the caller's tensors (one GET per coalesced range).
-            plain += by_key.pop(key)[3]
         batches: list[tuple[_Tier, list[str]]] = []
         filling: dict[int, tuple[_Tier, list[str], int]] = {}  # id(tier) -> (tier, keys, bytes)
-        for key, (tier, lo, hi, _) in by_key.items():
+        for key, (tier, lo, hi, waiting) in by_key.items():
+            if hi - lo > BATCH_BYTES:
+                # A large range gains nothing from batching and would be held whole in a buffer:
+                # its shards stream straight into the caller's tensors (one GET per coalesced range).
+                plain += waiting
+                continue
             _, keys, size = filling.get(id(tier), (tier, [], 0))
             if keys and size + hi - lo > BATCH_BYTES:
                 batches.append((tier, keys))
@@ -155,9 +156,8 @@ class TieredReader(CheckpointReader):
         self._read_one(req, sr, None)
 
     def _read_one(self, req: ReadRequest, sr, fetched) -> None:
-        """Read one shard: from the bytes a batch already fetched (``fetched``: (tier, _Fetched)),
-        else (or when those fail a check) from the first other live tier holding it, else from
-        the job root."""
+        """Read one shard: from the bytes a batch fetched (``fetched``: (tier, _Fetched)), else
+        from the first other live tier holding it, else from the job root."""
         done = None  # the tier whose fetched bytes failed: not asked again for this shard
         if fetched is not None:
             done, store = fetched
@@ -195,10 +195,7 @@ class TierSource(_RangeReads, Store):
     """A read-only store of one (step, attempt) over the daemons that hold its objects
     (``holders``: key -> (size, daemon URLs, this rank's own daemon first); ``data``: the data
     path each advertised), wrapped around ``root`` (the job root; None for a memory-only step,
-    whose ``commit`` record, the one its commit would have written, is served as its
-    ``commit.json``). A read tries this node's mapped sealed memory, then each live daemon
-    holding the key, then the root; a daemon that fails or answers other than exactly the asked
-    bytes of that step and attempt is skipped for the rest of the restore."""
+    whose ``commit`` record is served as its ``commit.json``), read nearest first (module doc)."""
 
     def __init__(self, tiers: TieredRestore, step: int, attempt: str, holders, data, root=None, commit=None):
         self.uri = root.uri if root is not None else f"{tiers.root_uri.rstrip('/')} [memory tiers]"
@@ -360,10 +357,9 @@ class TieredRestore:
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers the
         first one names) what it holds complete of this root (of exactly ``step`` and ``attempt``
         when given). Returns ((step, attempt) -> key -> (size, [URLs], in the order asked); URL ->
-        its advertised data path; the URLs that answered; the peers the first one named). This
-        rank's own daemon is named by the URL it advertises (``--advertise``) where it has one, so
-        that ranks on other nodes can reach it (this rank may have dialled its node's socket);
-        every other daemon by the URL asked. A daemon that does not answer is left out (logged)."""
+        its advertised data path; the URLs that answered; the peers the first one named). Own
+        daemon is named by its ``--advertise`` URL where it has one (this rank may have dialled
+        its socket; other nodes' ranks cannot). A daemon that does not answer is left out (logged)."""
         held: dict[tuple[int, str], dict[str, tuple[int, list[str]]]] = {}
         data: dict[str, dict] = {}
         asked: list[str] = []

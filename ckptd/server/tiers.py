@@ -491,9 +491,9 @@ class Tiers(Replication):
 
     def read(self, root: str, step: int, attempt: str, key: str, start: int, length: int) -> memoryview | None:
         """``length`` bytes at ``start`` (negative: from the end) of a held object, as a read-only
-        view of the copy (no copy: a held object is never written again, and a dropped copy's
-        buffer lives on while a reply still sends from it); None when no complete copy of
-        (root, step, attempt) holds ``key``; ValueError for a range past its end."""
+        view (no copy: a held object is never written again, and a dropped copy's buffer lives on
+        while a reply sends from it); None when no complete copy of (root, step, attempt) holds
+        ``key``; ValueError for a range past its end."""
         buf = self._find(root, step, attempt, key)
         if buf is None:
             return None
@@ -536,10 +536,9 @@ class Tiers(Replication):
 
     def describe(self, root: str | None = None, step: int | None = None, attempt: str | None = None, keys=False):
         """What ``GET /v1/tiers`` answers: the complete copies held (of ``root``, and of exactly
-        ``step`` and ``attempt`` when given): ``hot`` (this node's, one entry per step with its
-        ranks) and ``replicas`` (one per source and step) of hot copies, ``memory_only`` (one per
-        rank's part); with ``keys``, each with its objects and their sizes. And the ring, the
-        budget held and the data path."""
+        ``step`` and ``attempt`` when given): ``hot`` (one per step, with its ranks), ``replicas``
+        (one per source and step), ``memory_only`` (one per rank's part), each with its objects'
+        sizes with ``keys``; the ring, the budget held and the data path."""
         groups: dict[tuple, dict] = {}
         parts: list[dict] = []
         with self._lock:
