@@ -551,9 +551,8 @@ class Tiers(Replication):
                 if c.kind == MEMORY_ONLY:
                     parts.append(d)
                     continue
-                g = groups.get(gid := (r, s, a, c.source))
-                if g is None:
-                    groups[gid] = d
+                g = groups.setdefault((r, s, a, c.source), d)
+                if g is d:
                     continue
                 g["ranks"] = sorted(g["ranks"] + d["ranks"])
                 g["bytes"] += d["bytes"]
