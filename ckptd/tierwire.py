@@ -1,5 +1,6 @@
 """The memory tier's data path on the wire: framing shared by the daemon (``ckptd.server.tierdata``)
-and the restoring ranks (``trainer_hooks.tiered``). Standard library only.
+and the restoring ranks (``trainer_hooks.tiered``), and ``ask_json`` for the tier routes' JSON
+calls (``ckptd ls --daemon``, a restore's listings and reports). No dependency beyond the stdlib.
 
 A frame is ``MAGIC`` (4 bytes) + the length of a JSON header (4 bytes, big endian) + the header;
 a read reply's header is followed by exactly ``length`` bytes of body, and an ``fds`` reply's
@@ -19,6 +20,8 @@ import re
 import socket
 import struct
 
+from ckptd.daemon_conn import DaemonConnection
+
 __all__ = [
     "F_ADD_SEALS",
     "F_GET_SEALS",
@@ -29,6 +32,7 @@ __all__ = [
     "REPLY",
     "REQUEST",
     "WireError",
+    "ask_json",
     "recv_exact",
     "recv_frame",
     "send_frame",
@@ -38,6 +42,7 @@ REQUEST = b"CKTQ"
 REPLY = b"CKTA"
 MAX_HEADER = 1 << 20  # bytes of one frame's JSON header at most
 MAX_FDS = 128  # descriptors one ``fds`` reply passes at most
+MAX_JSON_REPLY = 256 << 20  # bytes of an ``ask_json`` reply at most, unless told
 MAX_DEPTH = 8  # levels of nesting of a header at most (a read request's ranges: 3)
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
@@ -48,6 +53,24 @@ SEALS = 0x0002 | 0x0004 | 0x0008  # F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE: 
 
 class WireError(Exception):
     """A malformed, oversized or cut-off frame: the connection is closed after it."""
+
+
+def ask_json(url: str, token: str | None, timeout_s: float, method: str, path: str, body=None, cap=MAX_JSON_REPLY):
+    """The JSON object one request to the daemon at ``url`` answers, on a connection of its own.
+    DaemonUnreachable (a CheckpointError) when it does not answer; ValueError for another status
+    than 200 or a reply that is not a JSON object."""
+    conn = DaemonConnection(url, token, timeout_s)
+    try:
+        status, _, raw = conn.fetch(method, path, body, cap)
+    finally:
+        conn.close()
+    what = f"{method} {path.split('?')[0]} answered"
+    if status != 200:
+        raise ValueError(f"{what} {status}: {raw[:200]!r}")
+    got = json.loads(raw)
+    if not isinstance(got, dict):
+        raise ValueError(f"{what} no object")
+    return got
 
 
 def send_frame(sock: socket.socket, magic: bytes, header: dict, fds: list[int] | None = None) -> None:

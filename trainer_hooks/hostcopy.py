@@ -1,24 +1,21 @@
 """Copy many CPU tensors at memory bandwidth, also on a busy machine.
 
 A save's snapshot and a restore's settle copy hundreds of tensors. One ``Tensor.copy_`` per
-tensor is one OpenMP parallel region each, and a region ends only when every OpenMP thread has
-run its share: on a machine whose cores are also busy with other processes (data loader
-workers, another job's ranks) each region waits for a descheduled thread, once per tensor. On
-this 2-core VM at a load average of 4.5 (other processes' work), 300 tensors (1.5 GiB) took
-0.56-0.61 s by ``copy_`` and 0.25 s by ``copy_all`` (4 tasks of 8 MiB pieces).
+tensor is one OpenMP parallel region each, which ends only when every OpenMP thread has run its
+share: on a machine whose cores are busy with other processes, each region waits for a
+descheduled thread, once per tensor (a 2-core VM at load 4.5, 300 tensors of 1.5 GiB: 0.56-0.61 s
+by ``copy_``, 0.25 s by ``copy_all``).
 
 ``copy_all`` cuts every pair into pieces of at most ``PIECE_BYTES`` along the first dimension;
 at most ``COPIERS`` tasks on a thread pool take the next uncopied piece until none is left, each
-copying with ``numpy.copyto`` (a plain strided memcpy that releases the GIL). A busy core then
-slows the copy in proportion, instead of stalling it once per tensor; and a task descheduled for
-a while leaves its share to the others instead of holding a fixed part of the pieces (snapshot of
-1.5 GiB, quiet, median of 8: 0.156 s against 0.165 s with a fixed round-robin split).
+copying with ``numpy.copyto`` (a strided memcpy that releases the GIL). A busy core then slows
+the copy in proportion instead of stalling it per tensor, and a descheduled task leaves its share
+to the others (1.5 GiB, quiet, median of 8: 0.156 s against 0.165 s with a fixed split).
 
-``prefaulting`` serves fresh buffers about to be filled by many reader threads (the default
-restore's): one thread faults their pages in ahead of the readers, in the order they are read.
-Sixteen readers each faulting 4 KiB pages of fresh memory inside ``preadv`` contend in the
-kernel: a 1.5 GiB restore on this 2-core VM, cold, median of 5, took 1.59 s that way and 1.03 s
-with the pages faulted ahead (0.97 s reading into the live tensors, which need no fresh memory).
+``prefaulting``: one thread faults in the pages of fresh buffers ahead of the many reader
+threads that fill them (the default restore's), in the order they are read. Sixteen readers
+each faulting 4 KiB pages inside ``preadv`` contend in the kernel (1.5 GiB restore, 2-core VM,
+cold, median of 5: 1.59 s that way, 1.03 s with the pages faulted ahead).
 """
 
 from __future__ import annotations

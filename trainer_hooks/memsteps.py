@@ -1,5 +1,7 @@
-"""Frequent memory-only checkpoints: which saves persist, and restoring the newest step the
-surviving daemons hold whole (``Checkpointer(..., daemon=URL, persist_every=K)``).
+"""Frequent memory-only checkpoints (``Checkpointer(..., daemon=URL, persist_every=K)``): which
+saves persist, and restoring the newest step the surviving daemons hold whole. What such a step
+guarantees, and why a restore never mixes two attempts nor picks an abandoned future:
+docs/reliability.md, "Memory-only steps".
 
 Save: a step divisible by ``persist_every`` persists to the job root as always; any other step
 is memory-only (``ckptd.server.tiers``): every rank asks its node's daemon to reserve room
@@ -8,20 +10,14 @@ daemon has no room, every rank persists the step instead (one WARNING on rank 0,
 ``ckptd_tier_persisted_instead_total`` on the daemon that said no), so a memory-only save
 is never silently lost and never half in memory, half in the root.
 
-Restore: the newest whole memory-only step is the first candidate of ``restore.restore``
-(with no step asked and a daemon): rank 0 asks its daemon and the peers it names what parts of
-this root they hold (``TieredRestore.walk``); newest first, a (step, attempt) newer than the
-newest committed step counts only when the union holds its ``manifest.json`` (naming that step
-and attempt), every rank's done record of that attempt, every object those records pin (with the
-pinned size), and the root's commit rule (``commit.whole_step``) finds the records and the
-manifest whole. Every rank then reads it through the one restore path over a
-``tiered.TierSource`` with no job root behind it: every chunk checked against its crc32c and the
-writers' pins, no byte from the job root; its commit record is the one ``commit.whole_step``
-returns, as a commit of those records would write it (its "time": the newest record's). If
-none counts, or its restore fails on any rank, the committed steps follow.
-Fencing: after any restore of step S, the daemons asked drop memory-only steps newer than S
-(``TieredRestore.fence``), the future the job abandoned (docs/reliability.md argues why no
-restore mixes two).
+Restore (``choose``, rank 0, the first candidate of ``restore.restore`` with no step asked):
+newest first, a (step, attempt) newer than the newest committed step counts only when what the
+daemons hold passes ``_check_whole`` (its manifest, every rank's done record of that attempt,
+every object they pin at the pinned size, and the root's commit rule ``commit.whole_step``).
+Every rank then reads it over a ``tiered.TierSource`` with no job root behind it, its commit
+record the one ``commit.whole_step`` returns. If none counts, or its restore fails on any rank,
+the committed steps follow; after any restore of step S, the daemons asked drop memory-only
+steps newer than S (``TieredRestore.fence``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,20 @@
 """Restoring from the memory tiers: one read-only ``Store`` of one (step, attempt) over the
-daemons that hold it, falling back to the job root.
+daemons that hold it, falling back to the job root (docs/operations.md, "A node died").
 
-``TieredRestore(daemon_url, root_uri)`` (one per ``Checkpointer`` with a daemon) asks the daemons
-what they hold (``GET /v1/tiers?keys=true``: ``walk``, the one peer walk: the rank's own daemon,
-then the peers it names) and builds a ``TierSource`` for each step a restore tries: a committed
-step (``source``: every rank asks its own daemon, rank 0 the peers, and broadcasts their
-answers) or the newest whole memory-only step (``trainer_hooks.memsteps`` chooses it). The one
-restore path (``restore._restore_step``) reads the step through that store: each shard from its
-own node's daemon (its sealed memory mapped), then a peer daemon (the data path, in batches),
-then the job root (none for a memory-only step: the restore then fails and the next candidate is
-tried).
+``TieredRestore`` (one per ``Checkpointer`` with a daemon) asks the daemons what they hold
+(``walk``: the rank's own daemon, then the peers it names) and builds a ``TierSource`` for each
+step a restore tries: a committed step (``source``) or the newest whole memory-only step
+(``trainer_hooks.memsteps`` chooses it). The one restore path (``restore._restore_step``) reads
+the step through that store: each shard from its own node's daemon (its sealed memory mapped),
+then a peer daemon (the data path, in batches), then the job root (none for a memory-only step:
+the restore then fails and the next candidate is tried).
 
 Trust: a tier is a cache, never a source of truth. Every chunk read from a tier is checked
 against the crc32c stored with it and the writers' pins, and every answer must carry the step
-and attempt asked for (``X-Ckptd-Step`` / ``X-Ckptd-Attempt``) and exactly the bytes asked for. A
-tier that is gone or slower than ``timeout_s`` is skipped for the rest of the restore; a shard
-that fails any check is read again from the next tier, at last from the job root. So a tier can
-make a restore slower, never make it fail or return other values than the job root holds.
+and attempt asked for and exactly the bytes asked for. A tier that is gone or slower than
+``timeout_s`` is skipped for the rest of the restore; a shard that fails any check is read again
+from the next tier, at last from the job root. So a tier can make a restore slower, never make it
+fail or return other values than the job root holds.
 
 Thread safety: ``TieredReader.read_shard`` runs on the restore's pool; tier state (dead or
 alive) and the per-tier byte counts are guarded by a lock.
@@ -24,11 +22,11 @@ alive) and the per-tier byte counts are guarded by a lock.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 from collections.abc import Iterator
+from typing import NoReturn
 from urllib.parse import urlencode
 
 from ckptd import catalog
@@ -38,6 +36,7 @@ from ckptd.codec import CRC_BYTES, parse_inline
 from ckptd.errors import CheckpointError
 from ckptd.layout import plan_reads
 from ckptd.reader import CheckpointReader, ReadRequest
+from ckptd.tierwire import ask_json
 from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
 from trainer_hooks.tierstore import (
@@ -46,7 +45,7 @@ from trainer_hooks.tierstore import (
     TierStore,
     TierUnavailable,
     _Fetched,
-    ask,
+    _RangeReads,
 )
 
 __all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierSource", "TierStore", "TieredReader", "TieredRestore"]
@@ -59,10 +58,12 @@ class _Tier:
         self.store, self.kind, self.prefix = store, kind, prefix
         self.dead = False
 
-    def reader(self, pins=None) -> CheckpointReader:
-        """A reader of this tier for one shard: its byte count is the shard's alone; every chunk
-        is checked against ``pins`` (the committing attempt's, ``ckptd.pins``) where given."""
-        return CheckpointReader(self.store, self.prefix, where=f"{self.store.name} (memory tier)", pins=pins)  # type: ignore[arg-type]
+    def reader(self, pins=None, store=None) -> CheckpointReader:
+        """A reader of this tier (or of ``store``, bytes fetched from it) for one shard: its byte
+        count is the shard's alone; every chunk is checked against ``pins`` (the committing
+        attempt's, ``ckptd.pins``) where given."""
+        where = f"{self.store.name} (memory tier)"
+        return CheckpointReader(store or self.store, self.prefix, where=where, pins=pins)  # type: ignore[arg-type]
 
 
 class TieredReader(CheckpointReader):
@@ -74,16 +75,13 @@ class TieredReader(CheckpointReader):
         self._source = source
         self._tlock = threading.Lock()
         self._bytes = {"local": 0, "peer": 0}  # bytes of the shards each tier kind served
-        self.skipped = 0  # shard reads a tier failed and a later tier (or the root) served
 
     def read(self, requests, pool=None) -> None:
-        """Fill every request's ``out``. The shard objects a live tier holds (the ranges of them
-        this rank reads, when under ``BATCH_BYTES``; larger ones are read as one GET per range,
-        straight into the tensors) are fetched in batches (one POST ``/v1/tiers/read`` per
-        ``BATCH_BYTES`` of one tier, each batch on the pool with the reads of its shards: the
-        per-request cost of HTTP is paid per batch, and at most a pool's worth of batches is in
-        memory); every chunk is then checked as any read's. A batch that fails marks its tier
-        dead and leaves its shards to the per-shard path (the next tier, at last the job root)."""
+        """Fill every request's ``out``. The shard objects a live tier holds are fetched in
+        batches of ``BATCH_BYTES`` per tier (the per-request cost is paid per batch), each batch on
+        the pool with the reads of its shards (at most a pool's worth of batches in memory); a
+        larger range is read straight into the tensors. Every chunk is then checked as any read's.
+        A batch that fails marks its tier dead and leaves its shards to the per-shard path."""
         tasks = []
         for req in requests:
             if req.out.shape != req.want.shape:
@@ -101,28 +99,26 @@ class TieredReader(CheckpointReader):
                 plain.append((req, sr))
                 continue
             layout = req.entry.layout
-            n = layout.chunk_nbytes + CRC_BYTES
-            spans = self._computed_spans(layout, sr) if layout.sharded else [(0, n, ())]
+            spans = self._computed_spans(layout, sr) if layout.sharded else [(0, layout.chunk_nbytes + CRC_BYTES, ())]
             lo, hi = min(o for o, _, _ in spans), max(o + m for o, m, _ in spans)
             got = by_key.setdefault(key, [tier, lo, hi, []])
             got[1], got[2] = min(got[1], lo), max(got[2], hi)
             got[3].append((req, sr))
-        for key in [k for k, v in by_key.items() if v[2] - v[1] > BATCH_BYTES]:
-            # A large range gains nothing from batching and would be held whole in a buffer:
-            # its shards stream straight into the caller's tensors (one GET per coalesced range).
-            plain += by_key.pop(key)[3]
         batches: list[tuple[_Tier, list[str]]] = []
-        open_batch: dict[int, tuple[list[str], list[int]]] = {}
-        for key, (tier, lo, hi, _) in by_key.items():
-            keys, size = open_batch.setdefault(id(tier), ([], [0]))
-            if keys and size[0] + hi - lo > BATCH_BYTES:
+        filling: dict[int, tuple[_Tier, list[str], int]] = {}  # id(tier) -> (tier, keys, bytes)
+        for key, (tier, lo, hi, waiting) in by_key.items():
+            if hi - lo > BATCH_BYTES:
+                # A large range gains nothing from batching and would be held whole in a buffer:
+                # its shards stream straight into the caller's tensors (one GET per coalesced range).
+                plain += waiting
+                continue
+            _, keys, size = filling.get(id(tier), (tier, [], 0))
+            if keys and size + hi - lo > BATCH_BYTES:
                 batches.append((tier, keys))
-                keys, size = open_batch[id(tier)] = ([], [0])
+                keys, size = [], 0
             keys.append(key)
-            size[0] += hi - lo
-        for key_list, _ in open_batch.values():
-            if key_list:
-                batches.append((by_key[key_list[0]][0], key_list))
+            filling[id(tier)] = (tier, keys, size + hi - lo)
+        batches += [(tier, keys) for tier, keys, _ in filling.values()]
 
         def run_batch(tier: _Tier, keys: list[str]) -> None:
             fetched = None
@@ -136,7 +132,7 @@ class TieredReader(CheckpointReader):
                         fetched.held[k] = (lo, buf[pos : pos + n])
                         pos += n
                 except TierUnavailable as e:
-                    self._tier_failed(tier, e)
+                    self._source.failed(tier, e)
             for k in keys:
                 for req, sr in by_key[k][3]:
                     self._read_one(req, sr, (tier, fetched) if fetched is not None else None)
@@ -156,48 +152,37 @@ class TieredReader(CheckpointReader):
         if errors:
             raise errors[0]
 
-    def _tier_failed(self, tier: _Tier, e: Exception) -> None:
-        with self._tlock:
-            self.skipped += 1
-        self._source.failed(tier, e)
-
     def read_shard(self, req: ReadRequest, sr) -> None:
         self._read_one(req, sr, None)
 
     def _read_one(self, req: ReadRequest, sr, fetched) -> None:
-        """Read one shard: from the bytes a batch already fetched (``fetched``: (tier, _Fetched)),
-        else (or when those fail a check) from the first other live tier holding it, else from
-        the job root."""
-        source = None  # the tier whose fetched bytes failed: not asked again for this shard
+        """Read one shard: from the bytes a batch fetched (``fetched``: (tier, _Fetched)), else
+        from the first other live tier holding it, else from the job root."""
+        done = None  # the tier whose fetched bytes failed: not asked again for this shard
         if fetched is not None:
-            tier, store = fetched
-            reader = CheckpointReader(store, tier.prefix, where=f"{tier.store.name} (memory tier)", pins=self.pins)  # type: ignore[arg-type]
-            try:
-                reader.read_shard(req, sr)  # every chunk checked against its crc32c
-                with self._tlock:
-                    self._bytes[tier.kind] += reader.stats.bytes_read
+            done, store = fetched
+            if self._read_from(done, done.reader(self.pins, store), req, sr):
                 return
-            except (TierUnavailable, CheckpointError, StorageError) as e:  # a bad chunk, or not fetched
-                with self._tlock:
-                    self.skipped += 1
-                log.warning("restore: %s; reading that shard from the next tier", e)
-                source = tier
         for tier in self._source.holders_of(self._object(req.entry, sr.shard)):
-            if tier.dead or tier is source:
-                continue
-            reader = tier.reader(self.pins)
-            try:
-                reader.read_shard(req, sr)  # every chunk checked against its crc32c
-                with self._tlock:
-                    self._bytes[tier.kind] += reader.stats.bytes_read
+            if not tier.dead and tier is not done and self._read_from(tier, tier.reader(self.pins), req, sr):
                 return
-            except TierUnavailable as e:
-                self._tier_failed(tier, e)
-            except (CheckpointError, StorageError) as e:  # a bad chunk: this shard from the next tier
-                with self._tlock:
-                    self.skipped += 1
-                log.warning("restore: %s; reading that shard from the next tier", e)
         super().read_shard(req, sr)  # the job root: the chunks the plan reads, checked the same way
+
+    def _read_from(self, tier: _Tier, reader: CheckpointReader, req: ReadRequest, sr) -> bool:
+        """Whether ``reader`` (of ``tier``, or of bytes fetched from it) read the shard, every
+        chunk checked against its crc32c. A tier that does not answer is skipped for the rest of
+        the restore; a bad chunk (or a range a batch did not fetch) only for this shard."""
+        try:
+            reader.read_shard(req, sr)
+        except (TierUnavailable, CheckpointError, StorageError) as e:
+            if isinstance(e, TierUnavailable) and reader.store is tier.store:
+                self._source.failed(tier, e)
+            else:
+                log.warning("restore: %s; reading that shard from the next tier", e)
+            return False
+        with self._tlock:
+            self._bytes[tier.kind] += reader.stats.bytes_read
+        return True
 
     def tier_bytes(self) -> dict[str, int]:
         """Chunk bytes each tier served: ``local`` (own daemon), ``peer``, ``root``; bytes a tier
@@ -206,14 +191,11 @@ class TieredReader(CheckpointReader):
             return {**self._bytes, "root": self.stats.bytes_read}
 
 
-class TierSource(Store):
+class TierSource(_RangeReads, Store):
     """A read-only store of one (step, attempt) over the daemons that hold its objects
     (``holders``: key -> (size, daemon URLs, this rank's own daemon first); ``data``: the data
     path each advertised), wrapped around ``root`` (the job root; None for a memory-only step,
-    whose ``commit`` record, the one its commit would have written, is served as its
-    ``commit.json``). A read tries this node's mapped sealed memory, then each live daemon
-    holding the key, then the root; a daemon that fails or answers other than exactly the asked
-    bytes of that step and attempt is skipped for the rest of the restore."""
+    whose ``commit`` record is served as its ``commit.json``), read nearest first (module doc)."""
 
     def __init__(self, tiers: TieredRestore, step: int, attempt: str, holders, data, root=None, commit=None):
         self.uri = root.uri if root is not None else f"{tiers.root_uri.rstrip('/')} [memory tiers]"
@@ -289,10 +271,8 @@ class TierSource(Store):
         """Close every daemon's connections and forget the mapped objects (the restore is over)."""
         with self._lock:
             tiers, self._tiers = list(self._tiers.values()), {}
-        for t in tiers:
+        for t in [*tiers, *([self._mapped] if self._mapped is not None else [])]:
             t.store.close()
-        if self._mapped is not None:
-            self._mapped.store.close()
 
     def _size(self, key: str) -> int:
         if key == self._commit_key and self.commit is not None:
@@ -308,11 +288,6 @@ class TierSource(Store):
         size = self._size(key)
         check_limit(self.uri, key, size, limit)
         return self.get_range(key, 0, size)
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        buf = bytearray(length)
-        self.get_range_into(key, start, [buf])
-        return bytes(buf)
 
     def get_range_into(self, key: str, start: int, buffers) -> None:
         if self.root is not None and key not in self.holders:
@@ -342,14 +317,10 @@ class TierSource(Store):
             return
         raise StorageError(f"{self.uri}: no live daemon serves {key!r}")
 
-    def put(self, key, data) -> None:
+    def _read_only(self, *_) -> NoReturn:
         raise StorageError(f"{self.uri}: read-only")
 
-    def put_if_absent(self, key, data) -> bool:
-        raise StorageError(f"{self.uri}: read-only")
-
-    def delete(self, key) -> None:
-        raise StorageError(f"{self.uri}: read-only")
+    put = put_if_absent = delete = _read_only
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if self.root is not None:
@@ -380,22 +351,15 @@ class TieredRestore:
 
     def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
         """One JSON request to the daemon ``url``; CheckpointError (DaemonUnreachable) or ValueError."""
-        status, raw = ask(url, self._token, self.timeout_s, method, path, body)
-        if status != 200:
-            raise ValueError(f"{url}: {method} {path.split('?')[0]} answered {status}: {raw[:200]!r}")
-        got = json.loads(raw)
-        if not isinstance(got, dict):
-            raise ValueError(f"{url}: {method} {path.split('?')[0]} answered no object")
-        return got
+        return ask_json(url, self._token, self.timeout_s, method, path, body)
 
     def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers the
         first one names) what it holds complete of this root (of exactly ``step`` and ``attempt``
         when given). Returns ((step, attempt) -> key -> (size, [URLs], in the order asked); URL ->
-        its advertised data path; the URLs that answered; the peers the first one named). This
-        rank's own daemon is named by the URL it advertises (``--advertise``) where it has one, so
-        that ranks on other nodes can reach it (this rank may have dialled its node's socket);
-        every other daemon by the URL asked. A daemon that does not answer is left out (logged)."""
+        its advertised data path; the URLs that answered; the peers the first one named). Own
+        daemon is named by its ``--advertise`` URL where it has one (this rank may have dialled
+        its socket; other nodes' ranks cannot). A daemon that does not answer is left out (logged)."""
         held: dict[tuple[int, str], dict[str, tuple[int, list[str]]]] = {}
         data: dict[str, dict] = {}
         asked: list[str] = []
@@ -408,10 +372,10 @@ class TieredRestore:
                 continue
             try:
                 body = self._call(url, "GET", "/v1/tiers?" + urlencode(q))
-                copies = [c for kind in ("hot", "replicas", "memory_only") for c in body.get(kind, [])]
                 found = [
                     ((int(c["step"]), str(c["attempt"])), {str(k): int(v) for k, v in c["keys"].items()})
-                    for c in copies
+                    for kind in ("hot", "replicas", "memory_only")
+                    for c in body.get(kind, [])
                 ]
             except (ValueError, KeyError, TypeError, AttributeError, CheckpointError) as e:
                 log.warning("restore: the memory tier of %s did not answer: %s", url, e)
@@ -482,8 +446,7 @@ class TieredRestore:
 
     def report(self, source: Store, step: int) -> None:
         """Record and log the bytes the restore of ``step`` read per tier; tell the daemon."""
-        got = source.tier_bytes() if isinstance(source, TierSource) else {"local": 0, "peer": 0, "root": 0}
-        self.last = got
+        got = self.last = source.tier_bytes() if isinstance(source, TierSource) else {"local": 0, "peer": 0, "root": 0}
         log.info(
             "restored %s %d: %d bytes from this node's daemon, %d from peers, %d from the job root",
             "memory-only step" if isinstance(source, TierSource) and source.root is None else "step",

@@ -1,14 +1,11 @@
-"""The read side of one daemon's memory tier (``TierStore``): how a restoring rank talks to a
-daemon that holds a step, for ``trainer_hooks.tiered.TierSource`` (committed and memory-only
-steps alike).
+"""The read side of one daemon's memory tier (``TierStore``) for ``trainer_hooks.tiered``.
 
 Transport, nearest first: the rank's own daemon lends its sealed buffers over the Unix socket
 (SCM_RIGHTS; mapped ``PROT_READ``, the seals checked before use, no byte over a socket); a peer
-answers on its threaded data path (``ckptd.tierwire``: token, then frames; replies read straight
-into the destination buffers); the HTTP tier routes are the fallback. Whatever the transport,
-every reply must name the step and attempt asked for and carry exactly the bytes asked for, else
-``TierUnavailable``: the caller skips the tier, it never trusts it (chunks are checked against
-their crc32c and pins by the reader).
+answers on its threaded data path (``ckptd.tierwire``; replies read straight into the
+destination buffers); the HTTP tier routes are the fallback. A reply that does not name the step
+and attempt asked for or carry exactly the bytes asked for is ``TierUnavailable``: the caller
+skips the tier (its trust rule: ``trainer_hooks.tiered``).
 """
 
 from __future__ import annotations
@@ -29,27 +26,13 @@ from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable
 from ckptd.tierwire import F_GET_SEALS, MAX_FDS, REPLY, REQUEST, SEALS, WireError, recv_exact, recv_frame, send_frame
 from storage_backends.base import as_writable_buffers
 
-__all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "MAX_KEYS_REPLY", "TierStore", "TierUnavailable", "ask"]
+__all__ = ["BATCH_BYTES", "DEFAULT_TIER_TIMEOUT_S", "TierStore", "TierUnavailable"]
 
 log = logging.getLogger("ckptd.tiered")
 
 DEFAULT_TIER_TIMEOUT_S = 10.0  # a peer slower than this per request is skipped (CKPTD_TIER_TIMEOUT_S)
-MAX_KEYS_REPLY = 256 << 20
-BATCH_BYTES = int(
-    os.environ.get("CKPTD_TIER_BATCH_BYTES", 4 << 20)
-)  # shard-object bytes one batched tier read asks for (at most one object more)
-
-
-def ask(url: str, token: str | None, timeout_s: float, method: str, path: str, body=None, cap: int = MAX_KEYS_REPLY):
-    """(status, body) of one request to the daemon at ``url`` on a connection of its own (a
-    restore's few calls that are not reads: the memory-only listing, the fence, the tier bytes
-    report). DaemonUnreachable (a CheckpointError) when it does not answer."""
-    conn = DaemonConnection(url, token, timeout_s)
-    try:
-        status, _, raw = conn.fetch(method, path, body, cap)
-        return status, raw
-    finally:
-        conn.close()
+# Shard-object bytes one batched tier read asks for (at most one object more).
+BATCH_BYTES = int(os.environ.get("CKPTD_TIER_BATCH_BYTES", 4 << 20))
 
 
 class TierUnavailable(Exception):  # noqa: N818 - not a StorageError: the reader must not turn it into a bad chunk
@@ -57,7 +40,19 @@ class TierUnavailable(Exception):  # noqa: N818 - not a StorageError: the reader
     skipped for the rest of the restore."""
 
 
-class _Fetched:
+class _RangeReads:
+    """``get_range`` and ``get_ranges`` through the class's ``get_range_into``."""
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.get_range_into(key, start, [buf])  # type: ignore[attr-defined]
+        return bytes(buf)
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return [self.get_range(key, s, n) for s, n in ranges]
+
+
+class _Fetched(_RangeReads):
     """Ranges of shard objects already fetched from one tier (``TieredReader.read``), shaped
     like the ``Store`` methods ``CheckpointReader`` reads chunks with; a range it does not hold
     is ``TierUnavailable`` (the shard is then read from the next tier)."""
@@ -80,12 +75,6 @@ class _Fetched:
             raise TierUnavailable(f"{self.name}: {key} {start}+{length} was not fetched")
         return mv[start - begin : start - begin + length]
 
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        return bytes(self._view(key, start, length))
-
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        return [self.get_range(key, s, n) for s, n in ranges]
-
     def get_range_into(self, key: str, start: int, buffers) -> None:
         views = as_writable_buffers(buffers)
         data = np.frombuffer(self._view(key, start, sum(v.nbytes for v in views)), np.uint8)
@@ -95,7 +84,7 @@ class _Fetched:
             pos += v.nbytes
 
 
-class TierStore:
+class TierStore(_RangeReads):
     """The read side of one daemon's memory tier for one (root, step, attempt), shaped like the
     ``Store`` methods ``CheckpointReader`` reads chunks with."""
 
@@ -109,7 +98,6 @@ class TierStore:
         # on this daemon's host, and the Unix socket when this is the rank's own node's daemon.
         self.data_port: int | None = None
         self.data_socket: str | None = None
-        self.advertised = None  # the keys reply's "data"
         self._local = threading.local()
         self._conns: list = []  # every thread's data-path socket, closed by close()
         self._conns_lock = threading.Lock()
@@ -161,7 +149,6 @@ class TierStore:
     def _data_call(self, header: dict, unix: bool, max_fds: int = 0) -> tuple[socket.socket, dict, list[int]]:
         """Send one request on the data path; return the connection and the checked reply header
         (and descriptors). Any failure drops the connection: TierUnavailable."""
-        sock = None
         try:
             sock = self._data_conn(unix)
             req = {"token": self._token, "root": self.root, "step": self.step, "attempt": self.attempt, **header}
@@ -171,9 +158,7 @@ class TierStore:
                 raise WireError("the daemon closed the connection")
             reply, fds = got
         except (OSError, WireError) as e:
-            if sock is not None:
-                self._drop_data(unix)
-            raise TierUnavailable(f"{self.name}: data path: {e or type(e).__name__}") from None
+            raise self._data_failed(unix, e) from None
         if reply.get("ok") is not True or reply.get("step") != self.step or reply.get("attempt") != self.attempt:
             for fd in fds:
                 os.close(fd)
@@ -181,6 +166,11 @@ class TierStore:
             why = reply.get("detail") if reply.get("ok") is not True else "another step or attempt"
             raise TierUnavailable(f"{self.name}: data path answered {reply.get('status')}: {str(why)[:200]}")
         return sock, reply, fds
+
+    def _data_failed(self, unix: bool, e: Exception) -> TierUnavailable:
+        """The connection broke (``e``): it is dropped, and the error to raise."""
+        self._drop_data(unix)
+        return TierUnavailable(f"{self.name}: data path: {e or type(e).__name__}")
 
     def _drop_data(self, unix: bool) -> None:
         name = "dunix" if unix else "dtcp"
@@ -202,8 +192,7 @@ class TierStore:
             for v in views:
                 recv_exact(sock, v)
         except (OSError, WireError) as e:
-            self._drop_data(unix)
-            raise TierUnavailable(f"{self.name}: data path: {e or type(e).__name__}") from None
+            raise self._data_failed(unix, e) from None
 
     def map_objects(self, keys: Sequence[str]) -> _Fetched:
         """Every object of ``keys`` mapped read-only from the sealed memory the daemon passes
@@ -240,55 +229,29 @@ class TierStore:
             raise
         return mapped
 
-    def _open(self, path: str, cap: int, body=None) -> tuple:
-        """Send a request; return the connection and the response with its body unread and its
-        Content-Length (at most ``cap``)."""
-        try:
-            conn, resp = self._http.send("POST" if body is not None else "GET", path, body)
-        except DaemonUnreachable as e:
-            raise TierUnavailable(f"{self.name}: {e}") from None
-        length = resp.getheader("Content-Length")
-        if length is None or not length.isdigit() or int(length) > cap:
-            self._http.drop(conn)
-            raise TierUnavailable(f"{self.name}: reply of {length} bytes where at most {cap} were asked")
-        return conn, resp, int(length)
-
     def _object_path(self, key: str, start: int, length: int) -> str:
         q = f"root={quote(self.root, safe='')}&step={self.step}&attempt={quote(self.attempt, safe='')}"
         return f"/v1/tiers/object?{q}&key={quote(key, safe='')}&start={start}&length={length}"
 
-    def _check_reply(self, key: str, resp, got: int, length: int) -> None:
-        if resp.status != 200:
-            raise TierUnavailable(f"{self.name}: {key} answered {resp.status}")
-        if resp.getheader("X-Ckptd-Step") != str(self.step) or resp.getheader("X-Ckptd-Attempt") != self.attempt:
-            raise TierUnavailable(f"{self.name}: {key} came from another step or attempt than the commit record's")
-        if got != length:
-            raise TierUnavailable(f"{self.name}: {key}: {got} bytes where {length} were asked")
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        buf = bytearray(length)
-        self.get_range_into(key, start, [buf])
-        return bytes(buf)
-
-    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        return [self.get_range(key, s, n) for s, n in ranges]
-
-    def get_range_into(self, key: str, start: int, buffers) -> None:
-        """One GET (or one data-path request) for the whole range, its body read straight into
-        ``buffers`` (no intermediate copy); the connection stays open for this thread's next read."""
-        views = as_writable_buffers(buffers)
+    def _http_read(self, path: str, body, views: list[memoryview], what: str) -> None:
+        """One request about ``what`` (a POST of ``body`` when given); its reply must be a 200 of
+        the step and attempt asked with exactly the bytes ``views`` hold, and its body is read
+        straight into them. On any failure the connection is dropped (unread): TierUnavailable."""
         length = sum(v.nbytes for v in views)
-        if self.data_port is not None or self.data_socket is not None:
-            self._data_read([(key, start, length)], views)
-            return
-        conn, resp, got = self._open(self._object_path(key, start, length), length)
-        self._read_body(conn, resp, got, views, key)
-
-    def _read_body(self, conn, resp, got: int, views, what: str) -> None:
-        """Check the reply about ``what`` (``got``: its Content-Length) and read its body straight
-        into ``views``; on any failure the connection is dropped (unread) and TierUnavailable."""
         try:
-            self._check_reply(what, resp, got, sum(v.nbytes for v in views))
+            conn, resp = self._http.send("POST" if body is not None else "GET", path, body)
+        except DaemonUnreachable as e:
+            raise TierUnavailable(f"{self.name}: {e}") from None
+        try:
+            got = resp.getheader("Content-Length")
+            if got is None or not got.isdigit() or int(got) > length:
+                raise TierUnavailable(f"{self.name}: reply of {got} bytes where at most {length} were asked")
+            if resp.status != 200:
+                raise TierUnavailable(f"{self.name}: {what} answered {resp.status}")
+            if resp.getheader("X-Ckptd-Step") != str(self.step) or resp.getheader("X-Ckptd-Attempt") != self.attempt:
+                raise TierUnavailable(f"{self.name}: {what} came from another step or attempt than the commit record's")
+            if int(got) != length:
+                raise TierUnavailable(f"{self.name}: {what}: {got} bytes where {length} were asked")
             for v in views:
                 pos = 0
                 while pos < v.nbytes:
@@ -303,27 +266,24 @@ class TierStore:
             self._http.drop(conn)
             raise TierUnavailable(f"{self.name}: {e or type(e).__name__}") from None
 
+    def get_range_into(self, key: str, start: int, buffers) -> None:
+        """One GET (or one data-path request) for the whole range, its body read straight into
+        ``buffers`` (no intermediate copy); the connection stays open for this thread's next read."""
+        views = as_writable_buffers(buffers)
+        length = sum(v.nbytes for v in views)
+        if self.data_port is not None or self.data_socket is not None:
+            self._data_read([(key, start, length)], views)
+        else:
+            self._http_read(self._object_path(key, start, length), None, views, key)
+
     def get_batch(self, ranges: Sequence[tuple[str, int, int]]) -> bytearray:
         """The bytes of ``ranges`` ((key, start, length) each), concatenated: one POST
-        ``/v1/tiers/read``, its body read straight into one buffer."""
-        length = sum(n for _, _, n in ranges)
+        ``/v1/tiers/read`` (or one data-path request), its body read straight into one buffer."""
+        out = bytearray(sum(n for _, _, n in ranges))
         if self.data_port is not None or self.data_socket is not None:
-            out = bytearray(length)
             self._data_read(ranges, [memoryview(out)])
-            return out
-        body = {
-            "root": self.root,
-            "step": self.step,
-            "attempt": self.attempt,
-            "ranges": [{"key": k, "start": st, "length": n} for k, st, n in ranges],
-        }
-        conn, resp, got = self._open("/v1/tiers/read", length, body)
-        out = bytearray(length)
-        self._read_body(
-            conn,
-            resp,
-            got,
-            [memoryview(out)],
-            f"a batch of {len(ranges)} ranges",
-        )
+        else:
+            body = {"root": self.root, "step": self.step, "attempt": self.attempt}
+            body["ranges"] = [{"key": k, "start": st, "length": n} for k, st, n in ranges]
+            self._http_read("/v1/tiers/read", body, [memoryview(out)], f"a batch of {len(ranges)} ranges")
         return out

@@ -1,39 +1,19 @@
-"""What the memory tiers hold of one job root, for ``ckptd ls --daemon URL``.
-
-Asks ``GET /v1/tiers`` of the daemon named and of every peer it names (with the daemon token
-from ``CKPTD_TOKEN`` / ``CKPTD_TOKEN_FILE``), and returns, per step, where a copy of it lives:
-``hot@URL`` (the node's own copy, ranks it served) or ``replica@URL`` (a peer's copy, pushed
-from ``source``); for a memory-only step (``server.tiers``), ``memory@URL`` (a rank's part
-the node holds) or ``memory-replica@URL`` (a peer's part), one entry per rank's part. Only
-complete copies are listed: a tier serves nothing else. A daemon that does not answer is noted
-on stderr and left out: the listing is a view, the job root stays the only truth of what is
-committed."""
+"""What the memory tiers hold of one job root, for ``ckptd ls --daemon URL``: asks ``GET
+/v1/tiers`` of the daemon named and of every peer it names, and returns, per step, each complete
+copy (a tier serves nothing else): ``hot@URL`` (the node's own), ``replica@URL`` (a peer's,
+pushed from ``source``), or for a memory-only step, one per rank's part, ``memory@URL`` or
+``memory-replica@URL``. A daemon that does not answer is noted on stderr and left out: the
+listing is a view, the job root stays the only truth of what is committed."""
 
 from __future__ import annotations
 
-import json
-
-from ckptd.daemon_conn import DaemonConnection
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import normalize
+from ckptd.tierwire import ask_json
 
 __all__ = ["tier_copies"]
 
 MAX_REPLY = 16 << 20
-
-
-def _describe(url: str, token: str | None, timeout: float) -> dict:
-    conn = DaemonConnection(url, token, timeout)
-    try:
-        status, _, raw = conn.fetch("GET", "/v1/tiers", cap=MAX_REPLY)
-    finally:
-        conn.close()
-    if status != 200:
-        raise ValueError(f"GET /v1/tiers answered {status}")
-    body = json.loads(raw)
-    if not isinstance(body, dict):
-        raise ValueError("GET /v1/tiers answered no object")
-    return body
 
 
 def tier_copies(
@@ -51,7 +31,7 @@ def tier_copies(
             continue
         seen.add(url)
         try:
-            body = _describe(url, token, timeout)
+            body = ask_json(url, token, timeout, "GET", "/v1/tiers", cap=MAX_REPLY)
         except (ValueError, CheckpointError) as e:
             failed.append(f"{url}: {e or type(e).__name__}")
             continue
@@ -67,15 +47,6 @@ def tier_copies(
                 k = {"hot": "hot", "replicas": "replica"}.get(kind) or (
                     "memory" if c.get("source") == "self" else "memory-replica"
                 )
-                out.setdefault(step, []).append(
-                    {
-                        "where": f"{k}@{url}",
-                        "kind": k,
-                        "daemon": url,
-                        "source": c.get("source"),
-                        "attempt": c.get("attempt"),
-                        "ranks": c.get("ranks"),
-                        "bytes": c.get("bytes"),
-                    }
-                )
+                fields = {f: c.get(f) for f in ("source", "attempt", "ranks", "bytes")}
+                out.setdefault(step, []).append({"where": f"{k}@{url}", "kind": k, "daemon": url} | fields)
     return out, failed

@@ -50,14 +50,12 @@ class Daemon:
 
     def root_of(self, root: str | None) -> str:
         """The job root a request names, or the only one served when it names none."""
-        if root is None:
-            only = self.roots.only()
-            if only is None:
-                raise RootError(
-                    f"this daemon serves several roots; name one with ?root= ({', '.join(self.roots.uris)})"
-                )
-            return only
-        return self.roots.check(root)
+        if root is not None:
+            return self.roots.check(root)
+        only = self.roots.only()
+        if only is None:
+            raise RootError(f"this daemon serves several roots; name one with ?root= ({', '.join(self.roots.uris)})")
+        return only
 
 
 def _daemon(request: Request) -> Daemon:

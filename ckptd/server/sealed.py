@@ -4,19 +4,16 @@ A hot copy's or replica's object is filled through ``new_buffer`` (on Linux: a `
 shared and writable) and, once whole, turned by ``seal`` into a read-only mapping of the same
 memory whose descriptor carries ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE``: from then on
 nobody, the daemon included, can write, shrink or grow it, so the descriptor can be passed to a
-restoring rank (``SCM_RIGHTS``, ``ckptd.server.tierdata``) which maps it ``PROT_READ`` and copies
-its chunks straight into its tensors. A rank that tries to write through the descriptor
-(``write``, ``ftruncate``, a shared writable ``mmap``) gets EPERM and the daemon's copy is
-unchanged. Elsewhere (no ``memfd_create``) buffers are plain ``bytearray``s and are never shared.
+restoring rank (``SCM_RIGHTS``, ``ckptd.server.tierdata``) which maps it ``PROT_READ``. A rank
+that tries to write through the descriptor (``write``, ``ftruncate``, a shared writable ``mmap``)
+gets EPERM and the daemon's copy is unchanged. Elsewhere (no ``memfd_create``) buffers are plain
+``bytearray``s and are never shared.
 
-A sealed buffer is an ``mmap`` subclass (``len``, slicing and the buffer protocol as before) that
-also holds its descriptor (``fd``), closed when the buffer is collected: a dropped copy lives on
-while a reply still sends from it or a descriptor is being passed.
-
-Every buffer costs one descriptor (two before Python 3.13: ``mmap`` keeps a duplicate) and one
-mapping: ``new_buffer`` counts it against the cap of
-``server.capacity`` (OSError EMFILE past it, before any descriptor is made) and the count is
-given back when the buffer's descriptor is closed.
+A sealed buffer (``Sealed``, an ``mmap``) also holds its descriptor (``fd``), closed when the
+buffer is collected: a dropped copy lives on while a reply still sends from it or a descriptor
+is being passed. Each costs one descriptor (two before Python 3.13) and one mapping, counted
+against the cap of ``server.capacity`` (OSError EMFILE past it, before any descriptor is made)
+until its descriptor is closed.
 """
 
 from __future__ import annotations
@@ -52,10 +49,8 @@ def _close(fd: int) -> None:
 
 def _adopt(fd: int, size: int, writable: bool) -> Sealed:
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    if TRACKFD:  # no duplicate of ``fd`` kept by the mapping: one descriptor per buffer, not two
-        buf = Sealed(fd, size, flags=mmap.MAP_SHARED, prot=prot, trackfd=False)
-    else:
-        buf = Sealed(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+    # trackfd=False: no duplicate of ``fd`` kept by the mapping: one descriptor per buffer, not two
+    buf = Sealed(fd, size, flags=mmap.MAP_SHARED, prot=prot, **({"trackfd": False} if TRACKFD else {}))
     buf.fd = fd
     buf.sealed = not writable
     buf.closer = weakref.finalize(buf, _close, fd)  # gives the count of ``capacity.take`` back

@@ -1,15 +1,11 @@
 """The memory tier's data path: bulk tier reads served by threads, outside the HTTP server's
-event loop.
+event loop (docs/operations.md, "Transport").
 
 ``POST /v1/tiers/read`` moves every byte through uvicorn's asyncio loop (one ASGI message per
 part, one loop iteration per socket write), which costs more than the copy itself. This listener
-answers the same reads on plain sockets, one thread per connection, writing the held buffers
-themselves (``sendall`` of the views: no join, no copy); the reader ``recv_into``s the reply
-straight into its tensors. It listens on a TCP port (``CKPTD_TIER_DATA_PORT``, 0: any free port,
-on the daemon's ``--host``) and on a Unix socket next to the daemon's (``ckptd-tiers.sock`` beside
-``ckptd.sock``, mode 0666: the kernel names each caller). Both are advertised by ``GET /v1/tiers``
-as ``"data": {"port": P, "socket": PATH}``; a reader uses the port on the host of the daemon URL it
-already has, and the socket only for its own node's daemon.
+answers the same reads on plain sockets (TCP ``CKPTD_TIER_DATA_PORT`` and the Unix socket
+``ckptd-tiers.sock``, both advertised by ``GET /v1/tiers`` as ``"data"``), one thread per
+connection, writing the held buffers themselves (``sendall`` of the views: no join, no copy).
 
 Wire (``ckptd.tierwire``): a request frame's JSON header is ``{"token", "op", "root", "step",
 "attempt", ...}``; ``op`` is
@@ -24,12 +20,11 @@ The rules are the HTTP routes' (``server.peers``): the daemon token, compared in
 in every request (``--insecure-no-auth``: none); the root must be served and readable by the
 caller by the tenancy rule (``server.tenancy``: a Unix caller is named by ``SO_PEERCRED``, a TCP
 caller by nobody); objects are looked up by (root, step, attempt, key) in the tier table only,
-never turned into a path; the batch caps of ``server.tiers``. Anything else -- a wrong or missing
-token, a header over ``MAX_HEADER``, a malformed request, an unknown key, a range outside its
-object -- gets one error reply ``{"ok": false, "status", "detail"}`` and the connection is closed.
-Connections are capped (``max_connections``; over it: one error, closed) and a request must
-arrive whole within ``timeout_s`` (an idle connection is closed after the same time), so slow or
-half-closed clients cannot hold the threads.
+never turned into a path; the batch caps of ``server.tiers``. Anything else gets one error reply
+``{"ok": false, "status", "detail"}`` and the connection is closed. Connections are capped
+(``max_connections``; over it: one error, closed) and a request must arrive whole within
+``timeout_s`` (an idle connection is closed after the same time), so slow or half-closed clients
+cannot hold the threads.
 """
 
 from __future__ import annotations
@@ -59,9 +54,18 @@ DRAIN_BYTES = 1 << 20
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, detail: str):
-        super().__init__(detail)
-        self.status, self.detail = status, detail
+    """(status, detail): one error reply, then the end of the connection."""
+
+
+def _is_key(k) -> bool:
+    return isinstance(k, str) and 0 < len(k) <= MAX_KEY
+
+
+def _is_range(r) -> bool:
+    """[key, start, length], the numbers bounded."""
+    if not (isinstance(r, list) and len(r) == 3 and _is_key(r[0])):
+        return False
+    return all(type(n) is int and -MAX_NUMBER <= n <= MAX_NUMBER for n in r[1:])
 
 
 class TierData:
@@ -81,7 +85,7 @@ class TierData:
         self.token = token.encode() if token is not None else None
         self.max_connections = max(1, max_connections)
         self.timeout_s = timeout_s
-        self._count = 0
+        self.connections = 0  # open now
         self._lock = threading.Lock()
         self._closed = False
         self.refused = 0
@@ -95,10 +99,6 @@ class TierData:
         self._listeners = [tcp, unix]
         self.socket_path = Path(socket_path)
         self.port = tcp.getsockname()[1]
-
-    @property
-    def connections(self) -> int:
-        return self._count
 
     @property
     def endpoint(self) -> dict:
@@ -127,9 +127,9 @@ class TierData:
                 time.sleep(0.05)  # out of descriptors: try again, never spin
                 continue
             with self._lock:
-                full = self._count >= self.max_connections
+                full = self.connections >= self.max_connections
                 if not full:
-                    self._count += 1
+                    self.connections += 1
             if full:
                 self.refused += 1
                 threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
@@ -162,13 +162,13 @@ class TierData:
                     try:
                         self._answer(conn, got[0], caller, peer is not None)
                     except _Refused as e:
-                        self._error(conn, e.status, e.detail)
+                        self._error(conn, *e.args)
                         return
         except OSError as e:  # the reader went away mid-reply: its read fails there, not here
             log.debug("tier data connection closed: %s", e)
         finally:
             with self._lock:
-                self._count -= 1
+                self.connections -= 1
 
     @staticmethod
     def _error(conn: socket.socket, status: int, detail: str) -> None:
@@ -219,22 +219,10 @@ class TierData:
     def _read(self, conn: socket.socket, ranges, root: str, step: int, attempt: str) -> None:
         if not isinstance(ranges, list) or not 0 < len(ranges) <= MAX_BATCH_RANGES:
             raise _Refused(400, f"ranges must be a list of 1 to {MAX_BATCH_RANGES} [key, start, length]")
-        want = []
-        for r in ranges:
-            if (
-                not isinstance(r, list)
-                or len(r) != 3
-                or not isinstance(r[0], str)
-                or not 0 < len(r[0]) <= MAX_KEY
-                or type(r[1]) is not int
-                or type(r[2]) is not int
-                or not -MAX_NUMBER <= r[1] <= MAX_NUMBER
-                or not -MAX_NUMBER <= r[2] <= MAX_NUMBER
-            ):
-                raise _Refused(400, "a range is [key, start, length]")
-            want.append((r[0], r[1], r[2]))
+        if not all(map(_is_range, ranges)):
+            raise _Refused(400, "a range is [key, start, length]")
         try:
-            parts = self.tiers.read_many(root, step, attempt, want)
+            parts = self.tiers.read_many(root, step, attempt, [tuple(r) for r in ranges])
         except ValueError as e:
             raise _Refused(416, str(e)) from None
         if parts is None:
@@ -245,11 +233,7 @@ class TierData:
                 conn.sendall(p)
 
     def _fds(self, conn: socket.socket, keys, root: str, step: int, attempt: str) -> None:
-        if (
-            not isinstance(keys, list)
-            or not 0 < len(keys) <= MAX_FDS
-            or not all(isinstance(k, str) and 0 < len(k) <= MAX_KEY for k in keys)
-        ):
+        if not isinstance(keys, list) or not 0 < len(keys) <= MAX_FDS or not all(map(_is_key, keys)):
             raise _Refused(400, f"keys must be a list of 1 to {MAX_FDS} object keys")
         bufs = self.tiers.shared(root, step, attempt, keys)
         if bufs is None:

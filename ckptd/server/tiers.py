@@ -4,32 +4,23 @@ A *held copy* is one rank's objects of one (root, step, attempt), made by one da
 ``"self"``, or the URL of the peer that pushed it), keyed by (root, step, attempt, rank, source),
 of one of two kinds:
 
-- ``hot``: the shard objects (keys under ``step_*/arrays/``) of a step the job persists. While a
-  job uploads, the upload tee (``recorder``) copies every shard object it puts into sealed
-  memory; when the step commits with the job's attempt (``committed``) the copies of every rank
-  of that (root, step, attempt) on this node become complete; a failed or superseded attempt's
-  copies are dropped (``failed``). They are exact copies of committed objects: the manifest, the
-  layout and the crc32c of every chunk stay the only truth, and a reader checks every chunk.
-- ``memory_only``: one rank's part of a memory-only step (``Checkpointer(..., persist_every=K)``),
-  never written to the job root. The daemon runs the one write path (``ckptd.persist.persist``)
-  into ``holder``'s store, whose puts are the same tee: every object of the step's folder (shard
-  objects, ``zarr.json`` nodes, rank 0's manifest, the rank's done record with its pins) goes
-  once into sealed memory, and the part is complete (``held``) once its done record is in. No
-  commit record exists anywhere: a memory-only step is never shown as committed in the job root.
+- ``hot``: the shard objects (keys under ``step_*/arrays/``) of a step the job persists, copied
+  into sealed memory by the upload tee (``recorder``) as they are put; complete once the step
+  commits with the job's attempt (``committed``), dropped if it fails or is superseded
+  (``failed``). Exact copies of committed objects: the manifest, the layout and the crc32c of
+  every chunk stay the only truth, and a reader checks every chunk.
+- ``memory_only``: one rank's part of a memory-only step (``persist_every``), never written to
+  the job root: the one write path (``ckptd.persist.persist``) writes every object of the step's
+  folder into ``holder``'s store, the same tee, and the part is complete (``held``) once its done
+  record is in. No commit record exists anywhere (docs/reliability.md, "Memory-only steps").
 
-Retention (``_retain``, the one rule, per root, kind and source): the complete copies of the
-newest ``KEEP_STEPS[kind]`` steps are kept (hot: 1, the newest committed step and, per source,
-its newest replica; memory-only: 2, so a node dying during step N's save leaves N-1 whole on its
-peers). Besides: a rank's hand-off of a memory-only (step, attempt) drops every memory-only part
-of the root, of any source, of another attempt at the same or a newer step (an abandoned future:
-the job restored and saves again; a replica, which may arrive late, drops none), and ``fence(root,
-step)`` (a restore of ``step``, ``POST /v1/tiers/restored``) drops every memory-only part newer
-than ``step``.
-
-Replication (``server.replication``, a mixin of ``Tiers``): each complete own copy, of either kind,
-is pushed to the ``replicas`` daemons that follow this one in ``--peers`` (or the discovered ring)
-with the one protocol; a receiver holds it only once every object arrived whole and matches its
-crc32c, and then applies the same retention.
+Retention (``_retain``, per root, kind and source): the complete copies of the newest
+``KEEP_STEPS[kind]`` steps are kept (hot: 1; memory-only: 2, so a node dying during step N's save
+leaves N-1 whole on its peers). A rank's hand-off of a memory-only (step, attempt) also drops
+every memory-only part of the root, of any source, of another attempt at the same or a newer step
+(an abandoned future; a replica, which may arrive late, drops none), and ``fence(root, step)``
+(``POST /v1/tiers/restored``) every memory-only part newer than ``step``. Each complete own copy
+is pushed to the ring (``server.replication``, a mixin of ``Tiers``).
 
 Budget: every byte of a copy (own, replica, or one being received) is held through
 ``Staging.reserve``. A hot copy that does not fit is not kept (the step is then persist-only on
@@ -39,10 +30,9 @@ whole step is persisted instead: ``ckptd_tier_persisted_instead_total``). A leas
 reclaims copies (``_reclaim``: replicas before own copies, hot before memory-only, oldest step
 first) before a save waits; each drop is logged and counted. A copy never makes a save wait.
 
-Serving (``server.peers``; bulk reads on ``server.tierdata``, outside the HTTP server's event
-loop): objects are looked up by (root, step, attempt, key) in this table, never by a path: no
-tier route can read a file. Only complete copies are served. Every held object is a sealed memfd
-once filled (``server.sealed``; a ``bytearray`` where that is not available), so its descriptor
+Serving (``server.peers``, ``server.tierdata``): objects are looked up by (root, step, attempt,
+key) in this table, never by a path: no tier route can read a file. Only complete copies are
+served. Every held object is a sealed memfd once filled (``server.sealed``), so its descriptor
 can be passed to a rank on this node, which cannot change it.
 
 Concurrency: one lock guards the tables; it is never held while calling into ``Staging``
@@ -83,6 +73,30 @@ MAX_BATCH_RANGES = 4096  # ranges in one batched tier read at most
 KEEP_STEPS = {HOT: 1, MEMORY_ONLY: 2}  # steps kept per (root, kind, source): ``_retain``
 RESERVE_TTL_S = 600.0  # a memory-only reservation whose hand-off never came is released after this
 SELF = "self"  # the source of this daemon's own copies
+# Metric -> (the counter of ``Tiers.counters`` it shows, its help); ``replicas_received`` has none.
+COUNTED = {
+    "ckptd_tier_degraded_total": ("degraded", "copies not kept or dropped for room (budget, descriptors or mappings)"),
+    "ckptd_tier_persisted_instead_total": (
+        "persisted_instead",  # memory-only saves refused at their reservation
+        "memory-only saves that did not fit and were persisted instead",
+    ),
+    "ckptd_tier_parts_held_total": ("parts_held", "ranks' parts of memory-only steps held"),
+    "ckptd_tier_replicas_pushed_total": ("replicas_pushed", "copies pushed to a peer (either kind)"),
+    "ckptd_tier_replica_push_failures_total": ("replica_push_failures", "replica pushes that failed"),
+    "ckptd_tier_bytes_served_total": ("bytes_served", "tier bytes served to restoring ranks"),
+    "ckptd_tier_object_requests_total": ("object_requests", "ranged reads of tier objects asked"),
+    "ckptd_tier_data_requests_total": (
+        "data_requests",
+        "tier reads asked on the data path (of ckptd_tier_object_requests_total)",
+    ),
+    "ckptd_tier_bytes_shared_total": (
+        "bytes_shared",
+        "tier bytes lent to ranks on this node as sealed memory (of ckptd_tier_bytes_served_total)",
+    ),
+    "ckptd_restore_bytes_local_total": ("restore_bytes_local", "restored bytes ranks read from their own daemon"),
+    "ckptd_restore_bytes_peer_total": ("restore_bytes_peer", "restored bytes ranks read from peer daemons"),
+    "ckptd_restore_bytes_root_total": ("restore_bytes_root", "restored bytes ranks read from the job root"),
+}
 
 Key = tuple[str, int, str, int, str]  # (root, step, attempt, rank, source)
 
@@ -116,24 +130,7 @@ class Tiers(Replication):
         self._held: dict[Key, Copy] = {}  # own copies (filling or complete) and complete replicas
         self._incoming: dict[str, Copy] = {}  # replicas being received, by id
         self._reserved: dict[tuple[str, int, str, int], tuple[int, float, int]] = {}  # -> (bytes, when, objects)
-        self.counters = dict.fromkeys(
-            (
-                "degraded",  # copies not kept, or dropped, for lack of budget, descriptors or mappings
-                "persisted_instead",  # memory-only saves refused at their reservation
-                "parts_held",
-                "replicas_pushed",
-                "replica_push_failures",
-                "replicas_received",
-                "bytes_served",
-                "bytes_shared",  # of bytes_served: passed as sealed memory, not sent over a socket
-                "object_requests",
-                "data_requests",  # of object_requests: asked on the data path (``server.tierdata``)
-                "restore_bytes_local",
-                "restore_bytes_peer",
-                "restore_bytes_root",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys([*(name for name, _ in COUNTED.values()), "replicas_received"], 0)
         staging.reclaim = self._reclaim
 
     # ------------------------------------------------------------------------- accounting
@@ -145,16 +142,15 @@ class Tiers(Replication):
     def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
         """Metric name -> (help, value) for ``Metrics.gauge``."""
 
-        def held(kind: str, own: bool) -> Callable[[], float]:
+        def held(kind: str, own: bool | None = None) -> Callable[[], float]:  # own None: either source
             def fn() -> float:
                 with self._lock:
-                    return float(sum(c.bytes for c in self._complete() if c.kind == kind and (c.source == SELF) == own))
+                    mine = (
+                        c for c in self._complete() if c.kind == kind and (own is None or (c.source == SELF) == own)
+                    )
+                    return float(sum(c.bytes for c in mine))
 
             return fn
-
-        def memory_only() -> float:
-            with self._lock:
-                return float(sum(c.bytes for c in self._complete() if c.kind == MEMORY_ONLY))
 
         def replicas() -> float:
             with self._lock:
@@ -166,59 +162,25 @@ class Tiers(Replication):
         return {
             "ckptd_tier_hot_bytes": ("bytes of hot copies of committed steps held", held(HOT, True)),
             "ckptd_tier_replica_bytes": ("bytes of complete replicas of peers' hot copies held", held(HOT, False)),
-            "ckptd_tier_memory_only_bytes": ("bytes of memory-only steps held (own parts and replicas)", memory_only),
+            "ckptd_tier_memory_only_bytes": (
+                "bytes of memory-only steps held (own parts and replicas)",
+                held(MEMORY_ONLY),
+            ),
             "ckptd_tier_replicas": ("complete replicas held (one per peer's step, of either kind)", replicas),
-            "ckptd_tier_degraded_total": (
-                "copies not kept or dropped for room (budget, descriptors or mappings)",
-                counter("degraded"),
-            ),
-            "ckptd_tier_persisted_instead_total": (
-                "memory-only saves that did not fit and were persisted instead",
-                counter("persisted_instead"),
-            ),
-            "ckptd_tier_parts_held_total": ("ranks' parts of memory-only steps held", counter("parts_held")),
-            "ckptd_tier_replicas_pushed_total": ("copies pushed to a peer (either kind)", counter("replicas_pushed")),
-            "ckptd_tier_replica_push_failures_total": ("replica pushes that failed", counter("replica_push_failures")),
-            "ckptd_tier_bytes_served_total": ("tier bytes served to restoring ranks", counter("bytes_served")),
-            "ckptd_tier_object_requests_total": ("ranged reads of tier objects asked", counter("object_requests")),
-            "ckptd_tier_data_requests_total": (
-                "tier reads asked on the data path (of ckptd_tier_object_requests_total)",
-                counter("data_requests"),
-            ),
-            "ckptd_tier_bytes_shared_total": (
-                "tier bytes lent to ranks on this node as sealed memory (of ckptd_tier_bytes_served_total)",
-                counter("bytes_shared"),
-            ),
-            "ckptd_restore_bytes_local_total": (
-                "restored bytes ranks read from their own daemon",
-                counter("restore_bytes_local"),
-            ),
-            "ckptd_restore_bytes_peer_total": (
-                "restored bytes ranks read from peer daemons",
-                counter("restore_bytes_peer"),
-            ),
-            "ckptd_restore_bytes_root_total": (
-                "restored bytes ranks read from the job root",
-                counter("restore_bytes_root"),
-            ),
-        }
+        } | {metric: (text, counter(name)) for metric, (name, text) in COUNTED.items()}
 
     def restored(self, local: int, peer: int, root: int) -> None:
         """A rank reports what its restore read from each tier."""
         with self._lock:
-            self.counters["restore_bytes_local"] += local
-            self.counters["restore_bytes_peer"] += peer
-            self.counters["restore_bytes_root"] += root
+            for kind, n in (("local", local), ("peer", peer), ("root", root)):
+                self.counters[f"restore_bytes_{kind}"] += n
 
     # --------------------------------------------------------------- budget and retention
 
     def _release(self, copies: list[Copy]) -> None:
         """Drop ``copies`` (already out of the table) and give their budget back (outside the lock)."""
         for c in copies:
-            c.dropped = True
-            c.objects.clear()
-            n, c.bytes = c.bytes, 0
-            if n:
+            if n := _drop(c):
                 self.staging.unreserve(n)
 
     def _take(self, keys) -> list[Copy]:
@@ -229,9 +191,8 @@ class Tiers(Replication):
         return (c for c in self._held.values() if c.complete and not c.dropped)
 
     def _retain(self, root: str, kind: str, source: str) -> list[Copy]:
-        """Under the lock: the retention rule (module doc). Of the complete copies of ``kind``
-        that ``source`` made of ``root``, those of the newest ``KEEP_STEPS[kind]`` steps stay;
-        the others are taken out of the table and returned (the caller releases them)."""
+        """Under the lock: take out of the table and return (for the caller to release) the
+        complete copies of ``kind`` that ``source`` made of ``root`` which the retention rule drops."""
         mine = [k for k, c in self._held.items() if k[0] == root and k[4] == source and c.kind == kind and c.complete]
         keep = sorted({k[1] for k in mine}, reverse=True)[: KEEP_STEPS[kind]]
         return self._take(k for k in mine if k[1] not in keep)
@@ -259,10 +220,7 @@ class Tiers(Replication):
                 if freed >= nbytes:
                     break
                 (self._incoming if isinstance(k, str) else self._held).pop(k)
-                freed += c.bytes
-                c.bytes = 0
-                c.dropped = True
-                c.objects.clear()
+                freed += _drop(c)
                 self.counters["degraded"] += 1
                 log.warning(
                     "dropping the %s copy of %s step %d (rank %d, from %s): a save needs the staging memory",
@@ -278,8 +236,9 @@ class Tiers(Replication):
         """A job of ``root`` restored ``step``: drop every memory-only part newer than it (of the
         abandoned trajectory). Returns how many parts were dropped."""
         with self._lock:
-            newer = [k for k, c in self._held.items() if k[0] == root and k[1] > step and c.kind == MEMORY_ONLY]
-            gone = self._take(newer)
+            gone = self._take(
+                k for k, c in self._held.items() if k[0] == root and k[1] > step and c.kind == MEMORY_ONLY
+            )
         self._release(gone)
         if gone:
             log.info("memory-only steps of %s newer than restored step %d dropped (%d parts)", root, step, len(gone))
@@ -293,14 +252,13 @@ class Tiers(Replication):
         whole (root, step, attempt) on this node (never a failed save); a memory-only part takes
         every object of the step's folder, and a put that cannot be held raises CheckpointError."""
         k = (root, step, attempt, rank, SELF)
+        old = []
         with self._lock:
             c = self._held.get(k)
             if c is None or c.complete or c.kind != kind:  # a retried upload reuses its copy
                 old = [self._held.pop(k)] if c is not None else []
                 c = self._held[k] = Copy(root, step, attempt, SELF, rank=rank, kind=kind)
                 c.degraded = kind == HOT and any(x.degraded for x in self._group(root, step, attempt))
-            else:
-                old = []
         self._release(old)
         prefix = f"{mf.step_dir(step)}/" + (f"{mf.ARRAYS}/" if kind == HOT else "")
 
@@ -338,11 +296,7 @@ class Tiers(Replication):
                 return "it was dropped (a save needed its room, or a newer hand-off came)"
             if c.degraded or c.dropped:  # a hot copy not kept: its puts go nowhere
                 return None
-            old = c.objects.pop(key, None)  # a retried put
-            if old is not None:
-                c.bytes -= len(old)
-        if old is not None:
-            self.staging.unreserve(len(old))
+        self._forget(c, key)  # a retried put
         if not self.staging.reserve(n):
             return f"{n} more bytes do not fit the staging budget"
         try:
@@ -362,6 +316,15 @@ class Tiers(Replication):
                 return None
         self.staging.unreserve(n)
         return None
+
+    def _forget(self, c: Copy, key: str) -> None:
+        """Take ``key`` out of ``c`` (if there) and give its bytes back."""
+        with self._lock:
+            old = c.objects.pop(key, None)
+            if old is not None:
+                c.bytes -= len(old)
+        if old is not None:
+            self.staging.unreserve(len(old))
 
     def _degrade(self, c: Copy, why: str) -> None:
         """A hot copy did not fit: none is kept of its (root, step, attempt) on this node."""
@@ -470,12 +433,9 @@ class Tiers(Replication):
         what the daemon's descriptors and mappings let the tier hold (``server.capacity``): the
         job then persists the step instead, rather than failing the save at hold time."""
         self._expire_reservations()
-        key = (root, step, attempt, rank)
+        self.release_reservation(root, step, attempt, rank)
         with self._lock:
-            old = self._reserved.pop(key, None)
             pending = sum(n for _, _, n in self._reserved.values())  # objects other reservations hold
-        if old is not None:
-            self.staging.unreserve(old[0])
         room = capacity.room()
         why = None
         if not self.enabled:
@@ -496,16 +456,15 @@ class Tiers(Replication):
             )
             return False
         with self._lock:
-            self._reserved[key] = (nbytes, time.monotonic(), objects)
+            self._reserved[(root, step, attempt, rank)] = (nbytes, time.monotonic(), objects)
         return True
 
     def release_reservation(self, root: str, step: int, attempt: str, rank: int) -> int:
         with self._lock:
-            got = self._reserved.pop((root, step, attempt, rank), None)
-        if got is not None:
-            self.staging.unreserve(got[0])
-            return got[0]
-        return 0
+            n = self._reserved.pop((root, step, attempt, rank), (0,))[0]
+        if n:
+            self.staging.unreserve(n)
+        return n
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()
@@ -521,8 +480,7 @@ class Tiers(Replication):
         """The complete copies of exactly (root, step, attempt): own hot copies first, then
         replicas, then memory-only parts."""
         with self._lock:
-            out = [c for (r, s, a, _, _), c in self._held.items() if (r, s, a) == (root, step, attempt)]
-        out = [c for c in out if c.complete and not c.dropped]
+            out = [c for c in self._complete() if (c.root, c.step, c.attempt) == (root, step, attempt)]
         return sorted(out, key=lambda c: (c.kind != HOT, c.source != SELF))
 
     def keys(self, root: str, step: int, attempt: str) -> list[str]:
@@ -533,9 +491,9 @@ class Tiers(Replication):
 
     def read(self, root: str, step: int, attempt: str, key: str, start: int, length: int) -> memoryview | None:
         """``length`` bytes at ``start`` (negative: from the end) of a held object, as a read-only
-        view of the copy (no copy: a held object is never written again, and a dropped copy's
-        buffer lives on while a reply still sends from it); None when no complete copy of
-        (root, step, attempt) holds ``key``; ValueError for a range past its end."""
+        view (no copy: a held object is never written again, and a dropped copy's buffer lives on
+        while a reply sends from it); None when no complete copy of (root, step, attempt) holds
+        ``key``; ValueError for a range past its end."""
         buf = self._find(root, step, attempt, key)
         if buf is None:
             return None
@@ -578,10 +536,9 @@ class Tiers(Replication):
 
     def describe(self, root: str | None = None, step: int | None = None, attempt: str | None = None, keys=False):
         """What ``GET /v1/tiers`` answers: the complete copies held (of ``root``, and of exactly
-        ``step`` and ``attempt`` when given): ``hot`` (this node's, one entry per step with its
-        ranks) and ``replicas`` (one per source and step) of hot copies, ``memory_only`` (one per
-        rank's part); with ``keys``, each with its objects and their sizes. And the ring, the
-        budget held and the data path."""
+        ``step`` and ``attempt`` when given): ``hot`` (one per step, with its ranks), ``replicas``
+        (one per source and step), ``memory_only`` (one per rank's part), each with its objects'
+        sizes with ``keys``; the ring, the budget held and the data path."""
         groups: dict[tuple, dict] = {}
         parts: list[dict] = []
         with self._lock:
@@ -594,9 +551,8 @@ class Tiers(Replication):
                 if c.kind == MEMORY_ONLY:
                     parts.append(d)
                     continue
-                g = groups.get(gid := (r, s, a, c.source))
-                if g is None:
-                    groups[gid] = d
+                g = groups.setdefault((r, s, a, c.source), d)
+                if g is d:
                     continue
                 g["ranks"] = sorted(g["ranks"] + d["ranks"])
                 g["bytes"] += d["bytes"]
@@ -619,6 +575,14 @@ class Tiers(Replication):
             "data": self.data_endpoint,
             **({"discovery": self.discovery.describe()} if self.discovery is not None else {}),
         }
+
+
+def _drop(c: Copy) -> int:
+    """Mark ``c`` dropped and empty it; returns the bytes it held (the caller gives them back)."""
+    c.dropped = True
+    c.objects.clear()
+    n, c.bytes = c.bytes, 0
+    return n
 
 
 class _Holding(Store):
@@ -655,12 +619,7 @@ class _Holding(Store):
         return True
 
     def delete(self, key: str) -> None:
-        with self._tiers._lock:
-            buf = self._c.objects.pop(key, None)
-            if buf is not None:
-                self._c.bytes -= len(buf)
-        if buf is not None:
-            self._tiers.staging.unreserve(len(buf))
+        self._tiers._forget(self._c, key)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         for k in sorted(k for k in list(self._c.objects) if k.startswith(prefix)):
