@@ -22,6 +22,7 @@ tree) is compared too; its differences are listed by path.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -77,10 +78,7 @@ class DiffReport:
         return not self.state and all(t.status == "equal" for t in self.tensors)
 
     def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for t in self.tensors:
-            out[t.status] = out.get(t.status, 0) + 1
-        return out
+        return dict(Counter(t.status for t in self.tensors))
 
     def to_json(self) -> dict:
         return {
@@ -111,11 +109,9 @@ def diff(
     ma = catalog.load_manifest(store_a, step_a)
     mb = catalog.load_manifest(store_b, step_b)
     report = DiffReport(store_a.uri, ma.step, store_b.uri, mb.step)
-    ra = CheckpointReader(
-        store_a, mf.step_dir(ma.step), catalog.where(store_a, ma.step), pins.committed(store_a, ma.step)
-    )
-    rb = CheckpointReader(
-        store_b, mf.step_dir(mb.step), catalog.where(store_b, mb.step), pins.committed(store_b, mb.step)
+    ra, rb = (
+        CheckpointReader(s, mf.step_dir(m.step), catalog.where(s, m.step), pins.committed(s, m.step))
+        for s, m in ((store_a, ma), (store_b, mb))
     )
     keys = sorted(ma.tensors.keys() | mb.tensors.keys())
     pairs = [(ma.tensors[k], mb.tensors[k]) for k in keys if k in ma.tensors and k in mb.tensors]
@@ -200,12 +196,11 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
     neq = ia != ib
     n = int(np.count_nonzero(neq))
     if td.max_abs_diff is None:
-        td.max_abs_diff = 0 if not floating else 0.0
-        td.max_ulps = 0 if floating else None
-        td.max_rel_diff = 0.0 if floating else None
+        td.max_abs_diff, td.max_ulps, td.max_rel_diff = (0.0, 0, 0.0) if floating else (0, None, None)
     if not n:
         return
     td.different += n
+    wa, wb = ia[neq], ib[neq]
     if floating:
         fa, fb = a[neq].astype(np.float64), b[neq].astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):
@@ -213,16 +208,12 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
         both_nan = np.isnan(fa) & np.isnan(fb)
         d = np.where(both_nan, 0.0, d)  # two NaNs: no distance in value, but not bitwise equal
         m = float(np.nanmax(d)) if not np.all(np.isnan(d)) else float("nan")
-        if math.isnan(m) or math.isnan(td.max_abs_diff):
-            td.max_abs_diff = float("nan")
-        else:
-            td.max_abs_diff = max(td.max_abs_diff, m)
+        td.max_abs_diff = float(np.max([td.max_abs_diff, m]))  # a NaN on either side stays NaN
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             rel = d / np.maximum(np.abs(fa), np.abs(fb))
         rel = rel[~np.isnan(rel)]  # two zeros (signed), or a NaN on a side
         if rel.size:
             td.max_rel_diff = max(td.max_rel_diff or 0.0, float(rel.max()))
-        wa, wb = ia[neq], ib[neq]
         if a.dtype.name == "float8_e8m0fnu":  # no sign bit: the bits are the exponent, in order
             ulps = int(np.abs(wa.view(np.uint8).astype(np.int64) - wb.view(np.uint8).astype(np.int64)).max())
             td.max_ulps = max(td.max_ulps or 0, ulps)
@@ -232,12 +223,9 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
             if not cross.all():
                 td.max_ulps = max(td.max_ulps or 0, _max_ulps(wa[~cross], wb[~cross]))
     else:
-        wa, wb = ia[neq], ib[neq]
-        if a.dtype.kind == "u" and itemsize == 8:
-            d = np.where(wa >= wb, wa - wb, wb - wa)
-        else:
+        if not (a.dtype.kind == "u" and itemsize == 8):
             wa, wb = wa.astype(np.int64), wb.astype(np.int64)
-            d = np.where(wa >= wb, wa - wb, wb - wa).view(np.uint64)
+        d = np.where(wa >= wb, wa - wb, wb - wa).view(np.uint64)  # int64 differences wrap: as uint64
         td.max_abs_diff = max(int(td.max_abs_diff), int(d.max()))
 
 
@@ -245,17 +233,10 @@ def _max_ulps(ia: np.ndarray, ib: np.ndarray) -> int:
     """Largest distance between two float bit patterns counted in representable values:
     the sign-magnitude bits mapped to a monotonic integer line (-0.0 and 0.0 are 1 apart)."""
     lo = np.iinfo(ia.dtype).min
-    oa = np.where(ia < 0, lo - ia.astype(np.int64) - 1, ia.astype(np.int64)) if ia.dtype != np.int64 else None
-    if oa is not None:
-        ob = np.where(ib < 0, lo - ib.astype(np.int64) - 1, ib.astype(np.int64))
-        return int(np.abs(oa - ob).max())
-    # 64-bit floats: the integer line needs 65 bits; Python ints are exact (only differing elements)
-    best = 0
-    for x, y in zip(ia.tolist(), ib.tolist(), strict=True):
-        ox = lo - x - 1 if x < 0 else x
-        oy = lo - y - 1 if y < 0 else y
-        best = max(best, abs(ox - oy))
-    return best
+    # 64-bit floats: the integer line needs 65 bits; Python ints (an object array) are exact
+    wide = object if ia.dtype == np.int64 else np.int64
+    oa, ob = (np.where(x < 0, lo - x.astype(wide) - 1, x.astype(wide)) for x in (ia, ib))
+    return int(np.abs(oa - ob).max())
 
 
 def _diff_state(a: Any, b: Any, path: str, out: list[dict], limit: int = 1000) -> None:

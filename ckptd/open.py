@@ -100,22 +100,15 @@ def _checked_metadata(store: Store, folder: str, entry: mf.TensorEntry, where: s
     return meta
 
 
-def _region() -> str:
-    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-
-
-def _join(*parts: str) -> str:
-    return "/".join(p.strip("/") for p in parts if p.strip("/"))
-
-
 def kvstore_spec(uri: str, path: str, endpoint: str = "") -> dict[str, Any]:
     """The tensorstore kvstore spec of ``path`` (a folder relative to the job root ``uri``).
     For trusted roots only: tensorstore's own drivers follow links and decode any codec."""
     kind, bucket, prefix = _location(uri)
     if kind == "file":
         return {"driver": "file", "path": os.path.join(prefix, path) + "/"}
-    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": _join(prefix, path) + "/"}
-    spec["aws_region"] = _region()
+    key = "/".join(p.strip("/") for p in (prefix, path) if p.strip("/"))
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key + "/", "aws_region": region}
     if endpoint:
         spec["endpoint"] = endpoint
     spec["context"] = {"aws_credentials": _aws_credentials()}
@@ -145,15 +138,13 @@ def open_array(uri: str, key: str, step: int | None = None):
     import tensorstore as ts
 
     store, s, m = _resolve(uri, step)
-    where = catalog.where(store, s)
+    where, folder = catalog.where(store, s), mf.step_dir(s)
     entry = m.tensors.get(key)
-    if entry is None:
-        near = sorted(k for k in m.tensors if k.split("/")[0] == key.split("/")[0])[:5]
-        hint = f"; keys like it: {', '.join(near)}" if near else f"; it has {len(m.tensors)} arrays (ckptd show)"
-        store.close()
-        raise CheckpointError(f"{where}: no array {key!r}{hint}")
-    folder = mf.step_dir(s)
     try:
+        if entry is None:
+            near = sorted(k for k in m.tensors if k.split("/")[0] == key.split("/")[0])[:5]
+            hint = f"; keys like it: {', '.join(near)}" if near else f"; it has {len(m.tensors)} arrays (ckptd show)"
+            raise CheckpointError(f"{where}: no array {key!r}{hint}")
         _checked_metadata(store, folder, entry, where)
     except BaseException:
         store.close()
@@ -213,16 +204,9 @@ def _check_object(layout: ArrayLayout, data: bytes, name: str) -> None:
 
 
 class ConfinedZarrStore(ZarrStore):
-    """A read-only zarr-python store over one committed checkpoint folder of a ckptd ``Store``.
-
-    It serves the folder's keys that the manifest accounts for and nothing else: the group
-    nodes (``zarr.json`` of the folder and of each group above an array, checked to be groups),
-    each array's ``zarr.json`` once ``codec.check_metadata`` accepts it (then served from the
-    checked copy, so it cannot change under zarr), and chunk objects of the array's grid, read
-    with a cap of the layout's largest object; a byte range may be no longer than a chunk with
-    its checksum or a shard index. Every read goes through the ckptd store: on a local root a
-    link, a FIFO or a device below the root is no object. A refusal raises ``CheckpointError``.
-    """
+    """A read-only zarr-python store over one committed checkpoint folder of a ckptd ``Store``;
+    what it serves and refuses is in the module docstring. An array's ``zarr.json`` is served
+    from the checked copy, so it cannot change under zarr. A refusal raises ``CheckpointError``."""
 
     supports_writes = False
     supports_deletes = False
@@ -361,9 +345,8 @@ class ConfinedZarrStore(ZarrStore):
         keys |= {f"{p}/zarr.json" for p in self._arrays}
         return sorted(k for k in keys if k.startswith(prefix))
 
-    async def list(self):
-        for k in self._listing(""):
-            yield k
+    def list(self):
+        return self.list_prefix("")
 
     async def list_prefix(self, prefix: str):
         for k in self._listing(prefix):

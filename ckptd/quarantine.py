@@ -35,11 +35,6 @@ FOLDER = "_quarantine"
 RECORD = "quarantine.json"
 
 
-def _folder_name(step: int) -> str:
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return f"{mf.step_dir(step)}.{stamp}-{secrets.token_hex(2)}"
-
-
 def quarantine(store: Store, step: int, reason: str = "") -> dict:
     """Retire committed ``step``; returns the quarantine record (with ``id``, its folder name)."""
     folder = mf.step_dir(step)
@@ -51,7 +46,7 @@ def quarantine(store: Store, step: int, reason: str = "") -> dict:
             commit = mf.read_json(store, f"{folder}/{mf.COMMIT}", where, "commit record")
         except CheckpointError:
             commit = None  # a corrupt commit record is a fine reason to quarantine
-        name = _folder_name(step)
+        name = f"{folder}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(2)}"
         dest = f"{FOLDER}/{name}/"
         objects = list(store.list(f"{folder}/"))
         for info in objects:

@@ -252,12 +252,6 @@ class CheckpointReader:
         if errors:
             raise errors[0]
 
-    def read_full(self, entry: TensorEntry) -> np.ndarray:
-        layout: ArrayLayout = entry.layout
-        out = np.empty(layout.shape, dtype=layout.np_dtype)
-        self.read([ReadRequest(entry, Box.full(layout.shape), out)])
-        return out
-
 
 def _place(req: ReadRequest, chunk: np.ndarray, cbox: Box) -> None:
     """Copy the part of a decoded chunk (global box ``cbox``) that ``req`` wants into its output."""

@@ -375,12 +375,6 @@ def whole_chunks(layout: ArrayLayout, box: Box) -> bool:
 # ------------------------------------------------------------------------- rechunked layout
 
 
-def _fallback_replicated(shape: tuple[int, ...], dtype: str, itemsize: int) -> ArrayLayout:
-    from ckptd.stream import default_layout
-
-    return default_layout(shape, dtype, itemsize)
-
-
 def aligned_layout(shape: Sequence[int], dtype: str, itemsize: int, blocks: Sequence[Box]) -> ArrayLayout:
     """The zarr layout of a tensor rewritten for ranks that hold ``blocks``: shards are the
     blocks when they tile a regular grid (FSDP's ``torch.chunk`` split, even products), else the
@@ -391,7 +385,9 @@ def aligned_layout(shape: Sequence[int], dtype: str, itemsize: int, blocks: Sequ
         return ArrayLayout.empty(shape, dtype)
     distinct = {b for b in blocks if not b.empty}
     if not distinct or distinct == {Box.full(shape)}:
-        return _fallback_replicated(shape, dtype, itemsize)
+        from ckptd.stream import default_layout
+
+        return default_layout(shape, dtype, itemsize)
     shard = []
     for d, n in enumerate(shape):
         ivs = {(b.start[d], b.stop[d]) for b in distinct}

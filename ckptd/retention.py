@@ -29,6 +29,7 @@ every reader imports, imports neither ``verify`` nor the commit protocol.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -99,8 +100,6 @@ DEFAULT_MAX_STEP_JUMP = 1_000_000
 
 def max_step_jump_default() -> int | None:
     """``CKPTD_MAX_STEP_JUMP`` (0: no bound) else :data:`DEFAULT_MAX_STEP_JUMP`."""
-    import os
-
     raw = os.environ.get("CKPTD_MAX_STEP_JUMP", "").strip()
     if not raw:
         return DEFAULT_MAX_STEP_JUMP
@@ -129,12 +128,9 @@ def trusted_steps(committed: list[int], max_jump: int | None) -> tuple[list[int]
     """Split ascending ``committed`` at the first step more than ``max_jump`` past the one
     before it: (the steps retention counts, the steps that appeared out of nowhere). Retention
     keeps the latter and never lets them push older steps out."""
-    if not max_jump:
-        return committed, []
-    for i in range(1, len(committed)):
-        if committed[i] - committed[i - 1] > max_jump:
-            return committed[:i], committed[i:]
-    return committed, []
+    jumps = (i for i in range(1, len(committed)) if max_jump and committed[i] - committed[i - 1] > max_jump)
+    cut = next(jumps, len(committed))
+    return committed[:cut], committed[cut:]
 
 
 def check_restorable(store: Store, step: int) -> str | None:
@@ -159,14 +155,12 @@ def check_restorable(store: Store, step: int) -> str | None:
         if layout.nbytes == 0 or entry.value is not None:
             continue
         for coord in layout.shard_coords():
-            key = f"{prefix}/{entry.path}/{layout.shard_key(coord)}"
-            want = layout.object_nbytes(coord)
-            got = sizes.get(key)
+            name = f"array {entry.path!r} shard {layout.shard_key(coord)}"
+            got, want = sizes.get(f"{prefix}/{entry.path}/{layout.shard_key(coord)}"), layout.object_nbytes(coord)
             if got is None:
-                return f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}: missing"
+                return f"{where}: {name}: missing"
             if got != want:
-                name = f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}"
-                return f"{name}: {got} bytes, the layout implies {want}"
+                return f"{where}: {name}: {got} bytes, the layout implies {want}"
     return None
 
 
@@ -192,13 +186,7 @@ def plan(
     jump more than ``max_step_jump`` past the committed step before them (those that did are kept
     and ignored); selects older committed ones, and partial ones older than the newest commit
     (they can no longer complete: one save is in flight per job and a newer one committed).
-
-    Never selects: the newest committed step; the newest step that passes
-    :func:`check_restorable` (whatever any verify record says), so a root always keeps a step
-    that restores as far as a cheap check can tell; the newest such step that ``ckptd verify``
-    did not record bad; the newest step ``ckptd verify`` recorded ok; a step in ``protect``
-    (being written); any step newer than the newest commit. Verify records only ever add to what
-    is kept: a forged record can make gc keep more, never delete what it would keep without one."""
+    Never selects what the module docstring's invariant keeps (``protect``: steps being written)."""
     if keep_last < 1:
         raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
     out = Plan()
@@ -208,7 +196,6 @@ def plan(
         return out
     counted, out.out_of_nowhere = trusted_steps(committed, max_step_jump)
     keep = set(counted[-keep_last:]) | set(protect) | set(out.out_of_nowhere)
-    vetted_found = False
     for s in reversed(counted):
         why = check_restorable(store, s)
         if why is not None:
@@ -220,9 +207,8 @@ def plan(
         rec = read_record(store, s)
         if rec is None or rec["ok"]:
             keep.add(s)  # the newest restorable step verify did not record bad
-            vetted_found = True
             break
-    if not vetted_found and out.restorable is None:
+    if out.restorable is None:
         log.warning("%s: no committed step passes the restorability check; retention keeps every step", store.uri)
         keep |= set(committed)
     verified = newest_verified(store, counted)

@@ -15,6 +15,7 @@ inside the array is present with the right size and passes its crc32c. Shards ar
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -110,14 +111,10 @@ def _check_layout(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], n
     body = mv.nbytes - layout.index_nbytes
     start, stop = layout.shard_box(coord)
     present = tuple(-(-(b - a) // c) for a, b, c in zip(start, stop, layout.chunk_shape, strict=True))
-    for c in _chunk_coords(layout):
+    for c in itertools.product(*map(range, layout.chunks_per_shard)):
         off, n = (int(x) for x in index[c])
-        inside = chunk_box(layout, coord, c).volume > 0 and all(
-            s * ss + ci * cs < dim
-            for s, ss, ci, cs, dim in zip(coord, layout.shard_shape, c, layout.chunk_shape, layout.shape, strict=True)
-        )
         if off == EMPTY and n == EMPTY:
-            if inside:
+            if chunk_box(layout, coord, c).volume > 0:  # the chunk lies (partly) inside the array
                 raise CorruptChunkError(f"{name} chunk {c}: absent from the shard")
             continue
         if off + n > body or n != layout.chunk_nbytes + CRC_BYTES:
@@ -128,23 +125,6 @@ def _check_layout(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], n
                 "are stored back to back in C order); the shard was rewritten by another tool"
             )
         check_chunk(layout, mv[off : off + n], f"{name} chunk {c}")
-
-
-def _pins(store: Store, step: int, where: str, threads: int) -> pinsmod.Pins | None:
-    """The pins of every done record of the committing attempt, their sum checked against the
-    commit record (``ckptd.pins.read_all``); None for a step committed before pins, whose
-    objects are checked by their own crc32c only. Raises CheckpointError on a mismatch."""
-    rec = catalog.read_commit(store, step)
-    if pinsmod.commit_digest(rec) is None:
-        return None
-    with ThreadPoolExecutor(threads) as pool:
-        return pinsmod.read_all(store, step, rec, where, pool)
-
-
-def _chunk_coords(layout: ArrayLayout):
-    import itertools
-
-    return itertools.product(*[range(n) for n in layout.chunks_per_shard])
 
 
 def verify(
@@ -165,9 +145,12 @@ def verify(
         report.errors += commit.check_consistency(store, m.step, m)
     except (StorageError, CheckpointError) as e:
         report.errors.append(f"{where}: cannot check the commit records ({e})")
-    pins = None
+    pins = None  # a step committed before pins: its objects are checked by their own crc32c only
     try:
-        pins = _pins(store, m.step, where, threads)
+        rec = catalog.read_commit(store, m.step)
+        if pinsmod.commit_digest(rec) is not None:
+            with ThreadPoolExecutor(threads) as pool:  # every done record's pins, their sum checked
+                pins = pinsmod.read_all(store, m.step, rec, where, pool)
     except (StorageError, CheckpointError) as e:
         report.errors.append(f"{where}: cannot check the pins of the committing attempt ({e})")
     report.warnings += _unowned_warnings(store, m, where)
@@ -286,13 +269,11 @@ def write_record(store: Store, report: VerifyReport) -> dict:
     is no longer committed (quarantined or deleted meanwhile) or its records changed since
     ``verify`` read them: a verdict needs the commit it judged."""
     judged = judged_digest(store, report.step)
+    where = catalog.where(store, report.step)
     if judged is None:
-        raise CheckpointError(f"{catalog.where(store, report.step)}: no longer committed; verdict not recorded")
+        raise CheckpointError(f"{where}: no longer committed; verdict not recorded")
     if report.judged is not None and report.judged != judged:
-        raise CheckpointError(
-            f"{catalog.where(store, report.step)}: commit record or manifest changed while verifying; "
-            "verdict not recorded"
-        )
+        raise CheckpointError(f"{where}: commit record or manifest changed while verifying; verdict not recorded")
     commit = catalog.read_commit(store, report.step) or {}
     rec = {
         "step": report.step,
@@ -308,7 +289,7 @@ def write_record(store: Store, report: VerifyReport) -> dict:
     try:
         store.put(record_key(report.step), mf.dumps(rec))
     except StorageError as e:
-        raise CheckpointError(f"{catalog.where(store, report.step)}: cannot record the verdict ({e})") from None
+        raise CheckpointError(f"{where}: cannot record the verdict ({e})") from None
     return rec
 
 

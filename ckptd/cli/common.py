@@ -155,11 +155,11 @@ def human_bytes(n: int | None) -> str:
     if n < 1024:
         return f"{n} B"
     size = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         size /= 1024
-        if size < 1024 or unit == "PiB":
+        if size < 1024:
             return f"{size:.1f} {unit}"
-    raise AssertionError("unreachable")
+    return f"{size / 1024:.1f} PiB"
 
 
 def iso_time(t: float | None) -> str:

@@ -10,12 +10,9 @@ A partial folder newer than the newest commit is left alone: it may be a save in
 it prints is counted from what was removed, and a step whose folder is still there afterwards
 is reported and fails the command.
 
-What it never deletes (``ckptd.retention.plan``): the newest step that passes a cheap
-restorability check (commit record, manifest, every shard object present at the size its layout
-implies; no prior ``ckptd verify`` needed), the newest such step ``ckptd verify`` did not record
-bad, the newest step it recorded ok, and steps that jumped more than ``--max-step-jump`` past the
-committed step before them (kept, and not counted among the newest K). Verify records only add to
-what is kept, so a forged one cannot make gc delete a step it would keep without it.
+What it never deletes is ``ckptd.retention``'s invariant: among others, the newest step that
+passes a cheap restorability check (no prior ``ckptd verify`` needed), and steps that jumped more
+than ``--max-step-jump`` past the committed step before them (not counted among the newest K).
 """
 
 from __future__ import annotations
@@ -131,13 +128,11 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     else:
+        verb = "would delete" if args.dry_run else "deleted"
         for step in doomed:
-            if args.dry_run:
+            if args.dry_run or mf.step_dir(step) not in left:
                 n, b = removed[step]
-                print(f"would delete {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
-            elif mf.step_dir(step) not in left:
-                n, b = removed[step]
-                print(f"deleted {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
+                print(f"{verb} {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
         for key in aborted:
             print(f"aborted incomplete upload {printable(key)}")
         if not doomed and not aborted:

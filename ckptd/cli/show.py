@@ -68,21 +68,12 @@ def run(args: argparse.Namespace) -> int:
     with_placements = any(t.placements for t in tensors)
     if with_placements:
         headers.append("PLACEMENTS")
-    rows = []
-    for t in tensors:
-        lay = t.layout
-        row = [
-            t.key,
-            shape_str(lay.shape),
-            lay.dtype,
-            shape_str(lay.shard_shape),
-            shape_str(lay.chunk_shape),
-            human_bytes(lay.nbytes),
-            t.path,
-        ]
-        if with_placements:
-            row.append(t.placements or "-")
-        rows.append(row)
+    rows = [
+        [t.key, shape_str(t.layout.shape), t.layout.dtype, shape_str(t.layout.shard_shape)]
+        + [shape_str(t.layout.chunk_shape), human_bytes(t.layout.nbytes), t.path]
+        + ([t.placements or "-"] if with_placements else [])
+        for t in tensors
+    ]
     if rows:
         print()
         print_table(headers, rows)
