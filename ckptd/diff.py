@@ -7,20 +7,18 @@ sides with the same shape and dtype is read in blocks of whole rows of its globa
 buffers, so memory stays at two blocks (``block_bytes`` each) whatever the checkpoint's size and
 however either side was sharded.
 
-"Equal" means bitwise equal (the question is whether a reshard, import or export preserved every
-value): -0.0 against 0.0, or two NaNs with different payloads, count as different, with a max abs
-diff of 0 (or NaN) and a max ulps that says how far apart they are. For floating types ``max_ulps``
-is the largest distance in representable values (0 for bitwise equal elements) between values of
-one sign: across zero that distance counts every float between them (about 2e9 for two tiny
-float32 values of opposite signs) and says nothing useful, so such pairs are counted in
-``cross_zero`` instead and measured by ``max_rel_diff`` (|a - b| / max(|a|, |b|), over every
-differing pair; 2 for x against -x). For integers and bools ``max_abs_diff`` is exact and
-``max_ulps``, ``max_rel_diff`` are None. Non-tensor state (the manifest's JSON
-tree) is compared too; its differences are listed by path.
+"Equal" means bitwise equal (did a reshard, import or export preserve every value?): -0.0 against
+0.0, or two NaNs with different payloads, differ, with a max abs diff of 0 (or NaN). For floating
+types ``max_ulps`` is the largest distance in representable values between differing values of
+one sign; across zero it would count every float between them (about 2e9 for two tiny float32
+values) and say nothing, so such pairs are counted in ``cross_zero`` and measured by
+``max_rel_diff`` (|a - b| / max(|a|, |b|); 2 for x against -x). For integers and bools
+``max_abs_diff`` is exact. Non-tensor state (the manifest's JSON tree) is compared by path.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -121,16 +119,14 @@ def diff(
     buffers: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for key in keys:
         a, b = ma.tensors.get(key), mb.tensors.get(key)
-        if b is None:
-            report.tensors.append(TensorDiff(key, "only_a", list(a.layout.shape), None, a.layout.dtype))
-            continue
-        if a is None:
-            report.tensors.append(TensorDiff(key, "only_b", None, list(b.layout.shape), None, b.layout.dtype))
-            continue
-        td = TensorDiff(key, "equal", list(a.layout.shape), list(b.layout.shape), a.layout.dtype, b.layout.dtype)
+        status = "only_b" if a is None else "only_a" if b is None else "equal" if key in comparable else "mismatch"
+        td = TensorDiff(key, status)
+        if a is not None:
+            td.shape_a, td.dtype_a = list(a.layout.shape), a.layout.dtype
+        if b is not None:
+            td.shape_b, td.dtype_b = list(b.layout.shape), b.layout.dtype
         report.tensors.append(td)
-        if key not in comparable:
-            td.status = "mismatch"
+        if status != "equal":
             continue
         for box in _blocks(a.layout.shape, a.layout.itemsize, block_bytes):
             if box.volume:
@@ -161,8 +157,7 @@ def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int):
     if inner <= block_bytes or len(shape) == 1:
         rows = max(1, block_bytes // max(1, inner)) if len(shape) > 1 else max(1, block_bytes // itemsize)
         for r in range(0, shape[0], rows):
-            stop = min(shape[0], r + rows)
-            yield Box((r, *(0 for _ in shape[1:])), (stop, *shape[1:]))
+            yield Box((r, *(0 for _ in shape[1:])), (min(shape[0], r + rows), *shape[1:]))
         return
     for r in range(shape[0]):
         for sub in _blocks(shape[1:], itemsize, block_bytes):
@@ -205,8 +200,7 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
         fa, fb = a[neq].astype(np.float64), b[neq].astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):
             d = np.abs(fa - fb)
-        both_nan = np.isnan(fa) & np.isnan(fb)
-        d = np.where(both_nan, 0.0, d)  # two NaNs: no distance in value, but not bitwise equal
+        d = np.where(np.isnan(fa) & np.isnan(fb), 0.0, d)  # two NaNs: no distance in value, but not bitwise equal
         m = float(np.nanmax(d)) if not np.all(np.isnan(d)) else float("nan")
         td.max_abs_diff = float(np.max([td.max_abs_diff, m]))  # a NaN on either side stays NaN
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -268,7 +262,5 @@ def _is_ref(v: Any) -> bool:
 
 
 def _short(v: Any, n: int = 80) -> str:
-    import json
-
     s = json.dumps(v, separators=(",", ":"), default=str)
     return s if len(s) <= n else s[: n - 3] + "..."

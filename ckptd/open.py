@@ -39,19 +39,11 @@ from zarr.core.buffer.core import default_buffer_prototype
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.codec import (
-    CRC_BYTES,
-    EMPTY,
-    ArrayLayout,
-    check_chunk,
-    check_metadata,
-    crc32c,
-    decode_index,
-    max_object_bytes,
-)
+from ckptd.codec import CRC_BYTES, check_metadata, crc32c, max_object_bytes
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import Box
 from ckptd.reader import CheckpointReader, ReadRequest
+from ckptd.verify import check_object
 from storage_backends import NotFoundError, StorageError, Store, open_store
 
 __all__ = ["ConfinedZarrStore", "kvstore_spec", "open_array", "open_group"]
@@ -185,24 +177,6 @@ def _check_crc(data: bytes, name: str) -> None:
         raise CorruptChunkError(f"{name}: crc32c mismatch (corrupt chunk or shard index)")
 
 
-def _check_object(layout: ArrayLayout, data: bytes, name: str) -> None:
-    """A whole chunk object (plain layout) or shard object, as ``verify`` checks it: the index
-    and every chunk it points to pass their crc32c, and each lies inside the object."""
-    if not layout.sharded:
-        check_chunk(layout, data, name)
-        return
-    if len(data) < layout.index_nbytes:
-        raise CorruptChunkError(f"{name}: object of {len(data)} bytes is shorter than its index")
-    index = decode_index(layout, data[-layout.index_nbytes :], name)
-    body, mv = len(data) - layout.index_nbytes, memoryview(data)
-    for off, n in index.reshape(-1, 2).tolist():
-        if off == EMPTY and n == EMPTY:
-            continue
-        if n != layout.chunk_nbytes + CRC_BYTES or off + n > body:
-            raise CorruptChunkError(f"{name}: index entry ({off}, {n}) is out of bounds")
-        check_chunk(layout, mv[off : off + n], name)
-
-
 class ConfinedZarrStore(ZarrStore):
     """A read-only zarr-python store over one committed checkpoint folder of a ckptd ``Store``;
     what it serves and refuses is in the module docstring. An array's ``zarr.json`` is served
@@ -243,12 +217,11 @@ class ConfinedZarrStore(ZarrStore):
         path = key[: -len("zarr.json")].rstrip("/")
         if path in self._meta:
             return self._meta[path]
-        full = f"{self._folder}/{key}"
         if path in self._arrays:
             data = mf.dumps(_checked_metadata(self._store, self._folder, self._arrays[path], self._where))
         elif path in self._groups:
             try:
-                node = mf.read_json(self._store, full, self._where, "group zarr.json")
+                node = mf.read_json(self._store, f"{self._folder}/{key}", self._where, "group zarr.json")
             except NotFoundError:
                 return None
             if not isinstance(node, dict) or node.get("node_type") != "group" or node.get("zarr_format") != 3:
@@ -260,8 +233,8 @@ class ConfinedZarrStore(ZarrStore):
         self._meta[path] = data
         return data
 
-    def _chunk(self, key: str) -> mf.TensorEntry | None:
-        """The array whose chunk object ``key`` is, if it is one of its grid."""
+    def _chunk(self, key: str) -> tuple[mf.TensorEntry, tuple[int, ...]] | None:
+        """The array whose chunk object ``key`` is and its coordinates, if it is one of its grid."""
         if key.endswith("/c"):
             path, coords = key[:-2], []
         else:
@@ -276,7 +249,7 @@ class ConfinedZarrStore(ZarrStore):
             return None
         if not all(int(c) < g for c, g in zip(coords, entry.layout.grid_shape, strict=True)):
             return None
-        return entry
+        return entry, tuple(map(int, coords))
 
     def _get(self, key: str, byte_range) -> bytes | None:
         if key == "zarr.json" or key.endswith("/zarr.json"):
@@ -284,24 +257,24 @@ class ConfinedZarrStore(ZarrStore):
             if data is None or byte_range is None:
                 return data
             raise CheckpointError(f"{self._where}: a byte range of {key} was asked for")
-        entry = self._chunk(key)
-        if entry is None:
+        hit = self._chunk(key)
+        if hit is None:
             return None
+        entry, coord = hit
         layout, full = entry.layout, f"{self._folder}/{key}"
         longest = max(layout.chunk_nbytes + CRC_BYTES, layout.index_nbytes if layout.sharded else 0)
         name = f"{self._where}: {key}"
         try:
             if byte_range is None:
                 data = self._store.get(full, limit=max_object_bytes(layout))
-                _check_object(layout, data, name)
+                check_object(layout, memoryview(data), coord, name, strict=False)
                 return data
             if isinstance(byte_range, RangeByteRequest):
                 start, length = byte_range.start, byte_range.end - byte_range.start
             elif isinstance(byte_range, SuffixByteRequest):
                 start, length = -byte_range.suffix, byte_range.suffix
             elif isinstance(byte_range, OffsetByteRequest):
-                size = self._store.head(full).size
-                start, length = byte_range.offset, size - byte_range.offset
+                start, length = byte_range.offset, self._store.head(full).size - byte_range.offset
             else:
                 raise CheckpointError(f"{self._where}: unknown byte range {byte_range!r}")
             if not 0 <= length <= longest:
@@ -354,9 +327,5 @@ class ConfinedZarrStore(ZarrStore):
 
     async def list_dir(self, prefix: str):
         prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
-        seen = set()
-        for k in self._listing(prefix):
-            head = k[len(prefix) :].split("/", 1)[0]
-            if head not in seen:
-                seen.add(head)
-                yield head
+        for head in dict.fromkeys(k[len(prefix) :].split("/", 1)[0] for k in self._listing(prefix)):
+            yield head

@@ -109,10 +109,8 @@ def unquarantine(store: Store, step: int, qid: str | None = None, force: bool = 
     """Put back the newest quarantined copy of ``step`` (or the one named ``qid``).
 
     Refused when the step folder holds anything, and (unless ``force``) when a step numbered
-    ``step`` or later was committed after the copy was quarantined (:func:`saved_since`): the
-    step was, or may have been, saved again and that save removed by ``gc`` since, and putting
-    the old copy back would restore a checkpoint from a history the job left. The copy's verify
-    record (``_verify.json``) comes back with it, so a copy recorded bad still shows bad."""
+    ``step`` or later was committed after the quarantine (:func:`saved_since`): the old copy
+    would restore a checkpoint from a history the job left. Its ``_verify.json`` comes back too."""
     folder = mf.step_dir(step)
     where = catalog.where(store, step)
     candidates = [r for r in list_quarantined(store) if r.get("step") == step and not r.get("incomplete")]
@@ -134,8 +132,7 @@ def unquarantine(store: Store, step: int, qid: str | None = None, force: bool = 
                 raise CheckpointError(
                     f"{where}: the quarantine record of {rec['id']} has no time; pass --force to put it back"
                 )
-            later = saved_since(store, step, qtime)
-            if later:
+            if later := saved_since(store, step, qtime):
                 raise CheckpointError(
                     f"{where}: steps {', '.join(map(str, later[:5]))} were committed after {rec['id']} "
                     f"was quarantined, so step {step} was (or may have been) saved again since; refusing to put "

@@ -47,11 +47,9 @@ log = logging.getLogger("ckptd.retention")
 
 
 def after_commit(store: Store, result: SaveResult, keep_last: int | None, max_step_jump: int | None = -1) -> None:
-    """Retention by the writer that wrote the commit record (the in-process writer, the daemon's
-    committing worker), after it has reported the commit (so retention delays neither the
-    caller nor the result). With a daemon, the trainer's rank 0 also applies its own
-    ``keep_last`` (:func:`apply_retention`); both only delete what :func:`select_for_deletion`
-    selects, so applying it twice is harmless.
+    """Retention by the writer that wrote the commit record, once it has reported the commit.
+    With a daemon, the trainer's rank 0 also applies its own ``keep_last``: both only delete
+    what :func:`select_for_deletion` selects, so applying it twice is harmless.
 
     It first sweeps the committed step for incomplete writes older than this save: once the
     commit record exists every rank's data is durable, so a temp file (filesystem) or an open
@@ -92,9 +90,6 @@ def apply_retention(store: Store, keep_last: int, max_step_jump: int | None = -1
         log.warning("retention failed: %s", e)
 
 
-# ------------------------------------------------------------------------------ selection
-
-
 DEFAULT_MAX_STEP_JUMP = 1_000_000
 
 
@@ -126,8 +121,7 @@ def check_step_jump(store: Store, step: int, max_jump: int | None) -> None:
 
 def trusted_steps(committed: list[int], max_jump: int | None) -> tuple[list[int], list[int]]:
     """Split ascending ``committed`` at the first step more than ``max_jump`` past the one
-    before it: (the steps retention counts, the steps that appeared out of nowhere). Retention
-    keeps the latter and never lets them push older steps out."""
+    before it: (the steps retention counts, the steps that appeared out of nowhere)."""
     jumps = (i for i in range(1, len(committed)) if max_jump and committed[i] - committed[i - 1] > max_jump)
     cut = next(jumps, len(committed))
     return committed[:cut], committed[cut:]
@@ -136,11 +130,9 @@ def trusted_steps(committed: list[int], max_jump: int | None) -> tuple[list[int]
 def check_restorable(store: Store, step: int) -> str | None:
     """Cheap check that a committed step can be restored: None if it passes, else why not.
 
-    Reads the commit record and the manifest and lists the step's objects (no chunk is read):
-    the commit record is a JSON object, the manifest loads and names the step, and every shard
-    object the manifest's layouts imply exists with the exact size the layout implies (what a
-    restore reads; ``zarr.json`` is for other readers, which ``ckptd verify`` checks). It catches
-    lost, truncated and cut objects; a byte flipped inside a chunk needs ``ckptd verify``."""
+    Reads the commit record and the manifest and lists the step's objects, no chunk: every shard
+    object a restore reads exists with the exact size its layout implies. It catches lost,
+    truncated and cut objects; a flipped byte or a bad ``zarr.json`` needs ``ckptd verify``."""
     where = catalog.where(store, step)
     try:
         if catalog.read_commit(store, step) is None:
@@ -214,8 +206,7 @@ def plan(
     verified = newest_verified(store, counted)
     if verified is not None:
         keep.add(verified)
-    newest = committed[-1]
-    out.doomed = [s for s in all_steps if s < newest and s not in keep]
+    out.doomed = [s for s in all_steps if s < committed[-1] and s not in keep]
     return out
 
 
@@ -230,10 +221,8 @@ def select_for_deletion(
 
 
 def newest_verified(store: Store, committed: list[int]) -> int | None:
-    """The newest of ``committed`` whose ``ckptd verify`` record says it passed, or None.
-
-    Retention keeps it whatever ``keep_last`` says (it only adds to what is kept). Costs one GET
-    per committed step newer than it (retention keeps those few)."""
+    """The newest of ``committed`` whose ``ckptd verify`` record says it passed, or None (kept
+    whatever ``keep_last`` says). One GET per committed step newer than it (retention keeps few)."""
     for s in reversed(committed):
         rec = read_record(store, s)
         if rec is not None and rec["ok"]:

@@ -78,11 +78,9 @@ def sampler_resume(key: str, state: Mapping[str, Any], world_size: int) -> Sampl
     """Where ``state`` resumes at ``world_size`` by the dealing above, with its saved
     ``drop_last`` (a sampler built with another keeps its own)."""
     n, p = int(state["dataset_len"]), min(int(state["position"]), int(state["dataset_len"]))
-    ranks = []
-    for r in range(world_size):
-        left = share(n, p, r, world_size, bool(state["drop_last"]))
-        ranks.append((p + r if left else n, left))
-    return SamplerResume(key, int(state["epoch"]), p, n, bool(state["shuffle"]), bool(state["drop_last"]), tuple(ranks))
+    shares = [share(n, p, r, world_size, bool(state["drop_last"])) for r in range(world_size)]
+    ranks = tuple((p + r if left else n, left) for r, left in enumerate(shares))
+    return SamplerResume(key, int(state["epoch"]), p, n, bool(state["shuffle"]), bool(state["drop_last"]), ranks)
 
 
 def find_samplers(tree: Mapping[str, Any]) -> list[tuple[str, dict]]:

@@ -5,11 +5,11 @@ name one attempt (``ckptd.commit.check_consistency``: a step mixed by two writer
 the commit record has pins (``ckptd.pins``): the done records' pins sum to the commit's, every
 metadata object matches its sha256 and every shard object its size and the crc32c of each of
 its parts as the committing attempt wrote them (an object replaced after the commit by
-another attempt's, validly encoded, fails here and nowhere else). Then,
-per array: ``zarr.json`` exists and matches the manifest; every shard object of the grid
-exists; each shard index passes its crc32c and points inside the object; every chunk that lies
-inside the array is present with the right size and passes its crc32c. Shards are read whole
-(one GET each) and in parallel. Stops at the first bad array unless ``keep_going``.
+another attempt's, validly encoded, fails here and nowhere else). Then, per array: ``zarr.json``
+exists and matches the manifest; every shard object of the grid exists; each shard index passes
+its crc32c and points inside the object; every chunk that lies inside the array is present with
+the right size and passes its crc32c. Shards are read whole (one GET each) and in parallel.
+Stops at the first bad array unless ``keep_going``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ckptd import catalog, commit
+from ckptd import catalog, commit, fencing
 from ckptd import manifest as mf
 from ckptd import pins as pinsmod
 from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, check_chunk, check_metadata, decode_index, max_object_bytes
@@ -32,7 +32,7 @@ from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import chunk_box
 from storage_backends import NotFoundError, StorageError, Store
 
-__all__ = ["VerifyReport", "verify"]
+__all__ = ["VerifyReport", "check_object", "verify"]
 
 log = logging.getLogger("ckptd.verify")
 
@@ -94,14 +94,16 @@ def _check_shard(
     except StorageError as e:
         raise CorruptChunkError(f"{name}: unreadable ({e})") from None
     mv = memoryview(data)
-    _check_layout(layout, mv, coord, name)  # the object's own structure and crc32c first, then
+    check_object(layout, mv, coord, name)  # the object's own structure and crc32c first, then
     if pin is not None:  # what only the pins catch: another attempt's valid object
         _check_pin(layout, mv, pin, name, key)
     return len(data)
 
 
-def _check_layout(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], name: str) -> None:
-    """The shard's index, each chunk's place and crc32c (what the object says of itself)."""
+def check_object(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], name: str, strict: bool = True) -> None:
+    """What object ``coord`` says of itself: a chunk's crc32c, or a shard's index and each chunk's
+    bounds and crc32c; ``strict`` (verify, not ``ckptd.open``) also refuses a chunk of the array
+    absent from its shard or not where the format puts it."""
     if not layout.sharded:
         check_chunk(layout, mv, name)
         return
@@ -114,12 +116,12 @@ def _check_layout(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], n
     for c in itertools.product(*map(range, layout.chunks_per_shard)):
         off, n = (int(x) for x in index[c])
         if off == EMPTY and n == EMPTY:
-            if chunk_box(layout, coord, c).volume > 0:  # the chunk lies (partly) inside the array
+            if strict and chunk_box(layout, coord, c).volume > 0:  # the chunk lies (partly) inside the array
                 raise CorruptChunkError(f"{name} chunk {c}: absent from the shard")
             continue
         if off + n > body or n != layout.chunk_nbytes + CRC_BYTES:
             raise CorruptChunkError(f"{name} chunk {c}: index entry ({off}, {n}) is out of bounds")
-        if off != int(np.ravel_multi_index(c, present)) * n:
+        if strict and off != int(np.ravel_multi_index(c, present)) * n:
             raise CorruptChunkError(
                 f"{name} chunk {c}: at offset {off}, not where the format puts it (chunks of a shard "
                 "are stored back to back in C order); the shard was rewritten by another tool"
@@ -171,11 +173,10 @@ def verify(
         report.errors += pinsmod.check_meta(store, m.step, pins, where)
     if report.errors and not keep_going:
         return report
-    done = 0
     with ThreadPoolExecutor(threads) as pool:
         futures = [pool.submit(_check_shard, store, prefix, e, c, where, pins) for e, c in tasks]
         try:
-            for f in futures:
+            for done, f in enumerate(futures, 1):
                 try:
                     report.bytes += f.result()
                     report.objects += 1
@@ -183,7 +184,6 @@ def verify(
                     report.errors.append(str(e))
                     if not keep_going:
                         break
-                done += 1
                 if progress:
                     progress(done, len(tasks))
         finally:
@@ -196,8 +196,6 @@ def verify(
 def _unowned_warnings(store: Store, m: mf.Manifest, where: str) -> list[str]:
     """One warning per object of the step that its committing attempt does not own
     (``ckptd.fencing.unowned``: a superseded attempt's leftovers or late writes)."""
-    from ckptd import fencing
-
     try:
         rec = catalog.read_commit(store, m.step) or {}
     except (StorageError, CheckpointError):

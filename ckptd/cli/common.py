@@ -27,7 +27,6 @@ from storage_backends import StorageError, Store, open_store
 __all__ = [
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
-    "EXIT_OK",
     "EXIT_USAGE",
     "PREFIX",
     "Progress",
@@ -48,7 +47,6 @@ __all__ = [
     "step_arg",
 ]
 
-EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -62,19 +60,14 @@ class UsageError(Exception):
 
 @contextmanager
 def job_root(uri: str) -> Iterator[Store]:
-    """The store of a job root URI, closed on exit.
-
-    Everything ``open_store`` rejects is about the URI or its configuration, never about data,
-    so it is bad usage (exit 2), not a failed operation."""
+    """The store of a job root URI, closed on exit. Everything ``open_store`` rejects is about
+    the URI or its configuration, never about data: bad usage (exit 2), not a failed operation."""
     try:
         store = open_store(uri)
     except (StorageError, ValueError) as e:
         raise UsageError(str(e)) from None
     with store:
         yield store
-
-
-# ----------------------------------------------------------------------------------- arguments
 
 
 def _int_at_least(text: str, what: str, least: int, rule: str) -> int:
@@ -106,8 +99,6 @@ def add_step(p: argparse.ArgumentParser) -> None:
 def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
-
-# -------------------------------------------------------------------------------------- output
 
 # C0 and C1 controls (newline, carriage return, ESC, ...), DEL, and the Unicode line separators
 # and bidirectional overrides that reorder or break what a terminal shows.
@@ -171,9 +162,6 @@ def iso_time(t: float | None) -> str:
 
 def shape_str(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-# ------------------------------------------------------------------------------------ progress
 
 
 class Progress:

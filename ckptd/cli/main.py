@@ -39,8 +39,7 @@ COMMANDS: dict[str, str] = {name: "import_" if name == "import" else name for na
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ckptd",
-        description="Inspect, check and manage ckptd checkpoints (Zarr v3 on object storage).",
+        prog="ckptd", description="Inspect, check and manage ckptd checkpoints (Zarr v3 on object storage)."
     )
     parser.add_argument("--version", action="version", version=f"ckptd {__version__} (format version {FORMAT_VERSION})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -75,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader of stdout went away (``ckptd ls | head``): stop quietly, and keep Python from
         # complaining about the unflushed stdout at exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILED
     except ModuleNotFoundError as e:
         # A command whose optional dependency is not installed (export/import need torch).

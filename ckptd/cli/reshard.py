@@ -118,10 +118,8 @@ def _print_text(where, m, target, plan, resumes, copy, after, plan_uri) -> None:
         )
     print()
     print(f"plan recorded: {plan_uri}")
-    if copy is not None:
-        print(f"Checkpointer.restore at world size {target.world_size} reads the rechunked copy through it")
-    else:
-        print(f"Checkpointer.restore at world size {target.world_size} reads the checkpoint itself")
+    what = "the checkpoint itself" if copy is None else "the rechunked copy through it"
+    print(f"Checkpointer.restore at world size {target.world_size} reads {what}")
 
 
 def _print_reads(plan: rs.ReadPlan) -> None:

@@ -43,13 +43,12 @@ def run(args: argparse.Namespace) -> int:
     with job_root(args.uri) as store:
         m = catalog.load_manifest(store, args.step)
         where = catalog.where(store, m.step)
-    path = mf.step_dir(m.step)
     tensors = sorted(m.tensors.values(), key=lambda t: t.key)
     if args.json:
         print_json(
             {
                 "step": m.step,
-                "checkpoint_path": path,
+                "checkpoint_path": mf.step_dir(m.step),
                 "world_size": m.world_size,
                 "created": m.created,
                 "bytes": m.nbytes,

@@ -70,15 +70,12 @@ def _record(store, report: _verify.VerifyReport) -> bool:
 
 
 def _as_json(report: _verify.VerifyReport, recorded: bool) -> dict:
+    counts = {k: getattr(report, k) for k in ("arrays", "objects", "bytes", "errors", "warnings")}
     return {
         "step": report.step,
         "checkpoint_path": mf.step_dir(report.step),
         "ok": report.ok,
-        "arrays": report.arrays,
-        "objects": report.objects,
-        "bytes": report.bytes,
-        "errors": report.errors,
-        "warnings": report.warnings,
+        **counts,
         "recorded": recorded,
     }
 
