@@ -147,10 +147,7 @@ def diff(
 def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int):
     """Boxes of whole rows (dim 0) of at most ``block_bytes``; a row over the limit is split on
     the next dimension, and so on."""
-    if not shape:
-        yield Box((), ())
-        return
-    if math.prod(shape) == 0:
+    if not shape or math.prod(shape) == 0:
         yield Box.full(shape)
         return
     inner = math.prod(shape[1:]) * itemsize
@@ -167,12 +164,11 @@ def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int):
 def _buffers(cache: dict, dtype: np.dtype, box: Box, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """Views of shape ``box.shape`` over two reusable flat buffers of the block size."""
     n = box.volume
-    key = dtype  # not dtype.str: every ml_dtypes float8 type is "|V1"
-    cur = cache.get(key)
+    cur = cache.get(dtype)  # keyed by dtype, not dtype.str: every ml_dtypes float8 type is "|V1"
     if cur is None or cur[0].size < n:
         cache.clear()  # one dtype's pair at a time: memory stays at two blocks
         size = max(n, block_bytes // dtype.itemsize)
-        cur = cache[key] = (np.empty(size, dtype), np.empty(size, dtype))
+        cur = cache[dtype] = (np.empty(size, dtype), np.empty(size, dtype))
     return cur[0][:n].reshape(box.shape), cur[1][:n].reshape(box.shape)
 
 

@@ -15,8 +15,7 @@ again: a second copy is made) or a partial step folder that ``gc`` or the next s
 removes; never a committed step with holes. Afterwards the job can save that step number again.
 
 ``unquarantine`` copies the objects back and writes ``commit.json`` last, with
-``put_if_absent``: it refuses when the step folder holds anything (a new checkpoint of that step,
-committed or being written). Nothing reads ``_quarantine/``: it is not a step folder.
+``put_if_absent``. Nothing reads ``_quarantine/``: it is not a step folder.
 """
 
 from __future__ import annotations

@@ -142,7 +142,6 @@ class CheckpointReader:
         entry = req.entry
         key = self._object(entry, shard)
         spans = sorted(spans)
-        # Coalesce chunks that are (nearly) adjacent in the object into one ranged GET.
         groups: list[list[tuple[int, int, tuple]]] = []
         for span in spans:
             if groups and span[0] - (groups[-1][-1][0] + groups[-1][-1][1]) <= COALESCE_GAP:

@@ -190,9 +190,7 @@ def saved_sharded(placements: str) -> bool:
 def sharded_keys(tensors: Mapping[str, TensorEntry]) -> frozenset[str]:
     """The tensors a target layout splits (see the module docstring)."""
     split = {k for k, e in tensors.items() if saved_sharded(e.placements) and e.layout.shape}
-    if split:
-        return frozenset(split)
-    return frozenset(k for k, e in tensors.items() if e.layout.shape)
+    return frozenset(split or (k for k, e in tensors.items() if e.layout.shape))
 
 
 def rank_box(shape: Sequence[int], sharded: bool, target: TargetLayout, rank: int) -> Box:

@@ -83,8 +83,7 @@ def apply_retention(store: Store, keep_last: int, max_step_jump: int | None = -1
     try:
         if max_step_jump == -1:
             max_step_jump = max_step_jump_default()
-        deleted = retain(store, keep_last, max_step_jump=max_step_jump)
-        if deleted:
+        if deleted := retain(store, keep_last, max_step_jump=max_step_jump):
             log.info("retention removed steps %s", deleted)
     except (CheckpointError, StorageError) as e:
         log.warning("retention failed: %s", e)

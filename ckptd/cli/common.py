@@ -13,6 +13,7 @@ terminal. ``--json`` output is JSON-escaped already.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -174,15 +175,15 @@ class Progress:
     def __init__(self, label: str, stream: TextIO | None = None):
         self.label = label
         self.stream = stream or sys.stderr
-        self.enabled = _isatty(self.stream)
+        self.enabled = False
+        with contextlib.suppress(AttributeError, ValueError):  # a stream without a working isatty
+            self.enabled = self.stream.isatty()
         self._last = 0.0
         self._drawn = False
 
     def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
         now = time.monotonic()
-        if done < total and now - self._last < 0.1:
+        if not self.enabled or (done < total and now - self._last < 0.1):
             return
         self._last = now
         frac = done / total if total else 1.0
@@ -202,10 +203,3 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False

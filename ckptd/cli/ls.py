@@ -1,16 +1,10 @@
 """``ckptd ls URI``: one row per checkpoint of a job root, committed or partial.
 
-The VERIFIED column (``verified`` in ``--json``) is the verdict ``ckptd verify`` recorded for the
-step's current commit: ``ok``, ``bad`` or ``unverified`` (never checked, or checked before it
-was saved again); ``-`` for partial steps. A partial step's BYTES reads "written of expected"
-(``expected_bytes`` in ``--json``, from its manifest; ``?`` before the manifest is written). A
-step folder holding no object at all (a writer killed before its first write landed) is no
-checkpoint and is not listed; ``gc`` removes it.
-
-``--daemon URL``: a TIERS column (``tiers`` in ``--json``) names the daemons whose memory holds a
-complete copy of each step (``hot@URL``, ``replica@URL``; ``ckptd.cli.tiers_view``), asking that
-daemon and the peers it names; a step that only the tiers hold is listed as ``memory-only``
-(never as committed: the job root has no commit record of it)."""
+VERIFIED, ``--daemon``'s TIERS column and its ``memory-only`` rows are described in
+docs/operations.md (``verified``, ``tiers`` in ``--json``). A partial step's BYTES reads "written of
+expected" (``expected_bytes`` in ``--json``, from its manifest; ``?`` before the manifest is
+written). A step folder holding no object at all (a writer killed before its first write landed)
+is no checkpoint and is not listed; ``gc`` removes it."""
 
 from __future__ import annotations
 

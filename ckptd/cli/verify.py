@@ -1,11 +1,9 @@
 """``ckptd verify URI [--step N | --all]``: re-read every chunk of a checkpoint and check its crc32c.
 
 ``--all`` checks every committed step, newest first, goes on past bad ones, and records each
-verdict beside its checkpoint (``_verify.json``, see ``ckptd.verify``): what ``ckptd ls`` shows,
-what ``gc`` keeps (the newest step that passed) and what ``restore(fallback=True)`` skips (steps
-recorded bad). One step is only checked, unless ``--record``: a plain ``verify`` writes nothing.
-A root where the verdict cannot be written (read-only credentials) is still checked; the command
-says the verdict was not recorded.
+verdict beside its checkpoint (``ckptd.verify``; read by ``ls``, ``gc``, ``restore(fallback=True)``).
+One step is only checked, unless ``--record``. A root where the verdict cannot be written
+(read-only credentials) is still checked; the command says the verdict was not recorded.
 """
 
 from __future__ import annotations
