@@ -7,21 +7,20 @@ sides with the same shape and dtype is read in blocks of whole rows of its globa
 buffers, so memory stays at two blocks (``block_bytes`` each) whatever the checkpoint's size and
 however either side was sharded.
 
-"Equal" means bitwise equal (the question is whether a reshard, import or export preserved every
-value): -0.0 against 0.0, or two NaNs with different payloads, count as different, with a max abs
-diff of 0 (or NaN) and a max ulps that says how far apart they are. For floating types ``max_ulps``
-is the largest distance in representable values (0 for bitwise equal elements) between values of
-one sign: across zero that distance counts every float between them (about 2e9 for two tiny
-float32 values of opposite signs) and says nothing useful, so such pairs are counted in
-``cross_zero`` instead and measured by ``max_rel_diff`` (|a - b| / max(|a|, |b|), over every
-differing pair; 2 for x against -x). For integers and bools ``max_abs_diff`` is exact and
-``max_ulps``, ``max_rel_diff`` are None. Non-tensor state (the manifest's JSON
-tree) is compared too; its differences are listed by path.
+"Equal" means bitwise equal (did a reshard, import or export preserve every value?): -0.0 against
+0.0, or two NaNs with different payloads, differ, with a max abs diff of 0 (or NaN). For floating
+types ``max_ulps`` is the largest distance in representable values between differing values of
+one sign; across zero it would count every float between them (about 2e9 for two tiny float32
+values) and say nothing, so such pairs are counted in ``cross_zero`` and measured by
+``max_rel_diff`` (|a - b| / max(|a|, |b|); 2 for x against -x). For integers and bools
+``max_abs_diff`` is exact. Non-tensor state (the manifest's JSON tree) is compared by path.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -77,10 +76,7 @@ class DiffReport:
         return not self.state and all(t.status == "equal" for t in self.tensors)
 
     def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for t in self.tensors:
-            out[t.status] = out.get(t.status, 0) + 1
-        return out
+        return dict(Counter(t.status for t in self.tensors))
 
     def to_json(self) -> dict:
         return {
@@ -111,11 +107,9 @@ def diff(
     ma = catalog.load_manifest(store_a, step_a)
     mb = catalog.load_manifest(store_b, step_b)
     report = DiffReport(store_a.uri, ma.step, store_b.uri, mb.step)
-    ra = CheckpointReader(
-        store_a, mf.step_dir(ma.step), catalog.where(store_a, ma.step), pins.committed(store_a, ma.step)
-    )
-    rb = CheckpointReader(
-        store_b, mf.step_dir(mb.step), catalog.where(store_b, mb.step), pins.committed(store_b, mb.step)
+    ra, rb = (
+        CheckpointReader(s, mf.step_dir(m.step), catalog.where(s, m.step), pins.committed(s, m.step))
+        for s, m in ((store_a, ma), (store_b, mb))
     )
     keys = sorted(ma.tensors.keys() | mb.tensors.keys())
     pairs = [(ma.tensors[k], mb.tensors[k]) for k in keys if k in ma.tensors and k in mb.tensors]
@@ -125,16 +119,14 @@ def diff(
     buffers: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for key in keys:
         a, b = ma.tensors.get(key), mb.tensors.get(key)
-        if b is None:
-            report.tensors.append(TensorDiff(key, "only_a", list(a.layout.shape), None, a.layout.dtype))
-            continue
-        if a is None:
-            report.tensors.append(TensorDiff(key, "only_b", None, list(b.layout.shape), None, b.layout.dtype))
-            continue
-        td = TensorDiff(key, "equal", list(a.layout.shape), list(b.layout.shape), a.layout.dtype, b.layout.dtype)
+        status = "only_b" if a is None else "only_a" if b is None else "equal" if key in comparable else "mismatch"
+        td = TensorDiff(key, status)
+        if a is not None:
+            td.shape_a, td.dtype_a = list(a.layout.shape), a.layout.dtype
+        if b is not None:
+            td.shape_b, td.dtype_b = list(b.layout.shape), b.layout.dtype
         report.tensors.append(td)
-        if key not in comparable:
-            td.status = "mismatch"
+        if status != "equal":
             continue
         for box in _blocks(a.layout.shape, a.layout.itemsize, block_bytes):
             if box.volume:
@@ -155,18 +147,14 @@ def diff(
 def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int):
     """Boxes of whole rows (dim 0) of at most ``block_bytes``; a row over the limit is split on
     the next dimension, and so on."""
-    if not shape:
-        yield Box((), ())
-        return
-    if math.prod(shape) == 0:
+    if not shape or math.prod(shape) == 0:
         yield Box.full(shape)
         return
     inner = math.prod(shape[1:]) * itemsize
     if inner <= block_bytes or len(shape) == 1:
         rows = max(1, block_bytes // max(1, inner)) if len(shape) > 1 else max(1, block_bytes // itemsize)
         for r in range(0, shape[0], rows):
-            stop = min(shape[0], r + rows)
-            yield Box((r, *(0 for _ in shape[1:])), (stop, *shape[1:]))
+            yield Box((r, *(0 for _ in shape[1:])), (min(shape[0], r + rows), *shape[1:]))
         return
     for r in range(shape[0]):
         for sub in _blocks(shape[1:], itemsize, block_bytes):
@@ -176,12 +164,11 @@ def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int):
 def _buffers(cache: dict, dtype: np.dtype, box: Box, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """Views of shape ``box.shape`` over two reusable flat buffers of the block size."""
     n = box.volume
-    key = dtype  # not dtype.str: every ml_dtypes float8 type is "|V1"
-    cur = cache.get(key)
+    cur = cache.get(dtype)  # keyed by dtype, not dtype.str: every ml_dtypes float8 type is "|V1"
     if cur is None or cur[0].size < n:
         cache.clear()  # one dtype's pair at a time: memory stays at two blocks
         size = max(n, block_bytes // dtype.itemsize)
-        cur = cache[key] = (np.empty(size, dtype), np.empty(size, dtype))
+        cur = cache[dtype] = (np.empty(size, dtype), np.empty(size, dtype))
     return cur[0][:n].reshape(box.shape), cur[1][:n].reshape(box.shape)
 
 
@@ -200,29 +187,23 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
     neq = ia != ib
     n = int(np.count_nonzero(neq))
     if td.max_abs_diff is None:
-        td.max_abs_diff = 0 if not floating else 0.0
-        td.max_ulps = 0 if floating else None
-        td.max_rel_diff = 0.0 if floating else None
+        td.max_abs_diff, td.max_ulps, td.max_rel_diff = (0.0, 0, 0.0) if floating else (0, None, None)
     if not n:
         return
     td.different += n
+    wa, wb = ia[neq], ib[neq]
     if floating:
         fa, fb = a[neq].astype(np.float64), b[neq].astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):
             d = np.abs(fa - fb)
-        both_nan = np.isnan(fa) & np.isnan(fb)
-        d = np.where(both_nan, 0.0, d)  # two NaNs: no distance in value, but not bitwise equal
+        d = np.where(np.isnan(fa) & np.isnan(fb), 0.0, d)  # two NaNs: no distance in value, but not bitwise equal
         m = float(np.nanmax(d)) if not np.all(np.isnan(d)) else float("nan")
-        if math.isnan(m) or math.isnan(td.max_abs_diff):
-            td.max_abs_diff = float("nan")
-        else:
-            td.max_abs_diff = max(td.max_abs_diff, m)
+        td.max_abs_diff = float(np.max([td.max_abs_diff, m]))  # a NaN on either side stays NaN
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             rel = d / np.maximum(np.abs(fa), np.abs(fb))
         rel = rel[~np.isnan(rel)]  # two zeros (signed), or a NaN on a side
         if rel.size:
             td.max_rel_diff = max(td.max_rel_diff or 0.0, float(rel.max()))
-        wa, wb = ia[neq], ib[neq]
         if a.dtype.name == "float8_e8m0fnu":  # no sign bit: the bits are the exponent, in order
             ulps = int(np.abs(wa.view(np.uint8).astype(np.int64) - wb.view(np.uint8).astype(np.int64)).max())
             td.max_ulps = max(td.max_ulps or 0, ulps)
@@ -232,12 +213,9 @@ def _compare(td: TensorDiff, a: np.ndarray, b: np.ndarray) -> None:
             if not cross.all():
                 td.max_ulps = max(td.max_ulps or 0, _max_ulps(wa[~cross], wb[~cross]))
     else:
-        wa, wb = ia[neq], ib[neq]
-        if a.dtype.kind == "u" and itemsize == 8:
-            d = np.where(wa >= wb, wa - wb, wb - wa)
-        else:
+        if not (a.dtype.kind == "u" and itemsize == 8):
             wa, wb = wa.astype(np.int64), wb.astype(np.int64)
-            d = np.where(wa >= wb, wa - wb, wb - wa).view(np.uint64)
+        d = np.where(wa >= wb, wa - wb, wb - wa).view(np.uint64)  # int64 differences wrap: as uint64
         td.max_abs_diff = max(int(td.max_abs_diff), int(d.max()))
 
 
@@ -245,17 +223,10 @@ def _max_ulps(ia: np.ndarray, ib: np.ndarray) -> int:
     """Largest distance between two float bit patterns counted in representable values:
     the sign-magnitude bits mapped to a monotonic integer line (-0.0 and 0.0 are 1 apart)."""
     lo = np.iinfo(ia.dtype).min
-    oa = np.where(ia < 0, lo - ia.astype(np.int64) - 1, ia.astype(np.int64)) if ia.dtype != np.int64 else None
-    if oa is not None:
-        ob = np.where(ib < 0, lo - ib.astype(np.int64) - 1, ib.astype(np.int64))
-        return int(np.abs(oa - ob).max())
-    # 64-bit floats: the integer line needs 65 bits; Python ints are exact (only differing elements)
-    best = 0
-    for x, y in zip(ia.tolist(), ib.tolist(), strict=True):
-        ox = lo - x - 1 if x < 0 else x
-        oy = lo - y - 1 if y < 0 else y
-        best = max(best, abs(ox - oy))
-    return best
+    # 64-bit floats: the integer line needs 65 bits; Python ints (an object array) are exact
+    wide = object if ia.dtype == np.int64 else np.int64
+    oa, ob = (np.where(x < 0, lo - x.astype(wide) - 1, x.astype(wide)) for x in (ia, ib))
+    return int(np.abs(oa - ob).max())
 
 
 def _diff_state(a: Any, b: Any, path: str, out: list[dict], limit: int = 1000) -> None:
@@ -287,7 +258,5 @@ def _is_ref(v: Any) -> bool:
 
 
 def _short(v: Any, n: int = 80) -> str:
-    import json
-
     s = json.dumps(v, separators=(",", ":"), default=str)
     return s if len(s) <= n else s[: n - 3] + "..."

@@ -39,19 +39,11 @@ from zarr.core.buffer.core import default_buffer_prototype
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.codec import (
-    CRC_BYTES,
-    EMPTY,
-    ArrayLayout,
-    check_chunk,
-    check_metadata,
-    crc32c,
-    decode_index,
-    max_object_bytes,
-)
+from ckptd.codec import CRC_BYTES, check_metadata, crc32c, max_object_bytes
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import Box
 from ckptd.reader import CheckpointReader, ReadRequest
+from ckptd.verify import check_object
 from storage_backends import NotFoundError, StorageError, Store, open_store
 
 __all__ = ["ConfinedZarrStore", "kvstore_spec", "open_array", "open_group"]
@@ -100,22 +92,15 @@ def _checked_metadata(store: Store, folder: str, entry: mf.TensorEntry, where: s
     return meta
 
 
-def _region() -> str:
-    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-
-
-def _join(*parts: str) -> str:
-    return "/".join(p.strip("/") for p in parts if p.strip("/"))
-
-
 def kvstore_spec(uri: str, path: str, endpoint: str = "") -> dict[str, Any]:
     """The tensorstore kvstore spec of ``path`` (a folder relative to the job root ``uri``).
     For trusted roots only: tensorstore's own drivers follow links and decode any codec."""
     kind, bucket, prefix = _location(uri)
     if kind == "file":
         return {"driver": "file", "path": os.path.join(prefix, path) + "/"}
-    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": _join(prefix, path) + "/"}
-    spec["aws_region"] = _region()
+    key = "/".join(p.strip("/") for p in (prefix, path) if p.strip("/"))
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key + "/", "aws_region": region}
     if endpoint:
         spec["endpoint"] = endpoint
     spec["context"] = {"aws_credentials": _aws_credentials()}
@@ -145,15 +130,13 @@ def open_array(uri: str, key: str, step: int | None = None):
     import tensorstore as ts
 
     store, s, m = _resolve(uri, step)
-    where = catalog.where(store, s)
+    where, folder = catalog.where(store, s), mf.step_dir(s)
     entry = m.tensors.get(key)
-    if entry is None:
-        near = sorted(k for k in m.tensors if k.split("/")[0] == key.split("/")[0])[:5]
-        hint = f"; keys like it: {', '.join(near)}" if near else f"; it has {len(m.tensors)} arrays (ckptd show)"
-        store.close()
-        raise CheckpointError(f"{where}: no array {key!r}{hint}")
-    folder = mf.step_dir(s)
     try:
+        if entry is None:
+            near = sorted(k for k in m.tensors if k.split("/")[0] == key.split("/")[0])[:5]
+            hint = f"; keys like it: {', '.join(near)}" if near else f"; it has {len(m.tensors)} arrays (ckptd show)"
+            raise CheckpointError(f"{where}: no array {key!r}{hint}")
         _checked_metadata(store, folder, entry, where)
     except BaseException:
         store.close()
@@ -194,35 +177,10 @@ def _check_crc(data: bytes, name: str) -> None:
         raise CorruptChunkError(f"{name}: crc32c mismatch (corrupt chunk or shard index)")
 
 
-def _check_object(layout: ArrayLayout, data: bytes, name: str) -> None:
-    """A whole chunk object (plain layout) or shard object, as ``verify`` checks it: the index
-    and every chunk it points to pass their crc32c, and each lies inside the object."""
-    if not layout.sharded:
-        check_chunk(layout, data, name)
-        return
-    if len(data) < layout.index_nbytes:
-        raise CorruptChunkError(f"{name}: object of {len(data)} bytes is shorter than its index")
-    index = decode_index(layout, data[-layout.index_nbytes :], name)
-    body, mv = len(data) - layout.index_nbytes, memoryview(data)
-    for off, n in index.reshape(-1, 2).tolist():
-        if off == EMPTY and n == EMPTY:
-            continue
-        if n != layout.chunk_nbytes + CRC_BYTES or off + n > body:
-            raise CorruptChunkError(f"{name}: index entry ({off}, {n}) is out of bounds")
-        check_chunk(layout, mv[off : off + n], name)
-
-
 class ConfinedZarrStore(ZarrStore):
-    """A read-only zarr-python store over one committed checkpoint folder of a ckptd ``Store``.
-
-    It serves the folder's keys that the manifest accounts for and nothing else: the group
-    nodes (``zarr.json`` of the folder and of each group above an array, checked to be groups),
-    each array's ``zarr.json`` once ``codec.check_metadata`` accepts it (then served from the
-    checked copy, so it cannot change under zarr), and chunk objects of the array's grid, read
-    with a cap of the layout's largest object; a byte range may be no longer than a chunk with
-    its checksum or a shard index. Every read goes through the ckptd store: on a local root a
-    link, a FIFO or a device below the root is no object. A refusal raises ``CheckpointError``.
-    """
+    """A read-only zarr-python store over one committed checkpoint folder of a ckptd ``Store``;
+    what it serves and refuses is in the module docstring. An array's ``zarr.json`` is served
+    from the checked copy, so it cannot change under zarr. A refusal raises ``CheckpointError``."""
 
     supports_writes = False
     supports_deletes = False
@@ -259,12 +217,11 @@ class ConfinedZarrStore(ZarrStore):
         path = key[: -len("zarr.json")].rstrip("/")
         if path in self._meta:
             return self._meta[path]
-        full = f"{self._folder}/{key}"
         if path in self._arrays:
             data = mf.dumps(_checked_metadata(self._store, self._folder, self._arrays[path], self._where))
         elif path in self._groups:
             try:
-                node = mf.read_json(self._store, full, self._where, "group zarr.json")
+                node = mf.read_json(self._store, f"{self._folder}/{key}", self._where, "group zarr.json")
             except NotFoundError:
                 return None
             if not isinstance(node, dict) or node.get("node_type") != "group" or node.get("zarr_format") != 3:
@@ -276,8 +233,8 @@ class ConfinedZarrStore(ZarrStore):
         self._meta[path] = data
         return data
 
-    def _chunk(self, key: str) -> mf.TensorEntry | None:
-        """The array whose chunk object ``key`` is, if it is one of its grid."""
+    def _chunk(self, key: str) -> tuple[mf.TensorEntry, tuple[int, ...]] | None:
+        """The array whose chunk object ``key`` is and its coordinates, if it is one of its grid."""
         if key.endswith("/c"):
             path, coords = key[:-2], []
         else:
@@ -292,7 +249,7 @@ class ConfinedZarrStore(ZarrStore):
             return None
         if not all(int(c) < g for c, g in zip(coords, entry.layout.grid_shape, strict=True)):
             return None
-        return entry
+        return entry, tuple(map(int, coords))
 
     def _get(self, key: str, byte_range) -> bytes | None:
         if key == "zarr.json" or key.endswith("/zarr.json"):
@@ -300,24 +257,24 @@ class ConfinedZarrStore(ZarrStore):
             if data is None or byte_range is None:
                 return data
             raise CheckpointError(f"{self._where}: a byte range of {key} was asked for")
-        entry = self._chunk(key)
-        if entry is None:
+        hit = self._chunk(key)
+        if hit is None:
             return None
+        entry, coord = hit
         layout, full = entry.layout, f"{self._folder}/{key}"
         longest = max(layout.chunk_nbytes + CRC_BYTES, layout.index_nbytes if layout.sharded else 0)
         name = f"{self._where}: {key}"
         try:
             if byte_range is None:
                 data = self._store.get(full, limit=max_object_bytes(layout))
-                _check_object(layout, data, name)
+                check_object(layout, memoryview(data), coord, name, strict=False)
                 return data
             if isinstance(byte_range, RangeByteRequest):
                 start, length = byte_range.start, byte_range.end - byte_range.start
             elif isinstance(byte_range, SuffixByteRequest):
                 start, length = -byte_range.suffix, byte_range.suffix
             elif isinstance(byte_range, OffsetByteRequest):
-                size = self._store.head(full).size
-                start, length = byte_range.offset, size - byte_range.offset
+                start, length = byte_range.offset, self._store.head(full).size - byte_range.offset
             else:
                 raise CheckpointError(f"{self._where}: unknown byte range {byte_range!r}")
             if not 0 <= length <= longest:
@@ -361,9 +318,8 @@ class ConfinedZarrStore(ZarrStore):
         keys |= {f"{p}/zarr.json" for p in self._arrays}
         return sorted(k for k in keys if k.startswith(prefix))
 
-    async def list(self):
-        for k in self._listing(""):
-            yield k
+    def list(self):
+        return self.list_prefix("")
 
     async def list_prefix(self, prefix: str):
         for k in self._listing(prefix):
@@ -371,9 +327,5 @@ class ConfinedZarrStore(ZarrStore):
 
     async def list_dir(self, prefix: str):
         prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
-        seen = set()
-        for k in self._listing(prefix):
-            head = k[len(prefix) :].split("/", 1)[0]
-            if head not in seen:
-                seen.add(head)
-                yield head
+        for head in dict.fromkeys(k[len(prefix) :].split("/", 1)[0] for k in self._listing(prefix)):
+            yield head

@@ -15,8 +15,7 @@ again: a second copy is made) or a partial step folder that ``gc`` or the next s
 removes; never a committed step with holes. Afterwards the job can save that step number again.
 
 ``unquarantine`` copies the objects back and writes ``commit.json`` last, with
-``put_if_absent``: it refuses when the step folder holds anything (a new checkpoint of that step,
-committed or being written). Nothing reads ``_quarantine/``: it is not a step folder.
+``put_if_absent``. Nothing reads ``_quarantine/``: it is not a step folder.
 """
 
 from __future__ import annotations
@@ -35,11 +34,6 @@ FOLDER = "_quarantine"
 RECORD = "quarantine.json"
 
 
-def _folder_name(step: int) -> str:
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return f"{mf.step_dir(step)}.{stamp}-{secrets.token_hex(2)}"
-
-
 def quarantine(store: Store, step: int, reason: str = "") -> dict:
     """Retire committed ``step``; returns the quarantine record (with ``id``, its folder name)."""
     folder = mf.step_dir(step)
@@ -51,7 +45,7 @@ def quarantine(store: Store, step: int, reason: str = "") -> dict:
             commit = mf.read_json(store, f"{folder}/{mf.COMMIT}", where, "commit record")
         except CheckpointError:
             commit = None  # a corrupt commit record is a fine reason to quarantine
-        name = _folder_name(step)
+        name = f"{folder}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(2)}"
         dest = f"{FOLDER}/{name}/"
         objects = list(store.list(f"{folder}/"))
         for info in objects:
@@ -114,10 +108,8 @@ def unquarantine(store: Store, step: int, qid: str | None = None, force: bool = 
     """Put back the newest quarantined copy of ``step`` (or the one named ``qid``).
 
     Refused when the step folder holds anything, and (unless ``force``) when a step numbered
-    ``step`` or later was committed after the copy was quarantined (:func:`saved_since`): the
-    step was, or may have been, saved again and that save removed by ``gc`` since, and putting
-    the old copy back would restore a checkpoint from a history the job left. The copy's verify
-    record (``_verify.json``) comes back with it, so a copy recorded bad still shows bad."""
+    ``step`` or later was committed after the quarantine (:func:`saved_since`): the old copy
+    would restore a checkpoint from a history the job left. Its ``_verify.json`` comes back too."""
     folder = mf.step_dir(step)
     where = catalog.where(store, step)
     candidates = [r for r in list_quarantined(store) if r.get("step") == step and not r.get("incomplete")]
@@ -139,8 +131,7 @@ def unquarantine(store: Store, step: int, qid: str | None = None, force: bool = 
                 raise CheckpointError(
                     f"{where}: the quarantine record of {rec['id']} has no time; pass --force to put it back"
                 )
-            later = saved_since(store, step, qtime)
-            if later:
+            if later := saved_since(store, step, qtime):
                 raise CheckpointError(
                     f"{where}: steps {', '.join(map(str, later[:5]))} were committed after {rec['id']} "
                     f"was quarantined, so step {step} was (or may have been) saved again since; refusing to put "

@@ -63,9 +63,8 @@ class CheckpointReader:
         self._lock = threading.Lock()
 
     def _check_pinned(self, entry: TensorEntry, shard: Sequence[int], off: int | None, crc) -> None:
-        """The crc32c stored after the part at offset ``off`` (None: the shard index) against
-        its pin: parts are stored back to back, so the part at ``off`` is the
-        ``off // (chunk bytes + 4)``-th one, the index the last."""
+        """The crc32c stored after the part at offset ``off`` (None: the shard index) against its
+        pin: parts are back to back, so that is part ``off // (chunk bytes + 4)``, the index last."""
         if self.pins is None:
             return
         rel = f"{entry.path}/{entry.layout.shard_key(shard)}"
@@ -105,14 +104,11 @@ class CheckpointReader:
     def read_shard(self, req: ReadRequest, sr: ShardRead) -> None:
         """Fill the part of ``req.out`` that shard ``sr.shard`` holds.
 
-        Our encoder lays a shard's chunks out back to back in C order, so their offsets follow
-        from the layout: the fast path reads the chunks without first fetching the shard index
-        (one small random read per shard saved -- a seek each on a disk, a request on S3). Every
-        chunk's crc32c is checked either way; if a chunk fails on the fast path (a short or
-        corrupt shard), the index is fetched and the read retried from it. A shard whose equal
-        sized chunks were permuted by another writer passes every crc on the fast path: that is
-        why committed checkpoints are immutable, and ``ckptd verify`` checks the order.
-        """
+        The fast path reads the chunks at the offsets the layout implies, without the shard index
+        (a seek saved per shard on a disk, a request on S3); a chunk failing its crc32c there (a
+        short or corrupt shard) retries the read from the index. A shard whose equal sized chunks
+        another writer permuted passes every crc on the fast path: that is why committed
+        checkpoints are immutable, and ``ckptd verify`` checks the order."""
         entry, layout = req.entry, req.entry.layout
         if not layout.sharded:
             self._read_spans(req, sr.shard, [(0, layout.chunk_nbytes + CRC_BYTES, tuple(0 for _ in layout.shape))])
@@ -146,24 +142,20 @@ class CheckpointReader:
         entry = req.entry
         key = self._object(entry, shard)
         spans = sorted(spans)
-        # Coalesce chunks that are (nearly) adjacent in the object into one ranged GET.
         groups: list[list[tuple[int, int, tuple]]] = []
         for span in spans:
             if groups and span[0] - (groups[-1][-1][0] + groups[-1][-1][1]) <= COALESCE_GAP:
                 groups[-1].append(span)
             else:
                 groups.append([span])
-        ranges = [(g[0][0], g[-1][0] + g[-1][1] - g[0][0]) for g in groups]
         try:
-            malformed = []  # spans a shard index gave that the scatter read refuses: checked path
-            for g, (start, length) in zip(groups, ranges, strict=True):
-                if not self._read_scatter(req, shard, key, g, start):
-                    malformed.append((g, start, length))
+            # spans a shard index gave that the scatter read refuses go the checked path
+            malformed = [g for g in groups if not self._read_scatter(req, shard, key, g, g[0][0])]
             if malformed:
-                blobs = self.store.get_ranges(key, [(start, length) for _, start, length in malformed])
-                for (g, start, _), blob in zip(malformed, blobs, strict=True):
+                ranges = [(g[0][0], g[-1][0] + g[-1][1] - g[0][0]) for g in malformed]
+                for g, blob in zip(malformed, self.store.get_ranges(key, ranges), strict=True):
                     self._count(len(blob))
-                    self._copy_chunks(req, shard, g, start, blob)
+                    self._copy_chunks(req, shard, g, g[0][0], blob)
         except NotFoundError:
             raise CorruptChunkError(f"{self._name(entry, shard)}: shard object is missing") from None
         except StorageError as e:
@@ -180,19 +172,16 @@ class CheckpointReader:
             _place(req, chunk, chunk_box(layout, shard, c))
 
     def _read_scatter(self, req: ReadRequest, shard, key: str, group, start: int) -> bool:
-        """One scatter read (``preadv`` on a filesystem) per coalesced range: every chunk wanted
-        whole that lands on a contiguous stretch of ``req.out`` is read straight into it (its
-        checksum into a side buffer); the others (the partly wanted chunks at the edges of the
-        box, chunks clipped by the array's edge) into scratch buffers, from which their wanted
-        part is copied after the crc32c check. False when the spans are malformed, for the
-        checked path to report."""
+        """One scatter read (``preadv`` on a filesystem) per coalesced range: a chunk wanted whole
+        on a contiguous stretch of ``req.out`` is read straight into it, the others (at the box's
+        or the array's edges) into scratch buffers copied from after the crc32c check. False when
+        the spans are malformed, for the checked path to report."""
         layout = req.entry.layout
         n_chunk = layout.chunk_nbytes + CRC_BYTES
         views: list[memoryview] = []
         direct, staged = [], []
-        crcs = bytearray(CRC_BYTES * len(group))
         pos = start
-        for i, (off, n, c) in enumerate(group):
+        for off, n, c in group:
             if n != n_chunk or off < pos:
                 return False
             if off > pos:
@@ -206,13 +195,13 @@ class CheckpointReader:
                     dst = None
             if dst is not None:
                 body = memoryview(dst.reshape(-1).view(np.uint8))
-                crc = memoryview(crcs)[i * CRC_BYTES : (i + 1) * CRC_BYTES]
+                crc = memoryview(bytearray(CRC_BYTES))
                 views += [body, crc]
                 direct.append((body, crc, c, off))
             else:
                 scratch = memoryview(np.empty(n_chunk, np.uint8))
                 views.append(scratch)
-                staged.append((scratch, c, cbox, off))
+                staged.append((scratch, c, off))
             pos = off + n
         self.store.get_range_into(key, start, views)
         self._count(pos - start)
@@ -220,10 +209,8 @@ class CheckpointReader:
             if crc32c(body) != struct.unpack("<I", crc)[0]:
                 raise CorruptChunkError(f"{self._name(req.entry, shard, c)}: crc32c mismatch (corrupt chunk)")
             self._check_pinned(req.entry, shard, off, crc)
-        for scratch, c, cbox, off in staged:
-            chunk = decode_chunk(layout, scratch, self._name(req.entry, shard, c))
-            self._check_pinned(req.entry, shard, off, scratch[-CRC_BYTES:])
-            _place(req, chunk, cbox)
+        for scratch, c, off in staged:
+            self._copy_chunks(req, shard, [(off, n_chunk, c)], off, scratch)
         return True
 
     def read(self, requests: Iterable[ReadRequest], pool: ThreadPoolExecutor | None = None) -> None:
@@ -251,12 +238,6 @@ class CheckpointReader:
                 errors.append(e)
         if errors:
             raise errors[0]
-
-    def read_full(self, entry: TensorEntry) -> np.ndarray:
-        layout: ArrayLayout = entry.layout
-        out = np.empty(layout.shape, dtype=layout.np_dtype)
-        self.read([ReadRequest(entry, Box.full(layout.shape), out)])
-        return out
 
 
 def _place(req: ReadRequest, chunk: np.ndarray, cbox: Box) -> None:

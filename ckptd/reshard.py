@@ -90,9 +90,6 @@ class LayoutError(CheckpointError):
     """The checkpoint cannot be restored at this layout and world size (exit 1)."""
 
 
-# ------------------------------------------------------------------------------- target layout
-
-
 @dataclass(frozen=True, slots=True)
 class TargetLayout:
     """How the restoring job lays out its M ranks: ``kind`` is ``fsdp``, ``replicated`` or
@@ -173,9 +170,6 @@ def parse_layout(text: str, world_size: int) -> TargetLayout:
     return TargetLayout("tp", world_size, tp, dp)
 
 
-# ----------------------------------------------------------------------------- rank blocks
-
-
 def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
     """Piece ``i`` of ``range(n)`` split into ``parts`` like ``torch.chunk`` (ceil; the last
     pieces may be short or empty), as (start, stop)."""
@@ -196,9 +190,7 @@ def saved_sharded(placements: str) -> bool:
 def sharded_keys(tensors: Mapping[str, TensorEntry]) -> frozenset[str]:
     """The tensors a target layout splits (see the module docstring)."""
     split = {k for k, e in tensors.items() if saved_sharded(e.placements) and e.layout.shape}
-    if split:
-        return frozenset(split)
-    return frozenset(k for k, e in tensors.items() if e.layout.shape)
+    return frozenset(split or (k for k, e in tensors.items() if e.layout.shape))
 
 
 def rank_box(shape: Sequence[int], sharded: bool, target: TargetLayout, rank: int) -> Box:
@@ -267,9 +259,6 @@ def validate(tensors: Mapping[str, TensorEntry], target: TargetLayout, where: st
             )
 
 
-# ------------------------------------------------------------------------------- read plan
-
-
 @dataclass(frozen=True, slots=True)
 class RankCost:
     """What one rank of the target job reads: ``bytes`` fetched (chunks with their crc32c),
@@ -286,13 +275,7 @@ class RankCost:
         return self.bytes / self.needed if self.needed else 1.0
 
     def to_json(self) -> dict:
-        return {
-            "rank": self.rank,
-            "bytes": self.bytes,
-            "objects": self.objects,
-            "bytes_needed": self.needed,
-            "amplification": round(self.amplification, 4),
-        }
+        return {"rank": self.rank} | _cost_json(self)
 
 
 @dataclass(frozen=True)
@@ -323,14 +306,16 @@ class ReadPlan:
         return self.bytes / self.needed if self.needed else 1.0
 
     def to_json(self) -> dict:
-        return {
-            "ranks": [c.to_json() for c in self.ranks],
-            "largest_rank": self.largest.to_json(),
-            "bytes": self.bytes,
-            "objects": self.objects,
-            "bytes_needed": self.needed,
-            "amplification": round(self.amplification, 4),
-        }
+        return {"ranks": [c.to_json() for c in self.ranks], "largest_rank": self.largest.to_json()} | _cost_json(self)
+
+
+def _cost_json(c: RankCost | ReadPlan) -> dict:
+    return {
+        "bytes": c.bytes,
+        "objects": c.objects,
+        "bytes_needed": c.needed,
+        "amplification": round(c.amplification, 4),
+    }
 
 
 def rank_cost(tensors: Mapping[str, TensorEntry], sharded: Iterable[str], target: TargetLayout, rank: int) -> RankCost:
@@ -364,21 +349,8 @@ def plan_reads_for(tensors: Mapping[str, TensorEntry], target: TargetLayout, whe
 def whole_chunks(layout: ArrayLayout, box: Box) -> bool:
     """Whether every chunk a read of ``box`` touches lies inside ``box`` (clipped to the array):
     the read fetches no byte of data it does not need, save the padding of an edge chunk."""
-    for sr in plan_reads(layout, box):
-        for c in sr.chunks:
-            cb = chunk_box(layout, sr.shard, c)
-            if cb.intersect(box) != cb:
-                return False
-    return True
-
-
-# ------------------------------------------------------------------------- rechunked layout
-
-
-def _fallback_replicated(shape: tuple[int, ...], dtype: str, itemsize: int) -> ArrayLayout:
-    from ckptd.stream import default_layout
-
-    return default_layout(shape, dtype, itemsize)
+    touched = (chunk_box(layout, sr.shard, c) for sr in plan_reads(layout, box) for c in sr.chunks)
+    return all(cb.intersect(box) == cb for cb in touched)
 
 
 def aligned_layout(shape: Sequence[int], dtype: str, itemsize: int, blocks: Sequence[Box]) -> ArrayLayout:
@@ -391,15 +363,15 @@ def aligned_layout(shape: Sequence[int], dtype: str, itemsize: int, blocks: Sequ
         return ArrayLayout.empty(shape, dtype)
     distinct = {b for b in blocks if not b.empty}
     if not distinct or distinct == {Box.full(shape)}:
-        return _fallback_replicated(shape, dtype, itemsize)
+        from ckptd.stream import default_layout
+
+        return default_layout(shape, dtype, itemsize)
     shard = []
     for d, n in enumerate(shape):
         ivs = {(b.start[d], b.stop[d]) for b in distinct}
         step = interval_grid(ivs, n)
         if step is None:
-            g = 0
-            for a, b in ivs:
-                g = math.gcd(g, math.gcd(a, b % n))
+            g = math.gcd(*(math.gcd(a, b % n) for a, b in ivs))
             cells = -(-n // g) if g else 1
             step = g if g and cells <= MAX_OBJECTS_PER_BLOCK * len(ivs) else -(-n // len(ivs))
         shard.append(step)

@@ -29,6 +29,7 @@ every reader imports, imports neither ``verify`` nor the commit protocol.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -46,11 +47,9 @@ log = logging.getLogger("ckptd.retention")
 
 
 def after_commit(store: Store, result: SaveResult, keep_last: int | None, max_step_jump: int | None = -1) -> None:
-    """Retention by the writer that wrote the commit record (the in-process writer, the daemon's
-    committing worker), after it has reported the commit (so retention delays neither the
-    caller nor the result). With a daemon, the trainer's rank 0 also applies its own
-    ``keep_last`` (:func:`apply_retention`); both only delete what :func:`select_for_deletion`
-    selects, so applying it twice is harmless.
+    """Retention by the writer that wrote the commit record, once it has reported the commit.
+    With a daemon, the trainer's rank 0 also applies its own ``keep_last``: both only delete
+    what :func:`select_for_deletion` selects, so applying it twice is harmless.
 
     It first sweeps the committed step for incomplete writes older than this save: once the
     commit record exists every rank's data is durable, so a temp file (filesystem) or an open
@@ -84,14 +83,10 @@ def apply_retention(store: Store, keep_last: int, max_step_jump: int | None = -1
     try:
         if max_step_jump == -1:
             max_step_jump = max_step_jump_default()
-        deleted = retain(store, keep_last, max_step_jump=max_step_jump)
-        if deleted:
+        if deleted := retain(store, keep_last, max_step_jump=max_step_jump):
             log.info("retention removed steps %s", deleted)
     except (CheckpointError, StorageError) as e:
         log.warning("retention failed: %s", e)
-
-
-# ------------------------------------------------------------------------------ selection
 
 
 DEFAULT_MAX_STEP_JUMP = 1_000_000
@@ -99,8 +94,6 @@ DEFAULT_MAX_STEP_JUMP = 1_000_000
 
 def max_step_jump_default() -> int | None:
     """``CKPTD_MAX_STEP_JUMP`` (0: no bound) else :data:`DEFAULT_MAX_STEP_JUMP`."""
-    import os
-
     raw = os.environ.get("CKPTD_MAX_STEP_JUMP", "").strip()
     if not raw:
         return DEFAULT_MAX_STEP_JUMP
@@ -127,24 +120,18 @@ def check_step_jump(store: Store, step: int, max_jump: int | None) -> None:
 
 def trusted_steps(committed: list[int], max_jump: int | None) -> tuple[list[int], list[int]]:
     """Split ascending ``committed`` at the first step more than ``max_jump`` past the one
-    before it: (the steps retention counts, the steps that appeared out of nowhere). Retention
-    keeps the latter and never lets them push older steps out."""
-    if not max_jump:
-        return committed, []
-    for i in range(1, len(committed)):
-        if committed[i] - committed[i - 1] > max_jump:
-            return committed[:i], committed[i:]
-    return committed, []
+    before it: (the steps retention counts, the steps that appeared out of nowhere)."""
+    jumps = (i for i in range(1, len(committed)) if max_jump and committed[i] - committed[i - 1] > max_jump)
+    cut = next(jumps, len(committed))
+    return committed[:cut], committed[cut:]
 
 
 def check_restorable(store: Store, step: int) -> str | None:
     """Cheap check that a committed step can be restored: None if it passes, else why not.
 
-    Reads the commit record and the manifest and lists the step's objects (no chunk is read):
-    the commit record is a JSON object, the manifest loads and names the step, and every shard
-    object the manifest's layouts imply exists with the exact size the layout implies (what a
-    restore reads; ``zarr.json`` is for other readers, which ``ckptd verify`` checks). It catches
-    lost, truncated and cut objects; a byte flipped inside a chunk needs ``ckptd verify``."""
+    Reads the commit record and the manifest and lists the step's objects, no chunk: every shard
+    object a restore reads exists with the exact size its layout implies. It catches lost,
+    truncated and cut objects; a flipped byte or a bad ``zarr.json`` needs ``ckptd verify``."""
     where = catalog.where(store, step)
     try:
         if catalog.read_commit(store, step) is None:
@@ -159,14 +146,12 @@ def check_restorable(store: Store, step: int) -> str | None:
         if layout.nbytes == 0 or entry.value is not None:
             continue
         for coord in layout.shard_coords():
-            key = f"{prefix}/{entry.path}/{layout.shard_key(coord)}"
-            want = layout.object_nbytes(coord)
-            got = sizes.get(key)
+            name = f"array {entry.path!r} shard {layout.shard_key(coord)}"
+            got, want = sizes.get(f"{prefix}/{entry.path}/{layout.shard_key(coord)}"), layout.object_nbytes(coord)
             if got is None:
-                return f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}: missing"
+                return f"{where}: {name}: missing"
             if got != want:
-                name = f"{where}: array {entry.path!r} shard {layout.shard_key(coord)}"
-                return f"{name}: {got} bytes, the layout implies {want}"
+                return f"{where}: {name}: {got} bytes, the layout implies {want}"
     return None
 
 
@@ -192,13 +177,7 @@ def plan(
     jump more than ``max_step_jump`` past the committed step before them (those that did are kept
     and ignored); selects older committed ones, and partial ones older than the newest commit
     (they can no longer complete: one save is in flight per job and a newer one committed).
-
-    Never selects: the newest committed step; the newest step that passes
-    :func:`check_restorable` (whatever any verify record says), so a root always keeps a step
-    that restores as far as a cheap check can tell; the newest such step that ``ckptd verify``
-    did not record bad; the newest step ``ckptd verify`` recorded ok; a step in ``protect``
-    (being written); any step newer than the newest commit. Verify records only ever add to what
-    is kept: a forged record can make gc keep more, never delete what it would keep without one."""
+    Never selects what the module docstring's invariant keeps (``protect``: steps being written)."""
     if keep_last < 1:
         raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
     out = Plan()
@@ -208,7 +187,6 @@ def plan(
         return out
     counted, out.out_of_nowhere = trusted_steps(committed, max_step_jump)
     keep = set(counted[-keep_last:]) | set(protect) | set(out.out_of_nowhere)
-    vetted_found = False
     for s in reversed(counted):
         why = check_restorable(store, s)
         if why is not None:
@@ -220,16 +198,14 @@ def plan(
         rec = read_record(store, s)
         if rec is None or rec["ok"]:
             keep.add(s)  # the newest restorable step verify did not record bad
-            vetted_found = True
             break
-    if not vetted_found and out.restorable is None:
+    if out.restorable is None:
         log.warning("%s: no committed step passes the restorability check; retention keeps every step", store.uri)
         keep |= set(committed)
     verified = newest_verified(store, counted)
     if verified is not None:
         keep.add(verified)
-    newest = committed[-1]
-    out.doomed = [s for s in all_steps if s < newest and s not in keep]
+    out.doomed = [s for s in all_steps if s < committed[-1] and s not in keep]
     return out
 
 
@@ -244,10 +220,8 @@ def select_for_deletion(
 
 
 def newest_verified(store: Store, committed: list[int]) -> int | None:
-    """The newest of ``committed`` whose ``ckptd verify`` record says it passed, or None.
-
-    Retention keeps it whatever ``keep_last`` says (it only adds to what is kept). Costs one GET
-    per committed step newer than it (retention keeps those few)."""
+    """The newest of ``committed`` whose ``ckptd verify`` record says it passed, or None (kept
+    whatever ``keep_last`` says). One GET per committed step newer than it (retention keeps few)."""
     for s in reversed(committed):
         rec = read_record(store, s)
         if rec is not None and rec["ok"]:

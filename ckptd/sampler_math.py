@@ -13,7 +13,7 @@ with it every rank gets ``floor(rest / M)`` and the tail is dropped.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = [
@@ -68,29 +68,19 @@ class SamplerResume:
         return self.position >= self.dataset_len
 
     def to_json(self) -> dict:
-        return {
-            "key": self.key,
-            "epoch": self.epoch,
-            "position": self.position,
-            "dataset_len": self.dataset_len,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ranks"} | {
             "epoch_finished": self.finished,
             "ranks": [{"rank": r, "resumes_at": p, "samples_left": n} for r, (p, n) in enumerate(self.ranks)],
         }
 
 
 def sampler_resume(key: str, state: Mapping[str, Any], world_size: int) -> SamplerResume:
-    """The ElasticSampler's dealing at ``world_size``: rank r yields ``order[P + r]``,
-    ``order[P + r + M]``, ...; without ``drop_last`` the lower ranks get one more of an uneven
-    rest, with it every rank gets ``floor(rest / M)``. Uses the saved ``drop_last``; a sampler
-    built with another keeps its own."""
+    """Where ``state`` resumes at ``world_size`` by the dealing above, with its saved
+    ``drop_last`` (a sampler built with another keeps its own)."""
     n, p = int(state["dataset_len"]), min(int(state["position"]), int(state["dataset_len"]))
-    ranks = []
-    for r in range(world_size):
-        left = share(n, p, r, world_size, bool(state["drop_last"]))
-        ranks.append((p + r if left else n, left))
-    return SamplerResume(key, int(state["epoch"]), p, n, bool(state["shuffle"]), bool(state["drop_last"]), tuple(ranks))
+    shares = [share(n, p, r, world_size, bool(state["drop_last"])) for r in range(world_size)]
+    ranks = tuple((p + r if left else n, left) for r, left in enumerate(shares))
+    return SamplerResume(key, int(state["epoch"]), p, n, bool(state["shuffle"]), bool(state["drop_last"]), ranks)
 
 
 def find_samplers(tree: Mapping[str, Any]) -> list[tuple[str, dict]]:

@@ -5,16 +5,17 @@ name one attempt (``ckptd.commit.check_consistency``: a step mixed by two writer
 the commit record has pins (``ckptd.pins``): the done records' pins sum to the commit's, every
 metadata object matches its sha256 and every shard object its size and the crc32c of each of
 its parts as the committing attempt wrote them (an object replaced after the commit by
-another attempt's, validly encoded, fails here and nowhere else). Then,
-per array: ``zarr.json`` exists and matches the manifest; every shard object of the grid
-exists; each shard index passes its crc32c and points inside the object; every chunk that lies
-inside the array is present with the right size and passes its crc32c. Shards are read whole
-(one GET each) and in parallel. Stops at the first bad array unless ``keep_going``.
+another attempt's, validly encoded, fails here and nowhere else). Then, per array: ``zarr.json``
+exists and matches the manifest; every shard object of the grid exists; each shard index passes
+its crc32c and points inside the object; every chunk that lies inside the array is present with
+the right size and passes its crc32c. Shards are read whole (one GET each) and in parallel.
+Stops at the first bad array unless ``keep_going``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ckptd import catalog, commit
+from ckptd import catalog, commit, fencing
 from ckptd import manifest as mf
 from ckptd import pins as pinsmod
 from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, check_chunk, check_metadata, decode_index, max_object_bytes
@@ -31,7 +32,7 @@ from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import chunk_box
 from storage_backends import NotFoundError, StorageError, Store
 
-__all__ = ["VerifyReport", "verify"]
+__all__ = ["VerifyReport", "check_object", "verify"]
 
 log = logging.getLogger("ckptd.verify")
 
@@ -93,14 +94,16 @@ def _check_shard(
     except StorageError as e:
         raise CorruptChunkError(f"{name}: unreadable ({e})") from None
     mv = memoryview(data)
-    _check_layout(layout, mv, coord, name)  # the object's own structure and crc32c first, then
+    check_object(layout, mv, coord, name)  # the object's own structure and crc32c first, then
     if pin is not None:  # what only the pins catch: another attempt's valid object
         _check_pin(layout, mv, pin, name, key)
     return len(data)
 
 
-def _check_layout(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], name: str) -> None:
-    """The shard's index, each chunk's place and crc32c (what the object says of itself)."""
+def check_object(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], name: str, strict: bool = True) -> None:
+    """What object ``coord`` says of itself: a chunk's crc32c, or a shard's index and each chunk's
+    bounds and crc32c; ``strict`` (verify, not ``ckptd.open``) also refuses a chunk of the array
+    absent from its shard or not where the format puts it."""
     if not layout.sharded:
         check_chunk(layout, mv, name)
         return
@@ -110,41 +113,20 @@ def _check_layout(layout: ArrayLayout, mv: memoryview, coord: tuple[int, ...], n
     body = mv.nbytes - layout.index_nbytes
     start, stop = layout.shard_box(coord)
     present = tuple(-(-(b - a) // c) for a, b, c in zip(start, stop, layout.chunk_shape, strict=True))
-    for c in _chunk_coords(layout):
+    for c in itertools.product(*map(range, layout.chunks_per_shard)):
         off, n = (int(x) for x in index[c])
-        inside = chunk_box(layout, coord, c).volume > 0 and all(
-            s * ss + ci * cs < dim
-            for s, ss, ci, cs, dim in zip(coord, layout.shard_shape, c, layout.chunk_shape, layout.shape, strict=True)
-        )
         if off == EMPTY and n == EMPTY:
-            if inside:
+            if strict and chunk_box(layout, coord, c).volume > 0:  # the chunk lies (partly) inside the array
                 raise CorruptChunkError(f"{name} chunk {c}: absent from the shard")
             continue
         if off + n > body or n != layout.chunk_nbytes + CRC_BYTES:
             raise CorruptChunkError(f"{name} chunk {c}: index entry ({off}, {n}) is out of bounds")
-        if off != int(np.ravel_multi_index(c, present)) * n:
+        if strict and off != int(np.ravel_multi_index(c, present)) * n:
             raise CorruptChunkError(
                 f"{name} chunk {c}: at offset {off}, not where the format puts it (chunks of a shard "
                 "are stored back to back in C order); the shard was rewritten by another tool"
             )
         check_chunk(layout, mv[off : off + n], f"{name} chunk {c}")
-
-
-def _pins(store: Store, step: int, where: str, threads: int) -> pinsmod.Pins | None:
-    """The pins of every done record of the committing attempt, their sum checked against the
-    commit record (``ckptd.pins.read_all``); None for a step committed before pins, whose
-    objects are checked by their own crc32c only. Raises CheckpointError on a mismatch."""
-    rec = catalog.read_commit(store, step)
-    if pinsmod.commit_digest(rec) is None:
-        return None
-    with ThreadPoolExecutor(threads) as pool:
-        return pinsmod.read_all(store, step, rec, where, pool)
-
-
-def _chunk_coords(layout: ArrayLayout):
-    import itertools
-
-    return itertools.product(*[range(n) for n in layout.chunks_per_shard])
 
 
 def verify(
@@ -165,9 +147,12 @@ def verify(
         report.errors += commit.check_consistency(store, m.step, m)
     except (StorageError, CheckpointError) as e:
         report.errors.append(f"{where}: cannot check the commit records ({e})")
-    pins = None
+    pins = None  # a step committed before pins: its objects are checked by their own crc32c only
     try:
-        pins = _pins(store, m.step, where, threads)
+        rec = catalog.read_commit(store, m.step)
+        if pinsmod.commit_digest(rec) is not None:
+            with ThreadPoolExecutor(threads) as pool:  # every done record's pins, their sum checked
+                pins = pinsmod.read_all(store, m.step, rec, where, pool)
     except (StorageError, CheckpointError) as e:
         report.errors.append(f"{where}: cannot check the pins of the committing attempt ({e})")
     report.warnings += _unowned_warnings(store, m, where)
@@ -188,11 +173,10 @@ def verify(
         report.errors += pinsmod.check_meta(store, m.step, pins, where)
     if report.errors and not keep_going:
         return report
-    done = 0
     with ThreadPoolExecutor(threads) as pool:
         futures = [pool.submit(_check_shard, store, prefix, e, c, where, pins) for e, c in tasks]
         try:
-            for f in futures:
+            for done, f in enumerate(futures, 1):
                 try:
                     report.bytes += f.result()
                     report.objects += 1
@@ -200,7 +184,6 @@ def verify(
                     report.errors.append(str(e))
                     if not keep_going:
                         break
-                done += 1
                 if progress:
                     progress(done, len(tasks))
         finally:
@@ -213,8 +196,6 @@ def verify(
 def _unowned_warnings(store: Store, m: mf.Manifest, where: str) -> list[str]:
     """One warning per object of the step that its committing attempt does not own
     (``ckptd.fencing.unowned``: a superseded attempt's leftovers or late writes)."""
-    from ckptd import fencing
-
     try:
         rec = catalog.read_commit(store, m.step) or {}
     except (StorageError, CheckpointError):
@@ -286,13 +267,11 @@ def write_record(store: Store, report: VerifyReport) -> dict:
     is no longer committed (quarantined or deleted meanwhile) or its records changed since
     ``verify`` read them: a verdict needs the commit it judged."""
     judged = judged_digest(store, report.step)
+    where = catalog.where(store, report.step)
     if judged is None:
-        raise CheckpointError(f"{catalog.where(store, report.step)}: no longer committed; verdict not recorded")
+        raise CheckpointError(f"{where}: no longer committed; verdict not recorded")
     if report.judged is not None and report.judged != judged:
-        raise CheckpointError(
-            f"{catalog.where(store, report.step)}: commit record or manifest changed while verifying; "
-            "verdict not recorded"
-        )
+        raise CheckpointError(f"{where}: commit record or manifest changed while verifying; verdict not recorded")
     commit = catalog.read_commit(store, report.step) or {}
     rec = {
         "step": report.step,
@@ -308,7 +287,7 @@ def write_record(store: Store, report: VerifyReport) -> dict:
     try:
         store.put(record_key(report.step), mf.dumps(rec))
     except StorageError as e:
-        raise CheckpointError(f"{catalog.where(store, report.step)}: cannot record the verdict ({e})") from None
+        raise CheckpointError(f"{where}: cannot record the verdict ({e})") from None
     return rec
 
 

@@ -13,6 +13,7 @@ terminal. ``--json`` output is JSON-escaped already.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -27,7 +28,6 @@ from storage_backends import StorageError, Store, open_store
 __all__ = [
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
-    "EXIT_OK",
     "EXIT_USAGE",
     "PREFIX",
     "Progress",
@@ -48,7 +48,6 @@ __all__ = [
     "step_arg",
 ]
 
-EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -62,19 +61,14 @@ class UsageError(Exception):
 
 @contextmanager
 def job_root(uri: str) -> Iterator[Store]:
-    """The store of a job root URI, closed on exit.
-
-    Everything ``open_store`` rejects is about the URI or its configuration, never about data,
-    so it is bad usage (exit 2), not a failed operation."""
+    """The store of a job root URI, closed on exit. Everything ``open_store`` rejects is about
+    the URI or its configuration, never about data: bad usage (exit 2), not a failed operation."""
     try:
         store = open_store(uri)
     except (StorageError, ValueError) as e:
         raise UsageError(str(e)) from None
     with store:
         yield store
-
-
-# ----------------------------------------------------------------------------------- arguments
 
 
 def _int_at_least(text: str, what: str, least: int, rule: str) -> int:
@@ -106,8 +100,6 @@ def add_step(p: argparse.ArgumentParser) -> None:
 def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
-
-# -------------------------------------------------------------------------------------- output
 
 # C0 and C1 controls (newline, carriage return, ESC, ...), DEL, and the Unicode line separators
 # and bidirectional overrides that reorder or break what a terminal shows.
@@ -155,11 +147,11 @@ def human_bytes(n: int | None) -> str:
     if n < 1024:
         return f"{n} B"
     size = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         size /= 1024
-        if size < 1024 or unit == "PiB":
+        if size < 1024:
             return f"{size:.1f} {unit}"
-    raise AssertionError("unreachable")
+    return f"{size / 1024:.1f} PiB"
 
 
 def iso_time(t: float | None) -> str:
@@ -173,9 +165,6 @@ def shape_str(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-# ------------------------------------------------------------------------------------ progress
-
-
 class Progress:
     """A one-line progress bar on stderr, drawn only when stderr is a terminal (never into logs
     or pipes) and at most ten times a second. Use as ``progress(done, total)``; ``close()``
@@ -186,15 +175,15 @@ class Progress:
     def __init__(self, label: str, stream: TextIO | None = None):
         self.label = label
         self.stream = stream or sys.stderr
-        self.enabled = _isatty(self.stream)
+        self.enabled = False
+        with contextlib.suppress(AttributeError, ValueError):  # a stream without a working isatty
+            self.enabled = self.stream.isatty()
         self._last = 0.0
         self._drawn = False
 
     def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
         now = time.monotonic()
-        if done < total and now - self._last < 0.1:
+        if not self.enabled or (done < total and now - self._last < 0.1):
             return
         self._last = now
         frac = done / total if total else 1.0
@@ -214,10 +203,3 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False

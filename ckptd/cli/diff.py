@@ -52,14 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.block_mib < 1:
         raise UsageError(f"--block-mib must be >= 1, got {args.block_mib}")
     with job_root(args.uri_a) as a, job_root(args.uri_b) as b, Progress("comparing") as progress:
-        report = _diff.diff(
-            a,
-            b,
-            args.step_a,
-            args.step_b,
-            block_bytes=args.block_mib << 20,
-            progress=lambda done, total: progress(done, total),
-        )
+        report = _diff.diff(a, b, args.step_a, args.step_b, block_bytes=args.block_mib << 20, progress=progress)
     if args.json:
         print_json(report.to_json())
         return 0 if report.equal else EXIT_FAILED

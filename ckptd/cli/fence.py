@@ -2,10 +2,8 @@
 
 A job that died while saving leaves its partial step claimed; a job resubmitted under a new id
 is refused that step until the dead job's claim expires (its lease, ``CKPTD_CLAIM_LEASE_S``).
-``fence`` declares the old job dead now: it writes a fencing claim above the old job's newest
-claim on each of its partial steps (or only step N), after which the next writer takes them
-over at once (see ``ckptd.fencing``). A job whose claim is still alive (its heartbeat is fresh)
-is refused without ``--force``.
+``fence`` declares the old job dead now, on each of its partial steps (or only step N): the next
+writer takes them over at once (``ckptd.fencing``). A live claim (fresh heartbeat) needs ``--force``.
 """
 
 from __future__ import annotations

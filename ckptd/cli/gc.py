@@ -1,21 +1,10 @@
 """``ckptd gc URI --keep-last K``: delete old checkpoints by the same policy the trainer uses.
 
-``--dry-run`` lists the same steps with the files and bytes under each (a listing, no reads).
-What it deletes: committed checkpoints older than the newest K, and partial ones older than the
-newest commit, each with everything a killed writer left in its folder (temp files, empty
-folders); then the incomplete writes under the root older than ``--abort-uploads-older-than``:
-S3 multipart uploads, and on a filesystem the temp files of writers killed before their rename,
-wherever they are (inside committed steps too).
-A partial folder newer than the newest commit is left alone: it may be a save in flight. What
-it prints is counted from what was removed, and a step whose folder is still there afterwards
-is reported and fails the command.
-
-What it never deletes (``ckptd.retention.plan``): the newest step that passes a cheap
-restorability check (commit record, manifest, every shard object present at the size its layout
-implies; no prior ``ckptd verify`` needed), the newest such step ``ckptd verify`` did not record
-bad, the newest step it recorded ok, and steps that jumped more than ``--max-step-jump`` past the
-committed step before them (kept, and not counted among the newest K). Verify records only add to
-what is kept, so a forged one cannot make gc delete a step it would keep without it.
+What it deletes (old committed and partial steps, stale incomplete writes) and what it leaves
+(a partial step newer than the newest commit: a save in flight) is in docs/operations.md; what it
+never deletes is ``ckptd.retention``'s invariant. ``--dry-run`` lists the same steps with the files
+and bytes under each (a listing, no reads). What it prints is counted from what was removed, and a
+step whose folder is still there afterwards is reported and fails the command.
 """
 
 from __future__ import annotations
@@ -97,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
                 f"steps {steps} jumped more than {max_jump} past the step before them: kept, not counted in --keep-last"
             )
         if args.dry_run:
-            # what a real run would remove: the objects under each folder (a listing, no reads)
             for step in doomed:
                 objs = list(store.list(f"{mf.step_dir(step)}/"))
                 removed[step] = (len(objs), sum(o.size for o in objs))
@@ -131,13 +119,11 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     else:
+        verb = "would delete" if args.dry_run else "deleted"
         for step in doomed:
-            if args.dry_run:
+            if args.dry_run or mf.step_dir(step) not in left:
                 n, b = removed[step]
-                print(f"would delete {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
-            elif mf.step_dir(step) not in left:
-                n, b = removed[step]
-                print(f"deleted {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
+                print(f"{verb} {mf.step_dir(step)} ({n} files, {human_bytes(b)})")
         for key in aborted:
             print(f"aborted incomplete upload {printable(key)}")
         if not doomed and not aborted:

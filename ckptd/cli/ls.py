@@ -1,16 +1,10 @@
 """``ckptd ls URI``: one row per checkpoint of a job root, committed or partial.
 
-The VERIFIED column (``verified`` in ``--json``) is the verdict ``ckptd verify`` recorded for the
-step's current commit: ``ok``, ``bad`` or ``unverified`` (never checked, or checked before it
-was saved again); ``-`` for partial steps. A partial step's BYTES reads "written of expected"
-(``expected_bytes`` in ``--json``, from its manifest; ``?`` before the manifest is written). A
-step folder holding no object at all (a writer killed before its first write landed) is no
-checkpoint and is not listed; ``gc`` removes it.
-
-``--daemon URL``: a TIERS column (``tiers`` in ``--json``) names the daemons whose memory holds a
-complete copy of each step (``hot@URL``, ``replica@URL``; ``ckptd.cli.tiers_view``), asking that
-daemon and the peers it names; a step that only the tiers hold is listed as ``memory-only``
-(never as committed: the job root has no commit record of it)."""
+VERIFIED, ``--daemon``'s TIERS column and its ``memory-only`` rows are described in
+docs/operations.md (``verified``, ``tiers`` in ``--json``). A partial step's BYTES reads "written of
+expected" (``expected_bytes`` in ``--json``, from its manifest; ``?`` before the manifest is
+written). A step folder holding no object at all (a writer killed before its first write landed)
+is no checkpoint and is not listed; ``gc`` removes it."""
 
 from __future__ import annotations
 
@@ -62,57 +56,34 @@ def run(args: argparse.Namespace) -> int:
         copies, failed = tier_copies(uri, args.daemon, daemon_token())
         for why in failed:
             note(f"memory tier not listed: {why}")
-    if copies is not None:
-        return _with_tiers(args, infos, verified, copies, uri)
-    if args.json:
-        print_json([i.to_json() | {"verified": verified[i.step]} for i in infos])
-        return 0
-    if not infos:
-        note(f"no checkpoints in {uri}")
-        return 0
-    rows = [
-        (
-            i.step,
-            "committed" if i.committed else "partial",
-            "-" if i.world_size is None else i.world_size,
-            _size(i),
-            iso_time(i.time),
-            verified[i.step] or "-",
-            i.path,
-        )
-        for i in infos
-    ]
-    print_table(["STEP", "STATUS", "WORLD", "BYTES", "TIME (UTC)", "VERIFIED", "PATH"], rows)
-    return 0
-
-
-def _with_tiers(args, infos, verified, copies: dict[int, list[dict]], uri: str) -> int:
-    """The listing with the TIERS column, and a ``memory-only`` row per step only tiers hold."""
+    # With tiers: a TIERS column, and a ``memory-only`` row per step only the tiers hold.
     by_step = {i.step: i for i in infos}
-    steps = sorted(set(by_step) | set(copies))
+    steps = sorted(by_step.keys() | (copies or {}).keys())
     if args.json:
         docs = []
         for s in steps:
             i = by_step.get(s)
-            if i is None:
-                doc = {"step": s, "committed": False, "memory_only": True}
-            else:
-                doc = i.to_json() | {"verified": verified[s], "memory_only": False}
-            docs.append(doc | {"tiers": copies.get(s, [])})
+            doc = {"step": s, "committed": False} if i is None else i.to_json() | {"verified": verified[s]}
+            if copies is not None:
+                doc |= {"memory_only": i is None, "tiers": copies.get(s, [])}
+            docs.append(doc)
         print_json(docs)
         return 0
     if not steps:
-        note(f"no checkpoints in {uri} or its daemons' memory")
+        note(f"no checkpoints in {uri}" + (" or its daemons' memory" if copies is not None else ""))
         return 0
     rows = []
     for s in steps:
         i = by_step.get(s)
-        where = ", ".join(c["where"] for c in copies.get(s, [])) or "-"
         if i is None:
-            rows.append((s, "memory-only", "-", "-", "-", "-", where, "-"))
-            continue
-        status = "committed" if i.committed else "partial"
-        world = "-" if i.world_size is None else i.world_size
-        rows.append((s, status, world, _size(i), iso_time(i.time), verified[s] or "-", where, i.path))
-    print_table(["STEP", "STATUS", "WORLD", "BYTES", "TIME (UTC)", "VERIFIED", "TIERS", "PATH"], rows)
+            row = [s, "memory-only", "-", "-", "-", "-"]
+        else:
+            status = "committed" if i.committed else "partial"
+            world = "-" if i.world_size is None else i.world_size
+            row = [s, status, world, _size(i), iso_time(i.time), verified[s] or "-"]
+        if copies is not None:
+            row.append(", ".join(c["where"] for c in copies.get(s, [])) or "-")
+        rows.append((*row, "-" if i is None else i.path))
+    headers = ["STEP", "STATUS", "WORLD", "BYTES", "TIME (UTC)", "VERIFIED", "TIERS", "PATH"]
+    print_table([h for h in headers if h != "TIERS" or copies is not None], rows)
     return 0

@@ -6,7 +6,7 @@ Each subcommand is a module of this package with three names:
 * ``add_arguments(parser)``: declares its arguments on its subparser;
 * ``run(args) -> int``: does the work and returns the exit status.
 
-Adding a subcommand is one line in ``COMMANDS``. Modules are imported when the parser is built,
+Adding a subcommand is one word in ``_NAMES``. Modules are imported when the parser is built,
 so a command with heavy dependencies (``serve``: FastAPI) imports them inside ``run``.
 
 Exit status: 0 success, 1 a failed check or operation, 2 bad usage, 130 interrupted. Every
@@ -33,26 +33,13 @@ _EXTRAS = {"torch": "torch", "safetensors": "interop", "fastapi": "server", "uvi
 UNEXPECTED = (RecursionError, TypeError, AttributeError, OverflowError, KeyError, IndexError, ZeroDivisionError)
 
 # subcommand -> module under ckptd.cli (a module cannot be named ``import``: use ``import_``).
-COMMANDS: dict[str, str] = {
-    "ls": "ls",
-    "show": "show",
-    "verify": "verify",
-    "gc": "gc",
-    "fence": "fence",
-    "quarantine": "quarantine",
-    "unquarantine": "unquarantine",
-    "serve": "serve",
-    "reshard": "reshard",
-    "export": "export",
-    "import": "import_",
-    "diff": "diff",
-}
+_NAMES = "ls show verify gc fence quarantine unquarantine serve reshard export import diff"
+COMMANDS: dict[str, str] = {name: "import_" if name == "import" else name for name in _NAMES.split()}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ckptd",
-        description="Inspect, check and manage ckptd checkpoints (Zarr v3 on object storage).",
+        prog="ckptd", description="Inspect, check and manage ckptd checkpoints (Zarr v3 on object storage)."
     )
     parser.add_argument("--version", action="version", version=f"ckptd {__version__} (format version {FORMAT_VERSION})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -87,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader of stdout went away (``ckptd ls | head``): stop quietly, and keep Python from
         # complaining about the unflushed stdout at exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILED
     except ModuleNotFoundError as e:
         # A command whose optional dependency is not installed (export/import need torch).

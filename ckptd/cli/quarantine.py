@@ -1,10 +1,6 @@
-"""``ckptd quarantine URI --step N [--reason TEXT]``: retire a bad checkpoint, keeping its bytes.
-
-The step stops being committed (restore, ``latest_step`` and retention no longer see it) and the
-job may save that step number again; its objects move to ``URI/_quarantine/<id>/`` for
-inspection (see ``ckptd.quarantine``). ``--list`` shows what is quarantined;
-``ckptd unquarantine`` puts a copy back.
-"""
+"""``ckptd quarantine URI --step N [--reason TEXT]``: retire a bad checkpoint, keeping its bytes
+under ``URI/_quarantine/<id>/`` (``ckptd.quarantine``; the runbook is docs/operations.md).
+``--list`` shows what is quarantined; ``ckptd unquarantine`` puts a copy back."""
 
 from __future__ import annotations
 

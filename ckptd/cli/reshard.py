@@ -69,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
                 copy = _rechunk.rechunk(store, m, target, progress=progress)
         else:
             copy = _rechunk.find(store, m, target)
-        rechunked = None
-        after = None
+        rechunked = after = None
         if copy is not None:
             after = rs.plan_reads_for(copy.manifest.tensors, target, copy.where)
             rechunked = {
@@ -119,10 +118,8 @@ def _print_text(where, m, target, plan, resumes, copy, after, plan_uri) -> None:
         )
     print()
     print(f"plan recorded: {plan_uri}")
-    if copy is not None:
-        print(f"Checkpointer.restore at world size {target.world_size} reads the rechunked copy through it")
-    else:
-        print(f"Checkpointer.restore at world size {target.world_size} reads the checkpoint itself")
+    what = "the checkpoint itself" if copy is None else "the rechunked copy through it"
+    print(f"Checkpointer.restore at world size {target.world_size} reads {what}")
 
 
 def _print_reads(plan: rs.ReadPlan) -> None:
@@ -150,7 +147,7 @@ def _print_positions(resumes: list[SamplerResume], world_size: int) -> None:
         if r.finished:
             print(f"  epoch {r.epoch} is finished: the job moves on with set_epoch({r.epoch + 1})")
             continue
-        shown = r.ranks if len(r.ranks) <= MAX_ROWS else r.ranks[:MAX_ROWS]
+        shown = r.ranks[:MAX_ROWS]
         rows = [(i, p, n) for i, (p, n) in enumerate(shown)]
         print_table(["  RANK", "RESUMES AT", "SAMPLES LEFT"], rows)
         if len(r.ranks) > len(shown):

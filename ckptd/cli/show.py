@@ -43,13 +43,12 @@ def run(args: argparse.Namespace) -> int:
     with job_root(args.uri) as store:
         m = catalog.load_manifest(store, args.step)
         where = catalog.where(store, m.step)
-    path = mf.step_dir(m.step)
     tensors = sorted(m.tensors.values(), key=lambda t: t.key)
     if args.json:
         print_json(
             {
                 "step": m.step,
-                "checkpoint_path": path,
+                "checkpoint_path": mf.step_dir(m.step),
                 "world_size": m.world_size,
                 "created": m.created,
                 "bytes": m.nbytes,
@@ -68,21 +67,12 @@ def run(args: argparse.Namespace) -> int:
     with_placements = any(t.placements for t in tensors)
     if with_placements:
         headers.append("PLACEMENTS")
-    rows = []
-    for t in tensors:
-        lay = t.layout
-        row = [
-            t.key,
-            shape_str(lay.shape),
-            lay.dtype,
-            shape_str(lay.shard_shape),
-            shape_str(lay.chunk_shape),
-            human_bytes(lay.nbytes),
-            t.path,
-        ]
-        if with_placements:
-            row.append(t.placements or "-")
-        rows.append(row)
+    rows = [
+        [t.key, shape_str(t.layout.shape), t.layout.dtype, shape_str(t.layout.shard_shape)]
+        + [shape_str(t.layout.chunk_shape), human_bytes(t.layout.nbytes), t.path]
+        + ([t.placements or "-"] if with_placements else [])
+        for t in tensors
+    ]
     if rows:
         print()
         print_table(headers, rows)

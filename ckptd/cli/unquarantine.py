@@ -1,10 +1,8 @@
 """``ckptd unquarantine URI --step N [--id ID]``: put a quarantined checkpoint back as committed.
 
-Refused while the step folder holds anything (the job saved that step again), and unless
-``--force`` when a step numbered N or later was committed after the quarantine (the step may
-have been saved again and that save gc'd since). The newest quarantined copy of the step unless
-``--id`` (see ``ckptd quarantine --list``). The copy's ``ckptd verify`` record comes back with
-it, and is printed: a copy recorded bad shows bad in ``ls``."""
+The newest quarantined copy of the step unless ``--id`` (``ckptd quarantine --list``); what refuses
+it, and what ``--force`` overrides: ``ckptd.quarantine.unquarantine``. The copy's ``ckptd verify``
+record comes back with it, and is printed: a copy recorded bad shows bad in ``ls``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """``ckptd verify URI [--step N | --all]``: re-read every chunk of a checkpoint and check its crc32c.
 
 ``--all`` checks every committed step, newest first, goes on past bad ones, and records each
-verdict beside its checkpoint (``_verify.json``, see ``ckptd.verify``): what ``ckptd ls`` shows,
-what ``gc`` keeps (the newest step that passed) and what ``restore(fallback=True)`` skips (steps
-recorded bad). One step is only checked, unless ``--record``: a plain ``verify`` writes nothing.
-A root where the verdict cannot be written (read-only credentials) is still checked; the command
-says the verdict was not recorded.
+verdict beside its checkpoint (``ckptd.verify``; read by ``ls``, ``gc``, ``restore(fallback=True)``).
+One step is only checked, unless ``--record``. A root where the verdict cannot be written
+(read-only credentials) is still checked; the command says the verdict was not recorded.
 """
 
 from __future__ import annotations
@@ -70,15 +68,12 @@ def _record(store, report: _verify.VerifyReport) -> bool:
 
 
 def _as_json(report: _verify.VerifyReport, recorded: bool) -> dict:
+    counts = {k: getattr(report, k) for k in ("arrays", "objects", "bytes", "errors", "warnings")}
     return {
         "step": report.step,
         "checkpoint_path": mf.step_dir(report.step),
         "ok": report.ok,
-        "arrays": report.arrays,
-        "objects": report.objects,
-        "bytes": report.bytes,
-        "errors": report.errors,
-        "warnings": report.warnings,
+        **counts,
         "recorded": recorded,
     }
 
