@@ -30,6 +30,7 @@ __all__ = [
     "copy_file",
     "enter",
     "entries",
+    "gone",
     "identity",
     "is_temp",
     "open_child",
@@ -39,12 +40,7 @@ __all__ = [
     "writev_all",
 ]
 
-try:
-    IOV_MAX = min(os.sysconf("SCIOV_MAX"), 1024)
-except (AttributeError, ValueError, OSError):
-    IOV_MAX = 1024
-if IOV_MAX <= 0:
-    IOV_MAX = 1024
+IOV_MAX = 1024  # the most buffers one writev/preadv takes (Linux's UIO_MAXIOV)
 
 # os.link failures that mean "this filesystem has no hard links", not "the key exists".
 NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
@@ -65,6 +61,12 @@ def _load_syncfs():
 
 
 syncfs = _load_syncfs()
+
+
+def gone(e: OSError) -> bool:
+    """Whether ``e`` says no object or folder of the store is there: the name is missing, or a
+    folder, a file or a link stands where the other was expected (links are never followed)."""
+    return isinstance(e, FileNotFoundError | NotADirectoryError | IsADirectoryError) or e.errno == errno.ELOOP
 
 
 def is_temp(name: str) -> bool:

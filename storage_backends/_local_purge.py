@@ -13,19 +13,18 @@ deepest first so pruning empties parents.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat
 import time
 
-from storage_backends._local_fs import enter, entries, is_temp
+from storage_backends._local_fs import enter, entries, gone, is_temp
 from storage_backends.base import check_dir_prefix, check_key, check_prefix
 
 __all__ = ["Deletes"]
 
 
 class Deletes:
-    """delete, delete_prefix, purge and abort_stale_uploads of ``LocalStore``."""
+    """delete, purge (and so ``delete_prefix``) and abort_stale_uploads of ``LocalStore``."""
 
     def delete(self, key: str) -> None:
         *folders, _ = check_key(key).split("/")
@@ -33,26 +32,15 @@ class Deletes:
             with self._parent(key) as (dfd, name):
                 os.unlink(name, dir_fd=dfd)  # a link is removed itself, never followed
                 os.fsync(dfd)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return  # no such object (a "folder" is not an object either)
         except OSError as e:
-            if e.errno == errno.ELOOP:
-                return  # a link on the way: nothing of this store is there
+            if gone(e):
+                return  # no such object (a "folder" or a link on the way is not one either)
             raise self._fail("delete", f"{key!r}", e) from None
         self._prune(folders)
 
-    def delete_prefix(self, prefix: str) -> int:
-        """Every object under ``prefix``, and the temp files of interrupted writes and the
-        folders it leaves empty (see ``purge``); returns the files removed."""
-        return self.purge(prefix)[0]
-
     def purge(self, prefix: str) -> tuple[int, int]:
         """Objects first (the listing readers use), then what a killed writer left that no
-        listing shows: ``.*.tmp.*`` files and empty folders. Returns (files, bytes) removed.
-        Every name is removed from its parent's descriptor and no link is followed (a link is
-        neither an object nor a folder of this store); only temp files (by name) and empty
-        folders are removed beyond the listed objects, so anything else left there keeps its
-        folder."""
+        listing shows: ``.*.tmp.*`` files and empty folders. Returns (files, bytes) removed."""
         check_prefix(prefix)
         n = nbytes = 0
         dirs: set[tuple[str, ...]] = set()
@@ -61,10 +49,8 @@ class Deletes:
             try:
                 with self._parent(info.key) as (dfd, name):
                     os.unlink(name, dir_fd=dfd)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
             except OSError as e:
-                if e.errno == errno.ELOOP:
+                if gone(e):
                     continue
                 raise self._fail("delete", f"{info.key!r}", e) from None
             n += 1
@@ -166,7 +152,7 @@ class Deletes:
         try:
             fd = self._dir_fd(top)
         except OSError as e:
-            if isinstance(e, FileNotFoundError | NotADirectoryError) or e.errno == errno.ELOOP:
+            if gone(e):
                 return 0, 0, touched
             raise
         try:

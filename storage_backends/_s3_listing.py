@@ -99,9 +99,6 @@ class Listing:
         with contextlib.suppress(NoSuchBucket):  # deleting a missing key is not an error
             self._call("DeleteObject", key, self._client.delete_object, Bucket=self.bucket, Key=full)
 
-    def delete_prefix(self, prefix: str) -> int:
-        return self.purge(prefix)[0]
-
     def purge(self, prefix: str) -> tuple[int, int]:
         """Objects under ``prefix`` (S3 has no temp files or folders to leave behind; the
         incomplete multipart uploads of killed writers are ``abort_uploads``'s).

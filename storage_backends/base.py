@@ -228,12 +228,8 @@ class Store(abc.ABC):
         """Delete the object; deleting a missing key is not an error."""
 
     def delete_prefix(self, prefix: str) -> int:
-        """Delete every object under ``prefix``; returns how many. Backends may batch."""
-        n = 0
-        for info in list(self.list(prefix)):
-            self.delete(info.key)
-            n += 1
-        return n
+        """Delete every object under ``prefix`` (by ``purge``); returns how many."""
+        return self.purge(prefix)[0]
 
     def purge(self, prefix: str) -> tuple[int, int]:
         """Like ``delete_prefix``, and also remove what a backend keeps beside its objects under

@@ -41,6 +41,7 @@ from storage_backends._local_fs import (
     FILE_OPEN,
     NO_LINK_ERRNOS,
     copy_file,
+    gone,
     identity,
     syncfs,
     walk_down,
@@ -110,15 +111,12 @@ class LocalStore(Reads, Deletes, Store):
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _path(self, key: str) -> str:
-        return os.path.join(self.root, *check_key(key).split("/"))
-
     def _fail(self, op: str, what: str, e: OSError, hint: str = "") -> StorageError:
         return StorageError(f"{self.uri}: {op} {what} failed: {e.strerror or e} (errno {e.errno}){hint}")
 
     def _err(self, op: str, key: str, e: OSError) -> StorageError:
         """For reads: a missing file (or a folder, a link, a non-folder on the way) is NotFoundError."""
-        if isinstance(e, FileNotFoundError | NotADirectoryError | IsADirectoryError) or e.errno == errno.ELOOP:
+        if gone(e):
             return NotFoundError(f"{self.uri}: no object {key!r}")
         return self._fail(op, repr(key), e)
 
@@ -165,7 +163,7 @@ class LocalStore(Reads, Deletes, Store):
 
         return walk_down(fd, self._below_parts, create, made)
 
-    def _root_exists(self) -> bool:
+    def exists_root(self) -> bool:
         try:
             os.close(self._root_fd())
         except OSError:
@@ -338,53 +336,42 @@ class LocalStore(Reads, Deletes, Store):
             raise self._write_error("put", key, e) from None
 
     def put_if_absent(self, key: str, data: Data) -> bool:
-        views = as_buffers(data)
-        try:
-            fd, tmp, name = self._make_temp(key, self._fill(views))
-            try:
-                try:
-                    # link(2) is the atomic create-if-absent of POSIX: it fails with EEXIST if the
-                    # name exists (a link too), and the new name appears with the complete,
-                    # fsynced content.
-                    os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
-                    won = True
-                except FileExistsError:
-                    won = False
-                finally:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp, dir_fd=fd)
-                if won:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            hint = " (the filesystem does not support hard links)" if e.errno in NO_LINK_ERRNOS else ""
-            raise self._write_error("put_if_absent", key, e, hint) from None
-        return won
+        return self._link_new("put_if_absent", key, data, durable=True) is not None
 
     def put_new(self, key: str, data: Data) -> tuple[int, int, int, int]:
         """Create-only, durable at the next ``sync``: the temp file is hard-linked to the key's
         name (``link(2)`` fails with EEXIST: ExistsError, nothing replaced), never renamed over
         it, then unlinked. Returns the file's (st_dev, st_ino, st_mtime_ns, st_size), its identity
         for ``delete_if`` (the inode number alone may be reused by a file made after ours)."""
-        views = as_buffers(data)
+        st = self._link_new("put_new", key, data, durable=False)
+        if st is None:
+            raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it")
+        return identity(st)
+
+    def _link_new(self, op: str, key: str, data: Data, durable: bool) -> os.stat_result | None:
+        """Write a temp file and hard-link it to the key's name: the stat of the file if this
+        call created the name, None if it was taken. link(2) is the atomic create-if-absent of
+        POSIX: it fails with EEXIST if the name exists (a link too), and the new name appears
+        with the complete content (fsynced, with its name, when ``durable``)."""
         try:
-            fd, tmp, name = self._make_temp(key, self._fill(views, durable=False), durable=False)
+            fd, tmp, name = self._make_temp(key, self._fill(as_buffers(data), durable), durable)
             try:
                 try:
                     st = os.stat(tmp, dir_fd=fd, follow_symlinks=False)
                     os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
                 except FileExistsError:
-                    raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it") from None
+                    return None
                 finally:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp, dir_fd=fd)
+                if durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError as e:
             hint = " (the filesystem does not support hard links)" if e.errno in NO_LINK_ERRNOS else ""
-            raise self._write_error("put_new", key, e, hint) from None
-        return identity(st)
+            raise self._write_error(op, key, e, hint) from None
+        return st
 
     def delete_if(self, key: str, tag: object) -> bool:
         """Rename the name aside to a temp name of our own, check the file's identity there,
@@ -411,7 +398,7 @@ class LocalStore(Reads, Deletes, Store):
                 os.unlink(aside, dir_fd=dfd)
                 os.fsync(dfd)
         except OSError as e:
-            if e.errno == errno.ELOOP or isinstance(e, FileNotFoundError | NotADirectoryError):
+            if gone(e):
                 return False
             raise self._fail("delete_if", f"{key!r}", e) from None
         if ours:
@@ -439,14 +426,8 @@ class LocalStore(Reads, Deletes, Store):
                     self._replace(fd, tmp, name)
                 finally:
                     os.close(fd)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            if e.filename is None and not self.exists(src_key):
-                raise NotFoundError(f"{self.uri}: no object {src_key!r}") from None
-            if not self.exists(src_key):
-                raise NotFoundError(f"{self.uri}: no object {src_key!r}") from None
-            raise self._write_error("copy", f"{src_key} -> {dst_key}", e) from None
         except OSError as e:
-            if e.errno == errno.ELOOP and not self.exists(src_key):
+            if gone(e) and not self.exists(src_key):
                 raise NotFoundError(f"{self.uri}: no object {src_key!r}") from None
             raise self._write_error("copy", f"{src_key} -> {dst_key}", e) from None
 
