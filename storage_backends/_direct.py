@@ -56,8 +56,7 @@ class BouncePool:
 
     @contextlib.contextmanager
     def lend(self) -> Iterator[mmap.mmap]:
-        self._slots.acquire()
-        try:
+        with self._slots:
             try:
                 buf = self._free.get_nowait()
             except queue.Empty:
@@ -66,8 +65,6 @@ class BouncePool:
                 yield buf
             finally:
                 self._free.put(buf)
-        finally:
-            self._slots.release()
 
 
 def open_direct(path: str, dir_fd: int | None = None) -> int:

@@ -7,7 +7,7 @@ a folder keeps it; folders are fsynced once each after their files went (not onc
 deepest first so pruning empties parents.
 
 ``Deletes`` is a mixin of ``LocalStore`` (``storage_backends.local``): it uses the store's
-``list``, ``_parent``, ``_dir_fd``, ``_prune`` and ``_fail``.
+``list``, ``_parent``, ``_dir_fd``, ``_folder``, ``_prune`` and ``_fail``.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Deletes:
         folder, _, name_prefix = prefix.rpartition("/")
         top = tuple(folder.split("/")) if folder else ()
         try:
-            m, mbytes, emptied = self._purge_leftovers(top, name_prefix)
+            m, mbytes, emptied = self._purge_leftovers(prefix, top, name_prefix)
         except OSError as e:
             raise self._fail("delete", f"{prefix!r}", e) from None
         n, nbytes = n + m, nbytes + mbytes
@@ -114,7 +114,9 @@ class Deletes:
             os.close(fd)
         return sorted(removed)
 
-    def _purge_leftovers(self, top: tuple[str, ...], name_prefix: str) -> tuple[int, int, set[tuple[str, ...]]]:
+    def _purge_leftovers(
+        self, prefix: str, top: tuple[str, ...], name_prefix: str
+    ) -> tuple[int, int, set[tuple[str, ...]]]:
         """Remove temp files named for keys under ``top``/``name_prefix`` and the empty folders
         there, walking by descriptors; returns (files, bytes, folders touched)."""
         counts = [0, 0]
@@ -135,11 +137,10 @@ class Deletes:
         def tree(dfd: int, where: tuple[str, ...]) -> None:
             """Temp files and empty sub-folders of the folder ``dfd`` (links never entered)."""
             for name, is_dir in entries(dfd):
-                if not is_dir:
-                    if is_temp(name):
-                        unlink_temp(dfd, name, where)
-                    continue
-                sub(dfd, name, where)
+                if is_dir:
+                    sub(dfd, name, where)
+                elif is_temp(name):
+                    unlink_temp(dfd, name, where)
 
         def sub(dfd: int, name: str, where: tuple[str, ...]) -> None:
             """The sub-folder ``name`` of ``dfd``: its tree, then itself if that left it empty."""
@@ -149,12 +150,9 @@ class Deletes:
                 os.rmdir(name, dir_fd=dfd)  # fails unless empty: then something else lives there
                 touched.add(where)
 
-        try:
-            fd = self._dir_fd(top)
-        except OSError as e:
-            if gone(e):
-                return 0, 0, touched
-            raise
+        fd = self._folder(top, "delete", prefix)
+        if fd is None:
+            return 0, 0, touched
         try:
             for name, is_dir in entries(fd):
                 if is_temp(name):

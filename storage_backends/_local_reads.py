@@ -97,7 +97,7 @@ class Reads:
             raise NotFoundError(f"{self.uri}: no object {key!r}")
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
-    def _folder(self, folders: list[str], op: str, what: str) -> int | None:
+    def _folder(self, folders: Sequence[str], op: str, what: str) -> int | None:
         """The folder's descriptor, or None where it is missing or a link or a file is on the way
         (a link below the root is not a folder of this store)."""
         try:

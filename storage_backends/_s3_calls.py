@@ -156,8 +156,12 @@ class Caller:
                     raise self.error(op, where, e, attempt) from None
             except BotoCoreError as e:  # no credentials, bad parameters, ...
                 raise self.error(op, where, e, attempt) from None
-            time.sleep(random.uniform(0, min(10.0, self.backoff * 2 ** (attempt - 1))))
+            self.pause(attempt)
         raise AssertionError("unreachable")
+
+    def pause(self, attempt: int) -> None:
+        """The backoff after try ``attempt``: full jitter, capped at 10 s."""
+        time.sleep(random.uniform(0, min(10.0, self.backoff * 2 ** (attempt - 1))))
 
     def error(self, op: str, where: str, e: Exception, attempts: int) -> StorageError:
         after = f" after {attempts} attempts" if attempts > 1 else ""

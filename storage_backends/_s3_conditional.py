@@ -11,7 +11,7 @@ given: a HEAD compares it (all a server that ignores If-Match on DeleteObject ge
 DeleteObject carries If-Match where the server honours it.
 
 ``ConditionalWrites`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's
-``_call``, ``_full``, ``_where``, ``_head``, ``_put_object``, ``_put_multipart``, ``_abort``,
+``_call``, ``_full``, ``_where``, ``_head``, ``_ours``, ``_put_object``, ``_put_multipart``, ``_abort``,
 ``_client``, ``_prefix``, ``bucket``, ``endpoint_url``, ``multipart_threshold`` and
 ``max_put_size``, and keeps the probe's answer in ``_conditional_complete``.
 """
@@ -44,7 +44,7 @@ class ConditionalWrites:
                 self._require_conditional_complete(key, size)
                 self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
         except PreconditionFailed:
-            return self._ours(key, meta) is not None
+            return self._ours(key, meta[WRITER_META]) is not None
         return True
 
     def put_new(self, key: str, data: Data) -> str:
@@ -63,7 +63,7 @@ class ConditionalWrites:
             resp = self._put_object(key, views, IfNoneMatch="*", Metadata=meta)
             return str(resp.get("ETag", ""))
         except PreconditionFailed:
-            head = self._ours(key, meta)
+            head = self._ours(key, meta[WRITER_META])
             if head is not None:
                 return str(head.get("ETag", ""))
             raise ExistsError(f"{self._where(key)}: exists; a create-only write never replaces it") from None
@@ -77,15 +77,6 @@ class ConditionalWrites:
         check_key(key)
         views = as_buffers(data)
         return views, sum(v.nbytes for v in views), {WRITER_META: secrets.token_hex(16)}
-
-    def _ours(self, key: str, meta: dict[str, str]) -> dict | None:
-        """After a 412: the object's HeadObject if it carries this call's writer token, else
-        None (someone else's, or already deleted again)."""
-        try:
-            head = self._head(key)
-        except NotFoundError:
-            return None
-        return head if head.get("Metadata", {}).get(WRITER_META) == meta[WRITER_META] else None
 
     def _multipart_conditional(self, key: str, size: int) -> bool:
         """Whether a create-only put of ``size`` bytes may be a multipart upload here. A probe

@@ -13,8 +13,6 @@ failed with a transient code, and fails with one StorageError only after every b
 from __future__ import annotations
 
 import contextlib
-import random
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -70,19 +68,14 @@ class Listing:
                     yield ObjectInfo(key, obj["Size"], obj["LastModified"].timestamp())
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
-        prefix = check_dir_prefix(prefix)
-        strip = len(self._prefix) + len(prefix)
-        names, folders = [], []
-        for page in self._pages(prefix, Delimiter="/"):
-            names += [o["Key"][strip:] for o in page.get("Contents", []) if o["Key"][strip:]]
-            folders += [p["Prefix"][strip:].rstrip("/") for p in page.get("CommonPrefixes", [])]
-        return sorted(names), sorted(f for f in folders if f)
+        return self.list_dir_after(prefix, "")
 
     def list_dir_after(self, prefix: str, after: str) -> tuple[list[str], list[str]]:
         prefix = check_dir_prefix(prefix)
         strip = len(self._prefix) + len(prefix)
         names, folders = [], []
-        for page in self._pages(prefix, Delimiter="/", StartAfter=self._prefix + prefix + after):
+        start = {"StartAfter": self._prefix + prefix + after} if after else {}
+        for page in self._pages(prefix, Delimiter="/", **start):
             names += [o["Key"][strip:] for o in page.get("Contents", []) if o["Key"][strip:] > after]
             folders += [p["Prefix"][strip:].rstrip("/") for p in page.get("CommonPrefixes", [])]
         return sorted(names), sorted(f for f in folders if f > after)
@@ -152,4 +145,4 @@ class Listing:
                 )
             n = len(self._prefix)
             left = [str(e.get("Key", ""))[n:] for e in errors]
-            time.sleep(random.uniform(0, min(10.0, self._caller.backoff * 2 ** (attempt - 1))))
+            self._caller.pause(attempt)

@@ -64,15 +64,10 @@ class Multipart:
             tries += 1
             return self._client.create_multipart_upload(**kwargs)
 
+        algorithm = {"ChecksumAlgorithm": "CRC32"} if checksum else {}
         try:
             resp = self._call(
-                "CreateMultipartUpload",
-                key,
-                create,
-                Bucket=self.bucket,
-                Key=full,
-                Metadata=meta,
-                **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
+                "CreateMultipartUpload", key, create, Bucket=self.bucket, Key=full, Metadata=meta, **algorithm
             )
         except BaseException:
             if tries:
@@ -97,7 +92,7 @@ class Multipart:
                 UploadId=upload_id,
                 PartNumber=number,
                 Body=body,
-                **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
+                **algorithm,
             )
             self._saw_checksum(resp)
             part = {"PartNumber": number, "ETag": resp["ETag"]}
@@ -126,26 +121,25 @@ class Multipart:
             except NoSuchUpload:
                 # A retried Complete whose first try succeeded (and lost its response) finds the
                 # upload gone: it succeeded if the object there carries our token.
-                try:
-                    ours = self._head(key).get("Metadata", {}).get(WRITER_META) == token
-                except NotFoundError:
-                    ours = False
-                if not ours:
+                head = self._ours(key, token)
+                if head is None:
                     raise
-                return self._head(key).get("ETag", "")
+                return head.get("ETag", "")
             return str(done.get("ETag", ""))
         except BaseException:
             # Parts of an unfinished upload are stored (and billed) until aborted.
             with contextlib.suppress(StorageError):
-                self._call(
-                    "AbortMultipartUpload",
-                    key,
-                    self._client.abort_multipart_upload,
-                    Bucket=self.bucket,
-                    Key=full,
-                    UploadId=upload_id,
-                )
+                self._abort(full, upload_id)
             raise
+
+    def _ours(self, key: str, token: str) -> dict | None:
+        """The object's HeadObject if it carries the writer token ``token`` (``WRITER_META``),
+        else None (someone else's, or gone)."""
+        try:
+            head = self._head(key)
+        except NotFoundError:
+            return None
+        return head if head.get("Metadata", {}).get(WRITER_META) == token else None
 
     def _uploads(self, key_prefix: str) -> Iterator[dict]:
         """Incomplete multipart uploads whose key starts with ``key_prefix`` (relative)."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from storage_backends._s3_buffers import cumulative, slice_views, stream_into
 from storage_backends._s3_calls import InvalidRange, PreconditionFailed, Truncated
@@ -24,11 +25,7 @@ from storage_backends.base import ObjectInfo, StorageError, as_writable_buffers,
 
 __all__ = ["Reads"]
 
-
-class _Changed(Exception):
-    """The object was replaced while we read it in pieces; read it again."""
-
-
+T = TypeVar("T")
 _MAX_GET_BYTES = int(os.environ.get("CKPTD_S3_MAX_GET_BYTES", str(64 << 30)))
 
 
@@ -78,11 +75,14 @@ class Reads:
         into ``bytes``; ``get_range_into`` fills the caller's buffers without that copy. The size
         the server reports is checked against ``limit`` (and ``CKPTD_S3_MAX_GET_BYTES``, 64 GiB by
         default) before that buffer is allocated, and the first GET asks for at most one part."""
+        return self._again(key, lambda: self._get_whole(key, limit))
+
+    def _again(self, key: str, read: Callable[[], T]) -> T:
+        """``read()``, started again while the object is replaced under it (a piece's
+        ``If-Match`` fails), up to three times."""
         for _ in range(3):
-            try:
-                return self._get_whole(key, limit)
-            except _Changed:
-                continue
+            with contextlib.suppress(PreconditionFailed):
+                return read()
         raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
 
     def _get_whole(self, key: str, limit: int | None = None) -> bytes:
@@ -108,12 +108,7 @@ class Reads:
         del first
         etag = resp["ETag"]
         pieces = [(off, min(self.part_size, total - off)) for off in range(got, total, self.part_size)]
-        try:
-            self._submit_all(
-                [lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces]
-            )
-        except PreconditionFailed:
-            raise _Changed() from None
+        self._submit_all([lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces])
         return bytes(buf)
 
     def _get_first(self, key: str, rng: str | None, most: int | None = None) -> tuple[bytes, dict]:
@@ -136,9 +131,9 @@ class Reads:
         return self._call("GetObject", key, attempt)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        if length <= 0 or length > self._one_get:
-            buf = bytearray(max(length, 0))
-            self._range_into(key, start, length, [memoryview(buf)] if length > 0 else [])
+        if length > self._one_get:
+            buf = bytearray(length)
+            self._range_into(key, start, length, [memoryview(buf)])
             return bytes(buf)
         return self._get_range_one(key, start, length)
 
@@ -164,16 +159,14 @@ class Reads:
         if 0 < length <= self._one_get:
             self._get_into(key, start, views)
             return
+
         # Empty or large: learn the size first, and the ETag that pins the pieces to one version.
-        for _ in range(3):
+        def read() -> None:
             info = self._head(key)
             pos = resolve_range(self.uri, key, start, length, info["ContentLength"])
-            try:
-                self._pieces_into(key, pos, length, views, info["ETag"])
-                return
-            except PreconditionFailed:
-                continue
-        raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
+            self._pieces_into(key, pos, length, views, info["ETag"])
+
+        self._again(key, read)
 
     def _pieces_into(self, key: str, pos: int, length: int, views: list[memoryview], etag: str) -> None:
         """Bytes [pos, pos + length) into ``views`` as parallel part-sized GETs."""

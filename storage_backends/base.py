@@ -115,12 +115,8 @@ def check_limit(uri: str, key: str, size: int, limit: int | None) -> None:
 
 def as_buffers(data: Data) -> list[memoryview]:
     """Normalise ``put`` data to a list of flat byte memoryviews."""
-    if isinstance(data, bytes | bytearray | memoryview):
-        items: Sequence = [data]
-    else:
-        items = data
     out = []
-    for d in items:
+    for d in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
         mv = memoryview(d)
         if mv.ndim != 1 or mv.format != "B" or not mv.c_contiguous:
             # cast() only works on C-contiguous views; anything else (Fortran order, strided) is

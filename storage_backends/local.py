@@ -93,12 +93,10 @@ class LocalStore(Reads, Deletes, Store):
         if below is not None:
             base = os.path.abspath(below)
             rel = os.path.relpath(self.root, base)
-            if rel == os.curdir:
-                rel = ""
             if rel == os.pardir or rel.startswith(os.pardir + os.sep):
                 raise StorageError(f"{self.root} is not inside {base}")
             self._below = base
-            self._below_parts = tuple(p for p in rel.split(os.sep) if p)
+            self._below_parts = tuple(p for p in rel.split(os.sep) if p not in ("", os.curdir))
         # Folders made by put_deferred, durable after the next sync (or the next durable put below
         # them, which fsyncs their parents first).
         self._deferred_dirs: set[str] = set()
@@ -236,44 +234,18 @@ class LocalStore(Reads, Deletes, Store):
         direct = self._direct and sum(v.nbytes for v in views) >= DIRECT_MIN_BYTES
 
         def create(dir_fd: int, tmp: str) -> None:
-            if direct and self._direct and self._fill_direct(dir_fd, tmp, views, durable):
-                return
+            if direct and self._direct:
+                # O_DIRECT; if the filesystem refuses it (nothing is left behind), this store
+                # writes buffered from now on.
+                try:
+                    fd = open_direct(tmp, dir_fd=dir_fd)
+                    return _write_temp(dir_fd, tmp, fd, lambda fd: write_direct(fd, views, self._bounce), durable)
+                except DirectUnsupported as e:
+                    self._no_direct(e)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-            try:
-                writev_all(fd, views)
-                if durable:
-                    os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=dir_fd)
-                raise
-            os.close(fd)
+            _write_temp(dir_fd, tmp, fd, lambda fd: writev_all(fd, views), durable)
 
         return create
-
-    def _fill_direct(self, dir_fd: int, tmp: str, views: list[memoryview], durable: bool) -> bool:
-        """Write ``tmp`` with O_DIRECT; False (nothing left behind) if the filesystem refuses
-        it, after which this store writes buffered."""
-        try:
-            fd = open_direct(tmp, dir_fd=dir_fd)
-        except DirectUnsupported as e:
-            self._no_direct(e)
-            return False
-        try:
-            write_direct(fd, views, self._bounce)
-            if durable:
-                os.fsync(fd)
-        except BaseException as e:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            if isinstance(e, DirectUnsupported):
-                self._no_direct(e)
-                return False
-            raise
-        os.close(fd)
-        return True
 
     def _no_direct(self, e: OSError) -> None:
         if self._direct:
@@ -441,3 +413,18 @@ class LocalStore(Reads, Deletes, Store):
             raise
         if durable:
             os.fsync(dir_fd)
+
+
+def _write_temp(dir_fd: int, tmp: str, fd: int, write: Callable[[int], object], durable: bool) -> None:
+    """``write(fd)`` into the new temp file ``fd``, fsync it if ``durable``, close it; on a
+    failure the file is closed and removed."""
+    try:
+        write(fd)
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(fd)

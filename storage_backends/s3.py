@@ -24,29 +24,20 @@ checks it (it stores a body corrupted in flight), so there every body stays sign
 corrupted one is refused (XAmzContentSHA256Mismatch). Over https botocore never signs payloads
 that carry a checksum.
 
-Retries: by default adaptive pacing (``s3_retry``): after a SlowDown (503, throttling) in a scope
-(the first folder below the root: one step's objects) every thread of the store sends fewer
-requests per second there, a token bucket whose rate drops to 0.7x on a throttle and grows back
-on successes; a paced store makes all of a call's ``max_attempts x (retries + 1)`` tries itself
-(``_s3_calls.Caller``), so no retry quota of botocore's can cut them short.
-``CKPTD_S3_RETRY_MODE=standard`` turns pacing off and leaves each try of ours to botocore's own
-retries ("standard" mode, with its retry quota); ``CKPTD_S3_MIN_RATE`` (requests/s, default
-0.2) is the floor a scope's rate is never cut below.
+Retries: by default adaptive pacing (``s3_retry``): after a SlowDown in a scope (one step's
+objects) every thread of the store sends fewer requests per second there, and a paced store
+makes all of a call's ``max_attempts x (retries + 1)`` tries itself (``_s3_calls.Caller``), so
+no retry quota of botocore's can cut them short. ``CKPTD_S3_RETRY_MODE=standard`` turns pacing
+off and leaves each try of ours to botocore's "standard" retries.
 
-``purge`` sends its DeleteObjects (1000 keys each) from ``CKPTD_S3_DELETE_WORKERS`` (default 4)
-threads at once, retries the keys a batch reports as failed, and fails naming the rest.
-
-``put_if_absent`` needs conditional writes: ``If-None-Match: *`` on PutObject, which AWS S3
-(since 2024-08), MinIO, Ceph RGW (16.2 Pacific, tested for real) and moto honour with 412
-PreconditionFailed. It is therefore always one PutObject, up to S3's single-PUT limit of 5 GiB
-(``max_put_size``), never a multipart upload: Ceph RGW 16.2 (Pacific) ignores If-None-Match on
-CompleteMultipartUpload and overwrites the object, so a multipart put_if_absent there would make
-every racing writer win. Above that limit it is a multipart upload whose Complete carries the
-condition, only once a probe (run once per store) showed that the server refuses such a Complete
-over an existing object; a server that ignores it gets one clear StorageError instead.
-(moto's server tests and writes without a lock, so two racing writers could in theory both win
-there, which real S3 rules out.) A store that silently ignores the header on PutObject too would
-make every writer win; don't point ckptd at one.
+``put_if_absent`` needs ``If-None-Match: *`` on PutObject, which AWS S3 (since 2024-08), MinIO,
+Ceph RGW 16.2 and moto honour with 412. It is one PutObject up to S3's single-PUT limit of 5 GiB
+(``max_put_size``), never a multipart upload: Ceph RGW 16.2 ignores If-None-Match on
+CompleteMultipartUpload and overwrites, so every racing writer would win (``_s3_conditional``
+probes for that before it uploads more than the limit). (moto's server tests and writes without
+a lock, so two racing writers could in theory both win there, which real S3 rules out.) A store
+that silently ignores the header on PutObject too would make every writer win; don't point
+ckptd at one.
 A missing bucket is an empty store for reads, but puts do not create buckets (that needs
 permissions and a region choice that belong to the operator): they fail with NoSuchBucket.
 
@@ -297,9 +288,8 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         return resp
 
     def _saw_checksum(self, resp: dict) -> None:
-        """After a PUT of a body: a response that echoes its CRC32 shows the server checks it,
-        so later bodies need no SHA-256 signature over http (the module's docstring). Until then
-        botocore signs them (its default without TLS)."""
+        """After a PUT: a response that echoes its CRC32 shows the server checks it, so later
+        bodies need no SHA-256 signature over http (the module's docstring)."""
         if self._checksums_checked or not resp.get("ChecksumCRC32"):
             return
         self._checksums_checked = True
