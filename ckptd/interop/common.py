@@ -28,6 +28,7 @@ import ctypes
 import math
 import mmap
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -60,10 +61,7 @@ __all__ = [
     "check_output",
     "flat_tensors",
     "one_line",
-    "partial_path",
-    "publish",
     "release_file_pages",
-    "remove_partial",
     "staged_output",
     "trim_heap",
     "write_import",
@@ -308,12 +306,9 @@ def flat_tensors(saved: SavedCheckpoint, name: str) -> tuple[dict[str, torch.Ten
             if flat in out:
                 raise CheckpointError(f"{saved.where}: two tensors of {name!r} flatten to the name {flat!r}")
             out[flat] = x
-        elif isinstance(x, dict):
-            for k, v in x.items():
+        elif isinstance(x, dict | list | tuple):
+            for k, v in x.items() if isinstance(x, dict) else enumerate(x):
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(x, list | tuple):
-            for i, v in enumerate(x):
-                walk(f"{prefix}.{i}" if prefix else str(i), v)
         else:
             skipped += 1
 
@@ -336,39 +331,23 @@ def check_output(out: str) -> None:
         raise CheckpointError(f"{out}: parent folder {parent} does not exist")
 
 
-def partial_path(out: str) -> str:
-    """Where an export is written before it is renamed to ``out``, so that ``out`` never holds a
-    half-written export."""
-    head, tail = os.path.split(os.path.abspath(out))
-    return os.path.join(head, f".{tail}.partial-{os.getpid()}")
-
-
-def publish(tmp: str, out: str) -> None:
-    if os.path.isdir(out):  # the empty folder check_output allowed
-        os.rmdir(out)
-    os.replace(tmp, out)
-
-
-def remove_partial(tmp: str) -> None:
-    import shutil
-
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
-    elif os.path.lexists(tmp):
-        os.unlink(tmp)
-
-
 @contextlib.contextmanager
 def staged_output(out: str) -> Iterator[str]:
-    """Yield the :func:`partial_path` to write an export to; :func:`publish` it as ``out`` when
-    the block ends normally, remove it when the block (or the publish) raises. The caller checks
-    ``out`` with :func:`check_output` first."""
-    tmp = partial_path(out)
+    """Yield a path beside ``out`` to write an export to, so that ``out`` never holds a
+    half-written export; rename it to ``out`` when the block ends normally, remove it when the
+    block (or the rename) raises. The caller checks ``out`` with :func:`check_output` first."""
+    head, tail = os.path.split(os.path.abspath(out))
+    tmp = os.path.join(head, f".{tail}.partial-{os.getpid()}")
     try:
         yield tmp
-        publish(tmp, out)
+        if os.path.isdir(out):  # the empty folder check_output allowed
+            os.rmdir(out)
+        os.replace(tmp, out)
     except BaseException:
-        remove_partial(tmp)
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.lexists(tmp):
+            os.unlink(tmp)
         raise
 
 

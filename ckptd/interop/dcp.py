@@ -291,10 +291,7 @@ class _LazySavePlanner(DefaultSavePlanner):
 def write(saved: SavedCheckpoint, out: str, progress: Progress = _no_progress) -> ExportResult:
     """Write every state entry of ``saved`` as a DCP folder ``out``; returns the files written."""
     check_output(out)
-    state = {}
-    for name in saved.names:
-        _, tree = saved.decode(name)
-        state[name] = tree
+    state = {name: saved.decode(name)[1] for name in saved.names}
     total = len(saved.manifest.tensors)
     try:
         with staged_output(out) as tmp:

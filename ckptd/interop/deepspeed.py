@@ -58,10 +58,6 @@ DEEPSPEED_BOOKKEEPING = (
 )
 
 
-def _load(path: str, mmap: bool = True) -> Any:
-    return safe_load(path, mmap)[0]
-
-
 def _param(obj: Any, path: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """The tensor of one ``zero/<name>/<state>.pt``: ZeRO-1/2 store ``{"param": tensor}``; ZeRO-3
     stores the bare flat tensor, given its ``shape`` from the model states (``_zero3_shapes``)."""
@@ -133,7 +129,7 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
         folder = os.path.join(zero, name)
         for fname in sorted(f for f in os.listdir(folder) if f.endswith(".pt")):
             path = os.path.join(folder, fname)
-            obj = _load(path)
+            obj = safe_load(path)[0]
             if fname == STEP:
                 step = obj.item() if isinstance(obj, torch.Tensor) else obj
                 if not isinstance(step, int | float):
@@ -165,7 +161,7 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
             if isinstance(it.source, torch.Tensor):  # the step, made here
                 yield it, it.source
                 continue
-            obj = _load(it.source)
+            obj = safe_load(it.source)[0]
             yield it, _param(obj, it.source, shape_of(os.path.basename(os.path.dirname(it.source)), obj))
             release_file_pages(it.source)
 
