@@ -8,6 +8,7 @@ at most one part per worker, never the whole object (see ``_s3_multipart``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,11 +38,7 @@ def slice_views(views: Sequence[memoryview], ends: Sequence[int], start: int, n:
 
 
 def cumulative(views: Sequence[memoryview]) -> list[int]:
-    ends, total = [], 0
-    for v in views:
-        total += v.nbytes
-        ends.append(total)
-    return ends
+    return list(itertools.accumulate(v.nbytes for v in views))
 
 
 def stream_into(body: Any, views: list[memoryview]) -> int:

@@ -135,14 +135,12 @@ class ConditionalWrites:
                         IfNoneMatch="*",
                     )
                     self._conditional_complete = False
-                except PreconditionFailed:
+                except BaseException as e:
+                    with contextlib.suppress(StorageError):  # leave no upload behind
+                        self._abort(probe, uid)
+                    if not isinstance(e, PreconditionFailed):
+                        raise  # the probe itself failed: undecided
                     self._conditional_complete = True
-                    with contextlib.suppress(StorageError):
-                        self._abort(probe, uid)
-                except BaseException:  # the probe itself failed (undecided): leave no upload behind
-                    with contextlib.suppress(StorageError):
-                        self._abort(probe, uid)
-                    raise
             finally:
                 with contextlib.suppress(StorageError):
                     self._call("DeleteObject", "", c.delete_object, Bucket=b, Key=probe)

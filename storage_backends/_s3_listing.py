@@ -94,15 +94,10 @@ class Listing:
 
     def purge(self, prefix: str) -> tuple[int, int]:
         """Objects under ``prefix`` (S3 has no temp files or folders to leave behind; the
-        incomplete multipart uploads of killed writers are ``abort_uploads``'s).
-
-        The listing is paged (1000 keys a page); the keys then go in DeleteObjects of at most
-        1000 keys, ``delete_workers`` of them in flight at once (a 4096-rank checkpoint of 1000
-        arrays is 4096 batches: sequential, that is minutes of round trips). Keys a batch
-        reports as failed with a transient code (InternalError, SlowDown, ...) are sent again,
-        up to the store's tries; any other code, or keys still failing after them, fail the
-        purge with one StorageError naming a key and how many are left (after every batch has
-        been tried: the rest are deleted)."""
+        incomplete multipart uploads of killed writers are ``abort_stale_uploads``'s), in
+        batches, ``delete_workers`` of them in flight at once (a 4096-rank checkpoint of 1000
+        arrays is 4096 batches: sequential, that is minutes of round trips). A failure names a
+        key and how many are left."""
         check_prefix(prefix)
         infos = list(self._list(prefix))
         keys = [info.key for info in infos]

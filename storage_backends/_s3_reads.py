@@ -72,9 +72,8 @@ class Reads:
 
     def get(self, key: str, limit: int | None = None) -> bytes:
         """A large object is fetched as parallel ranged GETs into one buffer, then copied once
-        into ``bytes``; ``get_range_into`` fills the caller's buffers without that copy. The size
-        the server reports is checked against ``limit`` (and ``CKPTD_S3_MAX_GET_BYTES``, 64 GiB by
-        default) before that buffer is allocated, and the first GET asks for at most one part."""
+        into ``bytes`` (``get_range_into`` fills the caller's buffers without that copy); the
+        first GET asks for at most one part."""
         return self._again(key, lambda: self._get_whole(key, limit))
 
     def _again(self, key: str, read: Callable[[], T]) -> T:
@@ -91,7 +90,7 @@ class Reads:
         try:
             first, resp = self._get_first(key, f"bytes=0-{first_len - 1}")
         except InvalidRange:  # a ranged GET of an empty object is a 416
-            return self._get_first(key, None, 0)[0]  # an empty object: at most 0 bytes expected
+            return self._get_first(key, None)[0]  # an empty object: at most 0 bytes expected
         if len(first) > first_len:  # a server ignoring the Range: never trust its size
             raise StorageError(
                 f"{self._where(key)}: GetObject returned {len(first)} bytes for a {first_len}-byte range"
@@ -111,12 +110,11 @@ class Reads:
         self._submit_all([lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces])
         return bytes(buf)
 
-    def _get_first(self, key: str, rng: str | None, most: int | None = None) -> tuple[bytes, dict]:
-        """One GET; reads at most ``most`` bytes (the range's length) + 1 of the body, so a
+    def _get_first(self, key: str, rng: str | None) -> tuple[bytes, dict]:
+        """One GET; reads at most the range's length (0 without one) + 1 bytes of the body, so a
         server that sends more than asked cannot make us buffer it."""
         extra = {"Range": rng} if rng else {}
-        if most is None:
-            most = int(rng.rsplit("-", 1)[1]) + 1 if rng else 0
+        most = int(rng.rsplit("-", 1)[1]) + 1 if rng else 0
 
         def attempt() -> tuple[bytes, dict]:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **extra)

@@ -8,11 +8,8 @@ a crash. Temp files are never listed; a crash may leave one behind, which is har
 Objects are never modified in place (a ``put`` replaces the inode), which is what makes
 ``copy`` by hard link safe.
 
-Objects of 1 MiB or more are written with ``O_DIRECT`` (``storage_backends._direct``): past the
-page cache, which a checkpoint written once and read elsewhere only pollutes, and whose
-reclaim and writeback made buffered saves swing 2x run to run here. ``CKPTD_DIRECT_IO=0`` turns
-it off; a filesystem that refuses ``O_DIRECT`` gets buffered writes. Durability is the same in
-both cases (the fsync, or the ``syncfs`` of ``sync``).
+Objects of 1 MiB or more are written with ``O_DIRECT`` (``storage_backends._direct`` says why),
+unless ``CKPTD_DIRECT_IO=0`` or the filesystem refuses it; durability is the same either way.
 
 Here: ``LocalStore``'s writes; its reads and listings are ``_local_reads``, its deletes
 ``_local_purge``, and the descriptor-relative primitives they share ``_local_fs``.
@@ -67,11 +64,10 @@ class LocalStore(Reads, Deletes, Store):
     so readers see one whole version; ``put_if_absent`` uses ``link(2)``, which fails if the name
     exists, so exactly one writer wins even across hosts on a POSIX network filesystem.
 
-    Nothing below the root is followed through a symbolic link (the root itself may be one):
-    every folder is opened from its parent's descriptor with ``O_NOFOLLOW`` and every file with
-    ``O_NOFOLLOW | O_NONBLOCK``, then checked with ``fstat``. So a step folder that is a link to
-    elsewhere, planted in a root someone else can write, reads as absent, is never written through
-    (``LinkRefused``) and is never deleted through; a FIFO or a device file is not an object.
+    Nothing below the root is followed through a symbolic link (the root itself may be one; how:
+    ``_local_fs``). So a step folder that is a link to elsewhere, planted in a root someone else
+    can write, reads as absent, is never written through (``LinkRefused``) and is never deleted
+    through; a FIFO or a device file is not an object.
     """
 
     def __init__(
@@ -101,8 +97,6 @@ class LocalStore(Reads, Deletes, Store):
         # them, which fsyncs their parents first).
         self._deferred_dirs: set[str] = set()
         self._dirs_lock = threading.Lock()
-        # Objects of DIRECT_MIN_BYTES or more are written with O_DIRECT (``_direct``), unless
-        # CKPTD_DIRECT_IO=0 or the filesystem refuses it.
         self._direct = direct_io if direct_io is not None else os.environ.get("CKPTD_DIRECT_IO", "1") != "0"
         self._bounce = BouncePool()
         self._owner = owner
