@@ -82,8 +82,7 @@ class Deletes:
         (their writer was killed between writing and renaming, or between the link and the
         unlink of ``put_if_absent``): remove those last modified more than ``older_than``
         seconds ago, anywhere under the folder ``prefix`` of the root (all of it by default), even
-        inside committed steps, which ``purge`` never touches. Returns their paths. Walks by
-        descriptors; links are never entered."""
+        inside committed steps, which ``purge`` never touches. Returns their paths."""
         check_dir_prefix(prefix)
         top = tuple(p for p in prefix.split("/") if p)
         cutoff = time.time() - older_than

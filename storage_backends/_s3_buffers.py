@@ -1,9 +1,7 @@
 """Bodies as lists of memoryviews: the S3 store's parts and ranged reads, without copies.
 
-Invariant: nothing here copies more than it is asked for. ``slice_views`` returns views into the
-caller's buffers, ``stream_into`` writes a response body straight into them, and ``join`` copies
-only when the body is not already one whole ``bytes`` object. A multipart upload therefore joins
-at most one part per worker, never the whole object (see ``_s3_multipart``).
+Invariant: nothing here copies more than it is asked for, so a multipart upload joins at most
+one part per worker, never the whole object (see ``_s3_multipart``).
 """
 
 from __future__ import annotations

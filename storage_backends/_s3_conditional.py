@@ -2,13 +2,10 @@
 ``delete_if`` (If-Match), with the fallbacks for servers that honour only part of them.
 
 Invariants: a create-only write never replaces an object: it is one PutObject with
-``If-None-Match: *`` (honoured by AWS S3, MinIO, Ceph RGW 16.2 and moto), or a multipart upload
-whose Complete carries the condition only after a once-per-store probe showed the server refuses
-such a Complete over an existing object (Ceph RGW 16.2 overwrites instead). A 412 is our own win
-exactly when the object there carries this call's token in its metadata (``WRITER_META``): a
-retried PUT whose first try landed. ``delete_if`` deletes only the object whose ETag it was
-given: a HEAD compares it (all a server that ignores If-Match on DeleteObject gets), then the
-DeleteObject carries If-Match where the server honours it.
+``If-None-Match: *``, or a multipart upload whose Complete carries the condition only after a
+once-per-store probe showed the server refuses such a Complete over an existing object (Ceph RGW
+16.2 overwrites instead). A 412 is our own win exactly when the object there carries this call's
+token (``_tokened``). ``delete_if`` deletes only the object whose ETag it was given.
 
 ``ConditionalWrites`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's
 ``_call``, ``_full``, ``_where``, ``_head``, ``_ours``, ``_put_object``, ``_put_multipart``, ``_abort``,

@@ -34,8 +34,8 @@ class Listing:
         """Every page of the listing ``op`` of keys starting with ``key_prefix`` (relative);
         ``after(page)`` gives the markers of the page after ``page``, None after the last one. A
         missing root is an empty store."""
-        markers: dict = {}
-        while True:
+        markers: dict | None = {}
+        while markers is not None:
             try:
                 page = self._call(
                     op, key_prefix, fn, Bucket=self.bucket, Prefix=self._prefix + key_prefix, **kwargs, **markers
@@ -43,10 +43,7 @@ class Listing:
             except NoSuchBucket:
                 return
             yield page
-            nxt = after(page)
-            if nxt is None:
-                return
-            markers = nxt
+            markers = after(page)
 
     def _pages(self, key_prefix: str, **kwargs: Any) -> Iterator[dict]:
         def after(page: dict) -> dict | None:
@@ -107,7 +104,6 @@ class Listing:
             for batch in batches:
                 self._delete_batch(prefix, batch)
         else:
-            # A pool of its own: purge may run on the store's pool, which must never wait on itself.
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3-delete") as pool:
                 futures = [pool.submit(self._delete_batch, prefix, batch) for batch in batches]
                 errors = [e for e in (f.exception() for f in futures) if e is not None]

@@ -54,10 +54,7 @@ class Multipart:
         # (AWS_REQUEST_CHECKSUM_CALCULATION); the upload must then announce it too, and the
         # parts' checksums go into CompleteMultipartUpload (copied from each part's response).
         checksum = self._client.meta.config.request_checksum_calculation != "when_required"
-        # A CreateMultipartUpload whose response is lost and then retried (by botocore or by us)
-        # opens a second upload; the first one's id never reaches us. Count the tries, and after
-        # one that was retried abort the other uploads of this key begun since.
-        tries = 0
+        tries = 0  # CreateMultipartUpload's: after a retried one, abort the key's other uploads
 
         def create(**kwargs: Any) -> dict:
             nonlocal tries
@@ -80,9 +77,7 @@ class Multipart:
         ends = cumulative(views)
 
         def upload(number: int, off: int, n: int) -> dict:
-            # Only this part's slices are joined, when its turn comes: at most one part per
-            # worker is ever copied, never the whole object.
-            body = join(slice_views(views, ends, off, n))
+            body = join(slice_views(views, ends, off, n))  # only this part's slices, in its turn
             resp = self._call(
                 "UploadPart",
                 key,
@@ -127,7 +122,6 @@ class Multipart:
                 return head.get("ETag", "")
             return str(done.get("ETag", ""))
         except BaseException:
-            # Parts of an unfinished upload are stored (and billed) until aborted.
             with contextlib.suppress(StorageError):
                 self._abort(full, upload_id)
             raise
@@ -172,12 +166,10 @@ class Multipart:
         lost-response orphans or those of a killed earlier attempt at the same step. (No time
         filter: S3's ``Initiated`` comes from the server's clock, and moto answers a fixed date.)"""
         full = self._full(key)
-        try:
+        with contextlib.suppress(StorageError):  # gc's abort_stale_uploads catches what this misses
             for up in list(self._uploads(key)):
                 if up.get("Key") == full and up.get("UploadId") != keep:
                     self._abort(full, up["UploadId"])
-        except StorageError:
-            pass  # gc's abort_stale_uploads catches what this misses
 
     def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
         check_prefix(prefix)

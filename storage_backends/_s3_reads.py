@@ -129,32 +129,29 @@ class Reads:
         return self._call("GetObject", key, attempt)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        if length > self._one_get:
-            buf = bytearray(length)
-            self._range_into(key, start, length, [memoryview(buf)])
-            return bytes(buf)
-        return self._get_range_one(key, start, length)
+        return self._get_range(key, start, length, self._one_get)
 
-    def _get_range_one(self, key: str, start: int, length: int) -> bytes:
-        """A range in a single GET, whatever its size (what get_ranges' pool tasks use)."""
-        if length <= 0:
-            self._range_into(key, start, length, [])
-            return b""
-        buf = bytearray(length)
-        self._get_into(key, start, [memoryview(buf)])
+    def _get_range(self, key: str, start: int, length: int, one_get: int) -> bytes:
+        buf = bytearray(max(length, 0))
+        self._range_into(key, start, length, [memoryview(buf)], one_get)
         return bytes(buf)
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         check_key(key)
-        return self._submit_all([lambda s=s, n=n: self._get_range_one(key, s, n) for s, n in ranges])
+        # Each range in a single GET, whatever its size: the ranges already go in parallel.
+        return self._submit_all([lambda s=s, n=n: self._get_range(key, s, n, n) for s, n in ranges])
 
     def get_range_into(self, key: str, start: int, buffers: Sequence[bytearray | memoryview]) -> None:
         views = as_writable_buffers(buffers)
         self._range_into(key, start, sum(v.nbytes for v in views), views)
 
-    def _range_into(self, key: str, start: int, length: int, views: list[memoryview]) -> None:
+    def _range_into(
+        self, key: str, start: int, length: int, views: list[memoryview], one_get: int | None = None
+    ) -> None:
+        """Into ``views``: in one GET up to ``one_get`` bytes (default ``_one_get``), else as
+        parallel part-sized GETs."""
         check_key(key)
-        if 0 < length <= self._one_get:
+        if 0 < length <= (self._one_get if one_get is None else one_get):
             self._get_into(key, start, views)
             return
 

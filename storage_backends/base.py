@@ -79,12 +79,10 @@ def check_key(key: str) -> str:
 
 def check_prefix(prefix: str) -> str:
     """Like check_key but the empty prefix (the whole store) and a trailing ``/`` are allowed."""
-    if not isinstance(prefix, str):
-        raise InvalidKeyError(f"invalid prefix {prefix!r}")
     if prefix == "":
         return prefix
     try:
-        check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+        check_key(prefix[:-1] if isinstance(prefix, str) and prefix.endswith("/") else prefix)
     except InvalidKeyError:
         raise InvalidKeyError(f"invalid prefix {prefix!r}") from None
     return prefix
@@ -231,12 +229,10 @@ class Store(abc.ABC):
         """Like ``delete_prefix``, and also remove what a backend keeps beside its objects under
         ``prefix`` (a filesystem's temp files of interrupted writes and empty folders). Returns
         (files, bytes) really removed, counted as they go, for ``ckptd gc`` to report."""
-        n = nbytes = 0
-        for info in list(self.list(prefix)):
+        infos = list(self.list(prefix))
+        for info in infos:
             self.delete(info.key)
-            n += 1
-            nbytes += info.size
-        return n, nbytes
+        return len(infos), sum(info.size for info in infos)
 
     def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
         """Abort the incomplete uploads (S3 multipart uploads) under ``prefix`` of the root (all

@@ -36,12 +36,14 @@ from storage_backends._local_fs import (
     DIR_OPEN,
     DIR_RACE_TRIES,
     FILE_OPEN,
+    NEW_FILE,
     NO_LINK_ERRNOS,
     copy_file,
     gone,
     identity,
     syncfs,
     walk_down,
+    write_temp,
     writev_all,
 )
 from storage_backends._local_purge import Deletes
@@ -233,11 +235,11 @@ class LocalStore(Reads, Deletes, Store):
                 # writes buffered from now on.
                 try:
                     fd = open_direct(tmp, dir_fd=dir_fd)
-                    return _write_temp(dir_fd, tmp, fd, lambda fd: write_direct(fd, views, self._bounce), durable)
+                    return write_temp(dir_fd, tmp, fd, lambda fd: write_direct(fd, views, self._bounce), durable)
                 except DirectUnsupported as e:
                     self._no_direct(e)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-            _write_temp(dir_fd, tmp, fd, lambda fd: writev_all(fd, views), durable)
+            fd = os.open(tmp, NEW_FILE, 0o644, dir_fd=dir_fd)
+            write_temp(dir_fd, tmp, fd, lambda fd: writev_all(fd, views), durable)
 
         return create
 
@@ -269,8 +271,8 @@ class LocalStore(Reads, Deletes, Store):
         self._put(key, data, durable=True)
 
     def put_deferred(self, key: str, data: Data) -> None:
-        """Atomic like ``put`` but not fsynced: durable only once ``sync`` returns. Many small
-        fsyncs (each file, each folder) cost far more than one ``syncfs`` of the filesystem."""
+        """Not fsynced: many small fsyncs (each file, each folder) cost far more than the one
+        ``syncfs`` of ``sync``."""
         self._put(key, data, durable=False)
 
     def sync(self) -> None:
@@ -305,10 +307,8 @@ class LocalStore(Reads, Deletes, Store):
         return self._link_new("put_if_absent", key, data, durable=True) is not None
 
     def put_new(self, key: str, data: Data) -> tuple[int, int, int, int]:
-        """Create-only, durable at the next ``sync``: the temp file is hard-linked to the key's
-        name (``link(2)`` fails with EEXIST: ExistsError, nothing replaced), never renamed over
-        it, then unlinked. Returns the file's (st_dev, st_ino, st_mtime_ns, st_size), its identity
-        for ``delete_if`` (the inode number alone may be reused by a file made after ours)."""
+        """Create-only (``_link_new``: never renamed over the key), durable at the next ``sync``.
+        Returns the file's identity for ``delete_if`` (``_local_fs.identity``)."""
         st = self._link_new("put_new", key, data, durable=False)
         if st is None:
             raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it")
@@ -349,10 +349,7 @@ class LocalStore(Reads, Deletes, Store):
         try:
             with self._parent(key) as (dfd, name):
                 aside = self._tmp_name(name)
-                try:
-                    os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
-                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                    return False
+                os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)  # gone: False, below
                 st = os.stat(aside, dir_fd=dfd, follow_symlinks=False)
                 ours = identity(st) == tag and stat.S_ISREG(st.st_mode)
                 if not ours:
@@ -407,18 +404,3 @@ class LocalStore(Reads, Deletes, Store):
             raise
         if durable:
             os.fsync(dir_fd)
-
-
-def _write_temp(dir_fd: int, tmp: str, fd: int, write: Callable[[int], object], durable: bool) -> None:
-    """``write(fd)`` into the new temp file ``fd``, fsync it if ``durable``, close it; on a
-    failure the file is closed and removed."""
-    try:
-        write(fd)
-        if durable:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    os.close(fd)

@@ -105,9 +105,8 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
     connection pool is sized for the thread pool plus callers) and one thread pool. Calls made
     from inside that pool never wait on it, so it cannot deadlock.
 
-    ``put`` is atomic as S3 is (a GET sees the old or the new object). A ``get`` of an object in
-    several ranged pieces pins the ETag of the first piece (``If-Match``), so it never stitches
-    two versions together; it starts again if the object is replaced mid-read.
+    ``put`` is atomic as S3 is (a GET sees the old or the new object); a read in several ranged
+    pieces never stitches two versions together (``_s3_reads``).
     """
 
     def __init__(
@@ -142,8 +141,7 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         bounded by ``Checkpointer(save_timeout=...)``.
 
         ``max_put_size``: the largest object ``put_if_absent`` sends as one conditional PutObject
-        (the server's single-PUT limit); larger ones need a server whose CompleteMultipartUpload
-        honours If-None-Match (see the module's docstring).
+        (the server's single-PUT limit; see the module's docstring).
 
         ``retry_mode``: ``"adaptive"`` (default; ``CKPTD_S3_RETRY_MODE``) paces the store after
         throttling, at no less than ``min_rate`` requests/s per scope (``CKPTD_S3_MIN_RATE``, 0.2);
@@ -198,9 +196,7 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
             # would make them queue (and log "connection pool is full").
             max_pool_connections=workers + 16,
             # total_max_attempts counts the first try; botocore's "max_attempts" would not. A
-            # paced store makes every try itself (``Caller``): botocore's retry quota (500
-            # tokens per client, 5 per throttled retry) runs dry under sustained SlowDowns, and
-            # then a call got 1 try of botocore's per try of ours instead of ``max_attempts``.
+            # paced store makes every try itself (the module's docstring says why).
             retries={"mode": "standard", "total_max_attempts": 1 if paced else max(1, max_attempts)},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
@@ -237,11 +233,8 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         return f"s3://{self.bucket}/{self._prefix}{key}"
 
     def _call(self, op: str, key: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
-        where = self._where(key) if key else self.uri
-        if self._pacer is None:
-            return self._caller(op, where, fn, **kwargs)
-        with self._pacer.scoped(key):
-            return self._caller(op, where, fn, **kwargs)
+        with self._pacer.scoped(key) if self._pacer else contextlib.nullcontext():
+            return self._caller(op, self._where(key) if key else self.uri, fn, **kwargs)
 
     def _submit_all(self, fns: Sequence[Callable[[], T]]) -> list[T]:
         """Run ``fns`` on the pool (the last one in this thread) and return their results; on the

@@ -196,14 +196,8 @@ class StoreConformance:
     def test_get_range(self, store: Store) -> None:
         data = bytes(range(100))
         store.put("r", data)
-        assert store.get_range("r", 0, 10) == data[:10]
-        assert store.get_range("r", 37, 21) == data[37:58]
-        assert store.get_range("r", 90, 10) == data[90:]
-        assert store.get_range("r", 0, 100) == data
-        assert store.get_range("r", -16, 16) == data[-16:]
-        assert store.get_range("r", -16, 4) == data[84:88]
-        assert store.get_range("r", -100, 100) == data
-        assert store.get_range("r", 100, 0) == b""
+        for start, length in [(0, 10), (37, 21), (90, 10), (0, 100), (-16, 16), (-16, 4), (-100, 100), (100, 0)]:
+            assert store.get_range("r", start, length) == data[start:][:length]
         assert type(store.get_range("r", 1, 2)) is bytes
 
     @pytest.mark.parametrize("start,length", [(95, 10), (100, 1), (1000, 5), (-101, 1), (-10, 11)])
