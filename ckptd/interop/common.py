@@ -2,15 +2,11 @@
 write into a committed checkpoint, reading a committed checkpoint back one tensor at a time, and
 handing pages of memory-mapped source files back to the kernel.
 
-Import, in order:
-
-1. the format module reads the source's *metadata* only and builds an :class:`ImportTree`: per
-   top-level name a kind and a tree whose tensors are stand-ins (``meta`` tensors made by
-   :meth:`ImportTree.placeholder`, or the source's own lazily mapped tensors);
-2. :func:`write_import` encodes the tree the way ``trainer_hooks.flatten`` encodes a live state
-   (same array keys, same JSON), so ``Checkpointer.restore`` finds every key;
-3. it pulls ``(item, tensor)`` pairs from the format's loader one at a time and writes each with
-   :class:`ckptd.stream.CheckpointWriter`, which commits after the last one.
+Import: the format module reads the source's *metadata* only and builds an :class:`ImportTree`
+of stand-in tensors; :func:`write_import` encodes it the way ``trainer_hooks.flatten`` encodes a
+live state (so ``Checkpointer.restore`` finds every key), then pulls ``(item, tensor)`` pairs
+from the format's loader one at a time into a :class:`ckptd.stream.CheckpointWriter`, which
+commits after the last one.
 
 Export reads the manifest, decodes each top-level entry with ``meta`` stand-ins for its tensors
 (:class:`SavedCheckpoint`), and the format module asks for each tensor's data only when it writes
@@ -25,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -103,9 +100,6 @@ def one_line(e: BaseException) -> str:
         text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
     text = " ".join(text.split())
     return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
-
-
-# ------------------------------------------------------------------------------------ import
 
 
 @dataclass(frozen=True)
@@ -204,7 +198,7 @@ def write_import(
     ) as w:
         done = 0
         progress(0, len(items))
-        for it, t in load(items):
+        for done, (it, t) in enumerate(load(items), 1):
             if tuple(t.shape) != it.shape or t.dtype != it.dtype:
                 raise CheckpointError(
                     f"{tree.info.get('path', 'source')}: tensor {it.source!r} is {t.dtype} {tuple(t.shape)} "
@@ -216,16 +210,12 @@ def write_import(
             if since_trim >= TRIM_BYTES:  # not per tensor: malloc_trim walks the whole heap
                 trim_heap()
                 since_trim = 0
-            done += 1
             progress(done, len(items))
         if done != len(items):
             raise CheckpointError(f"internal error: {len(items) - done} tensors were not loaded")
         w.set_state(state)
     kinds = {n: k for n, (k, _) in tree.entries.items()}
     return ImportResult(step, catalog.where(store, step), len(items), total_bytes, kinds, tree.info.get("notes", []))
-
-
-# ------------------------------------------------------------------------------------ export
 
 
 @dataclass(frozen=True)
@@ -316,9 +306,6 @@ def flat_tensors(saved: SavedCheckpoint, name: str) -> tuple[dict[str, torch.Ten
     return out, skipped
 
 
-# ------------------------------------------------------------------------------------ files
-
-
 def check_output(out: str) -> None:
     """Exports never overwrite: OUT must not exist, or be an empty folder."""
     if os.path.isdir(out):
@@ -351,15 +338,11 @@ def staged_output(out: str) -> Iterator[str]:
         raise
 
 
-_libc = None
-
-
+@functools.cache
 def _c():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return _libc
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def trim_heap() -> None:
@@ -390,16 +373,10 @@ def release_file_pages(path: str) -> None:
     real = os.path.realpath(path)
     try:
         with open("/proc/self/maps") as f:
-            ranges = []
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].rstrip("\n") == real:
-                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    ranges.append((lo, hi))
+            maps = [line.split(maxsplit=5) for line in f]
     except OSError:
         return
-    if not ranges:
-        return
-    libc = _c()
-    for lo, hi in ranges:
-        libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED)  # best effort: memory, not correctness
+    for parts in maps:
+        if len(parts) == 6 and parts[5].rstrip("\n") == real:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            _c().madvise(lo, hi - lo, mmap.MADV_DONTNEED)  # best effort: memory, not correctness
