@@ -30,9 +30,9 @@ from storage_backends.base import (
 __all__ = ["MemoryStore", "reset"]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Namespace:
-    """The shared state behind every MemoryStore of one name."""
+    """The shared state behind every MemoryStore of one name (compared by identity)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     objects: dict[str, tuple[bytes, float]] = field(default_factory=dict)
