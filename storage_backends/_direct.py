@@ -56,8 +56,7 @@ class BouncePool:
 
     @contextlib.contextmanager
     def lend(self) -> Iterator[mmap.mmap]:
-        self._slots.acquire()
-        try:
+        with self._slots:
             try:
                 buf = self._free.get_nowait()
             except queue.Empty:
@@ -66,8 +65,6 @@ class BouncePool:
                 yield buf
             finally:
                 self._free.put(buf)
-        finally:
-            self._slots.release()
 
 
 def open_direct(path: str, dir_fd: int | None = None) -> int:
@@ -86,9 +83,8 @@ def open_direct(path: str, dir_fd: int | None = None) -> int:
 
 def write_direct(fd: int, views: list[memoryview], pool: BouncePool) -> int:
     """Write the concatenation of ``views`` at the start of ``fd`` (opened by ``open_direct``),
-    then truncate the file to the data's size; returns that size. Aligned stretches of a view
-    that begin at an aligned file position are written from the view itself, the rest through a
-    bounce buffer."""
+    from the views themselves where aligned, then truncate the file to the data's size; returns
+    that size."""
     total = sum(v.nbytes for v in views)
     pos = 0  # file offset of the bounce buffer's first byte
     with pool.lend() as buf:

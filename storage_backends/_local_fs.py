@@ -25,26 +25,24 @@ __all__ = [
     "DIR_OPEN",
     "DIR_RACE_TRIES",
     "FILE_OPEN",
+    "NEW_FILE",
     "NO_LINK_ERRNOS",
     "advance",
     "copy_file",
     "enter",
     "entries",
+    "gone",
     "identity",
     "is_temp",
     "open_child",
     "preadv_all",
     "syncfs",
     "walk_down",
+    "write_temp",
     "writev_all",
 ]
 
-try:
-    IOV_MAX = min(os.sysconf("SCIOV_MAX"), 1024)
-except (AttributeError, ValueError, OSError):
-    IOV_MAX = 1024
-if IOV_MAX <= 0:
-    IOV_MAX = 1024
+IOV_MAX = 1024  # the most buffers one writev/preadv takes (Linux's UIO_MAXIOV)
 
 # os.link failures that mean "this filesystem has no hard links", not "the key exists".
 NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
@@ -65,6 +63,12 @@ def _load_syncfs():
 
 
 syncfs = _load_syncfs()
+
+
+def gone(e: OSError) -> bool:
+    """Whether ``e`` says no object or folder of the store is there: the name is missing, or a
+    folder, a file or a link stands where the other was expected (links are never followed)."""
+    return isinstance(e, FileNotFoundError | NotADirectoryError | IsADirectoryError) or e.errno == errno.ELOOP
 
 
 def is_temp(name: str) -> bool:
@@ -132,6 +136,9 @@ def open_child(fd: int, name: str, create: bool) -> tuple[int, bool]:
     return os.open(name, DIR_OPEN, dir_fd=fd), True
 
 
+# A new temp file: never an existing name, never through a link.
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
 # O_NONBLOCK: opening a FIFO planted in a root returns at once (and fstat refuses it) instead of
 # blocking until a writer appears.
 FILE_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -179,24 +186,28 @@ def enter(dfd: int, name: str, fn: Callable[[int], None]) -> bool:
     return True
 
 
+def write_temp(dir_fd: int, tmp: str, fd: int, write: Callable[[int], object], durable: bool) -> None:
+    """``write(fd)`` into the new temp file ``fd``, fsync it if ``durable``, close it; on a
+    failure the file is closed and removed."""
+    try:
+        write(fd)
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+
+
 def copy_file(sfd: int, sname: str, dfd: int, tmp: str) -> None:
     """Copy the file ``sname`` of the folder ``sfd`` to a new, fsynced ``tmp`` in ``dfd``
     (removed again on failure): for filesystems without hard links."""
-    src = os.open(sname, FILE_OPEN, dir_fd=sfd)
-    try:
-        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-    except BaseException:
-        os.close(src)
-        raise
-    try:
-        with open(src, "rb", closefd=False) as fin, open(dst, "wb", closefd=False) as fout:
-            shutil.copyfileobj(fin, fout, 8 << 20)
-            fout.flush()
-            os.fsync(dst)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dfd)
-        raise
-    finally:
-        os.close(src)
-        os.close(dst)
+    with open(os.open(sname, FILE_OPEN, dir_fd=sfd), "rb") as fin:
+
+        def copy(fd: int) -> None:
+            with open(fd, "wb", closefd=False) as fout:  # flushed when closed, before the fsync
+                shutil.copyfileobj(fin, fout, 8 << 20)
+
+        write_temp(dfd, tmp, os.open(tmp, NEW_FILE, 0o644, dir_fd=dfd), copy, durable=True)

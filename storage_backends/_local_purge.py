@@ -7,25 +7,24 @@ a folder keeps it; folders are fsynced once each after their files went (not onc
 deepest first so pruning empties parents.
 
 ``Deletes`` is a mixin of ``LocalStore`` (``storage_backends.local``): it uses the store's
-``list``, ``_parent``, ``_dir_fd``, ``_prune`` and ``_fail``.
+``list``, ``_parent``, ``_dir_fd``, ``_folder``, ``_prune`` and ``_fail``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat
 import time
 
-from storage_backends._local_fs import enter, entries, is_temp
+from storage_backends._local_fs import enter, entries, gone, is_temp
 from storage_backends.base import check_dir_prefix, check_key, check_prefix
 
 __all__ = ["Deletes"]
 
 
 class Deletes:
-    """delete, delete_prefix, purge and abort_stale_uploads of ``LocalStore``."""
+    """delete, purge (and so ``delete_prefix``) and abort_stale_uploads of ``LocalStore``."""
 
     def delete(self, key: str) -> None:
         *folders, _ = check_key(key).split("/")
@@ -33,26 +32,15 @@ class Deletes:
             with self._parent(key) as (dfd, name):
                 os.unlink(name, dir_fd=dfd)  # a link is removed itself, never followed
                 os.fsync(dfd)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return  # no such object (a "folder" is not an object either)
         except OSError as e:
-            if e.errno == errno.ELOOP:
-                return  # a link on the way: nothing of this store is there
+            if gone(e):
+                return  # no such object (a "folder" or a link on the way is not one either)
             raise self._fail("delete", f"{key!r}", e) from None
         self._prune(folders)
 
-    def delete_prefix(self, prefix: str) -> int:
-        """Every object under ``prefix``, and the temp files of interrupted writes and the
-        folders it leaves empty (see ``purge``); returns the files removed."""
-        return self.purge(prefix)[0]
-
     def purge(self, prefix: str) -> tuple[int, int]:
         """Objects first (the listing readers use), then what a killed writer left that no
-        listing shows: ``.*.tmp.*`` files and empty folders. Returns (files, bytes) removed.
-        Every name is removed from its parent's descriptor and no link is followed (a link is
-        neither an object nor a folder of this store); only temp files (by name) and empty
-        folders are removed beyond the listed objects, so anything else left there keeps its
-        folder."""
+        listing shows: ``.*.tmp.*`` files and empty folders. Returns (files, bytes) removed."""
         check_prefix(prefix)
         n = nbytes = 0
         dirs: set[tuple[str, ...]] = set()
@@ -61,10 +49,8 @@ class Deletes:
             try:
                 with self._parent(info.key) as (dfd, name):
                     os.unlink(name, dir_fd=dfd)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
             except OSError as e:
-                if e.errno == errno.ELOOP:
+                if gone(e):
                     continue
                 raise self._fail("delete", f"{info.key!r}", e) from None
             n += 1
@@ -73,7 +59,7 @@ class Deletes:
         folder, _, name_prefix = prefix.rpartition("/")
         top = tuple(folder.split("/")) if folder else ()
         try:
-            m, mbytes, emptied = self._purge_leftovers(top, name_prefix)
+            m, mbytes, emptied = self._purge_leftovers(prefix, top, name_prefix)
         except OSError as e:
             raise self._fail("delete", f"{prefix!r}", e) from None
         n, nbytes = n + m, nbytes + mbytes
@@ -96,8 +82,7 @@ class Deletes:
         (their writer was killed between writing and renaming, or between the link and the
         unlink of ``put_if_absent``): remove those last modified more than ``older_than``
         seconds ago, anywhere under the folder ``prefix`` of the root (all of it by default), even
-        inside committed steps, which ``purge`` never touches. Returns their paths. Walks by
-        descriptors; links are never entered."""
+        inside committed steps, which ``purge`` never touches. Returns their paths."""
         check_dir_prefix(prefix)
         top = tuple(p for p in prefix.split("/") if p)
         cutoff = time.time() - older_than
@@ -128,7 +113,9 @@ class Deletes:
             os.close(fd)
         return sorted(removed)
 
-    def _purge_leftovers(self, top: tuple[str, ...], name_prefix: str) -> tuple[int, int, set[tuple[str, ...]]]:
+    def _purge_leftovers(
+        self, prefix: str, top: tuple[str, ...], name_prefix: str
+    ) -> tuple[int, int, set[tuple[str, ...]]]:
         """Remove temp files named for keys under ``top``/``name_prefix`` and the empty folders
         there, walking by descriptors; returns (files, bytes, folders touched)."""
         counts = [0, 0]
@@ -149,11 +136,10 @@ class Deletes:
         def tree(dfd: int, where: tuple[str, ...]) -> None:
             """Temp files and empty sub-folders of the folder ``dfd`` (links never entered)."""
             for name, is_dir in entries(dfd):
-                if not is_dir:
-                    if is_temp(name):
-                        unlink_temp(dfd, name, where)
-                    continue
-                sub(dfd, name, where)
+                if is_dir:
+                    sub(dfd, name, where)
+                elif is_temp(name):
+                    unlink_temp(dfd, name, where)
 
         def sub(dfd: int, name: str, where: tuple[str, ...]) -> None:
             """The sub-folder ``name`` of ``dfd``: its tree, then itself if that left it empty."""
@@ -163,12 +149,9 @@ class Deletes:
                 os.rmdir(name, dir_fd=dfd)  # fails unless empty: then something else lives there
                 touched.add(where)
 
-        try:
-            fd = self._dir_fd(top)
-        except OSError as e:
-            if isinstance(e, FileNotFoundError | NotADirectoryError) or e.errno == errno.ELOOP:
-                return 0, 0, touched
-            raise
+        fd = self._folder(top, "delete", prefix)
+        if fd is None:
+            return 0, 0, touched
         try:
             for name, is_dir in entries(fd):
                 if is_temp(name):

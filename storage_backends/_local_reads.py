@@ -6,18 +6,17 @@ file); a read never allocates more than the size ``fstat`` reported and the call
 temp files (``.{name}.tmp.*``) are never listed, and listings never enter a link.
 
 ``Reads`` is a mixin of ``LocalStore`` (``storage_backends.local``): it uses the store's
-``_parent``, ``_dir_fd``, ``_err``, ``_fail``, ``_root_exists`` and ``uri``.
+``_parent``, ``_dir_fd``, ``_err``, ``_fail`` and ``uri``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat
 from collections.abc import Iterator, Sequence
 
-from storage_backends._local_fs import DIR_OPEN, FILE_OPEN, is_temp, preadv_all
+from storage_backends._local_fs import DIR_OPEN, FILE_OPEN, gone, is_temp, preadv_all
 from storage_backends.base import (
     NotFoundError,
     ObjectInfo,
@@ -38,41 +37,38 @@ class Reads:
     def get(self, key: str, limit: int | None = None) -> bytes:
         with self._open(key, "get") as (fd, size):
             check_limit(self.uri, key, size, limit)
-            try:
-                data = os.pread(fd, size, 0) if size else b""
-                if 0 < len(data) < size:
-                    data = b"".join([data, *self._pread_rest(fd, len(data), size - len(data))])
-            except OSError as e:
-                raise self._err("get", key, e) from None
-        if len(data) != size:
-            raise StorageError(f"{self.uri}: short read of {key!r}: {len(data)} of {size} bytes")
-        return data
+            return self._pread(fd, key, "get", 0, size)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         with self._open(key) as (fd, size):
-            pos = resolve_range(self.uri, key, start, length, size)
-            try:
-                data = os.pread(fd, length, pos) if length else b""
-                if 0 < len(data) < length:  # pread may stop short on huge reads: go on
-                    data = b"".join([data, *self._pread_rest(fd, pos + len(data), length - len(data))])
-            except OSError as e:
-                raise self._err("get_range", key, e) from None
-        if len(data) != length:  # the file shrank under us: never return short data
-            raise StorageError(f"{self.uri}: short read of {key!r}: {len(data)} of {length} bytes at {pos}")
-        return data
+            return self._pread(fd, key, "get_range", resolve_range(self.uri, key, start, length, size), length)
 
-    @staticmethod
-    def _pread_rest(fd: int, pos: int, n: int) -> Iterator[bytes]:
-        while n > 0:
-            chunk = os.pread(fd, n, pos)
-            if not chunk:
-                return
-            yield chunk
-            pos, n = pos + len(chunk), n - len(chunk)
+    def _pread(self, fd: int, key: str, op: str, pos: int, n: int) -> bytes:
+        """``n`` bytes at ``pos``: pread may stop short on huge reads, so it goes on; a file that
+        shrank under us is an error, never short data."""
+        chunks, got = [], 0
+        try:
+            while got < n:
+                chunk = os.pread(fd, n - got, pos + got)
+                if not chunk:
+                    raise StorageError(f"{self.uri}: short read of {key!r}: {got} of {n} bytes at {pos}")
+                chunks.append(chunk)
+                got += len(chunk)
+        except OSError as e:
+            raise self._err(op, key, e) from None
+        return b"".join(chunks)  # one chunk: returned as is, no copy
 
     def get_range_into(self, key: str, start: int, buffers: Sequence[bytearray | memoryview]) -> None:
         views = as_writable_buffers(buffers)
-        self._read_into(key, start, sum(v.nbytes for v in views), views)
+        length = sum(v.nbytes for v in views)
+        with self._open(key) as (fd, size):
+            pos = resolve_range(self.uri, key, start, length, size)
+            try:
+                got = preadv_all(fd, views, pos) if views else 0
+            except OSError as e:
+                raise self._err("get_range_into", key, e) from None
+        if got != length:  # the file shrank under us: never return short data
+            raise StorageError(f"{self.uri}: short read of {key!r}: {got} of {length} bytes at {pos}")
 
     @contextlib.contextmanager
     def _open(self, key: str, op: str = "get_range") -> Iterator[tuple[int, int]]:
@@ -91,16 +87,6 @@ class Reads:
         finally:
             os.close(fd)
 
-    def _read_into(self, key: str, start: int, length: int, views: list[memoryview]) -> None:
-        with self._open(key) as (fd, size):
-            pos = resolve_range(self.uri, key, start, length, size)
-            try:
-                got = preadv_all(fd, views, pos) if views else 0
-            except OSError as e:
-                raise self._err("get_range_into", key, e) from None
-        if got != length:  # the file shrank under us: never return short data
-            raise StorageError(f"{self.uri}: short read of {key!r}: {got} of {length} bytes at {pos}")
-
     def head(self, key: str) -> ObjectInfo:
         try:
             with self._parent(key) as (dfd, name):
@@ -111,20 +97,25 @@ class Reads:
             raise NotFoundError(f"{self.uri}: no object {key!r}")
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
+    def _folder(self, folders: Sequence[str], op: str, what: str) -> int | None:
+        """The folder's descriptor, or None where it is missing or a link or a file is on the way
+        (a link below the root is not a folder of this store)."""
+        try:
+            return self._dir_fd(folders)
+        except OSError as e:
+            if gone(e):
+                return None
+            raise self._fail(op, repr(what), e) from None
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         check_prefix(prefix)
         folder, _, name_prefix = prefix.rpartition("/")
         return self._walk(folder.split("/") if folder else [], folder + "/" if folder else "", name_prefix)
 
-    def _walk(self, folders: list[str], key_prefix: str, name_prefix: str = "") -> Iterator[ObjectInfo]:
-        try:
-            fd = self._dir_fd(folders)
-        except (FileNotFoundError, NotADirectoryError):
+    def _walk(self, folders: list[str], key_prefix: str, name_prefix: str) -> Iterator[ObjectInfo]:
+        fd = self._folder(folders, "list", key_prefix)
+        if fd is None:
             return
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                return  # a link below the root is not a folder of this store
-            raise self._err("list", key_prefix, e) from None
         try:
             yield from self._walk_fd(fd, key_prefix, name_prefix)
         finally:
@@ -166,14 +157,9 @@ class Reads:
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         prefix = check_dir_prefix(prefix)
         names, folders = [], []
-        try:
-            fd = self._dir_fd(prefix.rstrip("/").split("/") if prefix else [])
-        except (FileNotFoundError, NotADirectoryError):
+        fd = self._folder(prefix.rstrip("/").split("/") if prefix else [], "list_dir", prefix)
+        if fd is None:
             return [], []
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                return [], []
-            raise self._err("list_dir", prefix, e) from None
         try:
             with os.scandir(fd) as it:
                 for e in it:
@@ -188,6 +174,3 @@ class Reads:
         finally:
             os.close(fd)
         return sorted(names), sorted(folders)
-
-    def exists_root(self) -> bool:
-        return self._root_exists()

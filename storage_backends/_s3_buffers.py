@@ -1,13 +1,12 @@
 """Bodies as lists of memoryviews: the S3 store's parts and ranged reads, without copies.
 
-Invariant: nothing here copies more than it is asked for. ``slice_views`` returns views into the
-caller's buffers, ``stream_into`` writes a response body straight into them, and ``join`` copies
-only when the body is not already one whole ``bytes`` object. A multipart upload therefore joins
-at most one part per worker, never the whole object (see ``_s3_multipart``).
+Invariant: nothing here copies more than it is asked for, so a multipart upload joins at most
+one part per worker, never the whole object (see ``_s3_multipart``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,11 +36,7 @@ def slice_views(views: Sequence[memoryview], ends: Sequence[int], start: int, n:
 
 
 def cumulative(views: Sequence[memoryview]) -> list[int]:
-    ends, total = [], 0
-    for v in views:
-        total += v.nbytes
-        ends.append(total)
-    return ends
+    return list(itertools.accumulate(v.nbytes for v in views))
 
 
 def stream_into(body: Any, views: list[memoryview]) -> int:

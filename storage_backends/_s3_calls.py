@@ -82,6 +82,15 @@ _TRANSIENT = (
 )
 
 
+def _transient(e: Exception) -> bool:
+    """Worth another try: throttling, server trouble, a broken connection; not certificate
+    trouble (it does not heal by retrying), missing credentials, bad parameters, ..."""
+    if isinstance(e, ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return e.response.get("Error", {}).get("Code") in RETRY_CODES or status in RETRY_STATUS
+    return isinstance(e, _TRANSIENT) and not isinstance(e, SSLError)
+
+
 def env_size(name: str, default: int) -> int:
     """A byte count from the environment: ``16777216``, ``16M`` or ``16MiB`` (binary units)."""
     raw = os.environ.get(name, "").strip()
@@ -121,10 +130,8 @@ def new_client(region: str | None, endpoint_url: str | None, config: Config) -> 
             _loader = create_loader()
         session = botocore.session.Session()
         session.register_component("data_loader", _loader)
-        # Over http botocore SHA-256 signs every body, even one with a CRC32 header: not every
-        # server checks that CRC32 (Ceph RGW 16.2 and moto store a body corrupted in flight), so
-        # the store turns the hash off only once the server showed it checks (S3Store's
-        # ``_saw_checksum``). Over https with a checksum botocore already skips it.
+        # S3Store._saw_checksum turns payload signing off in this copy once the server showed it
+        # checks our CRC32s (storage_backends.s3's docstring).
         config = config.merge(Config(s3=dict(config.s3 or {})))  # the store's own, mutable copy
         return session.create_client("s3", region_name=region, endpoint_url=endpoint_url, config=config)
 
@@ -143,21 +150,15 @@ class Caller:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn(**kwargs)
-            except ClientError as e:
-                err = e.response.get("Error", {})
-                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                transient = err.get("Code") in RETRY_CODES or status in RETRY_STATUS
-                if not transient or attempt == self.attempts:
+            except (ClientError, BotoCoreError, *_TRANSIENT) as e:
+                if attempt == self.attempts or not _transient(e):
                     raise self.error(op, where, e, attempt) from None
-            except SSLError as e:  # certificate trouble does not heal by retrying
-                raise self.error(op, where, e, attempt) from None
-            except _TRANSIENT as e:
-                if attempt == self.attempts:
-                    raise self.error(op, where, e, attempt) from None
-            except BotoCoreError as e:  # no credentials, bad parameters, ...
-                raise self.error(op, where, e, attempt) from None
-            time.sleep(random.uniform(0, min(10.0, self.backoff * 2 ** (attempt - 1))))
+            self.pause(attempt)
         raise AssertionError("unreachable")
+
+    def pause(self, attempt: int) -> None:
+        """The backoff after try ``attempt``: full jitter, capped at 10 s."""
+        time.sleep(random.uniform(0, min(10.0, self.backoff * 2 ** (attempt - 1))))
 
     def error(self, op: str, where: str, e: Exception, attempts: int) -> StorageError:
         after = f" after {attempts} attempts" if attempts > 1 else ""

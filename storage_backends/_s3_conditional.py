@@ -2,16 +2,13 @@
 ``delete_if`` (If-Match), with the fallbacks for servers that honour only part of them.
 
 Invariants: a create-only write never replaces an object: it is one PutObject with
-``If-None-Match: *`` (honoured by AWS S3, MinIO, Ceph RGW 16.2 and moto), or a multipart upload
-whose Complete carries the condition only after a once-per-store probe showed the server refuses
-such a Complete over an existing object (Ceph RGW 16.2 overwrites instead). A 412 is our own win
-exactly when the object there carries this call's token in its metadata (``WRITER_META``): a
-retried PUT whose first try landed. ``delete_if`` deletes only the object whose ETag it was
-given: a HEAD compares it (all a server that ignores If-Match on DeleteObject gets), then the
-DeleteObject carries If-Match where the server honours it.
+``If-None-Match: *``, or a multipart upload whose Complete carries the condition only after a
+once-per-store probe showed the server refuses such a Complete over an existing object (Ceph RGW
+16.2 overwrites instead). A 412 is our own win exactly when the object there carries this call's
+token (``_tokened``). ``delete_if`` deletes only the object whose ETag it was given.
 
 ``ConditionalWrites`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's
-``_call``, ``_full``, ``_where``, ``_head``, ``_put_object``, ``_put_multipart``, ``_abort``,
+``_call``, ``_full``, ``_where``, ``_head``, ``_ours``, ``_put_object``, ``_put_multipart``, ``_abort``,
 ``_client``, ``_prefix``, ``bucket``, ``endpoint_url``, ``multipart_threshold`` and
 ``max_put_size``, and keeps the probe's answer in ``_conditional_complete``.
 """
@@ -44,7 +41,7 @@ class ConditionalWrites:
                 self._require_conditional_complete(key, size)
                 self._put_multipart(key, views, size, metadata=meta, if_none_match=True)
         except PreconditionFailed:
-            return self._ours(key, meta) is not None
+            return self._ours(key, meta[WRITER_META]) is not None
         return True
 
     def put_new(self, key: str, data: Data) -> str:
@@ -63,7 +60,7 @@ class ConditionalWrites:
             resp = self._put_object(key, views, IfNoneMatch="*", Metadata=meta)
             return str(resp.get("ETag", ""))
         except PreconditionFailed:
-            head = self._ours(key, meta)
+            head = self._ours(key, meta[WRITER_META])
             if head is not None:
                 return str(head.get("ETag", ""))
             raise ExistsError(f"{self._where(key)}: exists; a create-only write never replaces it") from None
@@ -77,15 +74,6 @@ class ConditionalWrites:
         check_key(key)
         views = as_buffers(data)
         return views, sum(v.nbytes for v in views), {WRITER_META: secrets.token_hex(16)}
-
-    def _ours(self, key: str, meta: dict[str, str]) -> dict | None:
-        """After a 412: the object's HeadObject if it carries this call's writer token, else
-        None (someone else's, or already deleted again)."""
-        try:
-            head = self._head(key)
-        except NotFoundError:
-            return None
-        return head if head.get("Metadata", {}).get(WRITER_META) == meta[WRITER_META] else None
 
     def _multipart_conditional(self, key: str, size: int) -> bool:
         """Whether a create-only put of ``size`` bytes may be a multipart upload here. A probe
@@ -144,14 +132,12 @@ class ConditionalWrites:
                         IfNoneMatch="*",
                     )
                     self._conditional_complete = False
-                except PreconditionFailed:
+                except BaseException as e:
+                    with contextlib.suppress(StorageError):  # leave no upload behind
+                        self._abort(probe, uid)
+                    if not isinstance(e, PreconditionFailed):
+                        raise  # the probe itself failed: undecided
                     self._conditional_complete = True
-                    with contextlib.suppress(StorageError):
-                        self._abort(probe, uid)
-                except BaseException:  # the probe itself failed (undecided): leave no upload behind
-                    with contextlib.suppress(StorageError):
-                        self._abort(probe, uid)
-                    raise
             finally:
                 with contextlib.suppress(StorageError):
                     self._call("DeleteObject", "", c.delete_object, Bucket=b, Key=probe)

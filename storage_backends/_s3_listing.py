@@ -13,8 +13,6 @@ failed with a transient code, and fails with one StorageError only after every b
 from __future__ import annotations
 
 import contextlib
-import random
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,8 +34,8 @@ class Listing:
         """Every page of the listing ``op`` of keys starting with ``key_prefix`` (relative);
         ``after(page)`` gives the markers of the page after ``page``, None after the last one. A
         missing root is an empty store."""
-        markers: dict = {}
-        while True:
+        markers: dict | None = {}
+        while markers is not None:
             try:
                 page = self._call(
                     op, key_prefix, fn, Bucket=self.bucket, Prefix=self._prefix + key_prefix, **kwargs, **markers
@@ -45,10 +43,7 @@ class Listing:
             except NoSuchBucket:
                 return
             yield page
-            nxt = after(page)
-            if nxt is None:
-                return
-            markers = nxt
+            markers = after(page)
 
     def _pages(self, key_prefix: str, **kwargs: Any) -> Iterator[dict]:
         def after(page: dict) -> dict | None:
@@ -70,19 +65,14 @@ class Listing:
                     yield ObjectInfo(key, obj["Size"], obj["LastModified"].timestamp())
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
-        prefix = check_dir_prefix(prefix)
-        strip = len(self._prefix) + len(prefix)
-        names, folders = [], []
-        for page in self._pages(prefix, Delimiter="/"):
-            names += [o["Key"][strip:] for o in page.get("Contents", []) if o["Key"][strip:]]
-            folders += [p["Prefix"][strip:].rstrip("/") for p in page.get("CommonPrefixes", [])]
-        return sorted(names), sorted(f for f in folders if f)
+        return self.list_dir_after(prefix, "")
 
     def list_dir_after(self, prefix: str, after: str) -> tuple[list[str], list[str]]:
         prefix = check_dir_prefix(prefix)
         strip = len(self._prefix) + len(prefix)
         names, folders = [], []
-        for page in self._pages(prefix, Delimiter="/", StartAfter=self._prefix + prefix + after):
+        start = {"StartAfter": self._prefix + prefix + after} if after else {}
+        for page in self._pages(prefix, Delimiter="/", **start):
             names += [o["Key"][strip:] for o in page.get("Contents", []) if o["Key"][strip:] > after]
             folders += [p["Prefix"][strip:].rstrip("/") for p in page.get("CommonPrefixes", [])]
         return sorted(names), sorted(f for f in folders if f > after)
@@ -99,20 +89,12 @@ class Listing:
         with contextlib.suppress(NoSuchBucket):  # deleting a missing key is not an error
             self._call("DeleteObject", key, self._client.delete_object, Bucket=self.bucket, Key=full)
 
-    def delete_prefix(self, prefix: str) -> int:
-        return self.purge(prefix)[0]
-
     def purge(self, prefix: str) -> tuple[int, int]:
         """Objects under ``prefix`` (S3 has no temp files or folders to leave behind; the
-        incomplete multipart uploads of killed writers are ``abort_uploads``'s).
-
-        The listing is paged (1000 keys a page); the keys then go in DeleteObjects of at most
-        1000 keys, ``delete_workers`` of them in flight at once (a 4096-rank checkpoint of 1000
-        arrays is 4096 batches: sequential, that is minutes of round trips). Keys a batch
-        reports as failed with a transient code (InternalError, SlowDown, ...) are sent again,
-        up to the store's tries; any other code, or keys still failing after them, fail the
-        purge with one StorageError naming a key and how many are left (after every batch has
-        been tried: the rest are deleted)."""
+        incomplete multipart uploads of killed writers are ``abort_stale_uploads``'s), in
+        batches, ``delete_workers`` of them in flight at once (a 4096-rank checkpoint of 1000
+        arrays is 4096 batches: sequential, that is minutes of round trips). A failure names a
+        key and how many are left."""
         check_prefix(prefix)
         infos = list(self._list(prefix))
         keys = [info.key for info in infos]
@@ -122,7 +104,6 @@ class Listing:
             for batch in batches:
                 self._delete_batch(prefix, batch)
         else:
-            # A pool of its own: purge may run on the store's pool, which must never wait on itself.
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3-delete") as pool:
                 futures = [pool.submit(self._delete_batch, prefix, batch) for batch in batches]
                 errors = [e for e in (f.exception() for f in futures) if e is not None]
@@ -155,4 +136,4 @@ class Listing:
                 )
             n = len(self._prefix)
             left = [str(e.get("Key", ""))[n:] for e in errors]
-            time.sleep(random.uniform(0, min(10.0, self._caller.backoff * 2 ** (attempt - 1))))
+            self._caller.pause(attempt)

@@ -54,25 +54,17 @@ class Multipart:
         # (AWS_REQUEST_CHECKSUM_CALCULATION); the upload must then announce it too, and the
         # parts' checksums go into CompleteMultipartUpload (copied from each part's response).
         checksum = self._client.meta.config.request_checksum_calculation != "when_required"
-        # A CreateMultipartUpload whose response is lost and then retried (by botocore or by us)
-        # opens a second upload; the first one's id never reaches us. Count the tries, and after
-        # one that was retried abort the other uploads of this key begun since.
-        tries = 0
+        tries = 0  # CreateMultipartUpload's: after a retried one, abort the key's other uploads
 
         def create(**kwargs: Any) -> dict:
             nonlocal tries
             tries += 1
             return self._client.create_multipart_upload(**kwargs)
 
+        algorithm = {"ChecksumAlgorithm": "CRC32"} if checksum else {}
         try:
             resp = self._call(
-                "CreateMultipartUpload",
-                key,
-                create,
-                Bucket=self.bucket,
-                Key=full,
-                Metadata=meta,
-                **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
+                "CreateMultipartUpload", key, create, Bucket=self.bucket, Key=full, Metadata=meta, **algorithm
             )
         except BaseException:
             if tries:
@@ -85,9 +77,7 @@ class Multipart:
         ends = cumulative(views)
 
         def upload(number: int, off: int, n: int) -> dict:
-            # Only this part's slices are joined, when its turn comes: at most one part per
-            # worker is ever copied, never the whole object.
-            body = join(slice_views(views, ends, off, n))
+            body = join(slice_views(views, ends, off, n))  # only this part's slices, in its turn
             resp = self._call(
                 "UploadPart",
                 key,
@@ -97,7 +87,7 @@ class Multipart:
                 UploadId=upload_id,
                 PartNumber=number,
                 Body=body,
-                **({"ChecksumAlgorithm": "CRC32"} if checksum else {}),
+                **algorithm,
             )
             self._saw_checksum(resp)
             part = {"PartNumber": number, "ETag": resp["ETag"]}
@@ -126,26 +116,24 @@ class Multipart:
             except NoSuchUpload:
                 # A retried Complete whose first try succeeded (and lost its response) finds the
                 # upload gone: it succeeded if the object there carries our token.
-                try:
-                    ours = self._head(key).get("Metadata", {}).get(WRITER_META) == token
-                except NotFoundError:
-                    ours = False
-                if not ours:
+                head = self._ours(key, token)
+                if head is None:
                     raise
-                return self._head(key).get("ETag", "")
+                return head.get("ETag", "")
             return str(done.get("ETag", ""))
         except BaseException:
-            # Parts of an unfinished upload are stored (and billed) until aborted.
             with contextlib.suppress(StorageError):
-                self._call(
-                    "AbortMultipartUpload",
-                    key,
-                    self._client.abort_multipart_upload,
-                    Bucket=self.bucket,
-                    Key=full,
-                    UploadId=upload_id,
-                )
+                self._abort(full, upload_id)
             raise
+
+    def _ours(self, key: str, token: str) -> dict | None:
+        """The object's HeadObject if it carries the writer token ``token`` (``WRITER_META``),
+        else None (someone else's, or gone)."""
+        try:
+            head = self._head(key)
+        except NotFoundError:
+            return None
+        return head if head.get("Metadata", {}).get(WRITER_META) == token else None
 
     def _uploads(self, key_prefix: str) -> Iterator[dict]:
         """Incomplete multipart uploads whose key starts with ``key_prefix`` (relative)."""
@@ -178,12 +166,10 @@ class Multipart:
         lost-response orphans or those of a killed earlier attempt at the same step. (No time
         filter: S3's ``Initiated`` comes from the server's clock, and moto answers a fixed date.)"""
         full = self._full(key)
-        try:
+        with contextlib.suppress(StorageError):  # gc's abort_stale_uploads catches what this misses
             for up in list(self._uploads(key)):
                 if up.get("Key") == full and up.get("UploadId") != keep:
                     self._abort(full, up["UploadId"])
-        except StorageError:
-            pass  # gc's abort_stale_uploads catches what this misses
 
     def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
         check_prefix(prefix)

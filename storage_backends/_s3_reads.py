@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from storage_backends._s3_buffers import cumulative, slice_views, stream_into
 from storage_backends._s3_calls import InvalidRange, PreconditionFailed, Truncated
@@ -24,11 +25,7 @@ from storage_backends.base import ObjectInfo, StorageError, as_writable_buffers,
 
 __all__ = ["Reads"]
 
-
-class _Changed(Exception):
-    """The object was replaced while we read it in pieces; read it again."""
-
-
+T = TypeVar("T")
 _MAX_GET_BYTES = int(os.environ.get("CKPTD_S3_MAX_GET_BYTES", str(64 << 30)))
 
 
@@ -75,14 +72,16 @@ class Reads:
 
     def get(self, key: str, limit: int | None = None) -> bytes:
         """A large object is fetched as parallel ranged GETs into one buffer, then copied once
-        into ``bytes``; ``get_range_into`` fills the caller's buffers without that copy. The size
-        the server reports is checked against ``limit`` (and ``CKPTD_S3_MAX_GET_BYTES``, 64 GiB by
-        default) before that buffer is allocated, and the first GET asks for at most one part."""
+        into ``bytes`` (``get_range_into`` fills the caller's buffers without that copy); the
+        first GET asks for at most one part."""
+        return self._again(key, lambda: self._get_whole(key, limit))
+
+    def _again(self, key: str, read: Callable[[], T]) -> T:
+        """``read()``, started again while the object is replaced under it (a piece's
+        ``If-Match`` fails), up to three times."""
         for _ in range(3):
-            try:
-                return self._get_whole(key, limit)
-            except _Changed:
-                continue
+            with contextlib.suppress(PreconditionFailed):
+                return read()
         raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
 
     def _get_whole(self, key: str, limit: int | None = None) -> bytes:
@@ -91,7 +90,7 @@ class Reads:
         try:
             first, resp = self._get_first(key, f"bytes=0-{first_len - 1}")
         except InvalidRange:  # a ranged GET of an empty object is a 416
-            return self._get_first(key, None, 0)[0]  # an empty object: at most 0 bytes expected
+            return self._get_first(key, None)[0]  # an empty object: at most 0 bytes expected
         if len(first) > first_len:  # a server ignoring the Range: never trust its size
             raise StorageError(
                 f"{self._where(key)}: GetObject returned {len(first)} bytes for a {first_len}-byte range"
@@ -108,20 +107,14 @@ class Reads:
         del first
         etag = resp["ETag"]
         pieces = [(off, min(self.part_size, total - off)) for off in range(got, total, self.part_size)]
-        try:
-            self._submit_all(
-                [lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces]
-            )
-        except PreconditionFailed:
-            raise _Changed() from None
+        self._submit_all([lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces])
         return bytes(buf)
 
-    def _get_first(self, key: str, rng: str | None, most: int | None = None) -> tuple[bytes, dict]:
-        """One GET; reads at most ``most`` bytes (the range's length) + 1 of the body, so a
+    def _get_first(self, key: str, rng: str | None) -> tuple[bytes, dict]:
+        """One GET; reads at most the range's length (0 without one) + 1 bytes of the body, so a
         server that sends more than asked cannot make us buffer it."""
         extra = {"Range": rng} if rng else {}
-        if most is None:
-            most = int(rng.rsplit("-", 1)[1]) + 1 if rng else 0
+        most = int(rng.rsplit("-", 1)[1]) + 1 if rng else 0
 
         def attempt() -> tuple[bytes, dict]:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **extra)
@@ -136,44 +129,39 @@ class Reads:
         return self._call("GetObject", key, attempt)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        if length <= 0 or length > self._one_get:
-            buf = bytearray(max(length, 0))
-            self._range_into(key, start, length, [memoryview(buf)] if length > 0 else [])
-            return bytes(buf)
-        return self._get_range_one(key, start, length)
+        return self._get_range(key, start, length, self._one_get)
 
-    def _get_range_one(self, key: str, start: int, length: int) -> bytes:
-        """A range in a single GET, whatever its size (what get_ranges' pool tasks use)."""
-        if length <= 0:
-            self._range_into(key, start, length, [])
-            return b""
-        buf = bytearray(length)
-        self._get_into(key, start, [memoryview(buf)])
+    def _get_range(self, key: str, start: int, length: int, one_get: int) -> bytes:
+        buf = bytearray(max(length, 0))
+        self._range_into(key, start, length, [memoryview(buf)], one_get)
         return bytes(buf)
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         check_key(key)
-        return self._submit_all([lambda s=s, n=n: self._get_range_one(key, s, n) for s, n in ranges])
+        # Each range in a single GET, whatever its size: the ranges already go in parallel.
+        return self._submit_all([lambda s=s, n=n: self._get_range(key, s, n, n) for s, n in ranges])
 
     def get_range_into(self, key: str, start: int, buffers: Sequence[bytearray | memoryview]) -> None:
         views = as_writable_buffers(buffers)
         self._range_into(key, start, sum(v.nbytes for v in views), views)
 
-    def _range_into(self, key: str, start: int, length: int, views: list[memoryview]) -> None:
+    def _range_into(
+        self, key: str, start: int, length: int, views: list[memoryview], one_get: int | None = None
+    ) -> None:
+        """Into ``views``: in one GET up to ``one_get`` bytes (default ``_one_get``), else as
+        parallel part-sized GETs."""
         check_key(key)
-        if 0 < length <= self._one_get:
+        if 0 < length <= (self._one_get if one_get is None else one_get):
             self._get_into(key, start, views)
             return
+
         # Empty or large: learn the size first, and the ETag that pins the pieces to one version.
-        for _ in range(3):
+        def read() -> None:
             info = self._head(key)
             pos = resolve_range(self.uri, key, start, length, info["ContentLength"])
-            try:
-                self._pieces_into(key, pos, length, views, info["ETag"])
-                return
-            except PreconditionFailed:
-                continue
-        raise StorageError(f"{self._where(key)}: GetObject failed: the object kept changing while read")
+            self._pieces_into(key, pos, length, views, info["ETag"])
+
+        self._again(key, read)
 
     def _pieces_into(self, key: str, pos: int, length: int, views: list[memoryview], etag: str) -> None:
         """Bytes [pos, pos + length) into ``views`` as parallel part-sized GETs."""

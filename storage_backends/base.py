@@ -79,12 +79,10 @@ def check_key(key: str) -> str:
 
 def check_prefix(prefix: str) -> str:
     """Like check_key but the empty prefix (the whole store) and a trailing ``/`` are allowed."""
-    if not isinstance(prefix, str):
-        raise InvalidKeyError(f"invalid prefix {prefix!r}")
     if prefix == "":
         return prefix
     try:
-        check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+        check_key(prefix[:-1] if isinstance(prefix, str) and prefix.endswith("/") else prefix)
     except InvalidKeyError:
         raise InvalidKeyError(f"invalid prefix {prefix!r}") from None
     return prefix
@@ -115,12 +113,8 @@ def check_limit(uri: str, key: str, size: int, limit: int | None) -> None:
 
 def as_buffers(data: Data) -> list[memoryview]:
     """Normalise ``put`` data to a list of flat byte memoryviews."""
-    if isinstance(data, bytes | bytearray | memoryview):
-        items: Sequence = [data]
-    else:
-        items = data
     out = []
-    for d in items:
+    for d in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
         mv = memoryview(d)
         if mv.ndim != 1 or mv.format != "B" or not mv.c_contiguous:
             # cast() only works on C-contiguous views; anything else (Fortran order, strided) is
@@ -228,23 +222,17 @@ class Store(abc.ABC):
         """Delete the object; deleting a missing key is not an error."""
 
     def delete_prefix(self, prefix: str) -> int:
-        """Delete every object under ``prefix``; returns how many. Backends may batch."""
-        n = 0
-        for info in list(self.list(prefix)):
-            self.delete(info.key)
-            n += 1
-        return n
+        """Delete every object under ``prefix`` (by ``purge``); returns how many."""
+        return self.purge(prefix)[0]
 
     def purge(self, prefix: str) -> tuple[int, int]:
         """Like ``delete_prefix``, and also remove what a backend keeps beside its objects under
         ``prefix`` (a filesystem's temp files of interrupted writes and empty folders). Returns
         (files, bytes) really removed, counted as they go, for ``ckptd gc`` to report."""
-        n = nbytes = 0
-        for info in list(self.list(prefix)):
+        infos = list(self.list(prefix))
+        for info in infos:
             self.delete(info.key)
-            n += 1
-            nbytes += info.size
-        return n, nbytes
+        return len(infos), sum(info.size for info in infos)
 
     def abort_stale_uploads(self, older_than: float, prefix: str = "") -> list[str]:
         """Abort the incomplete uploads (S3 multipart uploads) under ``prefix`` of the root (all

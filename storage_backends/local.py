@@ -8,11 +8,8 @@ a crash. Temp files are never listed; a crash may leave one behind, which is har
 Objects are never modified in place (a ``put`` replaces the inode), which is what makes
 ``copy`` by hard link safe.
 
-Objects of 1 MiB or more are written with ``O_DIRECT`` (``storage_backends._direct``): past the
-page cache, which a checkpoint written once and read elsewhere only pollutes, and whose
-reclaim and writeback made buffered saves swing 2x run to run here. ``CKPTD_DIRECT_IO=0`` turns
-it off; a filesystem that refuses ``O_DIRECT`` gets buffered writes. Durability is the same in
-both cases (the fsync, or the ``syncfs`` of ``sync``).
+Objects of 1 MiB or more are written with ``O_DIRECT`` (``storage_backends._direct`` says why),
+unless ``CKPTD_DIRECT_IO=0`` or the filesystem refuses it; durability is the same either way.
 
 Here: ``LocalStore``'s writes; its reads and listings are ``_local_reads``, its deletes
 ``_local_purge``, and the descriptor-relative primitives they share ``_local_fs``.
@@ -39,11 +36,14 @@ from storage_backends._local_fs import (
     DIR_OPEN,
     DIR_RACE_TRIES,
     FILE_OPEN,
+    NEW_FILE,
     NO_LINK_ERRNOS,
     copy_file,
+    gone,
     identity,
     syncfs,
     walk_down,
+    write_temp,
     writev_all,
 )
 from storage_backends._local_purge import Deletes
@@ -66,11 +66,10 @@ class LocalStore(Reads, Deletes, Store):
     so readers see one whole version; ``put_if_absent`` uses ``link(2)``, which fails if the name
     exists, so exactly one writer wins even across hosts on a POSIX network filesystem.
 
-    Nothing below the root is followed through a symbolic link (the root itself may be one):
-    every folder is opened from its parent's descriptor with ``O_NOFOLLOW`` and every file with
-    ``O_NOFOLLOW | O_NONBLOCK``, then checked with ``fstat``. So a step folder that is a link to
-    elsewhere, planted in a root someone else can write, reads as absent, is never written through
-    (``LinkRefused``) and is never deleted through; a FIFO or a device file is not an object.
+    Nothing below the root is followed through a symbolic link (the root itself may be one; how:
+    ``_local_fs``). So a step folder that is a link to elsewhere, planted in a root someone else
+    can write, reads as absent, is never written through (``LinkRefused``) and is never deleted
+    through; a FIFO or a device file is not an object.
     """
 
     def __init__(
@@ -92,33 +91,26 @@ class LocalStore(Reads, Deletes, Store):
         if below is not None:
             base = os.path.abspath(below)
             rel = os.path.relpath(self.root, base)
-            if rel == os.curdir:
-                rel = ""
             if rel == os.pardir or rel.startswith(os.pardir + os.sep):
                 raise StorageError(f"{self.root} is not inside {base}")
             self._below = base
-            self._below_parts = tuple(p for p in rel.split(os.sep) if p)
+            self._below_parts = tuple(p for p in rel.split(os.sep) if p not in ("", os.curdir))
         # Folders made by put_deferred, durable after the next sync (or the next durable put below
         # them, which fsyncs their parents first).
         self._deferred_dirs: set[str] = set()
         self._dirs_lock = threading.Lock()
-        # Objects of DIRECT_MIN_BYTES or more are written with O_DIRECT (``_direct``), unless
-        # CKPTD_DIRECT_IO=0 or the filesystem refuses it.
         self._direct = direct_io if direct_io is not None else os.environ.get("CKPTD_DIRECT_IO", "1") != "0"
         self._bounce = BouncePool()
         self._owner = owner
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _path(self, key: str) -> str:
-        return os.path.join(self.root, *check_key(key).split("/"))
-
     def _fail(self, op: str, what: str, e: OSError, hint: str = "") -> StorageError:
         return StorageError(f"{self.uri}: {op} {what} failed: {e.strerror or e} (errno {e.errno}){hint}")
 
     def _err(self, op: str, key: str, e: OSError) -> StorageError:
         """For reads: a missing file (or a folder, a link, a non-folder on the way) is NotFoundError."""
-        if isinstance(e, FileNotFoundError | NotADirectoryError | IsADirectoryError) or e.errno == errno.ELOOP:
+        if gone(e):
             return NotFoundError(f"{self.uri}: no object {key!r}")
         return self._fail(op, repr(key), e)
 
@@ -165,7 +157,7 @@ class LocalStore(Reads, Deletes, Store):
 
         return walk_down(fd, self._below_parts, create, made)
 
-    def _root_exists(self) -> bool:
+    def exists_root(self) -> bool:
         try:
             os.close(self._root_fd())
         except OSError:
@@ -238,44 +230,18 @@ class LocalStore(Reads, Deletes, Store):
         direct = self._direct and sum(v.nbytes for v in views) >= DIRECT_MIN_BYTES
 
         def create(dir_fd: int, tmp: str) -> None:
-            if direct and self._direct and self._fill_direct(dir_fd, tmp, views, durable):
-                return
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-            try:
-                writev_all(fd, views)
-                if durable:
-                    os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=dir_fd)
-                raise
-            os.close(fd)
+            if direct and self._direct:
+                # O_DIRECT; if the filesystem refuses it (nothing is left behind), this store
+                # writes buffered from now on.
+                try:
+                    fd = open_direct(tmp, dir_fd=dir_fd)
+                    return write_temp(dir_fd, tmp, fd, lambda fd: write_direct(fd, views, self._bounce), durable)
+                except DirectUnsupported as e:
+                    self._no_direct(e)
+            fd = os.open(tmp, NEW_FILE, 0o644, dir_fd=dir_fd)
+            write_temp(dir_fd, tmp, fd, lambda fd: writev_all(fd, views), durable)
 
         return create
-
-    def _fill_direct(self, dir_fd: int, tmp: str, views: list[memoryview], durable: bool) -> bool:
-        """Write ``tmp`` with O_DIRECT; False (nothing left behind) if the filesystem refuses
-        it, after which this store writes buffered."""
-        try:
-            fd = open_direct(tmp, dir_fd=dir_fd)
-        except DirectUnsupported as e:
-            self._no_direct(e)
-            return False
-        try:
-            write_direct(fd, views, self._bounce)
-            if durable:
-                os.fsync(fd)
-        except BaseException as e:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            if isinstance(e, DirectUnsupported):
-                self._no_direct(e)
-                return False
-            raise
-        os.close(fd)
-        return True
 
     def _no_direct(self, e: OSError) -> None:
         if self._direct:
@@ -305,8 +271,8 @@ class LocalStore(Reads, Deletes, Store):
         self._put(key, data, durable=True)
 
     def put_deferred(self, key: str, data: Data) -> None:
-        """Atomic like ``put`` but not fsynced: durable only once ``sync`` returns. Many small
-        fsyncs (each file, each folder) cost far more than one ``syncfs`` of the filesystem."""
+        """Not fsynced: many small fsyncs (each file, each folder) cost far more than the one
+        ``syncfs`` of ``sync``."""
         self._put(key, data, durable=False)
 
     def sync(self) -> None:
@@ -338,53 +304,40 @@ class LocalStore(Reads, Deletes, Store):
             raise self._write_error("put", key, e) from None
 
     def put_if_absent(self, key: str, data: Data) -> bool:
-        views = as_buffers(data)
-        try:
-            fd, tmp, name = self._make_temp(key, self._fill(views))
-            try:
-                try:
-                    # link(2) is the atomic create-if-absent of POSIX: it fails with EEXIST if the
-                    # name exists (a link too), and the new name appears with the complete,
-                    # fsynced content.
-                    os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
-                    won = True
-                except FileExistsError:
-                    won = False
-                finally:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp, dir_fd=fd)
-                if won:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            hint = " (the filesystem does not support hard links)" if e.errno in NO_LINK_ERRNOS else ""
-            raise self._write_error("put_if_absent", key, e, hint) from None
-        return won
+        return self._link_new("put_if_absent", key, data, durable=True) is not None
 
     def put_new(self, key: str, data: Data) -> tuple[int, int, int, int]:
-        """Create-only, durable at the next ``sync``: the temp file is hard-linked to the key's
-        name (``link(2)`` fails with EEXIST: ExistsError, nothing replaced), never renamed over
-        it, then unlinked. Returns the file's (st_dev, st_ino, st_mtime_ns, st_size), its identity
-        for ``delete_if`` (the inode number alone may be reused by a file made after ours)."""
-        views = as_buffers(data)
+        """Create-only (``_link_new``: never renamed over the key), durable at the next ``sync``.
+        Returns the file's identity for ``delete_if`` (``_local_fs.identity``)."""
+        st = self._link_new("put_new", key, data, durable=False)
+        if st is None:
+            raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it")
+        return identity(st)
+
+    def _link_new(self, op: str, key: str, data: Data, durable: bool) -> os.stat_result | None:
+        """Write a temp file and hard-link it to the key's name: the stat of the file if this
+        call created the name, None if it was taken. link(2) is the atomic create-if-absent of
+        POSIX: it fails with EEXIST if the name exists (a link too), and the new name appears
+        with the complete content (fsynced, with its name, when ``durable``)."""
         try:
-            fd, tmp, name = self._make_temp(key, self._fill(views, durable=False), durable=False)
+            fd, tmp, name = self._make_temp(key, self._fill(as_buffers(data), durable), durable)
             try:
                 try:
                     st = os.stat(tmp, dir_fd=fd, follow_symlinks=False)
                     os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
                 except FileExistsError:
-                    raise ExistsError(f"{self.uri}: {key!r} exists; a create-only write never replaces it") from None
+                    return None
                 finally:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp, dir_fd=fd)
+                if durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError as e:
             hint = " (the filesystem does not support hard links)" if e.errno in NO_LINK_ERRNOS else ""
-            raise self._write_error("put_new", key, e, hint) from None
-        return identity(st)
+            raise self._write_error(op, key, e, hint) from None
+        return st
 
     def delete_if(self, key: str, tag: object) -> bool:
         """Rename the name aside to a temp name of our own, check the file's identity there,
@@ -396,10 +349,7 @@ class LocalStore(Reads, Deletes, Store):
         try:
             with self._parent(key) as (dfd, name):
                 aside = self._tmp_name(name)
-                try:
-                    os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
-                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                    return False
+                os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)  # gone: False, below
                 st = os.stat(aside, dir_fd=dfd, follow_symlinks=False)
                 ours = identity(st) == tag and stat.S_ISREG(st.st_mode)
                 if not ours:
@@ -411,7 +361,7 @@ class LocalStore(Reads, Deletes, Store):
                 os.unlink(aside, dir_fd=dfd)
                 os.fsync(dfd)
         except OSError as e:
-            if e.errno == errno.ELOOP or isinstance(e, FileNotFoundError | NotADirectoryError):
+            if gone(e):
                 return False
             raise self._fail("delete_if", f"{key!r}", e) from None
         if ours:
@@ -439,14 +389,8 @@ class LocalStore(Reads, Deletes, Store):
                     self._replace(fd, tmp, name)
                 finally:
                     os.close(fd)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            if e.filename is None and not self.exists(src_key):
-                raise NotFoundError(f"{self.uri}: no object {src_key!r}") from None
-            if not self.exists(src_key):
-                raise NotFoundError(f"{self.uri}: no object {src_key!r}") from None
-            raise self._write_error("copy", f"{src_key} -> {dst_key}", e) from None
         except OSError as e:
-            if e.errno == errno.ELOOP and not self.exists(src_key):
+            if gone(e) and not self.exists(src_key):
                 raise NotFoundError(f"{self.uri}: no object {src_key!r}") from None
             raise self._write_error("copy", f"{src_key} -> {dst_key}", e) from None
 

@@ -11,6 +11,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from storage_backends.base import (
     Data,
@@ -29,25 +30,17 @@ from storage_backends.base import (
 __all__ = ["MemoryStore", "reset"]
 
 
+@dataclass(eq=False)
 class _Namespace:
-    """The shared state behind every MemoryStore of one name."""
+    """The shared state behind every MemoryStore of one name (compared by identity)."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.objects: dict[str, tuple[bytes, float]] = {}
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    objects: dict[str, tuple[bytes, float]] = field(default_factory=dict)
 
 
 _namespaces: dict[str, _Namespace] = {}
 _namespaces_lock = threading.Lock()
 _anonymous = itertools.count()
-
-
-def _namespace(name: str) -> _Namespace:
-    with _namespaces_lock:
-        ns = _namespaces.get(name)
-        if ns is None:
-            ns = _namespaces[name] = _Namespace()
-        return ns
 
 
 def reset(name: str | None = None) -> None:
@@ -72,25 +65,26 @@ class MemoryStore(Store):
             name = f"anonymous-{next(_anonymous)}"
             self._ns = _Namespace()
         else:
-            self._ns = _namespace(name)
+            with _namespaces_lock:
+                self._ns = _namespaces.setdefault(name, _Namespace())
         self.name = name
         self.uri = f"memory://{name}"
 
-    def _get(self, key: str) -> bytes:
+    def _entry(self, key: str) -> tuple[bytes, float]:
         check_key(key)
         with self._ns.lock:
             entry = self._ns.objects.get(key)
         if entry is None:
             raise NotFoundError(f"{self.uri}: no object {key!r}")
-        return entry[0]
+        return entry
 
     def get(self, key: str, limit: int | None = None) -> bytes:
-        data = self._get(key)
+        data = self._entry(key)[0]
         check_limit(self.uri, key, len(data), limit)
         return data
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        data = self._get(key)
+        data = self._entry(key)[0]
         start = resolve_range(self.uri, key, start, length, len(data))
         return data[start : start + length]
 
@@ -101,12 +95,10 @@ class MemoryStore(Store):
             self._ns.objects[key] = (blob, time.time())
 
     def put_if_absent(self, key: str, data: Data) -> bool:
-        check_key(key)
-        blob = b"".join(as_buffers(data))
-        with self._ns.lock:
-            if key in self._ns.objects:
-                return False
-            self._ns.objects[key] = (blob, time.time())
+        try:
+            self.put_new(key, data)
+        except ExistsError:
+            return False
         return True
 
     def put_new(self, key: str, data: Data) -> object:
@@ -164,15 +156,11 @@ class MemoryStore(Store):
         return names, sorted(folders)
 
     def head(self, key: str) -> ObjectInfo:
-        check_key(key)
-        with self._ns.lock:
-            entry = self._ns.objects.get(key)
-        if entry is None:
-            raise NotFoundError(f"{self.uri}: no object {key!r}")
-        return ObjectInfo(key, len(entry[0]), entry[1])
+        data, mtime = self._entry(key)
+        return ObjectInfo(key, len(data), mtime)
 
     def copy(self, src_key: str, dst_key: str) -> None:
         check_key(dst_key)
-        blob = self._get(src_key)  # immutable: the copy can share it
+        blob = self._entry(src_key)[0]  # immutable: the copy can share it
         with self._ns.lock:
             self._ns.objects[dst_key] = (blob, time.time())

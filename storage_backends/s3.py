@@ -24,29 +24,20 @@ checks it (it stores a body corrupted in flight), so there every body stays sign
 corrupted one is refused (XAmzContentSHA256Mismatch). Over https botocore never signs payloads
 that carry a checksum.
 
-Retries: by default adaptive pacing (``s3_retry``): after a SlowDown (503, throttling) in a scope
-(the first folder below the root: one step's objects) every thread of the store sends fewer
-requests per second there, a token bucket whose rate drops to 0.7x on a throttle and grows back
-on successes; a paced store makes all of a call's ``max_attempts x (retries + 1)`` tries itself
-(``_s3_calls.Caller``), so no retry quota of botocore's can cut them short.
-``CKPTD_S3_RETRY_MODE=standard`` turns pacing off and leaves each try of ours to botocore's own
-retries ("standard" mode, with its retry quota); ``CKPTD_S3_MIN_RATE`` (requests/s, default
-0.2) is the floor a scope's rate is never cut below.
+Retries: by default adaptive pacing (``s3_retry``): after a SlowDown in a scope (one step's
+objects) every thread of the store sends fewer requests per second there, and a paced store
+makes all of a call's ``max_attempts x (retries + 1)`` tries itself (``_s3_calls.Caller``), so
+no retry quota of botocore's can cut them short. ``CKPTD_S3_RETRY_MODE=standard`` turns pacing
+off and leaves each try of ours to botocore's "standard" retries.
 
-``purge`` sends its DeleteObjects (1000 keys each) from ``CKPTD_S3_DELETE_WORKERS`` (default 4)
-threads at once, retries the keys a batch reports as failed, and fails naming the rest.
-
-``put_if_absent`` needs conditional writes: ``If-None-Match: *`` on PutObject, which AWS S3
-(since 2024-08), MinIO, Ceph RGW (16.2 Pacific, tested for real) and moto honour with 412
-PreconditionFailed. It is therefore always one PutObject, up to S3's single-PUT limit of 5 GiB
-(``max_put_size``), never a multipart upload: Ceph RGW 16.2 (Pacific) ignores If-None-Match on
-CompleteMultipartUpload and overwrites the object, so a multipart put_if_absent there would make
-every racing writer win. Above that limit it is a multipart upload whose Complete carries the
-condition, only once a probe (run once per store) showed that the server refuses such a Complete
-over an existing object; a server that ignores it gets one clear StorageError instead.
-(moto's server tests and writes without a lock, so two racing writers could in theory both win
-there, which real S3 rules out.) A store that silently ignores the header on PutObject too would
-make every writer win; don't point ckptd at one.
+``put_if_absent`` needs ``If-None-Match: *`` on PutObject, which AWS S3 (since 2024-08), MinIO,
+Ceph RGW 16.2 and moto honour with 412. It is one PutObject up to S3's single-PUT limit of 5 GiB
+(``max_put_size``), never a multipart upload: Ceph RGW 16.2 ignores If-None-Match on
+CompleteMultipartUpload and overwrites, so every racing writer would win (``_s3_conditional``
+probes for that before it uploads more than the limit). (moto's server tests and writes without
+a lock, so two racing writers could in theory both win there, which real S3 rules out.) A store
+that silently ignores the header on PutObject too would make every writer win; don't point
+ckptd at one.
 A missing bucket is an empty store for reads, but puts do not create buckets (that needs
 permissions and a region choice that belong to the operator): they fail with NoSuchBucket.
 
@@ -114,9 +105,8 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
     connection pool is sized for the thread pool plus callers) and one thread pool. Calls made
     from inside that pool never wait on it, so it cannot deadlock.
 
-    ``put`` is atomic as S3 is (a GET sees the old or the new object). A ``get`` of an object in
-    several ranged pieces pins the ETag of the first piece (``If-Match``), so it never stitches
-    two versions together; it starts again if the object is replaced mid-read.
+    ``put`` is atomic as S3 is (a GET sees the old or the new object); a read in several ranged
+    pieces never stitches two versions together (``_s3_reads``).
     """
 
     def __init__(
@@ -151,8 +141,7 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         bounded by ``Checkpointer(save_timeout=...)``.
 
         ``max_put_size``: the largest object ``put_if_absent`` sends as one conditional PutObject
-        (the server's single-PUT limit); larger ones need a server whose CompleteMultipartUpload
-        honours If-None-Match (see the module's docstring).
+        (the server's single-PUT limit; see the module's docstring).
 
         ``retry_mode``: ``"adaptive"`` (default; ``CKPTD_S3_RETRY_MODE``) paces the store after
         throttling, at no less than ``min_rate`` requests/s per scope (``CKPTD_S3_MIN_RATE``, 0.2);
@@ -207,9 +196,7 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
             # would make them queue (and log "connection pool is full").
             max_pool_connections=workers + 16,
             # total_max_attempts counts the first try; botocore's "max_attempts" would not. A
-            # paced store makes every try itself (``Caller``): botocore's retry quota (500
-            # tokens per client, 5 per throttled retry) runs dry under sustained SlowDowns, and
-            # then a call got 1 try of botocore's per try of ours instead of ``max_attempts``.
+            # paced store makes every try itself (the module's docstring says why).
             retries={"mode": "standard", "total_max_attempts": 1 if paced else max(1, max_attempts)},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
@@ -246,11 +233,8 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         return f"s3://{self.bucket}/{self._prefix}{key}"
 
     def _call(self, op: str, key: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
-        where = self._where(key) if key else self.uri
-        if self._pacer is None:
-            return self._caller(op, where, fn, **kwargs)
-        with self._pacer.scoped(key):
-            return self._caller(op, where, fn, **kwargs)
+        with self._pacer.scoped(key) if self._pacer else contextlib.nullcontext():
+            return self._caller(op, self._where(key) if key else self.uri, fn, **kwargs)
 
     def _submit_all(self, fns: Sequence[Callable[[], T]]) -> list[T]:
         """Run ``fns`` on the pool (the last one in this thread) and return their results; on the
@@ -297,9 +281,8 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         return resp
 
     def _saw_checksum(self, resp: dict) -> None:
-        """After a PUT of a body: a response that echoes its CRC32 shows the server checks it,
-        so later bodies need no SHA-256 signature over http (the module's docstring). Until then
-        botocore signs them (its default without TLS)."""
+        """After a PUT: a response that echoes its CRC32 shows the server checks it, so later
+        bodies need no SHA-256 signature over http (the module's docstring)."""
         if self._checksums_checked or not resp.get("ChecksumCRC32"):
             return
         self._checksums_checked = True

@@ -28,9 +28,8 @@ does per client, the store paces itself:
   once, not 16 times (that would collapse it to ``min_rate``).
 
 Bounded: a throttled request still counts as a try, so a call fails with one StorageError after
-``max_attempts x (retries + 1)`` tries, all made by the store's ``Caller`` (botocore's retry
-quota, 500 tokens per client at 5 per throttled retry, would otherwise end them early under
-sustained throttling). The wait for a token is at most (requests waiting in the scope, itself
+``max_attempts x (retries + 1)`` tries (all the store's ``Caller``'s, see ``storage_backends.s3``).
+The wait for a token is at most (requests waiting in the scope, itself
 included) / ``min_rate``: a rate change credits what the old rate refilled first, so a request
 pays for its token once, however many throttles follow. ``benchmarks/SCALE.md`` runs this
 limiter, one per simulated client, against S3's partitions at 1024-8192 ranks.

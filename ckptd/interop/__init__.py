@@ -1,14 +1,6 @@
-"""Checkpoints of other tools in and out of ckptd, one tensor at a time.
-
-=======================  ==========================================  ===================================
-format                   ``ckptd import SRC``                        ``ckptd export ... OUT``
-=======================  ==========================================  ===================================
-``dcp``                  a PyTorch DCP folder (any world size;       a DCP folder of the whole state;
-                         Megatron ``torch_dist`` too)                ``dcp.load`` at any world size
-``torch``                a ``torch.save`` file of a state dict       one entry as a flat state dict
-``safetensors``          a file, or a folder with an index           one entry; a file, or HF shards
-``deepspeed-universal``  a DeepSpeed universal checkpoint folder     --
-=======================  ==========================================  ===================================
+"""Checkpoints of other tools in and out of ckptd, one tensor at a time: ``dcp`` (Megatron
+``torch_dist`` too), ``torch`` and ``safetensors`` both ways, ``deepspeed-universal`` import only
+(docs/interop.md has what each reads and writes).
 
 One module per format, each with ``read(src, as_key) -> (ImportTree, loader)`` and (except
 DeepSpeed) ``write(saved, out, ...) -> ExportResult``; ``common`` holds the rest. Memory stays

@@ -2,15 +2,11 @@
 write into a committed checkpoint, reading a committed checkpoint back one tensor at a time, and
 handing pages of memory-mapped source files back to the kernel.
 
-Import, in order:
-
-1. the format module reads the source's *metadata* only and builds an :class:`ImportTree`: per
-   top-level name a kind and a tree whose tensors are stand-ins (``meta`` tensors made by
-   :meth:`ImportTree.placeholder`, or the source's own lazily mapped tensors);
-2. :func:`write_import` encodes the tree the way ``trainer_hooks.flatten`` encodes a live state
-   (same array keys, same JSON), so ``Checkpointer.restore`` finds every key;
-3. it pulls ``(item, tensor)`` pairs from the format's loader one at a time and writes each with
-   :class:`ckptd.stream.CheckpointWriter`, which commits after the last one.
+Import: the format module reads the source's *metadata* only and builds an :class:`ImportTree`
+of stand-in tensors; :func:`write_import` encodes it the way ``trainer_hooks.flatten`` encodes a
+live state (so ``Checkpointer.restore`` finds every key), then pulls ``(item, tensor)`` pairs
+from the format's loader one at a time into a :class:`ckptd.stream.CheckpointWriter`, which
+commits after the last one.
 
 Export reads the manifest, decodes each top-level entry with ``meta`` stand-ins for its tensors
 (:class:`SavedCheckpoint`), and the format module asks for each tensor's data only when it writes
@@ -25,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import mmap
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -60,10 +58,7 @@ __all__ = [
     "check_output",
     "flat_tensors",
     "one_line",
-    "partial_path",
-    "publish",
     "release_file_pages",
-    "remove_partial",
     "staged_output",
     "trim_heap",
     "write_import",
@@ -105,9 +100,6 @@ def one_line(e: BaseException) -> str:
         text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
     text = " ".join(text.split())
     return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
-
-
-# ------------------------------------------------------------------------------------ import
 
 
 @dataclass(frozen=True)
@@ -206,7 +198,7 @@ def write_import(
     ) as w:
         done = 0
         progress(0, len(items))
-        for it, t in load(items):
+        for done, (it, t) in enumerate(load(items), 1):
             if tuple(t.shape) != it.shape or t.dtype != it.dtype:
                 raise CheckpointError(
                     f"{tree.info.get('path', 'source')}: tensor {it.source!r} is {t.dtype} {tuple(t.shape)} "
@@ -218,16 +210,12 @@ def write_import(
             if since_trim >= TRIM_BYTES:  # not per tensor: malloc_trim walks the whole heap
                 trim_heap()
                 since_trim = 0
-            done += 1
             progress(done, len(items))
         if done != len(items):
             raise CheckpointError(f"internal error: {len(items) - done} tensors were not loaded")
         w.set_state(state)
     kinds = {n: k for n, (k, _) in tree.entries.items()}
     return ImportResult(step, catalog.where(store, step), len(items), total_bytes, kinds, tree.info.get("notes", []))
-
-
-# ------------------------------------------------------------------------------------ export
 
 
 @dataclass(frozen=True)
@@ -308,20 +296,14 @@ def flat_tensors(saved: SavedCheckpoint, name: str) -> tuple[dict[str, torch.Ten
             if flat in out:
                 raise CheckpointError(f"{saved.where}: two tensors of {name!r} flatten to the name {flat!r}")
             out[flat] = x
-        elif isinstance(x, dict):
-            for k, v in x.items():
+        elif isinstance(x, dict | list | tuple):
+            for k, v in x.items() if isinstance(x, dict) else enumerate(x):
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(x, list | tuple):
-            for i, v in enumerate(x):
-                walk(f"{prefix}.{i}" if prefix else str(i), v)
         else:
             skipped += 1
 
     walk("", tree)
     return out, skipped
-
-
-# ------------------------------------------------------------------------------------ files
 
 
 def check_output(out: str) -> None:
@@ -336,51 +318,31 @@ def check_output(out: str) -> None:
         raise CheckpointError(f"{out}: parent folder {parent} does not exist")
 
 
-def partial_path(out: str) -> str:
-    """Where an export is written before it is renamed to ``out``, so that ``out`` never holds a
-    half-written export."""
-    head, tail = os.path.split(os.path.abspath(out))
-    return os.path.join(head, f".{tail}.partial-{os.getpid()}")
-
-
-def publish(tmp: str, out: str) -> None:
-    if os.path.isdir(out):  # the empty folder check_output allowed
-        os.rmdir(out)
-    os.replace(tmp, out)
-
-
-def remove_partial(tmp: str) -> None:
-    import shutil
-
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
-    elif os.path.lexists(tmp):
-        os.unlink(tmp)
-
-
 @contextlib.contextmanager
 def staged_output(out: str) -> Iterator[str]:
-    """Yield the :func:`partial_path` to write an export to; :func:`publish` it as ``out`` when
-    the block ends normally, remove it when the block (or the publish) raises. The caller checks
-    ``out`` with :func:`check_output` first."""
-    tmp = partial_path(out)
+    """Yield a path beside ``out`` to write an export to, so that ``out`` never holds a
+    half-written export; rename it to ``out`` when the block ends normally, remove it when the
+    block (or the rename) raises. The caller checks ``out`` with :func:`check_output` first."""
+    head, tail = os.path.split(os.path.abspath(out))
+    tmp = os.path.join(head, f".{tail}.partial-{os.getpid()}")
     try:
         yield tmp
-        publish(tmp, out)
+        if os.path.isdir(out):  # the empty folder check_output allowed
+            os.rmdir(out)
+        os.replace(tmp, out)
     except BaseException:
-        remove_partial(tmp)
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.lexists(tmp):
+            os.unlink(tmp)
         raise
 
 
-_libc = None
-
-
+@functools.cache
 def _c():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return _libc
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def trim_heap() -> None:
@@ -411,16 +373,10 @@ def release_file_pages(path: str) -> None:
     real = os.path.realpath(path)
     try:
         with open("/proc/self/maps") as f:
-            ranges = []
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].rstrip("\n") == real:
-                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    ranges.append((lo, hi))
+            maps = [line.split(maxsplit=5) for line in f]
     except OSError:
         return
-    if not ranges:
-        return
-    libc = _c()
-    for lo, hi in ranges:
-        libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED)  # best effort: memory, not correctness
+    for parts in maps:
+        if len(parts) == 6 and parts[5].rstrip("\n") == real:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            _c().madvise(lo, hi - lo, mmap.MADV_DONTNEED)  # best effort: memory, not correctness

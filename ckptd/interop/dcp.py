@@ -1,40 +1,28 @@
 """PyTorch Distributed Checkpoint (DCP) folders: import one, or export a checkpoint as one.
 
-**Importing DCP trusts its metadata.** A DCP folder's ``.metadata`` is a pickle, and reading it
-(with torch's own ``FileSystemReader``, the only reader there is) can run code stored in it: only
-import DCP checkpoints you would ``torch.load``. Non-tensor values are read with
-``torch.load(weights_only=True)``; the ckptd checkpoint written holds no pickle.
+**Importing DCP trusts its metadata**: ``.metadata`` is a pickle that torch's own
+``FileSystemReader`` (the only reader there is) unpickles, which can run code stored in it.
+Non-tensor values are read with ``torch.load(weights_only=True)``; the ckptd checkpoint written
+holds no pickle.
 
-Layout. ``dcp.save`` flattens a nested state dict into dotted keys
-(``optim.state.layers.0.weight.exp_avg``) and records, in the metadata's ``planner_data``, the
-real path of each (``("optim", "state", "layers.0.weight", "exp_avg")``), so FQNs with dots are
-never split wrongly. The import rebuilds the nested tree from those paths:
-
-* each top-level key stays a top-level state entry (``dcp.save({"model": ..., "optim": ...})``
-  restores into ``{"model": module, "optim": optimizer}``);
-* an entry shaped ``{"state": {fqn: {...}}, "param_groups": [...]}`` (what
-  ``get_optimizer_state_dict`` returns) is kind ``optimizer``; one flattened by
-  ``StateDictOptions(flatten_optimizer_state_dict=True)`` (torchtitan: ``state.<fqn>.exp_avg``,
-  ``param_groups.<fqn>.lr``) is unflattened into that shape, consecutive parameters with equal
-  hyperparameters forming one group;
-* tensors stored at the top level (torchtitan saves its model's FQNs there, beside
-  ``optimizer``, ``lr_scheduler``, ...) are gathered under ``--as`` (default ``model``);
-* everything else is kind ``dict`` (a module's FQN-keyed state dict included: a live module
-  restores from it), with non-tensor values kept as JSON.
-
-Without ``planner_data`` (a custom planner), a key's first dotted component is taken as its
-top-level name and the rest as one FQN.
+Layout (docs/interop.md, "How names map"). ``dcp.save`` flattens a nested state dict into dotted
+keys and records, in the metadata's ``planner_data``, the real path of each
+(``("optim", "state", "layers.0.weight", "exp_avg")``), so FQNs with dots are never split
+wrongly; the import rebuilds the nested tree from those paths (without ``planner_data``, a
+custom planner's, a key's first dotted component is its top-level name and the rest one FQN).
+Each top-level key stays a state entry, of the kind ``_classify`` finds (an optimizer, also one
+torchtitan flattened, is unflattened); tensors at the top level (torchtitan's model FQNs) are
+gathered under ``--as`` (default ``model``).
 
 Reading: tensors are loaded with ``dcp.load`` into full-size CPU tensors, in batches of at most
 ``BATCH_BYTES`` (one tensor if larger), without a process group; DCP reassembles each tensor from
 however many ranks' chunks it was saved in.
 
-Export writes the whole state, with its nested structure, through ``dcp.save`` and DCP's own
-``FileSystemWriter``: the state dict handed to it holds ``meta`` stand-ins, and the planner reads
-each tensor from ckptd only when the writer asks for it, and each tensor goes to a file of its
-own (``__0_<n>.distcp``), so one tensor is in memory at a time.
-The folder loads with ``dcp.load`` at any world size and sharding (RNG states, which ckptd keeps
-per rank beside the state, are not exported).
+Export: ``dcp.save`` with DCP's own ``FileSystemWriter`` of a state dict of ``meta`` stand-ins;
+the planner reads each tensor from ckptd only when the writer asks for it, and each goes to a
+file of its own, so one tensor is in memory at a time. The folder loads with ``dcp.load`` at any
+world size and sharding (RNG states, which ckptd keeps per rank beside the state, are not
+exported).
 """
 
 from __future__ import annotations
@@ -125,9 +113,6 @@ def _error(e: BaseException, where: str, what: str) -> CheckpointError:
     return CheckpointError(f"{where}: {what} ({one_line(e)})")
 
 
-# ------------------------------------------------------------------------------------ import
-
-
 def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
     """The tree of a DCP folder and its loader (see the module docstring for the mapping)."""
     if not os.path.isfile(os.path.join(src, ".metadata")):
@@ -142,9 +127,8 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
     paths = _paths(md)
     tree = ImportTree(info={"format": "dcp", "path": os.path.abspath(src), "dcp_version": md.version})
 
-    byte_keys = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
-    values: dict[str, Any] = {k: None for k in byte_keys}
-    if byte_keys:
+    values: dict[str, Any] = {k: None for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    if values:
         _load(values, reader, src)
 
     root: dict[str, Any] = {}
@@ -260,9 +244,6 @@ def _unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-# ------------------------------------------------------------------------------------ export
-
-
 class _LazySavePlanner(DefaultSavePlanner):
     """Hands DCP's writer each tensor's data when it asks for it, read from ckptd."""
 
@@ -291,10 +272,7 @@ class _LazySavePlanner(DefaultSavePlanner):
 def write(saved: SavedCheckpoint, out: str, progress: Progress = _no_progress) -> ExportResult:
     """Write every state entry of ``saved`` as a DCP folder ``out``; returns the files written."""
     check_output(out)
-    state = {}
-    for name in saved.names:
-        _, tree = saved.decode(name)
-        state[name] = tree
+    state = {name: saved.decode(name)[1] for name in saved.names}
     total = len(saved.manifest.tensors)
     try:
         with staged_output(out) as tmp:

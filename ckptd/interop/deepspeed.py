@@ -1,4 +1,4 @@
-"""DeepSpeed universal checkpoints (ZeRO stage 1/2, as ``ds_to_universal.py`` writes them), read
+"""DeepSpeed universal checkpoints (ZeRO stage 1/2/3, as ``ds_to_universal.py`` writes them), read
 from their documented layout; DeepSpeed itself is not needed::
 
     <SRC>/zero/<param name>/fp32.pt         {"param": fp32 tensor, "cat_dim": ..., ...}
@@ -8,27 +8,14 @@ from their documented layout; DeepSpeed itself is not needed::
     <SRC>/zero/optimizer_state.pt           param_groups (hyperparameters) and DeepSpeed state
 
 SRC is the universal folder (holding ``zero/``) or ``zero/`` itself. Every ``.pt`` file is read
-with ``torch.load(weights_only=True)``; nothing is unpickled beyond tensors and plain values.
+with ``torch.load(weights_only=True)``. DeepSpeed pickles its loss scaler and ZeRO stage enum
+into ``optimizer_state.pt`` even in fp32 training: those classes (``DEEPSPEED_BOOKKEEPING``)
+unpickle as inert ``Opaque`` records, so nothing of DeepSpeed is imported or run. ZeRO-3 files
+hold each tensor flat; the shapes come from ``param_shapes`` in the ``*_model_states.pt`` that
+``ds_to_universal`` copies beside ``zero/``.
 
-What comes in: the fp32 master weights under ``--as`` (default ``model``, kind ``dict``: restore
-into a module whose parameters are fp32), and, when the hyperparameters can be read,
-``optim`` in the shape ``get_optimizer_state_dict`` gives (``state`` per parameter name, ``step``
-as a 0-d float32 tensor as torch's Adam keeps it; one param group holding every parameter, with
-the hyperparameters of DeepSpeed's single group). Parameter names are DeepSpeed's, the FQNs of
-the module given to ``deepspeed.initialize``.
-
-ZeRO-3 universal files hold each tensor flat; the shapes come from ``param_shapes`` in the
-``*_model_states.pt`` that ``ds_to_universal`` copies beside ``zero/``.
-
-Not covered, with a clear error or note: ZeRO-3 files without those model states, parameters
-with DeepSpeed sub-parameter layouts (fused QKV metadata objects), several param groups
-(DeepSpeed numbers parameters, it does not name them) and an ``optimizer_state.pt`` that holds
-objects other than DeepSpeed's own bookkeeping: the optimizer is then left out and only the weights are imported.
-
-DeepSpeed pickles its loss scaler and ZeRO stage enum into ``optimizer_state.pt``, even in fp32
-training (DeepSpeed 0.19). Those classes (``DEEPSPEED_BOOKKEEPING``) unpickle as inert
-``Opaque`` records, never as DeepSpeed objects: nothing of DeepSpeed is imported or run, and
-ckptd reads only ``param_groups`` from the file.
+What comes in (the fp32 weights under ``--as``; ``optim`` in the ``get_optimizer_state_dict``
+shape when the hyperparameters can be read) and what is not covered: docs/interop.md, DeepSpeed.
 """
 
 from __future__ import annotations
@@ -56,10 +43,6 @@ DEEPSPEED_BOOKKEEPING = (
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
 )
-
-
-def _load(path: str, mmap: bool = True) -> Any:
-    return safe_load(path, mmap)[0]
 
 
 def _param(obj: Any, path: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -133,7 +116,7 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
         folder = os.path.join(zero, name)
         for fname in sorted(f for f in os.listdir(folder) if f.endswith(".pt")):
             path = os.path.join(folder, fname)
-            obj = _load(path)
+            obj = safe_load(path)[0]
             if fname == STEP:
                 step = obj.item() if isinstance(obj, torch.Tensor) else obj
                 if not isinstance(step, int | float):
@@ -165,7 +148,7 @@ def read(src: str, as_key: str = "model") -> tuple[ImportTree, Any]:
             if isinstance(it.source, torch.Tensor):  # the step, made here
                 yield it, it.source
                 continue
-            obj = _load(it.source)
+            obj = safe_load(it.source)[0]
             yield it, _param(obj, it.source, shape_of(os.path.basename(os.path.dirname(it.source)), obj))
             release_file_pages(it.source)
 

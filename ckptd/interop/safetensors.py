@@ -11,11 +11,9 @@ Export writes entry ``--as`` (FQN names; deeper paths joined with ``.``) as safe
 format is a little-endian u64 header length, a JSON header (dtype, shape, byte offsets per
 tensor, padded with spaces to 8 bytes) and the tensors' bytes in header order; because the header
 needs only shapes and dtypes, each file is written from tensors read one at a time. With
-``--max-shard-size`` the tensors are split, in order, into ``model-00001-of-0000N.safetensors``
-files of at most that many bytes (a larger tensor gets a file of its own) plus
-``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), as Hugging Face
-writes them; OUT is then a folder. Non-tensor values (an optimizer's hyperparameters) cannot be
-stored and are left out.
+``--max-shard-size`` the tensors are split (``shard``) into ``model-00001-of-0000N.safetensors``
+files plus ``model.safetensors.index.json``, as Hugging Face writes them; OUT is then a folder.
+Non-tensor values (an optimizer's hyperparameters) cannot be stored and are left out.
 """
 
 from __future__ import annotations
@@ -84,9 +82,6 @@ def _safe_open():
     except ImportError:  # pragma: no cover - an optional extra
         raise CheckpointError("safetensors is not installed: pip install 'ckptd[interop]'") from None
     return safe_open
-
-
-# ------------------------------------------------------------------------------------ import
 
 
 def _files(src: str) -> tuple[list[str], dict[str, str] | None]:
@@ -191,9 +186,6 @@ def read(src: str, as_key: str = "model", max_tensors: int = MAX_TENSORS) -> tup
                 h.__exit__(None, None, None)
 
     return tree, load
-
-
-# ------------------------------------------------------------------------------------ export
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -119,9 +119,6 @@ def write(saved: SavedCheckpoint, out: str, as_key: str = "model", progress: Pro
                 trim_heap()
             progress(i + 1, len(stand_ins))
         del mapped
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
     return ExportResult([out], len(stand_ins), skipped)
