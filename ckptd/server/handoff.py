@@ -78,6 +78,11 @@ class Job:
     bytes_uploaded: int = 0
     upload_started_at: float | None = None
 
+    @property
+    def where(self) -> str:
+        """The job's part, for logs: ``<root> step <n> rank <r>``."""
+        return f"{self.root} step {self.step} rank {self.rank}"
+
     def journal(self) -> dict:
         """Every field, for the journal's JSON. Shallow: the shard, metadata and ``done`` lists
         are JSON values that nothing changes after validation, and ``dataclasses.asdict``

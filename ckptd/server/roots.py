@@ -76,10 +76,7 @@ class Roots:
         root containing ``uri``; for a folder (``links``), checks that nothing below the served
         root is a link."""
         scheme, comps = normalize(uri)
-        best = None
-        for s, c in self._norm:
-            if s == scheme and comps[: len(c)] == c and (best is None or len(c) > len(best)):
-                best = c
+        best = max((c for s, c in self._norm if s == scheme and comps[: len(c)] == c), key=len, default=None)
         if best is None:
             raise RootError(f"job root {uri!r} is not served by this daemon (serving: {', '.join(self.uris)})")
         if scheme == "file" and links:
