@@ -10,15 +10,10 @@ that reaches the address, may hand off snapshots (logged as a WARNING). A token 
 others can write is refused (exit 2). The port is bound before anything else happens, so a taken
 port is one error line and exit 1.
 
-Slow or idle clients cannot starve it (``ckptd.server.conns``): requests must arrive whole within
-``CKPTD_REQUEST_TIMEOUT_S``, connections are capped (``--max-connections``, below the open-files
-limit), and over a cap the oldest connection that has not yet delivered an authenticated request
-is closed. Log messages are escaped to one line each.
-
-Tenants: the daemon also listens on a Unix socket (``--socket``; ``daemon=True`` finds it), where
-the kernel names each caller's uid, so each local user's leases, jobs and job roots are their own
-(``ckptd.server.tenancy``, docs/security.md); a second daemon on the socket of a live one refuses
-to start. Over TCP, leases and hand-offs need ``--trust-tcp`` (one trusted party).
+Slow or idle clients cannot starve it (``ckptd.server.conns``, ``--max-connections``). Log
+messages are escaped to one line each. Tenants: the daemon also listens on a Unix socket
+(``--socket``), where the kernel names each caller's uid (``ckptd.server.tenancy``,
+docs/security.md); over TCP, leases and hand-offs need ``--trust-tcp`` (one trusted party).
 """
 
 from __future__ import annotations

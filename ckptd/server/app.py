@@ -211,11 +211,10 @@ MAX_TOKEN_FILE_BYTES = 4096
 
 
 def read_token(path: str | None) -> str | None:
-    """The bearer token in ``path`` (``--token-file``). Refused (ValueError, one line) when the
-    file is not a regular file, is larger than ``MAX_TOKEN_FILE_BYTES``, is empty, or is writable by
-    its group or by others: whoever can write it can replace the token with one they know. A token
-    that every local user can read is logged as a WARNING. The checks and the read use one
-    descriptor (``fstat``), so the file checked is the file read."""
+    """The bearer token in ``path`` (``--token-file``), or ValueError (one line). A file its group
+    or others can write is refused (they could replace the token with one they know); one every
+    local user can read is logged as a WARNING. The checks and the read use one descriptor
+    (``fstat``), so the file checked is the file read."""
     if path is None:
         return None
     try:
@@ -268,8 +267,7 @@ ERRORS: dict[type[Exception], int] = {
 async def _mapped_error(_req: Request, exc: Exception) -> JSONResponse:
     status = next(ERRORS[t] for t in type(exc).__mro__ if t in ERRORS)
     # KeyError's str() quotes its message; the message is its first argument
-    detail = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    return _error(status, detail)
+    return _error(status, str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
 
 
 async def _budget_full(req: Request, exc: BudgetFull) -> JSONResponse:
@@ -362,8 +360,7 @@ def get_checkpoint(
         return _error(404, f"{r}: no checkpoint at step {step}")
     out = info.to_json()
     if info.committed:
-        m = catalog.load_manifest(store, step)
-        out["tensors"] = [t.to_json() for t in m.tensors.values()]
+        out["tensors"] = [t.to_json() for t in catalog.load_manifest(store, step).tensors.values()]
     return out
 
 

@@ -12,6 +12,7 @@ kept; a replica is refused, HTTP 429). Sizing: docs/operations.md ("Descriptors 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -51,17 +52,12 @@ _limits: dict | None = None
 
 def _read_limits() -> dict:
     nofile: int | None = None
-    try:
+    maps: int | None = None
+    with contextlib.suppress(OSError, ValueError):
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         nofile = None if soft == resource.RLIM_INFINITY else int(soft)
-    except (OSError, ValueError):
-        pass
-    maps: int | None = None
-    try:
-        with open("/proc/sys/vm/max_map_count", "rb") as f:
-            maps = int(f.read(32).strip())
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/vm/max_map_count", "rb") as f:
+        maps = int(f.read(32).strip())
     caps = [] if nofile is None else [_room_from(nofile, 0)]
     if maps is not None:
         caps.append(maps - max(MAP_HEADROOM, maps // 8))

@@ -145,9 +145,7 @@ def _shallow(obj, what: str):
 
 
 def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -> Job:
-    """A ``Job`` from a hand-off request (already shape-checked by the API model); BadJob if it
-    names a root not served, keys escaping the checkpoint folder, or files outside its lease or
-    of the wrong size."""
+    """A ``Job`` from a hand-off request (already shape-checked by the API model), or BadJob."""
     try:
         roots.check(req["root"])
     except RootError as e:

@@ -1,12 +1,8 @@
 """Handed-off snapshots: upload them with the one commit protocol, watch their commits.
 
 A job (``handoff.Job``) is one rank's part of one checkpoint, its buffers in files of a staging
-lease. The daemon maps those files and calls ``ckptd.persist.persist`` -- the same code, hence the
-same order of writes, as the in-process writer: shards and metadata, then the rank's done
-record, then the climb of the done tree (``commit.climb``: the rank that completes it writes the
-commit record with ``put_if_absent``, so two daemons racing on one step commit it once); the
-worker that wrote the commit then applies retention (``retention.after_commit``), after the job
-is reported committed. The step is claimed once per attempt for all the ranks the daemon serves
+lease, written by ``ckptd.persist.persist`` as the in-process writer writes it (docs/architecture.md,
+"Who calls ``persist``"). The step is claimed once per attempt for all the ranks the daemon serves
 (``server.shared_claim.SharedClaim``; ``ckptd_step_claims_total``), not once per job.
 
 States: ``queued`` -> ``uploading`` -> ``uploaded`` (this rank's data and done record are durable;
@@ -326,8 +322,7 @@ class Runner:
                 self._running -= 1
 
     def _upload(self, job: Job) -> None:
-        """Upload ``job`` (:meth:`_upload_with_retries`), then record the outcome: failed, or
-        uploaded and handed to the commit watch (:meth:`_uploaded`)."""
+        """Upload ``job``, then record the outcome: failed, or uploaded (:meth:`_uploaded`)."""
         lease = self.staging.get(job.lease)
         if job.memory_only:
             self._hold(job, lease)

@@ -41,16 +41,14 @@ class SharedClaim:
     ``persist(claim="caller")`` (the protocol above).
 
     Only definitive outcomes (go, ``AlreadyCommitted``, ``StepClaimed``: re-raised to every part
-    with the same message) are kept. A transient failure (the store failed or throttled;
-    CheckpointError "cannot claim/read") is raised to the part that ran ``begin`` and kept for
-    nobody: a waiting part, or the next one, runs ``begin`` again. A go is trusted for a quarter
-    of ``CKPTD_STALE_ATTEMPT_S`` (:func:`trusted`, as ``follow_claim`` trusts rank 0's go). A go
-    for another attempt of the step voids the outcomes kept for the others (a job restarted after
-    preemption supersedes its dead attempt, whose parts still queued must not write on the old
-    go). At most ``limit`` outcomes are kept (the oldest decided go dropped first).
-
-    ``on_begin`` is called before every ``begin`` (``ckptd_step_claims_total``). ``event`` makes
-    the object a waiter blocks on: ``threading.Event``, or a simulated one
+    with the same message) are kept; after a transient failure (the store failed or throttled,
+    "cannot claim/read") a waiting part, or the next one, runs ``begin`` again. A go is trusted
+    for a quarter of ``CKPTD_STALE_ATTEMPT_S`` (:func:`trusted`, as ``follow_claim`` trusts rank
+    0's go). A go for another attempt of the step voids the outcomes kept for the others (a job
+    restarted after preemption supersedes its dead attempt, whose parts still queued must not
+    write on the old go). At most ``limit`` outcomes are kept (the oldest decided go dropped
+    first). ``on_begin`` is called before every ``begin`` (``ckptd_step_claims_total``).
+    ``event`` makes the object a waiter blocks on: ``threading.Event``, or a simulated one
     (``benchmarks.scale``). The lock is held only for the table, never across a request."""
 
     def __init__(
@@ -92,13 +90,10 @@ class SharedClaim:
 
     def committed(self, store: Store, root: str, step: int, fresh_s: float = 1.0) -> dict | None:
         """``catalog.read_commit`` of ``step`` shared the same way: one read in flight per (root,
-        step), its answer (the record, or None: not committed) given to the callers that come
-        while it runs or within ``fresh_s`` seconds after; a failed read is raised to its
-        caller and kept for nobody. The daemon checks a step before each job (at hand-off and at
-        the start of the upload); a node's jobs come within milliseconds of each other, and one
-        read per job put 2N reads on the step's prefix at once. An answer up to ``fresh_s`` old
-        is enough there: the hand-off's check is a fast refusal (the claim refuses a committed
-        step), and the upload's guards a shared go, itself trusted for minutes."""
+        step), its answer given to the callers that come while it runs or within ``fresh_s``
+        seconds after; a failed read is raised to its caller and kept for nobody. An answer up
+        to ``fresh_s`` old is enough: the hand-off's check is a fast refusal (the claim refuses
+        a committed step), and the upload's guards a shared go, itself trusted for minutes."""
         key = (root, step)
         while True:
             with self._lock:

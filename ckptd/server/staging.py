@@ -124,10 +124,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 class Staging:
-    """``group``: the trainers' group id when trainers run as other users than the daemon (lease
-    folders 3770 and that group); None: daemon and trainers share one user (folders 0700).
-    ``private``: lease folders are given to the uid that creates them (0700; needs CAP_CHOWN and
-    CAP_DAC_OVERRIDE), and any local user (or the group's) may reach theirs."""
+    """``group``: the trainers' group id when they run as other users than the daemon; None: one
+    user for both. ``private``: lease folders are given to the uid that creates them."""
 
     def __init__(
         self,
@@ -228,14 +226,13 @@ class Staging:
         now = time.monotonic()
         self._pressure(now)
         staged = sum(lease.bytes for lease in self._leases.values()) + self._reserved
-        if staged + need > self.budget:
-            idle = [x for x in self._leases.values() if x is not me and x.owner == "client" and not x.active]
-            for x in sorted(idle, key=lambda x: x.touched):
-                if staged + need <= self.budget:
-                    break
-                log.info("freeing idle lease %s (%d bytes) to make room for %d bytes", x.id, x.bytes, need)
-                staged -= x.bytes
-                self._free(x)
+        idle = [x for x in self._leases.values() if x is not me and x.owner == "client" and not x.active]
+        for x in sorted(idle, key=lambda x: x.touched):
+            if staged + need <= self.budget:
+                break
+            log.info("freeing idle lease %s (%d bytes) to make room for %d bytes", x.id, x.bytes, need)
+            staged -= x.bytes
+            self._free(x)
         if staged + need > self.budget and self._reserved and self.reclaim is not None:
             freed = min(self.reclaim(staged + need - self.budget), self._reserved)  # a save beats a tier copy
             self._reserved -= freed
@@ -383,17 +380,14 @@ class Staging:
         with self._lock:
             self._leases.pop(lease_id, None)
 
-    def expire(self) -> list[str]:
-        """Free client-owned leases whose client stopped heartbeating. Returns their ids."""
+    def expire(self) -> None:
+        """Free client-owned leases whose client stopped heartbeating."""
         now = time.monotonic()
-        gone = []
         with self._lock:
             for lease in list(self._leases.values()):
                 if lease.owner == "client" and now - lease.touched > self.ttl:
                     log.info("freeing lease %s of rank %d: no heartbeat for %.0f s", lease.id, lease.rank, self.ttl)
                     self._free(lease)
-                    gone.append(lease.id)
-        return gone
 
     def _free(self, lease: Lease) -> None:
         self._leases.pop(lease.id, None)
