@@ -1,27 +1,19 @@
 """``ckptd serve --root URI``: run the per-node daemon (see ``ckptd.server``).
 
-Flags override ``CKPTD_*`` environment variables (``CKPTD_ROOTS``, ``CKPTD_PORT``,
-``CKPTD_STAGING_DIR``, ``CKPTD_BUDGET``, ...). SIGTERM/SIGINT stop it after running uploads
-finish (up to 30 s); what is left is journalled and resumed at the next start.
+Flags override ``CKPTD_*`` environment variables (``ckptd.server.settings``). SIGTERM/SIGINT stop
+it after running uploads finish (up to 30 s); what is left is journalled and resumed at the next
+start.
 
 Authentication is explicit: without ``--token-file`` the daemon refuses to start unless
 ``--insecure-no-auth`` (``CKPTD_INSECURE_NO_AUTH=1``) says that every local user, and every host
-that reaches the address, may hand off snapshots; it then logs one WARNING saying so. The port is
-bound before anything else happens, so a taken port is one error line and exit 1. A token file
-its group or others can write is refused (exit 2).
+that reaches the address, may hand off snapshots (logged as a WARNING). A token file its group or
+others can write is refused (exit 2). The port is bound before anything else happens, so a taken
+port is one error line and exit 1.
 
-Slow or idle clients cannot starve it (``ckptd.server.conns``): requests must arrive whole within
-``CKPTD_REQUEST_TIMEOUT_S``, connections are capped (``--max-connections``, below the open-files
-limit, which is raised to its hard value), and over a cap the oldest connection that has not yet
-delivered an authenticated request is closed. Log messages are escaped to one line each.
-
-Tenants: the daemon also listens on a Unix socket, where the kernel names each caller's uid: by
-default ``/run/ckptd/ckptd.sock``, or ``/dev/shm/ckptd/ckptd.sock`` where ``/run`` is not writable
-(``ckptd.daemon_conn.default_socket``; ``--socket`` or ``CKPTD_SOCKET`` moves it). Trainers of
-several local users find it with ``daemon=True`` and hand off through it, and each one's leases,
-jobs and job roots are its own (``ckptd.server.tenancy``). A second daemon on the socket of a
-live one refuses to start. Over TCP, leases and hand-offs need
-``--trust-tcp`` (one trusted party: a single-user node, a port private to one pod).
+Slow or idle clients cannot starve it (``ckptd.server.conns``, ``--max-connections``). Log
+messages are escaped to one line each. Tenants: the daemon also listens on a Unix socket
+(``--socket``), where the kernel names each caller's uid (``ckptd.server.tenancy``,
+docs/security.md); over TCP, leases and hand-offs need ``--trust-tcp`` (one trusted party).
 """
 
 from __future__ import annotations
@@ -128,26 +120,13 @@ def run(args: argparse.Namespace) -> int:
     from ckptd.server.settings import Settings, parse_size
     from ckptd.server.tenancy import listen_unix, peer_protocol, release_unix
 
-    given = {
+    # Flags named as the settings they set, where given (a store_true flag left False, like a flag
+    # left None, keeps the environment's value); the others below.
+    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None and v is not False}
+    given |= {
         "roots": args.root,
-        "host": args.host,
-        "port": args.port,
-        "token_file": args.token_file,
-        "insecure_no_auth": args.insecure_no_auth or None,
-        "staging_group": args.staging_group,
-        "staging_dir": args.staging_dir,
-        "socket": args.socket,
-        "trust_tcp": args.trust_tcp or None,
         "binds": args.bind,
-        "upload_workers": args.upload_workers,
-        "keep_last": args.keep_last,
-        "max_step_jump": args.max_step_jump,
-        "log_level": args.log_level,
-        "max_connections": args.max_connections,
         "peers": [u.strip() for u in args.peers.split(",") if u.strip()] if args.peers else None,
-        "advertise": args.advertise,
-        "replicas": args.replicas,
-        "discover": args.discover or None,
         "tiers": False if args.no_tiers else None,
     }
     try:
@@ -265,17 +244,14 @@ FD_RESERVE = 256
 
 
 def _connection_cap(wanted: int, log: logging.Logger) -> int:
-    """Raise the open-files soft limit to the hard one (``server.capacity.raise_open_files``),
-    and keep ``FD_RESERVE`` descriptors of it for everything but connections: more connections
-    than that would starve uploads of files and stop the server accepting anyone
+    """Keep ``FD_RESERVE`` descriptors of the open-files limit (which ``create_app`` raised to the
+    hard one: ``server.capacity.raise_open_files``) for everything but connections: more
+    connections than that would starve uploads of files and stop the server accepting anyone
     (``ckptd.server.conns``)."""
-    import resource
-
     from ckptd.server import capacity
 
-    capacity.raise_open_files()
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    cap = wanted if soft == resource.RLIM_INFINITY else min(wanted, max(16, soft - FD_RESERVE))
+    soft = capacity.describe()["open_files"]  # None: unlimited
+    cap = wanted if soft is None else min(wanted, max(16, soft - FD_RESERVE))
     if cap < wanted:
         log.warning("at most %d connections (open-files limit %d); --max-connections asked for %d", cap, soft, wanted)
     return cap
@@ -283,19 +259,18 @@ def _connection_cap(wanted: int, log: logging.Logger) -> int:
 
 def _listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (uvicorn listens on it); one clear error (exit 1) if taken."""
+    sock = None
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise CheckpointError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
         sock.set_inheritable(True)
+        return sock
     except OSError as e:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise CheckpointError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
 
 
 class OneLineFormatter(logging.Formatter):

@@ -80,9 +80,6 @@ RETRY_AFTER_S = 1
 _NAME = Field(min_length=1, max_length=64)
 
 
-# ------------------------------------------------------------------------------- bodies
-
-
 # ``image_handoff``: shard files may be object images ("image": true); ``job_long_poll``:
 # GET /v1/jobs/{id} takes ``wait``.
 FEATURES = ("image_handoff", "job_long_poll", "memory_only_steps")
@@ -128,9 +125,6 @@ class JobRequest(BaseModel):
     memory_only: bool = Field(False, description="hold the step in the memory tier only (server.tiers)")
 
 
-# --------------------------------------------------------------------------- middleware
-
-
 class Guard:
     """Bearer-token check (every path but ``/healthz`` and the status page's data-free shell,
     ``page.PUBLIC_PATHS``; constant-time compare), a cross-site check, and a body size limit
@@ -172,14 +166,10 @@ class Guard:
                 more = msg.get("more_body", False)
                 if len(body) > self.max_body:
                     return await _send(send, 413, {"detail": f"request body over {self.max_body} bytes"})
-            replayed = False
+            whole = [{"type": "http.request", "body": body, "more_body": False}]
 
             async def replay():
-                nonlocal replayed
-                if replayed:
-                    return await receive()
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                return whole.pop() if whole else await receive()
 
             return await self.app(scope, replay, send)
         return await self.app(scope, receive, send)
@@ -221,35 +211,32 @@ MAX_TOKEN_FILE_BYTES = 4096
 
 
 def read_token(path: str | None) -> str | None:
-    """The bearer token in ``path`` (``--token-file``). Refused (ValueError, one line) when the
-    file is not a regular file, is larger than ``MAX_TOKEN_FILE_BYTES``, is empty, or is writable by
-    its group or by others: whoever can write it can replace the token with one they know. A token
-    that every local user can read is logged as a WARNING. The checks and the read use one
-    descriptor (``fstat``), so the file checked is the file read."""
+    """The bearer token in ``path`` (``--token-file``), or ValueError (one line). A file its group
+    or others can write is refused (they could replace the token with one they know); one every
+    local user can read is logged as a WARNING. The checks and the read use one descriptor
+    (``fstat``), so the file checked is the file read."""
     if path is None:
         return None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            mode = stat.S_IMODE(st.st_mode)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"token file {path} is not a regular file")
+            if mode & (stat.S_IWGRP | stat.S_IWOTH):
+                who = "every local user" if mode & stat.S_IWOTH else "its group"
+                raise ValueError(
+                    f"refusing token file {path}: it is writable by {who} (mode {mode:o}), who could replace "
+                    f"the token with one they know; chmod go-w {path} (0600, or 0640 for the trainers' group)"
+                )
+            if st.st_size > MAX_TOKEN_FILE_BYTES:
+                raise ValueError(f"token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token")
+            raw = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise ValueError(f"cannot read token file {path}: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        mode = stat.S_IMODE(st.st_mode)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"token file {path} is not a regular file")
-        if mode & (stat.S_IWGRP | stat.S_IWOTH):
-            who = "every local user" if mode & stat.S_IWOTH else "its group"
-            raise ValueError(
-                f"refusing token file {path}: it is writable by {who} (mode {mode:o}), who could replace "
-                f"the token with one they know; chmod go-w {path} (0600, or 0640 for the trainers' group)"
-            )
-        if st.st_size > MAX_TOKEN_FILE_BYTES:
-            raise ValueError(f"token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token")
-        raw = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"cannot read token file {path}: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
     try:
         token = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -260,8 +247,6 @@ def read_token(path: str | None) -> str | None:
         log.warning("token file %s is readable by every local user (mode %o): chmod o-r it", path, mode)
     return token
 
-
-# ------------------------------------------------------------------------------- errors
 
 # Error type -> HTTP status, looked up along the raised exception's MRO (so a subclass listed
 # here wins over its base: CheckpointNotFoundError is 404, any other CheckpointError 502).
@@ -282,8 +267,7 @@ ERRORS: dict[type[Exception], int] = {
 async def _mapped_error(_req: Request, exc: Exception) -> JSONResponse:
     status = next(ERRORS[t] for t in type(exc).__mro__ if t in ERRORS)
     # KeyError's str() quotes its message; the message is its first argument
-    detail = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    return _error(status, detail)
+    return _error(status, str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
 
 
 async def _budget_full(req: Request, exc: BudgetFull) -> JSONResponse:
@@ -301,9 +285,6 @@ async def _bad_request(_req: Request, exc: RequestValidationError) -> JSONRespon
 
 
 HANDLERS = {RequestValidationError: _bad_request, BudgetFull: _budget_full, **dict.fromkeys(ERRORS, _mapped_error)}
-
-
-# ---------------------------------------------------------------------- read-only routes
 
 read_only = APIRouter()
 
@@ -379,8 +360,7 @@ def get_checkpoint(
         return _error(404, f"{r}: no checkpoint at step {step}")
     out = info.to_json()
     if info.committed:
-        m = catalog.load_manifest(store, step)
-        out["tensors"] = [t.to_json() for t in m.tensors.values()]
+        out["tensors"] = [t.to_json() for t in catalog.load_manifest(store, step).tensors.values()]
     return out
 
 
@@ -388,8 +368,6 @@ def get_checkpoint(
 def prometheus(d: Parts):
     return PlainTextResponse(d.metrics.render(), media_type="text/plain; version=0.0.4")
 
-
-# ------------------------------------------------------------------------------ hand-off
 
 jobs = APIRouter()
 
@@ -440,9 +418,6 @@ async def get_job(
 
 # Every group of routes the daemon serves, in this order.
 ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers, discovery)
-
-
-# ---------------------------------------------------------------------------------- app
 
 
 def _discovery(settings: Settings, roots: Roots, runner: Runner, tiers: Tiers, token: str | None):

@@ -1,26 +1,22 @@
 """How many objects the memory tier may hold: every held object costs descriptors and a mapping.
 
 Each object of a hot copy or replica is its own memfd mapped into the daemon (``server.sealed``):
-``FDS_PER_OBJECT`` open descriptors (bounded by ``RLIMIT_NOFILE``) and one mapping (bounded by
-``vm.max_map_count``, 65530 by default). A daemon whose copies used up either would fail what
-it exists for: its uploads could not open the job root's files, it could not accept a
-connection or map a staging file. So the tier holds at most ``limit()`` objects: each of the
-two limits less a headroom (``FD_HEADROOM``/``MAP_HEADROOM``, or a quarter/eighth of the limit
-when that is more), and, for descriptors, less those the daemon's own work holds at the time
-(a save's staged files are open while it uploads: one per tensor). ``take`` refuses an object
-past it with ``OSError(EMFILE)``, which the tier handles like any allocation failure: the copy is not kept
-(persist only here: one WARNING, ``ckptd_tier_degraded_total``), a replica is refused (HTTP 429).
-
-At start the daemon raises its soft open-files limit to the hard one (``raise_open_files``) and
-logs both limits (``describe``); operators size them with the rule in docs/operations.md
-("Descriptors and mappings (sizing the memory tier)").
+``FDS_PER_OBJECT`` descriptors (``RLIMIT_NOFILE``) and one mapping (``vm.max_map_count``). A
+daemon whose copies used up either could not open the job root's files, accept a connection or
+map a staging file. So the tier holds at most ``limit()`` objects: each limit less a headroom
+(``FD_HEADROOM``/``MAP_HEADROOM``, or a quarter/eighth of the limit when that is more) and, for
+descriptors, less those the daemon's own work holds at the time. ``take`` refuses an object past
+it with ``OSError(EMFILE)``, which the tier handles like any allocation failure (the copy is not
+kept; a replica is refused, HTTP 429). Sizing: docs/operations.md ("Descriptors and mappings").
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import resource
 import sys
 import threading
 import time
@@ -56,22 +52,13 @@ _limits: dict | None = None
 
 def _read_limits() -> dict:
     nofile: int | None = None
-    try:
-        import resource
-
+    maps: int | None = None
+    with contextlib.suppress(OSError, ValueError):
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         nofile = None if soft == resource.RLIM_INFINITY else int(soft)
-    except (ImportError, OSError, ValueError):
-        pass
-    maps: int | None = None
-    try:
-        with open("/proc/sys/vm/max_map_count", "rb") as f:
-            maps = int(f.read(32).strip())
-    except (OSError, ValueError):
-        pass
-    caps = []
-    if nofile is not None:
-        caps.append((nofile - max(FD_HEADROOM, nofile // 4)) // FDS_PER_OBJECT)
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/vm/max_map_count", "rb") as f:
+        maps = int(f.read(32).strip())
+    caps = [] if nofile is None else [_room_from(nofile, 0)]
     if maps is not None:
         caps.append(maps - max(MAP_HEADROOM, maps // 8))
     return {"open_files": nofile, "max_map_count": maps, "objects": max(0, min(caps)) if caps else None}
@@ -117,8 +104,7 @@ def _fd_room() -> int | None:
     save may open hundreds of staged files between two measurements, and a stale count near the
     limit let the tier take the descriptors that save then needed (EMFILE in its upload)."""
     global _other, _measured_at
-    lim = _limits or {}
-    nofile = lim.get("open_files")
+    nofile = (_limits or {}).get("open_files")
     if nofile is None:
         return None
     now = time.monotonic()
@@ -139,22 +125,22 @@ def _room_from(nofile: int, other: int) -> int:
     return (nofile - max(FD_HEADROOM, nofile // 4) - other) // FDS_PER_OBJECT
 
 
+def _cap() -> int | None:
+    """Objects the tier may hold now: the lower of ``limit()`` and the descriptors' room."""
+    caps = [c for c in (limit(), _fd_room()) if c is not None]
+    return min(caps) if caps else None
+
+
 def room() -> int | None:
     """How many more objects the tier may hold now (None: no limit known)."""
-    cap = limit()
-    fds = _fd_room()
-    if fds is not None:
-        cap = fds if cap is None else min(cap, fds)
+    cap = _cap()
     return None if cap is None else max(0, cap - held())
 
 
 def take() -> None:
     """Count one more held object; OSError(EMFILE) when the cap is reached (nothing counted)."""
     global _held
-    cap = limit()
-    room = _fd_room()
-    if room is not None:
-        cap = room if cap is None else min(cap, room)
+    cap = _cap()
     with _lock:
         if cap is not None and _held >= cap:
             lim = _limits or {}
@@ -176,11 +162,8 @@ def release() -> None:
 def raise_open_files() -> tuple[int, int] | None:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard one (the daemon never uses ``select``);
     returns (old soft, new soft), or None when nothing changed or it cannot be done (logged).
-    The one place the daemon raises it (``ckptd serve`` sizes its connection cap after it)."""
-    try:
-        import resource
-    except ImportError:
-        return None
+    The one place the daemon raises it (``create_app``; ``ckptd serve`` sizes its connection cap
+    after it)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == hard or (hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft > hard):
         return None

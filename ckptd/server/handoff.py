@@ -78,6 +78,11 @@ class Job:
     bytes_uploaded: int = 0
     upload_started_at: float | None = None
 
+    @property
+    def where(self) -> str:
+        """The job's part, for logs: ``<root> step <n> rank <r>``."""
+        return f"{self.root} step {self.step} rank {self.rank}"
+
     def journal(self) -> dict:
         """Every field, for the journal's JSON. Shallow: the shard, metadata and ``done`` lists
         are JSON values that nothing changes after validation, and ``dataclasses.asdict``
@@ -140,9 +145,7 @@ def _shallow(obj, what: str):
 
 
 def validate(req: dict, lease: Lease, roots: Roots, job_id: str | None = None) -> Job:
-    """A ``Job`` from a hand-off request (already shape-checked by the API model); BadJob if it
-    names a root not served, keys escaping the checkpoint folder, or files outside its lease or
-    of the wrong size."""
+    """A ``Job`` from a hand-off request (already shape-checked by the API model), or BadJob."""
     try:
         roots.check(req["root"])
     except RootError as e:

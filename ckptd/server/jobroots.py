@@ -35,22 +35,13 @@ class Found:
     time: float
 
 
-def _join(base: str, rel: str) -> str:
-    rel = rel.strip("/")
-    return base if not rel else f"{base.rstrip('/')}/{rel}"
-
-
 def scan(store: Store, base: str, max_depth: int = MAX_DEPTH, max_folders: int = MAX_FOLDERS) -> Found:
     """The job roots at or below ``base`` (whose ``store`` is given). Raises CheckpointError
     when storage does not answer the first listing."""
     found: list[str] = []
     queue: deque[tuple[str, int]] = deque([("", 0)])
     listed = 0
-    truncated = False
-    while queue:
-        if listed >= max_folders:
-            truncated = True
-            break
+    while queue and listed < max_folders:
         rel, depth = queue.popleft()
         try:
             _, dirs = store.list_dir(rel)
@@ -60,11 +51,11 @@ def scan(store: Store, base: str, max_depth: int = MAX_DEPTH, max_folders: int =
             continue  # a folder that vanished or is unreadable: not a job root we can show
         listed += 1
         if any(parse_step_dir(d) is not None for d in dirs):
-            found.append(_join(base, rel))
+            found.append(f"{base.rstrip('/')}/{rel.strip('/')}" if rel else base)
             continue
         if depth < max_depth:
             queue.extend((f"{rel}{d}/", depth + 1) for d in dirs if not d.startswith(("_", ".")))
-    return Found(tuple(sorted(found)), truncated, time.time())
+    return Found(tuple(sorted(found)), bool(queue), time.time())  # truncated: folders left unlisted
 
 
 class JobRoots:

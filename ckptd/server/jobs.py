@@ -1,23 +1,15 @@
 """Handed-off snapshots: upload them with the one commit protocol, watch their commits.
 
 A job (``handoff.Job``) is one rank's part of one checkpoint, its buffers in files of a staging
-lease. The daemon maps those files and calls ``ckptd.persist.persist`` -- the same code, hence the
-same order of writes, as the in-process writer: shards and metadata, then the rank's done
-record, then the climb of the done tree (``commit.climb``: the rank that completes it writes the
-commit record with ``put_if_absent``, so two daemons racing on one step commit it once); the
-worker that wrote the commit then applies retention (``retention.after_commit``), after the job
-is reported committed. The step is claimed once per attempt for all the ranks the daemon serves
-(``server.shared_claim.SharedClaim``; counted in
-``ckptd_step_claims_total``), not once per job.
+lease, written by ``ckptd.persist.persist`` as the in-process writer writes it (docs/architecture.md,
+"Who calls ``persist``"). The step is claimed once per attempt for all the ranks the daemon serves
+(``server.shared_claim.SharedClaim``; ``ckptd_step_claims_total``), not once per job.
 
 States: ``queued`` -> ``uploading`` -> ``uploaded`` (this rank's data and done record are durable;
 other ranks still to finish) -> ``committed``; or ``failed``; or ``discarded`` (at restart, when
 its files did not survive). Upload concurrency is bounded by ``upload_workers`` jobs and
 ``io_threads`` puts; commits of ``uploaded`` jobs are watched by one thread, so no upload worker
 sits idle waiting for other nodes.
-
-Over 450 lines for a reason: this is one class, ``Runner``, whose hand-off, upload, journal and
-commit watch share one table of jobs under one lock; the protocol itself lives in ``ckptd``.
 """
 
 from __future__ import annotations
@@ -58,34 +50,25 @@ class _Counted:
         self._tee = tee  # the memory tier's copy of each put (``server.tiers``), or None
         self._lock = threading.Lock()  # puts run on the io pool: ``+=`` alone would lose updates
 
-    def put(self, key, data):
-        self._store.put(key, data)
-        self._add(data)
-        if self._tee is not None:
-            self._tee(key, data)
-
-    def put_deferred(self, key, data):
-        self._store.put_deferred(key, data)
-        self._add(data)
-        if self._tee is not None:
-            self._tee(key, data)
-
-    def put_new(self, key, data):
-        tag = self._store.put_new(key, data)
-        self._add(data)
+    def _counted(self, put: Callable, key, data):
+        tag = put(key, data)
+        with self._lock:
+            self._job.bytes_uploaded += data_size(data)
         if self._tee is not None:
             self._tee(key, data)
         return tag
 
-    def _add(self, data) -> None:
-        with self._lock:
-            self._job.bytes_uploaded += data_size(data)
+    def put(self, key, data):
+        return self._counted(self._store.put, key, data)
+
+    def put_deferred(self, key, data):
+        return self._counted(self._store.put_deferred, key, data)
+
+    def put_new(self, key, data):
+        return self._counted(self._store.put_new, key, data)
 
     def __getattr__(self, name):
         return getattr(self._store, name)
-
-
-# -------------------------------------------------------------------------------- runner
 
 
 class Runner:
@@ -116,8 +99,7 @@ class Runner:
         self._thread = threading.Thread(target=self._loop, name="ckptd-watch", daemon=True)
         self._thread.start()
         # Its own thread: a slow listing of a big bucket must not delay commit watching.
-        self._housekeeper = threading.Thread(target=self._housekeeping, name="ckptd-housekeeping", daemon=True)
-        self._housekeeper.start()
+        threading.Thread(target=self._housekeeping, name="ckptd-housekeeping", daemon=True).start()
 
     # ----------------------------------------------------------------------------- public
 
@@ -239,13 +221,7 @@ class Runner:
                 # Another daemon's entry (a staging folder shared by daemons of other roots):
                 # never uploaded, shown or freed here; its own daemon resumes it.
                 log.warning(
-                    "staging lease %s: leaving job %s of another root alone (%s step %d rank %d): %s",
-                    lease.id,
-                    job.job,
-                    job.root,
-                    job.step,
-                    job.rank,
-                    e,
+                    "staging lease %s: leaving job %s of another root alone (%s): %s", lease.id, job.job, job.where, e
                 )
                 self.staging.leave(lease.id)
                 continue
@@ -253,10 +229,8 @@ class Runner:
             if state == "accepted":
                 self._recover_accepted(job, lease)
             elif state == "uploaded":
-                job.state = "uploaded"
                 self._remember(job)
-                with self._lock:
-                    self._watching[job.job] = 0.0
+                self._watch(job)
             else:
                 self._remember(job)
 
@@ -281,11 +255,8 @@ class Runner:
         with self._lock:
             self._jobs[job.job] = job
             self._jobs.move_to_end(job.job)
-            while len(self._jobs) > self.HISTORY:
-                oldest = next(iter(self._jobs.values()))
-                if oldest.state not in FINAL:
-                    break
-                self._jobs.popitem(last=False)
+            while len(self._jobs) > self.HISTORY and next(iter(self._jobs.values())).state in FINAL:
+                self._jobs.popitem(last=False)  # the oldest, once final
 
     def _enqueue(self, job: Job) -> None:
         with self._lock:
@@ -293,31 +264,15 @@ class Runner:
         self._pool.submit(self._run, job)
 
     def _recover_accepted(self, job: Job, lease: Lease) -> None:
-        why = None
-        try:
-            self.roots.check(job.root)
-        except RootError as e:
-            why = str(e)
+        why = intact(job, lease.dir) or self._superseded(job)  # recover() checked the root
         if why is None:
-            why = intact(job, lease.dir)
-        if why is None:
-            why = self._superseded(job)
-        if why is None:
-            log.warning(
-                "resuming job %s after a restart: %s step %d rank %d (its staged files are intact)",
-                job.job,
-                job.root,
-                job.step,
-                job.rank,
-            )
+            log.warning("resuming job %s after a restart: %s (its staged files are intact)", job.job, job.where)
             job.state = "queued"
             self._remember(job)
             self.metrics.inc("ckptd_jobs_recovered_total")
             self._enqueue(job)
             return
-        log.warning(
-            "discarding job %s after a restart: %s step %d rank %d: %s", job.job, job.root, job.step, job.rank, why
-        )
+        log.warning("discarding job %s after a restart: %s: %s", job.job, job.where, why)
         job.state, job.error = "discarded", f"discarded after a daemon restart: {why}"
         job.finished_at = time.time()
         self._remember(job)
@@ -367,18 +322,17 @@ class Runner:
                 self._running -= 1
 
     def _upload(self, job: Job) -> None:
-        """Upload ``job`` (:meth:`_upload_with_retries`), then record the outcome: failed, or
-        uploaded and handed to the commit watch (:meth:`_uploaded`)."""
+        """Upload ``job``, then record the outcome: failed, or uploaded (:meth:`_uploaded`)."""
         lease = self.staging.get(job.lease)
         if job.memory_only:
             self._hold(job, lease)
             return
-        tiers = self.tiers if self.tiers is not None and self.tiers.enabled else None
         if self.tiers is not None:  # a step the job persists after all: its memory-only room is not needed
             self.tiers.release_reservation(job.root, job.step, job.attempt, job.rank)
         job.state = "uploading"
         job.upload_started_at, job.bytes_uploaded = time.time(), 0
-        tee = None if tiers is None else tiers.recorder(job.root, job.step, job.attempt, job.rank)
+        on = self.tiers is not None and self.tiers.enabled
+        tee = self.tiers.recorder(job.root, job.step, job.attempt, job.rank) if on else None
         store: Any = _Counted(self.store(job.root), job, tee)
         result, err = self._upload_with_retries(job, store, lease)
         if result is None:
@@ -512,9 +466,13 @@ class Runner:
             if isinstance(result, SaveResult):
                 retention.after_commit(store, result, self.settings.keep_last, self.settings.max_step_jump or None)
         else:
-            job.state = "uploaded"
-            with self._lock:
-                self._watching[job.job] = 0.0
+            self._watch(job)
+
+    def _watch(self, job: Job) -> None:
+        """Hand an uploaded job to the commit watch (:meth:`_loop`)."""
+        job.state = "uploaded"
+        with self._lock:
+            self._watching[job.job] = 0.0
 
     def _finish(self, job: Job, state: str, error: str | None = None) -> None:
         job.finished_at = time.time()  # before the state: a final status has it
@@ -525,22 +483,17 @@ class Runner:
             (self.tiers.committed if state == "committed" else self.tiers.failed)(job.root, job.step, job.attempt)
         self._notify_final(job.job)
         if state == "held":  # counted by ``server.tiers`` (ckptd_tier_parts_held_total)
-            log.debug("job %s: %s step %d rank %d held in memory", job.job, job.root, job.step, job.rank)
+            log.debug("job %s: %s held in memory", job.job, job.where)
         elif state == "committed":
             self.metrics.inc("ckptd_jobs_committed_total")
-            self.metrics.inc("ckptd_handoff_to_commit_seconds_sum", job.committed_at - job.accepted_at)
+            took = job.committed_at - job.accepted_at
+            self.metrics.inc("ckptd_handoff_to_commit_seconds_sum", took)
             self.metrics.inc("ckptd_handoff_to_commit_seconds_count")
             self.metrics.set_last("ckptd_last_commit_timestamp_seconds", job.committed_at)
-            log.info(
-                "job %s: %s step %d committed, %.3f s after hand-off",
-                job.job,
-                job.root,
-                job.step,
-                job.committed_at - job.accepted_at,
-            )
+            log.info("job %s: %s step %d committed, %.3f s after hand-off", job.job, job.root, job.step, took)
         else:
             self.metrics.inc("ckptd_jobs_failed_total")
-            log.error("job %s: %s step %d rank %d failed: %s", job.job, job.root, job.step, job.rank, error)
+            log.error("job %s: %s failed: %s", job.job, job.where, error)
         self.staging.journal(job.lease, job.job, job.journal())
 
     def _loop(self) -> None:
@@ -558,19 +511,15 @@ class Runner:
             if now >= next_expire:
                 self.staging.expire()
                 next_expire = now + min(5.0, self.staging.ttl / 4)
-            groups: dict[tuple, list[Job]] = {}
             with self._lock:
-                due = {
-                    (j.root, j.step, j.attempt)
-                    for i, t in self._watching.items()
-                    if t <= now and (j := self._jobs.get(i))
-                }
                 for job_id in [i for i in self._watching if i not in self._jobs]:
                     del self._watching[job_id]
-                for job_id in self._watching:
-                    job = self._jobs[job_id]
-                    if (job.root, job.step, job.attempt) in due:
-                        groups.setdefault((job.root, job.step, job.attempt), []).append(job)
+                watched = [(self._jobs[i], t) for i, t in self._watching.items()]
+            due = {(j.root, j.step, j.attempt) for j, t in watched if t <= now}
+            groups: dict[tuple, list[Job]] = {}
+            for j, _ in watched:
+                if (j.root, j.step, j.attempt) in due:
+                    groups.setdefault((j.root, j.step, j.attempt), []).append(j)
             for (root, step, _), jobs in groups.items():
                 try:
                     commit = catalog.read_commit(self.store(root), step)

@@ -44,39 +44,26 @@ class Metrics:
         self._lock = threading.Lock()
         self._c: dict[str, float] = dict.fromkeys(_HELP, 0.0)
         self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
-        self._last: dict[str, float] = {}
 
     def inc(self, name: str, value: float = 1.0) -> None:
         with self._lock:
             self._c[name] += value
 
     def set_last(self, name: str, value: float) -> None:
-        """A gauge that holds the latest observation (e.g. the last upload's throughput). Gauges
-        declared in ``_HELP`` are rendered from the start (0 until set), so dashboards and
-        alerts always find them."""
+        """A gauge of ``_HELP`` that holds the latest observation (e.g. the last upload's
+        throughput); rendered from the start (0 until set), so dashboards and alerts find it."""
         with self._lock:
-            if name in _HELP:
-                self._c[name] = value
-            else:
-                self._last[name] = value
+            self._c[name] = value
 
     def gauge(self, name: str, help_text: str, fn: Callable[[], float]) -> None:
         self._gauges[name] = (help_text, fn)
 
-    def value(self, name: str) -> float:
-        with self._lock:
-            return self._c.get(name, self._last.get(name, 0.0))
-
     def render(self) -> str:
         with self._lock:
             counters = dict(self._c)
-            last = dict(self._last)
         lines: list[str] = []
-        for name, v in counters.items():
-            kind, text = _HELP[name]
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(v)}"]
-        for name, v in last.items():
-            lines += [f"# TYPE {name} gauge", f"{name} {_num(v)}"]
+        for name, (kind, text) in _HELP.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(counters[name])}"]
         for name, (text, fn) in self._gauges.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {_num(fn())}"]
         return "\n".join(lines) + "\n"

@@ -76,10 +76,7 @@ class Roots:
         root containing ``uri``; for a folder (``links``), checks that nothing below the served
         root is a link."""
         scheme, comps = normalize(uri)
-        best = None
-        for s, c in self._norm:
-            if s == scheme and comps[: len(c)] == c and (best is None or len(c) > len(best)):
-                best = c
+        best = max((c for s, c in self._norm if s == scheme and comps[: len(c)] == c), key=len, default=None)
         if best is None:
             raise RootError(f"job root {uri!r} is not served by this daemon (serving: {', '.join(self.uris)})")
         if scheme == "file" and links:
@@ -87,10 +84,9 @@ class Roots:
         return scheme, best, comps
 
     def open_store(self, uri: str, owner: Callable[[], tuple[int, int] | None] | None = None) -> Store:
-        """The store of a served job root: for a folder below a served folder, one that never
-        follows a link below the served root (``LocalStore(below=...)``). Not the ``lstat`` walk
-        of ``check``: the store's ``O_NOFOLLOW`` opens are what hold, whenever a link appears.
-        ``owner``: who what it makes in a local root belongs to (``LocalStore``)."""
+        """The store of a served job root; for a folder, a ``LocalStore(below=...)`` that never
+        follows a link below the served root (the module's docstring says why). ``owner``: who
+        what it makes in a local root belongs to (``LocalStore``)."""
         scheme, base, comps = self._served(uri, links=False)
         if scheme != "file":
             return open_store(uri)

@@ -1,23 +1,11 @@
 """Files in a folder other local users can reach (``/dev/shm``), handled without trusting them.
 
 Invariant: the daemon never follows a link, blocks on a FIFO, reads another user's file or
-writes through a name someone else planted, in its staging folder and below. So:
-
-* folders are created or adopted by :func:`open_private_dir` only: a real folder (never a link)
-  owned by this user, its mode (and group) set on the descriptor, everything below opened
-  relative to that descriptor with ``O_NOFOLLOW``; the folders above it must be root's or ours,
-  and not writable by others unless sticky (:func:`check_ancestors`, as ssh's StrictModes);
-* a file is read by :func:`read_staged`: ``O_NOFOLLOW | O_NONBLOCK``, then ``fstat`` on that
-  descriptor (a regular file, the expected size, at most a cap, the expected owner) before a
-  byte is read from it, so a file swapped for a link, a FIFO or another user's file after it
-  was validated is refused (``StagingFileError``);
-* a record is written by :func:`write_json_atomic`: a fresh ``O_EXCL | O_NOFOLLOW`` temp file
-  beside it, fsynced, renamed into place relative to the folder's descriptor.
-
-A folder that is not safe to use is a ``StagingError`` naming it and why. Used by the staging
-folder's leases and journal (``ckptd.server.staging``), the tenancy records
-(``ckptd.server.tenancy``) and the hand-off's reads (``ckptd.server.handoff``); docs/security.md
-argues the threats.
+writes through a name someone else planted, in its staging folder and below. Folders are
+created or adopted by :func:`open_private_dir` only (everything below is opened relative to its
+descriptor), the folders above are checked by :func:`check_ancestors`, files are read by
+:func:`read_staged` and records written by :func:`write_json_atomic`. A folder that is not safe
+to use is a ``StagingError`` naming it and why; docs/security.md argues the threats.
 """
 
 from __future__ import annotations
@@ -88,16 +76,11 @@ def read_staged(path: Path, nbytes: int | None = None, cap: int = MAX_JOURNAL_BY
             raise StagingFileError(f"staging file {path} changed: {st.st_size} bytes, expected {nbytes}")
         if st.st_size > cap:
             raise StagingFileError(f"staging file {path} is {st.st_size} bytes, more than {cap}")
-        parts, pos = [], 0
-        while pos < st.st_size:
-            chunk = os.pread(fd, st.st_size - pos, pos)
-            if not chunk:
-                break
-            parts.append(chunk)
-            pos += len(chunk)
-        if pos != st.st_size:
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(st.st_size)  # repeated reads until that many bytes, or the end
+        if len(data) != st.st_size:
             raise StagingFileError(f"staging file {path} shrank while it was read")
-        return b"".join(parts)
+        return data
     finally:
         os.close(fd)
 

@@ -128,11 +128,7 @@ def roots_key(roots: list[str]) -> str:
     (their snapshots are not its to upload). Order and spelling (trailing ``/``) do not matter."""
     from ckptd.server.roots import normalize
 
-    norm = set()
-    for r in roots:
-        scheme, comps = normalize(r)
-        norm.add(f"{scheme}://{'/'.join(comps)}")
-    norm = sorted(norm)
+    norm = sorted({f"{scheme}://{'/'.join(comps)}" for scheme, comps in map(normalize, roots)})
     return "roots-" + hashlib.sha256("\n".join(norm).encode()).hexdigest()[:16]
 
 

@@ -37,27 +37,19 @@ from storage_backends import Store
 
 
 class SharedClaim:
-    """One claim per attempt among the parts one process persists (the daemon's jobs: a node's
-    ranks hand off to one daemon), for ``persist(claim="caller")``.
+    """One claim per attempt among the parts one process persists, for
+    ``persist(claim="caller")`` (the protocol above).
 
-    :meth:`claim` is called by each part before it writes (root, step, attempt, writer name the
-    claim). The first caller runs :func:`begin`; callers that come while it runs wait for that
-    running ``begin`` -- never for a queued part, so a bounded worker pool cannot deadlock --
-    and get its outcome: return (go), or the same ``AlreadyCommitted`` / ``StepClaimed`` (same
-    message). Only those definitive outcomes are kept. A transient failure (the store failed or
-    throttled; CheckpointError "cannot claim/read") is raised to the part that ran ``begin`` and
-    kept for nobody: a waiting part, or the next one, runs ``begin`` again. A go is trusted for a
-    quarter of ``CKPTD_STALE_ATTEMPT_S`` (:func:`trusted`, as ``follow_claim`` trusts rank 0's
-    go), then the next part runs ``begin`` itself. A go for another attempt of the step voids the
-    outcomes kept for the others (their next part runs ``begin``: a job restarted after
-    preemption supersedes its dead attempt, whose parts still queued here must not write on the
-    old go). Outcomes past their trust are dropped and at most ``limit`` are kept (the oldest
-    decided go first), so a long-lived daemon holds a bounded table.
-
-    ``on_begin`` is called before every ``begin`` (the daemon counts them:
-    ``ckptd_step_claims_total``). ``event`` makes the object a waiter blocks on (``wait()``,
-    ``set()``): ``threading.Event``, or a simulated one (``benchmarks.scale``). The lock is held
-    only for the table, never across a request."""
+    Only definitive outcomes (go, ``AlreadyCommitted``, ``StepClaimed``: re-raised to every part
+    with the same message) are kept; after a transient failure (the store failed or throttled,
+    "cannot claim/read") a waiting part, or the next one, runs ``begin`` again. A go is trusted
+    for a quarter of ``CKPTD_STALE_ATTEMPT_S`` (:func:`trusted`, as ``follow_claim`` trusts rank
+    0's go). A go for another attempt of the step voids the outcomes kept for the others (a job
+    restarted after preemption supersedes its dead attempt, whose parts still queued must not
+    write on the old go). At most ``limit`` outcomes are kept (the oldest decided go dropped
+    first). ``on_begin`` is called before every ``begin`` (``ckptd_step_claims_total``).
+    ``event`` makes the object a waiter blocks on: ``threading.Event``, or a simulated one
+    (``benchmarks.scale``). The lock is held only for the table, never across a request."""
 
     def __init__(
         self, on_begin: Callable[[], None] | None = None, event: Callable[[], Any] = threading.Event, limit: int = 1024
@@ -98,13 +90,10 @@ class SharedClaim:
 
     def committed(self, store: Store, root: str, step: int, fresh_s: float = 1.0) -> dict | None:
         """``catalog.read_commit`` of ``step`` shared the same way: one read in flight per (root,
-        step), its answer (the record, or None: not committed) given to the callers that come
-        while it runs or within ``fresh_s`` seconds after; a failed read is raised to its
-        caller and kept for nobody. The daemon checks a step before each job (at hand-off and at
-        the start of the upload); a node's jobs come within milliseconds of each other, and one
-        read per job put 2N reads on the step's prefix at once. An answer up to ``fresh_s`` old
-        is enough there: the hand-off's check is a fast refusal (the claim refuses a committed
-        step), and the upload's guards a shared go, itself trusted for minutes."""
+        step), its answer given to the callers that come while it runs or within ``fresh_s``
+        seconds after; a failed read is raised to its caller and kept for nobody. An answer up
+        to ``fresh_s`` old is enough: the hand-off's check is a fast refusal (the claim refuses
+        a committed step), and the upload's guards a shared go, itself trusted for minutes."""
         key = (root, step)
         while True:
             with self._lock:

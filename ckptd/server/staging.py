@@ -21,24 +21,13 @@ job description and its state) written before the hand-off is acknowledged. A re
 resumes jobs journalled as ``accepted`` whose files are intact and discards the others (see
 ``jobs.Runner.recover``). Only one daemon may use a staging folder (a lock file says so).
 
-Trust (see docs/security.md): the staging folder sits in a world-writable place (``/dev/shm``),
-so the daemon creates it itself, or adopts it only if it is a real folder (not a link) that this
-user owns; every folder below is opened relative to its parent's descriptor with ``O_NOFOLLOW``,
-deleted with ``rmtree(dir_fd=...)`` (never through a link), and made private: mode 0700, or 0770
-with the trainers' group (``--staging-group``) so that daemon and trainers may run as different
-users of that group. Files the daemon reads from a lease (``read_staged``) are opened with
-``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` (regular file, expected size, and the
-lease owner's file) before a byte is read from that descriptor, so a file swapped for a link, a
-FIFO or another user's file after validation is refused. Those file primitives are
-``ckptd.server.safefiles``; this module keeps the lease table, the budget and the journal.
-
-Tenants (``private``, see ``ckptd.server.tenancy``): a daemon that may chown (``CAP_CHOWN`` and
-``CAP_DAC_OVERRIDE``) gives each lease folder to the uid that asked for it, mode 0700: no other
-local user can list, read, replace or add a staged file. Its journal files in there stay the
-daemon's (a file the tenant put in their place is not read). Without that capability, lease
-folders of the trainers' group are 3770: the sticky bit keeps group members from renaming or
-deleting each other's files, and a staged file not owned by the lease's uid is refused; but
-group members can read each other's staged bytes, and the daemon warns at start.
+Trust (docs/security.md, "Staging area"): the staging folder sits in a world-writable place
+(``/dev/shm``), so it is created or adopted, every folder below opened and every staged file read
+without following a link (``ckptd.server.safefiles``). Lease folders are mode 0700, or 3770 with
+the trainers' group (``--staging-group``: the sticky bit keeps members from renaming or deleting
+each other's files, but not from reading them; the daemon warns at start). With ``private``
+(``ckptd.server.tenancy``: the daemon may chown) each lease folder is given to the uid that asked
+for it, mode 0700; the daemon's journal files in it stay the daemon's.
 
 Concurrency: every public method may be called from any thread; one lock guards the lease table.
 """
@@ -114,14 +103,7 @@ class Lease:
     uid: int | None = None  # who created it (SO_PEERCRED); None: a trusted TCP caller
 
     def info(self, ttl: float) -> dict:
-        return {
-            "lease": self.id,
-            "dir": str(self.dir),
-            "bytes": self.bytes,
-            "owner": self.owner,
-            "job": self.job,
-            "ttl_s": ttl,
-        }
+        return dict(lease=self.id, dir=str(self.dir), bytes=self.bytes, owner=self.owner, job=self.job, ttl_s=ttl)
 
 
 def is_plain_file_name(name: str) -> bool:
@@ -142,10 +124,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 class Staging:
-    """``group``: the trainers' group id when trainers run as other users than the daemon (lease
-    folders 3770 and that group); None: daemon and trainers share one user (folders 0700).
-    ``private``: lease folders are given to the uid that creates them (0700; needs CAP_CHOWN and
-    CAP_DAC_OVERRIDE), and any local user (or the group's) may reach theirs."""
+    """``group``: the trainers' group id when they run as other users than the daemon; None: one
+    user for both. ``private``: lease folders are given to the uid that creates them."""
 
     def __init__(
         self,
@@ -161,10 +141,7 @@ class Staging:
         self.group = group
         self.private = private
         # Trainers only need to reach their own lease folder (and the socket) by path: x, no r.
-        if group is not None:
-            self.dir_mode = 0o710
-        else:
-            self.dir_mode = 0o711 if private else 0o700
+        self.dir_mode = 0o710 if group is not None else 0o711 if private else 0o700
         # A folder the daemon keeps (no caller uid to give it to, or no capability to give it):
         # sticky, so that a member of the group cannot rename or delete another member's files.
         self.lease_mode = 0o3770 if group is not None else 0o700
@@ -190,7 +167,6 @@ class Staging:
         self._leases: dict[str, Lease] = {}
         self._waiters: dict[str, tuple[float, float]] = {}  # ticket -> (first refusal, last refusal)
         self._progress = time.monotonic()  # last time memory was freed or a job moved on
-        self.refusals = 0
         # The memory tier's copies (``server.tiers``) count against the same budget: bytes held
         # through ``reserve``; ``reclaim(nbytes) -> freed`` drops copies when a lease needs room
         # (called under this lock: it must not call back into Staging).
@@ -250,14 +226,13 @@ class Staging:
         now = time.monotonic()
         self._pressure(now)
         staged = sum(lease.bytes for lease in self._leases.values()) + self._reserved
-        if staged + need > self.budget:
-            idle = [x for x in self._leases.values() if x is not me and x.owner == "client" and not x.active]
-            for x in sorted(idle, key=lambda x: x.touched):
-                if staged + need <= self.budget:
-                    break
-                log.info("freeing idle lease %s (%d bytes) to make room for %d bytes", x.id, x.bytes, need)
-                staged -= x.bytes
-                self._free(x)
+        idle = [x for x in self._leases.values() if x is not me and x.owner == "client" and not x.active]
+        for x in sorted(idle, key=lambda x: x.touched):
+            if staged + need <= self.budget:
+                break
+            log.info("freeing idle lease %s (%d bytes) to make room for %d bytes", x.id, x.bytes, need)
+            staged -= x.bytes
+            self._free(x)
         if staged + need > self.budget and self._reserved and self.reclaim is not None:
             freed = min(self.reclaim(staged + need - self.budget), self._reserved)  # a save beats a tier copy
             self._reserved -= freed
@@ -274,27 +249,15 @@ class Staging:
                 for x in self._leases.values()
                 if x is not me and x.bytes > 0 and not (x.active and x.id in self._waiters)
             ]
-            if not blockers:
+            if not blockers or now - max(since, self._progress) >= self.stall_s:
+                free_none = "nothing else holds memory that could be freed"
+                why = f"no progress for {self.stall_s:.0f} s" if blockers else free_none
                 log.warning(
-                    "granting %d bytes over the staging budget (%d of %d staged): nothing else holds memory "
-                    "that could be freed",
-                    need,
-                    staged,
-                    self.budget,
-                )
-                granted = need
-            elif now - max(since, self._progress) >= self.stall_s:
-                log.warning(
-                    "granting %d bytes over the staging budget (%d of %d staged): no progress for %.0f s",
-                    need,
-                    staged,
-                    self.budget,
-                    self.stall_s,
+                    "granting %d bytes over the staging budget (%d of %d staged): %s", need, staged, self.budget, why
                 )
                 granted = need
             else:
                 self._waiters[ticket] = (since, now)
-                self.refusals += 1
                 raise BudgetFull(staged, self.budget, need)
         self._waiters.pop(ticket, None)
         return granted
@@ -311,10 +274,8 @@ class Staging:
             lease_id = uuid.uuid4().hex[:16]
             folder = self.leases_dir / lease_id
             give = self.private and uid is not None and uid != os.geteuid()
-            if give:
-                fd = open_private_dir(lease_id, 0o700, dir_fd=self._leases_fd)
-            else:
-                fd = open_private_dir(lease_id, self.lease_mode, self.group, dir_fd=self._leases_fd)
+            mode, group = (0o700, None) if give else (self.lease_mode, self.group)
+            fd = open_private_dir(lease_id, mode, group, dir_fd=self._leases_fd)
             try:
                 lease = Lease(lease_id, folder, root, rank, granted, active=True, uid=uid)
                 write_json_atomic(
@@ -419,17 +380,14 @@ class Staging:
         with self._lock:
             self._leases.pop(lease_id, None)
 
-    def expire(self) -> list[str]:
-        """Free client-owned leases whose client stopped heartbeating. Returns their ids."""
+    def expire(self) -> None:
+        """Free client-owned leases whose client stopped heartbeating."""
         now = time.monotonic()
-        gone = []
         with self._lock:
             for lease in list(self._leases.values()):
                 if lease.owner == "client" and now - lease.touched > self.ttl:
                     log.info("freeing lease %s of rank %d: no heartbeat for %.0f s", lease.id, lease.rank, self.ttl)
                     self._free(lease)
-                    gone.append(lease.id)
-        return gone
 
     def _free(self, lease: Lease) -> None:
         self._leases.pop(lease.id, None)
@@ -477,11 +435,10 @@ class Staging:
                     self._remove(name)
                     continue
                 job = None
-                with contextlib.suppress(FileNotFoundError):
-                    try:
-                        job = json.loads(read_staged(folder / JOB_FILE, owner=os.geteuid()))
-                    except (OSError, ValueError, RecursionError) as e:
-                        log.warning("staging folder %s: unreadable job journal (%s); ignoring it", folder, e)
+                try:  # a missing job.json is an OSError too: logged like an unreadable one
+                    job = json.loads(read_staged(folder / JOB_FILE, owner=os.geteuid()))
+                except (OSError, ValueError, RecursionError) as e:
+                    log.warning("staging folder %s: unreadable job journal (%s); ignoring it", folder, e)
                 if not isinstance(job, dict):
                     job = None
                 if job is not None and job.get("state") == "accepted":
