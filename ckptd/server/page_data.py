@@ -72,8 +72,7 @@ class Overview:
         self.found = found or JobRoots(runner)
         self._lock = threading.Lock()
         self._rows: dict[str, dict[int, tuple[CheckpointInfo, float]]] = {}
-        # (root, step) -> (monotonic time read, the recorded verdict or None): a short-lived
-        # cache of ``ckptd.verify.read_record``, the one source of verdicts (issue 28 item 9)
+        # (root, step) -> (monotonic time read, the recorded verdict or None): ``_verdict``
         self._verified: dict[tuple[str, int], tuple[float, dict | None]] = {}
         self._reported: dict[tuple[str, int, str], tuple[float, set[int]]] = {}
         self.more_roots = 0  # job roots found but not shown (past MAX_ROOTS)

@@ -157,22 +157,17 @@ def read_objects(body: BatchReadRequest, request: Request):
         return JSONResponse({"detail": str(e)}, status_code=416)
     if data is None:
         return JSONResponse({"detail": f"no complete copy of step {body.step} attempt {body.attempt} holds them"}, 404)
-    headers = {
-        "X-Ckptd-Step": str(body.step),
-        "X-Ckptd-Attempt": body.attempt,
-        "Content-Length": str(sum(len(p) for p in data)),
-    }
-    return _Parts(data, headers)
+    return _Parts(data, {"X-Ckptd-Step": str(body.step), "X-Ckptd-Attempt": body.attempt})
 
 
 class _Parts(Response):
     """A reply whose body is sent as the held views themselves, one ASGI message each: no
-    buffer is assembled for a batch."""
+    buffer is assembled for a batch (its Content-Length is their sum)."""
 
     media_type = "application/octet-stream"
 
     def __init__(self, parts: list[memoryview], headers: dict[str, str]):
-        super().__init__(None, headers=headers)
+        super().__init__(None, headers=headers | {"Content-Length": str(sum(len(p) for p in parts))})
         self.parts = [p for p in parts if len(p)]
 
     async def __call__(self, scope, receive, send) -> None:

@@ -216,15 +216,8 @@ def _inside(inner: tuple[str, tuple[str, ...]], outer: tuple[str, tuple[str, ...
 def _may_write(uid: int, gids: set[int], st: os.stat_result) -> bool:
     """Whether ``uid`` (with groups ``gids``) may create names in the folder ``st``, by its mode
     bits (write and search), as the kernel decides for a process without capabilities."""
-    if uid == 0:
-        return True
-    if st.st_uid == uid:
-        bits = st.st_mode >> 6
-    elif st.st_gid in gids:
-        bits = st.st_mode >> 3
-    else:
-        bits = st.st_mode
-    return bits & 0o3 == 0o3
+    shift = 6 if st.st_uid == uid else 3 if st.st_gid in gids else 0  # owner, group or other bits
+    return uid == 0 or (st.st_mode >> shift) & 0o3 == 0o3
 
 
 def _groups(peer: Peer) -> set[int]:
