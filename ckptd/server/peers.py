@@ -1,7 +1,6 @@
-"""The memory tier's routes (``server.tiers``): what a daemon holds (one listing, ``GET
-/v1/tiers``), ranged reads of it for restoring ranks, the replica pushes of its peers (hot copies
-and memory-only parts alike, ``kind``: ``server.replication``), a client's reservation before a
-memory-only hand-off, and the report (and fence) after a restore.
+"""The memory tier's routes (``server.tiers``): what a daemon holds, ranged reads of it for
+restoring ranks, its peers' replica pushes (``server.replication``), a client's reservation
+before a memory-only hand-off, and the report (and fence) after a restore.
 
 Every route needs the daemon token (``app.Guard``) and names a served root. Objects are looked
 up in the tier's table by (root, step, attempt, key): no route turns a request into a path, so

@@ -139,10 +139,9 @@ class Replication:
     def begin_replica(
         self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list, kind: str = HOT
     ) -> str:
-        """A peer starts pushing a replica of ``kind``. Returns its id, or "" when it is not kept
-        (no room in the budget, or tiers off): HTTP 429. ValueError for a malformed one: a hot
-        replica holds shard objects of its step only; a memory-only part the objects of its
-        step's folder, never a commit record; either, exactly one rank's."""
+        """A peer starts pushing a replica of ``kind``: its id, or "" when it is not kept (no room
+        in the budget, or tiers off: HTTP 429). ValueError unless it is exactly one rank's objects
+        of its step of that kind (module doc), without a commit record."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if not self.enabled:
