@@ -3,20 +3,18 @@ staging, memory tiers, memory-only steps, fence), the CLI (``ckptd ls --daemon``
 themselves (replication, the discovery challenge). Standard-library HTTP/1.1 only.
 
 An address is ``unix:///abs/path/ckptd.sock`` or ``http+unix://%2Fabs%2Fpath%2Fckptd.sock`` (the
-daemon's Unix socket, where the kernel names the calling user: leases and hand-offs go there; a
-path longer than a socket address is reached through ``/proc/self/fd``), or
+daemon's Unix socket, where the kernel names the calling user: leases and hand-offs go there), or
 ``http(s)://host:port[/base]``. ``resolve(True)``, a trainer's ``daemon=True``: ``CKPTD_DAEMON``,
 else ``default_socket()``, where ``ckptd serve`` listens by default.
 
 ``DaemonConnection`` keeps one keep-alive connection per thread and sends the bearer token it
-holds (``ckptd.auth.daemon_token`` for clients; none until a discovered peer passed its
-challenge). A kept connection that turns out stale is replaced once (requests are idempotent or
-carry a client-chosen id); a fresh one that fails is ``DaemonUnreachable``, naming the address
-and what to set.
+holds. A kept connection that turns out stale is replaced once (requests are idempotent or carry
+a client-chosen id); a fresh one that fails is ``DaemonUnreachable``, naming what to set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -24,12 +22,13 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ckptd.errors import CheckpointError
 
-__all__ = ["DaemonConnection", "DaemonUnreachable", "default_socket", "detail", "resolve"]
+__all__ = ["DaemonConnection", "DaemonUnreachable", "default_socket", "detail", "resolve", "unix_address"]
 
 log = logging.getLogger("ckptd.daemon_conn")
 
@@ -66,6 +65,22 @@ def detail(body: dict) -> str:
     return str(body.get("detail", body))
 
 
+@contextlib.contextmanager
+def unix_address(path: str | os.PathLike) -> Iterator[str]:
+    """The address to bind or connect the Unix socket ``path`` at: ``path`` itself, or, when it
+    is longer than a socket address holds (108 bytes with its NUL), its name under a descriptor
+    of its folder in ``/proc/self/fd`` (open while the block runs)."""
+    if len(os.fsencode(path)) < 108:
+        yield str(path)
+        return
+    head, name = os.path.split(path)
+    dfd = os.open(head, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{dfd}/{name}"
+    finally:
+        os.close(dfd)
+
+
 class _UnixConnection(http.client.HTTPConnection):
     """HTTP/1.1 over a Unix stream socket."""
 
@@ -76,14 +91,8 @@ class _UnixConnection(http.client.HTTPConnection):
     def connect(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # closed by close() on failure
         self.sock.settimeout(self.timeout)
-        head, name = os.path.split(self._path)
-        long = len(os.fsencode(self._path)) >= 108  # longer than a socket address holds
-        dfd = os.open(head, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if long else None
-        try:
-            self.sock.connect(self._path if dfd is None else f"/proc/self/fd/{dfd}/{name}")
-        finally:
-            if dfd is not None:
-                os.close(dfd)
+        with unix_address(self._path) as address:
+            self.sock.connect(address)
 
 
 class DaemonConnection:
@@ -206,8 +215,7 @@ class DaemonConnection:
             if status not in (429, 503):
                 raise CheckpointError(f"ckptd daemon at {self.url}: {method} {path} failed ({status}): {detail(reply)}")
             now = time.monotonic()
-            if waited_since is None:
-                waited_since = now
+            waited_since = waited_since or now
             if now - last_log >= _WAIT_LOG_EVERY_S:
                 last_log = now
                 log.warning(

@@ -1,24 +1,21 @@
-"""Connection limits of the daemon's HTTP server: slow or idle clients cannot starve it.
+"""Connection limits of the daemon's HTTP server (``guarded_protocol``: uvicorn's h11 protocol with
+these rules). Every connection holds a file descriptor; without them a client that opens
+connections and sends nothing (or a header byte a minute) holds them until the daemon runs out
+and ``/healthz`` and every trainer's hand-off fail.
 
-Every connection holds a file descriptor; a client that opens connections and sends nothing (or
-one header byte a minute) would otherwise hold them forever, until the daemon's descriptors run
-out and ``/healthz`` and every trainer's hand-off fail. So (``guarded_protocol``, uvicorn's h11
-protocol with these rules):
-
-* **Request deadline:** a request's headers and body must all arrive within
-  ``request_timeout_s`` of its first byte (of the connection, for the first request); else the
-  connection is closed. Idle keep-alive connections close after uvicorn's ``timeout_keep_alive``.
-* **Pending connections are evictable:** a connection is *pending* until it has delivered one
-  whole request (carrying the right bearer token, when the daemon has one). Pending connections
-  from one address are capped at ``max_pending_per_client``; connections overall at
-  ``max_connections`` (``ckptd serve`` keeps it below the open-files limit, which it raises to the
-  hard limit). Over a cap, the *oldest pending* connection is closed to make room for the new one:
-  a flood of half-open connections evicts itself, and a newcomer that sends its request at once
-  (as trainers and health checks do) gets through.
+* **Request deadline:** a request's headers and body must arrive within ``request_timeout_s`` of
+  its first byte (of the connection, for the first request), else the connection is closed. Idle
+  keep-alive connections close after uvicorn's ``timeout_keep_alive``.
+* **Pending connections are evictable:** a connection is *pending* until it delivered one whole
+  request (with the right bearer token, when the daemon has one). Pending connections per address
+  are capped at ``max_pending_per_client``, all connections at ``max_connections`` (``ckptd
+  serve`` keeps it below the open-files limit, raised to the hard limit). Over a cap the *oldest
+  pending* connection is closed: a flood of half-open connections evicts itself, and a newcomer
+  that sends its request at once (as trainers and health checks do) gets through.
 * **Reserved for known identities:** a connection that delivered an authenticated request is
-  never evicted for a newcomer; while such connections fill every slot, newcomers are refused.
-  So a trainer's keep-alive connection to the daemon survives a flood. Without a token
-  (``--insecure-no-auth``) any client that completes a request counts as known.
+  never evicted; while such connections fill every slot, newcomers are refused, so a trainer's
+  keep-alive connection survives a flood. Without a token (``--insecure-no-auth``) any client
+  that completes a request counts as known.
 
 Everything here runs on the server's event loop thread: no locks.
 """

@@ -5,31 +5,28 @@ any URL a record merely names.
 Records: each daemon writes ``_daemons/<id>.json`` under every root it serves (``id``: 32 random
 hex digits per process; ``{"format": 1, "daemon": id, "advertise": URL, "heartbeat": ms since
 the epoch, "version": ckptd's}``), re-puts it every ``discover_interval_s`` and deletes it at a
-clean shutdown. The ring of a root is this daemon's ``--advertise`` URL and the URLs of the
-records whose storage time (the listing's mtime, clamped to now like claims' leases:
-``leases.clamp``) is at most ``discover_ttl_s`` old, deduplicated and sorted; replicas go to the
-``--replicas`` daemons after this one in it (``tiers.replica_targets``). A SIGKILLed daemon's
-record stops being renewed and drops out of the ring at the first commit after it went stale.
+clean shutdown. A root's ring is this daemon's ``--advertise`` URL and those of the records whose
+storage time (the listing's mtime, clamped to now: ``leases.clamp``) is at most
+``discover_ttl_s`` old, deduplicated and sorted. A SIGKILLed daemon's record stops being renewed
+and drops out of the ring at the first commit after it went stale.
 
 Records are hostile input (anyone who can write the job root can write them): a listing is read
-to at most ``MAX_RECORDS`` entries; a record over ``MAX_RECORD_BYTES`` (by the listing, and again
-by ``get``'s limit) is not read; its name must be ``<32 hex>.json`` and its body exactly the
-schema above, the URL ``http``/``https`` with a host, no user, query or fragment, at most
-``MAX_URL`` printable ASCII characters. A bad record is skipped with one WARNING per (name,
-size), never an exception out of the daemon. A record is read once per (name, size): a live
-daemon's record keeps its size (``heartbeat`` is an integer of fixed width), so renewals cost
-one LIST per root per commit and per interval, not a GET per peer.
+to ``MAX_RECORDS`` entries; a record over ``MAX_RECORD_BYTES`` (by the listing, and by ``get``'s
+limit) is not read; its name must be ``<32 hex>.json``, its body exactly the schema above, the
+URL ``http(s)`` with a host, no user, query or fragment, at most ``MAX_URL`` printable ASCII
+characters. A bad record is skipped with one WARNING per (name, size), never an exception. A
+record is read once per (name, size): ``heartbeat`` has a fixed width, so a live daemon's record
+keeps its size and renewals cost one LIST per root per commit and per interval, not a GET per peer.
 
-The token: a URL from a record is not trusted. Before this daemon sends a token-bearing
-request to a discovered peer it sends ``GET /v1/tiers/hello?nonce=N`` (32 random bytes, hex)
-WITHOUT the token on the same connection; a daemon answers ``{"mac": HMAC-SHA256(token,
-"ckptd-tiers-hello\\0" || N || its own --advertise URL)}`` (``hello_mac``), and the peer is
-accepted only when that equals the MAC this daemon computes for the URL it dialed. Only a
-holder of the token can answer; one that relays the nonce to a real daemon gets that daemon's
-MAC over *its* URL, not over the relay's, so it fails (docs/security.md, "Peer discovery").
-``--peers`` given explicitly stay trusted without a challenge, as before. The ring that a
-daemon names to restoring ranks (``GET /v1/tiers``: ``peers``) is only the discovered
-daemons that passed the challenge within ``discover_ttl_s``: a rank sends them its token.
+The token: a URL from a record is not trusted. Before sending a discovered peer a token-bearing
+request, this daemon sends ``GET /v1/tiers/hello?nonce=N`` (32 random bytes, hex) WITHOUT the
+token on the same connection; the peer answers ``{"mac": HMAC-SHA256(token, "ckptd-tiers-hello\\0"
+|| N || its own --advertise URL)}`` (``hello_mac``), accepted only when it equals the MAC for the
+URL dialed. Only a holder of the token can answer; one that relays the nonce to a real daemon gets
+that daemon's MAC over *its* URL, not the relay's (docs/security.md, "Peer discovery"). Explicit
+``--peers`` stay trusted without a challenge. The peers named to restoring ranks (``GET
+/v1/tiers``: ``peers``), which a rank sends its token, are only discovered daemons that passed
+the challenge within ``discover_ttl_s``.
 """
 
 from __future__ import annotations
@@ -193,8 +190,6 @@ class Discovery:
         self.on_refresh: Callable[[list[str], list[str]], None] | None = None  # (peers, targets)
         self.replicas = 1
 
-    # ------------------------------------------------------------------------- records
-
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ckptd-discovery", daemon=True)
         self._thread.start()
@@ -238,12 +233,8 @@ class Discovery:
             scheme, comps = normalize(root)
         except ValueError:
             return None
-        best = None
-        for r in self.roots:
-            s, c = normalize(r)
-            if s == scheme and comps[: len(c)] == c and (best is None or len(c) > len(normalize(best)[1])):
-                best = r
-        return best
+        inside = [r for r in self.roots if (k := normalize(r))[0] == scheme and comps[: len(k[1])] == k[1]]
+        return max(inside, key=lambda r: len(normalize(r)[1]), default=None)
 
     def ring(self, root: str) -> list[str]:
         """The sorted URLs of the fresh records under served ``root``, this daemon's included."""
@@ -293,11 +284,18 @@ class Discovery:
             log.warning("discovery: ignoring daemon record %s/%s: %s", root, key, e)
             return None
 
-    # ------------------------------------------------------------------------ the ring
-
-    def challenge(self, conn: DaemonConnection, url: str) -> None:
-        """``challenge`` with this daemon's token (``Tiers._dial``, before a push's requests)."""
-        challenge(conn, url, self.token)
+    def dial(self, url: str, timeout_s: float) -> DaemonConnection:
+        """A connection to ``url`` that passed the challenge (else NotVerified). It sends no
+        token until the caller sets one, and is never replaced (``reconnect`` off): a new
+        connection would not have passed the challenge."""
+        conn = DaemonConnection(url, None, timeout_s)
+        conn.reconnect = False
+        try:
+            challenge(conn, url, self.token)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def verify(self, url: str) -> bool:
         """Whether ``url`` passed the challenge within ``ttl_s`` (else challenge it now). A URL
@@ -310,9 +308,8 @@ class Discovery:
             return True
         if failed is not None and now - failed <= self.ttl_s / 2:
             return False
-        conn = DaemonConnection(url, None, self.timeout_s)
         try:
-            challenge(conn, url, self.token)
+            self.dial(url, self.timeout_s).close()
         except NotVerified as e:
             with self._lock:
                 self._verified.pop(url, None)
@@ -321,31 +318,26 @@ class Discovery:
             if first:
                 log.warning("discovery: not replicating to %s", e)
             return False
-        finally:
-            conn.close()
         with self._lock:
             self._verified[url] = time.monotonic()
             self._failed.pop(url, None)
         return True
 
     def targets(self, job_root: str, k: int) -> list[str]:
-        """The ``k`` daemons after this one in ``job_root``'s ring (read now) that pass the
-        challenge; the ring's unverified members are skipped."""
+        """The first ``k`` daemons after this one in ``job_root``'s ring that pass the challenge."""
         served = self.served(job_root)
         if served is None or k <= 0:
             return []
+        return list(islice(filter(self.verify, self._order(served)), k))
+
+    def _order(self, root: str) -> list[str]:
+        """``replica_targets`` order of served ``root``'s ring, read now; [] (logged) if unreadable."""
         try:
-            ring = self.ring(served)
+            ring = self.ring(root)
         except (StorageError, OSError, ValueError) as e:
-            log.warning("discovery: cannot list the daemons of %s: %s", served, e)
+            log.warning("discovery: cannot list the daemons of %s: %s", root, e)
             return []
-        out = []
-        for url in replica_targets(ring, self.me, len(ring)):
-            if len(out) >= k:
-                break
-            if self.verify(url):
-                out.append(url)
-        return out
+        return replica_targets(ring, self.me, len(ring))
 
     def refresh(self) -> None:
         """Read every served root's ring and challenge its members: the verified ones are the
@@ -354,16 +346,11 @@ class Discovery:
         seen: set[str] = set()
         targets: list[str] = []
         for root in self.roots:
-            try:
-                ring = self.ring(root)
-            except (StorageError, OSError, ValueError) as e:
-                log.warning("discovery: cannot list the daemons of %s: %s", root, e)
-                continue
-            order = replica_targets(ring, self.me, len(ring))
+            order = self._order(root)
             good = [u for u in order if self.verify(u)]
             peers.update(good)
             targets = targets or good[: self.replicas]
-            seen.update(ring)
+            seen.update(order)
         with self._lock:  # forget the challenges of URLs no ring names any more
             for table in (self._verified, self._failed):
                 for url in [u for u in table if u not in seen]:
@@ -390,9 +377,8 @@ def hello(request: Request, nonce: str = Query(min_length=2 * NONCE_BYTES, max_l
     # (no --discover) must not offer one.
     if token is None or tiers.me is None or tiers.discovery is None:
         return JSONResponse({"detail": "this daemon is not in a discovered ring (--discover)"}, status_code=404)
-    me = tiers.me
     try:
         raw = bytes.fromhex(nonce)
     except ValueError:
         return JSONResponse({"detail": "nonce must be hex"}, status_code=400)
-    return {"mac": hello_mac(token, raw, me)}
+    return {"mac": hello_mac(token, raw, tiers.me)}

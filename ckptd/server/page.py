@@ -1,21 +1,16 @@
-"""The daemon's status page for people (``GET /``): its routes and its HTML.
+"""The daemon's status page for people (``GET /``): its routes and its HTML (what it shows and
+where that is read from: ``ckptd.server.page_data``).
 
-``GET /`` and its two static files (``static/``) are a shell with no data, served without a
-token so that a browser can ask for one; every data route (``/v1/overview`` JSON,
-``/v1/page`` the same rendered as an HTML fragment, ``/v1/page/verify``) sits behind the
-daemon's bearer token like every other route. The page keeps the token in ``sessionStorage``
-and sends it as ``Authorization: Bearer``; it never puts it in a URL.
+``GET /`` and its two static files are a shell with no data, served without a token so that a
+browser can ask for one; every data route (``/v1/overview`` JSON, ``/v1/page`` the same as an
+HTML fragment, ``/v1/page/verify``) needs the daemon's bearer token. The page keeps the token in
+``sessionStorage`` and sends it as ``Authorization: Bearer``, never in a URL.
 
-Everything shown is escaped here, on the server (``html.escape``), because job roots, keys and
-error messages come from clients and storage. The shell's Content-Security-Policy allows no
-inline script, so a string that escaped escaping still could not run.
-
-``POST /v1/page/verify`` needs the ``X-Ckptd-Page`` header, which a cross-site form cannot send
-(and the daemon's ``Guard`` refuses a foreign ``Origin``), so even without a token another web
-page cannot make a browser start verifies.
-
-What the page shows, and where it is read from, is ``ckptd.server.page_data`` (``collect``);
-this module turns it into HTML (``render``) and serves it.
+Everything shown is escaped here, on the server (``html.escape``): job roots, keys and errors
+come from clients and storage. The shell's Content-Security-Policy allows no inline script, so a
+string that escaped escaping still could not run. ``POST /v1/page/verify`` needs the
+``X-Ckptd-Page`` header, which a cross-site form cannot send (and ``Guard`` refuses a foreign
+``Origin``), so even without a token another web page cannot make a browser start verifies.
 """
 
 from __future__ import annotations
@@ -29,13 +24,9 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from ckptd.errors import CheckpointError, CheckpointNotFoundError
 from ckptd.server import page_data
 from ckptd.server.page_data import one_line as _line
 from ckptd.server.parts import MAX_NUMBER, MAX_STEP
-from ckptd.server.roots import RootError
-from ckptd.server.tenancy import Forbidden
-from storage_backends import StorageError
 
 __all__ = ["CSP", "PAGE_HEADER", "PUBLIC_PATHS", "render", "router"]
 
@@ -76,11 +67,11 @@ def _bytes(n: float | None) -> str:
         return "-"
     if n < 1024:
         return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-        if n < 1024 or unit == "PiB":
+        if n < 1024:
             return f"{n:.1f} {unit}"
-    return "-"
+    return f"{n / 1024:.1f} PiB"
 
 
 def _time(t: float | None) -> str:
@@ -141,9 +132,8 @@ def render(data: dict) -> str:
         for j in data["active"]:
             total = j["bytes_total"]
             frac = j["bytes_done"] / total if total else 1.0
-            state = j["state"]
-            if j["state"] == "uploaded":
-                state = f"waiting for other ranks for {_secs(j.get('waiting_s'))}"
+            uploaded = j["state"] == "uploaded"
+            state = f"waiting for other ranks for {_secs(j.get('waiting_s'))}" if uploaded else j["state"]
             rate = "-" if j["rate"] is None else _bytes(j["rate"]) + "/s"
             out.append(
                 f'<tr class="job" data-step="{_e(j["step"])}"><td class="err">{_e(j["root"])}</td>'
@@ -163,30 +153,14 @@ def render(data: dict) -> str:
     if not data["failures"]:
         out.append('<p class="muted">none</p>')
     else:
-        out.append("<table><tr><th>failed at</th><th>job root</th><th>step</th><th>rank</th><th>reason</th></tr>")
-        for j in data["failures"]:
-            out.append(
-                f'<tr class="failure"><td>{_e(_time(j.get("finished_at") or j["accepted_at"]))}</td>'
-                f'<td class="err">{_e(j["root"])}</td>'
-                f'<td class="num">{_e(j["step"])}</td><td class="num">{_e(j["rank"])}</td>'
-                f'<td class="err bad">{_e(_line(j["error"], FAILURE_CHARS))}</td></tr>'
-            )
-        out.append("</table>")
+        out.append(_ended(data["failures"], "failed at", "reason", "failure", "bad"))
     out.append("</section>")
     if data.get("superseded"):
         out.append(
             '<section id="superseded"><h2>Superseded attempts</h2><p class="muted">another attempt of the '
             "step took over (a restarted job, a step saved again): nothing to do</p>"
-            "<table><tr><th>superseded at</th><th>job root</th><th>step</th><th>rank</th><th>why</th></tr>"
         )
-        for j in data["superseded"]:
-            out.append(
-                f'<tr class="superseded"><td>{_e(_time(j.get("finished_at") or j["accepted_at"]))}</td>'
-                f'<td class="err">{_e(j["root"])}</td><td class="num">{_e(j["step"])}</td>'
-                f'<td class="num">{_e(j["rank"])}</td>'
-                f'<td class="err muted">{_e(_line(j["error"], FAILURE_CHARS))}</td></tr>'
-            )
-        out.append("</table></section>")
+        out.append(_ended(data["superseded"], "superseded at", "why", "superseded", "muted") + "</section>")
 
     if data.get("tiers"):
         out.append(_tiers_html(data["tiers"]))
@@ -208,9 +182,23 @@ def render(data: dict) -> str:
     return "".join(out)
 
 
+def _ended(jobs: list[dict], when: str, why: str, row: str, tone: str) -> str:
+    """The table of jobs that ended without a commit (failed, or superseded by another attempt)."""
+    rows = "".join(
+        f'<tr class="{row}"><td>{_e(_time(j.get("finished_at") or j["accepted_at"]))}</td>'
+        f'<td class="err">{_e(j["root"])}</td><td class="num">{_e(j["step"])}</td><td class="num">{_e(j["rank"])}</td>'
+        f'<td class="err {tone}">{_e(_line(j["error"], FAILURE_CHARS))}</td></tr>'
+        for j in jobs
+    )
+    return f"<table><tr><th>{when}</th><th>job root</th><th>step</th><th>rank</th><th>{why}</th></tr>{rows}</table>"
+
+
+def _pushed(copy: dict) -> str:
+    return ", ".join(f"{p}: {s}" for p, s in sorted(copy.get("replicated_to", {}).items()))
+
+
 def _tiers_html(t: dict) -> str:
-    """The memory tier of this daemon (``ckptd.server.tiers``): its hot copies (the steps of the
-    ranks it served, and the peers they were replicated to) and the replicas it holds for peers."""
+    """This daemon's hot copies (with the peers they went to) and the replicas it holds for peers."""
     out = ['<section id="tiers"><h2>Memory tiers</h2>']
     copies = [("hot", c) for c in t.get("hot", [])] + [("replica", c) for c in t.get("replicas", [])]
     if not copies:
@@ -221,10 +209,7 @@ def _tiers_html(t: dict) -> str:
         "<th>from / replicated to</th></tr>"
     )
     for kind, c in copies:
-        if kind == "hot":
-            where = ", ".join(f"{p}: {s}" for p, s in sorted(c.get("replicated_to", {}).items())) or "-"
-        else:
-            where = f"from {c.get('source')}"
+        where = (_pushed(c) or "-") if kind == "hot" else f"from {c.get('source')}"
         out.append(
             f'<tr class="tier tier-{kind}" data-step="{_e(c["step"])}"><td>{kind}</td>'
             f'<td class="err">{_e(c["root"])}</td><td class="num">{_e(c["step"])}</td>'
@@ -236,9 +221,7 @@ def _tiers_html(t: dict) -> str:
 
 
 def _memsteps_html(steps: list[dict]) -> str:
-    """The memory-only steps this daemon holds (``page_data.memory_only``): per step, whether
-    this daemon alone holds it whole, and its parts: this node's own ranks (with the peers they
-    were replicated to) and the replicas it holds, with the peer each came from."""
+    """The memory-only steps this daemon holds (``page_data.memory_only``), a row per part."""
     out = ['<section id="memsteps"><h2>Memory-only steps</h2>']
     if not steps:
         out.append('<p class="muted">no memory-only step held</p></section>')
@@ -260,7 +243,7 @@ def _memsteps_html(steps: list[dict]) -> str:
         for i, p in enumerate(parts):
             own = p["source"] == "self"
             part = "own" if own else f"replica from {p['source']}"
-            pushed = ", ".join(f"{k}: {v}" for k, v in sorted(p.get("replicated_to", {}).items())) if own else ""
+            pushed = _pushed(p) if own else ""
             head = (
                 f'<td class="err" rowspan="{len(parts)}">{_e(s["root"])}</td>'
                 f'<td class="num" rowspan="{len(parts)}">{_e(s["step"])}</td>'
@@ -405,10 +388,7 @@ def overview(
     offset: int = Query(0, ge=0, le=MAX_NUMBER),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=500, description="checkpoint rows per job root"),
 ):
-    try:
-        return page_data.collect(request.app.state, root, offset, limit)
-    except RootError as e:
-        return JSONResponse({"detail": str(e)}, status_code=400)
+    return page_data.collect(request.app.state, root, offset, limit)  # RootError: 400 (``app.ERRORS``)
 
 
 @router.get("/v1/page", summary="the status page's body, rendered (escaped) HTML")
@@ -418,10 +398,7 @@ def page(
     offset: int = Query(0, ge=0, le=MAX_NUMBER),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=500),
 ):
-    try:
-        data = page_data.collect(request.app.state, root, offset, limit)
-    except RootError as e:
-        return JSONResponse({"detail": str(e)}, status_code=400)
+    data = page_data.collect(request.app.state, root, offset, limit)
     return JSONResponse({"html": render(data), "refresh_s": REFRESH_S}, headers={"Cache-Control": "no-store"})
 
 
@@ -429,17 +406,10 @@ def page(
 def verify(request: Request, root: str = Query(max_length=4096), step: int = Query(ge=0, le=MAX_STEP)):
     if request.headers.get(PAGE_HEADER) != "1":
         return JSONResponse({"detail": f"verify needs the {PAGE_HEADER}: 1 header (the status page sends it)"}, 403)
+    # The app's one error table (``app.ERRORS``) answers what this raises: a root not served
+    # 400, another user's root 403, no such step 404, unreadable data or storage 502.
     ov = page_data.overview(request.app.state)
-    try:
-        ov.runner.roots.check(root)
-        tenancy = request.app.state.daemon.tenancy  # another user's root: 403 (ckptd.server.tenancy)
-        tenancy.check_read(tenancy.caller(request.scope), root)
-        return ov.verify(root, step)
-    except RootError as e:
-        return JSONResponse({"detail": str(e)}, status_code=400)
-    except Forbidden as e:
-        return JSONResponse({"detail": str(e)}, status_code=403)
-    except CheckpointNotFoundError as e:
-        return JSONResponse({"detail": str(e)}, status_code=404)
-    except (CheckpointError, StorageError) as e:
-        return JSONResponse({"detail": str(e)}, status_code=502)
+    ov.runner.roots.check(root)
+    tenancy = request.app.state.daemon.tenancy
+    tenancy.check_read(tenancy.caller(request.scope), root)
+    return ov.verify(root, step)

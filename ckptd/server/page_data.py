@@ -1,25 +1,22 @@
-"""What the daemon's status page shows, and where it reads it from (the rendering, the routes
-and their authentication are ``ckptd.server.page``).
+"""What the daemon's status page shows, and where it reads it from (``ckptd.server.page``
+renders and serves it).
 
-:func:`collect` gathers it: the job roots (each served root and the job roots found at and below
-it, ``ckptd.server.jobroots``, then the roots of recent jobs; ``MAX_ROOTS`` shown), per root its
-steps and their state (partial, committed, verified, corrupt, unreadable) and newest good step,
-the jobs in flight, the recent failures and superseded attempts, the last saves, the stalled
-steps with the ranks missing, the staging budget, and this daemon's memory tier. All of it is
-plain JSON, returned as is by ``GET /v1/overview``; nothing here is escaped (``page.render`` is).
+:func:`collect` gathers it, as plain JSON (``GET /v1/overview`` returns it; nothing is escaped
+here): the job roots (each served root and those found at and below it, ``jobroots``, then the
+roots of recent jobs; ``MAX_ROOTS`` shown), per root its steps, their state (partial, committed,
+verified, corrupt, unreadable) and newest good step; the jobs in flight, recent failures and
+superseded attempts, the last saves, stalled steps with the ranks missing, the staging budget and
+this daemon's memory tier.
 
 A job root is someone else's to write: its records are parsed strictly (:func:`read_info`: a
-``time`` or ``bytes`` that is not a number makes that step an "unreadable" row) and each root is
-built on its own, so one broken root shows an error row and never blanks the page.
+``time`` or ``bytes`` that is not a number makes the step "unreadable") and each root is built on
+its own, so one broken root shows an error row and never blanks the page. Verdicts have one
+source: the record ``ckptd verify --record`` (and :meth:`Overview.verify`) writes, ``ckptd.verify``.
 
-Verdicts have one source: the record ``ckptd verify --record`` writes (``ckptd.verify``), which
-:meth:`Overview.verify` writes too; the page reads it back (:meth:`Overview._verdict`).
-
-Cost of a refresh: per job root one listing of the root (``catalog.steps``), plus the commit
-record of steps not seen before. Committed checkpoints are immutable, so their rows are cached
-for the daemon's life; partial ones are re-read at most every ``PARTIAL_TTL_S`` and only when
-on the page shown (``limit`` rows per root, newest first, paged with ``offset``); a recorded
-verdict is re-read after ``VERDICT_TTL_S``.
+Cost of a refresh: per job root one listing (``catalog.steps``), plus the commit record of steps
+not seen before. Committed checkpoints are immutable, so their rows are cached for the daemon's
+life; partial ones are re-read at most every ``PARTIAL_TTL_S``, and only when on the page shown
+(``limit`` rows per root, newest first, paged with ``offset``); verdicts after ``VERDICT_TTL_S``.
 """
 
 from __future__ import annotations
@@ -75,8 +72,7 @@ class Overview:
         self.found = found or JobRoots(runner)
         self._lock = threading.Lock()
         self._rows: dict[str, dict[int, tuple[CheckpointInfo, float]]] = {}
-        # (root, step) -> (monotonic time read, the recorded verdict or None): a short-lived
-        # cache of ``ckptd.verify.read_record``, the one source of verdicts (issue 28 item 9)
+        # (root, step) -> (monotonic time read, the recorded verdict or None): ``_verdict``
         self._verified: dict[tuple[str, int], tuple[float, dict | None]] = {}
         self._reported: dict[tuple[str, int, str], tuple[float, set[int]]] = {}
         self.more_roots = 0  # job roots found but not shown (past MAX_ROOTS)
@@ -87,13 +83,10 @@ class Overview:
         roots: list[str] = []
         for base in self.runner.roots.uris:
             try:
-                below = list(self.found.get(base).roots)
+                roots += self.found.get(base).roots or [base]
             except CheckpointError:
-                below = []  # storage did not answer: the row of the served root says why
-            roots += [r for r in (below or [base]) if r not in roots]
-        for job in reversed(self.runner.recent(self.runner.HISTORY)):
-            if job.root not in roots:
-                roots.append(job.root)
+                roots.append(base)  # storage did not answer: the row of the served root says why
+        roots = list(dict.fromkeys(roots + [job.root for job in reversed(self.runner.recent(self.runner.HISTORY))]))
         self.more_roots = max(0, len(roots) - MAX_ROOTS)
         return roots[:MAX_ROOTS]
 
@@ -108,15 +101,7 @@ class Overview:
         newest_first = steps[::-1]
         window = newest_first[offset : offset + limit]
         rows = [self._row(store, root, s, now) for s in window]
-        newest_good = None
-        for s in newest_first:
-            try:
-                info = self._info(store, root, s, now)
-            except (CheckpointError, StorageError):
-                continue
-            if info.committed and self._verdict(store, root, s, now).get("ok", True):
-                newest_good = s
-                break
+        newest_good = next((s for s in newest_first if self._good(store, root, s, now)), None)
         return {
             "root": root,
             "count": len(steps),
@@ -125,6 +110,14 @@ class Overview:
             "newest_good_step": newest_good,
             "checkpoints": rows,
         }
+
+    def _good(self, store: Store, root: str, step: int, now: float) -> bool:
+        """Committed, readable and not recorded as failing its verify."""
+        try:
+            info = self._info(store, root, step, now)
+        except (CheckpointError, StorageError):
+            return False
+        return info.committed and self._verdict(store, root, step, now).get("ok", True)
 
     def _info(self, store: Store, root: str, step: int, now: float) -> CheckpointInfo:
         with self._lock:
@@ -140,20 +133,14 @@ class Overview:
         try:
             info = self._info(store, root, step, now)
         except (CheckpointError, StorageError) as e:
-            return {"step": step, "committed": False, "world_size": None, "bytes": None, "time": None} | {
-                "state": "unreadable",
-                "error": str(e),
-            }
-        out = info.to_json()
-        verdict = self._verdict(store, root, step, now) if info.committed else {}
+            unknown = dict.fromkeys(("world_size", "bytes", "time"))
+            return {"step": step, "committed": False, **unknown, "state": "unreadable", "error": str(e)}
         if not info.committed:
-            out["state"] = "partial"
-        elif verdict:
-            out["state"] = "verified" if verdict["ok"] else "corrupt"
-            out["verify"] = verdict
-        else:
-            out["state"] = "committed"
-        return out
+            return info.to_json() | {"state": "partial"}
+        verdict = self._verdict(store, root, step, now)
+        if not verdict:
+            return info.to_json() | {"state": "committed"}
+        return info.to_json() | {"state": "verified" if verdict["ok"] else "corrupt", "verify": verdict}
 
     def _verdict(self, store: Store, root: str, step: int, now: float) -> dict:
         """The verdict ``ckptd verify`` recorded for the step's current commit (``_verify.json``,
@@ -163,22 +150,17 @@ class Overview:
         with self._lock:
             hit = self._verified.get((root, step))
         if hit is None or now - hit[0] > VERDICT_TTL_S:
-            rec = _verify.read_record(store, step)
-            hit = (now, rec)
+            hit = (now, _verify.read_record(store, step))
             with self._lock:
                 for k in [k for k, v in self._verified.items() if now - v[0] > VERDICT_TTL_S]:
                     del self._verified[k]
                 self._verified[(root, step)] = hit
         rec = hit[1]
-        if rec is None:
-            return {}
-        return {"ok": rec["ok"], "time": rec["time"], "bytes": rec["bytes"], "errors": rec["errors"][:3]}
+        return {} if rec is None else {k: rec[k] for k in ("ok", "time", "bytes")} | {"errors": rec["errors"][:3]}
 
     def verify(self, root: str, step: int) -> dict:
-        """Re-read every chunk of a committed step (``ckptd verify``) and record the verdict in
-        the root, as ``ckptd verify --record`` does (the one source of verdicts); ``recorded``
-        is False, with the reason, when the root cannot take it (the page then has nothing to
-        show)."""
+        """``ckptd verify --record`` of a committed step (the one source of verdicts);
+        ``recorded`` is False, with the reason, when the root cannot take the record."""
         store = self.runner.store(root)
         report = _verify.verify(store, step, threads=4)
         verdict = {"ok": report.ok, "time": time.time(), "bytes": report.bytes, "errors": report.errors[:3]}
@@ -207,16 +189,8 @@ class Overview:
                 eta = (total - done) / rate if rate > 0 else None
             # waiting: since this rank's data was uploaded (its done record written)
             waiting = now - (j.get("uploaded_at") or j["accepted_at"]) if j["state"] == "uploaded" else None
-            active.append(
-                j
-                | {
-                    "bytes_done": done,
-                    "rate": rate,
-                    "eta_s": eta,
-                    "age_s": now - j["accepted_at"],
-                    "waiting_s": waiting,
-                }
-            )
+            progress = {"bytes_done": done, "rate": rate, "eta_s": eta, "age_s": now - j["accepted_at"]}
+            active.append(j | progress | {"waiting_s": waiting})
         ended = [j for j in reversed(recent) if j["state"] in ("failed", "discarded")]
         # A newer attempt of the step (a restarted job's) made this one moot: no failure of the save.
         superseded = [j for j in ended if superseded_by_another(j.get("error"))][:FAILURES]
@@ -236,13 +210,8 @@ class Overview:
         chart = sorted(saves.values(), key=lambda s: s["last"])[-CHART_SAVES:]
         for s in chart:
             s["commit_s"] = s.pop("last") - s.pop("first")
-        return {
-            "active": active,
-            "failures": failures,
-            "superseded": superseded,
-            "saves": chart,
-            "stalled": self._stalled(active),
-        }
+        stalled = self._stalled(active)
+        return {"active": active, "failures": failures, "superseded": superseded, "saves": chart, "stalled": stalled}
 
     def _stalled(self, active: list[dict]) -> list[dict]:
         """Steps whose ranks here waited longer than ``stall_after_s`` for the others, with the
@@ -253,9 +222,7 @@ class Overview:
             if j["waiting_s"] is None or j["waiting_s"] < limit:
                 continue
             k = (j["root"], j["step"], j["attempt"])
-            s = steps.setdefault(
-                k, {"root": j["root"], "step": j["step"], "attempt": j["attempt"], "world_size": j["world_size"]}
-            )
+            s = steps.setdefault(k, {f: j[f] for f in ("root", "step", "attempt", "world_size")})
             s["waiting_s"] = max(s.get("waiting_s", 0.0), j["waiting_s"])
         now = time.monotonic()
         for k, s in steps.items():
@@ -284,19 +251,10 @@ class Overview:
             except Exception as e:  # noqa: BLE001 - one root's data never blanks the page for all
                 log.warning("status page: job root %s: %r", r, e)
                 roots.append({"root": r, "error": f"cannot show this root: {type(e).__name__}: {e}"})
-        return {
-            "time": time.time(),
-            "roots": roots,
-            "staging": {
-                "budget": staging.budget,
-                "staged_bytes": staging.staged_bytes,
-                "leases": staging.lease_count,
-                "queue_depth": self.runner.queue_depth,
-                "awaiting_commit": self.runner.watching,
-            },
-            **self.jobs(),
-            "more_roots": self.more_roots,
-        }
+        now = time.time()
+        st = {"budget": staging.budget, "staged_bytes": staging.staged_bytes, "leases": staging.lease_count}
+        st |= {"queue_depth": self.runner.queue_depth, "awaiting_commit": self.runner.watching}
+        return {"time": now, "roots": roots, "staging": st, **self.jobs(), "more_roots": self.more_roots}
 
 
 # What a job's error says when another attempt of its step took over (the job restarted, a
@@ -321,14 +279,8 @@ def read_info(store: Store, step: int) -> CheckpointInfo:
     commit = catalog.read_commit(store, step)
     if commit is not None:
         where = f"{store.uri.rstrip('/')}/{folder}/{mf.COMMIT}"
-        return CheckpointInfo(
-            step,
-            True,
-            _field(commit, "world_size", where, least=1),
-            _field(commit, "bytes", where),
-            _field(commit, "time", where, real=True),
-            folder,
-        )
+        ws, size = _field(commit, "world_size", where, least=1), _field(commit, "bytes", where)
+        return CheckpointInfo(step, True, ws, size, _field(commit, "time", where, real=True), folder)
     ws = None
     with contextlib.suppress(NotFoundError, ValueError, AttributeError, CheckpointError):
         where = catalog.where(store, step)
@@ -375,9 +327,8 @@ def overview(state) -> Overview:
 
 
 def collect(state, root: str | None, offset: int, limit: int) -> dict:
-    """Everything the page shows (``GET /v1/overview`` returns it as is; ``GET /v1/page``
-    renders it): ``Overview.build``'s roots, jobs and staging, paged at ``root`` (a served root,
-    or RootError), and this daemon's memory tier when it has one (``state.tiers``)."""
+    """Everything the page shows: ``Overview.build``, paged at ``root`` (a served root, or
+    RootError), and this daemon's memory tier when it has one (``state.tiers``)."""
     ov = overview(state)
     if root is not None:
         ov.runner.roots.check(root)
@@ -402,9 +353,7 @@ def memory_only(tiers) -> list[dict]:
     steps: dict[tuple[str, int, str], dict] = {}
     for d in tiers.describe(keys=True)["memory_only"]:
         key = (d["root"], d["step"], d["attempt"])
-        s = steps.setdefault(
-            key, {"root": d["root"], "step": d["step"], "attempt": d["attempt"], "parts": [], "world_size": None}
-        )
+        s = steps.setdefault(key, {k: d[k] for k in ("root", "step", "attempt")} | {"parts": [], "world_size": None})
         s["parts"].append({k: d[k] for k in ("rank", "source", "bytes", "objects", "replicated_to")})
         manifest = f"{mf.step_dir(d['step'])}/{mf.MANIFEST}"
         size = d["keys"].get(manifest)

@@ -1,7 +1,6 @@
-"""The memory tier's routes (``server.tiers``): what a daemon holds (one listing, ``GET
-/v1/tiers``), ranged reads of it for restoring ranks, the replica pushes of its peers (hot copies
-and memory-only parts alike, ``kind``: ``server.replication``), a client's reservation before a
-memory-only hand-off, and the report (and fence) after a restore.
+"""The memory tier's routes (``server.tiers``): what a daemon holds, ranged reads of it for
+restoring ranks, its peers' replica pushes (``server.replication``), a client's reservation
+before a memory-only hand-off, and the report (and fence) after a restore.
 
 Every route needs the daemon token (``app.Guard``) and names a served root. Objects are looked
 up in the tier's table by (root, step, attempt, key): no route turns a request into a path, so
@@ -78,10 +77,6 @@ class RestoredReport(BaseModel):
     restored_step: int | None = Field(None, ge=0, le=10**10 - 1)
 
 
-def _tiers(request: Request):
-    return request.app.state.tiers
-
-
 def _root(request: Request, root: str) -> str:
     return request.app.state.daemon.roots.check(root)
 
@@ -110,9 +105,9 @@ def describe(
     if root is None:
         if keys or step is not None or attempt is not None:
             return JSONResponse({"detail": "name the root (?root=) to list keys or a step"}, status_code=400)
-        return _tiers(request).describe()
+        return request.app.state.tiers.describe()
     r = _readable_root(request, root) if keys else _root(request, root)
-    return _tiers(request).describe(r, step, attempt, keys)
+    return request.app.state.tiers.describe(r, step, attempt, keys)
 
 
 @router.post("/v1/tiers/reserve", summary="hold room for a rank's part of a memory-only step before its hand-off")
@@ -122,7 +117,7 @@ def reserve(body: ReserveRequest, request: Request):
     # else another local user could hold the budget or replace a tenant's reservation.
     tenancy = request.app.state.daemon.tenancy
     tenancy.check_write(tenancy.caller(request.scope), root, bind=False)
-    ok = _tiers(request).reserve(root, body.step, body.attempt, body.rank, body.bytes, body.objects)
+    ok = request.app.state.tiers.reserve(root, body.step, body.attempt, body.rank, body.bytes, body.objects)
     return {"ok": ok}
 
 
@@ -136,9 +131,9 @@ def read_object(
     start: int = Query(ge=-MAX_NUMBER, le=MAX_NUMBER),
     length: int = Query(ge=0, le=1 << 34),
 ):
-    _tiers(request).count("object_requests")
+    request.app.state.tiers.count("object_requests")
     try:
-        data = _tiers(request).read(_readable_root(request, root), step, attempt, key, start, length)
+        data = request.app.state.tiers.read(_readable_root(request, root), step, attempt, key, start, length)
     except ValueError as e:
         return JSONResponse({"detail": str(e)}, status_code=416)
     if data is None:
@@ -152,7 +147,7 @@ def read_objects(body: BatchReadRequest, request: Request):
     """One request for many ranges (a restoring rank batches the shard objects it reads from one
     tier): the per-request cost of HTTP is paid once per batch, not once per shard object. All
     or nothing: 404 when any key is not held complete, 416 for a range outside its object."""
-    t = _tiers(request)
+    t = request.app.state.tiers
     t.count("object_requests")
     root = _readable_root(request, body.root)
     try:
@@ -161,37 +156,30 @@ def read_objects(body: BatchReadRequest, request: Request):
         return JSONResponse({"detail": str(e)}, status_code=416)
     if data is None:
         return JSONResponse({"detail": f"no complete copy of step {body.step} attempt {body.attempt} holds them"}, 404)
-    headers = {
-        "X-Ckptd-Step": str(body.step),
-        "X-Ckptd-Attempt": body.attempt,
-        "Content-Length": str(sum(len(p) for p in data)),
-    }
-    return _Parts(data, headers)
+    return _Parts(data, {"X-Ckptd-Step": str(body.step), "X-Ckptd-Attempt": body.attempt})
 
 
 class _Parts(Response):
     """A reply whose body is sent as the held views themselves, one ASGI message each: no
-    buffer is assembled for a batch."""
+    buffer is assembled for a batch (its Content-Length is their sum)."""
 
     media_type = "application/octet-stream"
 
     def __init__(self, parts: list[memoryview], headers: dict[str, str]):
-        super().__init__(None, headers=headers)
+        super().__init__(None, headers=headers | {"Content-Length": str(sum(len(p) for p in parts))})
         self.parts = [p for p in parts if len(p)]
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        for i, part in enumerate(self.parts):
+        for i, part in enumerate(self.parts or [b""]):  # an empty batch: one empty body message
             await send({"type": "http.response.body", "body": part, "more_body": i + 1 < len(self.parts)})
-        if not self.parts:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 @router.post("/v1/tiers/replicas", summary="a peer starts pushing its hot copy; 429 when it does not fit")
 def begin_replica(body: ReplicaRequest, request: Request):
     root = _root(request, body.root)
     try:
-        rid = _tiers(request).begin_replica(
+        rid = request.app.state.tiers.begin_replica(
             root, body.step, body.attempt, body.source, body.ranks, [o.model_dump() for o in body.objects], body.kind
         )
     except ValueError as e:
@@ -211,7 +199,7 @@ async def put_piece(
 ):
     data = await request.body()
     try:
-        _tiers(request).put_piece(rid, key, offset, data)
+        request.app.state.tiers.put_piece(rid, key, offset, data)
     except KeyError as e:
         return JSONResponse({"detail": str(e.args[0])}, status_code=404)
     except ValueError as e:
@@ -222,7 +210,7 @@ async def put_piece(
 @router.post("/v1/tiers/replicas/{rid}/seal", summary="the replica is whole: check every object's crc32c")
 def seal_replica(rid: str, request: Request):
     try:
-        _tiers(request).seal(rid)
+        request.app.state.tiers.seal(rid)
     except KeyError as e:
         return JSONResponse({"detail": str(e.args[0])}, status_code=404)
     except ValueError as e:
@@ -232,8 +220,8 @@ def seal_replica(rid: str, request: Request):
 
 @router.post("/v1/tiers/restored", summary="a rank reports the bytes its restore read from each tier")
 def restored(body: RestoredReport, request: Request):
-    _tiers(request).restored(body.local, body.peer, body.root)
+    request.app.state.tiers.restored(body.local, body.peer, body.root)
     fenced = 0
     if body.job_root is not None and body.restored_step is not None:
-        fenced = _tiers(request).fence(_readable_root(request, body.job_root), body.restored_step)
+        fenced = request.app.state.tiers.fence(_readable_root(request, body.job_root), body.restored_step)
     return {"ok": True, "fenced": fenced}

@@ -1,26 +1,22 @@
-"""Replication of the memory tier (``server.tiers``): a daemon pushes each new copy to its ring
-successors, and receives and checks its predecessors' replicas.
+"""Replication of the memory tier (``server.tiers``, which holds the table, lock and budget this
+mixin uses): a daemon pushes each new copy to its ring successors, and receives and checks its
+predecessors' replicas.
 
-``Tiers`` holds the table and the lock; this mixin holds the one replica protocol (and ``Copy``,
-the record of one held copy). Both kinds of copy travel on it, named by ``kind`` in the push, one
-rank's objects each: ``hot`` (of a committed step: shard objects only) and ``memory_only`` (a
-rank's part of a memory-only step: every object of the step's folder but a commit record). Each
-is pushed to the ``replicas`` daemons
-that follow this one in ``--peers`` (a ring; the list may name this daemon, found by
-``--advertise``; with ``--discover`` the ring of the job root, each peer challenged on the
-connection first: ``targets_for``, ``_dial``), authenticated with the daemon token:
-``POST /v1/tiers/replicas`` (kind, the objects, their sizes and whole-object crc32c), then the
-bytes in pieces of ``PIECE_BYTES``, then ``seal``. The receiver fills sealable buffers
-(``server.sealed``) and holds a replica only once every object arrived whole and matches its
-crc32c; it then seals them (read-only, shareable with a rank on its node) and keeps it by the
-one retention rule (``Tiers._retain``). Until then it serves nothing of it. Both kinds take their bytes
-from the one staging budget: a replica that does not fit is not kept (429), and an incoming one
-whose pusher stopped sending is dropped after ``INCOMING_TTL_S``.
+One protocol carries both kinds of copy (``kind``), one rank's objects each: ``hot`` (a committed
+step's shard objects) and ``memory_only`` (a rank's part of a memory-only step: every object of
+the step's folder but a commit record). Each goes to the ``replicas`` daemons after this one in
+the ``--peers`` ring (which may name this daemon: ``--advertise``), or with ``--discover`` the
+job root's ring, each peer challenged on the connection first (``targets_for``, ``_dial``). With
+the daemon token: ``POST /v1/tiers/replicas`` (kind, objects, sizes, whole-object crc32c), the
+bytes in pieces of ``PIECE_BYTES``, then ``seal``. The receiver serves nothing of a replica until
+every object arrived whole and matches its crc32c; it then seals the buffers (``server.sealed``:
+read-only, shareable with a rank on its node) and keeps it by the one retention rule
+(``Tiers._retain``). Replicas take their bytes from the staging budget: one that does not fit is
+not kept (429); one whose pusher stopped sending is dropped after ``INCOMING_TTL_S``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -67,19 +63,9 @@ class Copy:
     kind: str = HOT  # HOT or MEMORY_ONLY
 
     def info(self) -> dict:
-        return {
-            "root": self.root,
-            "step": self.step,
-            "attempt": self.attempt,
-            "source": self.source,
-            "kind": self.kind,
-            "rank": self.rank,
-            "ranks": [self.rank],
-            "bytes": self.bytes,
-            "objects": len(self.objects),
-            "complete": self.complete,
-            "replicated_to": dict(self.pushed),
-        }
+        info = {k: getattr(self, k) for k in ("root", "step", "attempt", "source", "kind", "rank")}
+        info |= {"ranks": [self.rank], "bytes": self.bytes, "objects": len(self.objects), "complete": self.complete}
+        return info | {"replicated_to": dict(self.pushed)}
 
 
 def replica_targets(peers: list[str], me: str | None, k: int) -> list[str]:
@@ -103,17 +89,10 @@ class Replication:
         return self.discovery.targets(root, self.replicas)
 
     def _dial(self, peer: str) -> DaemonConnection:
-        """A connection to ``peer`` that sends the token; to a discovered peer only after it
-        passed the challenge on that connection (which it then keeps: ``reconnect`` off)."""
+        """A connection to ``peer`` that sends the token (to a discovered peer once it passed the challenge)."""
         if self.discovery is None:
             return DaemonConnection(peer, self.token, self.timeout_s)
-        conn = DaemonConnection(peer, None, self.timeout_s)
-        conn.reconnect = False
-        try:
-            self.discovery.challenge(conn, peer)
-        except BaseException:
-            conn.close()
-            raise
+        conn = self.discovery.dial(peer, self.timeout_s)
         conn.token = self.token
         return conn
 
@@ -125,41 +104,27 @@ class Replication:
     def _push_all(self, copies: list[Copy]) -> None:
         for c in copies:
             for peer in self.targets_for(c.root):
+                what = (c.kind, c.root, c.step, c.rank, peer)
                 try:
                     self._push(peer, c)
                 except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
                     c.pushed[peer] = f"failed: {e}"
                     self.count("replica_push_failures")
-                    log.warning(
-                        "memory tier: %s replica of %s step %d (rank %d) to %s failed: %s",
-                        c.kind,
-                        c.root,
-                        c.step,
-                        c.rank,
-                        peer,
-                        e,
-                    )
+                    log.warning("memory tier: %s replica of %s step %d (rank %d) to %s failed: %s", *what, e)
                 else:
                     c.pushed[peer] = "complete"
                     self.count("replicas_pushed")
-                    log.info("memory tier: %s %s step %d rank %d pushed to %s", c.kind, c.root, c.step, c.rank, peer)
+                    log.info("memory tier: %s %s step %d rank %d pushed to %s", *what)
 
     def _push(self, peer: str, group: Copy) -> None:
         with self._lock:
             objects = dict(group.objects)  # the bytearrays themselves; a dropped copy clears the dict only
-        body = {
-            "root": group.root,
-            "step": group.step,
-            "attempt": group.attempt,
-            "kind": group.kind,
-            "source": self.me or "unnamed",
-            "ranks": [group.rank],
-            "objects": [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()],
-        }
+        body = {k: getattr(group, k) for k in ("root", "step", "attempt", "kind")}
+        body |= {"source": self.me or "unnamed", "ranks": [group.rank]}
+        body["objects"] = [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()]
         conn = self._dial(peer)
         try:
-            reply = _request(conn, "POST", "/v1/tiers/replicas", body)
-            rid = reply["replica"]
+            rid = json.loads(_request(conn, "POST", "/v1/tiers/replicas", body))["replica"]
             for key, buf in objects.items():
                 mv = memoryview(buf)
                 for off in range(0, len(buf), PIECE_BYTES):
@@ -174,13 +139,11 @@ class Replication:
     def begin_replica(
         self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list, kind: str = HOT
     ) -> str:
-        """A peer starts pushing a replica of ``kind``. Returns its id, or "" when it is not kept
-        (no room in the budget, or tiers off): HTTP 429. ValueError for a malformed one: a hot
-        replica holds shard objects of its step only; a memory-only part the objects of its
-        step's folder, never a commit record; either, exactly one rank's."""
+        """A peer starts pushing a replica of ``kind``: its id, or "" when it is not kept (no room
+        in the budget, or tiers off: HTTP 429). ValueError unless it is exactly one rank's objects
+        of its step of that kind (module doc), without a commit record."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        memory_only = kind == MEMORY_ONLY
         if not self.enabled:
             return ""
         if len(objects) > MAX_OBJECTS:
@@ -188,7 +151,7 @@ class Replication:
         if len(ranks) != 1:
             raise ValueError("a replica is one rank's copy")
         folder = mf.step_dir(step)
-        prefix = f"{folder}/" if memory_only else f"{folder}/{mf.ARRAYS}/"
+        prefix = f"{folder}/" if kind == MEMORY_ONLY else f"{folder}/{mf.ARRAYS}/"
         expected: dict[str, tuple[int, int]] = {}
         for o in objects:
             key, size, crc = o["key"], int(o["size"]), int(o["crc32c"])
@@ -200,13 +163,12 @@ class Replication:
             expected[key] = (size, crc)
         total = sum(s for s, _ in expected.values())
         self._expire_incoming()
+        what = (kind, root, step)
         if not self.staging.reserve(total):
             self.count("degraded")
             log.warning(
                 "memory tier: no room for the %s replica of %s step %d from %s (%d bytes): not kept",
-                kind,
-                root,
-                step,
+                *what,
                 source,
                 total,
             )
@@ -218,7 +180,7 @@ class Replication:
         except OSError as e:
             self.staging.unreserve(total)
             self.count("degraded")
-            log.warning("memory tier: cannot hold the %s replica of %s step %d in memory: %s", kind, root, step, e)
+            log.warning("memory tier: cannot hold the %s replica of %s step %d in memory: %s", *what, e)
             return ""
         c.filled = dict.fromkeys(expected, 0)
         with self._lock:
@@ -281,11 +243,8 @@ class Replication:
         self._release(gone)
 
 
-def _request(conn: DaemonConnection, method: str, path: str, body) -> dict:
+def _request(conn: DaemonConnection, method: str, path: str, body) -> bytes:
     status, _, raw = conn.fetch(method, path, body)
     if status != 200:
-        detail = raw[:200].decode(errors="replace")
-        raise RuntimeError(f"{method} {path.split('?')[0]}: HTTP {status} {detail}")
-    with contextlib.suppress(ValueError):
-        return json.loads(raw) if raw else {}
-    return {}
+        raise RuntimeError(f"{method} {path.split('?')[0]}: HTTP {status} {raw[:200].decode(errors='replace')}")
+    return raw

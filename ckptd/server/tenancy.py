@@ -1,32 +1,30 @@
 """Who calls the daemon, and what each caller may touch (docs/security.md, "Tenants").
 
-The token says that a caller may talk to the daemon at all; it is shared by every trainer of the
-node, so it cannot tell them apart. The kernel can: the daemon also listens on a Unix socket
-(``--socket``, by default ``ckptd.daemon_conn.default_socket()``, mode 0666) and reads each
-connection's ``SO_PEERCRED`` (pid, uid, gid of the process that connected), which a caller cannot
-forge. ``peer_protocol`` puts it into every request's ``scope["state"]`` (uvicorn copies the
-protocol's ``app_state`` into each request's scope); a TCP connection carries none.
+The token, shared by every trainer of the node, cannot tell callers apart. The kernel can: the
+daemon also listens on a Unix socket (``--socket``, by default ``daemon_conn.default_socket()``,
+mode 0666) and reads each connection's ``SO_PEERCRED`` (pid, uid, gid of the connecting process,
+which it cannot forge). ``peer_protocol`` puts it into each request's ``scope["state"]``
+(uvicorn copies the protocol's ``app_state`` into it); a TCP connection carries none.
 
 Rules, enforced by the routes (``ckptd.server.app``) with ``Tenancy``:
 
 * **Operators** -- uid 0, the daemon's own uid, and TCP callers when the daemon trusts TCP
   (``--trust-tcp``, or no token at all: one trusted party) -- may do everything.
-* **Leases and hand-offs need an identity**: over TCP they are refused (403) unless TCP is
-  trusted. A lease belongs to the uid that created it; another uid's acquire, grow, heartbeat,
-  release or hand-off of it is 403, and ``GET /v1/jobs`` shows a caller only its own jobs.
-* **A job root belongs to the uid that first handed off into it** (persisted in
-  ``bindings.json`` in the staging folder), or to the user an operator named with
-  ``--bind ROOT=USER`` (which also covers every root below ROOT). Hand-offs, leases, listings and
-  verifies of a root inside a root bound to another uid are 403. To bind a local root a caller
-  must be able to write it (or, if it does not exist yet, the folder that would hold it) by its
-  mode bits, so the daemon never writes where its caller could not; nor may a new binding contain
-  a root bound to someone else. An S3 root has no owner the daemon could check: the first
-  identity to hand off binds it (bind tenants' prefixes with ``--bind`` where that matters).
+* **Leases and hand-offs need an identity**: over untrusted TCP they are 403. A lease belongs to
+  the uid that created it; another uid's acquire, grow, heartbeat, release or hand-off of it is
+  403, and ``GET /v1/jobs`` shows a caller only its own jobs.
+* **A job root belongs to the uid that first handed off into it** (``bindings.json`` in the
+  staging folder), or to the user named by ``--bind ROOT=USER`` (covering every root below
+  ROOT). Hand-offs, leases, listings and verifies inside a root bound to another uid are 403. To
+  bind a local root a caller must be able to write it (or, if it does not exist yet, the folder
+  that would hold it) by its mode bits, so the daemon never writes where its caller could not;
+  nor may a new binding contain a root bound to someone else. An S3 root has no owner to check:
+  the first identity to hand off binds it (use ``--bind`` where that matters).
 
-The bindings file lives in the daemon's own staging folder (no other user can write there); it is
-written through a fresh ``O_EXCL | O_NOFOLLOW`` file renamed into place and read with
-``O_NOFOLLOW``, a size cap and an owner check; an unreadable one stops the daemon at start
-(failing closed: a daemon that forgot its bindings would hand roots to the next caller).
+The bindings file, in the daemon's own staging folder (no other user can write there), is written
+through a fresh ``O_EXCL | O_NOFOLLOW`` file renamed into place and read with ``O_NOFOLLOW``, a
+size cap and an owner check; an unreadable one stops the daemon at start (failing closed: a
+daemon that forgot its bindings would hand roots to the next caller).
 """
 
 from __future__ import annotations
@@ -45,6 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.daemon_conn import unix_address
 from ckptd.server.roots import RootError, normalize
 from ckptd.server.safefiles import StagingError, check_ancestors, open_private_dir, read_staged, write_json_atomic
 
@@ -70,7 +69,6 @@ SOCKET_NAME = "ckptd.sock"
 BINDINGS_FILE = "bindings.json"
 MAX_BINDINGS_BYTES = 4 << 20
 _CAP_CHOWN, _CAP_DAC_OVERRIDE = 0, 1
-_SUN_PATH_MAX = 108  # bytes of a Unix socket address's path, with its NUL
 
 
 class Forbidden(Exception):
@@ -164,14 +162,8 @@ def listen_unix(path: Path, folder_mode: int = 0o700, gid: int | None = None) ->
         os.close(lock)
         raise
     try:
-        if len(os.fsencode(path)) < _SUN_PATH_MAX:
-            sock.bind(str(path))
-        else:  # longer than a socket address holds: bind through a descriptor of its folder
-            dfd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                sock.bind(f"/proc/self/fd/{dfd}/{path.name}")
-            finally:
-                os.close(dfd)
+        with unix_address(path) as address:
+            sock.bind(address)
         os.chmod(path, 0o666)
         sock.set_inheritable(True)
     except OSError:
@@ -217,10 +209,6 @@ def parse_bind(text: str) -> tuple[str, int]:
     return root, uid
 
 
-def _key(root: str) -> tuple[str, tuple[str, ...]]:
-    return normalize(root)
-
-
 def _inside(inner: tuple[str, tuple[str, ...]], outer: tuple[str, tuple[str, ...]]) -> bool:
     return inner[0] == outer[0] and inner[1][: len(outer[1])] == outer[1]
 
@@ -228,15 +216,8 @@ def _inside(inner: tuple[str, tuple[str, ...]], outer: tuple[str, tuple[str, ...
 def _may_write(uid: int, gids: set[int], st: os.stat_result) -> bool:
     """Whether ``uid`` (with groups ``gids``) may create names in the folder ``st``, by its mode
     bits (write and search), as the kernel decides for a process without capabilities."""
-    if uid == 0:
-        return True
-    if st.st_uid == uid:
-        bits = st.st_mode >> 6
-    elif st.st_gid in gids:
-        bits = st.st_mode >> 3
-    else:
-        bits = st.st_mode
-    return bits & 0o3 == 0o3
+    shift = 6 if st.st_uid == uid else 3 if st.st_gid in gids else 0  # owner, group or other bits
+    return uid == 0 or (st.st_mode >> shift) & 0o3 == 0o3
 
 
 def _groups(peer: Peer) -> set[int]:
@@ -256,12 +237,8 @@ class Tenancy:
         self._lock = threading.Lock()
         self._bound: dict[tuple[str, tuple[str, ...]], dict] = {}
         self._load()
-        self._operator_binds: dict[tuple[str, tuple[str, ...]], dict] = {}
-        for text in binds or []:
-            root, uid = parse_bind(text)
-            self._operator_binds[_key(root)] = {"uid": uid, "root": root, "by": "--bind"}
-
-    # ------------------------------------------------------------------------- callers
+        named = map(parse_bind, binds or [])
+        self._operator_binds = {normalize(r): {"uid": uid, "root": r, "by": "--bind"} for r, uid in named}
 
     def caller(self, scope: dict) -> Caller:
         peer = (scope.get("state") or {}).get(PEER_KEY)
@@ -282,29 +259,20 @@ class Tenancy:
         caller, which only operators may touch)."""
         return caller.operator or (caller.peer is not None and caller.peer.uid == uid)
 
-    def lease_uid(self, caller: Caller) -> int | None:
-        """The uid a new lease belongs to."""
-        return caller.uid
-
-    # --------------------------------------------------------------------------- roots
-
     def _bindings(self) -> dict:
         return {**self._bound, **self._operator_binds}
 
     def _holder(self, key) -> tuple[tuple, dict] | None:
         """The innermost binding that ``key`` lies inside (or is), if any."""
-        best = None
-        for k, b in self._bindings().items():
-            if _inside(key, k) and (best is None or len(k[1]) > len(best[0][1])):
-                best = (k, b)
-        return best
+        inside = [(k, b) for k, b in self._bindings().items() if _inside(key, k)]
+        return max(inside, key=lambda held: len(held[0][1]), default=None)
 
     def check_read(self, caller: Caller, root: str) -> None:
         """Listings and verifies of ``root``: refused (403) inside another identity's root."""
         if caller.operator:
             return
         with self._lock:
-            held = self._holder(_key(root))
+            held = self._holder(normalize(root))
         if held is not None and held[1]["uid"] != caller.uid:
             raise Forbidden(f"job root {root} belongs to {self._who(held)}: {caller} may not read it")
 
@@ -315,7 +283,7 @@ class Tenancy:
         if caller.operator:
             return
         self.identified(caller, "a hand-off")
-        key = _key(root)
+        key = normalize(root)
         with self._lock:
             held = self._holder(key)
             if held is not None:
@@ -353,7 +321,7 @@ class Tenancy:
         """(uid, gid) that what the daemon writes into ``root`` belongs to: for a local root
         inside one bound to a uid other than the daemon's, that uid and the bound folder's group
         (the uid's own group if that folder is gone); else None (the daemon's own)."""
-        key = _key(root)
+        key = normalize(root)
         if key[0] != "file":
             return None
         with self._lock:
@@ -370,11 +338,9 @@ class Tenancy:
                 return uid, uid
 
     def _who(self, held: tuple[tuple, dict]) -> str:
-        k, b = held
+        b = held[1]
         how = " (--bind)" if b.get("by") == "--bind" else ""
         return f"uid {b['uid']} ({_user_name(b['uid'])}){how}"
-
-    # ------------------------------------------------------------------------- storage
 
     def _load(self) -> None:
         try:
@@ -388,7 +354,7 @@ class Tenancy:
             for b in doc["roots"]:
                 if not isinstance(b["uid"], int) or not isinstance(b["root"], str):
                     raise TypeError("a binding needs an integer uid and a root")
-                self._bound[_key(b["root"])] = {"uid": b["uid"], "root": b["root"], "time": b.get("time")}
+                self._bound[normalize(b["root"])] = {"uid": b["uid"], "root": b["root"], "time": b.get("time")}
         except (ValueError, KeyError, TypeError, RecursionError, RootError) as e:
             raise StagingError(f"job root bindings {self.path} are malformed ({e}): fix or remove it") from None
 
