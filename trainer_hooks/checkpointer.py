@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ckptd import catalog, claims, persist, retention
+from ckptd import catalog, claims, jsonenc, persist, retention
 from ckptd import manifest as mf
 from ckptd.daemon_conn import resolve
 from ckptd.errors import CheckpointError, CheckpointNotFoundError, StepHeld
@@ -41,10 +41,6 @@ from trainer_hooks.snapshot import Planner, take
 from trainer_hooks.writer import BackgroundWriter
 
 log = logging.getLogger("ckptd")
-
-
-def _io_threads() -> int:
-    return int(os.environ.get("CKPTD_IO_THREADS", "16"))
 
 
 class Checkpointer:
@@ -137,7 +133,7 @@ class Checkpointer:
         # The newest committed step this Checkpointer knows of (restored, or committed by it):
         # the base of the max_step_jump bound, known without a storage call in save().
         self._newest_known: int | None = None
-        self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
+        self._io = ThreadPoolExecutor(int(os.environ.get("CKPTD_IO_THREADS", "16")), thread_name_prefix="ckptd-io")
         # The snapshot's copies (``hostcopy``): a pool of their own, never queued behind I/O.
         self._copier = ThreadPoolExecutor(hostcopy.COPIERS, thread_name_prefix="ckptd-copy")
         self._planner = Planner()
@@ -205,7 +201,7 @@ class Checkpointer:
         t_flat = time.perf_counter()
         job, entries = take(flat, step, attempt, self.rank, self.world_size, self._stager, self._planner, self._copier)
         t_snap = time.perf_counter()
-        job.done["rng"] = _encode_rng()
+        job.done["rng"] = jsonenc.encode(rng.capture())
         if self.rank == 0:
             m = mf.Manifest(
                 step=step,
@@ -466,12 +462,6 @@ def _default_job_id() -> str:
         if value and value.lower() != "none":
             return re.sub(r"[^A-Za-z0-9_.:@-]", "_", f"{name.split('_')[0].lower()}-{value}")[:128]
     return uuid.uuid4().hex
-
-
-def _encode_rng() -> Any:
-    from ckptd import jsonenc
-
-    return jsonenc.encode(rng.capture())
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointNotFoundError"]

@@ -200,16 +200,13 @@ def apply(
         set_optimizer_state_dict,
     )
 
-    def tensor(key: str):
-        return loaded.get(key, _MISSING)
-
     opts = StateDictOptions(strict=strict)
     for name, v in state.items():
         entry = saved_tree.get(name)
         if entry is None:
             continue  # validated by the caller: only reachable when not strict
         try:
-            data = _drop_missing(jsonenc.decode(entry["data"], tensor))
+            data = _drop_missing(jsonenc.decode(entry["data"], lambda key: loaded.get(key, _MISSING)))
             if isinstance(v, torch.nn.Module):
                 set_model_state_dict(v, data, options=opts)
             elif isinstance(v, torch.optim.Optimizer) and zero.is_zero(v):

@@ -14,14 +14,11 @@ checkpoints keep them) and ``extra_state`` (objects with ``state_dict``/``load_s
 Modules go through ``torch.distributed.checkpoint.state_dict``, so DDP and FSDP strategies save
 FQN-keyed, sharded state that restores at any other world size.
 
-**The data.** Lightning restores its batch counter but starts the epoch's data over, so a resume
-mid-epoch would repeat the epoch's first batches and never reach others. ``loader`` owns the
-position: an ``ElasticSampler`` behind a ``StatefulLoader``, built at the Trainer's data-parallel
-rank and size when Lightning first sizes it. It is no ``DataLoader`` (``use_distributed_sampler``
-leaves it alone) but a resumable loader in Lightning's sense, whose state Lightning keeps in
-``loops`` and loads before iterating. Its ``len`` is a whole epoch at this world size, and a
-resumed job's batch counter becomes that minus the batches left: the epoch ends on its last batch
-at any world size, each sample trained once. ``docs/interop.md`` says what is refused and why.
+**The data.** Lightning restores its batch counter but starts the epoch's data over; ``loader``
+owns the position instead (an ``ElasticSampler`` behind a ``StatefulLoader``, built at the
+Trainer's data-parallel rank and size when Lightning first sizes it, and resumable in Lightning's
+sense). How a resumed epoch ends on its last batch at any world size, and what is refused:
+docs/interop.md, "Lightning: exactly once across a world-size change".
 
 Order of hooks, on every rank (saves and restores are collective): ``setup`` keeps the Trainer
 (the loader's ranks come from it); ``on_fit_start`` opens the Checkpointer and restores (after
@@ -158,12 +155,9 @@ class CkptdCallback(CheckpointCallbackBase, Callback):
         for counter in _COUNTERS:
             setattr(progress.current, counter, getattr(progress.current, counter) + shift)
 
-    def _save(self, trainer, pl_module) -> None:
-        self._save_step(trainer.global_step, lambda: self.state(trainer, pl_module))
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._due(trainer.global_step):
-            self._save(trainer, pl_module)
+            self._save_step(trainer.global_step, lambda: self.state(trainer, pl_module))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._finish(trainer.global_step, lambda: self.state(trainer, pl_module))

@@ -153,10 +153,9 @@ def _restore_step(
             t = flat.tensors[k]
             sh = flat.sharding(k)
             live = local_tensor(t).detach()
-            if in_place and live.device.type == "cpu" and live.is_contiguous():
-                out = live  # read straight into the state's own tensor
-            else:
-                out = torch.empty(sh.local_box.shape, dtype=t.dtype)
+            # with in_place, read straight into the state's own tensor where it can be
+            direct = in_place and live.device.type == "cpu" and live.is_contiguous()
+            out = live if direct else torch.empty(sh.local_box.shape, dtype=t.dtype)
             outs[k] = (live, out)
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
         pins = pins_for(src, m, step, where, pool, requests)

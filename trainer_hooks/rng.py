@@ -47,8 +47,4 @@ def reseed(base: dict, rank: int) -> int:
 
 
 def _as_tuple(x):
-    if isinstance(x, list):
-        return tuple(_as_tuple(v) for v in x)
-    if isinstance(x, tuple):
-        return tuple(_as_tuple(v) for v in x)
-    return x
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, list | tuple) else x

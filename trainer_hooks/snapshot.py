@@ -32,7 +32,7 @@ from ckptd.savejob import SaveJob, ShardWrite, format_image
 from storage_backends import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat
 from trainer_hooks.hostcopy import copy_all
-from trainer_hooks.sharding import Sharding, local_tensor
+from trainer_hooks.sharding import Sharding, empty_box, local_tensor
 
 __all__ = ["Planner", "Stager", "staged_image_chunks", "take"]
 
@@ -145,7 +145,7 @@ class Planner:
                 # knows: it writes (and sends) every piece, and the layout stays what the
                 # distinct blocks make it (no split of a large replicated tensor over ranks).
                 first: dict = {}
-                empty = Box(tuple(0 for _ in sh.global_shape), tuple(0 for _ in sh.global_shape))
+                empty = empty_box(sh.global_shape)
                 blocks = [b if first.setdefault(b, r) == r else empty for r, b in enumerate(blocks)]
             grid = plan_grid(sh.global_shape, t.element_size(), dtype, blocks, gather_small=self.gather_small)
             self._cache[ck] = grid

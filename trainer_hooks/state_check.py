@@ -94,7 +94,6 @@ def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
             where, live - saved, "is in the state but not in the checkpoint", "keep those values as they are"
         )
         _refuse_mismatch(where, saved - live, "is in the checkpoint but not in the state", "ignore it")
-    if strict:
         # A ``$tensor`` reference the manifest's tensor table lacks would be silently skipped.
         for name in flat.tree:
             dangling = [r for r in jsonenc.tensor_refs(m.state.get(name)) if r not in m.tensors]
