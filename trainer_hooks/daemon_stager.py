@@ -103,8 +103,7 @@ class DaemonStager(Stager):
 
     def buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
         with self._lock:
-            if not self._in_save:
-                self._begin()
+            self._begin()
             hit = self._files.get((key, coord))
             if (
                 hit is not None
@@ -133,8 +132,7 @@ class DaemonStager(Stager):
             chunks = staged_image_chunks(layout, coord, dtype)
             if chunks is None:
                 return None
-            if not self._in_save:
-                self._begin()
+            self._begin()
             hit, seen = self._files.get((key, coord)), self._views.get((key, coord))
             if hit is not None and seen is not None and seen[0] == layout and seen[1] == dtype:
                 self._used.add(hit[0])
@@ -201,6 +199,8 @@ class DaemonStager(Stager):
         self.lease_id, self._dir, self._granted = None, None, 0
 
     def _begin(self) -> None:
+        if self._in_save:  # begun by an earlier buffer of this save
+            return
         self._in_save, self._used = True, set()
         if self.lease_id is None:
             return
@@ -248,8 +248,7 @@ class DaemonStager(Stager):
         """(lease, the job's shard files, its metadata files), written into the lease; files of
         tensors this save no longer has are deleted."""
         with self._lock:
-            if not self._in_save:
-                self._begin()
+            self._begin()
             shards = []
             for sw in job.shards:
                 hit = self._files.get((sw.key, sw.coord))

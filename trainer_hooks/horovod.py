@@ -134,9 +134,7 @@ def _check_optimizers(state: dict[str, Any]) -> None:
     wrapped = {k: v for k, v in optims.items() if is_distributed_optimizer(v)}
     wrapped_params = {id(p) for o in wrapped.values() for g in o.param_groups for p in g["params"]}
     for name, o in optims.items():
-        if name in wrapped:
-            continue
-        if any(id(p) in wrapped_params for g in o.param_groups for p in g["params"]):
+        if name not in wrapped and any(id(p) in wrapped_params for g in o.param_groups for p in g["params"]):
             raise CheckpointError(
                 f"state[{name!r}] is the optimizer given to hvd.DistributedOptimizer, which does not use it "
                 "again: put the optimizer hvd.DistributedOptimizer returned in the state instead"

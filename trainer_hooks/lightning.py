@@ -31,6 +31,7 @@ commit; ``teardown`` closes. Do not also pass ``ckpt_path`` to ``fit``: two rest
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 try:
@@ -61,22 +62,20 @@ class _TrainLoader:
 
     def __init__(self, callback: CkptdCallback, dataset: Dataset, options: dict[str, Any], kwargs: dict[str, Any]):
         self._callback, self.dataset, self._options, self._kwargs = callback, dataset, options, kwargs
-        self._built: EpochLoader | None = None
 
+    @cached_property
     def built(self) -> EpochLoader:
-        if self._built is None:
-            self._built = self._callback._build(self.dataset, dict(self._options), self._kwargs)
-        return self._built
+        return self._callback._build(self.dataset, dict(self._options), self._kwargs)
 
     @property
     def sampler(self) -> ElasticSampler:
-        return self.built().sampler
+        return self.built.sampler
 
     def __len__(self) -> int:
-        return len(self.built())
+        return len(self.built)
 
     def __iter__(self):
-        return iter(self.built())
+        return iter(self.built)
 
     # Lightning's protocol for a resumable loader: it saves this with its fit-loop progress and
     # loads it back after building the loader, before iterating it
@@ -136,7 +135,7 @@ class CkptdCallback(CheckpointCallbackBase, Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         data = trainer.train_dataloader
-        ours = data.built() if isinstance(data, _TrainLoader) else None
+        ours = data.built if isinstance(data, _TrainLoader) else None
         if ours is not None:
             check_even(ours.sampler, ours.batch_size, "CkptdCallback", "pass drop_last=True to its loader")
         progress = trainer.fit_loop.epoch_loop.batch_progress

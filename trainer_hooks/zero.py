@@ -133,16 +133,15 @@ def state_dict(optim, model: torch.nn.Module) -> tuple[dict, dict[tuple[str, str
             rank, entries = merged[f]
             out: dict[str, Any] = {}
             for k, (kind, *info) in entries:
+                if kind == "tensor":
+                    owners[(f, k)] = rank
                 if kind == "value":
                     out[k] = info[0]
-                    continue
-                if kind == "scalar":  # every rank has its value: a replicated 0-d tensor
-                    value, device = info
-                    out[k] = held[f][k] if rank == me else value.to(device)
-                    continue
-                owners[(f, k)] = rank
-                if rank == me:
+                elif rank == me:
                     out[k] = held[f][k]
+                elif kind == "scalar":  # every rank has its value: a replicated 0-d tensor
+                    value, device = info
+                    out[k] = value.to(device)
                 else:
                     shape, dtype = info
                     out[k] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
