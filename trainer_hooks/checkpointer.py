@@ -241,7 +241,6 @@ class Checkpointer:
         Every rank raises the same error: an earlier save that failed on any rank (its future
         not looked at), or a step this Checkpointer already committed."""
         err = None
-        attempt = uuid.uuid4().hex[:12]
         cause = None
         if self._unreported:
             earlier, cause = self._unreported[0]
@@ -268,7 +267,7 @@ class Checkpointer:
         msg = self.coord.agree(err)
         if msg is not None:
             raise CheckpointError(msg) from cause
-        return self.coord.broadcast(attempt)
+        return self.coord.broadcast(uuid.uuid4().hex[:12])
 
     def _retain_after(self, fut: Future) -> None:
         if Future.exception(fut) is None:  # the base method: does not mark it as observed
