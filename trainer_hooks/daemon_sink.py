@@ -114,13 +114,16 @@ class DaemonSink:
         status, reply, _ = self._client.call("POST", "/v1/tiers/reserve", body)
         return status == 200 and isinstance(reply, dict) and reply.get("ok") is True
 
+    def submit(self, job: SaveJob) -> Future:
+        return self._submit(job, False)
+
     def submit_memory(self, job: SaveJob) -> Future:
         """``submit`` of a memory-only step: the daemon holds this rank's part in its memory and
         never writes it to the job root (``ckptd.server.tiers``); the future resolves once it
         holds the part."""
-        return self.submit(job, memory_only=True)
+        return self._submit(job, True)
 
-    def submit(self, job: SaveJob, memory_only: bool = False) -> Future:
+    def _submit(self, job: SaveJob, memory_only: bool) -> Future:
         fut: Future = Future()
         where = f"{self.root.rstrip('/')}/{mf.step_dir(job.step)}"
         try:
