@@ -24,7 +24,6 @@ import re
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from typing import Any
 
 from ckptd import catalog, claims, jsonenc, persist, retention
@@ -284,8 +283,7 @@ class Checkpointer:
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             step, fut = inflight
-            futures_wait([fut])
-            exc = Future.exception(fut)  # the base method: does not mark it as observed
+            exc = Future.exception(fut)  # waits; the base method does not mark it as observed
             if exc is None:
                 self._committed_steps.add(step)
                 self._newest_known = max(step, self._newest_known or step)
