@@ -7,6 +7,7 @@ epoch at this world size. Framework-free: :mod:`trainer_hooks.lightning` and
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -59,32 +60,26 @@ class EpochLoader(StatefulLoader):
         self.sampler.set_epoch(epoch)
 
 
+@dataclass(eq=False, repr=False)
 class CheckpointCallbackBase:
     """The ckptd side of a trainer callback; the subclass says what ``state`` is and when."""
 
-    def __init__(
-        self,
-        root_uri: str,
-        every_n_steps: int = 100,
-        *,
-        daemon: str | None = None,
-        keep_last: int | None = None,
-        extra_state: dict[str, Any] | None = None,
-        restore: bool = True,
-        save_on_train_end: bool = True,
-    ):
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        self.root_uri = root_uri
-        self.every_n_steps = every_n_steps
-        self.daemon = daemon
-        self.keep_last = keep_last
-        self.extra_state = dict(extra_state or {})
-        self.restore = restore
-        self.save_on_train_end = save_on_train_end
-        self.ckpt: Checkpointer | None = None
-        self.restored_step: int | None = None
-        self.last_saved: int | None = None
+    root_uri: str
+    every_n_steps: int = 100
+    _: KW_ONLY
+    daemon: str | None = None
+    keep_last: int | None = None
+    extra_state: dict[str, Any] | None = None
+    restore: bool = True
+    save_on_train_end: bool = True
+    ckpt: Checkpointer | None = field(default=None, init=False)
+    restored_step: int | None = field(default=None, init=False)
+    last_saved: int | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {self.every_n_steps}")
+        self.extra_state = dict(self.extra_state or {})
 
     def _open(self, state: Callable[[], dict[str, Any]]) -> None:
         """Open the Checkpointer and, if asked, restore the latest committed step into ``state()``."""

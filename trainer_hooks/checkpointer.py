@@ -24,10 +24,9 @@ import re
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from typing import Any
 
-from ckptd import catalog, claims, persist, retention
+from ckptd import catalog, claims, jsonenc, persist, retention
 from ckptd import manifest as mf
 from ckptd.daemon_conn import resolve
 from ckptd.errors import CheckpointError, CheckpointNotFoundError, StepHeld
@@ -41,10 +40,6 @@ from trainer_hooks.snapshot import Planner, take
 from trainer_hooks.writer import BackgroundWriter
 
 log = logging.getLogger("ckptd")
-
-
-def _io_threads() -> int:
-    return int(os.environ.get("CKPTD_IO_THREADS", "16"))
 
 
 class Checkpointer:
@@ -137,7 +132,7 @@ class Checkpointer:
         # The newest committed step this Checkpointer knows of (restored, or committed by it):
         # the base of the max_step_jump bound, known without a storage call in save().
         self._newest_known: int | None = None
-        self._io = ThreadPoolExecutor(_io_threads(), thread_name_prefix="ckptd-io")
+        self._io = ThreadPoolExecutor(int(os.environ.get("CKPTD_IO_THREADS", "16")), thread_name_prefix="ckptd-io")
         # The snapshot's copies (``hostcopy``): a pool of their own, never queued behind I/O.
         self._copier = ThreadPoolExecutor(hostcopy.COPIERS, thread_name_prefix="ckptd-copy")
         self._planner = Planner()
@@ -205,7 +200,7 @@ class Checkpointer:
         t_flat = time.perf_counter()
         job, entries = take(flat, step, attempt, self.rank, self.world_size, self._stager, self._planner, self._copier)
         t_snap = time.perf_counter()
-        job.done["rng"] = _encode_rng()
+        job.done["rng"] = jsonenc.encode(rng.capture())
         if self.rank == 0:
             m = mf.Manifest(
                 step=step,
@@ -245,7 +240,6 @@ class Checkpointer:
         Every rank raises the same error: an earlier save that failed on any rank (its future
         not looked at), or a step this Checkpointer already committed."""
         err = None
-        attempt = uuid.uuid4().hex[:12]
         cause = None
         if self._unreported:
             earlier, cause = self._unreported[0]
@@ -272,7 +266,7 @@ class Checkpointer:
         msg = self.coord.agree(err)
         if msg is not None:
             raise CheckpointError(msg) from cause
-        return self.coord.broadcast(attempt)
+        return self.coord.broadcast(uuid.uuid4().hex[:12])
 
     def _retain_after(self, fut: Future) -> None:
         if Future.exception(fut) is None:  # the base method: does not mark it as observed
@@ -289,8 +283,7 @@ class Checkpointer:
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             step, fut = inflight
-            futures_wait([fut])
-            exc = Future.exception(fut)  # the base method: does not mark it as observed
+            exc = Future.exception(fut)  # waits; the base method does not mark it as observed
             if exc is None:
                 self._committed_steps.add(step)
                 self._newest_known = max(step, self._newest_known or step)
@@ -466,12 +459,6 @@ def _default_job_id() -> str:
         if value and value.lower() != "none":
             return re.sub(r"[^A-Za-z0-9_.:@-]", "_", f"{name.split('_')[0].lower()}-{value}")[:128]
     return uuid.uuid4().hex
-
-
-def _encode_rng() -> Any:
-    from ckptd import jsonenc
-
-    return jsonenc.encode(rng.capture())
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointNotFoundError"]

@@ -56,7 +56,3 @@ class Coordinator:
         if isinstance(got, tuple | list):
             return type(got)([got[0], f"(on rank {src}) {got[1]}"])
         return f"(on rank {src}) {got}"
-
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier(group=self.group)

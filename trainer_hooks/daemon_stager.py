@@ -103,58 +103,50 @@ class DaemonStager(Stager):
 
     def buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
         with self._lock:
-            return self._buffer(key, coord, shape, dtype)
-
-    def _buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype) -> torch.Tensor:
-        if not self._in_save:
             self._begin()
-        hit = self._files.get((key, coord))
-        if (
-            hit is not None
-            and (key, coord) not in self._views
-            and tuple(hit[1].shape) == tuple(shape)
-            and hit[1].dtype == dtype
-        ):
-            self._used.add(hit[0])
-            return hit[1]
-        if hit is not None:
-            self._drop(key, coord)
-        numel = math.prod(shape)
-        name = self._new_file(numel * torch.empty((), dtype=dtype).element_size())
-        if numel:
-            buf = torch.from_file(str(self._dir / name), shared=True, size=numel, dtype=dtype).view(shape)
-        else:
-            buf = torch.empty(shape, dtype=dtype)
-        self._files[(key, coord)] = (name, buf)
-        self._used.add(name)
-        return buf
+            hit = self._files.get((key, coord))
+            if (
+                hit is not None
+                and (key, coord) not in self._views
+                and tuple(hit[1].shape) == tuple(shape)
+                and hit[1].dtype == dtype
+            ):
+                self._used.add(hit[0])
+                return hit[1]
+            if hit is not None:
+                self._drop(key, coord)
+            numel = math.prod(shape)
+            name = self._new_file(numel * torch.empty((), dtype=dtype).element_size())
+            if numel:
+                buf = torch.from_file(str(self._dir / name), shared=True, size=numel, dtype=dtype).view(shape)
+            else:
+                buf = torch.empty(shape, dtype=dtype)
+            self._files[(key, coord)] = (name, buf)
+            self._used.add(name)
+            return buf
 
     def image(
         self, key: str, coord: tuple[int, ...], layout: ArrayLayout, dtype
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         with self._lock:
-            return self._image(key, coord, layout, dtype)
-
-    def _image(self, key: str, coord: tuple[int, ...], layout: ArrayLayout, dtype):
-        chunks = staged_image_chunks(layout, coord, dtype)
-        if chunks is None:
-            return None
-        if not self._in_save:
+            chunks = staged_image_chunks(layout, coord, dtype)
+            if chunks is None:
+                return None
             self._begin()
-        hit, seen = self._files.get((key, coord)), self._views.get((key, coord))
-        if hit is not None and seen is not None and seen[0] == layout and seen[1] == dtype:
-            self._used.add(hit[0])
-            return seen[2], hit[1]
-        if hit is not None:
-            self._drop(key, coord)
-        nbytes = image_nbytes(layout, chunks)
-        name = self._new_file(nbytes)
-        image = torch.from_file(str(self._dir / name), shared=True, size=nbytes, dtype=torch.uint8)
-        view = format_image(image, layout, chunks, dtype)
-        self._files[(key, coord)] = (name, image)
-        self._views[(key, coord)] = (layout, dtype, view)
-        self._used.add(name)
-        return view, image
+            hit, seen = self._files.get((key, coord)), self._views.get((key, coord))
+            if hit is not None and seen is not None and seen[0] == layout and seen[1] == dtype:
+                self._used.add(hit[0])
+                return seen[2], hit[1]
+            if hit is not None:
+                self._drop(key, coord)
+            nbytes = image_nbytes(layout, chunks)
+            name = self._new_file(nbytes)
+            image = torch.from_file(str(self._dir / name), shared=True, size=nbytes, dtype=torch.uint8)
+            view = format_image(image, layout, chunks, dtype)
+            self._files[(key, coord)] = (name, image)
+            self._views[(key, coord)] = (layout, dtype, view)
+            self._used.add(name)
+            return view, image
 
     def _new_file(self, nbytes: int) -> str:
         """A new file of ``nbytes`` in the lease (grown first if needed); its name."""
@@ -207,6 +199,8 @@ class DaemonStager(Stager):
         self.lease_id, self._dir, self._granted = None, None, 0
 
     def _begin(self) -> None:
+        if self._in_save:  # begun by an earlier buffer of this save
+            return
         self._in_save, self._used = True, set()
         if self.lease_id is None:
             return
@@ -254,45 +248,41 @@ class DaemonStager(Stager):
         """(lease, the job's shard files, its metadata files), written into the lease; files of
         tensors this save no longer has are deleted."""
         with self._lock:
-            return self._finish(job)
-
-    def _finish(self, job: SaveJob) -> tuple[str, list[dict], list[dict]]:
-        if not self._in_save:
             self._begin()
-        shards = []
-        for sw in job.shards:
-            hit = self._files.get((sw.key, sw.coord))
-            if hit is None or hit[1] is not (sw.buffer if sw.image is None else sw.image):
-                raise CheckpointError(f"array {sw.key!r}: snapshot buffer is not in the staging lease")
-            shard = {"key": sw.key, "layout": sw.layout.to_json(), "coord": list(sw.coord), "file": hit[0]}
-            if sw.image is not None:
-                shard["image"] = True
-            shards.append(shard)
-        for k in [k for k, (name, _) in self._files.items() if name not in self._used]:
-            self._drop(*k)
-        meta_bytes = sum(len(d) for _, d in job.metadata)
-        self._meta_bytes = 0
-        self._ensure(self._allocated() + meta_bytes)  # creates the lease if the job has no buffers
-        metadata = []
-        written, previous, self._meta_written = {}, self._meta_written, {}  # unknown until all are written
-        for i, (key, data) in enumerate(job.metadata):
-            name = f"meta_{i:06d}.bin"
-            # Most metadata (each array's zarr.json) is the same bytes save after save: a file
-            # this lease holds from the previous save with those bytes stays as it is, if it is
-            # still the very file written then (same inode and mtime: not replaced, not a link).
-            path = self._dir / name
-            seen = previous.get(name)
-            if seen is None or seen[0] != data or _identity(path) != seen[1]:
-                _write_new(path, data, self._file_mode)
-                seen = (data, _identity(path))
-            written[name] = seen
-            metadata.append({"key": key, "file": name})
-        for name in self._meta_names[len(job.metadata) :]:
-            with contextlib.suppress(OSError):
-                os.unlink(self._dir / name)
-        self._meta_names = [m["file"] for m in metadata]
-        self._meta_written = written
-        self._meta_bytes = meta_bytes
-        self._last_total = self._allocated()
-        self._in_save = False
-        return self.lease_id, shards, metadata
+            shards = []
+            for sw in job.shards:
+                hit = self._files.get((sw.key, sw.coord))
+                if hit is None or hit[1] is not (sw.buffer if sw.image is None else sw.image):
+                    raise CheckpointError(f"array {sw.key!r}: snapshot buffer is not in the staging lease")
+                shard = {"key": sw.key, "layout": sw.layout.to_json(), "coord": list(sw.coord), "file": hit[0]}
+                if sw.image is not None:
+                    shard["image"] = True
+                shards.append(shard)
+            for k in [k for k, (name, _) in self._files.items() if name not in self._used]:
+                self._drop(*k)
+            meta_bytes = sum(len(d) for _, d in job.metadata)
+            self._meta_bytes = 0
+            self._ensure(self._allocated() + meta_bytes)  # creates the lease if the job has no buffers
+            metadata = []
+            written, previous, self._meta_written = {}, self._meta_written, {}  # unknown until all are written
+            for i, (key, data) in enumerate(job.metadata):
+                name = f"meta_{i:06d}.bin"
+                # Most metadata (each array's zarr.json) is the same bytes save after save: a file
+                # this lease holds from the previous save with those bytes stays as it is, if it is
+                # still the very file written then (same inode and mtime: not replaced, not a link).
+                path = self._dir / name
+                seen = previous.get(name)
+                if seen is None or seen[0] != data or _identity(path) != seen[1]:
+                    _write_new(path, data, self._file_mode)
+                    seen = (data, _identity(path))
+                written[name] = seen
+                metadata.append({"key": key, "file": name})
+            for name in self._meta_names[len(job.metadata) :]:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._dir / name)
+            self._meta_names = [m["file"] for m in metadata]
+            self._meta_written = written
+            self._meta_bytes = meta_bytes
+            self._last_total = self._allocated()
+            self._in_save = False
+            return self.lease_id, shards, metadata

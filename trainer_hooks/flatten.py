@@ -64,8 +64,7 @@ class Flat:
 
     def holds(self, key: str) -> bool:
         """Whether this rank has the data of ``key`` (all but the other ranks' owned keys)."""
-        owner = self.owned.get(key)
-        return owner is None or self.tensors[key].device.type != "meta"
+        return key not in self.owned or self.tensors[key].device.type != "meta"
 
 
 def _trained_model(optim: torch.optim.Optimizer, state: dict) -> torch.nn.Module | None:
@@ -94,10 +93,8 @@ def _paired_state_dicts(state: dict[str, Any]) -> dict[int, dict]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     owner: dict[int, list] = {}
-    for o in state.values():
-        if zero.is_zero(o):  # flattened by ``trainer_hooks.zero``, never by get_state_dict
-            continue
-        if isinstance(o, torch.optim.Optimizer) and (m := _trained_model(o, state)) is not None:
+    for o in state.values():  # a ZeRO optimizer is flattened by ``trainer_hooks.zero``, never here
+        if isinstance(o, torch.optim.Optimizer) and not zero.is_zero(o) and (m := _trained_model(o, state)) is not None:
             owner.setdefault(id(m), [m]).append(o)
     out: dict[int, dict] = {}
     for m, *opts in owner.values():
@@ -200,16 +197,13 @@ def apply(
         set_optimizer_state_dict,
     )
 
-    def tensor(key: str):
-        return loaded.get(key, _MISSING)
-
     opts = StateDictOptions(strict=strict)
     for name, v in state.items():
         entry = saved_tree.get(name)
         if entry is None:
             continue  # validated by the caller: only reachable when not strict
         try:
-            data = _drop_missing(jsonenc.decode(entry["data"], tensor))
+            data = _drop_missing(jsonenc.decode(entry["data"], lambda key: loaded.get(key, _MISSING)))
             if isinstance(v, torch.nn.Module):
                 set_model_state_dict(v, data, options=opts)
             elif isinstance(v, torch.optim.Optimizer) and zero.is_zero(v):

@@ -20,15 +20,13 @@ then); ``on_step_end`` saves when ``state.global_step`` reaches a multiple of ``
 A stock ``Trainer`` sizes its epochs and decides which batches to skip before any callback runs,
 so after a restore mid-epoch it would start the epoch's data over from its first batch: the
 callback refuses such a step at ``on_train_begin`` (steps saved at an epoch's end resume).
-:class:`ElasticTrainer` is the Trainer whose data continues too, at any world size: its
-training loader deals the epoch with :class:`~trainer_hooks.ElasticSampler`, whose position is
-saved with the rest and restored before the Trainer sizes its epochs, so across a stop at N
-processes and a restart at M every sample of an epoch is trained on exactly once. Do not also
-pass ``resume_from_checkpoint``.
+:class:`ElasticTrainer` is the Trainer whose data continues too, at any world size. Do not
+also pass ``resume_from_checkpoint``.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from functools import partial
 from typing import Any
@@ -106,12 +104,9 @@ class CkptdCallback(CheckpointCallbackBase, TrainerCallback):
                 "train with trainer_hooks.hf.ElasticTrainer"
             )
 
-    def _save(self, state, model, optimizer, lr_scheduler) -> None:
-        self._save_step(state.global_step, lambda: self.state(state, model, optimizer, lr_scheduler))
-
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if self._due(state.global_step):
-            self._save(state, model, optimizer, lr_scheduler)
+            self._save_step(state.global_step, lambda: self.state(state, model, optimizer, lr_scheduler))
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         try:
@@ -200,14 +195,9 @@ class ElasticTrainer(Trainer):
         trainer.train()          # resumes from the latest committed step of the root, if any
 
     **Data.** The training loader deals each epoch with an :class:`~trainer_hooks.ElasticSampler`
-    (``shuffle`` for ``train_sampling_strategy="random"``, seeded with ``data_seed`` or ``seed``;
-    ``drop_last`` from ``dataloader_drop_last``), iterated through a ``StatefulLoader``, and is
-    *not* given to ``accelerator.prepare``: Accelerate's sharding would split the sampler's
-    per-rank share again. Batches reach the device through the Trainer's own ``_prepare_inputs``.
-    The sampler's position (epoch, samples of it consumed by the whole job) is saved with every
-    checkpoint. Saved at N processes and restored at M, the epoch continues where it stopped: every
-    sample of it is trained on exactly once (with ``dataloader_drop_last=True`` the tail that does
-    not fill a batch on every rank is skipped, never repeated); the next epochs start at 0.
+    through a ``StatefulLoader`` and is *not* given to ``accelerator.prepare``, whose sharding
+    would split the sampler's per-rank share again (batches reach the device through the
+    Trainer's own ``_prepare_inputs``). The sampler's position is saved with every checkpoint.
 
     **Order of events** (every rank): ``get_train_dataloader`` opens the Checkpointer and restores
     the sampler and the progress fields of ``TrainerState`` from the latest committed step (an
@@ -216,22 +206,9 @@ class ElasticTrainer(Trainer):
     model, optimizer, scheduler and ``ckptd_extra_state`` from the same step. Every
     ``ckptd_every_n_steps`` optimizer steps, and at the end, it saves through ckptd.
 
-    **Budget.** ``max_steps > 0`` counts optimizer steps over the whole job (at whatever world
-    size each was taken); otherwise ``num_train_epochs`` (rounded up to whole epochs) counts
-    epochs of the sampler, and the LR schedule's length is the restored step plus what the
-    remaining epochs take at this world size.
-
-    **Limits.** Data parallel only (DDP, or FSDP with every rank reading its own batches);
-    map-style datasets with a length; ``train_sampling_strategy`` ``"random"`` or
-    ``"sequential"`` (``group_by_length`` and ``batch_rebalance`` order by the batch and the world
-    size and are refused); Accelerate's ``split_batches`` and ``dispatch_batches`` are refused.
-    Every rank must get the same number of batches, or DDP would wait forever at the tail: with
-    ``dataloader_drop_last=False`` an epoch whose rest leaves one rank a batch fewer than another
-    is refused with the numbers (take ``dataloader_drop_last=True``). With
-    ``gradient_accumulation_steps > 1`` a resumed epoch ends with a shorter accumulation, as any
-    epoch whose batch count the steps do not divide. Checked against transformers 5.24: the
-    Trainer internals it hooks (``_init_training_state``, ``_run_epoch``,
-    ``set_initial_training_values``) are verified when it is built.
+    The step budget, what holds across a change of world size and what is refused (with why):
+    docs/interop.md, "Hugging Face Trainer: exactly once across a world-size change". The
+    Trainer internals it hooks (``_HOOKS``) are verified when it is built.
 
     ``trainer.ckptd`` is its callback: ``restored_step`` (None on a fresh root) and, during
     ``train()``, ``ckpt``, the open :class:`~trainer_hooks.Checkpointer`.
@@ -284,13 +261,8 @@ class ElasticTrainer(Trainer):
         if isinstance(dataset, IterableDataset) or not has_length(dataset):
             raise ValueError("ElasticTrainer needs a map-style train_dataset with a length (ElasticSampler)")
         collator = self.data_collator
-        if is_datasets_available():
-            import datasets
-
-            if isinstance(dataset, datasets.Dataset):
-                dataset = self._remove_unused_columns(dataset, description="Training")
-            else:
-                collator = self._get_collator_with_removed_columns(collator, description="Training")
+        if is_datasets_available() and isinstance(dataset, importlib.import_module("datasets").Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
         args = self.args

@@ -1,26 +1,12 @@
 """Horovod: ckptd inside a ``horovodrun`` job (PyTorch, gloo or MPI controller).
 
-Horovod does not create a ``torch.distributed`` process group; ``Checkpointer``, ``CheckpointHook``
-and ``ElasticSampler`` take the rank and the world size from one. Without it every Horovod process
-is a 1-rank ckptd job of its own: the first commits its step alone and the second is refused as
-another writer of the root. ``init_process_group()`` forms torch's default group (gloo) with
-exactly Horovod's ranks, so ckptd sees one job of ``hvd.size()`` ranks::
-
-    import horovod.torch as hvd
-    from trainer_hooks import Checkpointer, ElasticSampler
-    from trainer_hooks.horovod import init_process_group, resume
-
-    hvd.init()
-    init_process_group()                                  # collective: every rank calls it
-    model = build_model()
-    optim = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
-                                     named_parameters=model.named_parameters())
-    sampler = ElasticSampler(len(dataset), seed=0)        # deals over hvd.size() ranks
-    state = {"model": model, "optim": optim, "sampler": sampler}
-    ck = Checkpointer("s3://bucket/run")
-    start = resume(ck, state)                             # replaces hvd.broadcast_parameters/_optimizer_state
-    for step in range(start, total): ...
-        ck.save(step, state)
+Horovod does not create a ``torch.distributed`` process group, which ``Checkpointer``,
+``CheckpointHook`` and ``ElasticSampler`` take the rank and the world size from; without one every
+Horovod process is a 1-rank ckptd job of its own and the second writer of the root is refused.
+``init_process_group()`` forms torch's default group (gloo) with exactly Horovod's ranks, and
+``resume`` replaces ``hvd.broadcast_parameters``/``broadcast_optimizer_state``. Usage, why the
+state must hold the optimizer ``hvd.DistributedOptimizer`` returned, and why no broadcast follows
+a restore: docs/interop.md, "Horovod".
 
 How the group is formed: rank 0 opens a ``TCPStore`` on a free port and sends its address to the
 other ranks with ``hvd.broadcast_object``, so no port has to be agreed beforehand and the group
@@ -28,18 +14,6 @@ has Horovod's ranks by construction. The address is ``MASTER_ADDR`` when set, el
 for rank 0's host (``HOROVOD_HOSTNAME``: the name given to ``horovodrun -H``, which the launcher
 reached), else this host's name. gloo's interface is Horovod's (``HOROVOD_GLOO_IFACE``) unless
 ``GLOO_SOCKET_IFNAME`` is set.
-
-``hvd.DistributedOptimizer(opt)`` returns a *new* optimizer of a subclass of ``type(opt)`` over
-the same parameter groups (Horovod's wrapper adds the gradient all-reduce to ``step``); the state
-lives in that new object and ``opt`` is not used again. Put the wrapped optimizer in the state:
-it saves and restores as the torch optimizer it is (its moments, step counts, hyperparameters).
-``resume`` refuses the bare ``opt`` when the wrapper is also in the state, where a restore would
-silently go to the unused object.
-
-Broadcast of restored state: none is needed after a restore. Every rank reads the checkpoint's
-replicated tensors itself, so all ranks hold the same bits (the test checks it); Horovod's usual
-``hvd.broadcast_parameters`` + ``hvd.broadcast_optimizer_state`` from rank 0 are what ``resume``
-does when there is nothing to restore (a fresh start, where each rank initialised on its own).
 
 Resizing: Horovod's own elastic mode (``hvd.elastic.run``, ``horovodrun --min-np``) restores its
 in-memory ``State`` after a host change; ckptd is for the restart of the whole job at another
@@ -86,13 +60,11 @@ def init_process_group(timeout: timedelta = timedelta(minutes=10)) -> None:
         return
     if "HOROVOD_GLOO_IFACE" in os.environ:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["HOROVOD_GLOO_IFACE"])
-    store = None
+    store = where = None
     if rank == 0:
         host = os.environ.get("MASTER_ADDR") or os.environ.get("HOROVOD_HOSTNAME") or socket.getfqdn()
         store = dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
         where = (host, store.port)
-    else:
-        where = None
     host, port = hvd.broadcast_object(where, root_rank=0, name="ckptd.init_process_group")
     if store is None:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
@@ -162,9 +134,7 @@ def _check_optimizers(state: dict[str, Any]) -> None:
     wrapped = {k: v for k, v in optims.items() if is_distributed_optimizer(v)}
     wrapped_params = {id(p) for o in wrapped.values() for g in o.param_groups for p in g["params"]}
     for name, o in optims.items():
-        if name in wrapped:
-            continue
-        if any(id(p) in wrapped_params for g in o.param_groups for p in g["params"]):
+        if name not in wrapped and any(id(p) in wrapped_params for g in o.param_groups for p in g["params"]):
             raise CheckpointError(
                 f"state[{name!r}] is the optimizer given to hvd.DistributedOptimizer, which does not use it "
                 "again: put the optimizer hvd.DistributedOptimizer returned in the state instead"

@@ -14,14 +14,11 @@ checkpoints keep them) and ``extra_state`` (objects with ``state_dict``/``load_s
 Modules go through ``torch.distributed.checkpoint.state_dict``, so DDP and FSDP strategies save
 FQN-keyed, sharded state that restores at any other world size.
 
-**The data.** Lightning restores its batch counter but starts the epoch's data over, so a resume
-mid-epoch would repeat the epoch's first batches and never reach others. ``loader`` owns the
-position: an ``ElasticSampler`` behind a ``StatefulLoader``, built at the Trainer's data-parallel
-rank and size when Lightning first sizes it. It is no ``DataLoader`` (``use_distributed_sampler``
-leaves it alone) but a resumable loader in Lightning's sense, whose state Lightning keeps in
-``loops`` and loads before iterating. Its ``len`` is a whole epoch at this world size, and a
-resumed job's batch counter becomes that minus the batches left: the epoch ends on its last batch
-at any world size, each sample trained once. ``docs/interop.md`` says what is refused and why.
+**The data.** Lightning restores its batch counter but starts the epoch's data over; ``loader``
+owns the position instead (an ``ElasticSampler`` behind a ``StatefulLoader``, built at the
+Trainer's data-parallel rank and size when Lightning first sizes it, and resumable in Lightning's
+sense). How a resumed epoch ends on its last batch at any world size, and what is refused:
+docs/interop.md, "Lightning: exactly once across a world-size change".
 
 Order of hooks, on every rank (saves and restores are collective): ``setup`` keeps the Trainer
 (the loader's ranks come from it); ``on_fit_start`` opens the Checkpointer and restores (after
@@ -34,6 +31,7 @@ commit; ``teardown`` closes. Do not also pass ``ckpt_path`` to ``fit``: two rest
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 try:
@@ -64,22 +62,20 @@ class _TrainLoader:
 
     def __init__(self, callback: CkptdCallback, dataset: Dataset, options: dict[str, Any], kwargs: dict[str, Any]):
         self._callback, self.dataset, self._options, self._kwargs = callback, dataset, options, kwargs
-        self._built: EpochLoader | None = None
 
+    @cached_property
     def built(self) -> EpochLoader:
-        if self._built is None:
-            self._built = self._callback._build(self.dataset, dict(self._options), self._kwargs)
-        return self._built
+        return self._callback._build(self.dataset, dict(self._options), self._kwargs)
 
     @property
     def sampler(self) -> ElasticSampler:
-        return self.built().sampler
+        return self.built.sampler
 
     def __len__(self) -> int:
-        return len(self.built())
+        return len(self.built)
 
     def __iter__(self):
-        return iter(self.built())
+        return iter(self.built)
 
     # Lightning's protocol for a resumable loader: it saves this with its fit-loop progress and
     # loads it back after building the loader, before iterating it
@@ -139,7 +135,7 @@ class CkptdCallback(CheckpointCallbackBase, Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         data = trainer.train_dataloader
-        ours = data.built() if isinstance(data, _TrainLoader) else None
+        ours = data.built if isinstance(data, _TrainLoader) else None
         if ours is not None:
             check_even(ours.sampler, ours.batch_size, "CkptdCallback", "pass drop_last=True to its loader")
         progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -158,12 +154,9 @@ class CkptdCallback(CheckpointCallbackBase, Callback):
         for counter in _COUNTERS:
             setattr(progress.current, counter, getattr(progress.current, counter) + shift)
 
-    def _save(self, trainer, pl_module) -> None:
-        self._save_step(trainer.global_step, lambda: self.state(trainer, pl_module))
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._due(trainer.global_step):
-            self._save(trainer, pl_module)
+            self._save_step(trainer.global_step, lambda: self.state(trainer, pl_module))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._finish(trainer.global_step, lambda: self.state(trainer, pl_module))

@@ -1,22 +1,12 @@
 """Restore at any world size: each rank plans and reads only the slices it owns.
 
-Steps, on every rank (collective):
-
-1. rank 0 picks the step (latest committed if none asked) and broadcasts it; with none asked, a
-   rechunked copy that a ``ckptd reshard`` plan names for this world size is read instead;
-2. each rank reads the manifest (O(tensors)) -- no rank gathers anyone's plan;
-3. the live state is flattened the same way a save flattens it; keys, global shapes and dtypes
-   are checked against the manifest before a byte of data is read;
-4. each rank reads the boxes its DTensors own (the whole tensor for a plain tensor) into fresh
-   buffers, checking every chunk's crc32c;
-5. all ranks agree that every read succeeded, and only then is anything written into ``state``
-   (``set_model_state_dict``/``set_optimizer_state_dict``/``load_state_dict``) -- so a failed
-   restore leaves ``state`` untouched everywhere (``in_place=True`` trades that for half the
-   memory: step 4 reads into the state's own tensors); applying is all or nothing as well: an
-   error while applying (torch refusing an optimizer's groups, a user object's
-   ``load_state_dict`` raising) is a ``CheckpointError`` naming the entry, and every rank puts
-   its state back;
-6. RNG: the rank's own state at the same world size, else reseeded from the saved one.
+The steps, on every rank (collective), are docs/architecture.md's "One restore, in order". The
+invariant they keep: nothing is written into ``state`` until all ranks agree that every read
+succeeded, and applying is all or nothing too (an error while applying -- torch refusing an
+optimizer's groups, a user object's ``load_state_dict`` raising -- is a ``CheckpointError``
+naming the entry, and every rank puts its state back), so a failed restore leaves ``state``
+untouched everywhere. ``in_place=True`` trades that for half the memory: the reads go into the
+state's own tensors.
 """
 
 from __future__ import annotations
@@ -153,10 +143,9 @@ def _restore_step(
             t = flat.tensors[k]
             sh = flat.sharding(k)
             live = local_tensor(t).detach()
-            if in_place and live.device.type == "cpu" and live.is_contiguous():
-                out = live  # read straight into the state's own tensor
-            else:
-                out = torch.empty(sh.local_box.shape, dtype=t.dtype)
+            # with in_place, read straight into the state's own tensor where it can be
+            direct = in_place and live.device.type == "cpu" and live.is_contiguous()
+            out = live if direct else torch.empty(sh.local_box.shape, dtype=t.dtype)
             outs[k] = (live, out)
             requests.append(ReadRequest(m.tensors[k], sh.local_box, as_numpy(out)))
         pins = pins_for(src, m, step, where, pool, requests)
@@ -265,19 +254,16 @@ def restore(
     fallback: bool = False,
     tiers: Any = None,
 ) -> tuple[int | None, list[tuple[int, str]], list[str]]:
-    """Restore ``state`` from the first candidate step that restores (``_candidates``): the
-    newest whole memory-only step, then the committed step asked or the latest; with
-    ``fallback`` the committed steps newest first, skipping those ``ckptd verify`` recorded bad
-    and those that fail because the checkpoint is broken (its manifest does not load, a chunk
-    fails its crc32c or is missing, storage errors reading it). ``tiers`` (a
-    ``tiered.TieredRestore``): each step is read through the memory tiers' store of it. A
-    mismatch between the state and the checkpoint (keys, shapes, dtypes) is the caller's and is
-    raised at once; a memory-only step that does not restore falls through to the next
-    candidate on every rank. Returns (the step restored, or None when the root has none; the
-    committed steps skipped with why; the daemons asked for memory-only steps). Raises
-    CheckpointError naming every skipped step when none restores (storage that is down must not
-    make a job start again from step 0). Without ``in_place`` a failed try leaves ``state``
-    untouched; with it, the next try overwrites whatever the failed one wrote."""
+    """Restore ``state`` from the first candidate step (``_candidates``) that restores; with
+    ``fallback``, committed steps that ``ckptd verify`` recorded bad or that fail because the
+    checkpoint is broken (manifest, chunk crc32c, a missing object, storage errors) are skipped.
+    ``tiers`` (a ``tiered.TieredRestore``): each step is read through the memory tiers' store of
+    it. A mismatch between the state and the checkpoint is the caller's and is raised at once; a
+    memory-only step that does not restore falls through to the next candidate on every rank.
+    Returns (the step restored, or None when the root has none; the committed steps skipped with
+    why; the daemons asked for memory-only steps). Raises CheckpointError naming every skipped
+    step when none restores (storage that is down must not make a job start again from step 0).
+    With ``in_place`` the next try overwrites whatever a failed one wrote."""
     from ckptd import verify as _verify  # verdicts of ``ckptd verify``
 
     candidates, asked = _candidates(store, coord, step, fallback, tiers)
@@ -350,14 +336,10 @@ def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord
     """Apply the read values on every rank, or on none: ``(None, None)`` when all ranks
     applied, else ``(failure agreed on, this rank's error)`` with ``state`` as it was.
 
-    The fresh buffers and the live tensors exchange contents first (``storage_swap.exchange``:
-    their memory is swapped where that is safe, no byte copied; else copied through a small
-    scratch buffer), so the live tensors hold the checkpoint's values and the buffers the old
-    ones: applying then copies each tensor onto itself, and undoing exchanges back. After a
-    success, ``storage_swap.settle`` gives each swapped tensor its own memory back with one copy
-    of the restored bytes (raw pointers into it, such as ``numpy()`` views, stay valid).
-    ``in_place`` reads went into the live tensors already; only the non-tensor state can be
-    undone then."""
+    The fresh buffers and the live tensors exchange contents first (``storage_swap``), so
+    applying copies each tensor onto itself and undoing exchanges back; after a success
+    ``storage_swap.settle`` gives each swapped tensor its own memory back. ``in_place`` reads
+    went into the live tensors already; only the non-tensor state can be undone then."""
     swapped: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
     undo: list = []
     err: CheckpointError | None = None

@@ -32,9 +32,8 @@ def restore(state: dict) -> None:
     np.random.set_state(_as_tuple(state["numpy"]))
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        states = state["cuda"]
-        for i in range(min(len(states), torch.cuda.device_count())):
-            torch.cuda.set_rng_state(torch.frombuffer(bytearray(states[i]), dtype=torch.uint8), i)
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(s), dtype=torch.uint8), i)
 
 
 def reseed(base: dict, rank: int) -> int:
@@ -47,8 +46,4 @@ def reseed(base: dict, rank: int) -> int:
 
 
 def _as_tuple(x):
-    if isinstance(x, list):
-        return tuple(_as_tuple(v) for v in x)
-    if isinstance(x, tuple):
-        return tuple(_as_tuple(v) for v in x)
-    return x
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, list | tuple) else x

@@ -21,9 +21,6 @@ from ckptd.sampler_math import STATE_KEYS, STATE_VERSION, position_after, share
 
 __all__ = ["ElasticSampler", "StatefulLoader"]
 
-_STATE_VERSION = STATE_VERSION
-_STATE_KEYS = STATE_KEYS
-
 
 @dataclass
 class _Pass:
@@ -185,7 +182,7 @@ class ElasticSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, int | bool]:
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "epoch": self._epoch,
             "position": self.position,
             "seed": self._seed,
@@ -196,12 +193,12 @@ class ElasticSampler(Sampler[int]):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores epoch and position; the next `iter()` continues there at this world size."""
-        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        missing = [key for key in STATE_KEYS if key not in state_dict]
         if missing:
             raise ValueError(f"ElasticSampler state lacks {', '.join(missing)}: got keys {sorted(state_dict)}")
         version = state_dict["version"]
-        if version != _STATE_VERSION:
-            raise ValueError(f"ElasticSampler state has version {version!r}, this code reads {_STATE_VERSION}")
+        if version != STATE_VERSION:
+            raise ValueError(f"ElasticSampler state has version {version!r}, this code reads {STATE_VERSION}")
         for key, mine in (
             ("dataset_len", self._dataset_len),
             ("seed", self._seed),

@@ -9,6 +9,7 @@ its behaviour so a torch upgrade that changes it fails loudly instead of writing
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import weakref
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from ckptd.errors import CheckpointError
 from ckptd.layout import Box
 
-__all__ = ["Sharding", "is_dtensor", "local_tensor", "owned_sharding", "sharding_of", "world"]
+__all__ = ["Sharding", "empty_box", "is_dtensor", "local_tensor", "owned_sharding", "sharding_of", "world"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -32,6 +33,11 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
+
+
+def empty_box(shape: tuple[int, ...]) -> Box:
+    """The box of a rank that holds none of a tensor of ``shape``."""
+    return Box.full((0,) * len(shape))
 
 
 @dataclass(frozen=True)
@@ -59,11 +65,10 @@ def world() -> tuple[int, int]:
 
 
 def sharding_of(t: torch.Tensor) -> Sharding:
-    rank, ws = world()
+    ws = world()[1]
     if not is_dtensor(t):
         return _plain_sharding(tuple(t.shape), ws)
-    mesh = t.device_mesh
-    ranks, mesh_shape, coord = _mesh_info(mesh)
+    ranks, mesh_shape, coord = _mesh_info(t.device_mesh)
     return _dtensor_sharding(
         tuple(t.shape), mesh_shape, ranks, coord, tuple(t.placements), ws, tuple(t.to_local().shape)
     )
@@ -86,7 +91,7 @@ def owned_sharding(shape: tuple[int, ...], owner: int) -> Sharding:
 def _owned_sharding(shape: tuple[int, ...], owner: int, rank: int, ws: int) -> Sharding:
     if not 0 <= owner < ws:
         raise CheckpointError(f"a tensor owned by rank {owner} in a job of {ws} ranks")
-    box = Box.full(shape) if rank == owner else Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+    box = Box.full(shape) if rank == owner else empty_box(shape)
     return Sharding(shape, box, ("owned", shape, owner, ws), f"rank {owner}")
 
 
@@ -111,7 +116,7 @@ def _mesh_info(mesh) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...] 
 def _dtensor_sharding(shape, mesh_shape, ranks, coord, placements, ws, local_shape) -> Sharding:
     sig = ("dtensor", shape, mesh_shape, ranks, placements, ws)
     if coord is None:
-        box = Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+        box = empty_box(shape)
     else:
         box = _box(shape, mesh_shape, coord, placements)
         if tuple(box.shape) != local_shape:
@@ -135,16 +140,14 @@ def _box(shape, mesh_shape, coord, placements) -> Box:
 
 @lru_cache(maxsize=4096)
 def _blocks(sig: tuple) -> tuple[Box, ...]:
+    shape, ws = sig[1], sig[-1]
     if sig[0] == "replicated":
-        _, shape, ws = sig
-        return tuple(Box.full(shape) for _ in range(ws))
+        return (Box.full(shape),) * ws
+    out = [empty_box(shape)] * ws
     if sig[0] == "owned":
-        _, shape, owner, ws = sig
-        empty = Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
-        return tuple(Box.full(shape) if r == owner else empty for r in range(ws))
+        out[sig[2]] = Box.full(shape)
+        return tuple(out)
     _, shape, mesh_shape, ranks, placements, ws = sig
-    empty = Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
-    out = [empty] * ws
     for flat, coord in enumerate(itertools.product(*[range(n) for n in mesh_shape])):
         out[ranks[flat]] = _box(shape, mesh_shape, coord, placements)
     return tuple(out)
@@ -154,12 +157,8 @@ def _blocks(sig: tuple) -> tuple[Box, ...]:
 def _check_tiling(sig: tuple) -> None:
     """Strided placements can make a local block non-contiguous in the global tensor; we store
     boxes, so insist that the distinct blocks tile the tensor exactly."""
-    boxes = set(_blocks(sig))
-    total = 1
-    for n in sig[1]:
-        total *= n
-    boxes.discard(Box(tuple(0 for _ in sig[1]), tuple(0 for _ in sig[1])))
-    if sum(b.volume for b in boxes) != total:
+    boxes = set(_blocks(sig)) - {empty_box(sig[1])}
+    if sum(b.volume for b in boxes) != math.prod(sig[1]):
         raise CheckpointError(
             f"placements {sig[4]} give local blocks that are not contiguous boxes of the global "
             f"tensor {sig[1]}; this layout is not supported yet"

@@ -20,6 +20,7 @@ import mmap
 import os
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from ckptd.savejob import SaveJob, ShardWrite, format_image
 from storage_backends import DIRECT_MIN_BYTES
 from trainer_hooks.flatten import Flat
 from trainer_hooks.hostcopy import copy_all
-from trainer_hooks.sharding import Sharding, local_tensor
+from trainer_hooks.sharding import Sharding, empty_box, local_tensor
 
 __all__ = ["Planner", "Stager", "staged_image_chunks", "take"]
 
@@ -48,7 +49,6 @@ class Stager:
         self._images: dict[
             tuple[str, tuple[int, ...]], tuple[ArrayLayout, torch.dtype, torch.Tensor, torch.Tensor]
         ] = {}
-        self._stream = None
 
     def buffer(self, key: str, coord: tuple[int, ...], shape: tuple[int, ...], dtype, pin: bool) -> torch.Tensor:
         buf = self._buffers.get((key, coord))
@@ -90,10 +90,10 @@ class Stager:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values()) + sum(i[3].nbytes for i in self._images.values())
 
+    @cached_property
     def stream(self):
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
+        """The side CUDA stream the device-to-host copies run on, made at first use."""
+        return torch.cuda.Stream()
 
     def release(self) -> None:
         self._buffers.clear()
@@ -145,7 +145,7 @@ class Planner:
                 # knows: it writes (and sends) every piece, and the layout stays what the
                 # distinct blocks make it (no split of a large replicated tensor over ranks).
                 first: dict = {}
-                empty = Box(tuple(0 for _ in sh.global_shape), tuple(0 for _ in sh.global_shape))
+                empty = empty_box(sh.global_shape)
                 blocks = [b if first.setdefault(b, r) == r else empty for r, b in enumerate(blocks)]
             grid = plan_grid(sh.global_shape, t.element_size(), dtype, blocks, gather_small=self.gather_small)
             self._cache[ck] = grid
@@ -271,7 +271,7 @@ def take(
     copy_all(copies, pool)
     if cuda_used:
         ev = torch.cuda.Event()
-        ev.record(stager.stream())
+        ev.record(stager.stream)
         # Training may overwrite parameters right after save returns: make its stream wait for
         # the copies (GPU-side ordering, no host stall).
         torch.cuda.current_stream().wait_event(ev)
@@ -282,7 +282,7 @@ def take(
 
 
 def _copy_cuda(dst: torch.Tensor, src: torch.Tensor, stager: Stager) -> None:
-    stream = stager.stream()
+    stream = stager.stream
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)

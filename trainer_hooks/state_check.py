@@ -76,12 +76,8 @@ def _refuse_mismatch(where: str, keys: set[str], what: str, lenient: str) -> Non
 
 
 def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
-    """Check the live state against the manifest; return the keys to read. Raises
-    StateMismatchError naming the checkpoint, the key and what differs.
-
-    Only the top-level entries that ``state`` has are compared: restoring ``{"model": m}``
-    from a checkpoint that also holds the optimizer is not an error. Inside each entry, every
-    key must match unless ``strict=False``; an entry asked for that the checkpoint lacks fails."""
+    """Check the live state against the manifest (the module docstring says what is compared);
+    return the keys to read. An entry asked for that the checkpoint lacks fails when strict."""
     both = {mf.escape_component(n) for n in flat.tree if n in m.state}
     stateless = _stateless_params(m, flat)
     live = {k for k in flat.tensors if _entry_of(k) in both} - stateless
@@ -94,7 +90,6 @@ def validate(m: mf.Manifest, flat, where: str, strict: bool) -> list[str]:
             where, live - saved, "is in the state but not in the checkpoint", "keep those values as they are"
         )
         _refuse_mismatch(where, saved - live, "is in the checkpoint but not in the state", "ignore it")
-    if strict:
         # A ``$tensor`` reference the manifest's tensor table lacks would be silently skipped.
         for name in flat.tree:
             dangling = [r for r in jsonenc.tensor_refs(m.state.get(name)) if r not in m.tensors]

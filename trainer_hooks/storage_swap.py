@@ -101,9 +101,7 @@ def settle(pairs: list[tuple[torch.Tensor, torch.Tensor, bool]], pool: Executor 
     moved = [(live, buf) for live, buf, memory in pairs if memory]
     for live, buf in reversed(moved):
         exchange(live, buf, True)
-    last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for live, buf in moved:
-        last[live.untyped_storage().data_ptr()] = (live, buf)
+    last = {live.untyped_storage().data_ptr(): (live, buf) for live, buf in moved}
     copy_all(list(last.values()), pool)
     for live, _ in last.values():
         _bump(live)  # a write, as far as autograd's saved tensors are concerned

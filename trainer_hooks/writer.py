@@ -74,7 +74,6 @@ class BackgroundWriter:
         self.save_timeout = save_timeout
         self.writer = writer or uuid.uuid4().hex  # a job of its own when not told
         self.dedupe = persist.Dedupe() if incremental else None
-        self._stuck = 0  # saves abandoned at their deadline whose thread has not returned yet
         self._lock = threading.Lock()
         self._failed: list[tuple[int, str]] = []  # (step, attempt) of failed saves: reclaimed at the next save
         self._abandoned: list[tuple[int, threading.Thread]] = []  # saves past their deadline
@@ -157,19 +156,12 @@ class BackgroundWriter:
                 )
             except BaseException as e:  # noqa: BLE001 - handed to the future
                 box["error"] = e
-            finally:
-                with self._lock:
-                    if abort.is_set():
-                        self._stuck -= 1
 
         t = threading.Thread(target=run, name=f"ckptd-save-{job.step}", daemon=True)
         t.start()
         t.join(max(0.0, deadline - time.monotonic()))
-        with self._lock:
-            if t.is_alive():
-                abort.set()
-                self._stuck += 1
-        if abort.is_set():
+        if t.is_alive():
+            abort.set()
             self._abandoned.append((job.step, t))
             box["error"] = self._timeout_error(job.step)
         err = box.get("error")
@@ -226,12 +218,6 @@ class BackgroundWriter:
                     retention.after_commit(self.store, result, keep, self.max_step_jump)
                 except Exception:  # best effort, as after_commit itself is: never kill the thread
                     log.exception("%s: sweep and retention failed", catalog.where(self.store, result.step))
-
-    @property
-    def stuck(self) -> int:
-        """Saves abandoned at their deadline whose thread is still inside a storage call."""
-        with self._lock:
-            return self._stuck
 
     def idle(self) -> None:
         """Block until the writer thread has nothing left to do (retention included)."""

@@ -19,9 +19,8 @@ consolidated on this rank". Here instead:
   arrays, and puts them into its local optimizer (``load``). Nothing is consolidated, and no
   rank holds more than its partition.
 
-A 0-d state tensor (Adam's ``step``) travels by value in that skeleton and is saved as a
-replicated tensor (into the manifest, as any optimizer's step count): a box cannot say that
-one rank holds a 0-d tensor and another does not.
+A 0-d state tensor (Adam's ``step``) travels by value in that skeleton (``_describe``) and is
+saved replicated, into the manifest, as any optimizer's step count.
 Refused with a ``CheckpointError`` saying what to do: ``overlap_with_ddp=True`` (whose local
 optimizer exists only after DDP's buckets are built), a ZeRO over a subgroup of the job (every
 replica group would write its own copy of each partition) and DTensor parameters (FSDP2's
@@ -133,16 +132,15 @@ def state_dict(optim, model: torch.nn.Module) -> tuple[dict, dict[tuple[str, str
             rank, entries = merged[f]
             out: dict[str, Any] = {}
             for k, (kind, *info) in entries:
+                if kind == "tensor":
+                    owners[(f, k)] = rank
                 if kind == "value":
                     out[k] = info[0]
-                    continue
-                if kind == "scalar":  # every rank has its value: a replicated 0-d tensor
-                    value, device = info
-                    out[k] = held[f][k] if rank == me else value.to(device)
-                    continue
-                owners[(f, k)] = rank
-                if rank == me:
+                elif rank == me:
                     out[k] = held[f][k]
+                elif kind == "scalar":  # every rank has its value: a replicated 0-d tensor
+                    value, device = info
+                    out[k] = value.to(device)
                 else:
                     shape, dtype = info
                     out[k] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
