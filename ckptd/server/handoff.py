@@ -255,7 +255,7 @@ def load(job: Job, folder: Path) -> SaveJob:
         buf = mapped.view(numpy_dtype(layout.dtype)).reshape(layout.shard_extent(coord))
         out.shards.append(ShardWrite(s["key"], layout, coord, buf))
     for m in job.metadata:
-        out.metadata.append((m["key"], read_staged(folder / m["file"], m["nbytes"], owner=job.uid)))
+        out.metadata.append((m["key"], read_staged(folder / m["file"], m["nbytes"], MAX_META_BYTES, job.uid)))
     return out
 
 

@@ -210,3 +210,18 @@ def test_unchanged_metadata_stays_staged_and_a_planted_link_is_replaced(tmp_path
     assert catalog.latest_step(store) == 3
     leaked = [o.key for o in store.list("") if b"SECRET-" in store.get(o.key)]
     assert leaked == []
+
+
+def test_metadata_over_16_mib_goes_through_the_daemon(tmp_path):
+    """A job's metadata may be up to handoff.MAX_META_BYTES (a manifest of a state with a large
+    plain object): the daemon that accepted it must also be able to read it back for the upload
+    (the hand-off used to be read with the 16 MiB cap of lease journals, and the save failed)."""
+    root = str(tmp_path / "jobs")
+    blob = "x" * (20 << 20)
+    state = {"w": torch.arange(64, dtype=torch.float32), "cfg": {"vocab": blob}}
+    with Daemon([root], tmp_path / "staging", tmp_path / "daemon.log") as d, Checkpointer(root, daemon=d.url) as ck:
+        ck.save(1, state).result()
+    got = {"w": torch.zeros(64), "cfg": {}}
+    with Checkpointer(root) as ck:
+        assert ck.restore(got) == 1
+    assert got["cfg"]["vocab"] == blob and torch.equal(got["w"], state["w"])

@@ -152,11 +152,15 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
             lambda: launch.logs(out, "save_steps", 4),
         )
 
-        def replicated(d: Daemon) -> bool:
+        def replicated(d: Daemon, ranks: list[int]) -> bool:
+            # Each rank's part is pushed on its own: wait for the peer's last rank, not for the
+            # first replica row of step 2 (rank 3's arrives up to a second after rank 2's).
             t = _tiers(d)
-            return [h["step"] for h in t["hot"]] == [2] and [r["step"] for r in t["replicas"]] == [2]
+            return [h["step"] for h in t["hot"]] == [2] and [(r["step"], r["ranks"]) for r in t["replicas"]] == [
+                (2, ranks)
+            ]
 
-        wait_for(lambda: replicated(a) and replicated(b), "both replicas of step 2", 120, (), a.logs)
+        wait_for(lambda: replicated(a, [2, 3]) and replicated(b, [0, 1]), "both replicas of step 2", 120, (), a.logs)
         # Item 1: the hot copy is the newest committed step only (step 1's was released).
         hot_a = _tiers(a)["hot"][0]
         assert hot_a["ranks"] == [0, 1] and hot_a["complete"], hot_a
