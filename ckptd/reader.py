@@ -28,7 +28,7 @@ from ckptd.manifest import TensorEntry
 from ckptd.pins import Pins, shard_pin
 from storage_backends import NotFoundError, StorageError, Store
 
-__all__ = ["COALESCE_GAP", "CheckpointReader", "ReadRequest", "ReadStats"]
+__all__ = ["COALESCE_GAP", "CheckpointReader", "ReadRequest", "ReadStats", "run_all"]
 
 # Chunks closer than this in the object are fetched by one GET (the gap is read and dropped).
 COALESCE_GAP = 64 * 1024
@@ -215,6 +215,14 @@ class CheckpointReader:
 
     def read(self, requests: Iterable[ReadRequest], pool: ThreadPoolExecutor | None = None) -> None:
         """Fill every request's ``out``; shards are fetched in parallel on ``pool`` if given."""
+        tasks = self.plan(requests)
+        if pool is not None:  # largest first: a big shard read last would run alone while the pool idles
+            tasks.sort(key=lambda t: -len(t[1].chunks) * t[0].entry.layout.chunk_nbytes)
+        run_all(pool, [(self.read_shard, t) for t in tasks])
+
+    @staticmethod
+    def plan(requests: Iterable[ReadRequest]) -> list:
+        """(request, shard read) for every shard the requests need; inline scalars are filled here."""
         tasks = []
         for req in requests:
             if req.out.shape != req.want.shape:
@@ -223,21 +231,25 @@ class CheckpointReader:
                 req.out[...] = parse_inline(req.entry.value)
                 continue
             tasks.extend((req, sr) for sr in plan_reads(req.entry.layout, req.want))
-        if pool is None:
-            for req, sr in tasks:
-                self.read_shard(req, sr)
-            return
-        # Largest first: a big shard read last would run alone while the rest of the pool idles.
-        tasks.sort(key=lambda t: -len(t[1].chunks) * t[0].entry.layout.chunk_nbytes)
-        futures = [pool.submit(self.read_shard, req, sr) for req, sr in tasks]
-        errors = []
-        for f in futures:
-            try:
-                f.result()
-            except CheckpointError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        return tasks
+
+
+def run_all(pool: ThreadPoolExecutor | None, jobs: list) -> None:
+    """Run every ``(fn, args)`` of ``jobs``, on ``pool`` when given (else in order); once all have
+    run, raise the first CheckpointError any raised."""
+    if pool is None:
+        for fn, args in jobs:
+            fn(*args)
+        return
+    futures = [pool.submit(fn, *args) for fn, args in jobs]
+    errors = []
+    for f in futures:
+        try:
+            f.result()
+        except CheckpointError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def _place(req: ReadRequest, chunk: np.ndarray, cbox: Box) -> None:

@@ -32,10 +32,9 @@ from urllib.parse import urlencode
 from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.auth import daemon_token
-from ckptd.codec import CRC_BYTES, parse_inline
+from ckptd.codec import CRC_BYTES
 from ckptd.errors import CheckpointError
-from ckptd.layout import plan_reads
-from ckptd.reader import CheckpointReader, ReadRequest
+from ckptd.reader import CheckpointReader, ReadRequest, run_all
 from ckptd.tierwire import ask_json
 from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
@@ -82,14 +81,7 @@ class TieredReader(CheckpointReader):
         the pool with the reads of its shards (at most a pool's worth of batches in memory); a
         larger range is read straight into the tensors. Every chunk is then checked as any read's.
         A batch that fails marks its tier dead and leaves its shards to the per-shard path."""
-        tasks = []
-        for req in requests:
-            if req.out.shape != req.want.shape:
-                raise CheckpointError(f"{req.entry.key}: output shape {req.out.shape} != wanted {req.want.shape}")
-            if req.entry.value is not None:
-                req.out[...] = parse_inline(req.entry.value)
-                continue
-            tasks.extend((req, sr) for sr in plan_reads(req.entry.layout, req.want))
+        tasks = self.plan(requests)
         by_key: dict[str, list] = {}  # key -> [tier, lo, hi, tasks]
         plain = []
         for req, sr in tasks:
@@ -137,20 +129,7 @@ class TieredReader(CheckpointReader):
                 for req, sr in by_key[k][3]:
                     self._read_one(req, sr, (tier, fetched) if fetched is not None else None)
 
-        jobs = [(run_batch, (t, ks)) for t, ks in batches] + [(self._read_one, (r, sr, None)) for r, sr in plain]
-        if pool is None:
-            for fn, args in jobs:
-                fn(*args)
-            return
-        futures = [pool.submit(fn, *args) for fn, args in jobs]
-        errors = []
-        for f in futures:
-            try:
-                f.result()
-            except CheckpointError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        run_all(pool, [(run_batch, b) for b in batches] + [(self._read_one, (r, sr, None)) for r, sr in plain])
 
     def read_shard(self, req: ReadRequest, sr) -> None:
         self._read_one(req, sr, None)
