@@ -2,11 +2,13 @@
 /v1/tiers`` of the daemon named and of every peer it names, and returns, per step, each complete
 copy (a tier serves nothing else): ``hot@URL`` (the node's own), ``replica@URL`` (a peer's,
 pushed from ``source``), or for a memory-only step, one per rank's part, ``memory@URL`` or
-``memory-replica@URL``. A daemon that does not answer is noted on stderr and left out: the
-listing is a view, the job root stays the only truth of what is committed."""
+``memory-replica@URL``. A peer that does not answer is noted on stderr and left out (the
+listing is a view, the job root stays the only truth of what is committed); the daemon named
+not answering is a UsageError (exit 2): nothing asked for could be listed."""
 
 from __future__ import annotations
 
+from ckptd.cli.common import UsageError
 from ckptd.errors import CheckpointError
 from ckptd.server.roots import normalize
 from ckptd.tierwire import ask_json
@@ -33,6 +35,8 @@ def tier_copies(
         try:
             body = ask_json(url, token, timeout, "GET", "/v1/tiers", cap=MAX_REPLY)
         except (ValueError, CheckpointError) as e:
+            if not seen - {url}:  # the daemon asked for: nothing of what was asked can be listed
+                raise UsageError(f"cannot list the memory tiers: {url}: {e or type(e).__name__}") from None
             failed.append(f"{url}: {e or type(e).__name__}")
             continue
         todo += [p.rstrip("/") for p in body.get("peers", []) if isinstance(p, str)]

@@ -77,6 +77,10 @@ def test_ls_shows_steps_per_tier(tmp_path):
         rows = {d["step"]: d for d in json.loads(r.stdout)}
         assert [t["where"] for t in rows[2]["tiers"]] == [f"replica@{c.url}"]
         assert f"memory tier not listed: {a.url}" in r.stderr
+        # Asking the dead daemon itself lists nothing of what was asked: one error, exit 2.
+        r = _ls(root, a.url)
+        assert r.returncode == 2 and f"cannot list the memory tiers: {a.url}" in r.stderr, (r.returncode, r.stderr)
+        assert r.stdout == ""
 
         # A step the tiers hold and the job root does not list: memory-only, never committed.
         shutil.rmtree(job / "step_0000000002")
