@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 
 from ckptd import __version__, catalog
+from ckptd import manifest as mf
 from ckptd.daemon_conn import default_socket
 from ckptd.errors import AlreadyCommitted, CheckpointError, CheckpointNotFoundError
 from ckptd.server import capacity, jobroots
@@ -56,7 +57,7 @@ from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from ckptd.server.staging_routes import router as leases
 from ckptd.server.tenancy import Forbidden, Tenancy, can_isolate
 from ckptd.server.tiers import Tiers
-from storage_backends import StorageError
+from storage_backends import StorageError, open_store
 
 __all__ = [
     "ERRORS",
@@ -481,8 +482,22 @@ def _capacity(metrics: Metrics) -> None:
         metrics.gauge(name, text, lambda k=key: float(capacity.describe()[k] or 0))
 
 
+def _check_writable(uri: str) -> None:
+    """Refuse to serve a root this daemon cannot write, before any trainer hands off a step that
+    could then never commit: a probe object under its ``_daemons/`` folder, written and deleted."""
+    key = f"{mf.DAEMONS}/probe-{os.urandom(8).hex()}.tmp"
+    try:
+        store = open_store(uri)
+        store.put(key, b"")
+        store.delete(key)
+    except (StorageError, OSError) as e:
+        raise RuntimeError(f"refusing to serve {uri}: this daemon cannot write there ({e})") from None
+
+
 def create_app(settings: Settings) -> FastAPI:
     roots = Roots(settings.roots)
+    for uri in settings.roots:
+        _check_writable(uri)
     token = read_token(settings.token_file)
     _check_discovery(settings, token)
     isolate = can_isolate() if settings.isolate_tenants is None else settings.isolate_tenants
