@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ckptd import catalog, claims
+from ckptd import catalog, claims, commit
 from ckptd import manifest as mf
 from ckptd.claims import FENCE_WRITER, is_fence
 from ckptd.errors import CheckpointError
@@ -100,11 +100,8 @@ def unowned(store: Store, m: mf.Manifest, attempt: str | None) -> list[str]:
     -- what a superseded attempt left (a 4-rank attempt's ``c/2/0`` in a 2-rank commit) or
     wrote late. Restore never reads them; ``ckptd verify`` reports them as warnings."""
     folder = f"{mf.step_dir(m.step)}/"
-    expected: set[str] = {key for key, _ in mf.group_nodes(m.tensors, m.step)}
-    for entry in m.tensors.values():
-        expected.add(f"{entry.path}/zarr.json")
-        if entry.layout.nbytes and entry.value is None:
-            expected.update(f"{entry.path}/{entry.layout.shard_key(c)}" for c in entry.layout.shard_coords())
+    expected = {key for key, _ in mf.group_nodes(m.tensors, m.step)} | commit.expected_shards(m)
+    expected.update(f"{entry.path}/zarr.json" for entry in m.tensors.values())
     own_done = f"{mf.DONE}/{attempt}/"
     out = []
     for o in store.list(folder):
