@@ -322,11 +322,9 @@ def _warn_once(store: Store, step: int, why: str) -> None:
     log.warning("%s/%s: ignoring the verify record: %s", catalog.where(store, step), RECORD, why)
 
 
-def read_record(store: Store, step: int, commit: dict | None = None) -> dict | None:
-    """The verdict recorded for ``step``'s current commit record and manifest, or None (never
-    verified, unreadable, malformed, or bound to other bytes). ``commit`` is accepted for the
-    callers that already read it; the binding is checked against the bytes in storage."""
-    del commit
+def read_record(store: Store, step: int) -> dict | None:
+    """The verdict recorded for ``step``'s current commit record and manifest (as stored), or
+    None: never verified, unreadable, malformed, or bound to other bytes."""
     try:
         rec = mf.read_json(store, record_key(step), catalog.where(store, step), "verify record")
     except NotFoundError:
@@ -345,7 +343,7 @@ def read_record(store: Store, step: int, commit: dict | None = None) -> dict | N
     return rec
 
 
-def status(store: Store, step: int, commit: dict | None = None) -> str:
+def status(store: Store, step: int) -> str:
     """``ok``, ``bad`` or ``unverified``: what ``ckptd ls`` shows in its VERIFIED column."""
-    rec = read_record(store, step, commit)
+    rec = read_record(store, step)
     return "unverified" if rec is None else "ok" if rec["ok"] else "bad"
