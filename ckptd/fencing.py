@@ -38,19 +38,14 @@ class Fenced:
     what: str  # "last heartbeat" or "last write"
 
 
-def _partial_steps(store: Store) -> list[int]:
-    return [s for s in catalog.steps(store) if not store.exists(f"{mf.step_dir(s)}/{mf.COMMIT}")]
-
-
 def fence(store: Store, job: str, step: int | None = None, *, force: bool = False) -> list[Fenced]:
     """Retire ``job``'s claims on its partial steps (every one, or ``step``): a fencing claim
     above each. Refuses (CheckpointError, nothing written) while a claim of ``job`` is still
     alive, unless ``force``. Returns what was fenced."""
     claims.check_writer(job)
-    todo = [step] if step is not None else _partial_steps(store)
     found: list[tuple[int, int, dict, float, float, str]] = []
-    for s in todo:
-        if store.exists(f"{mf.step_dir(s)}/{mf.COMMIT}"):
+    for s in [step] if step is not None else catalog.steps(store):
+        if store.exists(f"{mf.step_dir(s)}/{mf.COMMIT}"):  # only partial steps are fenced
             if step is not None:
                 raise CheckpointError(f"{catalog.where(store, s)}: step {s} is committed; nothing to fence")
             continue

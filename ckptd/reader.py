@@ -13,7 +13,6 @@ except a statistics counter guarded by a lock.
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, crc32c, decode_chunk, decode_index, parse_inline
+from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, crc_bytes, decode_chunk, decode_index, parse_inline
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import Box, ShardRead, chunk_box, plan_reads
 from ckptd.manifest import TensorEntry
@@ -206,7 +205,7 @@ class CheckpointReader:
         self.store.get_range_into(key, start, views)
         self._count(pos - start)
         for body, crc, c, off in direct:
-            if crc32c(body) != struct.unpack("<I", crc)[0]:
+            if crc_bytes(body) != crc:  # the little-endian crc32c the chunk was stored with
                 raise CorruptChunkError(f"{self._name(req.entry, shard, c)}: crc32c mismatch (corrupt chunk)")
             self._check_pinned(req.entry, shard, off, crc)
         for scratch, c, off in staged:
