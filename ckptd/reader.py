@@ -109,14 +109,12 @@ class CheckpointReader:
         another writer permuted passes every crc on the fast path: that is why committed
         checkpoints are immutable, and ``ckptd verify`` checks the order."""
         entry, layout = req.entry, req.entry.layout
-        if not layout.sharded:
-            self._read_spans(req, sr.shard, [(0, layout.chunk_nbytes + CRC_BYTES, tuple(0 for _ in layout.shape))])
-            return
         try:
             self._read_spans(req, sr.shard, self._computed_spans(layout, sr))
             return
         except CorruptChunkError:
-            pass  # fall back to what the shard's own index says
+            if not layout.sharded:  # a plain chunk has no index to fall back to
+                raise
         index = self.shard_index(entry, sr.shard)
         spans = []
         for c in sr.chunks:

@@ -299,9 +299,7 @@ class ReadPlan:
     def needed(self) -> int:
         return sum(c.needed for c in self.ranks)
 
-    @property
-    def amplification(self) -> float:
-        return self.bytes / self.needed if self.needed else 1.0
+    amplification = RankCost.amplification
 
     def to_json(self) -> dict:
         return {"ranks": [c.to_json() for c in self.ranks], "largest_rank": self.largest.to_json()} | _cost_json(self)
