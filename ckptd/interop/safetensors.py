@@ -18,6 +18,7 @@ Non-tensor values (an optimizer's hyperparameters) cannot be stored and are left
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -256,12 +257,8 @@ def write(
     single_file = out.endswith(".safetensors")
     if single_file and len(shards) > 1:
         raise CheckpointError(f"{out}: a sharded export goes to a folder; give OUT without .safetensors")
-    done = 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        progress(done, len(names))
+    ticks = itertools.count(1)
+    tick = lambda: progress(next(ticks), len(names))
 
     with staged_output(out) as tmp:
         progress(0, len(names))
