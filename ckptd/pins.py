@@ -157,12 +157,11 @@ def check_meta(store: Store, step: int, pins: Pins, where: str) -> list[str]:
             data = store.get(f"{mf.step_dir(step)}/{key}", limit=limit)
         except NotFoundError:
             errors.append(f"{where}: {key} is missing")
-            continue
         except StorageError as e:
             errors.append(f"{where}: {key}: unreadable ({e})")
-            continue
-        if hashlib.sha256(data).hexdigest() != sha:
-            errors.append(f"{where}: {key} differs from what the committing attempt wrote (sha256 pin)")
+        else:
+            if hashlib.sha256(data).hexdigest() != sha:
+                errors.append(f"{where}: {key} differs from what the committing attempt wrote (sha256 pin)")
     return errors
 
 
