@@ -246,11 +246,10 @@ REFUSALS = {"AlreadyCommitted": AlreadyCommitted, "StepClaimed": StepClaimed, "S
 
 
 def lead_claim(store: Store, step: int, attempt: str, writer: str, world_size: int, pool) -> None:
-    """Rank 0's claim for the whole attempt: :func:`begin`, then its outcome -- go, or the
-    refusal with its error -- published to every group of ``OUTCOME_GROUP`` ranks with
-    ``put_if_absent``, in parallel on ``pool``. Raises what ``begin`` raised (after publishing
-    it, so the other ranks fail at once with the same error), or CheckpointError when the
-    outcome cannot be published (the other ranks then fail at their deadline)."""
+    """Step 1 of the module docstring's call sequence (outcomes put in parallel on ``pool``).
+    Raises what ``begin`` raised after publishing it, so the other ranks fail at once with the
+    same error, or CheckpointError when the outcome cannot be published (they then fail at
+    their deadline)."""
     where = catalog.where(store, step)
     err: CheckpointError | None = None
     try:

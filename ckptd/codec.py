@@ -97,10 +97,7 @@ def inline_value(dtype: str, value) -> Any:
         return bool(value)
     if dtype.startswith(("int", "uint")):
         return int(value)
-    if dtype.startswith(("float", "bfloat")):
-        v = float(value)
-        if math.isnan(v):
-            return None
+    if dtype.startswith(("float", "bfloat")) and not math.isnan(v := float(value)):
         return v if math.isfinite(v) else ("Infinity" if v > 0 else "-Infinity")
     return None
 

@@ -95,10 +95,8 @@ def finish_rank(
 
 
 def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, extra: dict | None = None) -> bool:
-    """After rank's done record is durable: climb the done tree (``ckptd.donetree``: one LIST of
-    at most 64 keys per level, no GET of other ranks' records); the rank that completes it
-    checks the step (:func:`_check_before_commit`) and writes ``commit.json`` (with ``extra``)
-    through :func:`commit_step`. True for the one caller that created the commit record."""
+    """Steps 1-4 of the module docstring once rank's done record is durable (``extra``: more
+    fields of ``commit.json``). True for the one caller that created the commit record."""
 
     def commit(total: donetree.Totals) -> bool:
         rec = _check_before_commit(store, step, attempt, world_size, total)
@@ -111,11 +109,10 @@ def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, ext
 
 
 def _check_before_commit(store: Store, step: int, attempt: str, world_size: int, total) -> dict:
-    """The commit rules, checked by the rank that completed the done tree (which already holds
-    one record of ``attempt`` per rank 0 .. N-1, other attempts' records being in other
-    folders): the newest claim names ``attempt`` (:func:`_claimed_manifest`), then
-    :func:`whole_step` over the tree's totals, the done records read only if it asks for them.
-    Raises StepClaimed / CheckpointError if a rule fails; returns the commit record."""
+    """Step 2 of the module docstring, by the rank that completed the done tree (one record of
+    ``attempt`` per rank; other attempts' are in other folders): the claim
+    (:func:`_claimed_manifest`), then :func:`whole_step`, which reads the records only if it
+    must. Returns the commit record."""
     where = catalog.where(store, step)
     rec, m, sha = _claimed_manifest(store, step, attempt, where)
 

@@ -45,11 +45,9 @@ GET ``_latest/hint.json``, GET next link, PUT link, PUT ``commit.json``) the cri
 requests, 13 at 8192 (one more level), as ``benchmarks.scale --realistic`` counts them. A save
 costs about 2N + 2N/F requests in the tree.
 
-Old roots: checkpoints committed before this layout keep their flat done records,
-``_done/<attempt>/rank_<r>.json`` (``manifest.done_key``). Nothing writes that layout any more,
-and nothing commits from it; only the readers still find it: :func:`read_done_record` and
-:func:`done_record_key` (a restore's RNG state) fall back to the flat key when the tree has no
-record, and :func:`count_done` (``ckptd verify``'s ``commit.check_consistency``) counts either.
+Old roots keep their flat done records, ``_done/<attempt>/rank_<r>.json`` (``manifest.done_key``):
+nothing writes or commits from that layout any more, but the readers (:func:`read_done_record`,
+:func:`done_record_key`, :func:`count_done`) still find it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ckptd import catalog, claims
+from ckptd import catalog, claims, commit
 from ckptd import manifest as mf
 from ckptd.claims import FENCE_WRITER, is_fence
 from ckptd.errors import CheckpointError
@@ -38,19 +38,14 @@ class Fenced:
     what: str  # "last heartbeat" or "last write"
 
 
-def _partial_steps(store: Store) -> list[int]:
-    return [s for s in catalog.steps(store) if not store.exists(f"{mf.step_dir(s)}/{mf.COMMIT}")]
-
-
 def fence(store: Store, job: str, step: int | None = None, *, force: bool = False) -> list[Fenced]:
     """Retire ``job``'s claims on its partial steps (every one, or ``step``): a fencing claim
     above each. Refuses (CheckpointError, nothing written) while a claim of ``job`` is still
     alive, unless ``force``. Returns what was fenced."""
     claims.check_writer(job)
-    todo = [step] if step is not None else _partial_steps(store)
     found: list[tuple[int, int, dict, float, float, str]] = []
-    for s in todo:
-        if store.exists(f"{mf.step_dir(s)}/{mf.COMMIT}"):
+    for s in [step] if step is not None else catalog.steps(store):
+        if store.exists(f"{mf.step_dir(s)}/{mf.COMMIT}"):  # only partial steps are fenced
             if step is not None:
                 raise CheckpointError(f"{catalog.where(store, s)}: step {s} is committed; nothing to fence")
             continue
@@ -100,11 +95,8 @@ def unowned(store: Store, m: mf.Manifest, attempt: str | None) -> list[str]:
     -- what a superseded attempt left (a 4-rank attempt's ``c/2/0`` in a 2-rank commit) or
     wrote late. Restore never reads them; ``ckptd verify`` reports them as warnings."""
     folder = f"{mf.step_dir(m.step)}/"
-    expected: set[str] = {key for key, _ in mf.group_nodes(m.tensors, m.step)}
-    for entry in m.tensors.values():
-        expected.add(f"{entry.path}/zarr.json")
-        if entry.layout.nbytes and entry.value is None:
-            expected.update(f"{entry.path}/{entry.layout.shard_key(c)}" for c in entry.layout.shard_coords())
+    expected = {key for key, _ in mf.group_nodes(m.tensors, m.step)} | commit.expected_shards(m)
+    expected.update(f"{entry.path}/zarr.json" for entry in m.tensors.values())
     own_done = f"{mf.DONE}/{attempt}/"
     out = []
     for o in store.list(folder):

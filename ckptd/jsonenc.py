@@ -43,9 +43,7 @@ def encode(obj: Any, on_tensor: Callable[[tuple[str, ...], Any], str] | None = N
     if obj is None or isinstance(obj, bool | int | str):
         return obj
     if isinstance(obj, float):
-        if math.isfinite(obj):
-            return obj
-        return {"$float": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+        return obj if math.isfinite(obj) else {"$float": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)).startswith("$")):
             return {k: encode(v, on_tensor, (*path, k)) for k, v in obj.items()}

@@ -14,23 +14,18 @@ Rules:
   it). It walks the chain to its end E; if T > E it appends T (``put_if_absent`` of
   ``after_E``; on a lost race it follows the winner and tries again). So the chain is strictly
   increasing and every committed step is <= some element of the chain.
-- ``latest_step(store)`` starts at the hint (else walks from ``first`` to the end of the
-  chain) and lists the step folders that sort after that start (``Store.list_dir_after``: one
-  request on S3 whatever the steps before it). The newest committed one of those, else the
-  start itself if committed, is the newest committed step: every committed step is either
-  after the start or at most the start. If neither is committed (a forged hint, or the end's
-  save died after linking), or there is no chain (an empty root, or one written before the
-  chain existed), or the walk or the folders after the start exceed ``MAX_WALK``, or a value is
-  malformed, it answers by listing the root, as before.
+- ``latest_step(store)`` starts at the hint (else the chain's end) and takes the newest
+  committed of the step folders listed after it (``Store.list_dir_after``: one request on S3),
+  else the start: every committed step is after the start or at most the start. Nothing
+  committed there, no chain, a walk or listing over ``MAX_WALK``, or a malformed value: it
+  lists the root.
 - ``set_hint`` after a successful commit moves the hint forward, so a read is 1 GET of the
   hint, 1 LIST of the folders after it (none, or a save in flight), and 1 HEAD of a commit record.
 - Links are never deleted: retention removes checkpoints, never numbers of the chain (a few
   bytes per save). A deleted chain end reads as "not committed" and falls back to listing.
 
 The chain is a hint, never the authority (anyone who can write the root can write
-``_latest/``): the answer above holds whatever the hint and the links say, a forged value only
-costs requests. Each value is read capped at ``MAX_VALUE_BYTES`` and must be a step of at most
-10 digits; anything else is ignored (``docs/security.md``, "The latest-step chain").
+``_latest/``): a forged value only costs requests (``docs/security.md``, "The latest-step chain").
 
 A root written by an older ckptd has no chain; the first commit by this version seeds
 ``first`` with the larger of its own step and the newest step found by listing. Every writer of
@@ -150,17 +145,15 @@ def latest_from_chain(store: Store) -> tuple[bool, int | None]:
             else:
                 return False, None
     except ValueError:
-        return False, None
+        cur = None
     if cur is None:
         return False, None
     _, folders = store.list_dir_after("", step_dir(cur))
     later = [s for f in folders if (s := parse_step_dir(f)) is not None and s > cur]
     if len(later) > MAX_WALK:
         return False, None
-    for s in sorted(later, reverse=True):
-        if _committed(store, s):
-            return True, s
-    return (True, cur) if _committed(store, cur) else (False, None)
+    newest = next((s for s in [*sorted(later, reverse=True), cur] if _committed(store, s)), None)
+    return newest is not None, newest
 
 
 __all__ = [

@@ -118,9 +118,6 @@ def stable_hash(key: str) -> int:
     return zlib.crc32(key.encode())
 
 
-# --------------------------------------------------------------------------------------- chunks
-
-
 def _divisors(n: int) -> list[int]:
     """The divisors of ``n`` >= 1, ascending, in O(sqrt n)."""
     small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
@@ -160,9 +157,6 @@ def choose_chunk_shape(
         chunk[d] = best
         break
     return tuple(chunk)
-
-
-# ---------------------------------------------------------------------------------- write plans
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,9 +403,6 @@ def plan_writes(key: str, shape: Sequence[int], itemsize: int, dtype: str, block
     grid = plan_grid(shape, itemsize, dtype, blocks, **kw)
     writers = {c: grid.writer(key, i) for i, c in enumerate(grid.coords)}
     return WritePlan(grid.layout, writers, tuple(grid.transfers(key)))
-
-
-# ----------------------------------------------------------------------------------- read plans
 
 
 @dataclass(frozen=True, slots=True)

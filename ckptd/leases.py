@@ -6,16 +6,11 @@ the newest of the claim record and its attempt's heartbeats is older than
 The decision itself (whose claim, which rule) is ``ckptd.claims.liveness``; this module holds
 the clock: the settings, the heartbeat, and the ages read from storage.
 
-Why a lease, not silence: a live writer can be silent for minutes (a GC pause, a throttled
-disk, an S3 PUT held in flight), and taking its step over then mixed two jobs' data
-(``docs/reliability.md``, "Fencing"). So every rank of an attempt renews a lease while it
-writes (:class:`Heartbeat`: ``<step>/_claims/<attempt>/alive/<rank>.json`` re-put every quarter
-lease, by a thread of its own that a slow write does not hold up). A failed renewal is logged,
-never raised: the lease then runs out, which only lets another writer fence this one off. A
-save that failed or was abandoned gives its claim up at once (:func:`abandon`). A claim of an
-older version (no ``lease`` field) falls back to the step's newest data write
-(:func:`idle_seconds`) against ``CKPTD_STALE_ATTEMPT_S`` (:func:`stale_after`), which also caps
-the lease.
+Why a lease, not silence (a live writer can be silent for minutes, and taking its step over
+then mixed two jobs' data), the heartbeat, giving a claim up (:func:`abandon`) and the fallback
+for claims without a lease (:func:`idle_seconds` against :func:`stale_after`):
+``docs/reliability.md``, "Fencing", point 1. A failed renewal is logged, never raised: the lease
+then runs out, which only lets another writer fence this one off.
 
 Every time read from storage goes through :func:`clamp` before it is compared with now, so a
 forged or skewed record can hold a step for one lease at most.

@@ -1,24 +1,15 @@
 """Reading a checkpoint without torch: its arrays as tensorstore handles or a zarr-python group.
 
-Every tensor of a checkpoint is a zarr v3 array of its global shape (``manifest.py``), so
-tensorstore's ``zarr3`` driver and zarr-python could open it with no code of ours; what they
-cannot know is which step folders are committed, and they trust the folder: they follow links
-(a linked array folder, ``arrays/`` or shard returned another root's values), block on a FIFO,
-read ``/dev/zero`` until memory runs out, and decode whatever codecs a ``zarr.json`` names (a
-9.9 MiB gzip chunk cost 4.3 GB). So both helpers resolve the step through
-``catalog.resolve_step`` first (the latest committed step when ``step`` is None; a partial or
-missing step is a ``CheckpointNotFoundError``), check each array's ``zarr.json`` with
-``codec.check_metadata`` (exactly the codecs ckptd writes, as ``ckptd verify`` does) before a
-handle to it exists, and hand out handles whose every read goes through ckptd's own store:
-
-* ``open_array``: a read-only ``tensorstore.virtual_chunked`` TensorStore whose chunks are read
-  by ``reader.CheckpointReader`` (what restore uses): each object is a regular file reached
-  from the root without a link (``LocalStore``), each read is one chunk's exact size, and each
-  chunk's crc32c is checked.
-* ``open_group``: zarr-python over ``ConfinedZarrStore``, which serves only the checkpoint's own
-  keys (its group nodes, its arrays' checked ``zarr.json``, their chunk objects) with the same
-  store and caps: an object larger than its layout allows, a range longer than a chunk or an
-  index, and anything that is not a regular file below the root are refused.
+Every tensor is a zarr v3 array of its global shape, so tensorstore and zarr-python could open
+it alone, but they do not know which steps are committed and they trust the folder (links,
+FIFOs, ``/dev/zero``, any codec a ``zarr.json`` names). So both helpers resolve a committed step
+(``catalog.resolve_step``), check each array's ``zarr.json`` as ``ckptd verify`` does
+(``codec.check_metadata``) before a handle to it exists, and read every byte through ckptd's own
+store: ``open_array`` a ``tensorstore.virtual_chunked`` over ``reader.CheckpointReader``,
+``open_group`` zarr-python over :class:`ConfinedZarrStore`, which serves only the checkpoint's
+own keys (group nodes, checked ``zarr.json``, chunk objects) and refuses an object larger than
+its layout allows, a range longer than a chunk or an index, and anything that is not a regular
+file below the root (the attacks and what holds: ``docs/security.md``, "Torch-free readers").
 
 Checks happen at each read, not once at open, so a file swapped for a link afterwards is still
 refused. S3 settings come from the variables boto3 reads (``AWS_ENDPOINT_URL_S3`` /
@@ -39,7 +30,7 @@ from zarr.core.buffer.core import default_buffer_prototype
 
 from ckptd import catalog
 from ckptd import manifest as mf
-from ckptd.codec import CRC_BYTES, check_metadata, crc32c, max_object_bytes
+from ckptd.codec import CRC_BYTES, check_metadata, crc_bytes, max_object_bytes
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import Box
 from ckptd.reader import CheckpointReader, ReadRequest
@@ -171,12 +162,6 @@ def open_group(uri: str, step: int | None = None):
         raise CheckpointError(f"{uri} step {s}: zarr cannot open the checkpoint folder: {e}") from None
 
 
-def _check_crc(data: bytes, name: str) -> None:
-    """Checked here, so that zarr never meets a corrupt chunk (it would raise a ValueError)."""
-    if len(data) < CRC_BYTES or crc32c(memoryview(data)[:-CRC_BYTES]) != int.from_bytes(data[-CRC_BYTES:], "little"):
-        raise CorruptChunkError(f"{name}: crc32c mismatch (corrupt chunk or shard index)")
-
-
 class ConfinedZarrStore(ZarrStore):
     """A read-only zarr-python store over one committed checkpoint folder of a ckptd ``Store``;
     what it serves and refuses is in the module docstring. An array's ``zarr.json`` is served
@@ -283,7 +268,10 @@ class ConfinedZarrStore(ZarrStore):
                     f"this array is at most {longest}"
                 )
             data = self._store.get_range(full, start, length)
-            _check_crc(data, name)  # a chunk and a shard index alike: their bytes, then their crc32c
+            # a chunk and a shard index alike end in their crc32c, checked here so that zarr never
+            # meets a corrupt one (it would raise a ValueError)
+            if len(data) < CRC_BYTES or crc_bytes(memoryview(data)[:-CRC_BYTES]) != data[-CRC_BYTES:]:
+                raise CorruptChunkError(f"{name}: crc32c mismatch (corrupt chunk or shard index)")
             return data
         except NotFoundError:
             if entry.value is not None or layout.nbytes == 0:

@@ -340,9 +340,6 @@ def clean_up(
         log.warning("%s: rank %d's save failed; deleted %d of the %d objects it wrote", where, rank, n - failed, n)
 
 
-# ------------------------------------------------------------------------ incremental saves
-
-
 class Dedupe:
     """Content hashes (sha256 of each shard's data) of the last committed save of this writer.
 

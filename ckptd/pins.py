@@ -1,16 +1,11 @@
 """Pins: what the committing attempt of a step wrote, object by object, and the checks readers
 make against them (issue 26: a committed step verifies itself).
 
-Every done record pins what its rank wrote (``donetree.make_pins``): per shard object its size
-and the crc32c of each part as stored (each inner chunk's in storage order, then the shard
-index's), per metadata object (``zarr.json``, ``manifest.json``) its sha256. The done tree sums
-a 64-bit hash of each record's pins (``donetree.pin_digest``) and ``commit.json`` keeps the
-root's sum (``pins``) and the manifest's sha256 (``manifest_sha256``).
-
-Why it holds: the done records and ``commit.json`` live under keys that only the committing
-attempt writes, while shard and metadata keys are shared by every attempt at the step, so a
-late write of another attempt can replace a shard after the commit, never the pins. Who checks
-what (``ckptd verify``: :func:`read_all`; ``restore``: :func:`load_manifest`, :func:`read_ranks`,
+Every done record pins what its rank wrote (``donetree.make_pins``: per shard object its size
+and the crc32c of each part as stored, per metadata object its sha256); ``commit.json`` keeps
+the sum of the records' pin digests and the manifest's sha256. Why it holds (only the committing
+attempt writes the done records and the commit record) and who checks what (``ckptd verify``:
+:func:`read_all`; ``restore``: :func:`load_manifest`, :func:`read_ranks`,
 ``CheckpointReader(pins=...)``): ``docs/reliability.md``, "A committed step verifies itself".
 
 Old checkpoints: a commit record without ``pins`` (written before pins existed) means no pins
@@ -76,15 +71,14 @@ def commit_digest(commit: dict | None) -> int | None:
         return -1  # never equal to a sum: reported as a mismatch
 
 
-def _load(store: Store, key: str, where: str) -> dict:
-    rec = mf.read_json(store, key, where, "done record")
-    if not isinstance(rec, dict):
-        raise CheckpointError(f"{where}: done record {key} is not a JSON object")
-    return rec
-
-
 def _records(store: Store, keys: list[str], where: str, pool: ThreadPoolExecutor | None) -> list[dict]:
-    return list((map if pool is None else pool.map)(lambda k: _load(store, k, where), keys))
+    def load(key: str) -> dict:
+        rec = mf.read_json(store, key, where, "done record")
+        if not isinstance(rec, dict):
+            raise CheckpointError(f"{where}: done record {key} is not a JSON object")
+        return rec
+
+    return list((map if pool is None else pool.map)(load, keys))
 
 
 def _rank_keys(store: Store, prefix: str, depth: int) -> dict[int, str]:
@@ -163,12 +157,11 @@ def check_meta(store: Store, step: int, pins: Pins, where: str) -> list[str]:
             data = store.get(f"{mf.step_dir(step)}/{key}", limit=limit)
         except NotFoundError:
             errors.append(f"{where}: {key} is missing")
-            continue
         except StorageError as e:
             errors.append(f"{where}: {key}: unreadable ({e})")
-            continue
-        if hashlib.sha256(data).hexdigest() != sha:
-            errors.append(f"{where}: {key} differs from what the committing attempt wrote (sha256 pin)")
+        else:
+            if hashlib.sha256(data).hexdigest() != sha:
+                errors.append(f"{where}: {key} differs from what the committing attempt wrote (sha256 pin)")
     return errors
 
 

@@ -13,7 +13,6 @@ except a statistics counter guarded by a lock.
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, crc32c, decode_chunk, decode_index, parse_inline
+from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, crc_bytes, decode_chunk, decode_index, parse_inline
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import Box, ShardRead, chunk_box, plan_reads
 from ckptd.manifest import TensorEntry
@@ -110,14 +109,12 @@ class CheckpointReader:
         another writer permuted passes every crc on the fast path: that is why committed
         checkpoints are immutable, and ``ckptd verify`` checks the order."""
         entry, layout = req.entry, req.entry.layout
-        if not layout.sharded:
-            self._read_spans(req, sr.shard, [(0, layout.chunk_nbytes + CRC_BYTES, tuple(0 for _ in layout.shape))])
-            return
         try:
             self._read_spans(req, sr.shard, self._computed_spans(layout, sr))
             return
         except CorruptChunkError:
-            pass  # fall back to what the shard's own index says
+            if not layout.sharded:  # a plain chunk has no index to fall back to
+                raise
         index = self.shard_index(entry, sr.shard)
         spans = []
         for c in sr.chunks:
@@ -206,7 +203,7 @@ class CheckpointReader:
         self.store.get_range_into(key, start, views)
         self._count(pos - start)
         for body, crc, c, off in direct:
-            if crc32c(body) != struct.unpack("<I", crc)[0]:
+            if crc_bytes(body) != crc:  # the little-endian crc32c the chunk was stored with
                 raise CorruptChunkError(f"{self._name(req.entry, shard, c)}: crc32c mismatch (corrupt chunk)")
             self._check_pinned(req.entry, shard, off, crc)
         for scratch, c, off in staged:

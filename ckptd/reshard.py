@@ -165,9 +165,7 @@ def parse_layout(text: str, world_size: int) -> TargetLayout:
         dp = world_size // tp
     if tp * dp != world_size:
         raise LayoutError(f"layout {text!r}: tp x dp = {tp} x {dp} = {tp * dp} ranks, but the job has {world_size}")
-    if tp == 1:
-        return TargetLayout("fsdp", world_size, 1, dp)
-    return TargetLayout("tp", world_size, tp, dp)
+    return TargetLayout("fsdp" if tp == 1 else "tp", world_size, tp, dp)
 
 
 def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -301,9 +299,7 @@ class ReadPlan:
     def needed(self) -> int:
         return sum(c.needed for c in self.ranks)
 
-    @property
-    def amplification(self) -> float:
-        return self.bytes / self.needed if self.needed else 1.0
+    amplification = RankCost.amplification
 
     def to_json(self) -> dict:
         return {"ranks": [c.to_json() for c in self.ranks], "largest_rank": self.largest.to_json()} | _cost_json(self)

@@ -137,7 +137,7 @@ class CheckpointWriter:
 
     def write_tensor(self, key: str, array, layout: ArrayLayout | None = None, placements: str = "") -> None:
         """Write a whole tensor (numpy array or CPU torch tensor)."""
-        arr = _as_numpy(array)
+        arr = array if isinstance(array, np.ndarray) else as_numpy(array.detach().cpu().contiguous())
         dtype = zarr_name(arr.dtype)
         layout = layout or default_layout(arr.shape, dtype, arr.dtype.itemsize)
         self.declare(key, layout, placements)
@@ -194,7 +194,3 @@ class CheckpointWriter:
             if not self._committed:
                 where = catalog.where(self.store, self.step)
                 persist.clean_up(self.store, where, 0, self._written, self._tags, step=self.step, attempt=self.attempt)
-
-
-def _as_numpy(array) -> np.ndarray:
-    return array if isinstance(array, np.ndarray) else as_numpy(array.detach().cpu().contiguous())

@@ -147,7 +147,7 @@ def verify(
         report.errors += commit.check_consistency(store, m.step, m)
     except (StorageError, CheckpointError) as e:
         report.errors.append(f"{where}: cannot check the commit records ({e})")
-    pins = None  # a step committed before pins: its objects are checked by their own crc32c only
+    pins = rec = None  # a step committed before pins: its objects are checked by their own crc32c only
     try:
         rec = catalog.read_commit(store, m.step)
         if pinsmod.commit_digest(rec) is not None:
@@ -155,7 +155,17 @@ def verify(
                 pins = pinsmod.read_all(store, m.step, rec, where, pool)
     except (StorageError, CheckpointError) as e:
         report.errors.append(f"{where}: cannot check the pins of the committing attempt ({e})")
-    report.warnings += _unowned_warnings(store, m, where)
+    # Objects the committing attempt does not own (``fencing.unowned``: a superseded attempt's
+    # leftovers or late writes) are warnings. An unreadable commit record, or one naming no
+    # attempt, is already one of the step's errors (above, ``check_consistency``).
+    if isinstance((rec or {}).get("attempt"), str):
+        try:
+            stray = fencing.unowned(store, m, rec["attempt"])
+            report.warnings += [
+                f"{where}: {k!r}: an object no committed attempt owns (a superseded writer's)" for k in stray
+            ]
+        except (StorageError, CheckpointError) as e:
+            report.warnings.append(f"{where}: cannot list the step's objects ({e})")
     tasks = []
     for entry in m.tensors.values():
         report.arrays += 1
@@ -191,22 +201,6 @@ def verify(
             # only for the few being read instead of re-reading the whole checkpoint.
             pool.shutdown(wait=False, cancel_futures=True)
     return report
-
-
-def _unowned_warnings(store: Store, m: mf.Manifest, where: str) -> list[str]:
-    """One warning per object of the step that its committing attempt does not own
-    (``ckptd.fencing.unowned``: a superseded attempt's leftovers or late writes)."""
-    try:
-        rec = catalog.read_commit(store, m.step) or {}
-    except (StorageError, CheckpointError):
-        return []  # an unreadable commit record is already one of the step's errors
-    if not isinstance(rec.get("attempt"), str):
-        return []  # a record naming no attempt is already one of the step's errors (check_consistency)
-    try:
-        keys = fencing.unowned(store, m, rec.get("attempt"))
-    except (StorageError, CheckpointError) as e:
-        return [f"{where}: cannot list the step's objects ({e})"]
-    return [f"{where}: {key!r}: an object no committed attempt owns (a superseded writer's)" for key in keys]
 
 
 # -------------------------------------------------------------------------- verification records
@@ -328,11 +322,9 @@ def _warn_once(store: Store, step: int, why: str) -> None:
     log.warning("%s/%s: ignoring the verify record: %s", catalog.where(store, step), RECORD, why)
 
 
-def read_record(store: Store, step: int, commit: dict | None = None) -> dict | None:
-    """The verdict recorded for ``step``'s current commit record and manifest, or None (never
-    verified, unreadable, malformed, or bound to other bytes). ``commit`` is accepted for the
-    callers that already read it; the binding is checked against the bytes in storage."""
-    del commit
+def read_record(store: Store, step: int) -> dict | None:
+    """The verdict recorded for ``step``'s current commit record and manifest (as stored), or
+    None: never verified, unreadable, malformed, or bound to other bytes."""
     try:
         rec = mf.read_json(store, record_key(step), catalog.where(store, step), "verify record")
     except NotFoundError:
@@ -351,7 +343,7 @@ def read_record(store: Store, step: int, commit: dict | None = None) -> dict | N
     return rec
 
 
-def status(store: Store, step: int, commit: dict | None = None) -> str:
+def status(store: Store, step: int) -> str:
     """``ok``, ``bad`` or ``unverified``: what ``ckptd ls`` shows in its VERIFIED column."""
-    rec = read_record(store, step, commit)
+    rec = read_record(store, step)
     return "unverified" if rec is None else "ok" if rec["ok"] else "bad"

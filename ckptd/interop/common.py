@@ -10,11 +10,8 @@ commits after the last one.
 
 Export reads the manifest, decodes each top-level entry with ``meta`` stand-ins for its tensors
 (:class:`SavedCheckpoint`), and the format module asks for each tensor's data only when it writes
-that tensor.
-
-Memory stays near the largest tensor (plus bounded write-behind): nothing holds the whole
-checkpoint. Memory-mapped sources count their touched pages in the process's RSS although the
-kernel could drop them; :func:`release_file_pages` drops them once a tensor is written.
+that tensor. Memory stays near the largest tensor (plus bounded write-behind, and
+:func:`release_file_pages` for mapped sources).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ Non-tensor values (an optimizer's hyperparameters) cannot be stored and are left
 
 from __future__ import annotations
 
+import itertools
 import json
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -188,10 +188,6 @@ def read(src: str, as_key: str = "model", max_tensors: int = MAX_TENSORS) -> tup
     return tree, load
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return math.prod(t.shape) * t.dtype.itemsize
-
-
 def shard(names: list[str], sizes: dict[str, int], max_bytes: int | None) -> list[list[str]]:
     """Hugging Face's greedy split: tensors in order; a new shard when the next one would
     overflow the current (a tensor larger than ``max_bytes`` gets a shard of its own)."""
@@ -211,7 +207,7 @@ def _header(names: list[str], stand_ins: dict[str, torch.Tensor]) -> bytes:
     offset = 0
     for n in names:
         t = stand_ins[n]
-        size = _nbytes(t)
+        size = t.nbytes
         header[n] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -256,17 +252,13 @@ def write(
                 "export with --format torch (a torch.save file) or dcp instead"
             )
     names = list(stand_ins)
-    sizes = {n: _nbytes(stand_ins[n]) for n in names}
+    sizes = {n: stand_ins[n].nbytes for n in names}
     shards = shard(names, sizes, max_shard_bytes)
     single_file = out.endswith(".safetensors")
     if single_file and len(shards) > 1:
         raise CheckpointError(f"{out}: a sharded export goes to a folder; give OUT without .safetensors")
-    done = 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        progress(done, len(names))
+    ticks = itertools.count(1)
+    tick = lambda: progress(next(ticks), len(names))
 
     with staged_output(out) as tmp:
         progress(0, len(names))
