@@ -2,18 +2,11 @@
 
 Flags override ``CKPTD_*`` environment variables (``ckptd.server.settings``). SIGTERM/SIGINT stop
 it after running uploads finish (up to 30 s); what is left is journalled and resumed at the next
-start.
-
-Authentication is explicit: without ``--token-file`` the daemon refuses to start unless
-``--insecure-no-auth`` (``CKPTD_INSECURE_NO_AUTH=1``) says that every local user, and every host
-that reaches the address, may hand off snapshots (logged as a WARNING). A token file its group or
-others can write is refused (exit 2). The port is bound before anything else happens, so a taken
-port is one error line and exit 1.
-
-Slow or idle clients cannot starve it (``ckptd.server.conns``, ``--max-connections``). Log
-messages are escaped to one line each. Tenants: the daemon also listens on a Unix socket
-(``--socket``), where the kernel names each caller's uid (``ckptd.server.tenancy``,
-docs/security.md); over TCP, leases and hand-offs need ``--trust-tcp`` (one trusted party).
+start. The rules it starts under (docs/security.md, "Daemon"): no token file without
+``--insecure-no-auth`` (logged as a WARNING), no token file its group or others can write (exit
+2), the port bound before anything else (a taken port is one error line and exit 1), connection
+limits (``ckptd.server.conns``), log messages escaped to one line each, and a Unix socket where
+the kernel names each caller (``ckptd.server.tenancy``).
 """
 
 from __future__ import annotations
@@ -167,16 +160,11 @@ def run(args: argparse.Namespace) -> int:
     )
     metrics = app.state.daemon.metrics
     metrics.gauge("ckptd_connections", "open client connections", lambda: len(limits.open))
-    metrics.gauge(
-        "ckptd_connections_evicted",
-        "pending connections closed to make room (slow or idle clients)",
-        lambda: limits.evicted,
-    )
-    metrics.gauge(
-        "ckptd_connections_timed_out",
-        "connections closed for not sending a whole request in time",
-        lambda: limits.timed_out,
-    )
+    for name, attr, text in (
+        ("ckptd_connections_evicted", "evicted", "pending connections closed to make room (slow or idle clients)"),
+        ("ckptd_connections_timed_out", "timed_out", "connections closed for not sending a whole request in time"),
+    ):
+        metrics.gauge(name, text, lambda a=attr: getattr(limits, a))
     daemon = app.state.daemon
     try:
         group = daemon.staging.group  # the socket's folder, if the daemon makes it, is reached as the staging folder
@@ -192,17 +180,7 @@ def run(args: argparse.Namespace) -> int:
         from ckptd.server.tierdata import TierData
 
         try:
-            tier_data = TierData(
-                app.state.tiers,
-                daemon.roots,
-                daemon.tenancy,
-                app.state.token,
-                settings.host,
-                settings.tier_data_port,
-                daemon.socket_path.with_name(f"{daemon.socket_path.stem}-tiers.sock"),
-                max_connections=limits.max_connections,
-                timeout_s=settings.request_timeout_s,
-            ).start()
+            tier_data = TierData(app.state.tiers, daemon, app.state.token, settings, limits.max_connections).start()
         except (OSError, RuntimeError) as e:
             sock.close()
             unix.close()

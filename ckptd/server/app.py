@@ -344,17 +344,14 @@ def list_job_roots(
 
 @read_only.get("/v1/checkpoints", summary="every checkpoint of a job root, committed or partial")
 def list_checkpoints(d: Parts, who: Who, root: str | None = Query(None, max_length=4096)):
-    r = d.root_of(root)
-    d.tenancy.check_read(who, r)
-    return [i.to_json() for i in catalog.list_checkpoints(d.runner.store(r))]
+    return [i.to_json() for i in catalog.list_checkpoints(d.runner.store(d.readable(who, root)))]
 
 
 @read_only.get("/v1/checkpoints/{step}", summary="one checkpoint: commit state and, if committed, its tensors")
 def get_checkpoint(
     d: Parts, who: Who, step: int = PathParam(ge=0, le=MAX_STEP), root: str | None = Query(None, max_length=4096)
 ):
-    r = d.root_of(root)
-    d.tenancy.check_read(who, r)
+    r = d.readable(who, root)
     store = d.runner.store(r)
     info = next((i for i in catalog.list_checkpoints(store) if i.step == step), None)
     if info is None:
@@ -425,16 +422,7 @@ def _discovery(settings: Settings, roots: Roots, runner: Runner, tiers: Tiers, t
     """The ``--discover`` part of the memory tier (``server.discovery``), or None."""
     if not settings.discover:
         return None
-    finder = Discovery(
-        runner.store,
-        roots.uris,
-        settings.advertise or "",
-        token or "",
-        settings.discover_interval_s,
-        settings.discover_ttl_s,
-        min(settings.replica_timeout_s, 10.0),
-    )
-    finder.replicas = settings.replicas
+    finder = Discovery(runner.store, roots, settings, token or "")
 
     def update(peers: list[str], targets: list[str]) -> None:
         tiers.peers, tiers.targets = peers, targets

@@ -3,7 +3,7 @@
 Each object of a hot copy or replica is its own memfd mapped into the daemon (``server.sealed``):
 ``FDS_PER_OBJECT`` descriptors (``RLIMIT_NOFILE``) and one mapping (``vm.max_map_count``). A
 daemon whose copies used up either could not open the job root's files, accept a connection or
-map a staging file. So the tier holds at most ``limit()`` objects: each limit less a headroom
+map a staging file. So the tier holds at most ``describe()["objects"]``: each limit less a headroom
 (``FD_HEADROOM``/``MAP_HEADROOM``, or a quarter/eighth of the limit when that is more) and, for
 descriptors, less those the daemon's own work holds at the time. ``take`` refuses an object past
 it with ``OSError(EMFILE)``, which the tier handles like any allocation failure (the copy is not
@@ -26,8 +26,6 @@ __all__ = [
     "FD_HEADROOM",
     "MAP_HEADROOM",
     "describe",
-    "held",
-    "limit",
     "room",
     "raise_open_files",
     "release",
@@ -80,15 +78,6 @@ def describe() -> dict:
         return {**lim, "held": _held}
 
 
-def limit() -> int | None:
-    return describe()["objects"]
-
-
-def held() -> int:
-    with _lock:
-        return _held
-
-
 def _open_fds() -> int | None:
     try:
         return len(os.listdir("/proc/self/fd")) - 1  # less the listing's own descriptor
@@ -126,15 +115,15 @@ def _room_from(nofile: int, other: int) -> int:
 
 
 def _cap() -> int | None:
-    """Objects the tier may hold now: the lower of ``limit()`` and the descriptors' room."""
-    caps = [c for c in (limit(), _fd_room()) if c is not None]
+    """Objects the tier may hold now: the lower of the limits' cap and the descriptors' room."""
+    caps = [c for c in (describe()["objects"], _fd_room()) if c is not None]
     return min(caps) if caps else None
 
 
 def room() -> int | None:
     """How many more objects the tier may hold now (None: no limit known)."""
     cap = _cap()
-    return None if cap is None else max(0, cap - held())
+    return None if cap is None else max(0, cap - describe()["held"])
 
 
 def take() -> None:

@@ -1,21 +1,13 @@
 """Connection limits of the daemon's HTTP server (``guarded_protocol``: uvicorn's h11 protocol with
-these rules). Every connection holds a file descriptor; without them a client that opens
-connections and sends nothing (or a header byte a minute) holds them until the daemon runs out
-and ``/healthz`` and every trainer's hand-off fail.
+these rules; docs/security.md, "Slow clients cannot starve the daemon", gives the attack). Every
+connection holds a file descriptor, so clients that connect and send nothing must not hold them.
 
-* **Request deadline:** a request's headers and body must arrive within ``request_timeout_s`` of
-  its first byte (of the connection, for the first request), else the connection is closed. Idle
-  keep-alive connections close after uvicorn's ``timeout_keep_alive``.
-* **Pending connections are evictable:** a connection is *pending* until it delivered one whole
-  request (with the right bearer token, when the daemon has one). Pending connections per address
-  are capped at ``max_pending_per_client``, all connections at ``max_connections`` (``ckptd
-  serve`` keeps it below the open-files limit, raised to the hard limit). Over a cap the *oldest
-  pending* connection is closed: a flood of half-open connections evicts itself, and a newcomer
-  that sends its request at once (as trainers and health checks do) gets through.
-* **Reserved for known identities:** a connection that delivered an authenticated request is
-  never evicted; while such connections fill every slot, newcomers are refused, so a trainer's
-  keep-alive connection survives a flood. Without a token (``--insecure-no-auth``) any client
-  that completes a request counts as known.
+A request must arrive whole within ``request_timeout_s`` of its first byte. A connection is
+*pending* until it delivered one whole request (with the right bearer token, when the daemon has
+one); over ``max_pending_per_client`` per address or ``max_connections`` in all, the *oldest
+pending* connection is closed, so a flood evicts itself while a newcomer that sends its request at
+once gets through. A connection that delivered an authenticated request is never evicted; while
+such connections fill every slot, newcomers are refused (without a token, any request counts).
 
 Everything here runs on the server's event loop thread: no locks.
 """

@@ -1,32 +1,20 @@
 """Peer discovery for the memory tier (``ckptd serve --discover``): the ring of node daemons read
 from small records under the served job root, and a challenge that keeps the daemon token from
-any URL a record merely names.
+any URL a record merely names. docs/security.md ("Peer discovery") gives the threat model: the
+challenge, why a relay fails, and the checks on records, which are hostile input.
 
 Records: each daemon writes ``_daemons/<id>.json`` under every root it serves (``id``: 32 random
 hex digits per process; ``{"format": 1, "daemon": id, "advertise": URL, "heartbeat": ms since
 the epoch, "version": ckptd's}``), re-puts it every ``discover_interval_s`` and deletes it at a
 clean shutdown. A root's ring is this daemon's ``--advertise`` URL and those of the records whose
-storage time (the listing's mtime, clamped to now: ``leases.clamp``) is at most
-``discover_ttl_s`` old, deduplicated and sorted. A SIGKILLed daemon's record stops being renewed
-and drops out of the ring at the first commit after it went stale.
+storage time (clamped to now: ``leases.clamp``) is at most ``discover_ttl_s`` old, deduplicated
+and sorted. A record is read once per (name, size): ``heartbeat`` has a fixed width, so a live
+daemon's record keeps its size and renewals cost one LIST per root, not a GET per peer.
 
-Records are hostile input (anyone who can write the job root can write them): a listing is read
-to ``MAX_RECORDS`` entries; a record over ``MAX_RECORD_BYTES`` (by the listing, and by ``get``'s
-limit) is not read; its name must be ``<32 hex>.json``, its body exactly the schema above, the
-URL ``http(s)`` with a host, no user, query or fragment, at most ``MAX_URL`` printable ASCII
-characters. A bad record is skipped with one WARNING per (name, size), never an exception. A
-record is read once per (name, size): ``heartbeat`` has a fixed width, so a live daemon's record
-keeps its size and renewals cost one LIST per root per commit and per interval, not a GET per peer.
-
-The token: a URL from a record is not trusted. Before sending a discovered peer a token-bearing
-request, this daemon sends ``GET /v1/tiers/hello?nonce=N`` (32 random bytes, hex) WITHOUT the
-token on the same connection; the peer answers ``{"mac": HMAC-SHA256(token, "ckptd-tiers-hello\\0"
-|| N || its own --advertise URL)}`` (``hello_mac``), accepted only when it equals the MAC for the
-URL dialed. Only a holder of the token can answer; one that relays the nonce to a real daemon gets
-that daemon's MAC over *its* URL, not the relay's (docs/security.md, "Peer discovery"). Explicit
-``--peers`` stay trusted without a challenge. The peers named to restoring ranks (``GET
-/v1/tiers``: ``peers``), which a rank sends its token, are only discovered daemons that passed
-the challenge within ``discover_ttl_s``.
+The token goes to a discovered peer only on a connection where it answered ``GET
+/v1/tiers/hello?nonce=N`` (sent without the token) with ``hello_mac``: HMAC-SHA256 of the nonce
+and the URL dialed, keyed by the token. Explicit ``--peers`` are trusted without a challenge; the
+peers named to restoring ranks are discovered daemons that passed it within ``discover_ttl_s``.
 """
 
 from __future__ import annotations
@@ -52,7 +40,8 @@ from ckptd import manifest as mf
 from ckptd.daemon_conn import DaemonConnection
 from ckptd.errors import CheckpointError
 from ckptd.leases import clamp
-from ckptd.server.roots import normalize
+from ckptd.server.roots import Roots
+from ckptd.server.settings import Settings
 from ckptd.server.tiers import replica_targets
 from storage_backends import NotFoundError, StorageError, Store
 
@@ -159,23 +148,14 @@ def challenge(conn: DaemonConnection, url: str, token: str) -> None:
 class Discovery:
     """The records of this daemon and the rings of its served roots (one thread renews both)."""
 
-    def __init__(
-        self,
-        store_of: Callable[[str], Store],
-        roots: list[str],
-        me: str,
-        token: str,
-        interval_s: float,
-        ttl_s: float,
-        timeout_s: float = 10.0,
-    ):
+    def __init__(self, store_of: Callable[[str], Store], roots: Roots, settings: Settings, token: str):
         self.store_of = store_of
-        self.roots = list(roots)
-        self.me = peer_url(me)
+        self._served, self.roots = roots, list(roots.uris)
+        self.me = peer_url(settings.advertise or "")
         self.token = token
-        self.interval_s = interval_s
-        self.ttl_s = ttl_s
-        self.timeout_s = timeout_s
+        self.interval_s = settings.discover_interval_s
+        self.ttl_s = settings.discover_ttl_s
+        self.timeout_s = min(settings.replica_timeout_s, 10.0)  # of a challenge
         self.id = uuid.uuid4().hex
         self.key = f"{DIR}/{self.id}.json"
         self._lock = threading.Lock()
@@ -188,7 +168,7 @@ class Discovery:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_refresh: Callable[[list[str], list[str]], None] | None = None  # (peers, targets)
-        self.replicas = 1
+        self.replicas = settings.replicas
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ckptd-discovery", daemon=True)
@@ -226,15 +206,6 @@ class Discovery:
                 self._beat_failed.add(root)
             else:
                 self._beat_failed.discard(root)
-
-    def served(self, root: str) -> str | None:
-        """The most specific served root containing ``root`` (where its ring's records live)."""
-        try:
-            scheme, comps = normalize(root)
-        except ValueError:
-            return None
-        inside = [r for r in self.roots if (k := normalize(r))[0] == scheme and comps[: len(k[1])] == k[1]]
-        return max(inside, key=lambda r: len(normalize(r)[1]), default=None)
 
     def ring(self, root: str) -> list[str]:
         """The sorted URLs of the fresh records under served ``root``, this daemon's included."""
@@ -325,7 +296,7 @@ class Discovery:
 
     def targets(self, job_root: str, k: int) -> list[str]:
         """The first ``k`` daemons after this one in ``job_root``'s ring that pass the challenge."""
-        served = self.served(job_root)
+        served = self._served.containing(job_root)  # where the ring's records live
         if served is None or k <= 0:
             return []
         return list(islice(filter(self.verify, self._order(served)), k))

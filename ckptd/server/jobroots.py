@@ -21,7 +21,7 @@ from ckptd.errors import CheckpointError
 from ckptd.manifest import parse_step_dir
 from storage_backends import StorageError, Store
 
-__all__ = ["Found", "JobRoots", "MAX_DEPTH", "MAX_FOLDERS", "scan", "shared"]
+__all__ = ["Found", "JobRoots", "MAX_DEPTH", "MAX_FOLDERS", "one_per_daemon", "scan", "shared"]
 
 MAX_DEPTH = 3
 MAX_FOLDERS = 512
@@ -79,13 +79,17 @@ class JobRoots:
         return found
 
 
-_SHARED = threading.Lock()
+_SHARED = threading.RLock()
+
+
+def one_per_daemon(state, name: str, make):
+    """``state.<name>`` (``app.state``), made by ``make()`` at the first call, whatever the thread."""
+    with _SHARED:
+        if getattr(state, name, None) is None:
+            setattr(state, name, make())
+        return getattr(state, name)
 
 
 def shared(state) -> JobRoots:
-    """The daemon's one ``JobRoots`` (``app.state``), for the API and the status page alike."""
-    with _SHARED:
-        jr = getattr(state, "job_roots", None)
-        if jr is None:
-            jr = state.job_roots = JobRoots(state.daemon.runner)
-        return jr
+    """The daemon's one ``JobRoots``, for the API and the status page alike."""
+    return one_per_daemon(state, "job_roots", lambda: JobRoots(state.daemon.runner))

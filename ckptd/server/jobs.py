@@ -15,6 +15,7 @@ sits idle waiting for other nodes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import threading
@@ -58,17 +59,9 @@ class _Counted:
             self._tee(key, data)
         return tag
 
-    def put(self, key, data):
-        return self._counted(self._store.put, key, data)
-
-    def put_deferred(self, key, data):
-        return self._counted(self._store.put_deferred, key, data)
-
-    def put_new(self, key, data):
-        return self._counted(self._store.put_new, key, data)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
+    def __getattr__(self, name):  # put, put_deferred and put_new are counted; the rest is the store's
+        attr = getattr(self._store, name)
+        return functools.partial(self._counted, attr) if name in ("put", "put_deferred", "put_new") else attr
 
 
 class Runner:
@@ -225,14 +218,12 @@ class Runner:
                 )
                 self.staging.leave(lease.id)
                 continue
-            state = rec.get("state")
-            if state == "accepted":
+            if rec.get("state") == "accepted":
                 self._recover_accepted(job, lease)
-            elif state == "uploaded":
-                self._remember(job)
+                continue
+            self._remember(job)
+            if rec.get("state") == "uploaded":
                 self._watch(job)
-            else:
-                self._remember(job)
 
     def close(self, grace_s: float = 30.0) -> None:
         """Stop: finish running uploads for up to ``grace_s``; what is left resumes at restart."""

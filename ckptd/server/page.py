@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from ckptd.cli.common import human_bytes
 from ckptd.server import page_data
 from ckptd.server.page_data import one_line as _line
 from ckptd.server.parts import MAX_NUMBER, MAX_STEP
@@ -63,15 +64,7 @@ def _e(v: Any) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} PiB"
+    return human_bytes(int(n) if n is not None and n < 1024 else n)  # a rate: "512 B", not "512.7 B"
 
 
 def _time(t: float | None) -> str:
@@ -408,8 +401,5 @@ def verify(request: Request, root: str = Query(max_length=4096), step: int = Que
         return JSONResponse({"detail": f"verify needs the {PAGE_HEADER}: 1 header (the status page sends it)"}, 403)
     # The app's one error table (``app.ERRORS``) answers what this raises: a root not served
     # 400, another user's root 403, no such step 404, unreadable data or storage 502.
-    ov = page_data.overview(request.app.state)
-    ov.runner.roots.check(root)
-    tenancy = request.app.state.daemon.tenancy
-    tenancy.check_read(tenancy.caller(request.scope), root)
-    return ov.verify(root, step)
+    d = request.app.state.daemon
+    return page_data.overview(request.app.state).verify(d.readable(d.tenancy.caller(request.scope), root), step)

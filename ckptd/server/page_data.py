@@ -314,16 +314,9 @@ def one_line(text: str | None, n: int = 240) -> str:
     return one[: n - tail - 1] + "\u2026" + one[-tail:]
 
 
-_LOCK = threading.Lock()
-
-
 def overview(state) -> Overview:
     """The daemon's one Overview (on ``app.state``), made at the first request that needs it."""
-    with _LOCK:
-        ov = getattr(state, "overview", None)
-        if ov is None:
-            ov = state.overview = Overview(state.daemon.runner, jobroots.shared(state))
-        return ov
+    return jobroots.one_per_daemon(state, "overview", lambda: Overview(state.daemon.runner, jobroots.shared(state)))
 
 
 def collect(state, root: str | None, offset: int, limit: int) -> dict:
@@ -371,9 +364,7 @@ def memory_only(tiers) -> list[dict]:
 
 
 def _world_size(tiers, root: str, step: int, attempt: str, key: str, size: int) -> int | None:
-    # Straight from the held parts (``Tiers.holding``): not a served read, so the tier's
-    # serving metrics count restores only.
-    view = next((v for c in tiers.holding(root, step, attempt) if (v := c.objects.get(key)) is not None), None)
+    view = tiers.find(root, step, attempt, key)  # not a served read: the serving metrics count restores only
     if view is None or len(view) != size:
         return None
     try:

@@ -48,6 +48,12 @@ class Daemon:
     tenancy: Tenancy | None = None
     socket_path: Path | None = None  # the Unix socket ``ckptd serve`` listens on (None: none)
 
+    def readable(self, who: Caller, root: str | None) -> str:
+        """``root_of(root)``, if ``who`` may read it (``Tenancy.check_read``: 403 otherwise)."""
+        r = self.root_of(root)
+        self.tenancy.check_read(who, r)
+        return r
+
     def root_of(self, root: str | None) -> str:
         """The job root a request names, or the only one served when it names none."""
         if root is not None:

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from ckptd.server.parts import MAX_NUMBER, Count, Rank
+from ckptd.server.parts import MAX_NUMBER, Count, Rank, Step
 from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS
 
 __all__ = ["BatchReadRequest", "ReplicaRequest", "ReserveRequest", "RestoredReport", "router"]
@@ -35,19 +35,20 @@ class ReplicaObject(BaseModel):
     crc32c: int = Field(ge=0, lt=2**32)
 
 
-class ReplicaRequest(BaseModel):
+class _Held(BaseModel):  # the (root, step, attempt) of a copy in the memory tier
     root: str = Field(min_length=1, max_length=4096)
-    step: int = Field(ge=0, le=10**10 - 1)
+    step: Step
     attempt: str = Field(min_length=1, max_length=64)
+
+
+class ReplicaRequest(_Held):
     source: str = Field(min_length=1, max_length=4096)
     kind: Literal["hot", "memory_only"] = "hot"  # a hot copy, or one rank's part of a memory-only step
     ranks: list[Rank] = Field(default_factory=list, max_length=1 << 20)
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
 
 
-class ReserveRequest(BaseModel):
-    root: str = Field(min_length=1, max_length=4096)
-    step: int = Field(ge=0, le=10**10 - 1)
+class ReserveRequest(_Held):
     attempt: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     rank: int = Field(ge=0, lt=1 << 24)
     bytes: int = Field(ge=0, le=1 << 50)
@@ -60,10 +61,7 @@ class RangeModel(BaseModel):
     length: int = Field(ge=0, le=1 << 34)
 
 
-class BatchReadRequest(BaseModel):
-    root: str = Field(min_length=1, max_length=4096)
-    step: int = Field(ge=0, le=10**10 - 1)
-    attempt: str = Field(min_length=1, max_length=64)
+class BatchReadRequest(_Held):
     ranges: list[RangeModel] = Field(min_length=1, max_length=MAX_BATCH_RANGES)
 
 
@@ -85,10 +83,8 @@ def _readable_root(request: Request, root: str) -> str:
     """A served root the caller may read: hot copies are a tenant's weights, so the tenancy rule
     of the checkpoint routes holds here too (``ckptd.server.tenancy``: 403 inside another
     identity's root)."""
-    r = _root(request, root)
-    tenancy = request.app.state.daemon.tenancy
-    tenancy.check_read(tenancy.caller(request.scope), r)
-    return r
+    d = request.app.state.daemon
+    return d.readable(d.tenancy.caller(request.scope), root)
 
 
 @router.get("/v1/tiers", summary="the complete copies this daemon holds in memory, its peers and its data path")

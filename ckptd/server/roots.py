@@ -14,16 +14,18 @@ either. The served root itself may be a link: the operator chose it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from storage_backends import Store, open_store
 
-__all__ = ["RootError", "Roots", "normalize"]
+__all__ = ["RootError", "Roots", "innermost", "inside", "normalize"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -58,6 +60,16 @@ def normalize(uri: str) -> tuple[str, tuple[str, ...]]:
     return scheme, comps
 
 
+def inside(inner: tuple[str, tuple[str, ...]], outer: tuple[str, tuple[str, ...]]) -> bool:
+    """Whether the normalised root ``inner`` is ``outer`` or lies below it."""
+    return inner[0] == outer[0] and inner[1][: len(outer[1])] == outer[1]
+
+
+def innermost(key: tuple[str, tuple[str, ...]], items: Iterable[tuple[tuple, Any]]) -> tuple[tuple, Any] | None:
+    """The (normalised root, value) of ``items`` innermost around ``key`` (the first of equals), or None."""
+    return max(((k, v) for k, v in items if inside(key, k)), key=lambda kv: len(kv[0][1]), default=None)
+
+
 class Roots:
     """The served roots. ``check(uri)`` returns ``uri`` or raises RootError."""
 
@@ -65,7 +77,7 @@ class Roots:
         if not uris:
             raise RootError("no job root to serve (give --root URI)")
         self.uris = list(uris)
-        self._norm = [normalize(u) for u in uris]
+        self._norm = [(normalize(u), u) for u in uris]
 
     def check(self, uri: str) -> str:
         self._served(uri)
@@ -76,9 +88,10 @@ class Roots:
         root containing ``uri``; for a folder (``links``), checks that nothing below the served
         root is a link."""
         scheme, comps = normalize(uri)
-        best = max((c for s, c in self._norm if s == scheme and comps[: len(c)] == c), key=len, default=None)
-        if best is None:
+        held = innermost((scheme, comps), self._norm)
+        if held is None:
             raise RootError(f"job root {uri!r} is not served by this daemon (serving: {', '.join(self.uris)})")
+        best = held[0][1]
         if scheme == "file" and links:
             _no_links_below(uri, best, comps)
         return scheme, best, comps
@@ -93,6 +106,13 @@ class Roots:
         from storage_backends.local import LocalStore
 
         return LocalStore("/" + "/".join(comps), below="/" + "/".join(base), owner=owner)
+
+    def containing(self, uri: str) -> str | None:
+        """The most specific served root containing ``uri``; None when none does (or it is no root)."""
+        with contextlib.suppress(RootError):
+            held = innermost(normalize(uri), self._norm)
+            return held and held[1]
+        return None
 
     def only(self) -> str | None:
         return self.uris[0] if len(self.uris) == 1 else None

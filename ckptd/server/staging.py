@@ -23,11 +23,9 @@ resumes jobs journalled as ``accepted`` whose files are intact and discards the 
 
 Trust (docs/security.md, "Staging area"): the staging folder sits in a world-writable place
 (``/dev/shm``), so it is created or adopted, every folder below opened and every staged file read
-without following a link (``ckptd.server.safefiles``). Lease folders are mode 0700, or 3770 with
-the trainers' group (``--staging-group``: the sticky bit keeps members from renaming or deleting
-each other's files, but not from reading them; the daemon warns at start). With ``private``
-(``ckptd.server.tenancy``: the daemon may chown) each lease folder is given to the uid that asked
-for it, mode 0700; the daemon's journal files in it stay the daemon's.
+without following a link (``ckptd.server.safefiles``). Lease folders are mode 0700, 3770 with the
+trainers' group (``--staging-group``: sticky, but members can read each other's files), or with
+``private`` given to the uid that asked for it (0700; the daemon's journal files stay its own).
 
 Concurrency: every public method may be called from any thread; one lock guards the lease table.
 """

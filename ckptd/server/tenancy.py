@@ -1,30 +1,19 @@
-"""Who calls the daemon, and what each caller may touch (docs/security.md, "Tenants").
+"""Who calls the daemon, and what each caller may touch (docs/security.md, "The daemon knows who
+calls" and the rules after it).
 
 The token, shared by every trainer of the node, cannot tell callers apart. The kernel can: the
-daemon also listens on a Unix socket (``--socket``, by default ``daemon_conn.default_socket()``,
-mode 0666) and reads each connection's ``SO_PEERCRED`` (pid, uid, gid of the connecting process,
-which it cannot forge). ``peer_protocol`` puts it into each request's ``scope["state"]``
-(uvicorn copies the protocol's ``app_state`` into it); a TCP connection carries none.
+daemon also listens on a Unix socket (``--socket``, mode 0666) and reads each connection's
+``SO_PEERCRED``, which the caller cannot forge. ``peer_protocol`` puts it into each request's
+``scope["state"]`` (uvicorn copies the protocol's ``app_state`` into it); a TCP connection carries
+none. Operators (uid 0, the daemon's uid, trusted TCP callers) may do everything; leases and
+hand-offs need an identity and are their creator's; a job root belongs to its first writer
+(``bindings.json``) or to ``--bind ROOT=USER``, and to bind a local root a caller must be able to
+write it by its mode bits, so the daemon never writes where its caller could not.
 
-Rules, enforced by the routes (``ckptd.server.app``) with ``Tenancy``:
-
-* **Operators** -- uid 0, the daemon's own uid, and TCP callers when the daemon trusts TCP
-  (``--trust-tcp``, or no token at all: one trusted party) -- may do everything.
-* **Leases and hand-offs need an identity**: over untrusted TCP they are 403. A lease belongs to
-  the uid that created it; another uid's acquire, grow, heartbeat, release or hand-off of it is
-  403, and ``GET /v1/jobs`` shows a caller only its own jobs.
-* **A job root belongs to the uid that first handed off into it** (``bindings.json`` in the
-  staging folder), or to the user named by ``--bind ROOT=USER`` (covering every root below
-  ROOT). Hand-offs, leases, listings and verifies inside a root bound to another uid are 403. To
-  bind a local root a caller must be able to write it (or, if it does not exist yet, the folder
-  that would hold it) by its mode bits, so the daemon never writes where its caller could not;
-  nor may a new binding contain a root bound to someone else. An S3 root has no owner to check:
-  the first identity to hand off binds it (use ``--bind`` where that matters).
-
-The bindings file, in the daemon's own staging folder (no other user can write there), is written
-through a fresh ``O_EXCL | O_NOFOLLOW`` file renamed into place and read with ``O_NOFOLLOW``, a
-size cap and an owner check; an unreadable one stops the daemon at start (failing closed: a
-daemon that forgot its bindings would hand roots to the next caller).
+The bindings file, in the daemon's own staging folder, is written through a fresh ``O_EXCL |
+O_NOFOLLOW`` file renamed into place and read with ``O_NOFOLLOW``, a size cap and an owner check;
+an unreadable one stops the daemon at start (failing closed: a daemon that forgot its bindings
+would hand roots to the next caller).
 """
 
 from __future__ import annotations
@@ -44,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.daemon_conn import unix_address
-from ckptd.server.roots import RootError, normalize
+from ckptd.server.roots import RootError, innermost, inside, normalize
 from ckptd.server.safefiles import StagingError, check_ancestors, open_private_dir, read_staged, write_json_atomic
 
 __all__ = [
@@ -58,6 +47,7 @@ __all__ = [
     "can_isolate",
     "listen_unix",
     "parse_bind",
+    "peer_of",
     "peer_protocol",
     "release_unix",
 ]
@@ -106,6 +96,13 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
+def peer_of(sock: socket.socket | None) -> Peer | None:
+    """What the kernel says (``SO_PEERCRED``) about the other end of ``sock`` if it is a Unix socket."""
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    return Peer(*struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))))
+
+
 def peer_protocol(base: type) -> type:
     """A subclass of uvicorn's HTTP protocol class ``base`` that reads ``SO_PEERCRED`` once per
     Unix socket connection into the state every request of that connection sees."""
@@ -113,10 +110,8 @@ def peer_protocol(base: type) -> type:
     class PeerCredProtocol(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport) -> None:
             state = {k: v for k, v in self.app_state.items() if k != PEER_KEY}
-            sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family == socket.AF_UNIX:
-                raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-                state[PEER_KEY] = Peer(*struct.unpack("3i", raw))
+            if (peer := peer_of(transport.get_extra_info("socket"))) is not None:
+                state[PEER_KEY] = peer
             self.app_state = state  # per connection: uvicorn copies it into each request's scope
             super().connection_made(transport)
 
@@ -209,10 +204,6 @@ def parse_bind(text: str) -> tuple[str, int]:
     return root, uid
 
 
-def _inside(inner: tuple[str, tuple[str, ...]], outer: tuple[str, tuple[str, ...]]) -> bool:
-    return inner[0] == outer[0] and inner[1][: len(outer[1])] == outer[1]
-
-
 def _may_write(uid: int, gids: set[int], st: os.stat_result) -> bool:
     """Whether ``uid`` (with groups ``gids``) may create names in the folder ``st``, by its mode
     bits (write and search), as the kernel decides for a process without capabilities."""
@@ -264,8 +255,7 @@ class Tenancy:
 
     def _holder(self, key) -> tuple[tuple, dict] | None:
         """The innermost binding that ``key`` lies inside (or is), if any."""
-        inside = [(k, b) for k, b in self._bindings().items() if _inside(key, k)]
-        return max(inside, key=lambda held: len(held[0][1]), default=None)
+        return innermost(key, self._bindings().items())
 
     def check_read(self, caller: Caller, root: str) -> None:
         """Listings and verifies of ``root``: refused (403) inside another identity's root."""
@@ -291,7 +281,7 @@ class Tenancy:
                     raise Forbidden(f"job root {root} belongs to {self._who(held)}: {caller} may not write it")
                 return
             for k, b in self._bindings().items():
-                if _inside(k, key) and b["uid"] != caller.uid:
+                if inside(k, key) and b["uid"] != caller.uid:
                     raise Forbidden(f"job root {root} holds {self._who((k, b))}: {caller} may not write it")
             if key[0] == "file":
                 self._check_local(caller, root, key)

@@ -16,15 +16,12 @@ Wire (``ckptd.tierwire``): a request frame's JSON header is ``{"token", "op", "r
   "sizes"}`` carrying the sealed memfd descriptors of the objects (``server.sealed``); the rank
   maps them ``PROT_READ``. No byte of the objects crosses the socket.
 
-The rules are the HTTP routes' (``server.peers``): the daemon token, compared in constant time,
-in every request (``--insecure-no-auth``: none); the root must be served and readable by the
-caller by the tenancy rule (``server.tenancy``: a Unix caller is named by ``SO_PEERCRED``, a TCP
-caller by nobody); objects are looked up by (root, step, attempt, key) in the tier table only,
-never turned into a path; the batch caps of ``server.tiers``. Anything else gets one error reply
-``{"ok": false, "status", "detail"}`` and the connection is closed. Connections are capped
-(``max_connections``; over it: one error, closed) and a request must arrive whole within
-``timeout_s`` (an idle connection is closed after the same time), so slow or half-closed clients
-cannot hold the threads.
+The rules are the HTTP routes' (``server.peers``; docs/operations.md, "Why this is safe"): the
+daemon token in every request, the root served and readable by the caller (a Unix caller is named
+by ``SO_PEERCRED``), objects looked up in the tier table only, the batch caps of ``server.tiers``.
+Anything else gets one error reply ``{"ok": false, "status", "detail"}`` and the connection is
+closed. Connections are capped and a request must arrive whole within ``timeout_s``, so slow or
+half-closed clients cannot hold the threads.
 """
 
 from __future__ import annotations
@@ -33,14 +30,14 @@ import contextlib
 import hmac
 import logging
 import socket
-import struct
 import threading
 import time
 from pathlib import Path
 
-from ckptd.server.parts import MAX_NUMBER
+from ckptd.server.parts import MAX_NUMBER, Daemon
 from ckptd.server.roots import RootError
-from ckptd.server.tenancy import PEER_KEY, Forbidden, Peer, listen_unix, release_unix
+from ckptd.server.settings import Settings
+from ckptd.server.tenancy import PEER_KEY, Forbidden, listen_unix, peer_of, release_unix
 from ckptd.server.tiers import MAX_BATCH_RANGES
 from ckptd.tierwire import MAX_FDS, REPLY, REQUEST, WireError, recv_frame, send_frame
 
@@ -69,22 +66,14 @@ def _is_range(r) -> bool:
 
 
 class TierData:
-    def __init__(
-        self,
-        tiers,
-        roots,
-        tenancy,
-        token: str | None,
-        host: str,
-        port: int,
-        socket_path: Path,
-        max_connections: int = 256,
-        timeout_s: float = 30.0,
-    ):
-        self.tiers, self.roots, self.tenancy = tiers, roots, tenancy
+    def __init__(self, tiers, daemon: Daemon, token: str | None, settings: Settings, max_connections: int):
+        """The rules of ``daemon``'s parts (roots, tenancy); its data socket lies beside its socket."""
+        self.tiers, self.roots, self.tenancy = tiers, daemon.roots, daemon.tenancy
         self.token = token.encode() if token is not None else None
         self.max_connections = max(1, max_connections)
-        self.timeout_s = timeout_s
+        self.timeout_s = settings.request_timeout_s
+        host, port = settings.host, settings.tier_data_port
+        socket_path = daemon.socket_path.with_name(f"{daemon.socket_path.stem}-tiers.sock")
         self.connections = 0  # open now
         self._lock = threading.Lock()
         self._closed = False
@@ -128,13 +117,10 @@ class TierData:
                 continue
             with self._lock:
                 full = self.connections >= self.max_connections
-                if not full:
-                    self.connections += 1
-            if full:
-                self.refused += 1
-                threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="ckptd-tier-conn", daemon=True).start()
+                self.connections += not full
+                self.refused += full
+            target = self._refuse if full else self._serve
+            threading.Thread(target=target, args=(conn,), name="ckptd-tier-conn", daemon=True).start()
 
     def _refuse(self, conn: socket.socket) -> None:
         with conn:
@@ -146,10 +132,7 @@ class TierData:
         try:
             with conn:
                 conn.settimeout(self.timeout_s)
-                peer = None
-                if conn.family == socket.AF_UNIX:
-                    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-                    peer = Peer(*struct.unpack("3i", raw))
+                peer = peer_of(conn)
                 caller = self.tenancy.caller({"state": {PEER_KEY: peer}} if peer is not None else {})
                 while not self._closed:
                     try:

@@ -14,21 +14,15 @@ of one of two kinds:
   folder into ``holder``'s store, the same tee, and the part is complete (``held``) once its done
   record is in. No commit record exists anywhere (docs/reliability.md, "Memory-only steps").
 
-Retention (``_retain``, per root, kind and source): the complete copies of the newest
-``KEEP_STEPS[kind]`` steps are kept (hot: 1; memory-only: 2, so a node dying during step N's save
-leaves N-1 whole on its peers). A rank's hand-off of a memory-only (step, attempt) also drops
-every memory-only part of the root, of any source, of another attempt at the same or a newer step
-(an abandoned future; a replica, which may arrive late, drops none), and ``fence(root, step)``
-(``POST /v1/tiers/restored``) every memory-only part newer than ``step``. Each complete own copy
-is pushed to the ring (``server.replication``, a mixin of ``Tiers``).
-
-Budget: every byte of a copy (own, replica, or one being received) is held through
-``Staging.reserve``. A hot copy that does not fit is not kept (the step is then persist-only on
-this node: one WARNING per step and ``ckptd_tier_degraded_total``); a client reserves a
-memory-only step's bytes before its hand-off (``reserve``; if any rank's daemon has no room the
-whole step is persisted instead: ``ckptd_tier_persisted_instead_total``). A lease that needs room
-reclaims copies (``_reclaim``: replicas before own copies, hot before memory-only, oldest step
-first) before a save waits; each drop is logged and counted. A copy never makes a save wait.
+Retention (``_retain``, per root, kind and source) keeps the complete copies of the newest
+``KEEP_STEPS[kind]`` steps (memory-only: 2, so a node dying during step N's save leaves N-1 whole);
+a rank's hand-off of a memory-only (step, attempt) drops the root's memory-only parts of other
+attempts at that step or newer (a replica, which may arrive late, drops none), and ``fence``
+those newer than a restored step. Budget: every byte of a copy is held through
+``Staging.reserve``; a copy never makes a save wait (``_reclaim`` drops copies for a lease, in
+the order docs/operations.md gives), and what does not fit is not kept or, for a memory-only
+step reserved before its hand-off (``reserve``), persisted instead. Each complete own copy is
+pushed to the ring (``server.replication``, a mixin of ``Tiers``).
 
 Serving (``server.peers``, ``server.tierdata``): objects are looked up by (root, step, attempt,
 key) in this table, never by a path: no tier route can read a file. Only complete copies are
@@ -156,9 +150,6 @@ class Tiers(Replication):
             with self._lock:
                 return float(len({(c.root, c.step, c.attempt, c.source) for c in self._complete() if c.source != SELF}))
 
-        def counter(name: str) -> Callable[[], float]:
-            return lambda: float(self.counters[name])
-
         return {
             "ckptd_tier_hot_bytes": ("bytes of hot copies of committed steps held", held(HOT, True)),
             "ckptd_tier_replica_bytes": ("bytes of complete replicas of peers' hot copies held", held(HOT, False)),
@@ -167,7 +158,7 @@ class Tiers(Replication):
                 held(MEMORY_ONLY),
             ),
             "ckptd_tier_replicas": ("complete replicas held (one per peer's step, of either kind)", replicas),
-        } | {metric: (text, counter(name)) for metric, (name, text) in COUNTED.items()}
+        } | {metric: (text, lambda n=name: float(self.counters[n])) for metric, (name, text) in COUNTED.items()}
 
     def restored(self, local: int, peer: int, root: int) -> None:
         """A rank reports what its restore read from each tier."""
@@ -432,10 +423,13 @@ class Tiers(Replication):
         counted, logged) when it does not fit the staging budget, or its ``objects`` do not fit
         what the daemon's descriptors and mappings let the tier hold (``server.capacity``): the
         job then persists the step instead, rather than failing the save at hold time."""
-        self._expire_reservations()
-        self.release_reservation(root, step, attempt, rank)
-        with self._lock:
+        now, mine = time.monotonic(), (root, step, attempt, rank)
+        with self._lock:  # this part's earlier reservation, and those whose hand-off never came, go
+            old = [k for k, (_, t, _) in self._reserved.items() if k == mine or now - t > RESERVE_TTL_S]
+            freed = sum(self._reserved.pop(k)[0] for k in old)
             pending = sum(n for _, _, n in self._reserved.values())  # objects other reservations hold
+        if freed:
+            self.staging.unreserve(freed)
         room = capacity.room()
         why = None
         if not self.enabled:
@@ -456,7 +450,7 @@ class Tiers(Replication):
             )
             return False
         with self._lock:
-            self._reserved[(root, step, attempt, rank)] = (nbytes, time.monotonic(), objects)
+            self._reserved[mine] = (nbytes, time.monotonic(), objects)
         return True
 
     def release_reservation(self, root: str, step: int, attempt: str, rank: int) -> int:
@@ -465,14 +459,6 @@ class Tiers(Replication):
         if n:
             self.staging.unreserve(n)
         return n
-
-    def _expire_reservations(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            old = [k for k, (_, t, _) in self._reserved.items() if now - t > RESERVE_TTL_S]
-            gone = [self._reserved.pop(k)[0] for k in old]
-        for n in gone:
-            self.staging.unreserve(n)
 
     # ----------------------------------------------------------------------------- serving
 
@@ -486,7 +472,8 @@ class Tiers(Replication):
     def keys(self, root: str, step: int, attempt: str) -> list[str]:
         return sorted({k for c in self.holding(root, step, attempt) for k in c.objects})
 
-    def _find(self, root: str, step: int, attempt: str, key: str):
+    def find(self, root: str, step: int, attempt: str, key: str):
+        """The buffer of ``key`` in the complete copies of (root, step, attempt), or None (not counted as served)."""
         return next((buf for c in self.holding(root, step, attempt) if (buf := c.objects.get(key)) is not None), None)
 
     def read(self, root: str, step: int, attempt: str, key: str, start: int, length: int) -> memoryview | None:
@@ -494,7 +481,7 @@ class Tiers(Replication):
         view (no copy: a held object is never written again, and a dropped copy's buffer lives on
         while a reply sends from it); None when no complete copy of (root, step, attempt) holds
         ``key``; ValueError for a range past its end."""
-        buf = self._find(root, step, attempt, key)
+        buf = self.find(root, step, attempt, key)
         if buf is None:
             return None
         size = len(buf)
@@ -525,7 +512,7 @@ class Tiers(Replication):
         """The sealed buffers of ``keys`` of the complete copies of (root, step, attempt), whose
         descriptors may be passed to a reader (``server.tierdata``); None when a key is not held
         or its copy is not a sealed memfd (not Linux, or an empty object)."""
-        out = [self._find(root, step, attempt, key) for key in keys]
+        out = [self.find(root, step, attempt, key) for key in keys]
         if not all(isinstance(buf, Sealed) and buf.sealed for buf in out):
             return None
         n = sum(len(b) for b in out)
