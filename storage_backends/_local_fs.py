@@ -51,18 +51,12 @@ NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, err
 DIR_RACE_TRIES = 20
 
 
-def _load_syncfs():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.syncfs
-    except (OSError, AttributeError):  # not Linux/glibc: fall back to sync(2)
-        return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-syncfs = _load_syncfs()
+try:
+    syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    syncfs.argtypes = [ctypes.c_int]
+    syncfs.restype = ctypes.c_int
+except (OSError, AttributeError):  # not Linux/glibc: fall back to sync(2)
+    syncfs = None
 
 
 def gone(e: OSError) -> bool:
