@@ -95,8 +95,7 @@ class Listing:
         batches, ``delete_workers`` of them in flight at once (a 4096-rank checkpoint of 1000
         arrays is 4096 batches: sequential, that is minutes of round trips). A failure names a
         key and how many are left."""
-        check_prefix(prefix)
-        infos = list(self._list(prefix))
+        infos = list(self.list(prefix))
         keys = [info.key for info in infos]
         batches = [keys[i : i + DELETE_BATCH] for i in range(0, len(keys), DELETE_BATCH)]
         workers = min(self.delete_workers, len(batches))

@@ -100,14 +100,11 @@ class Reads:
         check_limit(self.uri, key, total, _MAX_GET_BYTES)
         if total <= len(first):
             return first
-        buf = bytearray(total)
-        mv = memoryview(buf)
         got = len(first)
-        mv[:got] = first
+        buf = bytearray(total)
+        buf[:got] = first
         del first
-        etag = resp["ETag"]
-        pieces = [(off, min(self.part_size, total - off)) for off in range(got, total, self.part_size)]
-        self._submit_all([lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces])
+        self._pieces_into(key, got, total - got, [memoryview(buf)[got:]], resp["ETag"])
         return bytes(buf)
 
     def _get_first(self, key: str, rng: str | None) -> tuple[bytes, dict]:
