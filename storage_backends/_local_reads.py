@@ -16,7 +16,7 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 
-from storage_backends._local_fs import DIR_OPEN, FILE_OPEN, gone, is_temp, preadv_all
+from storage_backends._local_fs import DIR_OPEN, FILE_OPEN, entries, gone, is_temp, preadv_all
 from storage_backends.base import (
     NotFoundError,
     ObjectInfo,
@@ -126,33 +126,26 @@ class Reads:
         # lexicographic order lazily: every key below folder "d" starts with "d/", and a file name
         # (which has no "/") compares with all of them as it compares with "d/".
         try:
-            with os.scandir(fd) as it:
-                entries = []
-                for e in it:
-                    if is_temp(e.name) or not e.name.startswith(name_prefix):
-                        continue
-                    is_dir = e.is_dir(follow_symlinks=False)
-                    entries.append((e.name + "/" if is_dir else e.name, is_dir, e))
+            found = [(n, d) for n, d in entries(fd) if not is_temp(n) and n.startswith(name_prefix)]
         except OSError as e:
             raise self._err("list", key_prefix, e) from None
-        entries.sort(key=lambda t: t[0])
-        for sort_name, is_dir, e in entries:
+        for name, is_dir in sorted(found, key=lambda t: t[0] + "/" if t[1] else t[0]):
             if is_dir:
                 try:
-                    child = os.open(e.name, DIR_OPEN, dir_fd=fd)
+                    child = os.open(name, DIR_OPEN, dir_fd=fd)
                 except OSError:
                     continue  # removed (or replaced by a link) while we listed
                 try:
-                    yield from self._walk_fd(child, key_prefix + sort_name)
+                    yield from self._walk_fd(child, f"{key_prefix}{name}/")
                 finally:
                     os.close(child)
                 continue
             try:
-                st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # deleted while we listed
             if stat.S_ISREG(st.st_mode):
-                yield ObjectInfo(key_prefix + e.name, st.st_size, st.st_mtime)
+                yield ObjectInfo(key_prefix + name, st.st_size, st.st_mtime)
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         prefix = check_dir_prefix(prefix)
