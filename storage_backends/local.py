@@ -237,16 +237,13 @@ class LocalStore(Reads, Deletes, Store):
                     fd = open_direct(tmp, dir_fd=dir_fd)
                     return write_temp(dir_fd, tmp, fd, lambda fd: write_direct(fd, views, self._bounce), durable)
                 except DirectUnsupported as e:
-                    self._no_direct(e)
+                    if self._direct:
+                        self._direct = False
+                        log.info("%s: writing through the page cache (%s)", self.root, e)
             fd = os.open(tmp, NEW_FILE, 0o644, dir_fd=dir_fd)
             write_temp(dir_fd, tmp, fd, lambda fd: writev_all(fd, views), durable)
 
         return create
-
-    def _no_direct(self, e: OSError) -> None:
-        if self._direct:
-            self._direct = False
-            log.info("%s: writing through the page cache (%s)", self.root, e)
 
     def _prune(self, folders: Sequence[str]) -> None:
         """Remove empty folders from ``root/folders`` up to (not including) the root, best-effort,
