@@ -6,8 +6,7 @@ listed objects only temp files (by name) and empty folders are removed, so anyth
 a folder keeps it; folders are fsynced once each after their files went (not once per file),
 deepest first so pruning empties parents.
 
-``Deletes`` is a mixin of ``LocalStore`` (``storage_backends.local``): it uses the store's
-``list``, ``_parent``, ``_dir_fd``, ``_folder``, ``_prune`` and ``_fail``.
+``Deletes`` is a mixin of ``LocalStore`` (``storage_backends.local``) and uses its helpers.
 """
 
 from __future__ import annotations
@@ -98,12 +97,9 @@ class Deletes:
                             os.unlink(name, dir_fd=dfd)
                             removed.append("/".join((*where, name)))
 
-        try:
-            fd = self._dir_fd(top)
-        except OSError as e:
-            if isinstance(e, FileNotFoundError | NotADirectoryError):
-                return removed
-            raise self._fail("list", repr(prefix), e) from None
+        fd = self._folder(top, "list", prefix)
+        if fd is None:
+            return removed
         try:
             walk(fd, top)
         except OSError as e:

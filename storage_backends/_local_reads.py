@@ -5,8 +5,7 @@ Invariants: a missing file, a folder, a link or a non-folder on the way is ``Not
 file); a read never allocates more than the size ``fstat`` reported and the caller's ``limit``;
 temp files (``.{name}.tmp.*``) are never listed, and listings never enter a link.
 
-``Reads`` is a mixin of ``LocalStore`` (``storage_backends.local``): it uses the store's
-``_parent``, ``_dir_fd``, ``_err``, ``_fail`` and ``uri``.
+``Reads`` is a mixin of ``LocalStore`` (``storage_backends.local``) and uses its helpers.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ deletes in DeleteObjects of at most ``DELETE_BATCH`` keys from a pool of its own
 the store's pool, which must never wait on itself), resends only the keys a batch reports as
 failed with a transient code, and fails with one StorageError only after every batch was tried.
 
-``Listing`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's ``_call``,
-``_full``, ``_caller``, ``_rounds``, ``_client``, ``_prefix``, ``bucket`` and ``delete_workers``.
+``Listing`` is a mixin of ``S3Store`` (``storage_backends.s3``) and uses its helpers.
 """
 
 from __future__ import annotations
@@ -98,16 +97,12 @@ class Listing:
         infos = list(self.list(prefix))
         keys = [info.key for info in infos]
         batches = [keys[i : i + DELETE_BATCH] for i in range(0, len(keys), DELETE_BATCH)]
-        workers = min(self.delete_workers, len(batches))
-        if workers <= 1:
-            for batch in batches:
-                self._delete_batch(prefix, batch)
-        else:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3-delete") as pool:
-                futures = [pool.submit(self._delete_batch, prefix, batch) for batch in batches]
-                errors = [e for e in (f.exception() for f in futures) if e is not None]
-            if errors:
-                raise errors[0]
+        workers = max(1, min(self.delete_workers, len(batches)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3-delete") as pool:
+            futures = [pool.submit(self._delete_batch, prefix, batch) for batch in batches]
+            errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            raise errors[0]
         return len(keys), sum(info.size for info in infos)
 
     def _delete_batch(self, prefix: str, batch: list[str]) -> None:

@@ -6,9 +6,7 @@ the other uploads of that key are aborted (one writer writes a key of a step); a
 Complete that finds the upload gone succeeded exactly when the object carries our token
 (``WRITER_META``); only one part per worker is ever joined into a copy.
 
-``Multipart`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's
-``_call``, ``_full``, ``_head``, ``_paged``, ``_submit_all``, ``_saw_checksum``, ``_client``,
-``_prefix``, ``bucket`` and ``part_size``.
+``Multipart`` is a mixin of ``S3Store`` (``storage_backends.s3``) and uses its helpers.
 """
 
 from __future__ import annotations

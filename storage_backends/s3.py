@@ -11,18 +11,15 @@ botocore itself does not read ``AWS_REGION``, so we pass it.
 One botocore client and one thread pool per store, both thread-safe and shared by every call:
 large objects are uploaded as multipart uploads whose parts go up in parallel, and read back as
 parallel ranged GETs; up to the multipart threshold an object is one PUT and a range one GET.
-Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
-``CKPTD_S3_MULTIPART_THRESHOLD`` (default two parts) (bytes, or with a K/M/G suffix, binary) and
-``CKPTD_S3_WORKERS``, or the constructor's arguments.
+Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB), ``CKPTD_S3_MULTIPART_THRESHOLD`` (default two
+parts) (bytes, or with a binary K/M/G suffix), ``CKPTD_S3_WORKERS``, or the constructor's arguments.
 
 Integrity: every PUT carries botocore's CRC32 of its body (unless
 ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``), and every chunk its crc32c. Over http the
-body is also SHA-256 signed, until a response echoes the CRC32 (``x-amz-checksum-crc32``): a
-server that does (AWS, MinIO) checks it, and the store stops signing payloads,
-which saves a hash of every byte on endpoints without TLS. Ceph RGW 16.2 neither echoes nor
-checks it (it stores a body corrupted in flight), so there every body stays signed, and a
-corrupted one is refused (XAmzContentSHA256Mismatch). Over https botocore never signs payloads
-that carry a checksum.
+body is also SHA-256 signed until a response echoes the CRC32 (``x-amz-checksum-crc32``), which
+shows the server checks it (AWS, MinIO): signing then stops, saving a hash of every byte without
+TLS. Ceph RGW 16.2 neither echoes nor checks it (docs/s3.md), so there bodies stay signed. Over
+https botocore never signs payloads that carry a checksum.
 
 Retries: by default adaptive pacing (``s3_retry``): after a SlowDown in a scope (one step's
 objects) every thread of the store sends fewer requests per second there, and a paced store
@@ -34,17 +31,14 @@ off and leaves each try of ours to botocore's "standard" retries.
 Ceph RGW 16.2 and moto honour with 412. It is one PutObject up to S3's single-PUT limit of 5 GiB
 (``max_put_size``), never a multipart upload: Ceph RGW 16.2 ignores If-None-Match on
 CompleteMultipartUpload and overwrites, so every racing writer would win (``_s3_conditional``
-probes for that before it uploads more than the limit). (moto's server tests and writes without
-a lock, so two racing writers could in theory both win there, which real S3 rules out.) A store
-that silently ignores the header on PutObject too would make every writer win; don't point
-ckptd at one.
+probes for that before it uploads more than the limit; docs/s3.md). (moto tests and writes
+without a lock, so racing writers could both win there; real S3 rules that out.) A store that
+ignores the header on PutObject too would make every writer win; don't point ckptd at one.
 A missing bucket is an empty store for reads, but puts do not create buckets (that needs
 permissions and a region choice that belong to the operator): they fail with NoSuchBucket.
 
-Here: the client, its configuration and plain ``put``; ``S3Store``'s other verbs are mixins,
-each module with its invariants: ranged reads (``_s3_reads``), listings and deletes
-(``_s3_listing``), the conditional verbs (``_s3_conditional``), multipart uploads
-(``_s3_multipart``).
+Here: the client, its configuration and plain ``put``; the other verbs are mixins, each module
+with its invariants (``_s3_reads``, ``_s3_listing``, ``_s3_conditional``, ``_s3_multipart``).
 """
 
 from __future__ import annotations
