@@ -113,38 +113,35 @@ class Reads:
 
     def _walk(self, folders: list[str], key_prefix: str, name_prefix: str) -> Iterator[ObjectInfo]:
         fd = self._folder(folders, "list", key_prefix)
-        if fd is None:
-            return
-        try:
+        if fd is not None:
             yield from self._walk_fd(fd, key_prefix, name_prefix)
-        finally:
-            os.close(fd)
 
     def _walk_fd(self, fd: int, key_prefix: str, name_prefix: str = "") -> Iterator[ObjectInfo]:
+        """The objects below the folder ``fd``, which this closes once done."""
         # Sorting a folder's entries with "/" appended to sub-folder names yields keys in global
         # lexicographic order lazily: every key below folder "d" starts with "d/", and a file name
         # (which has no "/") compares with all of them as it compares with "d/".
         try:
-            found = [(n, d) for n, d in entries(fd) if not is_temp(n) and n.startswith(name_prefix)]
-        except OSError as e:
-            raise self._err("list", key_prefix, e) from None
-        for name, is_dir in sorted(found, key=lambda t: t[0] + "/" if t[1] else t[0]):
-            if is_dir:
-                try:
-                    child = os.open(name, DIR_OPEN, dir_fd=fd)
-                except OSError:
-                    continue  # removed (or replaced by a link) while we listed
-                try:
-                    yield from self._walk_fd(child, f"{key_prefix}{name}/")
-                finally:
-                    os.close(child)
-                continue
             try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # deleted while we listed
-            if stat.S_ISREG(st.st_mode):
-                yield ObjectInfo(key_prefix + name, st.st_size, st.st_mtime)
+                found = [(n, d) for n, d in entries(fd) if not is_temp(n) and n.startswith(name_prefix)]
+            except OSError as e:
+                raise self._err("list", key_prefix, e) from None
+            for name, is_dir in sorted(found, key=lambda t: t[0] + "/" if t[1] else t[0]):
+                if is_dir:
+                    try:
+                        child = os.open(name, DIR_OPEN, dir_fd=fd)
+                    except OSError:
+                        continue  # removed (or replaced by a link) while we listed
+                    yield from self._walk_fd(child, f"{key_prefix}{name}/")
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted while we listed
+                if stat.S_ISREG(st.st_mode):
+                    yield ObjectInfo(key_prefix + name, st.st_size, st.st_mtime)
+        finally:
+            os.close(fd)
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         prefix = check_dir_prefix(prefix)
