@@ -7,9 +7,8 @@ file with ``O_NOFOLLOW | O_NONBLOCK`` (``FILE_OPEN``), so a link or a FIFO plant
 entered nor blocks. A folder made on the way is reported to the caller, which makes its name
 durable (fsync of the parent) before it relies on it. A file's identity is (st_dev, st_ino,
 st_mtime_ns, st_size): the inode number alone may be reused by a file made after ours. Temp
-files are ``.{name}.tmp.*`` and are never objects (``is_temp``).
-
-No state and no store here: ``storage_backends.local`` builds ``LocalStore`` on these.
+files are ``.{name}.tmp.*`` and are never objects (``is_temp``). No state here: ``LocalStore``
+(``storage_backends.local``) builds on these.
 """
 
 from __future__ import annotations

@@ -62,9 +62,8 @@ class LinkRefused(StorageError):
 class LocalStore(Reads, Deletes, Store):
     """``/abs/path`` or ``file:///abs/path``. A missing root is an empty store; puts create it.
 
-    Thread- and process-safe: concurrent writers of one key each rename a complete temp file,
-    so readers see one whole version; ``put_if_absent`` uses ``link(2)``, which fails if the name
-    exists, so exactly one writer wins even across hosts on a POSIX network filesystem.
+    Thread- and process-safe (the recipe above): readers see one whole version, and exactly one
+    ``put_if_absent`` wins, even across hosts on a POSIX network filesystem.
 
     Nothing below the root is followed through a symbolic link (the root itself may be one; how:
     ``_local_fs``). So a step folder that is a link to elsewhere, planted in a root someone else
