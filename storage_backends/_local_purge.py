@@ -17,7 +17,7 @@ import stat
 import time
 
 from storage_backends._local_fs import enter, entries, gone, is_temp
-from storage_backends.base import check_dir_prefix, check_prefix
+from storage_backends.base import check_dir_prefix
 
 __all__ = ["Deletes"]
 
@@ -46,7 +46,6 @@ class Deletes:
     def purge(self, prefix: str) -> tuple[int, int]:
         """Objects first (the listing readers use), then what a killed writer left that no
         listing shows: ``.*.tmp.*`` files and empty folders. Returns (files, bytes) removed."""
-        check_prefix(prefix)
         n = nbytes = 0
         dirs: set[tuple[str, ...]] = set()
         for info in list(self.list(prefix)):

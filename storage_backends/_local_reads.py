@@ -71,8 +71,7 @@ class Reads:
 
     @contextlib.contextmanager
     def _open(self, key: str, op: str = "get_range") -> Iterator[tuple[int, int]]:
-        """An open file descriptor of the object and its size: a regular file reached without a
-        link (a FIFO, a device, a link to ``/dev/zero`` is no object)."""
+        """An open descriptor of the object and its size (a regular file: the module's invariants)."""
         try:
             with self._parent(key) as (dfd, name):
                 fd = os.open(name, FILE_OPEN, dir_fd=dfd)
@@ -107,8 +106,7 @@ class Reads:
             raise self._fail(op, repr(what), e) from None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        check_prefix(prefix)
-        folder, _, name_prefix = prefix.rpartition("/")
+        folder, _, name_prefix = check_prefix(prefix).rpartition("/")
         return self._walk(folder.split("/") if folder else [], folder + "/" if folder else "", name_prefix)
 
     def _walk(self, folders: list[str], key_prefix: str, name_prefix: str) -> Iterator[ObjectInfo]:

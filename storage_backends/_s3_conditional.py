@@ -43,12 +43,11 @@ class ConditionalWrites:
         return True
 
     def put_new(self, key: str, data: Data) -> str:
-        """Create-only: PutObject with ``If-None-Match: *`` (a 412 is ExistsError, unless the
-        object there carries this call's token: a retried PUT whose first try landed). Above the
-        multipart threshold a multipart upload whose Complete carries the condition, where the
-        server honours it (probed once, see ``_require_conditional_complete``); where it does
-        not (Ceph RGW 16.2), one PutObject up to ``max_put_size``. Returns the ETag of the
-        object created, its identity for ``delete_if``."""
+        """Create-only: PutObject with ``If-None-Match: *`` (a 412 is ExistsError unless the object
+        there carries this call's token, see ``_tokened``). Above the multipart threshold, a
+        multipart upload whose Complete carries the condition where the server honours it
+        (``_require_conditional_complete``), else (Ceph RGW 16.2) one PutObject up to
+        ``max_put_size``. Returns the ETag of the object created, its identity for ``delete_if``."""
         views, size, meta = self._tokened(key, data)
         try:
             if size > self.multipart_threshold and self._multipart_conditional(key, size):

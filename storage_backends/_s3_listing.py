@@ -52,8 +52,7 @@ class Listing:
         return self._paged("ListObjectsV2", self._client.list_objects_v2, key_prefix, after, **kwargs)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        check_prefix(prefix)
-        return self._list(prefix)
+        return self._list(check_prefix(prefix))
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         strip = len(self._prefix)
@@ -128,6 +127,5 @@ class Listing:
                     f"s3://{self.bucket}/{e.get('Key')}: DeleteObjects failed: {e.get('Code')}: "
                     f"{e.get('Message')} ({len(errors)} of {len(batch)} keys not deleted{after})"
                 )
-            n = len(self._prefix)
-            left = [str(e.get("Key", ""))[n:] for e in errors]
+            left = [str(e.get("Key", ""))[len(self._prefix) :] for e in errors]
             self._caller.pause(attempt)

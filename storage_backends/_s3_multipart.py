@@ -32,11 +32,6 @@ WRITER_META = "ckptd-writer"  # user metadata naming the put_if_absent call that
 class Multipart:
     """CreateMultipartUpload ... CompleteMultipartUpload, and AbortMultipartUpload."""
 
-    def _part_size_for(self, size: int) -> int:
-        if size <= self.part_size * MAX_PARTS:
-            return self.part_size
-        return math.ceil(size / MAX_PARTS / MiB) * MiB
-
     def _put_multipart(
         self,
         key: str,
@@ -71,7 +66,7 @@ class Multipart:
         upload_id = resp["UploadId"]
         if tries > 1 or resp.get("ResponseMetadata", {}).get("RetryAttempts", 0):
             self._abort_strays(key, keep=upload_id)
-        part_size = self._part_size_for(size)
+        part_size = self.part_size if size <= self.part_size * MAX_PARTS else math.ceil(size / MAX_PARTS / MiB) * MiB
         ends = cumulative(views)
 
         def upload(number: int, off: int, n: int) -> dict:

@@ -182,13 +182,11 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
             tcp_keepalive=True,
             s3={"addressing_style": "path"} if custom_endpoint else None,
         )
-        # endpoint_url=None lets botocore read AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL itself.
         self._client = new_client(region or os.environ.get("AWS_REGION") or None, endpoint_url, config)
         self.endpoint_url: str = self._client.meta.endpoint_url
         tries = (retries + 1) * (max(1, max_attempts) if paced else 1)
         self._caller = Caller(bucket, self.endpoint_url, tries, backoff)
         self._rounds = retries + 1  # purge's DeleteObjects of the keys a batch reported failed
-        # One limiter for the whole store: every request of every thread passes it.
         self.limiter = AdaptiveLimiter(min_rate) if paced else None
         self._pacer = Pacer(self.limiter) if self.limiter else None
         if self._pacer:
