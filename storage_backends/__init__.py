@@ -18,8 +18,7 @@ from storage_backends.local import LocalStore
 from storage_backends.memory import MemoryStore
 from storage_backends.registry import UnknownSchemeError, open_store, register_scheme
 
-# S3Store lives in storage_backends.s3 and is not imported here, so that boto3 loads only when an
-# s3:// URI is opened.
+# S3Store (storage_backends.s3) is not imported here: boto3 loads only when an s3:// URI is opened.
 
 __all__ = [
     "DIRECT_MIN_BYTES",

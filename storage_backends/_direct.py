@@ -1,17 +1,16 @@
 """Direct I/O (``O_DIRECT``) writes of large objects, past the page cache.
 
-A buffered write copies the bytes into the page cache; the kernel then has to find pages for
-them (reclaiming others when the cache is full, as it is on a machine that has been writing
-checkpoints for a while), write them back on ``syncfs`` and keep them cached afterwards. For a
-checkpoint that nobody on this host reads again soon, all of that is overhead, and its cost
-swings with whatever else the page cache is doing. DeepSpeed's FastPersist makes the same
-choice. The kernel takes a direct write only from an aligned address, at an aligned file
-offset, in whole blocks. A source region that starts page-aligned at an aligned file position
-(a snapshot's object image, see ``trainer_hooks.snapshot``) goes to the disk straight from the
-caller's memory: no copy, and only a few percent of a core for 1.5 GiB. Everything else (views
-with arbitrary addresses; a shard's chunks interleaved with their 4-byte checksums) goes
-through a small page-aligned bounce buffer. The last block is padded and the file truncated to
-its size; the padding lies past the end of the file and is never visible.
+A buffered write copies the bytes into the page cache, whose pages the kernel must then find
+(reclaiming others once the cache is full, as it is after a while of checkpoints), write back on
+``syncfs`` and keep: for a checkpoint nobody on this host reads again soon, overhead whose cost
+swings with whatever else the cache is doing (DeepSpeed's FastPersist makes the same choice).
+The kernel takes a direct write only from an aligned address, at an aligned file offset, in
+whole blocks. A source region that starts page-aligned at an aligned file position (a snapshot's
+object image, see ``trainer_hooks.snapshot``) goes to the disk straight from the caller's
+memory: no copy, and only a few percent of a core for 1.5 GiB. Everything else (views with
+arbitrary addresses; a shard's chunks interleaved with their 4-byte checksums) goes through a
+small page-aligned bounce buffer. The last block is padded and the file truncated to its size;
+the padding lies past the end of the file and is never visible.
 
 Bounce buffers come from a small shared pool (``DIRECT_BUFFERS`` of ``DIRECT_BUFFER_BYTES``),
 allocated on first use and kept: the host memory it adds is bounded and does not grow with the

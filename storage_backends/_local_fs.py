@@ -7,9 +7,8 @@ file with ``O_NOFOLLOW | O_NONBLOCK`` (``FILE_OPEN``), so a link or a FIFO plant
 entered nor blocks. A folder made on the way is reported to the caller, which makes its name
 durable (fsync of the parent) before it relies on it. A file's identity is (st_dev, st_ino,
 st_mtime_ns, st_size): the inode number alone may be reused by a file made after ours. Temp
-files are ``.{name}.tmp.*`` and are never objects (``is_temp``).
-
-No state and no store here: ``storage_backends.local`` builds ``LocalStore`` on these.
+files are ``.{name}.tmp.*`` and are never objects (``is_temp``). No state here: ``LocalStore``
+(``storage_backends.local``) builds on these.
 """
 
 from __future__ import annotations
@@ -51,18 +50,12 @@ NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, err
 DIR_RACE_TRIES = 20
 
 
-def _load_syncfs():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.syncfs
-    except (OSError, AttributeError):  # not Linux/glibc: fall back to sync(2)
-        return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-syncfs = _load_syncfs()
+try:
+    syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    syncfs.argtypes = [ctypes.c_int]
+    syncfs.restype = ctypes.c_int
+except (OSError, AttributeError):  # not Linux/glibc: fall back to sync(2)
+    syncfs = None
 
 
 def gone(e: OSError) -> bool:

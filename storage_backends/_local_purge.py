@@ -6,8 +6,7 @@ listed objects only temp files (by name) and empty folders are removed, so anyth
 a folder keeps it; folders are fsynced once each after their files went (not once per file),
 deepest first so pruning empties parents.
 
-``Deletes`` is a mixin of ``LocalStore`` (``storage_backends.local``): it uses the store's
-``list``, ``_parent``, ``_dir_fd``, ``_folder``, ``_prune`` and ``_fail``.
+``Deletes`` is a mixin of ``LocalStore`` (``storage_backends.local``) and uses its helpers.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import stat
 import time
 
 from storage_backends._local_fs import enter, entries, gone, is_temp
-from storage_backends.base import check_dir_prefix, check_key, check_prefix
+from storage_backends.base import check_dir_prefix
 
 __all__ = ["Deletes"]
 
@@ -27,35 +26,33 @@ class Deletes:
     """delete, purge (and so ``delete_prefix``) and abort_stale_uploads of ``LocalStore``."""
 
     def delete(self, key: str) -> None:
-        *folders, _ = check_key(key).split("/")
+        if self._unlink(key, durable=True):
+            self._prune(key.split("/")[:-1])  # _parent checked the key
+
+    def _unlink(self, key: str, durable: bool) -> bool:
+        """Unlink the object's name (a link itself, never followed; its folder fsynced if
+        ``durable``); False if there was none (a folder or a link on the way is none either)."""
         try:
             with self._parent(key) as (dfd, name):
-                os.unlink(name, dir_fd=dfd)  # a link is removed itself, never followed
-                os.fsync(dfd)
+                os.unlink(name, dir_fd=dfd)
+                if durable:
+                    os.fsync(dfd)
         except OSError as e:
             if gone(e):
-                return  # no such object (a "folder" or a link on the way is not one either)
+                return False
             raise self._fail("delete", f"{key!r}", e) from None
-        self._prune(folders)
+        return True
 
     def purge(self, prefix: str) -> tuple[int, int]:
         """Objects first (the listing readers use), then what a killed writer left that no
         listing shows: ``.*.tmp.*`` files and empty folders. Returns (files, bytes) removed."""
-        check_prefix(prefix)
         n = nbytes = 0
         dirs: set[tuple[str, ...]] = set()
         for info in list(self.list(prefix)):
-            *folders, _ = info.key.split("/")
-            try:
-                with self._parent(info.key) as (dfd, name):
-                    os.unlink(name, dir_fd=dfd)
-            except OSError as e:
-                if gone(e):
-                    continue
-                raise self._fail("delete", f"{info.key!r}", e) from None
-            n += 1
-            nbytes += info.size
-            dirs.add(tuple(folders))
+            if self._unlink(info.key, durable=False):
+                n += 1
+                nbytes += info.size
+                dirs.add(tuple(info.key.split("/")[:-1]))
         folder, _, name_prefix = prefix.rpartition("/")
         top = tuple(folder.split("/")) if folder else ()
         try:
@@ -99,12 +96,9 @@ class Deletes:
                             os.unlink(name, dir_fd=dfd)
                             removed.append("/".join((*where, name)))
 
-        try:
-            fd = self._dir_fd(top)
-        except OSError as e:
-            if isinstance(e, FileNotFoundError | NotADirectoryError):
-                return removed
-            raise self._fail("list", repr(prefix), e) from None
+        fd = self._folder(top, "list", prefix)
+        if fd is None:
+            return removed
         try:
             walk(fd, top)
         except OSError as e:

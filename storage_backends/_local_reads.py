@@ -5,8 +5,7 @@ Invariants: a missing file, a folder, a link or a non-folder on the way is ``Not
 file); a read never allocates more than the size ``fstat`` reported and the caller's ``limit``;
 temp files (``.{name}.tmp.*``) are never listed, and listings never enter a link.
 
-``Reads`` is a mixin of ``LocalStore`` (``storage_backends.local``): it uses the store's
-``_parent``, ``_dir_fd``, ``_err``, ``_fail`` and ``uri``.
+``Reads`` is a mixin of ``LocalStore`` (``storage_backends.local``) and uses its helpers.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 
-from storage_backends._local_fs import DIR_OPEN, FILE_OPEN, gone, is_temp, preadv_all
+from storage_backends._local_fs import DIR_OPEN, FILE_OPEN, entries, gone, is_temp, preadv_all
 from storage_backends.base import (
     NotFoundError,
     ObjectInfo,
@@ -72,8 +71,7 @@ class Reads:
 
     @contextlib.contextmanager
     def _open(self, key: str, op: str = "get_range") -> Iterator[tuple[int, int]]:
-        """An open file descriptor of the object and its size: a regular file reached without a
-        link (a FIFO, a device, a link to ``/dev/zero`` is no object)."""
+        """An open descriptor of the object and its size (a regular file: the module's invariants)."""
         try:
             with self._parent(key) as (dfd, name):
                 fd = os.open(name, FILE_OPEN, dir_fd=dfd)
@@ -108,51 +106,40 @@ class Reads:
             raise self._fail(op, repr(what), e) from None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        check_prefix(prefix)
-        folder, _, name_prefix = prefix.rpartition("/")
+        folder, _, name_prefix = check_prefix(prefix).rpartition("/")
         return self._walk(folder.split("/") if folder else [], folder + "/" if folder else "", name_prefix)
 
     def _walk(self, folders: list[str], key_prefix: str, name_prefix: str) -> Iterator[ObjectInfo]:
         fd = self._folder(folders, "list", key_prefix)
-        if fd is None:
-            return
-        try:
+        if fd is not None:
             yield from self._walk_fd(fd, key_prefix, name_prefix)
-        finally:
-            os.close(fd)
 
     def _walk_fd(self, fd: int, key_prefix: str, name_prefix: str = "") -> Iterator[ObjectInfo]:
+        """The objects below the folder ``fd``, which this closes once done."""
         # Sorting a folder's entries with "/" appended to sub-folder names yields keys in global
         # lexicographic order lazily: every key below folder "d" starts with "d/", and a file name
         # (which has no "/") compares with all of them as it compares with "d/".
         try:
-            with os.scandir(fd) as it:
-                entries = []
-                for e in it:
-                    if is_temp(e.name) or not e.name.startswith(name_prefix):
-                        continue
-                    is_dir = e.is_dir(follow_symlinks=False)
-                    entries.append((e.name + "/" if is_dir else e.name, is_dir, e))
-        except OSError as e:
-            raise self._err("list", key_prefix, e) from None
-        entries.sort(key=lambda t: t[0])
-        for sort_name, is_dir, e in entries:
-            if is_dir:
-                try:
-                    child = os.open(e.name, DIR_OPEN, dir_fd=fd)
-                except OSError:
-                    continue  # removed (or replaced by a link) while we listed
-                try:
-                    yield from self._walk_fd(child, key_prefix + sort_name)
-                finally:
-                    os.close(child)
-                continue
             try:
-                st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # deleted while we listed
-            if stat.S_ISREG(st.st_mode):
-                yield ObjectInfo(key_prefix + e.name, st.st_size, st.st_mtime)
+                found = [(n, d) for n, d in entries(fd) if not is_temp(n) and n.startswith(name_prefix)]
+            except OSError as e:
+                raise self._err("list", key_prefix, e) from None
+            for name, is_dir in sorted(found, key=lambda t: t[0] + "/" if t[1] else t[0]):
+                if is_dir:
+                    try:
+                        child = os.open(name, DIR_OPEN, dir_fd=fd)
+                    except OSError:
+                        continue  # removed (or replaced by a link) while we listed
+                    yield from self._walk_fd(child, f"{key_prefix}{name}/")
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted while we listed
+                if stat.S_ISREG(st.st_mode):
+                    yield ObjectInfo(key_prefix + name, st.st_size, st.st_mtime)
+        finally:
+            os.close(fd)
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         prefix = check_dir_prefix(prefix)

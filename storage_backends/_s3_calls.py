@@ -91,8 +91,11 @@ def _transient(e: Exception) -> bool:
     return isinstance(e, _TRANSIENT) and not isinstance(e, SSLError)
 
 
-def env_size(name: str, default: int) -> int:
-    """A byte count from the environment: ``16777216``, ``16M`` or ``16MiB`` (binary units)."""
+def env_size(name: str, default: int, given: int | None = None) -> int:
+    """``given`` unless None, else a byte count from the environment: ``16777216``, ``16M`` or
+    ``16MiB`` (binary units)."""
+    if given is not None:
+        return given
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -102,8 +105,11 @@ def env_size(name: str, default: int) -> int:
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
 
 
-def env_number(name: str, default: float) -> float:
-    """A non-negative number from the environment (timeouts, attempt counts)."""
+def env_number(name: str, default: float, given: float | None = None) -> float:
+    """``given`` unless None, else a non-negative number from the environment (timeouts, attempt
+    counts)."""
+    if given is not None:
+        return given
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default

@@ -7,10 +7,8 @@ once-per-store probe showed the server refuses such a Complete over an existing 
 16.2 overwrites instead). A 412 is our own win exactly when the object there carries this call's
 token (``_tokened``). ``delete_if`` deletes only the object whose ETag it was given.
 
-``ConditionalWrites`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's
-``_call``, ``_full``, ``_where``, ``_head``, ``_ours``, ``_put_object``, ``_put_multipart``, ``_abort``,
-``_client``, ``_prefix``, ``bucket``, ``endpoint_url``, ``multipart_threshold`` and
-``max_put_size``, and keeps the probe's answer in ``_conditional_complete``.
+``ConditionalWrites`` is a mixin of ``S3Store`` (``storage_backends.s3``) and uses its helpers;
+the probe's answer is kept in the store's ``_conditional_complete``.
 """
 
 from __future__ import annotations
@@ -45,12 +43,11 @@ class ConditionalWrites:
         return True
 
     def put_new(self, key: str, data: Data) -> str:
-        """Create-only: PutObject with ``If-None-Match: *`` (a 412 is ExistsError, unless the
-        object there carries this call's token: a retried PUT whose first try landed). Above the
-        multipart threshold a multipart upload whose Complete carries the condition, where the
-        server honours it (probed once, see ``_require_conditional_complete``); where it does
-        not (Ceph RGW 16.2), one PutObject up to ``max_put_size``. Returns the ETag of the
-        object created, its identity for ``delete_if``."""
+        """Create-only: PutObject with ``If-None-Match: *`` (a 412 is ExistsError unless the object
+        there carries this call's token, see ``_tokened``). Above the multipart threshold, a
+        multipart upload whose Complete carries the condition where the server honours it
+        (``_require_conditional_complete``), else (Ceph RGW 16.2) one PutObject up to
+        ``max_put_size``. Returns the ETag of the object created, its identity for ``delete_if``."""
         views, size, meta = self._tokened(key, data)
         try:
             if size > self.multipart_threshold and self._multipart_conditional(key, size):

@@ -6,8 +6,7 @@ deletes in DeleteObjects of at most ``DELETE_BATCH`` keys from a pool of its own
 the store's pool, which must never wait on itself), resends only the keys a batch reports as
 failed with a transient code, and fails with one StorageError only after every batch was tried.
 
-``Listing`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's ``_call``,
-``_full``, ``_caller``, ``_rounds``, ``_client``, ``_prefix``, ``bucket`` and ``delete_workers``.
+``Listing`` is a mixin of ``S3Store`` (``storage_backends.s3``) and uses its helpers.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ class Listing:
         return self._paged("ListObjectsV2", self._client.list_objects_v2, key_prefix, after, **kwargs)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        check_prefix(prefix)
-        return self._list(prefix)
+        return self._list(check_prefix(prefix))
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
         strip = len(self._prefix)
@@ -95,20 +93,15 @@ class Listing:
         batches, ``delete_workers`` of them in flight at once (a 4096-rank checkpoint of 1000
         arrays is 4096 batches: sequential, that is minutes of round trips). A failure names a
         key and how many are left."""
-        check_prefix(prefix)
-        infos = list(self._list(prefix))
+        infos = list(self.list(prefix))
         keys = [info.key for info in infos]
         batches = [keys[i : i + DELETE_BATCH] for i in range(0, len(keys), DELETE_BATCH)]
-        workers = min(self.delete_workers, len(batches))
-        if workers <= 1:
-            for batch in batches:
-                self._delete_batch(prefix, batch)
-        else:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3-delete") as pool:
-                futures = [pool.submit(self._delete_batch, prefix, batch) for batch in batches]
-                errors = [e for e in (f.exception() for f in futures) if e is not None]
-            if errors:
-                raise errors[0]
+        workers = max(1, min(self.delete_workers, len(batches)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3-delete") as pool:
+            futures = [pool.submit(self._delete_batch, prefix, batch) for batch in batches]
+            errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            raise errors[0]
         return len(keys), sum(info.size for info in infos)
 
     def _delete_batch(self, prefix: str, batch: list[str]) -> None:
@@ -134,6 +127,5 @@ class Listing:
                     f"s3://{self.bucket}/{e.get('Key')}: DeleteObjects failed: {e.get('Code')}: "
                     f"{e.get('Message')} ({len(errors)} of {len(batch)} keys not deleted{after})"
                 )
-            n = len(self._prefix)
-            left = [str(e.get("Key", ""))[n:] for e in errors]
+            left = [str(e.get("Key", ""))[len(self._prefix) :] for e in errors]
             self._caller.pause(attempt)

@@ -6,9 +6,7 @@ the other uploads of that key are aborted (one writer writes a key of a step); a
 Complete that finds the upload gone succeeded exactly when the object carries our token
 (``WRITER_META``); only one part per worker is ever joined into a copy.
 
-``Multipart`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's
-``_call``, ``_full``, ``_head``, ``_paged``, ``_submit_all``, ``_saw_checksum``, ``_client``,
-``_prefix``, ``bucket`` and ``part_size``.
+``Multipart`` is a mixin of ``S3Store`` (``storage_backends.s3``) and uses its helpers.
 """
 
 from __future__ import annotations
@@ -33,11 +31,6 @@ WRITER_META = "ckptd-writer"  # user metadata naming the put_if_absent call that
 
 class Multipart:
     """CreateMultipartUpload ... CompleteMultipartUpload, and AbortMultipartUpload."""
-
-    def _part_size_for(self, size: int) -> int:
-        if size <= self.part_size * MAX_PARTS:
-            return self.part_size
-        return math.ceil(size / MAX_PARTS / MiB) * MiB
 
     def _put_multipart(
         self,
@@ -73,7 +66,7 @@ class Multipart:
         upload_id = resp["UploadId"]
         if tries > 1 or resp.get("ResponseMetadata", {}).get("RetryAttempts", 0):
             self._abort_strays(key, keep=upload_id)
-        part_size = self._part_size_for(size)
+        part_size = self.part_size if size <= self.part_size * MAX_PARTS else math.ceil(size / MAX_PARTS / MiB) * MiB
         ends = cumulative(views)
 
         def upload(number: int, off: int, n: int) -> dict:

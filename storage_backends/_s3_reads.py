@@ -6,9 +6,7 @@ times); a buffer is never allocated for more than the caller's ``limit`` or
 ``CKPTD_S3_MAX_GET_BYTES`` (64 GiB) before the server's size is checked against them; and a server
 that sends more than the range asked for is refused rather than buffered.
 
-``Reads`` is a mixin of ``S3Store`` (``storage_backends.s3``): it uses the store's ``_call``,
-``_full``, ``_where``, ``_submit_all``, ``_client``, ``bucket``, ``part_size``,
-``multipart_threshold`` and ``uri``.
+``Reads`` is a mixin of ``S3Store`` (``storage_backends.s3``) and uses its helpers.
 """
 
 from __future__ import annotations
@@ -100,14 +98,11 @@ class Reads:
         check_limit(self.uri, key, total, _MAX_GET_BYTES)
         if total <= len(first):
             return first
-        buf = bytearray(total)
-        mv = memoryview(buf)
         got = len(first)
-        mv[:got] = first
+        buf = bytearray(total)
+        buf[:got] = first
         del first
-        etag = resp["ETag"]
-        pieces = [(off, min(self.part_size, total - off)) for off in range(got, total, self.part_size)]
-        self._submit_all([lambda o=o, n=n: self._get_into(key, o, [mv[o : o + n]], if_match=etag) for o, n in pieces])
+        self._pieces_into(key, got, total - got, [memoryview(buf)[got:]], resp["ETag"])
         return bytes(buf)
 
     def _get_first(self, key: str, rng: str | None) -> tuple[bytes, dict]:
@@ -143,15 +138,12 @@ class Reads:
 
     def get_range_into(self, key: str, start: int, buffers: Sequence[bytearray | memoryview]) -> None:
         views = as_writable_buffers(buffers)
-        self._range_into(key, start, sum(v.nbytes for v in views), views)
+        self._range_into(key, start, sum(v.nbytes for v in views), views, self._one_get)
 
-    def _range_into(
-        self, key: str, start: int, length: int, views: list[memoryview], one_get: int | None = None
-    ) -> None:
-        """Into ``views``: in one GET up to ``one_get`` bytes (default ``_one_get``), else as
-        parallel part-sized GETs."""
+    def _range_into(self, key: str, start: int, length: int, views: list[memoryview], one_get: int) -> None:
+        """Into ``views``: in one GET up to ``one_get`` bytes, else as parallel part-sized GETs."""
         check_key(key)
-        if 0 < length <= (self._one_get if one_get is None else one_get):
+        if 0 < length <= one_get:
             self._get_into(key, start, views)
             return
 

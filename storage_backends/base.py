@@ -131,18 +131,12 @@ def data_size(data: Data) -> int:
 
 def as_writable_buffers(buffers: Sequence[bytearray | memoryview]) -> list[memoryview]:
     """Normalise ``get_range_into`` destinations to writable, flat byte memoryviews."""
-    out = []
-    for b in buffers:
-        mv = memoryview(b)
-        if mv.readonly:
-            raise ValueError("get_range_into needs writable buffers")
-        if not mv.c_contiguous:
-            raise ValueError("get_range_into needs C-contiguous buffers")
-        if mv.ndim != 1 or mv.format != "B":
-            mv = mv.cast("B")
-        if mv.nbytes:
-            out.append(mv)
-    return out
+    views = [memoryview(b) for b in buffers]
+    if any(v.readonly for v in views):
+        raise ValueError("get_range_into needs writable buffers")
+    if not all(v.c_contiguous for v in views):
+        raise ValueError("get_range_into needs C-contiguous buffers")
+    return as_buffers(views)  # contiguous: cast, never copied
 
 
 class Store(abc.ABC):

@@ -62,9 +62,8 @@ class LinkRefused(StorageError):
 class LocalStore(Reads, Deletes, Store):
     """``/abs/path`` or ``file:///abs/path``. A missing root is an empty store; puts create it.
 
-    Thread- and process-safe: concurrent writers of one key each rename a complete temp file,
-    so readers see one whole version; ``put_if_absent`` uses ``link(2)``, which fails if the name
-    exists, so exactly one writer wins even across hosts on a POSIX network filesystem.
+    Thread- and process-safe (the recipe above): readers see one whole version, and exactly one
+    ``put_if_absent`` wins, even across hosts on a POSIX network filesystem.
 
     Nothing below the root is followed through a symbolic link (the root itself may be one; how:
     ``_local_fs``). So a step folder that is a link to elsewhere, planted in a root someone else
@@ -237,16 +236,13 @@ class LocalStore(Reads, Deletes, Store):
                     fd = open_direct(tmp, dir_fd=dir_fd)
                     return write_temp(dir_fd, tmp, fd, lambda fd: write_direct(fd, views, self._bounce), durable)
                 except DirectUnsupported as e:
-                    self._no_direct(e)
+                    if self._direct:
+                        self._direct = False
+                        log.info("%s: writing through the page cache (%s)", self.root, e)
             fd = os.open(tmp, NEW_FILE, 0o644, dir_fd=dir_fd)
             write_temp(dir_fd, tmp, fd, lambda fd: writev_all(fd, views), durable)
 
         return create
-
-    def _no_direct(self, e: OSError) -> None:
-        if self._direct:
-            self._direct = False
-            log.info("%s: writing through the page cache (%s)", self.root, e)
 
     def _prune(self, folders: Sequence[str]) -> None:
         """Remove empty folders from ``root/folders`` up to (not including) the root, best-effort,

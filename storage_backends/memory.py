@@ -89,8 +89,9 @@ class MemoryStore(Store):
         return data[start : start + length]
 
     def put(self, key: str, data: Data) -> None:
-        check_key(key)
-        blob = b"".join(as_buffers(data))  # always a fresh copy: callers may reuse their buffers
+        self._set(check_key(key), b"".join(as_buffers(data)))  # a fresh copy: callers may reuse their buffers
+
+    def _set(self, key: str, blob: bytes) -> None:
         with self._ns.lock:
             self._ns.objects[key] = (blob, time.time())
 
@@ -160,7 +161,4 @@ class MemoryStore(Store):
         return ObjectInfo(key, len(data), mtime)
 
     def copy(self, src_key: str, dst_key: str) -> None:
-        check_key(dst_key)
-        blob = self._entry(src_key)[0]  # immutable: the copy can share it
-        with self._ns.lock:
-            self._ns.objects[dst_key] = (blob, time.time())
+        self._set(check_key(dst_key), self._entry(src_key)[0])  # immutable: the copy can share it

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
 
 from storage_backends.base import StorageError, Store
+from storage_backends.local import LocalStore
+from storage_backends.memory import MemoryStore
 
 __all__ = ["StoreFactory", "UnknownSchemeError", "open_store", "register_scheme", "supported_schemes"]
 
@@ -29,8 +31,6 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def _open_file(uri: str) -> Store:
-    from storage_backends.local import LocalStore
-
     parts = urlsplit(uri)
     if parts.netloc not in ("", "localhost"):
         raise StorageError(f"{uri}: file URIs name no host (use file:///abs/path)")
@@ -40,8 +40,6 @@ def _open_file(uri: str) -> Store:
 
 
 def _open_memory(uri: str) -> Store:
-    from storage_backends.memory import MemoryStore
-
     name = uri[len("memory://") :]
     if not name:
         raise StorageError(f"{uri}: memory URIs need a name (memory://name)")
@@ -84,8 +82,6 @@ def open_store(uri: str) -> Store:
         raise StorageError(f"invalid store URI {uri!r}")
     m = _SCHEME.match(uri)
     if m is None:
-        from storage_backends.local import LocalStore
-
         return LocalStore(os.path.abspath(uri))
     scheme = m.group(1).lower()
     with _lock:

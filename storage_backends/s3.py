@@ -11,18 +11,15 @@ botocore itself does not read ``AWS_REGION``, so we pass it.
 One botocore client and one thread pool per store, both thread-safe and shared by every call:
 large objects are uploaded as multipart uploads whose parts go up in parallel, and read back as
 parallel ranged GETs; up to the multipart threshold an object is one PUT and a range one GET.
-Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB) and
-``CKPTD_S3_MULTIPART_THRESHOLD`` (default two parts) (bytes, or with a K/M/G suffix, binary) and
-``CKPTD_S3_WORKERS``, or the constructor's arguments.
+Tuning: ``CKPTD_S3_PART_SIZE`` (default 16 MiB), ``CKPTD_S3_MULTIPART_THRESHOLD`` (default two
+parts) (bytes, or with a binary K/M/G suffix), ``CKPTD_S3_WORKERS``, or the constructor's arguments.
 
 Integrity: every PUT carries botocore's CRC32 of its body (unless
 ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``), and every chunk its crc32c. Over http the
-body is also SHA-256 signed, until a response echoes the CRC32 (``x-amz-checksum-crc32``): a
-server that does (AWS, MinIO) checks it, and the store stops signing payloads,
-which saves a hash of every byte on endpoints without TLS. Ceph RGW 16.2 neither echoes nor
-checks it (it stores a body corrupted in flight), so there every body stays signed, and a
-corrupted one is refused (XAmzContentSHA256Mismatch). Over https botocore never signs payloads
-that carry a checksum.
+body is also SHA-256 signed until a response echoes the CRC32 (``x-amz-checksum-crc32``), which
+shows the server checks it (AWS, MinIO): signing then stops, saving a hash of every byte without
+TLS. Ceph RGW 16.2 neither echoes nor checks it (docs/s3.md), so there bodies stay signed. Over
+https botocore never signs payloads that carry a checksum.
 
 Retries: by default adaptive pacing (``s3_retry``): after a SlowDown in a scope (one step's
 objects) every thread of the store sends fewer requests per second there, and a paced store
@@ -34,24 +31,20 @@ off and leaves each try of ours to botocore's "standard" retries.
 Ceph RGW 16.2 and moto honour with 412. It is one PutObject up to S3's single-PUT limit of 5 GiB
 (``max_put_size``), never a multipart upload: Ceph RGW 16.2 ignores If-None-Match on
 CompleteMultipartUpload and overwrites, so every racing writer would win (``_s3_conditional``
-probes for that before it uploads more than the limit). (moto's server tests and writes without
-a lock, so two racing writers could in theory both win there, which real S3 rules out.) A store
-that silently ignores the header on PutObject too would make every writer win; don't point
-ckptd at one.
+probes for that before it uploads more than the limit; docs/s3.md). (moto tests and writes
+without a lock, so racing writers could both win there; real S3 rules that out.) A store that
+ignores the header on PutObject too would make every writer win; don't point ckptd at one.
 A missing bucket is an empty store for reads, but puts do not create buckets (that needs
 permissions and a region choice that belong to the operator): they fail with NoSuchBucket.
 
-Here: the client, its configuration and plain ``put``; ``S3Store``'s other verbs are mixins,
-each module with its invariants: ranged reads (``_s3_reads``), listings and deletes
-(``_s3_listing``), the conditional verbs (``_s3_conditional``), multipart uploads
-(``_s3_multipart``).
+Here: the client, its configuration and plain ``put``; the other verbs are mixins, each module
+with its invariants (``_s3_reads``, ``_s3_listing``, ``_s3_conditional``, ``_s3_multipart``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -147,50 +140,36 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
         throttling, at no less than ``min_rate`` requests/s per scope (``CKPTD_S3_MIN_RATE``, 0.2);
         ``"standard"`` only retries. ``delete_workers``: DeleteObjects in flight at once in
         ``purge`` (``CKPTD_S3_DELETE_WORKERS``, 4)."""
-        if max_attempts is None:
-            max_attempts = int(env_number("CKPTD_S3_MAX_ATTEMPTS", 8))
-        if retries is None:
-            retries = int(env_number("CKPTD_S3_RETRIES", 4))
-        if connect_timeout is None:
-            connect_timeout = env_number("CKPTD_S3_CONNECT_TIMEOUT", 10.0)
-        if read_timeout is None:
-            read_timeout = env_number("CKPTD_S3_READ_TIMEOUT", 60.0)
+        max_attempts = int(env_number("CKPTD_S3_MAX_ATTEMPTS", 8, max_attempts))
+        retries = int(env_number("CKPTD_S3_RETRIES", 4, retries))
+        connect_timeout = env_number("CKPTD_S3_CONNECT_TIMEOUT", 10.0, connect_timeout)
+        read_timeout = env_number("CKPTD_S3_READ_TIMEOUT", 60.0, read_timeout)
         if retry_mode is None:
             retry_mode = os.environ.get("CKPTD_S3_RETRY_MODE", "").strip() or "adaptive"
         if retry_mode not in ("adaptive", "standard"):
             raise ValueError(f"S3 retry mode {retry_mode!r}: expected 'adaptive' or 'standard'")
-        if min_rate is None:
-            min_rate = env_number("CKPTD_S3_MIN_RATE", DEFAULT_MIN_RATE)
-        if delete_workers is None:
-            delete_workers = int(env_number("CKPTD_S3_DELETE_WORKERS", DEFAULT_DELETE_WORKERS))
-        self.delete_workers = max(1, delete_workers)
+        min_rate = env_number("CKPTD_S3_MIN_RATE", DEFAULT_MIN_RATE, min_rate)
+        self.delete_workers = max(1, int(env_number("CKPTD_S3_DELETE_WORKERS", DEFAULT_DELETE_WORKERS, delete_workers)))
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
-        prefix = prefix.strip("/")
-        if prefix:
-            check_prefix(prefix)
+        prefix = check_prefix(prefix.strip("/"))
         self.bucket = bucket
         self._prefix = prefix + "/" if prefix else ""
         self.uri = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
 
-        part_size = part_size if part_size is not None else env_size("CKPTD_S3_PART_SIZE", DEFAULT_PART_SIZE)
+        part_size = env_size("CKPTD_S3_PART_SIZE", DEFAULT_PART_SIZE, part_size)
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"S3 part size {part_size} is below S3's minimum of {MIN_PART_SIZE} bytes")
         self.part_size = part_size
         # Up to two parts' worth goes as one PUT: an object a little over one part would
         # otherwise become four requests (create, two parts, complete) for one part of data.
-        self.multipart_threshold = (
-            multipart_threshold
-            if multipart_threshold is not None
-            else env_size("CKPTD_S3_MULTIPART_THRESHOLD", 2 * part_size)
-        )
+        self.multipart_threshold = env_size("CKPTD_S3_MULTIPART_THRESHOLD", 2 * part_size, multipart_threshold)
         workers = max_workers or int(os.environ.get("CKPTD_S3_WORKERS") or DEFAULT_WORKERS)
 
         # With a custom endpoint (MinIO, Ceph, moto) use path-style addressing: virtual hosts
         # like bucket.localhost rarely resolve there; AWS accepts both.
-        env = os.environ
         paced = retry_mode == "adaptive"
-        custom_endpoint = endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        custom_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         config = Config(
             # Pool workers plus caller threads each hold a connection; botocore's default of 10
             # would make them queue (and log "connection pool is full").
@@ -203,26 +182,20 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
             tcp_keepalive=True,
             s3={"addressing_style": "path"} if custom_endpoint else None,
         )
-        # endpoint_url=None lets botocore read AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL itself.
         self._client = new_client(region or os.environ.get("AWS_REGION") or None, endpoint_url, config)
         self.endpoint_url: str = self._client.meta.endpoint_url
         tries = (retries + 1) * (max(1, max_attempts) if paced else 1)
         self._caller = Caller(bucket, self.endpoint_url, tries, backoff)
         self._rounds = retries + 1  # purge's DeleteObjects of the keys a batch reported failed
-        # One limiter for the whole store: every request of every thread passes it.
-        self.limiter: AdaptiveLimiter | None = None
-        self._pacer: Pacer | None = None
-        if paced:
-            self.limiter = AdaptiveLimiter(min_rate)
-            self._pacer = Pacer(self.limiter)
+        self.limiter = AdaptiveLimiter(min_rate) if paced else None
+        self._pacer = Pacer(self.limiter) if self.limiter else None
+        if self._pacer:
             self._pacer.attach(self._client.meta.events)
         self._client.meta.events.register_last("before-call.s3", _no_wait_for_small_bodies)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-s3")
         self.max_put_size = max_put_size
         self._checksums_checked = False  # the server showed it checks our CRC32s
         self._conditional_complete: bool | None = None  # the probe's answer, once known
-        self._closed = False
-        self._close_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -302,10 +275,6 @@ class S3Store(Reads, Listing, ConditionalWrites, Multipart, Store):
             CopySource={"Bucket": self.bucket, "Key": self._full(src_key)},
         )
 
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
+    def close(self) -> None:  # both steps may run again: a second close does nothing
         self._pool.shutdown(wait=True)
         self._client.close()

@@ -6,18 +6,17 @@ model). Retrying with backoff alone keeps offering the refused load: the range s
 with retries, and requests run out of tries. So, as TCP does and botocore's ``adaptive`` mode
 does per client, the store paces itself:
 
-- ``AdaptiveLimiter`` is one token bucket per *scope*, shared by every thread of the store (all
-  of them send through it: the limiter sits on the botocore client's ``before-send`` and
-  ``needs-retry`` events, so every request is paced, whoever retries it). A scope is
-  the first folder of the key below the store's root (``step_0000000100``, ``_latest``, ...):
-  one save's objects are one scope, the key range S3 throttles. A step's claims and heartbeats
-  (``step_.../_claims/``) are a scope apart: behind 16 data reservations at the floor a heartbeat
-  went out 80 s late, against a 60 s lease, and another job took a live writer's step over.
-- A scope has no limit until a request in it is throttled (SlowDown, 503, 429, the throttling
-  codes of ``THROTTLE_CODES``). Then its rate becomes ``BETA`` (0.7) of what it was
-  sending over the last second (multiplicative decrease), never below ``min_rate``; every
-  success adds ``STEP x cut rate / rate`` (so the rate grows by ``STEP`` x its cut rate per second,
-  additive increase); once back at twice the cut rate the limit is lifted.
+- ``AdaptiveLimiter`` is one token bucket per *scope*, shared by every thread of the store (it
+  sits on the botocore client's ``before-send`` and ``needs-retry`` events, so every request is
+  paced, whoever retries it). A scope is the first folder of the key below the store's root
+  (``step_0000000100``, ``_latest``, ...): one save's objects, the key range S3 throttles. A
+  step's claims and heartbeats (``step_.../_claims/``) are a scope apart: behind 16 data
+  reservations at the floor a heartbeat went out 80 s late, against a 60 s lease, and another
+  job took a live writer's step over.
+- A scope has no limit until a request in it is throttled (503, 429, ``THROTTLE_CODES``); then
+  AIMD: its rate is cut to ``BETA`` of what it sent over the last second (never below
+  ``min_rate``), every success adds ``STEP x cut rate / rate`` (``STEP`` x the cut rate per
+  second), and back at ``RELEASE`` x the cut rate the limit is lifted.
 - Why not botocore's ``retries={"mode": "adaptive"}``: its bucket is one per client, so a
   SlowDown on one step's range would also slow the store's reads of ``_latest/`` and claims;
   it sees only botocore's own tries, not our ``Caller``'s around them; and it cannot run on
@@ -28,8 +27,8 @@ does per client, the store paces itself:
   once, not 16 times (that would collapse it to ``min_rate``).
 
 Bounded: a throttled request still counts as a try, so a call fails with one StorageError after
-``max_attempts x (retries + 1)`` tries (all the store's ``Caller``'s, see ``storage_backends.s3``).
-The wait for a token is at most (requests waiting in the scope, itself
+``max_attempts x (retries + 1)`` tries (all the store's ``Caller``'s, see
+``storage_backends.s3``). The wait for a token is at most (requests waiting in the scope, itself
 included) / ``min_rate``: a rate change credits what the old rate refilled first, so a request
 pays for its token once, however many throttles follow. ``benchmarks/SCALE.md`` runs this
 limiter, one per simulated client, against S3's partitions at 1024-8192 ranks.

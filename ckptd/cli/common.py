@@ -112,21 +112,19 @@ def printable(text: Any) -> str:
     return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
 
 
-def print_json(obj: Any, out: TextIO | None = None) -> None:
-    out = out or sys.stdout
-    json.dump(obj, out, indent=2, allow_nan=False)
-    out.write("\n")
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, allow_nan=False)
+    sys.stdout.write("\n")
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO | None = None) -> None:
-    """Left-aligned columns, two spaces apart; numeric-looking cells right-aligned."""
-    out = out or sys.stdout
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Left-aligned columns, two spaces apart, on stdout; numeric-looking cells right-aligned."""
     cells = [[printable(h) for h in headers], *[[printable(c) for c in r] for r in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     right = [all(isinstance(r[i], int | float) for r in rows) and bool(rows) for i in range(len(headers))]
     for r in cells:
         parts = [c.rjust(w) if ra else c.ljust(w) for c, w, ra in zip(r, widths, right, strict=True)]
-        out.write("  ".join(parts).rstrip() + "\n")
+        sys.stdout.write("  ".join(parts).rstrip() + "\n")
 
 
 def error(message: str) -> None:

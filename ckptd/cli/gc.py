@@ -52,9 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=duration,
         default=duration("24h"),
         metavar="AGE",
-        help="abort incomplete S3 multipart uploads (remove temp files, on a filesystem) under the root "
-        "begun longer ago than this "
-        "(default 24h; 0: all, only when no save is running)",
+        help="abort incomplete S3 multipart uploads (remove temp files, on a filesystem) under the root begun "
+        "longer ago than this (default 24h; 0: all, only when no save is running)",
     )
     p.add_argument(
         "--max-step-jump",

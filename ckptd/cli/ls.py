@@ -31,8 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _size(i: catalog.CheckpointInfo) -> str:
-    """A committed step's size; a partial one's as written of expected, so that a step that
-    stopped halfway does not look complete (``?``: its manifest is not there yet)."""
+    """A partial step's size as written of expected, so that one stopped halfway does not look
+    complete (``?``: its manifest is not there yet)."""
     if i.committed:
         return human_bytes(i.bytes)
     expected = "?" if i.expected_bytes is None else human_bytes(i.expected_bytes)

@@ -40,7 +40,7 @@ def tier_copies(
             failed.append(f"{url}: {e or type(e).__name__}")
             continue
         todo += [p.rstrip("/") for p in body.get("peers", []) if isinstance(p, str)]
-        for kind in ("hot", "replicas", "memory_only"):
+        for kind, name in (("hot", "hot"), ("replicas", "replica"), ("memory_only", None)):
             for c in body.get(kind, []):
                 try:
                     if not c.get("complete") or normalize(c["root"]) != want:
@@ -48,9 +48,7 @@ def tier_copies(
                     step = int(c["step"])
                 except (KeyError, TypeError, ValueError):
                     continue
-                k = {"hot": "hot", "replicas": "replica"}.get(kind) or (
-                    "memory" if c.get("source") == "self" else "memory-replica"
-                )
+                k = name or ("memory" if c.get("source") == "self" else "memory-replica")
                 fields = {f: c.get(f) for f in ("source", "attempt", "ranks", "bytes")}
                 out.setdefault(step, []).append({"where": f"{k}@{url}", "kind": k, "daemon": url} | fields)
     return out, failed

@@ -92,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
         for step in todo:
             report = _check(store, step, args, progress)
             results.append((report, _record(store, report) if args.all or args.record else False))
-        uri = store.uri
     if args.json:
         out = [_as_json(r, rec) for r, rec in results]
         print_json(out if args.all else out[0])
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 error(e)
     if not args.json:
         for report, _ in results:
-            where = f"{uri.rstrip('/')}/{mf.step_dir(report.step)}"
+            where = catalog.where(store, report.step)  # only its URI: the store may be closed
             if report.ok:
                 print(
                     f"{where}: OK: {report.arrays} arrays, {report.objects} objects, "
