@@ -24,8 +24,8 @@ from typing import Any
 
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
-from storage_backends import StorageError
 from trainer_hooks.checkpointer import Checkpointer
+from trainer_hooks.coord import from_rank0
 
 __all__ = ["CheckpointHook", "STOP_SIGNALS"]
 
@@ -131,13 +131,11 @@ class CheckpointHook:
         (rank 0 looks, every rank gets its answer: all ranks skip the save or none)."""
         if step not in self._skipped:
             return False
-        still = None
-        if self.ckpt.rank == 0:
-            try:
-                still = self.ckpt.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}")
-            except StorageError as e:
-                still = f"cannot check step {step} ({e})"
-        still = self.ckpt.coord.broadcast(still)
+        still = from_rank0(
+            self.ckpt.coord,
+            lambda: self.ckpt.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"),
+            fail=lambda e: f"cannot check step {step} ({e})",
+        )
         if isinstance(still, str):
             raise CheckpointError(still)
         if not still:

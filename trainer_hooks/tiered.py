@@ -38,6 +38,7 @@ from ckptd.reader import CheckpointReader, ReadRequest, run_all
 from ckptd.tierwire import ask_json
 from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
+from trainer_hooks.coord import from_rank0
 from trainer_hooks.tierstore import (
     BATCH_BYTES,
     DEFAULT_TIER_TIMEOUT_S,
@@ -380,14 +381,12 @@ class TieredRestore:
         Collective, never raises: rank 0 reads the commit record's attempt and asks the peers its
         daemon names, every rank its own daemon; a tier that cannot say what it holds is left
         out (then every shard comes from the root)."""
-        attempt = None
-        if coord.rank == 0:
-            try:
-                attempt = (catalog.read_commit(store, step) or {}).get("attempt")
-            except (CheckpointError, StorageError) as e:
-                log.warning("restore: no tier read of step %d: %s", step, e)
-        attempt = coord.broadcast(attempt if isinstance(attempt, str) else None)
-        if attempt is None:
+        attempt = from_rank0(
+            coord,
+            lambda: (catalog.read_commit(store, step) or {}).get("attempt"),
+            fail=lambda e: log.warning("restore: no tier read of step %d: %s", step, e),
+        )
+        if not isinstance(attempt, str):
             return TierSource(self, step, "", {}, {}, store)
         held, data, _, peers = self._own(step, attempt)
         theirs: tuple = ({}, {})
