@@ -1,14 +1,5 @@
 """``CheckpointHook``: periodic saves and a clean stop on preemption, for a hand-written loop.
 
-::
-
-    hook = CheckpointHook(ckpt, state, every_n_steps=100, save_on_signal=True)
-    start = hook.resume()
-    for step in range(start, total_steps):
-        train_step()
-        hook.after_step(step)
-    hook.close()
-
 SIGTERM and SIGUSR1 are what Slurm (``--signal``), Kubernetes (pod termination) and torchrun
 send before they stop a job. The handler only sets a flag; at the next ``after_step`` all ranks
 take the logical OR of their flags (one tiny all-reduce per step), so every rank saves the same

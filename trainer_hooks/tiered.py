@@ -329,10 +329,6 @@ class TieredRestore:
         self.last: dict[str, int] = {}
         self._token = daemon_token()
 
-    def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
-        """One JSON request to the daemon ``url``; CheckpointError (DaemonUnreachable) or ValueError."""
-        return ask_json(url, self._token, self.timeout_s, method, path, body)
-
     def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers the
         first one names) what it holds complete of this root (of exactly ``step`` and ``attempt``
@@ -351,7 +347,7 @@ class TieredRestore:
             if url in asked:
                 continue
             try:
-                body = self._call(url, "GET", "/v1/tiers?" + urlencode(q))
+                body = ask_json(url, self._token, self.timeout_s, "GET", "/v1/tiers?" + urlencode(q))
                 found = [
                     ((int(c["step"]), str(c["attempt"])), {str(k): int(v) for k, v in c["keys"].items()})
                     for kind in ("hot", "replicas", "memory_only")
@@ -434,7 +430,7 @@ class TieredRestore:
             got["root"],
         )
         try:  # the daemon's ckptd_restore_bytes_*_total
-            self._call(self.daemon_url, "POST", "/v1/tiers/restored", got)
+            ask_json(self.daemon_url, self._token, self.timeout_s, "POST", "/v1/tiers/restored", got)
         except (ValueError, CheckpointError) as e:
             log.debug("restore: could not report tier bytes to the daemon: %s", e)
 
@@ -445,6 +441,6 @@ class TieredRestore:
         body = {"job_root": self.root_uri, "restored_step": step}
         for url in dict.fromkeys(u.rstrip("/") for u in urls):
             try:
-                self._call(url, "POST", "/v1/tiers/restored", body)
+                ask_json(url, self._token, self.timeout_s, "POST", "/v1/tiers/restored", body)
             except (ValueError, CheckpointError) as e:
                 log.warning("restore: could not tell %s that step %d was restored: %s", url, step, e)
