@@ -73,8 +73,6 @@ class TieredReader(CheckpointReader):
     def __init__(self, source: TierSource, prefix: str, pins=None):
         super().__init__(source.root or source, prefix, pins=pins)
         self._source = source
-        self._tlock = threading.Lock()
-        self._bytes = {"local": 0, "peer": 0}  # bytes of the shards each tier kind served
 
     def read(self, requests, pool=None) -> None:
         """Fill every request's ``out``. The shard objects a live tier holds are fetched in
@@ -160,15 +158,8 @@ class TieredReader(CheckpointReader):
             else:
                 log.warning("restore: %s; reading that shard from the next tier", e)
             return False
-        with self._tlock:
-            self._bytes[tier.kind] += reader.stats.bytes_read
+        self._source.count(tier, reader.stats.bytes_read)
         return True
-
-    def tier_bytes(self) -> dict[str, int]:
-        """Chunk bytes each tier served: ``local`` (own daemon), ``peer``, ``root``; bytes a tier
-        sent that failed a check count for none (the tier that then served the shard counts)."""
-        with self._tlock:
-            return {**self._bytes, "root": self.stats.bytes_read}
 
 
 class TierSource(_RangeReads, Store):
@@ -188,7 +179,8 @@ class TierSource(_RangeReads, Store):
         self._tiers: dict[str, _Tier] = {}
         self._mapped: _Tier | None = None  # this node's daemon's objects, mapped (``map_own``)
         self._reader: TieredReader | None = None
-        self.bytes = {"local": 0, "peer": 0}  # bytes read through the store's own methods
+        # chunk bytes each tier kind served (a tier's bytes that failed a check count for none)
+        self.bytes = {"local": 0, "peer": 0}
 
     def _tier(self, url: str) -> _Tier:
         with self._lock:
@@ -242,10 +234,14 @@ class TierSource(_RangeReads, Store):
         self._reader = TieredReader(self, prefix, pins)
         return self._reader
 
+    def count(self, tier: _Tier, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[tier.kind] += nbytes
+
     def tier_bytes(self) -> dict[str, int]:
         """Bytes the restore read from this node's daemon, from peers and from the job root."""
-        got = self._reader.tier_bytes() if self._reader is not None else {"local": 0, "peer": 0, "root": 0}
-        return {k: got[k] + self.bytes.get(k, 0) for k in ("local", "peer", "root")}
+        with self._lock:
+            return {**self.bytes, "root": self._reader.stats.bytes_read if self._reader is not None else 0}
 
     def close(self) -> None:
         """Close every daemon's connections and forget the mapped objects (the restore is over)."""
@@ -289,8 +285,7 @@ class TierSource(_RangeReads, Store):
             except (TierUnavailable, CheckpointError) as e:  # gone, slow, wrong answer, or a bad URL
                 self.failed(tier, e)
                 continue
-            with self._lock:
-                self.bytes[tier.kind] += length
+            self.count(tier, length)
             return
         if self.root is not None:
             self.root.get_range_into(key, begin, views)
