@@ -88,8 +88,9 @@ class CheckpointCallbackBase:
             self.restored_step = self.ckpt.restore(state())
             self.last_saved = self.restored_step
 
-    def _due(self, step: int) -> bool:
-        return step > 0 and step % self.every_n_steps == 0
+    def _save_due(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+        if step > 0 and step % self.every_n_steps == 0:
+            self._save_step(step, state)
 
     def _save_step(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
         """Save ``state()`` at ``step`` unless it is already saved (or no Checkpointer is open)."""

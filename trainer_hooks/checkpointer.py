@@ -1,14 +1,5 @@
 """``Checkpointer``: save and restore a training job's state at any world size.
 
-Order of calls, on every rank of the job (``save`` and ``restore`` are collective)::
-
-    ckpt = Checkpointer("s3://bucket/job")      # collective when torch.distributed is up
-    got = ckpt.restore(state)                    # None on a fresh job root
-    for step in ...:
-        train_step()
-        fut = ckpt.save(step, state)            # blocks only for the snapshot copy
-    ckpt.close()                                # waits for the last commit
-
 Concurrency contract: one training thread calls the public methods; a background writer thread
 (or the ``ckptd serve`` daemon) persists snapshots. At most one save is in flight: a new
 ``save`` first waits for the previous one, so host memory holds one snapshot, never a pile.
@@ -74,14 +65,10 @@ class Checkpointer:
     this Checkpointer restored or committed (a typo'd or corrupted step number would count as the
     newest for retention and push every real step out); default ``CKPTD_MAX_STEP_JUMP``, else
     1000000; None or 0: no bound. The daemon bounds hand-offs the same way (``--max-step-jump``).
-    ``persist_every`` (with a daemon; default 1: every save persists): frequent memory-only
-    checkpoints. Every save goes to the daemon, but only a step divisible by ``persist_every``
-    persists to the job root; any other step is held in the daemons' memory only (every object
-    a persisted step would have, replicated to the daemon's peers, never written under the job
-    root nor shown there as committed; its future resolves once this rank's daemon holds its
-    part). A step that does not fit a daemon's staging budget is persisted instead (logged).
-    ``restore`` with no step then picks the newest step the surviving daemons hold whole, if it
-    is newer than the newest persisted one (``trainer_hooks.memsteps``, docs/reliability.md).
+    ``persist_every`` (with a daemon; default 1): only steps divisible by it persist to the job
+    root, the others stay in the daemons' memory (their future resolves once this rank's daemon
+    holds its part); ``restore`` with no step may pick one (``trainer_hooks.memsteps``,
+    docs/reliability.md "Memory-only steps").
     ``job_id``: this job's writer identity, which claims every step it saves so that a second
     job writing the same root is refused instead of mixed (``ckptd.commit``). Default:
     ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID`` when set (the same across restarts of the job,

@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Coordinator"]
+from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
+from storage_backends import StorageError
+
+__all__ = ["ERRORS", "Coordinator", "from_rank0"]
+
+# The errors a failure agreed on (or broadcast) is raised as again on every rank, by class name.
+ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError)}
 
 
 class Coordinator:
@@ -56,3 +62,25 @@ class Coordinator:
         if isinstance(got, tuple | list):
             return type(got)([got[0], f"(on rank {src}) {got[1]}"])
         return f"(on rank {src}) {got}"
+
+
+def from_rank0(coord, fn, fail=None):
+    """Rank 0 of ``coord`` calls ``fn()`` and every rank gets its result. Where it raises
+    CheckpointError or StorageError: with ``fail``, every rank gets what rank 0's ``fail(error)``
+    returns; without, rank 0 raises the error and the others one of its class and message (a
+    CheckpointError for a StorageError). Only ``coord.rank`` and ``coord.broadcast`` are used."""
+    got = err = None
+    if coord.rank == 0:
+        try:
+            got = fn()
+        except (CheckpointError, StorageError) as e:
+            if fail is None:
+                err = e
+            else:
+                got = fail(e)
+    ok, got = coord.broadcast((True, got) if err is None else (False, (type(err).__name__, str(err))))
+    if err is not None:
+        raise err
+    if not ok:
+        raise ERRORS.get(got[0], CheckpointError)(got[1])
+    return got

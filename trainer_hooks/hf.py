@@ -105,8 +105,7 @@ class CkptdCallback(CheckpointCallbackBase, TrainerCallback):
             )
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        if self._due(state.global_step):
-            self._save_step(state.global_step, lambda: self.state(state, model, optimizer, lr_scheduler))
+        self._save_due(state.global_step, lambda: self.state(state, model, optimizer, lr_scheduler))
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         try:

@@ -1,14 +1,5 @@
 """``CheckpointHook``: periodic saves and a clean stop on preemption, for a hand-written loop.
 
-::
-
-    hook = CheckpointHook(ckpt, state, every_n_steps=100, save_on_signal=True)
-    start = hook.resume()
-    for step in range(start, total_steps):
-        train_step()
-        hook.after_step(step)
-    hook.close()
-
 SIGTERM and SIGUSR1 are what Slurm (``--signal``), Kubernetes (pod termination) and torchrun
 send before they stop a job. The handler only sets a flag; at the next ``after_step`` all ranks
 take the logical OR of their flags (one tiny all-reduce per step), so every rank saves the same
@@ -24,8 +15,8 @@ from typing import Any
 
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
-from storage_backends import StorageError
 from trainer_hooks.checkpointer import Checkpointer
+from trainer_hooks.coord import from_rank0
 
 __all__ = ["CheckpointHook", "STOP_SIGNALS"]
 
@@ -131,13 +122,11 @@ class CheckpointHook:
         (rank 0 looks, every rank gets its answer: all ranks skip the save or none)."""
         if step not in self._skipped:
             return False
-        still = None
-        if self.ckpt.rank == 0:
-            try:
-                still = self.ckpt.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}")
-            except StorageError as e:
-                still = f"cannot check step {step} ({e})"
-        still = self.ckpt.coord.broadcast(still)
+        still = from_rank0(
+            self.ckpt.coord,
+            lambda: self.ckpt.store.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"),
+            fail=lambda e: f"cannot check step {step} ({e})",
+        )
         if isinstance(still, str):
             raise CheckpointError(still)
         if not still:

@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import itertools
 import os
 import sys
@@ -91,22 +92,18 @@ def _copy(pieces: list[tuple[np.ndarray, np.ndarray]], taken: Iterator[int]) -> 
 # ---------------------------------------------------------------------------------- prefaulting
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing them
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_madvise = None
 _unsupported = sys.platform != "linux"
 
 
+@functools.cache
 def _libc_madvise():
-    global _madvise, _unsupported
-    if _madvise is None and not _unsupported:
-        try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).madvise
-        except (OSError, AttributeError):
-            _unsupported = True
-            return None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _madvise = fn
-    return _madvise
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _ranges(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
@@ -126,7 +123,7 @@ def populate(tensors: Sequence[torch.Tensor], stop: threading.Event | None = Non
     byte, piece by piece in order, until done or ``stop`` is set. A hint: False where the kernel
     has no ``MADV_POPULATE_WRITE`` (or refuses a range), and the pages fault in when written."""
     global _unsupported
-    fn = _libc_madvise()
+    fn = None if _unsupported else _libc_madvise()
     if fn is None:
         return False
     for addr, n in _ranges(tensors):

@@ -155,8 +155,7 @@ class CkptdCallback(CheckpointCallbackBase, Callback):
             setattr(progress.current, counter, getattr(progress.current, counter) + shift)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._due(trainer.global_step):
-            self._save_step(trainer.global_step, lambda: self.state(trainer, pl_module))
+        self._save_due(trainer.global_step, lambda: self.state(trainer, pl_module))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._finish(trainer.global_step, lambda: self.state(trainer, pl_module))

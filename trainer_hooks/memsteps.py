@@ -34,7 +34,7 @@ from ckptd.errors import CheckpointError
 from storage_backends import StorageError, Store
 from trainer_hooks.tiered import TierSource
 
-__all__ = ["choose", "memory_only_save", "reserve_bytes", "reserve_objects"]
+__all__ = ["choose", "memory_only_save", "reserve_bytes"]
 
 log = logging.getLogger("ckptd.memsteps")
 
@@ -54,19 +54,14 @@ def reserve_bytes(job) -> int:
     return total + (1 << 20) + len(job.shards) * 256  # done record: a pin per shard, and room
 
 
-def reserve_objects(job) -> int:
-    """An upper bound of the objects rank's part holds: one per shard, one per metadata object,
-    and its done record (and room)."""
-    return len(job.shards) + len(job.metadata) + 4
-
-
 def memory_only_save(sink, coord, step: int, attempt: str, job, persist_every: int) -> bool:
     """Whether ``step`` is saved memory-only: not a multiple of ``persist_every``, and every
     rank's daemon reserved room for its part. Collective (one ``all_max``)."""
     if persist_every <= 1 or step % persist_every == 0:
         return False
     try:
-        ok = sink.reserve_memory(step, attempt, reserve_bytes(job), reserve_objects(job))
+        # objects: one per shard and per metadata object, the done record (and room)
+        ok = sink.reserve_memory(step, attempt, reserve_bytes(job), len(job.shards) + len(job.metadata) + 4)
     except CheckpointError as e:
         log.warning("rank %d: cannot reserve room for memory-only step %d: %s", coord.rank, step, e)
         ok = False

@@ -20,12 +20,12 @@ import torch
 from ckptd import catalog, jsonenc, pins, plans
 from ckptd import manifest as mf
 from ckptd.dtypes import as_numpy
-from ckptd.errors import CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError
+from ckptd.errors import CheckpointError, StateMismatchError
 from ckptd.layout import plan_reads, shard_index
 from ckptd.reader import CheckpointReader, ReadRequest
 from storage_backends import StorageError, Store, open_store
 from trainer_hooks import hostcopy, rng
-from trainer_hooks.coord import Coordinator
+from trainer_hooks.coord import ERRORS, Coordinator, from_rank0
 from trainer_hooks.flatten import apply, flatten
 from trainer_hooks.sharding import is_dtensor, local_tensor
 from trainer_hooks.state_check import validate
@@ -43,19 +43,7 @@ def _load_manifest(store: Store, coord: Coordinator, step: int) -> mf.Manifest:
     One GET per restore instead of two requests per rank on the checkpoint's prefix: at 4096
     ranks and more that burst is over what S3 serves on one prefix (5500 GET/s) and restores met
     SlowDowns in ``benchmarks.scale``. Rank 0's error is raised on every rank."""
-    got: Any = None
-    err: Exception | None = None
-    if coord.rank == 0:
-        try:
-            got = pins.load_manifest(store, step)
-        except (CheckpointError, StorageError) as e:
-            err, got = e, ("error", str(e))
-    got = coord.broadcast(got)
-    if err is not None:
-        raise err
-    if isinstance(got, tuple):
-        raise CheckpointError(got[1])
-    return got
+    return from_rank0(coord, lambda: pins.load_manifest(store, step))
 
 
 def pins_for(
@@ -88,13 +76,11 @@ def _planned_store(store: Store, coord: Coordinator, step: int) -> Store:
     Rank 0 reads the plan (``ckptd.plans.planned_source``) and every rank follows its answer.
     The copy holds the same step, tensors and state tree, in chunks that match this world
     size; ``latest_step`` and an explicit ``step`` never look at plans."""
-    uri = None
-    if coord.rank == 0:
-        try:
-            uri = plans.planned_source(store, step, coord.world_size)
-        except (CheckpointError, StorageError) as e:
-            log.warning("ignoring reshard plans: %s", e)
-    uri = coord.broadcast(uri)
+    uri = from_rank0(
+        coord,
+        lambda: plans.planned_source(store, step, coord.world_size),
+        fail=lambda e: log.warning("ignoring reshard plans: %s", e),
+    )
     if uri is None:
         return store
     log.info("step %d at world size %d: reading the rechunked copy %s (reshard plan)", step, coord.world_size, uri)
@@ -197,7 +183,7 @@ def _restore_step(
                 msg += " (restore with in_place=True: tensors of the state may be partly overwritten)"
             else:
                 msg += " (nothing was read: the state is unchanged)"
-        raise _ERRORS.get(cls, CheckpointError)(msg) from err
+        raise ERRORS.get(cls, CheckpointError)(msg) from err
     if restore_rng:
         _restore_rng(store, saved, coord)
     log.info("restored %s at world size %d (saved at %d)", where, coord.world_size, saved.world_size)
@@ -215,9 +201,7 @@ def _candidates(store: Store, coord: Coordinator, step: int | None, fallback: bo
     ``fallback`` every committed step, newest first. Rank 0's error is raised on every rank."""
     from trainer_hooks import memsteps
 
-    got: Any = None
-    asked: list[str] = []
-    if coord.rank == 0:
+    def plan():
         try:
             if step is not None:
                 order = [catalog.resolve_step(store, step)]
@@ -225,10 +209,10 @@ def _candidates(store: Store, coord: Coordinator, step: int | None, fallback: bo
                 order = list(reversed(catalog.committed_steps(store)))
             else:
                 order = [s for s in [catalog.latest_step(store)] if s is not None]
-            got = [(COMMITTED, s, None) for s in order]
-        except (CheckpointError, StorageError) as e:
-            got = ("missing" if isinstance(e, CheckpointNotFoundError) else "error", str(e))
-        if tiers is not None and step is None and isinstance(got, list):
+        except StorageError as e:
+            raise CheckpointError(str(e)) from None
+        got, asked = [(COMMITTED, s, None) for s in order], []
+        if tiers is not None and step is None:
             try:
                 choice, asked = memsteps.choose(tiers, order[0] if order else None)
             except (CheckpointError, StorageError) as e:
@@ -236,10 +220,9 @@ def _candidates(store: Store, coord: Coordinator, step: int | None, fallback: bo
                 choice = None
             if choice is not None:
                 got.insert(0, (MEMORY_ONLY, choice[0], choice))
-    got, asked = coord.broadcast((got, asked))
-    if isinstance(got, tuple | list) and got and isinstance(got[0], str):
-        raise (CheckpointNotFoundError if got[0] == "missing" else CheckpointError)(got[1])
-    return got, asked
+        return got, asked
+
+    return from_rank0(coord, plan)
 
 
 def restore(
@@ -372,9 +355,6 @@ def _apply_all_or_nothing(state, m, flat, loaded, strict, where, in_place, coord
 
 def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-_ERRORS = {c.__name__: c for c in (CheckpointError, CheckpointNotFoundError, CorruptChunkError, StateMismatchError)}
 
 
 def _restore_rng(store: Store, m: mf.Manifest, coord: Coordinator) -> None:

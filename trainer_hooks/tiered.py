@@ -38,6 +38,7 @@ from ckptd.reader import CheckpointReader, ReadRequest, run_all
 from ckptd.tierwire import ask_json
 from storage_backends import NotFoundError, StorageError, Store
 from storage_backends.base import ObjectInfo, as_writable_buffers, check_limit, resolve_range
+from trainer_hooks.coord import from_rank0
 from trainer_hooks.tierstore import (
     BATCH_BYTES,
     DEFAULT_TIER_TIMEOUT_S,
@@ -72,8 +73,6 @@ class TieredReader(CheckpointReader):
     def __init__(self, source: TierSource, prefix: str, pins=None):
         super().__init__(source.root or source, prefix, pins=pins)
         self._source = source
-        self._tlock = threading.Lock()
-        self._bytes = {"local": 0, "peer": 0}  # bytes of the shards each tier kind served
 
     def read(self, requests, pool=None) -> None:
         """Fill every request's ``out``. The shard objects a live tier holds are fetched in
@@ -159,15 +158,8 @@ class TieredReader(CheckpointReader):
             else:
                 log.warning("restore: %s; reading that shard from the next tier", e)
             return False
-        with self._tlock:
-            self._bytes[tier.kind] += reader.stats.bytes_read
+        self._source.count(tier, reader.stats.bytes_read)
         return True
-
-    def tier_bytes(self) -> dict[str, int]:
-        """Chunk bytes each tier served: ``local`` (own daemon), ``peer``, ``root``; bytes a tier
-        sent that failed a check count for none (the tier that then served the shard counts)."""
-        with self._tlock:
-            return {**self._bytes, "root": self.stats.bytes_read}
 
 
 class TierSource(_RangeReads, Store):
@@ -187,7 +179,8 @@ class TierSource(_RangeReads, Store):
         self._tiers: dict[str, _Tier] = {}
         self._mapped: _Tier | None = None  # this node's daemon's objects, mapped (``map_own``)
         self._reader: TieredReader | None = None
-        self.bytes = {"local": 0, "peer": 0}  # bytes read through the store's own methods
+        # chunk bytes each tier kind served (a tier's bytes that failed a check count for none)
+        self.bytes = {"local": 0, "peer": 0}
 
     def _tier(self, url: str) -> _Tier:
         with self._lock:
@@ -241,10 +234,14 @@ class TierSource(_RangeReads, Store):
         self._reader = TieredReader(self, prefix, pins)
         return self._reader
 
+    def count(self, tier: _Tier, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[tier.kind] += nbytes
+
     def tier_bytes(self) -> dict[str, int]:
         """Bytes the restore read from this node's daemon, from peers and from the job root."""
-        got = self._reader.tier_bytes() if self._reader is not None else {"local": 0, "peer": 0, "root": 0}
-        return {k: got[k] + self.bytes.get(k, 0) for k in ("local", "peer", "root")}
+        with self._lock:
+            return {**self.bytes, "root": self._reader.stats.bytes_read if self._reader is not None else 0}
 
     def close(self) -> None:
         """Close every daemon's connections and forget the mapped objects (the restore is over)."""
@@ -288,8 +285,7 @@ class TierSource(_RangeReads, Store):
             except (TierUnavailable, CheckpointError) as e:  # gone, slow, wrong answer, or a bad URL
                 self.failed(tier, e)
                 continue
-            with self._lock:
-                self.bytes[tier.kind] += length
+            self.count(tier, length)
             return
         if self.root is not None:
             self.root.get_range_into(key, begin, views)
@@ -328,10 +324,6 @@ class TieredRestore:
         self.last: dict[str, int] = {}
         self._token = daemon_token()
 
-    def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
-        """One JSON request to the daemon ``url``; CheckpointError (DaemonUnreachable) or ValueError."""
-        return ask_json(url, self._token, self.timeout_s, method, path, body)
-
     def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers the
         first one names) what it holds complete of this root (of exactly ``step`` and ``attempt``
@@ -350,7 +342,7 @@ class TieredRestore:
             if url in asked:
                 continue
             try:
-                body = self._call(url, "GET", "/v1/tiers?" + urlencode(q))
+                body = ask_json(url, self._token, self.timeout_s, "GET", "/v1/tiers?" + urlencode(q))
                 found = [
                     ((int(c["step"]), str(c["attempt"])), {str(k): int(v) for k, v in c["keys"].items()})
                     for kind in ("hot", "replicas", "memory_only")
@@ -380,14 +372,12 @@ class TieredRestore:
         Collective, never raises: rank 0 reads the commit record's attempt and asks the peers its
         daemon names, every rank its own daemon; a tier that cannot say what it holds is left
         out (then every shard comes from the root)."""
-        attempt = None
-        if coord.rank == 0:
-            try:
-                attempt = (catalog.read_commit(store, step) or {}).get("attempt")
-            except (CheckpointError, StorageError) as e:
-                log.warning("restore: no tier read of step %d: %s", step, e)
-        attempt = coord.broadcast(attempt if isinstance(attempt, str) else None)
-        if attempt is None:
+        attempt = from_rank0(
+            coord,
+            lambda: (catalog.read_commit(store, step) or {}).get("attempt"),
+            fail=lambda e: log.warning("restore: no tier read of step %d: %s", step, e),
+        )
+        if not isinstance(attempt, str):
             return TierSource(self, step, "", {}, {}, store)
         held, data, _, peers = self._own(step, attempt)
         theirs: tuple = ({}, {})
@@ -435,7 +425,7 @@ class TieredRestore:
             got["root"],
         )
         try:  # the daemon's ckptd_restore_bytes_*_total
-            self._call(self.daemon_url, "POST", "/v1/tiers/restored", got)
+            ask_json(self.daemon_url, self._token, self.timeout_s, "POST", "/v1/tiers/restored", got)
         except (ValueError, CheckpointError) as e:
             log.debug("restore: could not report tier bytes to the daemon: %s", e)
 
@@ -446,6 +436,6 @@ class TieredRestore:
         body = {"job_root": self.root_uri, "restored_step": step}
         for url in dict.fromkeys(u.rstrip("/") for u in urls):
             try:
-                self._call(url, "POST", "/v1/tiers/restored", body)
+                ask_json(url, self._token, self.timeout_s, "POST", "/v1/tiers/restored", body)
             except (ValueError, CheckpointError) as e:
                 log.warning("restore: could not tell %s that step %d was restored: %s", url, step, e)

@@ -205,5 +205,4 @@ def load(optim, model: torch.nn.Module, data: dict, undo: list) -> None:
     for sg, g, lg in zip(saved_groups, optim.param_groups, local.param_groups, strict=True):
         for k, v in sg.items():
             if k != "params":
-                g[k] = v
-                lg[k] = v
+                g[k] = lg[k] = v
