@@ -24,7 +24,6 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from ckptd.cli.common import human_bytes
 from ckptd.server import page_data
 from ckptd.server.page_data import one_line as _line
 from ckptd.server.parts import MAX_NUMBER, MAX_STEP
@@ -64,7 +63,15 @@ def _e(v: Any) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    return human_bytes(int(n) if n is not None and n < 1024 else n)  # a rate: "512 B", not "512.7 B"
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{int(n)} B"  # a rate: "512 B", not "512.7 B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} PiB"
 
 
 def _time(t: float | None) -> str:
