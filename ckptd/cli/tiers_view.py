@@ -35,7 +35,7 @@ def tier_copies(
         try:
             body = ask_json(url, token, timeout, "GET", "/v1/tiers", cap=MAX_REPLY)
         except (ValueError, CheckpointError) as e:
-            if not seen - {url}:  # the daemon asked for: nothing of what was asked can be listed
+            if url == daemon.rstrip("/"):  # the daemon asked for: nothing asked for can be listed
                 raise UsageError(f"cannot list the memory tiers: {url}: {e or type(e).__name__}") from None
             failed.append(f"{url}: {e or type(e).__name__}")
             continue

@@ -57,7 +57,7 @@ from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from ckptd.server.staging_routes import router as leases
 from ckptd.server.tenancy import Forbidden, Tenancy, can_isolate
 from ckptd.server.tiers import Tiers
-from storage_backends import StorageError, open_store
+from storage_backends import StorageError
 
 __all__ = [
     "ERRORS",
@@ -470,12 +470,13 @@ def _capacity(metrics: Metrics) -> None:
         metrics.gauge(name, text, lambda k=key: float(capacity.describe()[k] or 0))
 
 
-def _check_writable(uri: str) -> None:
+def _check_writable(roots: Roots, uri: str) -> None:
     """Refuse to serve a root this daemon cannot write, before any trainer hands off a step that
-    could then never commit: a probe object under its ``_daemons/`` folder, written and deleted."""
+    could then never commit: a probe object under its ``_daemons/`` folder, written and deleted
+    through the store the daemon's uploads use (``Roots.open_store``)."""
     key = f"{mf.DAEMONS}/probe-{os.urandom(8).hex()}.tmp"
     try:
-        store = open_store(uri)
+        store = roots.open_store(uri)
         store.put(key, b"")
         store.delete(key)
     except (StorageError, OSError) as e:
@@ -485,7 +486,7 @@ def _check_writable(uri: str) -> None:
 def create_app(settings: Settings) -> FastAPI:
     roots = Roots(settings.roots)
     for uri in settings.roots:
-        _check_writable(uri)
+        _check_writable(roots, uri)
     token = read_token(settings.token_file)
     _check_discovery(settings, token)
     isolate = can_isolate() if settings.isolate_tenants is None else settings.isolate_tenants
