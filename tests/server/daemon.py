@@ -266,8 +266,9 @@ def hand_off_body(
 def wait_for(pred, what: str, timeout: float = 120.0, procs=(), logs=lambda: "") -> None:
     deadline = load_deadline(timeout)
     while not pred():
-        for p in procs:
-            assert p.poll() is None, f"a process exited while waiting for {what}:\n{logs()}"
+        for i, p in enumerate(procs):
+            rc = p.poll()
+            assert rc is None, f"process {i} (rank {i}) exited with {rc} while waiting for {what}:\n{logs()}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{logs()}"
         time.sleep(0.02)
 
