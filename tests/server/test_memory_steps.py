@@ -15,8 +15,10 @@ every 5th (steps 1..7: step 5 in the job root, the others in the daemons' memory
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -71,6 +73,11 @@ def _has(d: Daemon, root: str, step: int, ranks: set[int], source: str | None = 
     return ranks <= got
 
 
+def _logs(out: Path, *daemons: Daemon) -> str:
+    """The ranks' log tails and the daemons' (a failure names what each side last did)."""
+    return launch.logs(out, "save_memory", 4) + "".join(f"\n--- {d.log_path.name} ---\n{d.logs()}" for d in daemons)
+
+
 def _setup(tmp_path: Path):
     (tmp_path / "token").write_text(TOKEN)
     os.chmod(tmp_path / "token", 0o600)
@@ -104,7 +111,7 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
             "the saves",
             600,
             procs,
-            lambda: launch.logs(out, "save_memory", 4),
+            lambda: _logs(out, a, b),
         )
         # Step 7's parts replicated: a holds b's (ranks 2, 3) and b holds a's.
         wait_for(lambda: _has(a, root, LAST, {2, 3}, urls[1]) and _has(b, root, LAST, {0, 1}, urls[0]), "replicas", 120)
@@ -262,6 +269,30 @@ def test_each_rank_reads_its_own_nodes_parts_through_its_socket(tmp_path):
         b.kill()
 
 
+def test_a_silent_peer_is_left_out_of_the_restore(tmp_path):
+    """A peer daemon that is SIGSTOPped (its port accepts, nothing answers) is left out of the
+    memory-only survey and the fence after ``CKPTD_TIER_SURVEY_S`` (1 s), whatever the tier's
+    request timeout: with that timeout at an hour, the restore still ends, bitwise, from the
+    own node's memory (its parts and its replicas of the silent node's), 0 bytes from the root."""
+    root, a, b, urls = _setup(tmp_path)
+    out = tmp_path / "out"
+    try:
+        _run(2, "save_memory", out, daemons=[a.url, b.url], root=root, last=3, persist_every=2, hang=False)
+        wait_for(lambda: _has(a, root, 3, {1}, urls[1]), "b's replica of step 3 on a", 120)
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        env = {"CKPTD_TOKEN": TOKEN, "CKPTD_TIER_TIMEOUT_S": "3600"}
+        args = {"daemon": a.socket_url, "root": root, "ref": str(out / "ref_step3.pt")}
+        procs = launch.spawn(1, "restore_position", args, out / "r1", env, scenarios=SCENARIOS)
+        (res,) = launch.wait(procs, out / "r1", "restore_position", timeout=300)
+        assert (res["step"], res["mismatches"], res["position"]) == (3, [], 3 * BATCH * 2), res
+        assert res["tiers"]["root"] == 0 and res["tiers"]["local"] > 0, res["tiers"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(b.proc.pid, signal.SIGCONT)
+        a.kill()
+        b.kill()
+
+
 def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
     root, a, b, urls = _setup(tmp_path)
     out = tmp_path / "out"
@@ -275,7 +306,7 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
             "step 7 held on node a, stalled on node b",
             600,
             procs,
-            lambda: launch.logs(out, "save_memory", 4),
+            lambda: _logs(out, a, b),
         )
         wait_for(lambda: _has(a, root, LAST - 1, {2, 3}, urls[1]), "b's replicas of step 6 on a", 120)
         b.kill()
