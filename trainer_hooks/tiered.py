@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import NoReturn
 from urllib.parse import urlencode
@@ -33,6 +34,7 @@ from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.auth import daemon_token
 from ckptd.codec import CRC_BYTES
+from ckptd.daemon_conn import DaemonUnreachable
 from ckptd.errors import CheckpointError
 from ckptd.reader import CheckpointReader, ReadRequest, run_all
 from ckptd.tierwire import ask_json
@@ -51,6 +53,8 @@ from trainer_hooks.tierstore import (
 __all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierSource", "TierStore", "TieredReader", "TieredRestore"]
 
 log = logging.getLogger("ckptd.tiered")
+
+SURVEY_S = 1.0  # a peer silent this long is left out of a restore (CKPTD_TIER_SURVEY_S)
 
 
 class _Tier:
@@ -321,28 +325,35 @@ class TieredRestore:
         self.root_uri = root_uri
         env = os.environ.get("CKPTD_TIER_TIMEOUT_S")
         self.timeout_s = timeout_s if timeout_s is not None else float(env) if env else DEFAULT_TIER_TIMEOUT_S
+        self.survey_s = min(self.timeout_s, float(os.environ.get("CKPTD_TIER_SURVEY_S") or SURVEY_S))
         self.last: dict[str, int] = {}
         self._token = daemon_token()
 
     def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
-        """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers the
-        first one names) what it holds complete of this root (of exactly ``step`` and ``attempt``
-        when given). Returns ((step, attempt) -> key -> (size, [URLs], in the order asked); URL ->
-        its advertised data path; the URLs that answered; the peers the first one named). Own
-        daemon is named by its ``--advertise`` URL where it has one (this rank may have dialled
-        its socket; other nodes' ranks cannot). A daemon that does not answer is left out (logged)."""
+        """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers this
+        rank's own daemon names) what it holds complete of this root (of exactly ``step`` and
+        ``attempt`` when given). Returns ((step, attempt) -> key -> (size, [URLs], in the order
+        asked); URL -> its advertised data path; the URLs that answered; the peers the own
+        daemon named). Own daemon is named by its ``--advertise`` URL where it has one (this
+        rank may have dialled its socket; other nodes' ranks cannot). The own daemon is asked
+        first; the peers all at once, each given ``survey_s``: one that does not answer in that
+        time (stopped, partitioned) is left out, as one that refuses (logged)."""
         held: dict[tuple[int, str], dict[str, tuple[int, list[str]]]] = {}
         data: dict[str, dict] = {}
         asked: list[str] = []
         named: list[str] = []
         q = {"root": self.root_uri, "keys": "true"} | ({} if step is None else {"step": step, "attempt": attempt})
-        todo = [u.rstrip("/") for u in urls]
-        while todo:
-            url = todo.pop(0)
-            if url in asked:
-                continue
+        path = "/v1/tiers?" + urlencode(q)
+        todo = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        answers = self._ask_all([u for u in todo if u == self.daemon_url], "GET", path, self.timeout_s)
+        if answers and isinstance(answers[0][1], dict):
+            named = [p.rstrip("/") for p in answers[0][1].get("peers", []) if isinstance(p, str)]
+            todo += named if follow else []
+        answers += self._ask_all([u for u in dict.fromkeys(todo) if u != self.daemon_url], "GET", path)
+        for url, body in answers:
             try:
-                body = ask_json(url, self._token, self.timeout_s, "GET", "/v1/tiers?" + urlencode(q))
+                if isinstance(body, Exception):
+                    raise body
                 found = [
                     ((int(c["step"]), str(c["attempt"])), {str(k): int(v) for k, v in c["keys"].items()})
                     for kind in ("hot", "replicas", "memory_only")
@@ -351,9 +362,6 @@ class TieredRestore:
             except (ValueError, KeyError, TypeError, AttributeError, CheckpointError) as e:
                 log.warning("restore: the memory tier of %s did not answer: %s", url, e)
                 continue
-            if not asked:
-                named = [p.rstrip("/") for p in body.get("peers", []) if isinstance(p, str)]
-                todo += named if follow else []
             asked.append(url)
             own = url == self.daemon_url and isinstance(body.get("advertise"), str)
             name = body["advertise"].rstrip("/") if own else url  # reachable from other nodes
@@ -366,6 +374,30 @@ class TieredRestore:
                     if got[0] == size and name not in got[1]:
                         got[1].append(name)
         return held, data, asked, named
+
+    def _ask_all(self, urls: list[str], method: str, path: str, timeout_s: float | None = None, body=None):
+        """Ask every daemon of ``urls`` at once, a thread each, each request bounded by
+        ``timeout_s`` (default ``survey_s``); wait ``survey_s`` at most for the set (the own
+        daemon, asked with its full timeout: that long). Returns [(url, its answer or the
+        error)] in order; a daemon still silent is a DaemonUnreachable, its request left to end
+        on its own thread (a fence still arrives at a peer that was only slow)."""
+        timeout_s = self.survey_s if timeout_s is None else timeout_s
+        got: dict[str, object] = {}
+
+        def ask(url: str) -> None:
+            try:
+                got[url] = ask_json(url, self._token, timeout_s, method, path, body)
+            except (ValueError, CheckpointError) as e:
+                got[url] = e
+
+        threads = [threading.Thread(target=ask, args=(u,), daemon=True, name="ckptd-survey") for u in urls]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + max(timeout_s if urls == [self.daemon_url] else 0.0, self.survey_s)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        silent = f"no answer within {self.survey_s:g} s (CKPTD_TIER_SURVEY_S)"
+        return [(u, got.get(u, DaemonUnreachable(f"{u}: {silent}"))) for u in urls]
 
     def source(self, store: Store, coord, step: int) -> TierSource:
         """The store of committed ``step`` over the tiers, wrapped around the job root ``store``.
@@ -434,8 +466,7 @@ class TieredRestore:
         /v1/tiers/restored``): memory-only steps newer than it are dropped. Best effort: a
         daemon that is gone holds nothing any more."""
         body = {"job_root": self.root_uri, "restored_step": step}
-        for url in dict.fromkeys(u.rstrip("/") for u in urls):
-            try:
-                ask_json(url, self._token, self.timeout_s, "POST", "/v1/tiers/restored", body)
-            except (ValueError, CheckpointError) as e:
-                log.warning("restore: could not tell %s that step %d was restored: %s", url, step, e)
+        urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        for url, got in self._ask_all(urls, "POST", "/v1/tiers/restored", self.timeout_s, body):
+            if isinstance(got, Exception):
+                log.warning("restore: could not tell %s that step %d was restored: %s", url, step, got)
