@@ -35,13 +35,16 @@ Concurrency: one lock guards the tables; it is never held while calling into ``S
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
+from ckptd import donetree
 from ckptd import manifest as mf
+from ckptd.commit import whole_step
 from ckptd.errors import CheckpointError
 from ckptd.server import capacity
 from ckptd.server.replication import HOT, MAX_OBJECTS, MEMORY_ONLY, PIECE_BYTES, Copy, Replication, replica_targets
@@ -183,10 +186,47 @@ class Tiers(Replication):
 
     def _retain(self, root: str, kind: str, source: str) -> list[Copy]:
         """Under the lock: take out of the table and return (for the caller to release) the
-        complete copies of ``kind`` that ``source`` made of ``root`` which the retention rule drops."""
+        complete copies of ``kind`` that ``source`` made of ``root`` which the retention rule
+        drops: all but the newest ``KEEP_STEPS[kind]`` steps and the newest memory-only step
+        whole here (``_newest_whole``)."""
         mine = [k for k, c in self._held.items() if k[0] == root and k[4] == source and c.kind == kind and c.complete]
         keep = sorted({k[1] for k in mine}, reverse=True)[: KEEP_STEPS[kind]]
-        return self._take(k for k in mine if k[1] not in keep)
+        whole = self._newest_whole(root) if kind == MEMORY_ONLY else None
+        return self._take(k for k in mine if k[1] not in keep and k[1:3] != whole)
+
+    def _newest_whole(self, root: str) -> tuple[int, str] | None:
+        """Under the lock: the newest memory-only (step, attempt) of ``root`` whole here: every
+        own part of it is sealed on each peer it was pushed to, and its complete parts (own and
+        replicas) make it whole by themselves (``_whole``)."""
+        steps: dict[tuple[int, str], list[Copy]] = {}
+        for c in self._complete():
+            if c.root == root and c.kind == MEMORY_ONLY:
+                steps.setdefault((c.step, c.attempt), []).append(c)
+        for (step, attempt), parts in sorted(steps.items(), reverse=True):
+            pushed = all(set(c.pushed.values()) == {"complete"} for c in parts if c.source == SELF)
+            if (pushed or not self.targets) and self._whole(root, step, attempt, parts):
+                return step, attempt
+        return None
+
+    def _whole(self, root: str, step: int, attempt: str, parts: list[Copy]) -> bool:
+        """Under the lock: whether ``parts`` hold a part of every rank of the world size their
+        manifest names and pass the commit rule (``commit.whole_step``, which reads the done
+        records only if their totals do not match the manifest)."""
+        folder = mf.step_dir(step)
+        mc = next((c for c in parts if f"{folder}/{mf.MANIFEST}" in c.objects), None)
+        done = {k: b for c in parts for k, b in c.objects.items() if k.startswith(f"{folder}/{mf.DONE}/{attempt}/t1/")}
+        try:
+            if mc is not None and mc.manifest is None:
+                mc.manifest = mf.Manifest.from_bytes(bytes(mc.objects[f"{folder}/{mf.MANIFEST}"]), root)
+            if mc is None or not {c.rank for c in parts} >= set(range((m := mc.manifest).world_size)):
+                return False
+            total = donetree.sum_totals(donetree.key_totals(k) for k in done)
+            records = ((k, json.loads(bytes(b))) for k, b in done.items())
+            whole_step(root, step, attempt, m.world_size, m, "", None, total, records, 0.0)
+        except (CheckpointError, ValueError, TypeError) as e:
+            log.debug("memory-only step %d of %s (attempt %s) is not whole here: %s", step, root, attempt, e)
+            return False
+        return True
 
     def _reclaim(self, nbytes: int) -> int:
         """Called by Staging under its lock when a lease needs room: drop copies (being received,
@@ -195,14 +235,17 @@ class Tiers(Replication):
         itself). A memory-only part being written is not taken: its client reserved its room."""
 
         def order(kc: tuple[Key, Copy]) -> tuple[int, int]:
-            (_, step, _, _, source), c = kc
+            (root, step, attempt, _, source), c = kc
             own = source == SELF
             if c.kind == HOT:
-                return (0 if not own else 1 if not c.complete else 2), step
-            return (3 if not own else 4), step
+                return (1 if not own else 2 if not c.complete else 3), step
+            if (w := whole[root]) is not None and step < w[0]:
+                return 0, step  # older than the newest whole step: can no longer be the one restored
+            return (6 if (step, attempt) == w else 4 if not own else 5), step
 
         freed = 0
         with self._lock:
+            whole = {r: self._newest_whole(r) for r in {c.root for c in self._held.values() if c.kind == MEMORY_ONLY}}
             candidates = [(rid, c) for rid, c in self._incoming.items()]
             candidates += sorted(
                 ((k, c) for k, c in self._held.items() if c.kind == HOT or c.complete or c.source != SELF), key=order
