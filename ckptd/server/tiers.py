@@ -15,10 +15,11 @@ of one of two kinds:
   record is in. No commit record exists anywhere (docs/reliability.md, "Memory-only steps").
 
 Retention (``_retain``, per root, kind and source) keeps the complete copies of the newest
-``KEEP_STEPS[kind]`` steps (memory-only: 2, so a node dying during step N's save leaves N-1 whole);
-a rank's hand-off of a memory-only (step, attempt) drops the root's memory-only parts of other
-attempts at that step or newer (a replica, which may arrive late, drops none), and ``fence``
-those newer than a restored step. Budget: every byte of a copy is held through
+``KEEP_STEPS[kind]`` steps (memory-only: 2) and the newest memory-only step whole here, until a
+newer one is (``_newest_whole``: docs/reliability.md, "Memory-only steps"); a rank's hand-off of
+a memory-only (step, attempt) drops the root's memory-only parts of other attempts at that step
+or newer (a replica, which may arrive late, drops none), and ``fence`` those newer than a
+restored step. Budget: every byte of a copy is held through
 ``Staging.reserve``; a copy never makes a save wait (``_reclaim`` drops copies for a lease, in
 the order docs/operations.md gives), and what does not fit is not kept or, for a memory-only
 step reserved before its hand-off (``reserve``), persisted instead. Each complete own copy is
@@ -230,7 +231,8 @@ class Tiers(Replication):
 
     def _reclaim(self, nbytes: int) -> int:
         """Called by Staging under its lock when a lease needs room: drop copies (being received,
-        then replicas before own copies, hot before memory-only, oldest step first) until
+        then memory-only parts older than the newest step whole here, then replicas before own
+        copies, hot before memory-only, oldest step first, that step's parts last) until
         ``nbytes`` are freed; return the bytes freed (Staging takes them off its reservation
         itself). A memory-only part being written is not taken: its client reserved its room."""
 
