@@ -215,12 +215,13 @@ class Tiers(Replication):
         records only if their totals do not match the manifest)."""
         folder = mf.step_dir(step)
         mc = next((c for c in parts if f"{folder}/{mf.MANIFEST}" in c.objects), None)
-        done = {k: b for c in parts for k, b in c.objects.items() if k.startswith(f"{folder}/{mf.DONE}/{attempt}/t1/")}
         try:
             if mc is not None and mc.manifest is None:
                 mc.manifest = mf.Manifest.from_bytes(bytes(mc.objects[f"{folder}/{mf.MANIFEST}"]), root)
             if mc is None or not {c.rank for c in parts} >= set(range((m := mc.manifest).world_size)):
                 return False
+            prefix = f"{folder}/{mf.DONE}/{attempt}/t1/"  # one done record per rank, named by its totals
+            done = {k: b for c in parts for k, b in c.objects.items() if k.startswith(prefix)}
             total = donetree.sum_totals(donetree.key_totals(k) for k in done)
             records = ((k, json.loads(bytes(b))) for k, b in done.items())
             whole_step(root, step, attempt, m.world_size, m, "", None, total, records, 0.0)
