@@ -59,8 +59,9 @@ class Copy:
     degraded: bool = False  # a hot copy that did not fit: none kept of this step on this node
     dropped: bool = False
     created: float = field(default_factory=time.monotonic)
-    pushed: dict[str, str] = field(default_factory=dict)  # peer -> "complete" or why not
+    pushed: dict[str, str] = field(default_factory=dict)  # peer -> "pushing", "complete" or why not
     kind: str = HOT  # HOT or MEMORY_ONLY
+    manifest: object = None  # the step's manifest this copy holds, parsed once (``Tiers._whole``)
 
     def info(self) -> dict:
         info = {k: getattr(self, k) for k in ("root", "step", "attempt", "source", "kind", "rank")}
@@ -103,7 +104,9 @@ class Replication:
 
     def _push_all(self, copies: list[Copy]) -> None:
         for c in copies:
-            for peer in self.targets_for(c.root):
+            peers = self.targets_for(c.root)
+            c.pushed.update(dict.fromkeys(peers, "pushing"))  # a step is whole once all are complete
+            for peer in peers:
                 what = (c.kind, c.root, c.step, c.rank, peer)
                 try:
                     self._push(peer, c)

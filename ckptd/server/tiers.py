@@ -15,10 +15,11 @@ of one of two kinds:
   record is in. No commit record exists anywhere (docs/reliability.md, "Memory-only steps").
 
 Retention (``_retain``, per root, kind and source) keeps the complete copies of the newest
-``KEEP_STEPS[kind]`` steps (memory-only: 2, so a node dying during step N's save leaves N-1 whole);
-a rank's hand-off of a memory-only (step, attempt) drops the root's memory-only parts of other
-attempts at that step or newer (a replica, which may arrive late, drops none), and ``fence``
-those newer than a restored step. Budget: every byte of a copy is held through
+``KEEP_STEPS[kind]`` steps (memory-only: 2) and the newest memory-only step whole here, until a
+newer one is (``_newest_whole``: docs/reliability.md, "Memory-only steps"); a rank's hand-off of
+a memory-only (step, attempt) drops the root's memory-only parts of other attempts at that step
+or newer (a replica, which may arrive late, drops none), and ``fence`` those newer than a
+restored step. Budget: every byte of a copy is held through
 ``Staging.reserve``; a copy never makes a save wait (``_reclaim`` drops copies for a lease, in
 the order docs/operations.md gives), and what does not fit is not kept or, for a memory-only
 step reserved before its hand-off (``reserve``), persisted instead. Each complete own copy is
@@ -35,13 +36,16 @@ Concurrency: one lock guards the tables; it is never held while calling into ``S
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
+from ckptd import donetree
 from ckptd import manifest as mf
+from ckptd.commit import whole_step
 from ckptd.errors import CheckpointError
 from ckptd.server import capacity
 from ckptd.server.replication import HOT, MAX_OBJECTS, MEMORY_ONLY, PIECE_BYTES, Copy, Replication, replica_targets
@@ -183,26 +187,68 @@ class Tiers(Replication):
 
     def _retain(self, root: str, kind: str, source: str) -> list[Copy]:
         """Under the lock: take out of the table and return (for the caller to release) the
-        complete copies of ``kind`` that ``source`` made of ``root`` which the retention rule drops."""
+        complete copies of ``kind`` that ``source`` made of ``root`` which the retention rule
+        drops: all but the newest ``KEEP_STEPS[kind]`` steps and the newest memory-only step
+        whole here (``_newest_whole``)."""
         mine = [k for k, c in self._held.items() if k[0] == root and k[4] == source and c.kind == kind and c.complete]
         keep = sorted({k[1] for k in mine}, reverse=True)[: KEEP_STEPS[kind]]
-        return self._take(k for k in mine if k[1] not in keep)
+        whole = self._newest_whole(root) if kind == MEMORY_ONLY else None
+        return self._take(k for k in mine if k[1] not in keep and k[1:3] != whole)
+
+    def _newest_whole(self, root: str) -> tuple[int, str] | None:
+        """Under the lock: the newest memory-only (step, attempt) of ``root`` whole here: every
+        own part of it is sealed on each peer it was pushed to, and its complete parts (own and
+        replicas) make it whole by themselves (``_whole``)."""
+        steps: dict[tuple[int, str], list[Copy]] = {}
+        for c in self._complete():
+            if c.root == root and c.kind == MEMORY_ONLY:
+                steps.setdefault((c.step, c.attempt), []).append(c)
+        for (step, attempt), parts in sorted(steps.items(), reverse=True):
+            pushed = all(set(c.pushed.values()) == {"complete"} for c in parts if c.source == SELF)
+            if (pushed or not self.targets) and self._whole(root, step, attempt, parts):
+                return step, attempt
+        return None
+
+    def _whole(self, root: str, step: int, attempt: str, parts: list[Copy]) -> bool:
+        """Under the lock: whether ``parts`` hold a part of every rank of the world size their
+        manifest names and pass the commit rule (``commit.whole_step``, which reads the done
+        records only if their totals do not match the manifest)."""
+        folder = mf.step_dir(step)
+        mc = next((c for c in parts if f"{folder}/{mf.MANIFEST}" in c.objects), None)
+        try:
+            if mc is not None and mc.manifest is None:
+                mc.manifest = mf.Manifest.from_bytes(bytes(mc.objects[f"{folder}/{mf.MANIFEST}"]), root)
+            if mc is None or not {c.rank for c in parts} >= set(range((m := mc.manifest).world_size)):
+                return False
+            prefix = f"{folder}/{mf.DONE}/{attempt}/t1/"  # one done record per rank, named by its totals
+            done = {k: b for c in parts for k, b in c.objects.items() if k.startswith(prefix)}
+            total = donetree.sum_totals(donetree.key_totals(k) for k in done)
+            records = ((k, json.loads(bytes(b))) for k, b in done.items())
+            whole_step(root, step, attempt, m.world_size, m, "", None, total, records, 0.0)
+        except (CheckpointError, ValueError, TypeError) as e:
+            log.debug("memory-only step %d of %s (attempt %s) is not whole here: %s", step, root, attempt, e)
+            return False
+        return True
 
     def _reclaim(self, nbytes: int) -> int:
         """Called by Staging under its lock when a lease needs room: drop copies (being received,
-        then replicas before own copies, hot before memory-only, oldest step first) until
+        then memory-only parts older than the newest step whole here, then replicas before own
+        copies, hot before memory-only, oldest step first, that step's parts last) until
         ``nbytes`` are freed; return the bytes freed (Staging takes them off its reservation
         itself). A memory-only part being written is not taken: its client reserved its room."""
 
         def order(kc: tuple[Key, Copy]) -> tuple[int, int]:
-            (_, step, _, _, source), c = kc
+            (root, step, attempt, _, source), c = kc
             own = source == SELF
             if c.kind == HOT:
-                return (0 if not own else 1 if not c.complete else 2), step
-            return (3 if not own else 4), step
+                return (1 if not own else 2 if not c.complete else 3), step
+            if (w := whole[root]) is not None and step < w[0]:
+                return 0, step  # older than the newest whole step: can no longer be the one restored
+            return (6 if (step, attempt) == w else 4 if not own else 5), step
 
         freed = 0
         with self._lock:
+            whole = {r: self._newest_whole(r) for r in {c.root for c in self._held.values() if c.kind == MEMORY_ONLY}}
             candidates = [(rid, c) for rid, c in self._incoming.items()]
             candidates += sorted(
                 ((k, c) for k, c in self._held.items() if c.kind == HOT or c.complete or c.source != SELF), key=order

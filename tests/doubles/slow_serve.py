@@ -1,14 +1,16 @@
 """``ckptd serve`` with slowed stores, for the tests that kill a daemon in the middle of its
 uploads or need a slow peer (``tests.server.daemon.Daemon(upload_delay_s=..., tier_delay_s=...)``):
 
-    python -m tests.doubles.slow_serve [--upload-delay S] [--tier-delay S] serve ARGS...
+    python -m tests.doubles.slow_serve [--upload-delay S] [--tier-delay S] [--push-delay STEP:S] serve ARGS...
 
 runs the real ``ckptd`` CLI (``ckptd.cli.main``) with ``ARGS`` in this process, after
 
 - ``--upload-delay``: every job root store the daemon opens (``Roots.open_store``) is wrapped in
   :class:`SlowShardPuts`: each put of a shard object (a key under ``arrays/``) sleeps first;
 - ``--tier-delay``: every read of the memory tier's held copies (``Tiers.read``, ``read_many``,
-  ``shared``: the HTTP tier routes and the data path) sleeps first, once per request: a slow peer.
+  ``shared``: the HTTP tier routes and the data path) sleeps first, once per request: a slow peer;
+- ``--push-delay STEP:S``: every push of a copy of step STEP to a peer (``Replication._push``)
+  sleeps first: its replica stays in flight.
 
 Nothing else changes: the daemon parses its flags, listens, hands off and commits as it does
 outside the tests. The sleeps are real, so a test can SIGKILL the daemon while they last.
@@ -24,6 +26,7 @@ import time
 
 from ckptd import manifest as mf
 from ckptd.cli.main import main as ckptd_main
+from ckptd.server.replication import Replication
 from ckptd.server.roots import Roots
 from ckptd.server.tiers import Tiers
 from storage_backends import Store
@@ -92,10 +95,24 @@ def slow_tier_reads(delay_s: float) -> None:
         setattr(Tiers, name, slowed(getattr(Tiers, name)))
 
 
+def slow_pushes(step: int, delay_s: float) -> None:
+    """Every push of a copy of ``step`` to a peer waits ``delay_s`` before it sends anything."""
+    push = Replication._push
+
+    @functools.wraps(push)
+    def slowed(self, peer, copy):
+        if copy.step == step:
+            time.sleep(delay_s)
+        return push(self, peer, copy)
+
+    Replication._push = slowed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.doubles.slow_serve", allow_abbrev=False)
     parser.add_argument("--upload-delay", type=float, default=0.0, help="seconds before each shard put")
     parser.add_argument("--tier-delay", type=float, default=0.0, help="seconds before each tier read request")
+    parser.add_argument("--push-delay", default="", help="STEP:SECONDS: each push of that step's copies sleeps first")
     ours, rest = parser.parse_known_args(argv)
     if ours.upload_delay > 0:
         slow_uploads(ours.upload_delay)
@@ -103,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if ours.tier_delay > 0:
         slow_tier_reads(ours.tier_delay)
         print(f"slow_serve: every tier read request sleeps {ours.tier_delay} s", file=sys.stderr, flush=True)
+    if ours.push_delay:
+        step, delay = ours.push_delay.split(":")
+        slow_pushes(int(step), float(delay))
+        print(f"slow_serve: every push of step {step} sleeps {delay} s", file=sys.stderr, flush=True)
     return ckptd_main(rest)
 
 

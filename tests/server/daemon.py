@@ -28,8 +28,9 @@ class Daemon:
     ``--trust-tcp`` (one trusted party, as these tests are); the tenancy tests turn it off and
     reach the daemon through ``socket_url``. Faults, read at each ``start``: ``upload_delay_s``,
     each shard put into a job root sleeps that long first (a test kills the daemon mid-upload);
-    ``tier_delay_s``, each read of its memory tier sleeps first (a slow peer). Either runs the
-    daemon through ``tests.doubles.slow_serve``."""
+    ``tier_delay_s``, each read of its memory tier sleeps first (a slow peer); ``push_delay``
+    (step, seconds), each push of that step's copies to a peer sleeps first (a replica in
+    flight). Any of them runs the daemon through ``tests.doubles.slow_serve``."""
 
     def __init__(
         self,
@@ -42,10 +43,11 @@ class Daemon:
         preexec_fn=None,
         upload_delay_s: float = 0.0,
         tier_delay_s: float = 0.0,
+        push_delay: tuple[int, float] | None = None,
         **env: str,
     ):
         self.roots, self.staging, self.log_path = roots, staging, log
-        self.upload_delay_s, self.tier_delay_s = upload_delay_s, tier_delay_s
+        self.upload_delay_s, self.tier_delay_s, self.push_delay = upload_delay_s, tier_delay_s, push_delay
         self.preexec_fn = preexec_fn  # run in the child before exec (e.g. lower its rlimits)
         self.token_file = token_file
         self.trust_tcp = trust_tcp
@@ -77,9 +79,11 @@ class Daemon:
         for _ in range(3):  # the probed port may be taken before the daemon binds it
             self.port = port or launch.free_port()
             args = [sys.executable, "-m", "ckptd.cli.main"]
-            if self.upload_delay_s or self.tier_delay_s:
+            if self.upload_delay_s or self.tier_delay_s or self.push_delay:
                 args = [sys.executable, "-m", "tests.doubles.slow_serve"]
                 args += ["--upload-delay", str(self.upload_delay_s), "--tier-delay", str(self.tier_delay_s)]
+                if self.push_delay:
+                    args += ["--push-delay", "{}:{}".format(*self.push_delay)]
             args += ["serve", "--port", str(self.port)]
             for r in self.roots:
                 args += ["--root", r]
@@ -174,11 +178,12 @@ def node(
     preexec_fn=None,
     tier_delay_s: float = 0.0,
     trust_tcp: bool = True,
+    push_delay: tuple[int, float] | None = None,
     **env: str,
 ) -> Daemon:
     """A started daemon playing node ``name`` of a memory-tier test: its own staging folder and
     log under ``tmp``, the token in ``tmp/token``, the ring ``peers`` and its own URL advertised;
-    ``tier_delay_s``: a slow peer (``Daemon``). ``trust_tcp=False``: as the docs run it, trainers
+    ``tier_delay_s``, ``push_delay``: a slow peer (``Daemon``). ``trust_tcp=False``: as the docs run it, trainers
     reach it on its socket only."""
     d = Daemon(
         [root],
@@ -188,6 +193,7 @@ def node(
         trust_tcp=trust_tcp,
         preexec_fn=preexec_fn,
         tier_delay_s=tier_delay_s,
+        push_delay=push_delay,
         CKPTD_PEERS=json.dumps(peers),
         CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
         **env,

@@ -26,6 +26,7 @@ def save_memory(
     persist_every: int,
     stall_rank_from: int | None = None,
     hang: bool = True,
+    gate: bool = False,
 ) -> dict:
     """Train steps 1..``last``; after each, save it through this rank's node daemon (ranks split
     evenly over ``daemons``) with ``persist_every`` and wait for the save; record the full state
@@ -33,7 +34,7 @@ def save_memory(
     restore puts the data loader exactly there). Then flag ``saved_{rank}`` and wait to be
     killed (``hang``; else close and return). ``stall_rank_from``: ranks from this one on hang
     inside the hand-off of step ``last`` (after the step's collectives: their node dies during
-    that save)."""
+    that save). ``gate``: before step ``last``'s save, wait for the file ``go`` in ``out``."""
     rank, ws = world()
     state, dp_rank, dp_size = make_state("fsdp", 0)
     ck = Checkpointer(root, daemon=daemons[rank * len(daemons) // ws], persist_every=persist_every)
@@ -42,6 +43,8 @@ def save_memory(
         train_step(state, s, dp_rank, dp_size)
         position += BATCH * ws  # the samples of this step, every rank's batch
         state["extra"]["position"] = torch.tensor([position], dtype=torch.int64)
+        while gate and s == last and not Path(out, "go").exists():
+            time.sleep(0.05)
         if s == last and stall_rank_from is not None and rank >= stall_rank_from:
 
             def stall(job):

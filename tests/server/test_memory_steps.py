@@ -337,6 +337,50 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
             d.kill()
 
 
+def test_a_late_replica_and_a_newer_hand_off_keep_the_last_whole_step(tmp_path):
+    """Retention keeps the newest step whole here until a newer one is: a 4-rank job (2 ranks per
+    node, nothing persisted) saves steps 1..4; node b's push of step 3 to a is still in flight
+    (b's daemon sleeps before it) when b dies, its ranks inside step 4's hand-off, and daemon a
+    takes its own ranks' parts of step 4. The rule "keep the newest 2 steps per source" alone
+    would have a drop its parts of step 2, the last step whole anywhere (a then holds its own
+    parts of steps 3 and 4 and b's of 1 and 2) and the job would restart from scratch; a keeps
+    them, and the restore at 3 ranks takes step 2 from a's memory, bitwise."""
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    root = f"file://{tmp_path / 'job'}"
+    pa, pb = launch.free_port(), launch.free_port()
+    urls = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
+    a = node(tmp_path, "a", root, pa, urls)
+    b = node(tmp_path, "b", root, pb, urls, push_delay=(3, 600))  # killed long before it ends
+    out = tmp_path / "out"
+    procs = []
+    try:
+        args = {"daemons": [a.url, b.url], "root": root, "last": 4, "persist_every": 100, "stall_rank_from": 2}
+        procs = launch.spawn(4, "save_memory", args | {"gate": True}, out, {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
+
+        def step2_whole_on_a_step3_held() -> bool:
+            mine = [p for p in _parts(a, root) if p["step"] == 2 and p["source"] == "self"]
+            pushed = len(mine) == 2 and all(p["replicated_to"] == {urls[1]: "complete"} for p in mine)
+            return pushed and _has(a, root, 2, {2, 3}, urls[1]) and _has(b, root, 3, {2, 3}, "self")
+
+        logs = lambda: launch.logs(out, "save_memory", 4) + a.logs() + b.logs()  # noqa: E731
+        wait_for(step2_whole_on_a_step3_held, "step 2 whole on a, step 3 held on b", 300, procs, logs)
+        assert not _has(a, root, 3, {2}, urls[1])  # b's replica of step 3 is in flight
+        (out / "go").write_text("1")
+        wait_for(lambda: all((out / f"saved_{r}").exists() for r in (2, 3)), "b's ranks in step 4", 120, procs, logs)
+        b.kill()  # node b fails during step 4's save, its replica of step 3 still in flight
+        wait_for(lambda: _has(a, root, 4, {0, 1}, "self"), "a's own parts of step 4", 120, logs=logs)
+        kill_all(procs)  # the job's ranks go too
+
+        res = _run(3, "restore_position", out / "r3", daemon=a.url, root=root, ref=str(out / "ref_step2.pt"))
+        got = _restored(res, 2)
+        assert got["root"] == 0 and got["local"] > 0, got
+    finally:
+        kill_all(procs)
+        a.kill()
+        b.kill()
+
+
 def test_a_memory_only_step_that_does_not_fit_is_persisted_instead(tmp_path):
     """A daemon whose staging budget holds the snapshots but not a memory-only copy of rank 0's
     6 MiB part: every rank persists the step instead (never half in memory, half in the root),
