@@ -119,6 +119,10 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
                     profile=(pl.get("profile") or {}).get("summary")))  # fmt: skip
     T.append(Target("incremental.bytes", "incremental saves, 90% of bytes frozen: bytes written per save <= 15%",
                     med("incremental.bytes"), 0.15, "<="))  # fmt: skip
+    silent = med("tiers.silent") - med("tiers.local") if med("tiers.silent") and med("tiers.local") else None
+    T.append(Target("tiers.silent", "a SIGSTOPped peer adds <= 1 s to a restore from the tiers (seconds added, "
+                    "median)", silent, 1.0, "<=", detail=f"{ratio('tiers.silent') or float('nan'):.2f}x the "
+                    "restore with every peer answering"))  # fmt: skip
     T.append(Target("tiers.peer", "restore after a node loss from peers' memory <= 0.3x the S3 restore's time",
                     ratio("tiers.peer"), 0.3, "<=",
                     detail=f"local disk: {ratio('tiers.disk') or float('nan'):.2f}x, "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -45,6 +46,7 @@ def run(res: Results, size: int, reps: int, bench_dir: str) -> None:
     R("tiers.local", "ckptd restore from this node's daemon's memory (sealed memfd, mapped)", floor="tiers.s3")
     R("tiers.disk", "ckptd restore from the job root on local disk", floor="tiers.s3")
     R("tiers.dcp", "dcp.load from local disk", floor="tiers.s3")
+    R("tiers.silent", "ckptd restore from this node's daemon's memory, a peer SIGSTOPped", floor="tiers.local")
     for m in RANKS:
         R(f"tiers.m{m}.s3", f"at {m} ranks: ckptd restore from the job root on S3 (loopback moto)")
         R(
@@ -189,7 +191,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
                 checked["peer_root_bytes"] = tiers.get("root")
                 if tiers.get("peer", 0) == 0 or tiers.get("root", 1) != 0:
                     res.notes.append(f"tiers: the peer restore did not read everything from the peer: {tiers}")
-            if name == "local":
+            if name in ("local", "silent"):
                 tiers = ck.last_restore_tiers
                 if tiers.get("local", 0) == 0 or tiers.get("root", 1) != 0:
                     res.notes.append(f"tiers: the local restore did not read everything from its daemon: {tiers}")
@@ -224,6 +226,15 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
                 f()
                 collect()
         sec["peer_restore_root_chunk_bytes"] = checked["peer_root_bytes"]
+        # A silent peer (stopped: its port accepts, nothing answers) beside the same local restore:
+        # the restore asks it, gives it CKPTD_TIER_SURVEY_S and goes on without it.
+        os.kill(daemons[2].proc.pid, signal.SIGSTOP)
+        try:
+            for rep in range(reps):
+                rep_[0] = rep
+                restore("silent", local_ck)
+        finally:
+            os.kill(daemons[2].proc.pid, signal.SIGCONT)
         for ck in (peer_ck, local_ck, disk_ck, s3_ck):
             ck.close()
     finally:
