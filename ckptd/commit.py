@@ -26,6 +26,7 @@ Who owns the step is ``ckptd.claims``; one rank's write is ``ckptd.persist``; wh
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import random
@@ -173,6 +174,68 @@ def whole_step(where: str, step: int, attempt: str, world_size: int, m, sha: str
     }
 
 
+def held_whole(store, step: int, attempt: str, holders: dict) -> dict:
+    """:func:`whole_step`'s record of memory-only (step, attempt) as tiers hold it (``holders``: key -> (size, ...);
+    ``store.get(key, limit)`` reads one), or CheckpointError naming what is not held."""
+    folder = mf.step_dir(step)
+    try:
+        data = store.get(f"{folder}/{mf.MANIFEST}", mf.MAX_MANIFEST_BYTES)
+    except StorageError as e:
+        raise CheckpointError(f"no manifest held ({e})") from None
+    m = mf.Manifest.from_bytes(data, store.uri)
+    sha = hashlib.sha256(data).hexdigest()
+    records, totals, pinned_manifest, written = {}, [], False, 0.0
+    for r in range(m.world_size):
+        prefix = f"{donetree.folder(step, attempt, 1, r // donetree.FANOUT)}r{r:06d}."
+        key = next((k for k in sorted(holders) if k.startswith(prefix)), None)
+        if key is None:
+            raise CheckpointError(f"the done record of rank {r} is not held")
+        try:
+            rec = records[key] = json.loads(store.get(key, mf.MAX_RECORD_BYTES))
+            pins = rec["pins"]
+            for k, (size, _) in pins.get("shards", {}).items():
+                got = holders.get(f"{folder}/{k}")
+                if got is None or got[0] != size:
+                    raise CheckpointError(f"{k} (pinned by rank {r}) is not held whole")
+            for k, want in pins.get("meta", {}).items():
+                if f"{folder}/{k}" not in holders:
+                    raise CheckpointError(f"{k} (pinned by rank {r}) is not held")
+                if k == mf.MANIFEST and want != sha:
+                    raise CheckpointError("the manifest differs from the one its writer pinned")
+                pinned_manifest |= k == mf.MANIFEST
+            totals.append(donetree.key_totals(key))  # what its name adds up to, as the tree sums it
+            written = max(written, float(rec.get("time") or 0.0))
+        except (StorageError, ValueError, TypeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"the done record of rank {r} is unreadable ({e})") from None
+    if not pinned_manifest:
+        raise CheckpointError("no done record pins the manifest")
+    writer = next(iter(records.values())).get("writer")
+    total = donetree.sum_totals(totals)  # "time": the newest done record's (two whole attempts: the later wins)
+    return whole_step(store.uri, step, attempt, m.world_size, m, sha, writer, total, records.items(), written)
+
+
+def newest_held(held: dict, newer_than: int | None, source) -> tuple[tuple[int, str, dict] | None, list]:
+    """The memory-only step a restore takes: of ``held`` ((step, attempt) -> holders) newer than ``newer_than``, the
+    newest :func:`held_whole` finds whole in ``source(step, attempt)`` (of two attempts the later) as (step, attempt,
+    commit), or None; and (step, attempt, why) of the newer ones not whole."""
+    skipped = []
+    for step in sorted({s for s, _ in held}, reverse=True):
+        if newer_than is not None and step <= newer_than:
+            break
+        whole = []
+        for attempt in sorted(a for s, a in held if s == step):
+            store = source(step, attempt)
+            try:
+                whole.append((attempt, held_whole(store, step, attempt, held[(step, attempt)])))
+            except CheckpointError as e:
+                skipped.append((step, attempt, str(e)))
+            finally:
+                store.close()
+        if whole:  # two whole attempts of one step (the job restored and saved it again): the later
+            return (step, *max(whole, key=lambda w: w[1]["time"])), skipped
+    return None, skipped
+
+
 def _write_notices(store: Store, step: int, attempt: str, world_size: int) -> None:
     """After the commit: the notices waiting ranks poll above 1024 ranks. A failure only slows
     the waiters down (they also check ``commit.json``), so it never fails the committed save."""
@@ -292,6 +355,8 @@ __all__ = [
     "expected_digest",
     "expected_shards",
     "finish_rank",
+    "held_whole",
+    "newest_held",
     "poll_delays",
     "wait_commit",
     "whole_step",

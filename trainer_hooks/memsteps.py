@@ -12,7 +12,7 @@ is never silently lost and never half in memory, half in the root.
 
 Restore (``choose``, rank 0, the first candidate of ``restore.restore`` with no step asked):
 newest first, a (step, attempt) newer than the newest committed step counts only when what the
-daemons hold passes ``_check_whole`` (its manifest, every rank's done record of that attempt,
+daemons hold passes ``commit.held_whole`` (its manifest, every rank's done record of that attempt,
 every object they pin at the pinned size, and the root's commit rule ``commit.whole_step``).
 Every rank then reads it over a ``tiered.TierSource`` with no job root behind it, its commit
 record the one ``commit.whole_step`` returns. If none counts, or its restore fails on any rank,
@@ -22,16 +22,11 @@ steps newer than S (``TieredRestore.fence``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from typing import Any
 
-from ckptd import donetree
-from ckptd import manifest as mf
-from ckptd.commit import whole_step
+from ckptd.commit import newest_held
 from ckptd.errors import CheckpointError
-from storage_backends import StorageError, Store
 from trainer_hooks.tiered import TierSource
 
 __all__ = ["choose", "memory_only_save", "reserve_bytes"]
@@ -79,63 +74,12 @@ def memory_only_save(sink, coord, step: int, attempt: str, job, persist_every: i
 # ------------------------------------------------------------------------------ choosing
 
 
-def _check_whole(store: Store, step: int, attempt: str, holders: dict) -> dict:
-    folder = mf.step_dir(step)
-    try:
-        data = store.get(f"{folder}/{mf.MANIFEST}", limit=mf.MAX_MANIFEST_BYTES)
-    except StorageError as e:
-        raise CheckpointError(f"no manifest held ({e})") from None
-    m = mf.Manifest.from_bytes(data, store.uri)
-    sha = hashlib.sha256(data).hexdigest()
-    records, totals, pinned_manifest, written = {}, [], False, 0.0
-    for r in range(m.world_size):
-        prefix = f"{donetree.folder(step, attempt, 1, r // donetree.FANOUT)}r{r:06d}."
-        key = next((k for k in sorted(holders) if k.startswith(prefix)), None)
-        if key is None:
-            raise CheckpointError(f"the done record of rank {r} is not held")
-        try:
-            rec = records[key] = json.loads(store.get(key, limit=mf.MAX_RECORD_BYTES))
-            pins = rec["pins"]
-            for k, (size, _) in pins.get("shards", {}).items():
-                got = holders.get(f"{folder}/{k}")
-                if got is None or got[0] != size:
-                    raise CheckpointError(f"{k} (pinned by rank {r}) is not held whole")
-            for k, want in pins.get("meta", {}).items():
-                if f"{folder}/{k}" not in holders:
-                    raise CheckpointError(f"{k} (pinned by rank {r}) is not held")
-                if k == mf.MANIFEST:
-                    if want != sha:
-                        raise CheckpointError("the manifest differs from the one its writer pinned")
-                    pinned_manifest = True
-            totals.append(donetree.key_totals(key))  # what its name adds up to, as the tree sums it
-            written = max(written, float(rec.get("time") or 0.0))
-        except (StorageError, ValueError, TypeError, KeyError, AttributeError) as e:
-            raise CheckpointError(f"the done record of rank {r} is unreadable ({e})") from None
-    if not pinned_manifest:
-        raise CheckpointError("no done record pins the manifest")
-    writer = next(iter(records.values())).get("writer")
-    total = donetree.sum_totals(totals)  # "time": the newest done record's (two whole attempts: the later wins)
-    return whole_step(store.uri, step, attempt, m.world_size, m, sha, writer, total, records.items(), written)
-
-
 def choose(tiers, newest_persisted: int | None) -> tuple[Any, list[str]]:
     """Rank 0: (the newest memory-only step newer than ``newest_persisted`` that the surviving
-    tiers hold whole, as ``(step, attempt, holders, commit, data paths)``, or None; the daemons
-    asked, for the fence)."""
+    tiers hold whole (``commit.newest_held``, the rule the status page names too), as ``(step,
+    attempt, holders, commit, data paths)``, or None; the daemons asked, for the fence)."""
     held, data, asked, _ = tiers.walk([tiers.daemon_url])
-    for step in sorted({s for s, _ in held}, reverse=True):
-        if newest_persisted is not None and step <= newest_persisted:
-            break
-        whole = []
-        for attempt in sorted(a for s, a in held if s == step):
-            store = TierSource(tiers, step, attempt, held[(step, attempt)], data)
-            try:
-                whole.append((attempt, _check_whole(store, step, attempt, held[(step, attempt)])))
-            except CheckpointError as e:
-                log.info("memory-only step %d (attempt %s) is not held whole: %s", step, attempt, e)
-            finally:
-                store.close()
-        if whole:  # two whole attempts of one step (the job restored and saved it again): the later
-            attempt, commit = max(whole, key=lambda w: w[1]["time"])
-            return (step, attempt, held[(step, attempt)], commit, data), asked
-    return None, asked
+    got, skipped = newest_held(held, newest_persisted, lambda s, a: TierSource(tiers, s, a, held[(s, a)], data))
+    for step, attempt, why in skipped:
+        log.info("memory-only step %d (attempt %s) is not held whole: %s", step, attempt, why)
+    return (None if got is None else (got[0], got[1], held[got[:2]], got[2], data)), asked

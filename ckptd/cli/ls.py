@@ -1,7 +1,7 @@
 """``ckptd ls URI``: one row per checkpoint of a job root, committed or partial.
 
-VERIFIED, ``--daemon``'s TIERS column and its ``memory-only`` rows are described in
-docs/operations.md (``verified``, ``tiers`` in ``--json``). A partial step's BYTES reads "written of
+VERIFIED, ``--daemon``'s TIERS and HELD columns and its ``memory-only`` rows are described in
+docs/operations.md (``verified``, ``tiers``, ``whole`` in ``--json``). A partial step's BYTES reads "written of
 expected" (``expected_bytes`` in ``--json``, from its manifest; ``?`` before the manifest is
 written). A step folder holding no object at all (a writer killed before its first write landed)
 is no checkpoint and is not listed; ``gc`` removes it."""
@@ -59,13 +59,14 @@ def run(args: argparse.Namespace) -> int:
     # With tiers: a TIERS column, and a ``memory-only`` row per step only the tiers hold.
     by_step = {i.step: i for i in infos}
     steps = sorted(by_step.keys() | (copies or {}).keys())
+    whole = {s: any(c.get("whole") for c in cs) for s, cs in (copies or {}).items() if s not in by_step}  # memory-only
     if args.json:
         docs = []
         for s in steps:
             i = by_step.get(s)
             doc = {"step": s, "committed": False} if i is None else i.to_json() | {"verified": verified[s]}
             if copies is not None:
-                doc |= {"memory_only": i is None, "tiers": copies.get(s, [])}
+                doc |= {"memory_only": i is None, "tiers": copies.get(s, []), "whole": whole.get(s)}
             docs.append(doc)
         print_json(docs)
         return 0
@@ -82,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
             world = "-" if i.world_size is None else i.world_size
             row = [s, status, world, _size(i), iso_time(i.time), verified[s] or "-"]
         if copies is not None:
+            row.append({True: "whole", False: "partial", None: "-"}[whole.get(s)])
             row.append(", ".join(c["where"] for c in copies.get(s, [])) or "-")
         rows.append((*row, "-" if i is None else i.path))
-    headers = ["STEP", "STATUS", "WORLD", "BYTES", "TIME (UTC)", "VERIFIED", "TIERS", "PATH"]
-    print_table([h for h in headers if h != "TIERS" or copies is not None], rows)
+    headers = ["STEP", "STATUS", "WORLD", "BYTES", "TIME (UTC)", "VERIFIED", "HELD", "TIERS", "PATH"]
+    print_table([h for h in headers if h not in ("HELD", "TIERS") or copies is not None], rows)
     return 0

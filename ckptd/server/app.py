@@ -427,7 +427,7 @@ def _discovery(settings: Settings, roots: Roots, runner: Runner, tiers: Tiers, t
     def update(peers: list[str], targets: list[str]) -> None:
         tiers.peers, tiers.targets = peers, targets
 
-    finder.on_refresh = update
+    finder.on_refresh, finder.unreachable = update, tiers.unreachable
     tiers.discovery = finder
     log.info("discovery: this daemon (%s) writes _daemons/%s.json under its roots", settings.advertise, finder.id)
     return finder

@@ -164,6 +164,7 @@ class Discovery:
         self._verified: dict[str, float] = {}  # url -> monotonic time of its last passed challenge
         self._failed: dict[str, float] = {}  # url -> monotonic time of its last failed challenge
         self._rings: dict[str, list[str]] = {}
+        self.unreachable: dict[str, dict] = {}  # url -> {time, error} of its last failed challenge (``Tiers``')
         self._beat_failed: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -282,6 +283,7 @@ class Discovery:
         try:
             self.dial(url, self.timeout_s).close()
         except NotVerified as e:
+            self.unreachable[url] = {"time": time.time(), "error": f"discovery: {e}"}
             with self._lock:
                 self._verified.pop(url, None)
                 first = url not in self._failed
@@ -289,6 +291,7 @@ class Discovery:
             if first:
                 log.warning("discovery: not replicating to %s", e)
             return False
+        self.unreachable.pop(url, None)
         with self._lock:
             self._verified[url] = time.monotonic()
             self._failed.pop(url, None)

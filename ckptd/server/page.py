@@ -150,10 +150,16 @@ def render(data: dict) -> str:
     out.append("</section>")
 
     out.append('<section id="failures"><h2>Recent failures</h2>')
-    if not data["failures"]:
-        out.append('<p class="muted">none</p>')
-    else:
+    t = data.get("tiers") or {}  # peers that did not answer this daemon (their replicas are lost), failed pushes
+    bad = [(f"peer {p} does not answer; its replicas are lost", d) for p, d in sorted(t.get("unreachable", {}).items())]
+    if last := t.get("last_push_failure"):
+        bad.append((f"{t['push_failures']} replica pushes failed; the last", last))
+    for what, d in bad:
+        out.append(f'<p class="bad peer-failure">{_e(what)}, at {_e(_time(d["time"]))}: {_e(_line(d["error"]))}</p>')
+    if data["failures"]:
         out.append(_ended(data["failures"], "failed at", "reason", "failure", "bad"))
+    elif not bad:
+        out.append('<p class="muted">none</p>')
     out.append("</section>")
     if data.get("superseded"):
         out.append(
@@ -162,8 +168,8 @@ def render(data: dict) -> str:
         )
         out.append(_ended(data["superseded"], "superseded at", "why", "superseded", "muted") + "</section>")
 
-    if data.get("tiers"):
-        out.append(_tiers_html(data["tiers"]))
+    if t:
+        out.append(_tiers_html(t))
     if "memory_only" in data:
         out.append(_memsteps_html(data["memory_only"]))
     out.append('<section id="roots"><h2>Checkpoints</h2>')
@@ -231,13 +237,10 @@ def _memsteps_html(steps: list[dict]) -> str:
         "<th>size</th><th>replicated to</th></tr>"
     )
     for s in steps:
-        ws, ranks = s.get("world_size"), s.get("ranks", [])
-        if ws is None:
-            whole = f"ranks {', '.join(map(str, ranks))} (world size unknown: no manifest held here)"
-        elif s.get("whole_here"):
-            whole = f"whole: all {ws} ranks"
+        if s.get("whole_here"):
+            whole = f"whole: all {s['world_size']} ranks"
         else:
-            whole = f"partial: {len(ranks)} of {ws} ranks"
+            whole = f"partial: ranks {', '.join(map(str, s.get('ranks', [])))} held ({s.get('not_whole')})"
         state = "whole" if s.get("whole_here") else "partial"
         parts = s.get("parts", [])
         for i, p in enumerate(parts):
@@ -267,10 +270,12 @@ def _root_html(r: dict) -> str:
     if "error" in r:
         out.append(f'<p class="bad err">{_e(_line(r["error"]))}</p></div>')
         return "".join(out)
-    good = r["newest_good_step"]
+    good, rs = r["newest_good_step"], r.get("restore") or {}
     out.append(
-        f'<p>newest good step: <span class="newest">{_e("none" if good is None else good)}</span>'
-        f' <span class="muted">({r["count"]} checkpoints)</span></p>'
+        f'<p>newest good committed step: <span class="newest">{_e("none" if good is None else good)}</span>'
+        f' <span class="muted">({r["count"]} checkpoints)</span></p><p>a restore now takes step <span class='
+        f'"restore-step">{_e(rs.get("step") if rs.get("step") is not None else "none")}</span>: <span '
+        f'class="restore-why">{_e(_line(rs.get("why", "-")))}</span></p>'
     )
     if r["checkpoints"]:
         out.append(

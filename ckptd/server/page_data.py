@@ -22,20 +22,21 @@ life; partial ones are re-read at most every ``PARTIAL_TTL_S``, and only when on
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 from ckptd import catalog, donetree
 from ckptd import manifest as mf
 from ckptd import verify as _verify
 from ckptd.catalog import CheckpointInfo
+from ckptd.commit import held_whole, newest_held
 from ckptd.errors import CheckpointError
 from ckptd.server import jobroots
 from ckptd.server.jobroots import JobRoots
-from ckptd.server.roots import RootError
+from ckptd.server.roots import RootError, normalize
 from storage_backends import NotFoundError, StorageError, Store
 
 __all__ = [
@@ -102,22 +103,24 @@ class Overview:
         window = newest_first[offset : offset + limit]
         rows = [self._row(store, root, s, now) for s in window]
         newest_good = next((s for s in newest_first if self._good(store, root, s, now)), None)
+        committed = next((s for s in newest_first if self._good(store, root, s, now, verdict=False)), None)
         return {
             "root": root,
             "count": len(steps),
             "offset": offset,
             "limit": limit,
             "newest_good_step": newest_good,
+            "newest_committed_step": committed,
             "checkpoints": rows,
         }
 
-    def _good(self, store: Store, root: str, step: int, now: float) -> bool:
-        """Committed, readable and not recorded as failing its verify."""
+    def _good(self, store: Store, root: str, step: int, now: float, verdict: bool = True) -> bool:
+        """Committed, readable and (``verdict``) not recorded as failing its verify."""
         try:
             info = self._info(store, root, step, now)
         except (CheckpointError, StorageError):
             return False
-        return info.committed and self._verdict(store, root, step, now).get("ok", True)
+        return info.committed and (not verdict or self._verdict(store, root, step, now).get("ok", True))
 
     def _info(self, store: Store, root: str, step: int, now: float) -> CheckpointInfo:
         with self._lock:
@@ -327,48 +330,61 @@ def collect(state, root: str | None, offset: int, limit: int) -> dict:
         ov.runner.roots.check(root)
     data = ov.build(root, offset, limit)
     tiers = getattr(state, "tiers", None)
+    held: dict = {}  # (root, step, attempt) -> key -> (size, []) held here: ``commit.held_whole``'s holders
+    for d in tiers.describe(keys=True)["memory_only"] if tiers is not None and tiers.enabled else []:
+        held.setdefault((d["root"], d["step"], d["attempt"]), {}).update({k: (n, []) for k, n in d["keys"].items()})
     if tiers is not None:  # this daemon's memory tier: which steps it holds, for whom, where pushed
         data["tiers"] = tiers.describe()
         if tiers.enabled:
-            data["memory_only"] = memory_only(tiers)
+            data["memory_only"] = memory_only(tiers, held)
+    for r in (r for r in data["roots"] if "error" not in r):  # the step a restore takes now, and why
+        r["restore"] = restore_step(tiers, held, r["root"], r["newest_committed_step"])
     return data
 
 
+def restore_step(tiers, held: dict, root: str, committed: int | None) -> dict:
+    """The step a restore of ``root`` takes now, and why: ``commit.newest_held`` over ``held``, else ``committed``."""
+    mine = {(s, a): (r, keys) for (r, s, a), keys in held.items() if normalize(r) == normalize(root)}
+    pick = lambda s, a: _held(tiers, mine[(s, a)][0], s, a)  # noqa: E731
+    got, skipped = newest_held({k: v[1] for k, v in mine.items()}, committed, pick)
+    why = ["the newest committed step", *(f"memory-only step {s} is not held whole here: {w}" for s, _, w in skipped)]
+    if got is not None:
+        why = [f"a memory-only step held whole in this daemon's memory, newer than the newest committed ({committed})"]
+    return {"step": committed if got is None else got[0], "memory_only": got is not None, "why": "; ".join(why[:2])}
+
+
+def _held(tiers, root: str, step: int, attempt: str):
+    """What this daemon holds of memory-only (root, step, attempt), as a store for ``commit.held_whole``."""
+
+    def get(key: str, limit: int) -> bytes:
+        if (buf := tiers.find(root, step, attempt, key)) is None or len(buf) > limit:
+            raise StorageError(f"{key} is not held here, or is over {limit} bytes")
+        return bytes(buf)
+
+    return SimpleNamespace(get=get, uri=f"this daemon's memory [{root}]", close=lambda: None)
+
+
 MAX_MEMSTEP_ROWS = 200  # memory-only steps listed on the page at most (newest first)
-MAX_MANIFEST_PARSE = 8 << 20  # a held manifest larger than this is not read for its world size
 
 
-def memory_only(tiers) -> list[dict]:
+def memory_only(tiers, held: dict) -> list[dict]:
     """The memory-only steps this daemon holds (``server.tiers``), one entry per (root, step,
     attempt), newest first: its parts (this node's own ranks, and replicas with the peer they came
-    from), their bytes, and whether this daemon alone holds the whole step: every rank of the
-    world size its held manifest names (None when it holds no manifest of the step)."""
+    from), their bytes, and whether this daemon alone holds the whole step by the restore's rule
+    (``commit.held_whole``: then its ``world_size``; else ``not_whole`` says why)."""
     steps: dict[tuple[str, int, str], dict] = {}
     for d in tiers.describe(keys=True)["memory_only"]:
-        key = (d["root"], d["step"], d["attempt"])
-        s = steps.setdefault(key, {k: d[k] for k in ("root", "step", "attempt")} | {"parts": [], "world_size": None})
-        s["parts"].append({k: d[k] for k in ("rank", "source", "bytes", "objects", "replicated_to")})
-        manifest = f"{mf.step_dir(d['step'])}/{mf.MANIFEST}"
-        size = d["keys"].get(manifest)
-        if s["world_size"] is None and size is not None and size <= MAX_MANIFEST_PARSE:
-            s["world_size"] = _world_size(tiers, *key, manifest, size)
+        s = steps.setdefault((d["root"], d["step"], d["attempt"]), {k: d[k] for k in ("root", "step", "attempt")})
+        s.setdefault("parts", []).append({k: d[k] for k in ("rank", "source", "bytes", "objects", "replicated_to")})
     out = sorted(steps.values(), key=lambda s: (s["step"], s["root"]), reverse=True)[:MAX_MEMSTEP_ROWS]
     for s in out:
         s["parts"].sort(key=lambda p: (p["rank"], p["source"] != "self", p["source"]))
-        ranks = {p["rank"] for p in s["parts"]}
-        s["ranks"] = sorted(ranks)
+        s["ranks"] = sorted({p["rank"] for p in s["parts"]})
         s["bytes"] = sum(p["bytes"] for p in s["parts"])
-        ws = s["world_size"]
-        s["whole_here"] = None if ws is None else ranks >= set(range(ws))
+        key = (s["root"], s["step"], s["attempt"])
+        try:
+            commit = held_whole(_held(tiers, *key), s["step"], s["attempt"], held.get(key, {}))
+            s |= {"whole_here": True, "world_size": commit["world_size"]}
+        except CheckpointError as e:
+            s |= {"whole_here": False, "world_size": None, "not_whole": str(e)}
     return out
-
-
-def _world_size(tiers, root: str, step: int, attempt: str, key: str, size: int) -> int | None:
-    view = tiers.find(root, step, attempt, key)  # not a served read: the serving metrics count restores only
-    if view is None or len(view) != size:
-        return None
-    try:
-        ws = json.loads(bytes(view)).get("world_size")
-    except (ValueError, AttributeError):
-        return None
-    return ws if isinstance(ws, int) and not isinstance(ws, bool) and 1 <= ws <= 1 << 24 else None

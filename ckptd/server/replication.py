@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 from ckptd import manifest as mf
 from ckptd.codec import crc32c
-from ckptd.daemon_conn import DaemonConnection
+from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable
 from ckptd.server.sealed import Sealed, new_buffer, seal
 
 __all__ = ["Copy", "HOT", "INCOMING_TTL_S", "KINDS", "MAX_OBJECTS", "MEMORY_ONLY", "PIECE_BYTES", "Replication"]
@@ -113,9 +113,14 @@ class Replication:
                 except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
                     c.pushed[peer] = f"failed: {e}"
                     self.count("replica_push_failures")
+                    now, why = time.time(), f"{c.kind} replica of {c.root} step {c.step} rank {c.rank} to {peer}: {e}"
+                    self.last_push_failure = {"time": now, "error": why}
+                    if isinstance(e, DaemonUnreachable):  # not a refusal: the peer did not answer
+                        self.unreachable[peer] = {"time": now, "error": str(e)}
                     log.warning("memory tier: %s replica of %s step %d (rank %d) to %s failed: %s", *what, e)
                 else:
                     c.pushed[peer] = "complete"
+                    self.unreachable.pop(peer, None)
                     self.count("replicas_pushed")
                     log.info("memory tier: %s %s step %d rank %d pushed to %s", *what)
 

@@ -128,6 +128,8 @@ class Tiers(Replication):
         self._held: dict[Key, Copy] = {}  # own copies (filling or complete) and complete replicas
         self._incoming: dict[str, Copy] = {}  # replicas being received, by id
         self._reserved: dict[tuple[str, int, str, int], tuple[int, float, int]] = {}  # -> (bytes, when, objects)
+        self.unreachable: dict[str, dict] = {}  # peer -> {time, error}: no answer to its last push or challenge
+        self.last_push_failure: dict | None = None  # {time, error} of the last failed push
         self.counters = dict.fromkeys([*(name for name, _ in COUNTED.values()), "replicas_received"], 0)
         staging.reclaim = self._reclaim
 
@@ -581,6 +583,8 @@ class Tiers(Replication):
                 if (step is not None and s != step) or (attempt is not None and a != attempt):
                     continue
                 d = c.info() | ({"keys": {k: len(v) for k, v in c.objects.items()}} if keys else {})
+                for p in d["replicated_to"].keys() & self.unreachable.keys():  # its copy there is gone
+                    d["replicated_to"][p] = "lost: the peer does not answer"
                 if c.kind == MEMORY_ONLY:
                     parts.append(d)
                     continue
@@ -605,6 +609,9 @@ class Tiers(Replication):
             "replicas": [g for g in copies if g["source"] != SELF],
             "memory_only": sorted(parts, key=lambda p: (p["root"], p["step"], p["rank"], p["source"])),
             "reserved_bytes": self.staging.reserved_bytes,
+            "unreachable": dict(self.unreachable),
+            "push_failures": self.counters["replica_push_failures"],
+            "last_push_failure": self.last_push_failure,
             "data": self.data_endpoint,
             **({"discovery": self.discovery.describe()} if self.discovery is not None else {}),
         }

@@ -65,15 +65,15 @@ def pinned_record(store, step, rank, shards, names=None, writer="job-a"):
 
 def memory_only(store, step, attempt="att"):
     """The memory-only choice over the step's parts as the tiers would hold them (every object
-    of the step but its claims and commit.json): ``memsteps._check_whole``'s commit record."""
-    from trainer_hooks import memsteps
+    of the step but its claims and commit.json): ``commit.held_whole``'s commit record."""
+    from ckptd.commit import held_whole
 
     held = memory.MemoryStore()
     for info in store.list(f"{mf.step_dir(step)}/"):
         if not info.key.endswith(f"/{mf.COMMIT}") and f"/{mf.CLAIMS}/" not in info.key:
             held.put(info.key, store.get(info.key))
     holders = {i.key: (len(held.get(i.key)), ["tier"]) for i in held.list("")}
-    return memsteps._check_whole(held, step, attempt, holders)
+    return held_whole(held, step, attempt, holders)
 
 
 def save_part(store, step, attempt, rank, world_size, shards, writer="job-a", manifest=None):

@@ -3,7 +3,7 @@ spells them, and the shard digest is keyed by the step and the attempt.
 
 Each attack is performed for real on a local root and on a moto S3 root, through the live
 write path (``commit.finish_rank``) or by writing the record directly, as a writer of another
-implementation or an attacker would; the memory-only choice (``memsteps._check_whole``) is given
+implementation or an attacker would; the memory-only choice (``commit.held_whole``) is given
 the same part set and refuses it too. Before, the digest was an unkeyed sum over parsed keys:
 ``c/01/0`` added up as ``c/1/0``, and a record copied from another attempt added up as well.
 """
