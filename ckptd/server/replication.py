@@ -61,7 +61,6 @@ class Copy:
     created: float = field(default_factory=time.monotonic)
     pushed: dict[str, str] = field(default_factory=dict)  # peer -> "pushing", "complete" or why not
     kind: str = HOT  # HOT or MEMORY_ONLY
-    manifest: object = None  # the step's manifest this copy holds, parsed once (``Tiers._whole``)
 
     def info(self) -> dict:
         info = {k: getattr(self, k) for k in ("root", "step", "attempt", "source", "kind", "rank")}

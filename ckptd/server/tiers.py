@@ -36,16 +36,14 @@ Concurrency: one lock guards the tables; it is never held while calling into ``S
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
-from ckptd import donetree
 from ckptd import manifest as mf
-from ckptd.commit import whole_step
+from ckptd.commit import held_whole
 from ckptd.errors import CheckpointError
 from ckptd.server import capacity
 from ckptd.server.replication import HOT, MAX_OBJECTS, MEMORY_ONLY, PIECE_BYTES, Copy, Replication, replica_targets
@@ -212,21 +210,21 @@ class Tiers(Replication):
         return None
 
     def _whole(self, root: str, step: int, attempt: str, parts: list[Copy]) -> bool:
-        """Under the lock: whether ``parts`` hold a part of every rank of the world size their
-        manifest names and pass the commit rule (``commit.whole_step``, which reads the done
-        records only if their totals do not match the manifest)."""
-        folder = mf.step_dir(step)
-        mc = next((c for c in parts if f"{folder}/{mf.MANIFEST}" in c.objects), None)
+        """Under the lock: whether ``parts`` make (step, attempt) whole by the restore's own rule
+        (``commit.held_whole``: the manifest, every rank's done record, every pinned object at
+        its pinned size, the commit rule)."""
+        objects = {k: b for c in parts for k, b in c.objects.items()}
+
+        class Held:  # the parts as the one reader ``held_whole`` needs
+            uri = root
+
+            def get(self, key: str, limit: int | None = None) -> bytes:
+                if key not in objects:
+                    raise NotFoundError(f"{key} is not held")
+                return bytes(objects[key])
+
         try:
-            if mc is not None and mc.manifest is None:
-                mc.manifest = mf.Manifest.from_bytes(bytes(mc.objects[f"{folder}/{mf.MANIFEST}"]), root)
-            if mc is None or not {c.rank for c in parts} >= set(range((m := mc.manifest).world_size)):
-                return False
-            prefix = f"{folder}/{mf.DONE}/{attempt}/t1/"  # one done record per rank, named by its totals
-            done = {k: b for c in parts for k, b in c.objects.items() if k.startswith(prefix)}
-            total = donetree.sum_totals(donetree.key_totals(k) for k in done)
-            records = ((k, json.loads(bytes(b))) for k, b in done.items())
-            whole_step(root, step, attempt, m.world_size, m, "", None, total, records, 0.0)
+            held_whole(Held(), step, attempt, {k: (len(b),) for k, b in objects.items()})
         except (CheckpointError, ValueError, TypeError) as e:
             log.debug("memory-only step %d of %s (attempt %s) is not whole here: %s", step, root, attempt, e)
             return False

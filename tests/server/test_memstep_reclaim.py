@@ -6,6 +6,7 @@ daemon writes them: into ``Tiers.holder``'s store, then ``Tiers.held``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from ckptd import donetree
@@ -19,14 +20,17 @@ PART = 4000  # bytes of each rank's data object
 
 def _hold(tiers: Tiers, step: int, rank: int, world: int) -> None:
     """Rank's part of memory-only ``step`` (attempt ``a<step>``) of a ``world``-rank job: its data,
-    rank 0's manifest (no tensors: the done records need name no shard), its done record."""
+    rank 0's manifest (no tensors: the done records need name no shard), its done record (rank
+    0's pins the manifest)."""
     attempt, folder = f"a{step}", mf.step_dir(step)
     store = tiers.holder(ROOT, step, attempt, rank)
     store.put(f"{folder}/state/r{rank}", b"x" * PART)
+    pins: dict = {"shards": {}, "meta": {}}
     if rank == 0:
         m = mf.Manifest(step=step, world_size=world, tensors={}, state={}, attempt=attempt)
         store.put(f"{folder}/{mf.MANIFEST}", m.to_bytes())
-    record = {"bytes": PART, "objects": 1, "shards": []}
+        pins["meta"][mf.MANIFEST] = hashlib.sha256(m.to_bytes()).hexdigest()  # the writer pins it
+    record = {"bytes": PART, "objects": 1, "shards": [], "pins": pins}
     store.put(donetree.record_key(step, attempt, rank, record), json.dumps(record).encode())
     tiers.held(ROOT, step, attempt, rank)
 
