@@ -23,6 +23,7 @@ import os
 import threading
 import time
 
+from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.errors import CheckpointError
 from ckptd.manifest import CLAIMS
@@ -117,6 +118,12 @@ def abandon(store: Store, step: int, attempt: str) -> None:
         store.put(abandoned_key(step, attempt), mf.dumps({"time": time.time()}))
     except (StorageError, OSError) as e:
         log.warning("cannot give up the claim on %s: %s", abandoned_key(step, attempt), e)
+        return
+    log.warning(
+        "%s: attempt %s gave its claim up (its save failed or was abandoned); another job may take the step at once",
+        catalog.where(store, step),
+        attempt,
+    )
 
 
 class Heartbeat:

@@ -57,10 +57,11 @@ class Checkpointer:
     partial, and a later commit by the others still completes it). With a daemon, it bounds the
     whole save from its hand-off: past it the client and the daemon both give the save up.
     ``save_timeout``: seconds one save may take in the background, from ``save`` to its future's
-    outcome, time queued behind the previous save included (in-process writer only; the daemon
-    has its own bounds); the sweep and retention after a commit run off that path. A save whose storage does
-    not answer fails its future with "storage did not answer" within this bound and is
-    abandoned (it never commits afterwards); ``save`` itself never talks to storage.
+    outcome, time queued behind the previous save included (with a daemon, the smaller of it and
+    ``commit_timeout`` bounds the save from its hand-off); the sweep and retention after a commit
+    run off that path. A save whose storage does not answer fails its future within this bound
+    and is abandoned (it never commits afterwards, and gives its claim on the step up, so another
+    job takes the step at once); ``save`` itself never talks to storage.
     ``max_step_jump``: ``save`` refuses a step more than this past the newest committed step
     this Checkpointer restored or committed (a typo'd or corrupted step number would count as the
     newest for retention and push every real step out); default ``CKPTD_MAX_STEP_JUMP``, else
@@ -146,7 +147,8 @@ class Checkpointer:
         else:
             from trainer_hooks.daemon_sink import DaemonSink
 
-            self._sink = DaemonSink(daemon, root_uri, self.rank, self.world_size, keep_last, commit_timeout)
+            bound = min(commit_timeout, save_timeout)  # the client's and the daemon's deadline
+            self._sink = DaemonSink(daemon, root_uri, self.rank, self.world_size, keep_last, bound)
             self._sink.writer = self.job_id
         self._retention = (
             ThreadPoolExecutor(1, thread_name_prefix="ckptd-retention")

@@ -330,7 +330,7 @@ class Runner:
             if self._stop.is_set() and err is None:
                 return  # shutting down: the journal still says accepted; a restart resumes it
             job.error_kind = type(err).__name__ if type(err).__name__ in claims.REFUSALS else None
-            if job.error_kind is None:  # ours: give the step up now, not a lease later (as the in-process writer)
+            if job.error_kind is None and not isinstance(err, SaveAborted):  # ours (past the deadline: given up)
                 leases.abandon(self.store(job.root), job.step, job.attempt)
             job.lease_kept = self.staging.uploaded(job.lease, job.journal() | {"state": "failed", "error": str(err)})
             self._finish(job, "failed", str(err))
@@ -388,7 +388,12 @@ class Runner:
                 f"{commit.get('attempt')!r}; refusing to overwrite"
             )
         abort = threading.Event()  # the trainer gives the job up commit_timeout after the hand-off: so do we
-        timer = threading.Timer(max(0.0, job.accepted_at + job.commit_timeout - time.time()), abort.set)
+
+        def give_up() -> None:  # at once, even while a put of this job is stuck in a storage call
+            abort.set()
+            leases.abandon(self.store(job.root), job.step, job.attempt)
+
+        timer = threading.Timer(max(0.0, job.accepted_at + job.commit_timeout - time.time()), give_up)
         timer.daemon = True
         timer.start()
         for attempt in range(tries):

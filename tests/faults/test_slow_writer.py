@@ -25,6 +25,7 @@ from storage_backends import open_store
 from storage_backends.s3 import S3Store
 from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.faults.slow_writer_job import state
+from tests.load import scaled
 from trainer_hooks import Checkpointer
 from trainer_hooks.hook import CheckpointHook
 
@@ -63,6 +64,17 @@ def save_when_free(root: str, job_id: str, seed: int, step: int, timeout: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"{job_id} could not save step {step} in {timeout} s")
         time.sleep(0.1)
+
+
+def save_elsewhere(root: str, job_id: str, seed: int, step: int, out: Path) -> str | None:
+    """Save ``step`` as ``job_id`` once (no retry), in a process of its own (``slow_writer_job``,
+    let go at once) writing straight to the store; output in ``out``. Returns its error, None
+    once it committed."""
+    out.mkdir()
+    b = start_writer(root, job_id, seed, step, out)
+    log, _ = b.communicate("go\n", timeout=scaled(240))
+    assert b.returncode == 0, log[-4000:]
+    return json.loads((out / "result.json").read_text())["error"]
 
 
 def assert_holds(root: str, step: int, seed: int, job_id: str) -> None:
@@ -253,12 +265,12 @@ def _is_data_put(r) -> bool:
 
 
 @pytest.mark.s3
-def test_an_abandoned_save_lets_go_of_its_step_at_once(s3_server, s3_bucket, monkeypatch):
+def test_an_abandoned_save_lets_go_of_its_step_at_once(s3_server, s3_bucket, tmp_path, monkeypatch):
     """A's data PUTs are held by the proxy past its ``save_timeout``: its future fails, its
-    heartbeat stops and its claim is given up, so job B takes the step over at once -- well
-    within the default 60 s lease, which A's heartbeat would otherwise have renewed for as long
-    as its process lived ("last heartbeat 0 s ago") -- and commits it; A's late writes, landing
-    after, change nothing of B's."""
+    heartbeat stops and its claim is given up, so job B (another process) takes the step over on
+    its first try -- within the default 60 s lease, which A's heartbeat would otherwise have
+    renewed for as long as its process lived ("last heartbeat 0 s ago") -- and commits it; A's
+    late writes, landing after, change nothing of B's."""
     held = FaultPlan(rules=[Rule(_is_data_put, "late", times=10**6)])
     with FaultProxy(s3_server, held) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -269,7 +281,8 @@ def test_an_abandoned_save_lets_go_of_its_step_at_once(s3_server, s3_bucket, mon
             with pytest.raises(CheckpointError, match="save_timeout"):
                 fut.result(timeout=120)
             assert proxy.counters["fault:late"] >= 1  # abandoned with its data PUTs in flight
-            save_when_free(s3_bucket, "job-b", 2, 3, timeout=30)  # half the lease
+            refused = save_elsewhere(s3_bucket, "job-b", 2, 3, tmp_path / "b")  # another process, one try
+            assert refused is None, refused
             assert_holds(s3_bucket, 3, 2, "job-b")
             proxy.release_late()
             for _, t in ck_a._sink._abandoned:  # A's stuck thread: its late writes, its cleanup

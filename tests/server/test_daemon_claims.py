@@ -18,9 +18,12 @@ import os
 import pytest
 
 from ckptd.errors import CheckpointError
+from ckptd.verify import verify
+from storage_backends import open_store
 from tests.doubles.faults import FaultPlan, FaultProxy, Rule
 from tests.faults.slow_writer_job import state
-from tests.faults.test_slow_writer import assert_holds, save_when_free, skips_a_held_step, wait_until
+from tests.faults.test_slow_writer import assert_holds, save_elsewhere, save_when_free, skips_a_held_step, wait_until
+from tests.load import scaled
 from tests.server.daemon import Daemon
 from trainer_hooks import Checkpointer
 
@@ -54,6 +57,38 @@ def test_a_daemon_save_that_fails_gives_its_step_up_at_once(s3_server, s3_bucket
             assert proxy.counters["fault:500"] >= 1, d.logs()
     assert save_when_free(root, "job-b", 2, 3, timeout=30) == 0  # not refused once; straight to moto
     assert_holds(root, 3, 2, "job-b")
+
+
+@pytest.mark.s3
+def test_a_daemon_save_abandoned_at_its_save_timeout_lets_go_at_once(s3_server, s3_bucket, tmp_path, monkeypatch):
+    """The fault proxy holds the daemon's data PUTs: job A's save fails at its ``save_timeout``
+    (5 s) with them in flight. The daemon gives A's claim up at that deadline, not when the held
+    PUTs come back, so job B -- another process, writing straight to the store -- saves the step
+    on its first try and commits it (A's claim, heartbeated until the deadline, would otherwise
+    hold it for the 60 s lease). A's PUTs, released after B's commit, change nothing of B's."""
+    monkeypatch.delenv("CKPTD_CLAIM_LEASE_S", raising=False)
+    monkeypatch.delenv("CKPTD_STALE_ATTEMPT_S", raising=False)
+    root = f"{s3_bucket}/run"
+    plan = FaultPlan(rules=[Rule(lambda r: r.op == "PutObject" and "/arrays/" in r.path, "late", times=10**6)])
+    with FaultProxy(s3_server, plan) as proxy:
+        try:
+            env = {"AWS_ENDPOINT_URL": proxy.url, "CKPTD_UPLOAD_RETRIES": "0"}
+            with _daemon(tmp_path, monkeypatch, s3_bucket, **env) as d:
+                ck = Checkpointer(root, job_id="job-a", daemon=True, save_timeout=5.0)
+                with ck, pytest.raises(CheckpointError, match="not committed 5 s after hand-off"):
+                    ck.save(3, state(1)).result(timeout=scaled(120))
+                assert proxy.counters["fault:late"] >= 1, d.logs()  # given up with its data PUTs held
+                refused = save_elsewhere(root, "job-b", 2, 3, tmp_path / "b")  # one try: no wait for a lease
+                assert refused is None, f"{refused}\n{d.logs()}"
+                assert_holds(root, 3, 2, "job-b")
+                assert "gave its claim up" in d.logs()
+                proxy.release_late()  # A's PUTs land now, after B's commit
+                wait_until(lambda: "step 3 rank 0 failed" in d.logs(), "the daemon to finish A's job", scaled(120))
+        finally:
+            proxy.release_late()
+    assert_holds(root, 3, 2, "job-b")
+    with open_store(root) as store:
+        assert not verify(store, 3).warnings  # nothing of A's landed in B's step
 
 
 def test_a_daemon_upload_past_the_trainers_deadline_is_given_up(tmp_path, monkeypatch):
