@@ -122,6 +122,10 @@ class Replication:
                     self.unreachable.pop(peer, None)
                     self.count("replicas_pushed")
                     log.info("memory tier: %s %s step %d rank %d pushed to %s", *what)
+            if c.kind == MEMORY_ONLY:  # sealed on its peers, its step may be whole here now
+                with self._lock:
+                    release = self._retain(c.root, MEMORY_ONLY)
+                self._release(release)
 
     def _push(self, peer: str, group: Copy) -> None:
         with self._lock:
@@ -228,7 +232,7 @@ class Replication:
         with self._lock:
             release = [old] if (old := self._held.pop(key, None)) is not None else []
             self._held[key] = c
-            release += self._retain(c.root, c.kind, c.source)
+            release += self._retain(c.root, c.kind, None if c.kind == MEMORY_ONLY else c.source)
             kept = c not in release
             self.counters["replicas_received"] += kept
         self._release(release)

@@ -185,15 +185,16 @@ class Tiers(Replication):
     def _complete(self) -> Iterator[Copy]:
         return (c for c in self._held.values() if c.complete and not c.dropped)
 
-    def _retain(self, root: str, kind: str, source: str) -> list[Copy]:
+    def _retain(self, root: str, kind: str, source: str | None = None) -> list[Copy]:
         """Under the lock: take out of the table and return (for the caller to release) the
-        complete copies of ``kind`` that ``source`` made of ``root`` which the retention rule
-        drops: all but the newest ``KEEP_STEPS[kind]`` steps and the newest memory-only step
-        whole here (``_newest_whole``)."""
-        mine = [k for k, c in self._held.items() if k[0] == root and k[4] == source and c.kind == kind and c.complete]
-        keep = sorted({k[1] for k in mine}, reverse=True)[: KEEP_STEPS[kind]]
+        complete copies of ``kind`` that ``source`` (None: every source) made of ``root`` which
+        the retention rule drops: all but the newest ``KEEP_STEPS[kind]`` steps per source and
+        the newest memory-only step whole here (``_newest_whole``)."""
+        mine = [k for k, c in self._held.items() if k[0] == root and c.kind == kind and c.complete]
+        mine = [k for k in mine if source in (None, k[4])]
+        keep = {(s, k[4]) for k in mine for s in sorted({j[1] for j in mine if j[4] == k[4]})[-KEEP_STEPS[kind] :]}
         whole = self._newest_whole(root) if kind == MEMORY_ONLY else None
-        return self._take(k for k in mine if k[1] not in keep and k[1:3] != whole)
+        return self._take(k for k in mine if (k[1], k[4]) not in keep and k[1:3] != whole)
 
     def _newest_whole(self, root: str) -> tuple[int, str] | None:
         """Under the lock: the newest memory-only (step, attempt) of ``root`` whole here: every
@@ -457,7 +458,7 @@ class Tiers(Replication):
                 if j[0] == root and j[1] >= step and j[2] != attempt and x.kind == MEMORY_ONLY and x.complete
             )
             c.complete = True
-            release += self._retain(root, MEMORY_ONLY, SELF)
+            release += self._retain(root, MEMORY_ONLY)  # wholeness is the root's: every source's
             self.counters["parts_held"] += 1
         self._release(release)
         n = len(c.objects)
