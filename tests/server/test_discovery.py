@@ -30,7 +30,7 @@ import pytest
 
 from ckptd.server.tiers import replica_targets
 from tests.distributed import launch
-from tests.server.daemon import Daemon, wait_for
+from tests.server.daemon import Daemon, peer_key_file, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -60,7 +60,7 @@ def _daemon(tmp: Path, name: str, root: str, ttl: float = 10.0, **env: str) -> D
         CKPTD_ADVERTISE=_url(port),
         CKPTD_DISCOVER_INTERVAL_S="0.5",
         CKPTD_DISCOVER_TTL_S=str(ttl),
-        **env,
+        **({"CKPTD_PEER_KEY_FILE": str(peer_key_file(tmp))} | env),
     )
     return d.start(port=port)
 
