@@ -427,11 +427,12 @@ async def get_job(
 ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers, discovery)
 
 
-def _discovery(settings: Settings, roots: Roots, runner: Runner, tiers: Tiers, token: str | None):
-    """The ``--discover`` part of the memory tier (``server.discovery``), or None."""
+def _discovery(settings: Settings, roots: Roots, runner: Runner, tiers: Tiers, key: str | None):
+    """The ``--discover`` part of the memory tier (``server.discovery``; ``key``: the challenge's,
+    the peer key where one is set, else the token), or None."""
     if not settings.discover:
         return None
-    finder = Discovery(runner.store, roots, settings, token or "")
+    finder = Discovery(runner.store, roots, settings, key or "")
 
     def update(peers: list[str], targets: list[str]) -> None:
         tiers.peers, tiers.targets = peers, targets
@@ -551,7 +552,7 @@ def create_app(settings: Settings) -> FastAPI:
             "memory tier: no --peer-key-file: this daemon neither pushes replicas to its peers nor accepts theirs "
             "(daemons sign replicas with the peer key; the trainers' token is not enough)"
         )
-    finder = _discovery(settings, roots, runner, tiers, token)
+    finder = _discovery(settings, roots, runner, tiers, peer_key or token)
     for name, (text, fn) in tiers.gauges().items():
         metrics.gauge(name, text, fn)
     _capacity(metrics)
