@@ -341,13 +341,13 @@ class Discovery:
 router = APIRouter()
 
 
-@router.get(HELLO_PATH, summary="the discovery challenge: HMAC(token, nonce, this daemon's URL); needs no token")
+@router.get(HELLO_PATH, summary="the discovery challenge: HMAC(peer key or token, nonce, this URL); needs no token")
 def hello(request: Request, nonce: str = Query(min_length=2 * NONCE_BYTES, max_length=2 * NONCE_BYTES)):
     tiers = request.app.state.tiers
     token = tiers.peer_key.decode() if tiers.peer_key else request.app.state.token  # as ``Discovery`` keys it
     # Only a daemon that is itself in a discovered ring answers: anyone who reaches the route gets
-    # a MAC keyed by the token to test guesses of it offline, so a daemon that nobody discovers
-    # (no --discover) must not offer one.
+    # a MAC keyed by the peer key (or token) to test guesses of it offline, so a daemon that
+    # nobody discovers (no --discover) must not offer one.
     if token is None or tiers.me is None or tiers.discovery is None:
         return JSONResponse({"detail": "this daemon is not in a discovered ring (--discover)"}, status_code=404)
     try:

@@ -2,12 +2,13 @@
 restoring ranks, its peers' replica pushes (``server.replication``), a client's reservation
 before a memory-only hand-off, and the report (and fence) after a restore.
 
-Every route needs the daemon token (``app.Guard``) and names a served root. The replica routes
-also need the peer key, which only daemons hold (``peer_sender``): the token alone is 403. Objects are looked
-up in the tier's table by (root, step, attempt, key): no route turns a request into a path, so
-none can read outside (or inside) the staging folder. A read answers with the step and attempt
-of the copy in ``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the reader checks both against the commit
-record and every chunk against its crc32c (``trainer_hooks.tiered``).
+Every route needs the daemon token (``app.Guard``) and names a served root; the replica routes
+also a request signed with the peer key, which only daemons hold (``peer_sender``): the token
+alone is 403. Objects are looked up in the tier's table by (root, step, attempt, key): no route
+turns a request into a path, so none can read outside (or inside) the staging folder. A read
+answers with the step and attempt of the copy in ``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the
+reader checks both against the commit record and every chunk against its crc32c
+(``trainer_hooks.tiered``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from ckptd.daemon_conn import PEER_HEADER, peer_mac
-from ckptd.server.discovery import peer_url
 from ckptd.server.parts import MAX_NUMBER, Count, Rank, Step
 from ckptd.server.tenancy import Forbidden
-from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS
+from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS, SELF
 
 __all__ = ["BatchReadRequest", "PEER_WINDOW_S", "ReplicaRequest", "ReserveRequest", "RestoredReport", "peer_sender"]
 __all__ += ["router"]
@@ -112,10 +112,9 @@ async def peer_sender(request: Request) -> str:
     if mac in seen:
         raise Forbidden("a replayed peer request")
     seen[mac] = now
-    try:
-        return peer_url(sender)
-    except ValueError as e:
-        raise Forbidden(f"the signed sender is not a daemon's URL: {e}") from None
+    if sender == SELF:  # this daemon's own copies' source
+        raise Forbidden(f"a peer cannot sign as {SELF!r}")
+    return sender
 
 
 def _root(request: Request, root: str) -> str:

@@ -96,12 +96,12 @@ class Replication:
         else:
             conn = self.discovery.dial(peer, self.timeout_s)
             conn.token = self.token
-        conn.peer = (self.peer_key, self.me)
+        conn.peer = (self.peer_key, self.me or "unnamed")
         return conn
 
     def push_later(self, copies: list[Copy]) -> None:
         """Push ``copies`` to the ring's daemons on a thread of their own (none when there is no ring)."""
-        if self.peer_key and self.me and (self.targets or self.discovery is not None):
+        if self.peer_key and (self.targets or self.discovery is not None):
             threading.Thread(target=self._push_all, args=(copies,), name="ckptd-tier-push", daemon=True).start()
 
     def _push_all(self, copies: list[Copy]) -> None:
