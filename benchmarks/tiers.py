@@ -127,7 +127,7 @@ def _run_m(res: Results, size: int, reps: int, work: Path, m: int, sec: dict) ->
 
 def _daemons(work: Path, root: str, size: int) -> list:
     from tests.distributed import launch
-    from tests.server.daemon import Daemon
+    from tests.server.daemon import Daemon, peer_key_file
 
     (work / "token").write_text(TOKEN)
     os.chmod(work / "token", 0o600)
@@ -142,6 +142,7 @@ def _daemons(work: Path, root: str, size: int) -> list:
             token_file=work / "token",
             CKPTD_PEERS=json.dumps(urls),
             CKPTD_ADVERTISE=me,
+            CKPTD_PEER_KEY_FILE=str(peer_key_file(work)),
             CKPTD_BUDGET=str(4 * size + (256 << 20)),
         )
         out.append(d.start(port=port))

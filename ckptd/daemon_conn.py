@@ -8,13 +8,17 @@ daemon's Unix socket, where the kernel names the calling user: leases and hand-o
 else ``default_socket()``, where ``ckptd serve`` listens by default.
 
 ``DaemonConnection`` keeps one keep-alive connection per thread and sends the bearer token it
-holds. A kept connection that turns out stale is replaced once (requests are idempotent or carry
-a client-chosen id); a fresh one that fails is ``DaemonUnreachable``, naming what to set.
+holds; a daemon's connection to a peer daemon also signs each request with the peer key
+(``peer``, ``peer_auth``: the header ``server.peers.peer_sender`` checks). A kept connection
+that turns out stale is replaced once (requests are idempotent or carry a client-chosen id,
+and are signed again); a fresh one that fails is ``DaemonUnreachable``, naming what to set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import http.client
 import json
 import logging
@@ -28,12 +32,14 @@ from urllib.parse import unquote, urlsplit
 
 from ckptd.errors import CheckpointError
 
-__all__ = ["DaemonConnection", "DaemonUnreachable", "default_socket", "detail", "resolve", "unix_address"]
+__all__ = ["DaemonConnection", "DaemonUnreachable", "default_socket", "detail", "peer_auth", "peer_mac", "resolve"]
+__all__ += ["PEER_HEADER", "unix_address"]
 
 log = logging.getLogger("ckptd.daemon_conn")
 
 MAX_REPLY = 64 << 20  # a reply read whole (JSON, a listing) may be at most this long
 _WAIT_LOG_EVERY_S = 30.0
+PEER_HEADER = "X-Ckptd-Peer"  # "<sender URL> <unix time> <nonce> <HMAC-SHA256>" (``peer_auth``)
 _HINT = "start `ckptd serve`, or name its address in CKPTD_DAEMON (its socket: --socket / CKPTD_SOCKET)"
 
 
@@ -63,6 +69,19 @@ def resolve(daemon: str | bool | None) -> str | None:
 def detail(body: dict) -> str:
     """The daemon's error message in a reply body."""
     return str(body.get("detail", body))
+
+
+def peer_mac(key: bytes, method: str, target: str, body, when: str, nonce: str, sender: str) -> str:
+    """HMAC-SHA256, keyed by the peer key, of a request: method, path and query, body digest,
+    time, nonce and the sender's advertised URL."""
+    digest = hashlib.sha256(body or b"").hexdigest()
+    return hmac.new(key, "\n".join([method, target, digest, when, nonce, sender]).encode(), hashlib.sha256).hexdigest()
+
+
+def peer_auth(key: bytes, sender: str, method: str, target: str, body) -> str:
+    """The ``PEER_HEADER`` value that signs one request of the daemon ``sender`` to a peer."""
+    when, nonce = str(int(time.time())), os.urandom(16).hex()
+    return f"{sender} {when} {nonce} {peer_mac(key, method, target, body, when, nonce, sender)}"
 
 
 @contextlib.contextmanager
@@ -108,6 +127,7 @@ class DaemonConnection:
             raise bad
         self.url, self.token, self.who = url.rstrip("/"), token, who
         self.reconnect = True  # False: a kept connection that breaks is an error, not replaced
+        self.peer: tuple[bytes, str] | None = None  # (peer key, this daemon's URL): sign each request
         self.host: str | None = None  # the TCP host (None over a Unix socket)
         self._base = ""
         if url.startswith(("unix://", "http+unix://")):
@@ -143,6 +163,8 @@ class DaemonConnection:
         if self.token:
             hdrs["Authorization"] = f"Bearer {self.token}"
         while True:
+            if self.peer:  # signed afresh for each try: a resent request is not a replay
+                hdrs[PEER_HEADER] = peer_auth(*self.peer, method, self._base + path, body)
             conn = getattr(self._local, "conn", None)
             reused = conn is not None
             if conn is None:

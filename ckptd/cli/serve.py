@@ -93,6 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="URL,...",
         help="the node daemons of the job in ring order (may include this one): hot copies are replicated to them",
     )
+    p.add_argument(
+        "--peer-key-file",
+        metavar="F",
+        help="key the daemons of a ring sign replicas with (0600, this user's; trainers never hold it)",
+    )
     p.add_argument("--advertise", metavar="URL", help="this daemon's URL as its peers know it (its place in --peers)")
     p.add_argument(
         "--discover",

@@ -209,13 +209,17 @@ def _error(status: int, detail: str, headers: dict | None = None) -> JSONRespons
 
 
 MAX_TOKEN_FILE_BYTES = 4096
+MIN_PEER_KEY = 32  # characters of a peer key at least (e.g. ``openssl rand -hex 32``: 64)
 
 
-def read_token(path: str | None) -> str | None:
+def read_token(path: str | None, peer: bool = False) -> str | None:
     """The bearer token in ``path`` (``--token-file``), or ValueError (one line). A file its group
     or others can write is refused (they could replace the token with one they know); one every
     local user can read is logged as a WARNING. The checks and the read use one descriptor
-    (``fstat``), so the file checked is the file read."""
+    (``fstat``), so the file checked is the file read. ``peer``: the peer key (``--peer-key-file``),
+    which trainers never hold: the file must be the daemon user's, with no group or other bits,
+    and the key at least ``MIN_PEER_KEY`` characters."""
+    what = "peer key file" if peer else "token file"
     if path is None:
         return None
     try:
@@ -224,7 +228,12 @@ def read_token(path: str | None) -> str | None:
             st = os.fstat(fd)
             mode = stat.S_IMODE(st.st_mode)
             if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"token file {path} is not a regular file")
+                raise ValueError(f"{what} {path} is not a regular file")
+            if peer and (mode & 0o077 or st.st_uid != os.geteuid()):
+                raise ValueError(
+                    f"refusing {what} {path} (mode {mode:o}, uid {st.st_uid}): it must belong to the daemon's "
+                    f"user (uid {os.geteuid()}) and be readable by nobody else; chown it and chmod 600 {path}"
+                )
             if mode & (stat.S_IWGRP | stat.S_IWOTH):
                 who = "every local user" if mode & stat.S_IWOTH else "its group"
                 raise ValueError(
@@ -232,18 +241,18 @@ def read_token(path: str | None) -> str | None:
                     f"the token with one they know; chmod go-w {path} (0600, or 0640 for the trainers' group)"
                 )
             if st.st_size > MAX_TOKEN_FILE_BYTES:
-                raise ValueError(f"token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token")
+                raise ValueError(f"{what} {path} is over {MAX_TOKEN_FILE_BYTES} bytes: not a token")
             raw = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
         finally:
             os.close(fd)
     except OSError as e:
-        raise ValueError(f"cannot read token file {path}: {e.strerror or e}") from None
+        raise ValueError(f"cannot read {what} {path}: {e.strerror or e}") from None
     try:
         token = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
-        raise ValueError(f"token file {path} is not UTF-8 text") from None
-    if not token:
-        raise ValueError(f"token file {path} is empty")
+        raise ValueError(f"{what} {path} is not UTF-8 text") from None
+    if len(token) < (MIN_PEER_KEY if peer else 1):
+        raise ValueError(f"{what} {path} is empty" + (f" or under {MIN_PEER_KEY} characters" if peer else ""))
     if mode & stat.S_IROTH:
         log.warning("token file %s is readable by every local user (mode %o): chmod o-r it", path, mode)
     return token
@@ -418,11 +427,12 @@ async def get_job(
 ROUTERS: tuple[APIRouter, ...] = (read_only, leases, jobs, page, peers, discovery)
 
 
-def _discovery(settings: Settings, roots: Roots, runner: Runner, tiers: Tiers, token: str | None):
-    """The ``--discover`` part of the memory tier (``server.discovery``), or None."""
+def _discovery(settings: Settings, roots: Roots, runner: Runner, tiers: Tiers, key: str | None):
+    """The ``--discover`` part of the memory tier (``server.discovery``; ``key``: the challenge's,
+    the peer key where one is set, else the token), or None."""
     if not settings.discover:
         return None
-    finder = Discovery(runner.store, roots, settings, token or "")
+    finder = Discovery(runner.store, roots, settings, key or "")
 
     def update(peers: list[str], targets: list[str]) -> None:
         tiers.peers, tiers.targets = peers, targets
@@ -488,6 +498,7 @@ def create_app(settings: Settings) -> FastAPI:
     for uri in settings.roots:
         _check_writable(roots, uri)
     token = read_token(settings.token_file)
+    peer_key = read_token(settings.peer_key_file, peer=True)
     _check_discovery(settings, token)
     isolate = can_isolate() if settings.isolate_tenants is None else settings.isolate_tenants
     if settings.staging_dir:
@@ -535,7 +546,13 @@ def create_app(settings: Settings) -> FastAPI:
         settings.tiers,
     )
     runner.tiers = tiers
-    finder = _discovery(settings, roots, runner, tiers, token)
+    tiers.peer_key = peer_key.encode() if peer_key else None
+    if (settings.peers or settings.discover) and settings.tiers and peer_key is None:
+        log.warning(
+            "memory tier: no --peer-key-file: this daemon neither pushes replicas to its peers nor accepts theirs "
+            "(daemons sign replicas with the peer key; the trainers' token is not enough)"
+        )
+    finder = _discovery(settings, roots, runner, tiers, peer_key or token)
     for name, (text, fn) in tiers.gauges().items():
         metrics.gauge(name, text, fn)
     _capacity(metrics)

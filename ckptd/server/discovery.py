@@ -13,8 +13,10 @@ daemon's record keeps its size and renewals cost one LIST per root, not a GET pe
 
 The token goes to a discovered peer only on a connection where it answered ``GET
 /v1/tiers/hello?nonce=N`` (sent without the token) with ``hello_mac``: HMAC-SHA256 of the nonce
-and the URL dialed, keyed by the token. Explicit ``--peers`` are trusted without a challenge; the
-peers named to restoring ranks are discovered daemons that passed it within ``discover_ttl_s``.
+and the URL dialed, keyed by the peer key (``--peer-key-file``, which trainers never hold: a
+trainer's server cannot pass it), or by the token where no peer key is set. Explicit ``--peers``
+are trusted without a challenge; the peers named to restoring ranks are discovered daemons that
+passed it within ``discover_ttl_s``.
 """
 
 from __future__ import annotations
@@ -342,13 +344,13 @@ class Discovery:
 router = APIRouter()
 
 
-@router.get(HELLO_PATH, summary="the discovery challenge: HMAC(token, nonce, this daemon's URL); needs no token")
+@router.get(HELLO_PATH, summary="the discovery challenge: HMAC(peer key or token, nonce, this URL); needs no token")
 def hello(request: Request, nonce: str = Query(min_length=2 * NONCE_BYTES, max_length=2 * NONCE_BYTES)):
-    token = request.app.state.token
     tiers = request.app.state.tiers
+    token = tiers.peer_key.decode() if tiers.peer_key else request.app.state.token  # as ``Discovery`` keys it
     # Only a daemon that is itself in a discovered ring answers: anyone who reaches the route gets
-    # a MAC keyed by the token to test guesses of it offline, so a daemon that nobody discovers
-    # (no --discover) must not offer one.
+    # a MAC keyed by the peer key (or token) to test guesses of it offline, so a daemon that
+    # nobody discovers (no --discover) must not offer one.
     if token is None or tiers.me is None or tiers.discovery is None:
         return JSONResponse({"detail": "this daemon is not in a discovered ring (--discover)"}, status_code=404)
     try:

@@ -2,25 +2,34 @@
 restoring ranks, its peers' replica pushes (``server.replication``), a client's reservation
 before a memory-only hand-off, and the report (and fence) after a restore.
 
-Every route needs the daemon token (``app.Guard``) and names a served root. Objects are looked
-up in the tier's table by (root, step, attempt, key): no route turns a request into a path, so
-none can read outside (or inside) the staging folder. A read answers with the step and attempt
-of the copy in ``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the reader checks both against the commit
-record and every chunk against its crc32c (``trainer_hooks.tiered``).
+Every route needs the daemon token (``app.Guard``) and names a served root; the replica routes
+also a request signed with the peer key, which only daemons hold (``peer_sender``): the token
+alone is 403. Objects are looked up in the tier's table by (root, step, attempt, key): no route
+turns a request into a path, so none can read outside (or inside) the staging folder. A read
+answers with the step and attempt of the copy in ``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the
+reader checks both against the commit record and every chunk against its crc32c
+(``trainer_hooks.tiered``).
 """
 
 from __future__ import annotations
 
+import hmac
+import time
 from typing import Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
+from ckptd.daemon_conn import PEER_HEADER, peer_mac
 from ckptd.server.parts import MAX_NUMBER, Count, Rank, Step
-from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS
+from ckptd.server.tenancy import Forbidden
+from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS, SELF
 
-__all__ = ["BatchReadRequest", "ReplicaRequest", "ReserveRequest", "RestoredReport", "router"]
+__all__ = ["BatchReadRequest", "PEER_WINDOW_S", "ReplicaRequest", "ReserveRequest", "RestoredReport", "peer_sender"]
+__all__ += ["router"]
+
+PEER_WINDOW_S = 120  # a peer's signed time may differ from this daemon's clock by this much
 
 router = APIRouter()
 
@@ -41,8 +50,7 @@ class _Held(BaseModel):  # the (root, step, attempt) of a copy in the memory tie
     attempt: str = Field(min_length=1, max_length=64)
 
 
-class ReplicaRequest(_Held):
-    source: str = Field(min_length=1, max_length=4096)
+class ReplicaRequest(_Held):  # its source is the signed sender (``peer_sender``), never a field
     kind: Literal["hot", "memory_only"] = "hot"  # a hot copy, or one rank's part of a memory-only step
     ranks: list[Rank] = Field(default_factory=list, max_length=1 << 20)
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
@@ -73,6 +81,40 @@ class RestoredReport(BaseModel):
     # abandoned future and are dropped (``server.tiers.Tiers.fence``).
     job_root: str | None = Field(None, min_length=1, max_length=4096)
     restored_step: int | None = Field(None, ge=0, le=10**10 - 1)
+
+
+async def peer_sender(request: Request) -> str:
+    """The URL of the peer daemon that signed this request with the peer key (``PEER_HEADER``:
+    ``daemon_conn.peer_auth``), its signed time within ``PEER_WINDOW_S`` of this clock and its
+    signature not seen before (kept for twice the window); else Forbidden (403)."""
+    tiers = request.app.state.tiers
+    if tiers.peer_key is None:
+        raise Forbidden("this daemon has no peer key (--peer-key-file): it accepts no replicas")
+    try:
+        sender, when, nonce, mac = request.headers.get(PEER_HEADER, "").split(" ")
+        skew = abs(time.time() - int(when))
+    except (ValueError, OverflowError):
+        raise Forbidden(
+            f"a route between daemons needs a request signed with the peer key ({PEER_HEADER}): "
+            "the daemon token is not enough"
+        ) from None
+    s = request.scope
+    target = (s.get("raw_path") or s["path"].encode()).decode("latin-1")
+    target += f"?{s['query_string'].decode('latin-1')}" if s.get("query_string") else ""
+    want = peer_mac(tiers.peer_key, request.method, target, await request.body(), when, nonce, sender)
+    if not hmac.compare_digest(mac.encode(), want.encode()):
+        raise Forbidden("wrong peer signature: not signed with this daemon's peer key (--peer-key-file)")
+    if skew > PEER_WINDOW_S:
+        raise Forbidden(f"peer signature {skew:.0f} s away from this daemon's clock (at most {PEER_WINDOW_S} s)")
+    now, seen = time.monotonic(), tiers.peer_macs
+    while seen and next(iter(seen.values())) < now - 2 * PEER_WINDOW_S:  # oldest first
+        del seen[next(iter(seen))]
+    if mac in seen:
+        raise Forbidden("a replayed peer request")
+    seen[mac] = now
+    if sender == SELF:  # this daemon's own copies' source
+        raise Forbidden(f"a peer cannot sign as {SELF!r}")
+    return sender
 
 
 def _root(request: Request, root: str) -> str:
@@ -172,11 +214,11 @@ class _Parts(Response):
 
 
 @router.post("/v1/tiers/replicas", summary="a peer starts pushing its hot copy; 429 when it does not fit")
-def begin_replica(body: ReplicaRequest, request: Request):
+def begin_replica(body: ReplicaRequest, request: Request, source: str = Depends(peer_sender)):
     root = _root(request, body.root)
     try:
         rid = request.app.state.tiers.begin_replica(
-            root, body.step, body.attempt, body.source, body.ranks, [o.model_dump() for o in body.objects], body.kind
+            root, body.step, body.attempt, source, body.ranks, [o.model_dump() for o in body.objects], body.kind
         )
     except ValueError as e:
         return JSONResponse({"detail": str(e)}, status_code=400)
@@ -186,7 +228,9 @@ def begin_replica(body: ReplicaRequest, request: Request):
     return {"replica": rid}
 
 
-@router.put("/v1/tiers/replicas/{rid}", summary="one piece of one object of a replica")
+@router.put(
+    "/v1/tiers/replicas/{rid}", summary="one piece of one object of a replica", dependencies=[Depends(peer_sender)]
+)
 async def put_piece(
     rid: str,
     request: Request,
@@ -203,7 +247,11 @@ async def put_piece(
     return {"received": len(data)}
 
 
-@router.post("/v1/tiers/replicas/{rid}/seal", summary="the replica is whole: check every object's crc32c")
+@router.post(
+    "/v1/tiers/replicas/{rid}/seal",
+    summary="the replica is whole: check every object's crc32c",
+    dependencies=[Depends(peer_sender)],
+)
 def seal_replica(rid: str, request: Request):
     try:
         request.app.state.tiers.seal(rid)

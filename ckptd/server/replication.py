@@ -89,16 +89,19 @@ class Replication:
         return self.discovery.targets(root, self.replicas)
 
     def _dial(self, peer: str) -> DaemonConnection:
-        """A connection to ``peer`` that sends the token (to a discovered peer once it passed the challenge)."""
+        """A connection to ``peer`` that sends the token (to a discovered peer once it passed the
+        challenge) and signs each request with the peer key."""
         if self.discovery is None:
-            return DaemonConnection(peer, self.token, self.timeout_s)
-        conn = self.discovery.dial(peer, self.timeout_s)
-        conn.token = self.token
+            conn = DaemonConnection(peer, self.token, self.timeout_s)
+        else:
+            conn = self.discovery.dial(peer, self.timeout_s)
+            conn.token = self.token
+        conn.peer = (self.peer_key, self.me or "unnamed")
         return conn
 
     def push_later(self, copies: list[Copy]) -> None:
         """Push ``copies`` to the ring's daemons on a thread of their own (none when there is no ring)."""
-        if self.targets or self.discovery is not None:
+        if self.peer_key and (self.targets or self.discovery is not None):
             threading.Thread(target=self._push_all, args=(copies,), name="ckptd-tier-push", daemon=True).start()
 
     def _push_all(self, copies: list[Copy]) -> None:
@@ -131,7 +134,7 @@ class Replication:
         with self._lock:
             objects = dict(group.objects)  # the bytearrays themselves; a dropped copy clears the dict only
         body = {k: getattr(group, k) for k in ("root", "step", "attempt", "kind")}
-        body |= {"source": self.me or "unnamed", "ranks": [group.rank]}
+        body["ranks"] = [group.rank]
         body["objects"] = [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()]
         conn = self._dial(peer)
         try:

@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8470
     token_file: str | None = None
+    peer_key_file: str | None = Field(None, description="the key daemons sign replicas with; trainers never hold it")
     # Without a token file the daemon refuses to start unless this is set (see deploy/README.md).
     insecure_no_auth: bool = False
     staging_group: str | None = Field(

@@ -8,7 +8,8 @@ block leaves running is stopped when the section ends (by pid, never by name).
 
 What a block may rely on is only what the README's "Running the examples" paragraph names:
 ports and scratch paths come from ``CKPTD_PORT``, ``CKPTD_SOCKET``, ``CKPTD_STAGING_DIR``,
-``CKPTD_TOKEN_FILE``, ``ROOT`` and ``AWS_ENDPOINT_URL``; the text of a block is never rewritten.
+``CKPTD_TOKEN_FILE``, ``CKPTD_PEER_KEY_FILE``, ``ROOT`` and ``AWS_ENDPOINT_URL``; the text of a
+block is never rewritten.
 """
 
 from __future__ import annotations
@@ -244,8 +245,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def new_token_file(folder: Path) -> Path:
-    f = folder / "token"
+def new_token_file(folder: Path, name: str = "token") -> Path:
+    f = folder / name
     f.write_text(secrets.token_hex(32) + "\n")
     f.chmod(0o600)
     return f

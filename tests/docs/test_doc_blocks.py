@@ -201,6 +201,7 @@ def _section(block: Block, endpoint: str) -> Section:
         CKPTD_SOCKET=str(scratch / "ckptd.sock"),
         CKPTD_STAGING_DIR=str(scratch / "staging"),
         CKPTD_TOKEN_FILE=str(docblocks.new_token_file(scratch)),
+        CKPTD_PEER_KEY_FILE=str(docblocks.new_token_file(scratch, "peer-key")),
         ROOT=str(scratch / "job"),
         OMP_NUM_THREADS="1",
     )

@@ -169,6 +169,17 @@ class Daemon:
         self.stop()
 
 
+PEER_KEY = "peer-key-of-the-test-ring-0123456789abcdef"  # the daemons' own key: no trainer holds it
+
+
+def peer_key_file(tmp: Path) -> Path:
+    """``tmp/peer-key``: the ring's peer key (``--peer-key-file``), 0600, this user's."""
+    path = tmp / "peer-key"
+    path.write_text(PEER_KEY)
+    os.chmod(path, 0o600)
+    return path
+
+
 def node(
     tmp: Path,
     name: str,
@@ -182,8 +193,9 @@ def node(
     **env: str,
 ) -> Daemon:
     """A started daemon playing node ``name`` of a memory-tier test: its own staging folder and
-    log under ``tmp``, the token in ``tmp/token``, the ring ``peers`` and its own URL advertised;
-    ``tier_delay_s``, ``push_delay``: a slow peer (``Daemon``). ``trust_tcp=False``: as the docs run it, trainers
+    log under ``tmp``, the token in ``tmp/token``, the peer key in ``tmp/peer-key``
+    (``peer_key_file``), the ring ``peers`` and its own URL advertised; ``tier_delay_s``,
+    ``push_delay``: a slow peer (``Daemon``). ``trust_tcp=False``: as the docs run it, trainers
     reach it on its socket only."""
     d = Daemon(
         [root],
@@ -196,7 +208,7 @@ def node(
         push_delay=push_delay,
         CKPTD_PEERS=json.dumps(peers),
         CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
-        **env,
+        **({"CKPTD_PEER_KEY_FILE": str(peer_key_file(tmp))} | env),
     )
     return d.start(port=port)
 

@@ -78,6 +78,8 @@ def test_k8s_daemonset_mounts_host_shm_and_service_stays_on_node(k8s):
     assert c["image"] and c["name"]
     _serve_args_ok(c["args"])
     assert "--token-file" in c["args"]
+    # the daemons' own credential between nodes: set, from a volume of the daemon's pod
+    assert {"name": "CKPTD_PEER_KEY_FILE", "value": "/etc/ckptd-peer/key"} in c["env"]
     port = c["ports"][0]["containerPort"]
     assert port == 8470
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"  # the one path without a token

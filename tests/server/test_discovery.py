@@ -28,9 +28,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from ckptd.server.discovery import hello_mac
 from ckptd.server.tiers import replica_targets
 from tests.distributed import launch
-from tests.server.daemon import Daemon, wait_for
+from tests.server.daemon import Daemon, peer_key_file, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -60,7 +61,7 @@ def _daemon(tmp: Path, name: str, root: str, ttl: float = 10.0, **env: str) -> D
         CKPTD_ADVERTISE=_url(port),
         CKPTD_DISCOVER_INTERVAL_S="0.5",
         CKPTD_DISCOVER_TTL_S=str(ttl),
-        **env,
+        **({"CKPTD_PEER_KEY_FILE": str(peer_key_file(tmp))} | env),
     )
     return d.start(port=port)
 
@@ -177,9 +178,10 @@ def test_replicas_follow_the_discovered_ring_and_it_reforms_after_a_node_dies(tm
 class _LoggingRelay:
     """An HTTP server that logs every request (method, path, headers, body size) and answers
     200 to all; the discovery challenge it relays to a real daemon and answers with that
-    daemon's reply: a forged record's best attempt without the token."""
+    daemon's reply: a forged record's best attempt without the token. With ``token`` it answers
+    the challenge itself, keyed by that token: a trainer's server (trainers hold the token)."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, token: str | None = None):
         up = urlsplit(upstream)
         self.requests: list[dict] = []
         self.relayed: list[int] = []
@@ -202,6 +204,9 @@ class _LoggingRelay:
 
             def do_GET(self):  # noqa: N802 - http.server's name
                 self._log(b"")
+                if self.path.startswith("/v1/tiers/hello") and token is not None:
+                    nonce = bytes.fromhex(self.path.split("nonce=")[1])
+                    return self._reply(200, json.dumps({"mac": hello_mac(token, nonce, outer.url)}).encode())
                 if self.path.startswith("/v1/tiers/hello"):
                     conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
                     conn.request("GET", self.path)
@@ -268,6 +273,31 @@ def test_a_forged_record_never_gets_the_token_nor_replica_bytes(tmp_path):
         relay.close()
         a.kill()
         b.kill()
+
+
+def test_a_trainers_server_with_the_token_does_not_pass_the_challenge(tmp_path):
+    """The challenge is keyed by the daemons' peer key: a trainer, who holds the token, plants a
+    record naming its own server, which answers the challenge with the token. It is refused:
+    no replica request (which would carry the weights), not named to restoring ranks."""
+    _token(tmp_path)
+    job = tmp_path / "job"
+    root = f"file://{job}"
+    a = _daemon(tmp_path, "a", root, ttl=120.0)
+    fake = _LoggingRelay(a.url, token=TOKEN)
+    try:
+        name, data = _record(fake.url)
+        (job / "_daemons").mkdir(parents=True, exist_ok=True)
+        (job / "_daemons" / name).write_bytes(data)
+        wait_for(lambda: _ring(a, root) == sorted([a.url, fake.url]), "the trainer's record in the ring", 60)
+        _save(1, [a], root, tmp_path / "s1", step=1)
+        wait_for(lambda: "wrong challenge answer" in _log(a), "the refused challenge", 60)
+        (hot,) = _tiers(a)["hot"]
+        assert hot["replicated_to"] == {}, hot
+        assert fake.requests and all(r["path"].startswith("/v1/tiers/hello?") for r in fake.requests), fake.requests
+        assert fake.url not in _tiers(a)["peers"]
+    finally:
+        fake.close()
+        a.kill()
 
 
 def test_hostile_records_are_ignored_with_one_log_line_each(tmp_path):

@@ -30,12 +30,13 @@ import pytest
 from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.cli.tiers_view import tier_copies
+from ckptd.daemon_conn import PEER_HEADER, peer_auth
 from ckptd.errors import CheckpointError
 from storage_backends import open_store
 from tests import load
 from tests.distributed import launch
 from tests.distributed.scenarios import BATCH
-from tests.server.daemon import ROOT, Daemon, kill_all, node, tier_totals, wait_for
+from tests.server.daemon import PEER_KEY, ROOT, Daemon, kill_all, node, tier_totals, wait_for
 from tests.server.memstep_scenarios import DATASET, PER_STEP
 from trainer_hooks import Checkpointer
 
@@ -57,10 +58,14 @@ def _parts(d: Daemon, root: str) -> list[dict]:
     return body["memory_only"]  # type: ignore[index]
 
 
-def _post(d: Daemon, path: str, body: dict, token: str | None = TOKEN) -> int:
-    req = urllib.request.Request(d.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def _post(d: Daemon, path: str, body: dict, token: str | None = TOKEN, signed: bool = True) -> int:
+    """``body`` POSTed to ``d``; ``signed``: as a peer daemon (the peer key of ``node``)."""
+    raw = json.dumps(body).encode()
+    req = urllib.request.Request(d.url + path, raw, {"Content-Type": "application/json"})
     if token:
         req.add_header("Authorization", f"Bearer {token}")
+    if signed:
+        req.add_header(PEER_HEADER, peer_auth(PEER_KEY.encode(), "http://127.0.0.1:9", "POST", path, raw))
     try:
         with urllib.request.urlopen(req, timeout=load.scaled(10)) as r:
             return r.status
@@ -319,8 +324,8 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
         # The restore fenced the abandoned future: a holds nothing newer than step 6.
         assert max(p["step"] for p in _parts(a, root)) == LAST - 1
 
-        # The routes need the token; a pushed part holds objects of its step's folder only,
-        # never a commit record.
+        # The routes need the token, the replica route a peer daemon's signature too; a pushed
+        # part holds objects of its step's folder only, never a commit record.
         assert a.get(f"/v1/tiers?root={root}&keys=true")[0] == 401
         assert a.get(f"/v1/tiers?root={root}&keys=true", "wrong")[0] == 401
         # (One protocol: a part is pushed on the tier's replica route, kind memory_only.)
@@ -331,6 +336,7 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
         assert _post(a, "/v1/tiers/replicas", part | {"objects": [], "ranks": [0, 1]}) == 400  # one rank's
         assert _post(a, "/v1/tiers/replicas", part | {"objects": [], "kind": "other"}) == 400
         assert _post(a, "/v1/tiers/replicas", part | {"objects": []}, token=None) == 401
+        assert _post(a, "/v1/tiers/replicas", part | {"objects": []}, signed=False) == 403
     finally:
         kill_all(procs)
         for d in (a, b):

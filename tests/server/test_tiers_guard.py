@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from ckptd.codec import crc32c
+from ckptd.daemon_conn import PEER_HEADER, peer_auth
 from ckptd.server.staging import Staging
 from ckptd.server.tiers import Tiers, replica_targets
 from tests import load
@@ -29,6 +30,8 @@ def _call(
     req = urllib.request.Request(url + path, data=body, method=method)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
+    if path.startswith("/v1/tiers/replicas"):  # signed as a peer daemon (``peer_auth``)
+        req.add_header(PEER_HEADER, peer_auth(dm.PEER_KEY.encode(), "http://peer", method, path, body))
     req.add_header("Content-Type", ctype)
     try:
         with urllib.request.urlopen(req, timeout=load.scaled(10)) as r:
@@ -38,7 +41,7 @@ def _call(
 
 
 def _begin(url: str, root: str, objects: list[dict], token: str | None = TOKEN):
-    body = {"root": root, "step": 2, "attempt": "att1", "source": "http://peer", "ranks": [0], "objects": objects}
+    body = {"root": root, "step": 2, "attempt": "att1", "ranks": [0], "objects": objects}
     return _call(url, "POST", "/v1/tiers/replicas", json.dumps(body).encode(), token)
 
 
@@ -65,7 +68,10 @@ def test_replica_protocol_and_reads_refuse_what_is_not_the_committed_copy(tmp_pa
     token.write_text(TOKEN)
     os.chmod(token, 0o600)
     root = f"file://{tmp_path / 'job'}"
-    with dm.Daemon([root], tmp_path / "staging", tmp_path / "d.log", token_file=token) as d:
+    key = dm.peer_key_file(tmp_path)
+    with dm.Daemon(
+        [root], tmp_path / "staging", tmp_path / "d.log", token_file=token, CKPTD_PEER_KEY_FILE=str(key)
+    ) as d:
         obj = [{"key": KEY, "size": 8, "crc32c": crc32c(b"12345678")}]
         # No token, a wrong token: refused before anything is read or held.
         assert _begin(d.url, root, obj, token=None)[0] == 401
