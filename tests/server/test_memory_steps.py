@@ -83,14 +83,15 @@ def _logs(out: Path, *daemons: Daemon) -> str:
     return launch.logs(out, "save_memory", 4) + "".join(f"\n--- {d.log_path.name} ---\n{d.logs()}" for d in daemons)
 
 
-def _setup(tmp_path: Path):
+def _setup(tmp_path: Path, **b_args):
+    """Two node daemons a and b (``b_args``: node b's own options) with a token file."""
     (tmp_path / "token").write_text(TOKEN)
     os.chmod(tmp_path / "token", 0o600)
     root = f"file://{tmp_path / 'job'}"
     pa, pb = launch.free_port(), launch.free_port()
     urls = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
     a = node(tmp_path, "a", root, pa, urls)
-    b = node(tmp_path, "b", root, pb, urls)
+    b = node(tmp_path, "b", root, pb, urls, **b_args)
     return root, a, b, urls
 
 
@@ -351,13 +352,7 @@ def test_a_late_replica_and_a_newer_hand_off_keep_the_last_whole_step(tmp_path):
     would have a drop its parts of step 2, the last step whole anywhere (a then holds its own
     parts of steps 3 and 4 and b's of 1 and 2) and the job would restart from scratch; a keeps
     them, and the restore at 3 ranks takes step 2 from a's memory, bitwise."""
-    (tmp_path / "token").write_text(TOKEN)
-    os.chmod(tmp_path / "token", 0o600)
-    root = f"file://{tmp_path / 'job'}"
-    pa, pb = launch.free_port(), launch.free_port()
-    urls = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
-    a = node(tmp_path, "a", root, pa, urls)
-    b = node(tmp_path, "b", root, pb, urls, push_delay=(3, 600))  # killed long before it ends
+    root, a, b, urls = _setup(tmp_path, push_delay=(3, 600))  # b is killed long before it ends
     out = tmp_path / "out"
     procs = []
     try:
