@@ -13,8 +13,9 @@ daemons: as shipped, and with daemons whose hand-offs never wait for replicas
 (``tests.doubles.slow_serve --no-backpressure``), the baseline. Printed per run: the time each
 save was blocked by backpressure (``ckptd_tier_backpressure_seconds_total`` before and after it),
 and the save-to-save time (one ``save`` call to the next), median and max over every save but
-the first (which has no older step to wait for). The rank and both daemons share the machine's
-cores.
+the first (which has no older step to wait for); and how many of daemon ``a``'s pushes were sealed
+or had failed when the last save returned (without backpressure, retention drops parts whose
+push is still running). The rank and both daemons share the machine's cores.
 """
 
 from __future__ import annotations
@@ -92,13 +93,14 @@ def run_once(size: int, saves: int, wait: bool, work: Path) -> dict:
                 before = now
             starts.append(time.perf_counter())  # where the next save would start
             held = a.get(f"/v1/tiers?root={root}", TOKEN)[1]["memory_only"]  # type: ignore[index]
+            pushes = {k: a.metric(f"ckptd_tier_{k}_total", TOKEN) for k in ("replicas_pushed", "replica_push_failures")}
     finally:
         a.stop()
         b.stop()
     if not any(p["source"] == "self" and p["replicated_to"] for p in held):
         raise RuntimeError(f"no part of daemon a was pushed to b:\n{a.logs()}")
     periods = [t1 - t0 for t0, t1 in zip(starts, starts[1:], strict=False)]
-    return {"blocked_s": blocked[1:], "save_to_save_s": periods[1:]}
+    return {"blocked_s": blocked[1:], "save_to_save_s": periods[1:], "pushes": pushes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':34}{'with backpressure':>22}{'without':>22}")
     for key, label in (("blocked_s", "blocked by backpressure per save"), ("save_to_save_s", "save-to-save time")):
         print(f"{label:34}{stat(runs['with'][key]):>22}{stat(runs['without'][key]):>22}")
+    for name, run in runs.items():
+        p = run["pushes"]
+        sealed, failed = p["replicas_pushed"], p["replica_push_failures"]
+        print(f"{name}: when the last save returned, {sealed:.0f} of a's pushes were sealed, {failed:.0f} had failed")
     print(json.dumps({"size": size, "saves": args.saves, **runs}))
     return 0
 
