@@ -23,7 +23,8 @@ restored step. Budget: every byte of a copy is held through
 ``Staging.reserve``; a copy never makes a save wait (``_reclaim`` drops copies for a lease, in
 the order docs/operations.md gives), and what does not fit is not kept or, for a memory-only
 step reserved before its hand-off (``reserve``), persisted instead. Each complete own copy is
-pushed to the ring (``server.replication``, a mixin of ``Tiers``).
+pushed to the ring (``server.replication``, a mixin of ``Tiers``); a rank's hand-off of a
+memory-only step waits while an own part of an older step is still being pushed (``backpressure``).
 
 Serving (``server.peers``, ``server.tierdata``): objects are looked up by (root, step, attempt,
 key) in this table, never by a path: no tier route can read a file. Only complete copies are
