@@ -345,6 +345,7 @@ class Runner:
         try:
             if t is None or not t.enabled:
                 raise CheckpointError("this daemon keeps no memory tier (--no-tiers): memory-only steps are refused")
+            t.backpressure(job.root, job.step, job.rank, job.accepted_at + job.commit_timeout)
             store = t.holder(job.root, job.step, job.attempt, job.rank)
             part = load(job, lease.dir)
             try:

@@ -102,12 +102,17 @@ class Replication:
     def push_later(self, copies: list[Copy]) -> None:
         """Push ``copies`` to the ring's daemons on a thread of their own (none when there is no ring)."""
         if self.peer_key and (self.targets or self.discovery is not None):
+            with self._lock:
+                self._queued.update(copies)
             threading.Thread(target=self._push_all, args=(copies,), name="ckptd-tier-push", daemon=True).start()
 
     def _push_all(self, copies: list[Copy]) -> None:
         for c in copies:
             peers = self.targets_for(c.root)
-            c.pushed.update(dict.fromkeys(peers, "pushing"))  # a step is whole once all are complete
+            with self._pushes:
+                c.pushed.update(dict.fromkeys(peers, "pushing"))  # a step is whole once all are complete
+                self._queued.discard(c)
+                self._pushes.notify_all()
             for peer in peers:
                 what = (c.kind, c.root, c.step, c.rank, peer)
                 try:
@@ -126,8 +131,9 @@ class Replication:
                     self.count("replicas_pushed")
                     log.info("memory tier: %s %s step %d rank %d pushed to %s", *what)
             if c.kind == MEMORY_ONLY:  # sealed on its peers, its step may be whole here now
-                with self._lock:
+                with self._pushes:  # and a newer step's hand-off may go on (``Tiers.backpressure``)
                     release = self._retain(c.root, MEMORY_ONLY)
+                    self._pushes.notify_all()
                 self._release(release)
 
     def _push(self, peer: str, group: Copy) -> None:

@@ -23,7 +23,8 @@ restored step. Budget: every byte of a copy is held through
 ``Staging.reserve``; a copy never makes a save wait (``_reclaim`` drops copies for a lease, in
 the order docs/operations.md gives), and what does not fit is not kept or, for a memory-only
 step reserved before its hand-off (``reserve``), persisted instead. Each complete own copy is
-pushed to the ring (``server.replication``, a mixin of ``Tiers``).
+pushed to the ring (``server.replication``, a mixin of ``Tiers``); a rank's hand-off of a
+memory-only step waits while an own part of an older step is still being pushed (``backpressure``).
 
 Serving (``server.peers``, ``server.tierdata``): objects are looked up by (root, step, attempt,
 key) in this table, never by a path: no tier route can read a file. Only complete copies are
@@ -79,6 +80,10 @@ COUNTED = {
     "ckptd_tier_parts_held_total": ("parts_held", "ranks' parts of memory-only steps held"),
     "ckptd_tier_replicas_pushed_total": ("replicas_pushed", "copies pushed to a peer (either kind)"),
     "ckptd_tier_replica_push_failures_total": ("replica_push_failures", "replica pushes that failed"),
+    "ckptd_tier_backpressure_seconds_total": (
+        "backpressure_seconds",  # ``backpressure``
+        "seconds memory-only hand-offs waited for the previous step's replicas to be sealed",
+    ),
     "ckptd_tier_bytes_served_total": ("bytes_served", "tier bytes served to restoring ranks"),
     "ckptd_tier_object_requests_total": ("object_requests", "ranged reads of tier objects asked"),
     "ckptd_tier_data_requests_total": (
@@ -125,6 +130,8 @@ class Tiers(Replication):
         self.timeout_s = timeout_s
         self.data_endpoint: dict | None = None  # the data path's {"port", "socket"} (``server.tierdata``)
         self._lock = threading.Lock()
+        self._pushes = threading.Condition(self._lock)  # notified when a push ends (``backpressure``)
+        self._queued: set[Copy] = set()  # copies handed to a push thread that has not named their peers
         self._held: dict[Key, Copy] = {}  # own copies (filling or complete) and complete replicas
         self._incoming: dict[str, Copy] = {}  # replicas being received, by id
         self._reserved: dict[tuple[str, int, str, int], tuple[int, float, int]] = {}  # -> (bytes, when, objects)
@@ -432,6 +439,31 @@ class Tiers(Replication):
         self._release(gone)
 
     # ---------------------------------------------------------------- memory-only parts
+
+    def backpressure(self, root: str, step: int, rank: int, deadline: float) -> None:
+        """Before rank's part of memory-only ``step`` is taken: wait while an own memory-only
+        part of ``root`` of an older step is still being pushed to a peer (a push that failed
+        does not count), until ``deadline`` (``time.time()``); CheckpointError naming the
+        unsealed step and peer past it."""
+        t0, waited = time.monotonic(), False
+        with self._pushes:
+            try:
+                while late := [
+                    (c.step, p)
+                    for c in self._held.values()
+                    if (c.root, c.kind, c.source) == (root, MEMORY_ONLY, SELF) and c.step < step
+                    for p, how in ({"the ring": "pushing"} if c in self._queued else c.pushed).items()
+                    if how == "pushing"
+                ]:
+                    why = f"step {late[0][0]}'s replica to {late[0][1]} to be sealed"
+                    if not waited:
+                        log.info("memory-only step %d of %s, rank %d: waits for %s", step, root, rank, why)
+                        waited = True
+                    if deadline <= time.time():
+                        raise CheckpointError(f"step {step} waited for {why} until the save's deadline (a slow peer)")
+                    self._pushes.wait(deadline - time.time())
+            finally:
+                self.counters["backpressure_seconds"] += time.monotonic() - t0 if waited else 0
 
     def holder(self, root: str, step: int, attempt: str, rank: int) -> Store:
         """The store rank's part of memory-only (root, step, attempt) is written into (its

@@ -1,7 +1,8 @@
 """``ckptd serve`` with slowed stores, for the tests that kill a daemon in the middle of its
 uploads or need a slow peer (``tests.server.daemon.Daemon(upload_delay_s=..., tier_delay_s=...)``):
 
-    python -m tests.doubles.slow_serve [--upload-delay S] [--tier-delay S] [--push-delay STEP:S] serve ARGS...
+    python -m tests.doubles.slow_serve [--upload-delay S] [--tier-delay S] [--push-delay STEP:S]
+        [--no-backpressure] serve ARGS...
 
 runs the real ``ckptd`` CLI (``ckptd.cli.main``) with ``ARGS`` in this process, after
 
@@ -11,6 +12,8 @@ runs the real ``ckptd`` CLI (``ckptd.cli.main``) with ``ARGS`` in this process, 
   ``shared``: the HTTP tier routes and the data path) sleeps first, once per request: a slow peer;
 - ``--push-delay STEP:S``: every push of a copy of step STEP to a peer (``Replication._push``)
   sleeps first: its replica stays in flight.
+- ``--no-backpressure``: memory-only hand-offs never wait for older steps' replicas
+  (``Tiers.backpressure`` does nothing): the baseline ``benchmarks.backpressure`` compares with.
 
 Nothing else changes: the daemon parses its flags, listens, hands off and commits as it does
 outside the tests. The sleeps are real, so a test can SIGKILL the daemon while they last.
@@ -113,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upload-delay", type=float, default=0.0, help="seconds before each shard put")
     parser.add_argument("--tier-delay", type=float, default=0.0, help="seconds before each tier read request")
     parser.add_argument("--push-delay", default="", help="STEP:SECONDS: each push of that step's copies sleeps first")
+    parser.add_argument("--no-backpressure", action="store_true", help="hand-offs never wait for replicas")
     ours, rest = parser.parse_known_args(argv)
+    if ours.no_backpressure:
+        Tiers.backpressure = lambda self, *args: None
+        print("slow_serve: memory-only hand-offs never wait for replicas", file=sys.stderr, flush=True)
     if ours.upload_delay > 0:
         slow_uploads(ours.upload_delay)
         print(f"slow_serve: every shard put sleeps {ours.upload_delay} s", file=sys.stderr, flush=True)

@@ -30,7 +30,8 @@ class Daemon:
     each shard put into a job root sleeps that long first (a test kills the daemon mid-upload);
     ``tier_delay_s``, each read of its memory tier sleeps first (a slow peer); ``push_delay``
     (step, seconds), each push of that step's copies to a peer sleeps first (a replica in
-    flight). Any of them runs the daemon through ``tests.doubles.slow_serve``."""
+    flight); ``no_backpressure``, memory-only hand-offs never wait for older steps' replicas (a
+    baseline). Any of them runs the daemon through ``tests.doubles.slow_serve``."""
 
     def __init__(
         self,
@@ -44,8 +45,10 @@ class Daemon:
         upload_delay_s: float = 0.0,
         tier_delay_s: float = 0.0,
         push_delay: tuple[int, float] | None = None,
+        no_backpressure: bool = False,
         **env: str,
     ):
+        self.no_backpressure = no_backpressure
         self.roots, self.staging, self.log_path = roots, staging, log
         self.upload_delay_s, self.tier_delay_s, self.push_delay = upload_delay_s, tier_delay_s, push_delay
         self.preexec_fn = preexec_fn  # run in the child before exec (e.g. lower its rlimits)
@@ -79,9 +82,10 @@ class Daemon:
         for _ in range(3):  # the probed port may be taken before the daemon binds it
             self.port = port or launch.free_port()
             args = [sys.executable, "-m", "ckptd.cli.main"]
-            if self.upload_delay_s or self.tier_delay_s or self.push_delay:
+            if self.upload_delay_s or self.tier_delay_s or self.push_delay or self.no_backpressure:
                 args = [sys.executable, "-m", "tests.doubles.slow_serve"]
                 args += ["--upload-delay", str(self.upload_delay_s), "--tier-delay", str(self.tier_delay_s)]
+                args += ["--no-backpressure"] if self.no_backpressure else []
                 if self.push_delay:
                     args += ["--push-delay", "{}:{}".format(*self.push_delay)]
             args += ["serve", "--port", str(self.port)]
