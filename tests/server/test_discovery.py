@@ -66,6 +66,13 @@ def _daemon(tmp: Path, name: str, root: str, ttl: float = 10.0, **env: str) -> D
     return d.start(port=port)
 
 
+def _pushed(d: Daemon, step: int) -> dict:
+    """``replicated_to`` of the daemon's one hot copy, which must be of ``step``."""
+    (hot,) = _tiers(d)["hot"]
+    assert hot["step"] == step, hot
+    return hot["replicated_to"]
+
+
 def _tiers(d: Daemon) -> dict:
     status, body = d.get("/v1/tiers", TOKEN)
     assert status == 200, body
@@ -127,9 +134,9 @@ def test_replicas_follow_the_discovered_ring_and_it_reforms_after_a_node_dies(tm
         want = {d.url: replica_targets(ring, d.url, 1)[0] for d in nodes}
         holders = {u: {src for src, t in want.items() if t == u} for u in ring}
         wait_for(lambda: all(_replicas(by_url[u], 1) == holders[u] for u in ring), "the ring's replicas", 120)
-        for d in nodes:
-            (hot,) = _tiers(d)["hot"]
-            assert hot["step"] == 1 and hot["replicated_to"] == {want[d.url]: "complete"}, hot
+        # The sender marks its push complete once the receiver's seal answered: after the
+        # receiver lists it, so it is waited for too.
+        wait_for(lambda: all(_pushed(d, 1) == {want[d.url]: "complete"} for d in nodes), "the pushes complete", 60)
 
         # A node dies: SIGKILL, its record is left behind and goes stale; the others' rings drop it.
         dead = by_url[ring[1]]
@@ -162,9 +169,7 @@ def test_replicas_follow_the_discovered_ring_and_it_reforms_after_a_node_dies(tm
         wait_for(
             lambda: all(_replicas(by_url[t], 2) == {s} for s, t in want2.items()), "replicas of the re-formed ring", 120
         )
-        for d in alive:
-            (hot,) = _tiers(d)["hot"]
-            assert hot["step"] == 2 and hot["replicated_to"] == {want2[d.url]: "complete"}, hot
+        wait_for(lambda: all(_pushed(d, 2) == {want2[d.url]: "complete"} for d in alive), "the pushes complete", 60)
 
         # A clean shutdown removes the daemon's record.
         alive[0].stop()
