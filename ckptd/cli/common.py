@@ -139,11 +139,12 @@ def note(message: str) -> None:
     sys.stderr.write(f"{PREFIX}{printable(message)}\n")
 
 
-def human_bytes(n: int | None) -> str:
+def human_bytes(n: float | None) -> str:
+    """``3.0 MiB``; under 1 KiB whole bytes (a rate says "512 B", not "512.7 B")."""
     if n is None:
         return "-"
     if n < 1024:
-        return f"{n} B"
+        return f"{int(n)} B"
     size = float(n)
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         size /= 1024

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from ckptd.cli.common import human_bytes as _bytes
 from ckptd.server import page_data
 from ckptd.server.page_data import one_line as _line
 from ckptd.server.parts import MAX_NUMBER, MAX_STEP
@@ -60,18 +61,6 @@ def _static(name: str) -> str:
 
 def _e(v: Any) -> str:
     return html.escape(str(v), quote=True)
-
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{int(n)} B"  # a rate: "512 B", not "512.7 B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} PiB"
 
 
 def _time(t: float | None) -> str:
