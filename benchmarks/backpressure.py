@@ -40,26 +40,15 @@ METRIC = "ckptd_tier_backpressure_seconds_total"
 
 def _daemons(work: Path, root: str, size: int, wait: bool) -> list:
     from tests.distributed import launch
-    from tests.server.daemon import Daemon, peer_key_file
+    from tests.server.daemon import node
 
     ports = [launch.free_port() for _ in range(2)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    out = []
-    for name, port, me in zip("ab", ports, urls, strict=True):
-        d = Daemon(
-            [root],
-            work / f"staging-{name}",
-            work / f"{name}.log",
-            token_file=work / "token",
-            trust_tcp=False,
-            no_backpressure=not wait,
-            CKPTD_PEERS=json.dumps(urls),
-            CKPTD_ADVERTISE=me,
-            CKPTD_PEER_KEY_FILE=str(peer_key_file(work)),
-            CKPTD_BUDGET=str(6 * size + (256 << 20)),
-        )
-        out.append(d.start(port=port))
-    return out
+    budget = str(6 * size + (256 << 20))
+    return [
+        node(work, name, root, port, urls, trust_tcp=False, no_backpressure=not wait, CKPTD_BUDGET=budget)
+        for name, port in zip("ab", ports, strict=True)
+    ]
 
 
 def _state(size: int) -> dict:

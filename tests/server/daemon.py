@@ -194,12 +194,13 @@ def node(
     tier_delay_s: float = 0.0,
     trust_tcp: bool = True,
     push_delay: tuple[int, float] | None = None,
+    no_backpressure: bool = False,
     **env: str,
 ) -> Daemon:
     """A started daemon playing node ``name`` of a memory-tier test: its own staging folder and
     log under ``tmp``, the token in ``tmp/token``, the peer key in ``tmp/peer-key``
     (``peer_key_file``), the ring ``peers`` and its own URL advertised; ``tier_delay_s``,
-    ``push_delay``: a slow peer (``Daemon``). ``trust_tcp=False``: as the docs run it, trainers
+    ``push_delay``, ``no_backpressure``: test doubles (``Daemon``). ``trust_tcp=False``: as the docs run it, trainers
     reach it on its socket only."""
     d = Daemon(
         [root],
@@ -210,6 +211,7 @@ def node(
         preexec_fn=preexec_fn,
         tier_delay_s=tier_delay_s,
         push_delay=push_delay,
+        no_backpressure=no_backpressure,
         CKPTD_PEERS=json.dumps(peers),
         CKPTD_ADVERTISE=f"http://127.0.0.1:{port}",
         **({"CKPTD_PEER_KEY_FILE": str(peer_key_file(tmp))} | env),
