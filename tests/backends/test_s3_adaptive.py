@@ -237,3 +237,38 @@ def test_many_threads_throttled_wait_at_most_their_number_over_the_floor():
             heapq.heappush(events, (now[0], i, None))
     assert lim.rate("step_1") == pytest.approx(min_rate)
     assert max(waits) <= threads / min_rate + 1e-6
+
+
+@pytest.mark.parametrize(("threads", "min_rate", "seed"), [(4, 0.2, 1), (16, 0.2, 2), (32, 5.0, 3)])
+def test_no_wait_passes_the_bound_whatever_the_answers(threads, min_rate, seed):
+    """Threads of one store on a virtual clock (``tests.doubles.sim_clock``: the limiter really
+    sleeps, in simulated seconds), answers a seeded mix of throttles and successes whose share
+    changes every 30 s, so scopes are cut, grow back, are lifted and cut again: no request waits
+    longer than the requests then waiting in its scope, itself included, over the floor. A cut
+    that forgot the tokens refilled while requests waited let the debt grow past it."""
+    import random
+
+    from tests.doubles.sim_clock import VirtualClock
+
+    clock, rng = VirtualClock(), random.Random(seed)
+    lim = AdaptiveLimiter(min_rate=min_rate, clock=clock.time, sleep=clock.sleep)
+    waiting, over = [0], []
+
+    def writer() -> None:
+        for _ in range(60):
+            bound = (waiting[0] + 1) / min_rate
+            start = clock.time()
+            waiting[0] += 1
+            sent = lim.acquire("step_1")
+            waiting[0] -= 1
+            if clock.time() - start > bound + 1e-6:
+                over.append((start, clock.time() - start, bound))
+            clock.sleep(rng.choice([0.01, 0.1, 2.0]))  # the round trip
+            share = (0.0, 0.3, 0.9)[int(clock.time() // 30) % 3]
+            lim.record("step_1", sent, throttled=rng.random() < share)
+            clock.sleep(rng.choice([0.0, 0.0, rng.uniform(0, 3)]))
+
+    for i in range(threads):
+        clock.spawn(writer, at=0.001 * i)
+    clock.run(timeout=120)
+    assert lim.cuts > 1 and over == []
