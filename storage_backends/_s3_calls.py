@@ -1,9 +1,10 @@
 """Making one S3 call: a botocore client, our retry loop, and errors as StorageError.
 
-botocore retries each request itself ("standard" mode). On top of that, ``Caller`` retries the
-whole call (request *and* reading the response body, which botocore does not retry) with
-exponential backoff and full jitter on throttling (SlowDown, 503), other 5xx and broken
-connections, and turns every other failure into a one-line StorageError naming the s3:// URI.
+botocore retries each request itself ("standard" mode) unless the store is paced (then every try
+is ``Caller``'s, ``storage_backends.s3_retry``). ``Caller`` retries the whole call (request *and*
+reading the response body, which botocore does not retry) with exponential backoff and full
+jitter on throttling (SlowDown, 503), other 5xx and broken connections, and turns every other
+failure into a one-line StorageError naming the s3:// URI.
 """
 
 from __future__ import annotations

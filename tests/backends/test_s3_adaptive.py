@@ -89,21 +89,22 @@ def test_only_slowdowns_fail_the_put_once_after_its_tries(s3_server, s3_bucket):
 
 
 def test_throttles_enough_to_drain_botocore_retry_quota_fail_no_put(s3_server, s3_bucket):
-    """Every one of 80 PUTs gets 3 SlowDowns before it succeeds: 240 throttled tries, far past
-    what botocore's retry quota allows a client (500 tokens, 5 per throttled retry: 100). A
-    paced store makes its tries itself, so none is cut short: every PUT lands. With botocore
-    retrying, the quota ran dry after ~50 PUTs and each later PUT got 2 tries (1 of botocore's
-    per try of ours), so PUTs failed with SlowDown."""
+    """Every one of 80 PUTs gets 5 SlowDowns before it succeeds: 400 throttled tries, far past
+    what botocore's retry quota allows a client (500 tokens, 5 per throttled retry: 100). At the
+    default tries (8 attempts x (4 retries + 1) = 40) a paced store makes every try itself, so
+    none is cut short: every PUT lands on its 6th. With botocore retrying, the quota ran dry
+    after ~20 PUTs and each later PUT got 5 tries (1 of botocore's per try of ours), all of
+    them SlowDowns, so PUTs failed."""
     bucket, prefix = _split(s3_bucket)
     keys = [f"step_1/k{i:03d}" for i in range(80)]
-    rules = [Rule(lambda r, k=k: r.op == "PutObject" and r.path.endswith("/" + k), "503", times=3) for k in keys]
+    rules = [Rule(lambda r, k=k: r.op == "PutObject" and r.path.endswith("/" + k), "503", times=5) for k in keys]
     with FaultProxy(s3_server, FaultPlan(rules=rules)) as proxy:
-        s = S3Store(bucket, prefix, endpoint_url=proxy.url, max_attempts=8, retries=1, backoff=0.01, min_rate=50)
+        s = S3Store(bucket, prefix, endpoint_url=proxy.url, backoff=0.01, min_rate=50)
         with s, ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda k: s.put(k, b"x"), keys))
             assert sorted(i.key for i in s.list("step_1/")) == keys
-        assert proxy.counters["fault:503"] == 240
-        assert proxy.counters["op:PutObject"] == 320  # 4 tries each: 3 throttled, then it landed
+        assert proxy.counters["fault:503"] == 400
+        assert proxy.counters["op:PutObject"] == 480  # 6 tries each: 5 throttled, then it landed
 
 
 def _fill(uri: str, n: int) -> list[str]:
@@ -237,3 +238,38 @@ def test_many_threads_throttled_wait_at_most_their_number_over_the_floor():
             heapq.heappush(events, (now[0], i, None))
     assert lim.rate("step_1") == pytest.approx(min_rate)
     assert max(waits) <= threads / min_rate + 1e-6
+
+
+@pytest.mark.parametrize(("threads", "min_rate", "seed"), [(4, 0.2, 1), (16, 0.2, 2), (32, 5.0, 3)])
+def test_no_wait_passes_the_bound_whatever_the_answers(threads, min_rate, seed):
+    """Threads of one store on a virtual clock (``tests.doubles.sim_clock``: the limiter really
+    sleeps, in simulated seconds), answers a seeded mix of throttles and successes whose share
+    changes every 30 s, so scopes are cut, grow back, are lifted and cut again: no request waits
+    longer than the requests then waiting in its scope, itself included, over the floor. A cut
+    that forgot the tokens refilled while requests waited let the debt grow past it."""
+    import random
+
+    from tests.doubles.sim_clock import VirtualClock
+
+    clock, rng = VirtualClock(), random.Random(seed)
+    lim = AdaptiveLimiter(min_rate=min_rate, clock=clock.time, sleep=clock.sleep)
+    waiting, over = [0], []
+
+    def writer() -> None:
+        for _ in range(60):
+            bound = (waiting[0] + 1) / min_rate
+            start = clock.time()
+            waiting[0] += 1
+            sent = lim.acquire("step_1")
+            waiting[0] -= 1
+            if clock.time() - start > bound + 1e-6:
+                over.append((start, clock.time() - start, bound))
+            clock.sleep(rng.choice([0.01, 0.1, 2.0]))  # the round trip
+            share = (0.0, 0.3, 0.9)[int(clock.time() // 30) % 3]
+            lim.record("step_1", sent, throttled=rng.random() < share)
+            clock.sleep(rng.choice([0.0, 0.0, rng.uniform(0, 3)]))
+
+    for i in range(threads):
+        clock.spawn(writer, at=0.001 * i)
+    clock.run(timeout=120)
+    assert lim.cuts > 1 and over == []
