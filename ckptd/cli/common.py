@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from ckptd.units import human_bytes
 from storage_backends import StorageError, Store, open_store
 
 __all__ = [
@@ -137,20 +138,6 @@ def error(message: str) -> None:
 
 def note(message: str) -> None:
     sys.stderr.write(f"{PREFIX}{printable(message)}\n")
-
-
-def human_bytes(n: float | None) -> str:
-    """``3.0 MiB``; under 1 KiB whole bytes (a rate says "512 B", not "512.7 B")."""
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{int(n)} B"
-    size = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        size /= 1024
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-    return f"{size / 1024:.1f} PiB"
 
 
 def iso_time(t: float | None) -> str:

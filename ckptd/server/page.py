@@ -24,10 +24,10 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from ckptd.cli.common import human_bytes as _bytes
 from ckptd.server import page_data
 from ckptd.server.page_data import one_line as _line
 from ckptd.server.parts import MAX_NUMBER, MAX_STEP
+from ckptd.units import human_bytes as _bytes
 
 __all__ = ["CSP", "PAGE_HEADER", "PUBLIC_PATHS", "render", "router"]
 
