@@ -3,6 +3,8 @@ import the CLI, so the one formatter lives in the core)."""
 
 from __future__ import annotations
 
+__all__ = ["human_bytes"]
+
 
 def human_bytes(n: float | None) -> str:
     """``3.0 MiB``; under 1 KiB whole bytes (a rate says "512 B", not "512.7 B")."""
