@@ -36,8 +36,9 @@ which the tree sums like the others; the commit record stores the root's sum. Re
 pins (older writers) have five fields.
 
 The shard digest (:func:`shard_hash`, :func:`grid_digest`) lets the committer compare the root
-with the manifest in O(arrays), never walking N x A shard keys; keyed by step and attempt, a
-record copied from another attempt never adds up (``docs/reliability.md``).
+with the manifest in O(arrays), never walking N x A shard keys; keyed by step, attempt, array
+path and arity, a record copied from another attempt never adds up, and :func:`write_done`
+refuses keys spelled otherwise than grids spell them (``docs/reliability.md``).
 
 At N = 4096 (F = 64) the tree's part of the last rank's path is 4 requests (done record, LIST,
 node, LIST); with the commit's own checks and writes (LIST ``_claims/``, GET claim, GET manifest,
