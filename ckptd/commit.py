@@ -3,8 +3,9 @@
 Invariant: ``commit.json`` is created once (``put_if_absent``, :func:`commit_step`) and only when
 the step's newest claim, its ``manifest.json`` (same step, attempt and world size) and a done
 record of every rank 0 .. N-1 all name the committing attempt, and the done records name every
-shard the manifest needs, once, and nothing else (:func:`whole_step`); ``ckptd verify`` re-checks
-the attempts and the count of done records on a committed step (:func:`check_consistency`). A committed checkpoint is immutable.
+shard the manifest needs, once, and nothing else (:func:`whole_step`); ``ckptd verify``
+re-checks the attempts and the count of done records on a committed step
+(:func:`check_consistency`). A committed checkpoint is immutable.
 
 The call sequence, on each rank once its data and done record are durable (``ckptd.persist``)::
 

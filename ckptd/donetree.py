@@ -117,7 +117,7 @@ def _split_shard_key(key: str) -> tuple[str, tuple[int, ...]] | None:
 
 
 def shard_hash(key: str, step: int, attempt: str) -> int:
-    """The hash of one shard key of (``step``, ``attempt``): ``H(step, attempt, path) *
+    """The hash of one shard key of (``step``, ``attempt``): ``H(step, attempt, path, ndim) *
     prod_d g_d ** c_d`` mod ``P`` for the shard at coordinate ``c`` of the array at ``path``.
     Equal sums mean (up to a chance of about grid size / 2**61) equal multisets; a key of
     another form hashes as a whole (never expected: it only makes sums differ)."""
@@ -145,7 +145,7 @@ def _geometric(g: int, n: int) -> int:
 
 def grid_digest(path: str, grid_shape: tuple[int, ...], step: int, attempt: str) -> int:
     """:func:`shard_digest` of every shard of a grid, in O(ndim log n) instead of O(shards):
-    the sum over the grid of ``H(step, attempt, path) * prod_d g_d ** c_d`` factors into a
+    the sum over the grid of ``H(step, attempt, path, ndim) * prod_d g_d ** c_d`` factors into a
     product of geometric series, one per dimension."""
     h = _path_hash(step, attempt, path, len(grid_shape))
     for d, n in enumerate(grid_shape):
@@ -271,8 +271,9 @@ def write_done(store: Store, step: int, attempt: str, rank: int, record: dict) -
 def record_rank(key: str, step: int, attempt: str) -> int | None:
     """The rank of the done record at ``key`` (any key listed under ``t1/``) as the tree counts
     it: the id its name carries, if it is in that rank's folder; None otherwise."""
-    parsed = _parse(key.rsplit("/", 1)[-1])
-    ok = parsed is not None and key.startswith(folder(step, attempt, 1, parsed[0] // FANOUT))
+    where, _, name = key.rpartition("/")
+    parsed = _parse(name)
+    ok = parsed is not None and f"{where}/" == folder(step, attempt, 1, parsed[0] // FANOUT)
     return parsed[0] if ok else None
 
 

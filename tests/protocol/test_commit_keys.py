@@ -115,13 +115,19 @@ def test_a_copy_of_another_ranks_record_is_not_committed(root):
     _refused(root, 3, odd(SHARDS[0]), lambda: memory_only(root, 3))
 
 
-@pytest.mark.parametrize("planted", [2, 1], ids=["rank beyond the world", "rank's second record"])
-def test_a_record_the_tree_does_not_count_is_not_read(root, planted):
+@pytest.mark.parametrize(
+    "planted,deeper", [(2, False), (1, False), (1, True)], ids=["rank beyond the world", "second record", "deeper"]
+)
+def test_a_record_the_tree_does_not_count_is_not_read(root, planted, deeper):
     """Rank 1 finished naming no shard; a record naming c/1/0 planted under rank 2 (the world
-    has 2) or as rank 1's second record (listed after its first) is not one the tree counted,
-    so the commit does not read it either."""
+    has 2), as rank 1's second record (listed after its first) or one folder below rank 1's is
+    not one the tree counted, so the commit does not read it either."""
     _half_saved(root, 4)
-    _put_record(root, 4, planted, pinned_record(root, 4, 1, SHARDS[1:]))
+    key = _put_record(root, 4, planted, pinned_record(root, 4, 1, SHARDS[1:]))
+    if deeper:
+        where, _, name = key.rpartition("/")
+        root.put(f"{where}/x/{name}", root.get(key))
+        root.delete(key)
     rec = pinned_record(root, 4, 1, [], [])
     _refused(root, 4, MISSING, lambda: commit.finish_rank(root, 4, "att", 1, 2, rec))
     _refused(root, 4, MISSING, lambda: memory_only(root, 4))
