@@ -2,9 +2,10 @@
 
 Invariant: ``commit.json`` is created once (``put_if_absent``, :func:`commit_step`) and only when
 the step's newest claim, its ``manifest.json`` (same step, attempt and world size) and a done
-record of every rank 0 .. N-1 all name the committing attempt, and the done records account
-for every shard the manifest needs (:func:`whole_step`); ``ckptd verify`` re-checks
-it on a committed step (:func:`check_consistency`). A committed checkpoint is immutable.
+record of every rank 0 .. N-1 all name the committing attempt, and the done records name every
+shard the manifest needs, once, and nothing else (:func:`whole_step`); ``ckptd verify``
+re-checks the attempts and the count of done records on a committed step
+(:func:`check_consistency`). A committed checkpoint is immutable.
 
 The call sequence, on each rank once its data and done record are durable (``ckptd.persist``)::
 
@@ -31,6 +32,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 
 from ckptd import catalog, donetree, latest
 from ckptd import manifest as mf
@@ -117,9 +119,13 @@ def _check_before_commit(store: Store, step: int, attempt: str, world_size: int,
     where = catalog.where(store, step)
     rec, m, sha = _claimed_manifest(store, step, attempt, where)
 
-    def records():  # listed and read only if whole_step asks
+    def records():  # listed and read only if whole_step asks: the one the tree counted per rank
+        seen: set[int] = set()
         for info in store.list(f"{mf.step_dir(step)}/{mf.DONE}/{attempt}/t1/"):
-            yield info.key, mf.read_json(store, info.key, where, "done record")
+            r = donetree.record_rank(info.key, step, attempt)
+            if r is not None and r < world_size and r not in seen:
+                seen.add(r)
+                yield info.key, mf.read_json(store, info.key, where, "done record")
 
     return whole_step(where, step, attempt, world_size, m, sha, rec.get("writer"), total, records(), time.time())
 
@@ -132,11 +138,13 @@ def whole_step(where: str, step: int, attempt: str, world_size: int, m, sha: str
     CheckpointError naming what fails otherwise.
 
     1. the manifest names ``step``, ``attempt`` and ``world_size``;
-    2. every shard the manifest needs is named by some done record: ``total.digest`` (keyed by
-       step and attempt) equals the manifest's (:func:`expected_digest`, O(arrays)); only if
-       not are ``records`` ((key, record) pairs, read lazily) consumed: each must add up to its
-       key's totals for this step and attempt (a record copied from another attempt does not),
-       and they must name every shard (a rank may write more than the manifest needs).
+    2. the done records name every shard the manifest needs, once, and nothing else:
+       ``total.digest`` (keyed by step, attempt, array path and arity) equals the manifest's
+       (:func:`expected_digest`, O(arrays)). If not, the step is refused, and ``records``
+       ((key, record) pairs, one per rank, read lazily) are read only to say why: a record
+       that does not add up to its key's totals for this step and attempt (copied from another
+       attempt, or written by a ckptd whose digest differs), a shard no record names, or one
+       named twice or not needed.
 
     The record keeps the pin digest (what every rank wrote, object by object) and the
     manifest's sha256, which readers check."""
@@ -146,20 +154,29 @@ def whole_step(where: str, step: int, attempt: str, world_size: int, m, sha: str
             f"{m.step}, attempt {m.attempt!r}, world size {m.world_size}"
         )
     if expected_digest(m) != total.digest:
-        shards: set[str] = set()
+        named: Counter[str] = Counter()
         for key, rec in records:
             try:
                 if donetree.record_totals(rec, step, attempt) != donetree.key_totals(key):
-                    raise CheckpointError(f"{where}: done record {key} does not add up to its name for this attempt")
-                shards.update(rec.get("shards", ()))
+                    old = rec.get("shard_digest") != donetree.DIGEST_VERSION
+                    why = " (written by a ckptd with another shard digest: save the step again)" if old else ""
+                    raise CheckpointError(
+                        f"{where}: done record {key} does not add up to its name for this attempt{why}"
+                    )
+                named.update(rec.get("shards", ()))
             except (TypeError, AttributeError, ValueError) as e:
                 raise CheckpointError(f"{where}: done record {key} is malformed ({e!r})") from None
-        missing = expected_shards(m) - shards
-        if missing:
-            raise CheckpointError(
-                f"{where}: not committing attempt {attempt}: no rank wrote {len(missing)} shard objects the "
-                f"manifest needs, e.g. {sorted(missing)[0]}"
-            )
+        need = expected_shards(m)
+        missing = sorted(need - named.keys())
+        odd = sorted(k for k, n in named.items() if n > 1 or k not in need)
+        why = (
+            f"no rank wrote {len(missing)} shard objects the manifest needs, e.g. {missing[0]}"
+            if missing
+            else f"the done records name {len(odd)} shard keys twice or not in the manifest, e.g. {odd[0]}"
+            if odd
+            else "the done records' shard digest is not the manifest's"
+        )
+        raise CheckpointError(f"{where}: not committing attempt {attempt}: {why}")
     return {
         "step": step,
         "attempt": attempt,

@@ -36,8 +36,9 @@ which the tree sums like the others; the commit record stores the root's sum. Re
 pins (older writers) have five fields.
 
 The shard digest (:func:`shard_hash`, :func:`grid_digest`) lets the committer compare the root
-with the manifest in O(arrays), never walking N x A shard keys; keyed by step and attempt, a
-record copied from another attempt never adds up (``docs/reliability.md``).
+with the manifest in O(arrays), never walking N x A shard keys; keyed by step, attempt, array
+path and arity, a record copied from another attempt never adds up, and :func:`write_done`
+refuses keys spelled otherwise than grids spell them (``docs/reliability.md``).
 
 At N = 4096 (F = 64) the tree's part of the last rank's path is 4 requests (done record, LIST,
 node, LIST); with the commit's own checks and writes (LIST ``_claims/``, GET claim, GET manifest,
@@ -81,6 +82,8 @@ class Totals:
 
 
 P = (1 << 61) - 1  # a Mersenne prime: the shard digest lives in the field Z/P
+MAX_COORD = 1 << 24  # a shard coordinate's bound: far below P - 1, where g ** c repeats
+DIGEST_VERSION = 2  # done records say it: 1 (none) hashed no arity and took any coordinate
 
 
 def _h(data: bytes) -> int:
@@ -94,42 +97,35 @@ def _base(dim: int) -> int:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _path_hash(step: int, attempt: str, path: str) -> int:
-    return 1 + _h(json.dumps([step, attempt, path]).encode()) % (P - 1)
+def _path_hash(step: int, attempt: str, path: str, ndim: int) -> int:
+    return 1 + _h(json.dumps([step, attempt, path, ndim]).encode()) % (P - 1)
 
 
 def _split_shard_key(key: str) -> tuple[str, tuple[int, ...]] | None:
     """(array path, shard coordinate) of a shard key ``<path>/c/<i>/<j>...`` (``<path>/c`` for
-    a 0-d array). Coordinates are digits, so the last ``/c/`` is the separator; None if the key
-    is not of that form."""
+    a 0-d array) spelled as its grid spells it: plain decimal coordinates below ``MAX_COORD``
+    (no sign, space or leading zero: ``c/03/0`` is another object than ``c/3/0``), so the last
+    ``/c/`` is the separator; None for any other key."""
     if key.endswith("/c"):
         return key[:-2], ()
     path, sep, tail = key.rpartition("/c/")
-    if not sep or not path:
-        return None
     parts = tail.split("/")
-    if not all(p.isascii() and p.isdigit() for p in parts):
+    if not sep or not path or not all(p.isascii() and p.isdigit() and p == str(int(p)) for p in parts):
         return None
-    return path, tuple(int(p) for p in parts)
-
-
-def canonical(key: str) -> str:
-    """``key`` spelled as its grid spells it (``c/03/0``: ``c/3/0``, another object's key that
-    would hash as the same shard); a key of another form unchanged."""
-    parsed = _split_shard_key(key)
-    return key if parsed is None else "/".join([parsed[0], "c", *map(str, parsed[1])])
+    coord = tuple(map(int, parts))
+    return (path, coord) if max(coord) < MAX_COORD else None
 
 
 def shard_hash(key: str, step: int, attempt: str) -> int:
-    """The hash of one shard key of (``step``, ``attempt``): ``H(step, attempt, path) *
+    """The hash of one shard key of (``step``, ``attempt``): ``H(step, attempt, path, ndim) *
     prod_d g_d ** c_d`` mod ``P`` for the shard at coordinate ``c`` of the array at ``path``.
     Equal sums mean (up to a chance of about grid size / 2**61) equal multisets; a key of
-    another form, or misspelled, hashes as a whole (never expected: it only makes sums differ)."""
+    another form hashes as a whole (never expected: it only makes sums differ)."""
     parsed = _split_shard_key(key)
-    if parsed is None or canonical(key) != key:
+    if parsed is None:
         return _h(b"other:" + key.encode()) % P
     path, coord = parsed
-    h = _path_hash(step, attempt, path)
+    h = _path_hash(step, attempt, path, len(coord))
     for d, c in enumerate(coord):
         h = h * pow(_base(d), c, P) % P
     return h
@@ -149,9 +145,9 @@ def _geometric(g: int, n: int) -> int:
 
 def grid_digest(path: str, grid_shape: tuple[int, ...], step: int, attempt: str) -> int:
     """:func:`shard_digest` of every shard of a grid, in O(ndim log n) instead of O(shards):
-    the sum over the grid of ``H(step, attempt, path) * prod_d g_d ** c_d`` factors into a
+    the sum over the grid of ``H(step, attempt, path, ndim) * prod_d g_d ** c_d`` factors into a
     product of geometric series, one per dimension."""
-    h = _path_hash(step, attempt, path)
+    h = _path_hash(step, attempt, path, len(grid_shape))
     for d, n in enumerate(grid_shape):
         h = h * _geometric(_base(d), n) % P
     return h
@@ -254,17 +250,31 @@ def sum_totals(parts: Iterable[Totals]) -> Totals:
 
 def write_done(store: Store, step: int, attempt: str, rank: int, record: dict) -> str:
     """Write rank's done record (after all its data is durable); returns its key. ``record``
-    holds at least ``bytes``, ``objects`` and ``shards`` (the shard keys this rank wrote, spelled
-    as their grids spell them: a misspelled key is refused); the rest (RNG state) is for
-    restores."""
-    for k in record.get("shards", ()):
-        if canonical(k) != k:
+    holds at least ``bytes``, ``objects`` and ``shards`` (the shard keys this rank wrote, each
+    once, spelled as their grids spell them, one arity per array: anything else is refused);
+    the rest (RNG state) is for restores."""
+    keys, arity = list(record.get("shards", ())), {}
+    for k in keys:
+        p = _split_shard_key(k)
+        if p is None or arity.setdefault(p[0], len(p[1])) != len(p[1]):
             raise CheckpointError(
-                f"{step_dir(step)}: rank {rank} names shard {k!r}, which its grid spells {canonical(k)!r}"
+                f"{step_dir(step)}: rank {rank} names {k!r}, not a shard key as grids spell them "
+                f"(<array>/c/<i>/<j>..., plain decimal coordinates below {MAX_COORD}, one arity per array)"
             )
+    if len(set(keys)) < len(keys):
+        raise CheckpointError(f"{step_dir(step)}: rank {rank} names a shard key more than once")
     key = record_key(step, attempt, rank, record)
-    store.put(key, json.dumps(record, separators=(",", ":")).encode())
+    store.put(key, json.dumps({**record, "shard_digest": DIGEST_VERSION}, separators=(",", ":")).encode())
     return key
+
+
+def record_rank(key: str, step: int, attempt: str) -> int | None:
+    """The rank of the done record at ``key`` (any key listed under ``t1/``) as the tree counts
+    it: the id its name carries, if it is in that rank's folder; None otherwise."""
+    where, _, name = key.rpartition("/")
+    parsed = _parse(name)
+    ok = parsed is not None and f"{where}/" == folder(step, attempt, 1, parsed[0] // FANOUT)
+    return parsed[0] if ok else None
 
 
 def climb(store: Store, step: int, attempt: str, rank: int, world_size: int, commit) -> bool:
@@ -369,7 +379,6 @@ __all__ = [
     "P",
     "Totals",
     "attempts",
-    "canonical",
     "climb",
     "count_done",
     "done_record_key",
@@ -381,6 +390,7 @@ __all__ = [
     "pin_digest",
     "read_done_record",
     "record_key",
+    "record_rank",
     "record_totals",
     "shard_digest",
     "shard_hash",

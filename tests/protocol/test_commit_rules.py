@@ -92,12 +92,14 @@ def test_every_shard_must_be_accounted_for(store):
     assert catalog.read_commit(store, 9) is None
 
 
-def test_shards_beyond_the_manifests_do_not_block_the_commit(store):
-    """A rank may write more than the manifest needs (the digests differ; nothing is missing)."""
-    extra = f"{mf.array_path('w')}/unused"
+def test_shards_beyond_the_manifests_block_the_commit(store):
+    """The done records name the manifest's shards and nothing else: a shard outside the grid
+    is refused (tests/protocol/test_commit_keys.py has the other ways to name a wrong key)."""
+    extra = f"{mf.array_path('w')}/c/2/0"
     write_part(store, 10, "att", 0, 1, SHARDS)
-    assert finish(store, 10, "att", 0, 1, [*SHARDS, extra])
-    assert catalog.read_commit(store, 10)["attempt"] == "att"
+    with pytest.raises(CheckpointError, match="name 1 shard keys twice or not in the manifest, e.g. arrays/w/c/2/0"):
+        finish(store, 10, "att", 0, 1, [*SHARDS, extra])
+    assert catalog.read_commit(store, 10) is None
 
 
 def test_check_consistency_sees_a_mixed_step(store):
@@ -118,27 +120,25 @@ def test_step_bound():
 # -- one rule for the root and the memory tier --------------------------------------------------
 
 
-def _save_pinned(store, step, shards_by_rank, extra=()):
+def _save_pinned(store, step, shards_by_rank):
     """A step of ``len(shards_by_rank)`` ranks through the live path (``write_part``, then
-    ``commit.finish_rank`` with ``pinned_record``s); rank 0 also names ``extra`` keys. Returns
-    the commit record, or raises the commit rule's error."""
+    ``commit.finish_rank`` with ``pinned_record``s). Returns the commit record, or raises the
+    commit rule's error."""
     world, committed = len(shards_by_rank), False
     for r, shards in enumerate(shards_by_rank):
         write_part(store, step, "att", r, world, shards)
     for r, shards in enumerate(shards_by_rank):
-        rec = pinned_record(store, step, r, shards, [*shards, *(extra if r == 0 else ())])
+        rec = pinned_record(store, step, r, shards)
         committed = commit.finish_rank(store, step, "att", r, world, rec)
     assert committed
     return catalog.read_commit(store, step)
 
 
-@pytest.mark.parametrize("extra", [(), (f"{mf.array_path('w')}/unused",)])
-def test_a_memory_only_step_gets_the_record_its_commit_wrote(store, extra):
+def test_a_memory_only_step_gets_the_record_its_commit_wrote(store):
     """The memory-only choice decides with the root's rule (``commit.whole_step``) and returns
     the record the commit wrote for the same records; only "time" is the moment of the
-    decision (the commit's, the newest done record's). Also a rank naming more than the
-    manifest needs, which the root commits."""
-    persisted = _save_pinned(store, 11, [SHARDS[:1], SHARDS[1:]], extra)
+    decision (the commit's, the newest done record's)."""
+    persisted = _save_pinned(store, 11, [SHARDS[:1], SHARDS[1:]])
     mem = memory_only(store, 11)
     assert mem["time"] == 1001.0
     assert mem == {**persisted, "time": mem["time"]}
