@@ -11,7 +11,7 @@ authenticated request is never evicted; while such connections fill every slot, 
 refused (without a token, any request counts). The tier data path (``server.tierdata``) keeps its
 connections by the same rules.
 
-Everything here runs on the server's event loop thread: no locks.
+The HTTP server calls it on its event loop thread (no locks); the tier data path under its lock.
 """
 
 from __future__ import annotations
