@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import pytest
 
-from ckptd.tierwire import REQUEST
+from ckptd.tierwire import REQUEST, send_frame
 from tests.distributed import launch
 from tests.server.daemon import node, wait_for
 from tests.server.test_tier_data import _ask, _read, _refused, _tcp, _unix
@@ -111,4 +111,31 @@ def test_idle_connections_without_the_token_cannot_lock_out_tier_reads(tmp_path)
         for s in flood + known:
             with contextlib.suppress(OSError):
                 s.close()
+        d.kill()
+
+
+def test_one_address_or_uid_holds_few_pending_connections(tmp_path):
+    """``CKPTD_MAX_PENDING_PER_CLIENT`` (4 here) bounds the pending connections of one address on
+    the TCP port and of one uid on the Unix socket: a fifth evicts that client's oldest."""
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    root = f"file://{tmp_path / 'job'}"
+    port = launch.free_port()
+    d = node(tmp_path, "a", root, port, [_url(port)], trust_tcp=False, CKPTD_MAX_PENDING_PER_CLIENT="4")
+    socks: list[socket.socket] = []
+    try:
+        data = d.get("/v1/tiers", TOKEN)[1]["data"]
+        for connect in (_tcp, _unix):
+            socks += [connect(data) for _ in range(10)]
+        wait_for(lambda: d.metric("ckptd_tier_data_evicted", TOKEN) >= 12, "6 evicted per listener", 30)
+        assert d.metric("ckptd_tier_data_connections", TOKEN) <= 8  # 4 per listener (fewer: timed out)
+        for oldest in (socks[0], socks[10]):
+            assert _closed_within(oldest, 10.0)
+        for connect in (_tcp, _unix):
+            s = connect(data)
+            send_frame(s, REQUEST, {"token": "wrong"})
+            _refused(s, 401)  # a newcomer is admitted and answered
+    finally:
+        for s in socks:
+            s.close()
         d.kill()
