@@ -197,6 +197,11 @@ def run(args: argparse.Namespace) -> int:
         metrics.gauge(
             "ckptd_tier_data_refused", "tier data-path connections refused over the cap", lambda: tier_data.refused
         )
+        metrics.gauge(
+            "ckptd_tier_data_evicted",
+            "pending tier data-path connections closed (room, or late)",
+            lambda: tier_data.evicted,
+        )
         log.info("tier data on port %d and unix://%s", tier_data.port, tier_data.socket_path)
     if settings.trust_tcp and settings.token_file is not None:
         log.warning(

@@ -5,11 +5,13 @@ connection holds a file descriptor, so clients that connect and send nothing mus
 A request must arrive whole within ``request_timeout_s`` of its first byte. A connection is
 *pending* until it delivered one whole request (with the right bearer token, when the daemon has
 one); over ``max_pending_per_client`` per address or ``max_connections`` in all, the *oldest
-pending* connection is closed, so a flood evicts itself while a newcomer that sends its request at
-once gets through. A connection that delivered an authenticated request is never evicted; while
-such connections fill every slot, newcomers are refused (without a token, any request counts).
+pending* connection is closed (the newcomer's own address's, else any), so a flood evicts itself
+while a newcomer that sends its request at once gets through. A connection that delivered an
+authenticated request is never evicted; while such connections fill every slot, newcomers are
+refused (without a token, any request counts). The tier data path (``server.tierdata``) keeps its
+connections by the same rules.
 
-Everything here runs on the server's event loop thread: no locks.
+The HTTP server calls it on its event loop thread (no locks); the tier data path under its lock.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class ConnectionLimits:
         while len(mine) > self.max_pending_per_client:
             self._evict(next(iter(mine)))
         while len(self.open) > self.max_connections and self.pending:
-            self._evict(next(iter(self.pending)))
+            self._evict(next(iter(mine if len(mine) > 1 else self.pending)))  # its own older one first
         if len(self.open) > self.max_connections and conn in self.open:
             self.refused += 1
             self._evict(conn)
@@ -67,13 +69,14 @@ class ConnectionLimits:
             scheme, _, given = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
                 return
-        self._unpend(conn)
+        self.unpend(conn)
 
     def forget(self, conn: Any) -> None:
         self.open.discard(conn)
-        self._unpend(conn)
+        self.unpend(conn)
 
-    def _unpend(self, conn: Any) -> None:
+    def unpend(self, conn: Any) -> None:
+        """``conn`` is known (an authenticated request): never evicted from now on."""
         client = self.pending.pop(conn, None)
         if client is not None:
             mine = self.pending_by_client[client]

@@ -20,8 +20,12 @@ The rules are the HTTP routes' (``server.peers``; docs/operations.md, "Why this 
 daemon token in every request, the root served and readable by the caller (a Unix caller is named
 by ``SO_PEERCRED``), objects looked up in the tier table only, the batch caps of ``server.tiers``.
 Anything else gets one error reply ``{"ok": false, "status", "detail"}`` and the connection is
-closed. Connections are capped and a request must arrive whole within ``timeout_s``, so slow or
-half-closed clients cannot hold the threads.
+closed. A request must arrive whole within ``timeout_s``, so slow or half-closed clients cannot
+hold the threads. Connections are capped per listener (TCP and the Unix socket each hold at most
+``max_connections``) with the HTTP server's rules (``server.conns``): a connection is *pending*
+until a request with the right token arrived, which it must within ``FIRST_REQUEST_S``; over a cap
+(or ``max_pending_per_client`` pending of one address, or one uid on the socket) the oldest pending
+one is closed, so idle connections without the token cannot lock trainers out.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+from ckptd.server.conns import ConnectionLimits
 from ckptd.server.parts import MAX_NUMBER, Daemon
 from ckptd.server.roots import RootError
 from ckptd.server.settings import Settings
@@ -48,6 +53,18 @@ log = logging.getLogger("ckptd.tierdata")
 MAX_KEY = 4096
 MAX_ATTEMPT = 64
 DRAIN_BYTES = 1 << 20
+FIRST_REQUEST_S = 2.0  # a pending connection's time for its first request
+
+
+class _Conn:
+    """A data connection as ``ConnectionLimits`` sees it: ``transport.abort()`` ends it now."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.transport, self.since = sock, self, time.monotonic()
+
+    def abort(self) -> None:  # the serving thread's recv returns; that thread closes the socket
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
 
 class _Refused(Exception):
@@ -70,14 +87,11 @@ class TierData:
         """The rules of ``daemon``'s parts (roots, tenancy); its data socket lies beside its socket."""
         self.tiers, self.roots, self.tenancy = tiers, daemon.roots, daemon.tenancy
         self.token = token.encode() if token is not None else None
-        self.max_connections = max(1, max_connections)
         self.timeout_s = settings.request_timeout_s
         host, port = settings.host, settings.tier_data_port
         socket_path = daemon.socket_path.with_name(f"{daemon.socket_path.stem}-tiers.sock")
-        self.connections = 0  # open now
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # over both ``limits``
         self._closed = False
-        self.refused = 0
         tcp = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
             unix = listen_unix(socket_path)
@@ -86,8 +100,24 @@ class TierData:
             tcp.close()
             raise
         self._listeners = [tcp, unix]
+        self.limits = {
+            ls: ConnectionLimits(max_connections, settings.max_pending_per_client, FIRST_REQUEST_S, token)
+            for ls in self._listeners
+        }
         self.socket_path = Path(socket_path)
         self.port = tcp.getsockname()[1]
+
+    @property
+    def connections(self) -> int:  # open now
+        return sum(len(lim.open) for lim in self.limits.values())
+
+    @property
+    def refused(self) -> int:
+        return sum(lim.refused for lim in self.limits.values())
+
+    @property
+    def evicted(self) -> int:  # pending connections closed: to make room, or their first request late
+        return sum(lim.evicted + lim.timed_out for lim in self.limits.values())
 
     @property
     def endpoint(self) -> dict:
@@ -107,20 +137,36 @@ class TierData:
         release_unix(self.socket_path)
 
     def _accept(self, ls: socket.socket) -> None:
+        limits = self.limits[ls]
+        ls.settimeout(0.5)  # wakes to close pending connections past their deadline
         while not self._closed:
+            with self._lock:
+                while limits.pending and (c := next(iter(limits.pending))).since < time.monotonic() - FIRST_REQUEST_S:
+                    limits.forget(c)
+                    limits.timed_out += 1
+                    c.abort()
             try:
-                conn, _ = ls.accept()
+                conn, addr = ls.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 if self._closed:
                     return
                 time.sleep(0.05)  # out of descriptors: try again, never spin
                 continue
-            with self._lock:
-                full = self.connections >= self.max_connections
-                self.connections += not full
-                self.refused += full
+            try:
+                c, peer = _Conn(conn), peer_of(conn)
+            except OSError:  # gone already
+                conn.close()
+                continue
+            with self._lock:  # full of known connections: refused; else the oldest pending one goes
+                full = len(limits.open) >= limits.max_connections and not limits.pending
+                limits.refused += full
+                if not full:
+                    limits.admit(c, f"uid {peer.uid}" if peer else addr[0])
+            args = (conn,) if full else (c, limits, peer)
             target = self._refuse if full else self._serve
-            threading.Thread(target=target, args=(conn,), name="ckptd-tier-conn", daemon=True).start()
+            threading.Thread(target=target, args=args, name="ckptd-tier-conn", daemon=True).start()
 
     def _refuse(self, conn: socket.socket) -> None:
         with conn:
@@ -128,11 +174,11 @@ class TierData:
             with contextlib.suppress(OSError):
                 send_frame(conn, REPLY, {"ok": False, "status": 503, "detail": "too many tier data connections"})
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, c: _Conn, limits: ConnectionLimits, peer) -> None:
+        conn = c.sock
         try:
             with conn:
-                conn.settimeout(self.timeout_s)
-                peer = peer_of(conn)
+                conn.settimeout(FIRST_REQUEST_S)
                 caller = self.tenancy.caller({"state": {PEER_KEY: peer}} if peer is not None else {})
                 while not self._closed:
                     try:
@@ -143,6 +189,10 @@ class TierData:
                     if got is None:
                         return
                     try:
+                        self._check_token(got[0])
+                        with self._lock:
+                            limits.unpend(c)  # known: never evicted
+                        conn.settimeout(self.timeout_s)
                         self._answer(conn, got[0], caller, peer is not None)
                     except _Refused as e:
                         self._error(conn, *e.args)
@@ -151,7 +201,7 @@ class TierData:
             log.debug("tier data connection closed: %s", e)
         finally:
             with self._lock:
-                self.connections -= 1
+                limits.forget(c)
 
     @staticmethod
     def _error(conn: socket.socket, status: int, detail: str) -> None:
@@ -169,11 +219,13 @@ class TierData:
                     break
                 left -= len(got)
 
-    def _answer(self, conn: socket.socket, h: dict, caller, unix: bool) -> None:
+    def _check_token(self, h: dict) -> None:
         if self.token is not None:
             given = h.get("token")
             if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self.token):
                 raise _Refused(401, "missing or wrong daemon token")
+
+    def _answer(self, conn: socket.socket, h: dict, caller, unix: bool) -> None:
         root, step, attempt, op = h.get("root"), h.get("step"), h.get("attempt"), h.get("op")
         if not isinstance(root, str) or not 0 < len(root) <= 4096:
             raise _Refused(400, "root must be a job root URI")
