@@ -328,7 +328,7 @@ class Checkpointer:
         self.wait()
         if fallback and step is not None:
             raise CheckpointError("restore: fallback=True picks the step itself; do not pass step")
-        got, self.last_restore_skipped, asked = restore(
+        got, self.last_restore_skipped = restore(
             self.store,
             self.coord,
             state,
@@ -341,7 +341,7 @@ class Checkpointer:
         )
         newest = max([got, *(s for s, _ in self.last_restore_skipped)]) if got is not None else None
         if self._tiers is not None and got is not None:  # drop the abandoned future's memory-only steps
-            self._tiers.fence([self._tiers.daemon_url, *asked], got)
+            self._tiers.fence(got)
         self._know(got, newest)
         if got is None:  # every rank got the same answer from rank 0
             if require:
