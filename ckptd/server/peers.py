@@ -4,8 +4,10 @@ before a memory-only hand-off, and the report (and fence) after a restore.
 
 Every route needs the daemon token (``app.Guard``) and names a served root; the replica routes
 also a request signed with the peer key, which only daemons hold (``peer_sender``): the token
-alone is 403. Objects are looked up in the tier's table by (root, step, attempt, key): no route
-turns a request into a path, so none can read outside (or inside) the staging folder. A read
+alone is 403; a fence (``restored``) needs that or the right to write its root here. Listings
+show the roots the caller may read (``Tenancy.visible``). Objects are looked up in the tier's
+table by (root, step, attempt, key): no route turns a request into a path, so none can read
+outside (or inside) the staging folder. A read
 answers with the step and attempt of the copy in ``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the
 reader checks both against the commit record and every chunk against its crc32c
 (``trainer_hooks.tiered``).
