@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Build horovod 0.28.1 (CPU, gloo, PyTorch only) from its sdist against the installed torch, and
-# cache the wheel where tests/systems/test_horovod.py looks for it:
-#   ${CKPTD_CACHE:-~/.cache/ckptd}/horovod-0.28.1-*.whl
+# cache the wheel under a folder named by the sdist's sha256, so a cached wheel is always the one
+# built from the pinned bytes (another pin, another folder):
+#   ${CKPTD_CACHE:-~/.cache/ckptd}/horovod-<sdist sha256>/horovod-0.28.1-*.whl
 #
 # Why a patch: horovod 0.28.1 (the last release) compiles its PyTorch extension as C++14, and
 # torch >= 2.1 headers need C++17, so the stock `pip install horovod` fails. The two CMakeLists
 # that set the standard (the top-level one and horovod/torch/CMakeLists.txt) are switched to 17;
 # nothing else changes. The sdist is pinned by its sha256 so the build is reproducible.
 #
-# Usage: deploy/build_horovod.sh            (build once; a cached wheel is reused)
+# Usage: deploy/build_horovod.sh            (build once; a cached wheel is reused; prints its path)
 #        deploy/build_horovod.sh --install  (also pip-install the cached wheel and its small
 #                                            dependencies: cloudpickle, psutil, pyyaml, packaging, cffi)
 # About 9 min here (MAKEFLAGS=-j1, on 2 shared cores); set MAKEFLAGS=-jN to use more. Needs cmake
@@ -16,7 +17,7 @@
 set -euo pipefail
 VERSION=0.28.1
 SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
-CACHE="${CKPTD_CACHE:-$HOME/.cache/ckptd}"
+CACHE="${CKPTD_CACHE:-$HOME/.cache/ckptd}/horovod-$SHA256"
 mkdir -p "$CACHE"
 
 wheel=$(ls "$CACHE"/horovod-"$VERSION"-*.whl 2>/dev/null | head -n1 || true)

@@ -328,6 +328,8 @@ class Checkpointer:
         self.wait()
         if fallback and step is not None:
             raise CheckpointError("restore: fallback=True picks the step itself; do not pass step")
+        if self._tiers is not None:
+            self._tiers.begin()
         got, self.last_restore_skipped = restore(
             self.store,
             self.coord,

@@ -54,7 +54,7 @@ __all__ = ["DEFAULT_TIER_TIMEOUT_S", "TierSource", "TierStore", "TieredReader", 
 
 log = logging.getLogger("ckptd.tiered")
 
-SURVEY_S = 1.0  # a peer silent this long is left out of a restore (CKPTD_TIER_SURVEY_S)
+SURVEY_S = 0.8  # a peer silent this long is left out of a restore (CKPTD_TIER_SURVEY_S)
 
 
 class _Tier:
@@ -197,6 +197,7 @@ class TierSource(_RangeReads, Store):
                 )
                 ts.use_data(self._data.get(url), unix=own)
                 t = self._tiers[url] = _Tier(ts, "local" if own else "peer", mf.step_dir(self.step))
+                t.dead = url in self.tiers.silent
             return t
 
     def holders_of(self, key: str) -> list[_Tier]:
@@ -211,6 +212,8 @@ class TierSource(_RangeReads, Store):
         """``tier`` did not answer or answered wrong: skip it for the rest of the restore."""
         with self._lock:
             first, tier.dead = not tier.dead, True
+        if isinstance(e, TierUnavailable):
+            self.tiers.silent.add(tier.store.uri)
         if first:
             log.warning("restore: skipping the memory tier %s: %s", tier.store.name, e)
 
@@ -328,6 +331,11 @@ class TieredRestore:
         self.survey_s = min(self.timeout_s, float(os.environ.get("CKPTD_TIER_SURVEY_S") or SURVEY_S))
         self.last: dict[str, int] = {}
         self._token = daemon_token()
+        self.silent: set[str] = set()  # daemons that did not answer in this restore (``_ask_all``)
+
+    def begin(self) -> None:
+        """A restore starts: every daemon is asked again (one silent before may be back)."""
+        self.silent.clear()
 
     def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers this
@@ -380,8 +388,10 @@ class TieredRestore:
         ``timeout_s`` (default ``survey_s``); wait ``survey_s`` at most for the set (the own
         daemon, asked with its full timeout: that long). Returns [(url, its answer or the
         error)] in order; a daemon still silent is a DaemonUnreachable, its request left to end
-        on its own thread (a fence still arrives at a peer that was only slow)."""
+        on its own thread. One that did not
+        answer (gone or silent) goes in ``silent``: not asked again, nor listed, in this restore."""
         timeout_s = self.survey_s if timeout_s is None else timeout_s
+        urls = [u for u in urls if u not in self.silent]
         got: dict[str, object] = {}
 
         def ask(url: str) -> None:
@@ -397,7 +407,9 @@ class TieredRestore:
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         silent = f"no answer within {self.survey_s:g} s (CKPTD_TIER_SURVEY_S)"
-        return [(u, got.get(u, DaemonUnreachable(f"{u}: {silent}"))) for u in urls]
+        answers = [(u, got.get(u, DaemonUnreachable(f"{u}: {silent}"))) for u in urls]
+        self.silent.update(u for u, a in answers if isinstance(a, DaemonUnreachable))
+        return answers
 
     def source(self, store: Store, coord, step: int) -> TierSource:
         """The store of committed ``step`` over the tiers, wrapped around the job root ``store``.

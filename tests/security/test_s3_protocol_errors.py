@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
 
 def _store(bucket_uri: str, url: str, attempts: int) -> S3Store:
     bucket, _, prefix = bucket_uri[len("s3://") :].partition("/")
-    return S3Store(bucket, prefix, endpoint_url=url, max_attempts=attempts)
+    # retries=0: ``attempts`` tries in all, so a call cut every time fails after them, not after
+    # attempts x 5 tries with backoff (44 s of CI for two calls)
+    return S3Store(bucket, prefix, endpoint_url=url, max_attempts=attempts, retries=0)
 
 
 @pytest.mark.parametrize("attempts", [1, 4])

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -83,15 +84,16 @@ def _logs(out: Path, *daemons: Daemon) -> str:
     return launch.logs(out, "save_memory", 4) + "".join(f"\n--- {d.log_path.name} ---\n{d.logs()}" for d in daemons)
 
 
-def _setup(tmp_path: Path, **b_args):
-    """Two node daemons a and b (``b_args``: node b's own options) with a token file."""
+def _setup(tmp_path: Path, trust_tcp: bool = True, **b_args):
+    """Two node daemons a and b (``b_args``: node b's own options) with a token file;
+    ``trust_tcp=False``: as the docs run them (trainers on each node's socket)."""
     (tmp_path / "token").write_text(TOKEN)
     os.chmod(tmp_path / "token", 0o600)
     root = f"file://{tmp_path / 'job'}"
     pa, pb = launch.free_port(), launch.free_port()
     urls = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
-    a = node(tmp_path, "a", root, pa, urls)
-    b = node(tmp_path, "b", root, pb, urls, **b_args)
+    a = node(tmp_path, "a", root, pa, urls, trust_tcp=trust_tcp)
+    b = node(tmp_path, "b", root, pb, urls, trust_tcp=trust_tcp, **b_args)
     return root, a, b, urls
 
 
@@ -275,28 +277,70 @@ def test_each_rank_reads_its_own_nodes_parts_through_its_socket(tmp_path):
         b.kill()
 
 
-def test_a_silent_peer_is_left_out_of_the_restore(tmp_path):
-    """A peer daemon that is SIGSTOPped (its port accepts, nothing answers) is left out of the
-    memory-only survey and the fence after ``CKPTD_TIER_SURVEY_S`` (1 s), whatever the tier's
-    request timeout: with that timeout at an hour, the restore still ends, bitwise, from the
-    own node's memory (its parts and its replicas of the silent node's), 0 bytes from the root."""
-    root, a, b, urls = _setup(tmp_path)
+def _restore_beside_a_silent_peer(tmp_path: Path, silence: str, last: int, every: int) -> tuple[dict, int]:
+    """Nodes a and b as the docs run them (a token, each node's socket, no --trust-tcp); a
+    2-rank job (rank 0 on a, rank 1 on b) saves steps 1..``last`` persisting every ``every``th;
+    once a holds b's copy of step ``last``, b falls silent: "stopped" (SIGSTOPped: its port
+    accepts, nothing answers) or "mute" (b gone, a listener on its port that accepts and never
+    answers). One rank then restores through a's socket, the tier's request timeout at an hour.
+    Returns its result and how often its log says b gave no answer."""
+    root, a, b, urls = _setup(tmp_path, trust_tcp=False)
     out = tmp_path / "out"
+    mute = socket.socket()
     try:
-        _run(2, "save_memory", out, daemons=[a.url, b.url], root=root, last=3, persist_every=2, hang=False)
-        wait_for(lambda: _has(a, root, 3, {1}, urls[1]), "b's replica of step 3 on a", 120)
-        os.kill(b.proc.pid, signal.SIGSTOP)
+        args = {"daemons": [a.socket_url, b.socket_url], "root": root, "last": last, "persist_every": every}
+        _run(2, "save_memory", out, **args, hang=False)
+        wait_for(lambda: _holds_copy_of(a, root, last, urls[1]), f"b's copy of step {last} on a", 120)
+        if silence == "stopped":
+            os.kill(b.proc.pid, signal.SIGSTOP)
+        else:
+            b.kill()
+            mute.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            mute.bind(("127.0.0.1", b.port))
+            mute.listen(64)  # the kernel accepts each connection; nobody ever reads or answers
         env = {"CKPTD_TOKEN": TOKEN, "CKPTD_TIER_TIMEOUT_S": "3600"}
-        args = {"daemon": a.socket_url, "root": root, "ref": str(out / "ref_step3.pt")}
+        args = {"daemon": a.socket_url, "root": root, "ref": str(out / f"ref_step{last}.pt")}
         procs = launch.spawn(1, "restore_position", args, out / "r1", env, scenarios=SCENARIOS)
         (res,) = launch.wait(procs, out / "r1", "restore_position", timeout=300)
-        assert (res["step"], res["mismatches"], res["position"]) == (3, [], 3 * BATCH * 2), res
-        assert res["tiers"]["root"] == 0 and res["tiers"]["local"] > 0, res["tiers"]
+        log = (out / "r1" / "restore_position.rank0.log").read_text()
+        return res, log.count(f"the memory tier of {urls[1]} did not answer")
     finally:
+        mute.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(b.proc.pid, signal.SIGCONT)
         a.kill()
         b.kill()
+
+
+def _holds_copy_of(d: Daemon, root: str, step: int, source: str) -> bool:
+    """Whether ``d`` holds ``source``'s copy of ``step``: a replica of its hot copy or its part."""
+    status, body = d.get(f"/v1/tiers?root={root}", TOKEN)
+    assert status == 200, body
+    return any(c["step"] == step and c["source"] == source for c in body["replicas"] + body["memory_only"])  # type: ignore[index]
+
+
+def test_a_silent_peer_is_left_out_of_the_restore(tmp_path):
+    """A peer daemon that is SIGSTOPped is left out of the memory-only survey after
+    ``CKPTD_TIER_SURVEY_S`` (0.8 s), whatever the tier's request timeout: with that timeout at an
+    hour, the restore still ends, bitwise, from the own node's memory (its parts and its replicas
+    of the silent node's), 0 bytes from the root."""
+    res, silent = _restore_beside_a_silent_peer(tmp_path, "stopped", last=3, every=2)  # step 3: memory-only
+    assert (res["step"], res["mismatches"], res["position"]) == (3, [], 3 * BATCH * 2), res
+    assert res["tiers"]["root"] == 0 and res["tiers"]["local"] > 0, res["tiers"]
+    assert silent == 1, silent
+
+
+@pytest.mark.parametrize("silence", ["stopped", "mute"])
+def test_a_silent_peer_is_asked_once_per_restore(tmp_path, silence):
+    """A restore of a committed step from the tiers asks the peers twice (what they hold of any
+    step, for the memory-only survey; then of the step chosen): a peer that gave no answer the
+    first time is not waited for again in that restore, so it adds one survey window, not two.
+    The step comes back bitwise from the own node's memory (its hot copy and its replica of the
+    silent node's), 0 bytes from the root."""
+    res, silent = _restore_beside_a_silent_peer(tmp_path, silence, last=2, every=2)  # step 2: committed
+    assert (res["step"], res["mismatches"], res["position"]) == (2, [], 2 * BATCH * 2), res
+    assert res["tiers"]["root"] == 0 and res["tiers"]["local"] > 0, res["tiers"]
+    assert silent == 1, silent
 
 
 def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):

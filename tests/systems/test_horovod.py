@@ -2,8 +2,8 @@
 
 Horovod 0.28.1 (the last release) does not build against torch >= 2.1 as published: its PyTorch
 extension is compiled as C++14. ``deploy/build_horovod.sh`` builds it from the sdist with C++17
-(~9 min here) into ``~/.cache/ckptd``; ``.ci/run`` installs that wheel when it is cached and
-builds it with ``CKPTD_HEAVY=1``. Without horovod this file is skipped (reason given).
+into ``~/.cache/ckptd/horovod-<sdist sha256>``; ``.ci/run`` runs it on every run (a cached wheel is
+installed at once). Without horovod this file is skipped (reason given), and CI says so at its end.
 
 The job (``tests/systems/hvd_train.py``): ``hvd.DistributedOptimizer`` around AdamW, the gradient
 all-reduce through Horovod's gloo, an ``ElasticSampler``, ``trainer_hooks.horovod.resume``.
