@@ -7,10 +7,9 @@ also a request signed with the peer key, which only daemons hold (``peer_sender`
 alone is 403; a fence (``restored``) needs that or the right to write its root here. Listings
 show the roots the caller may read (``Tenancy.visible``). Objects are looked up in the tier's
 table by (root, step, attempt, key): no route turns a request into a path, so none can read
-outside (or inside) the staging folder. A read
-answers with the step and attempt of the copy in ``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the
-reader checks both against the commit record and every chunk against its crc32c
-(``trainer_hooks.tiered``).
+outside (or inside) the staging folder. A read answers with the step and attempt of the copy in
+``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the reader checks both against the commit record and
+every chunk against its crc32c (``trainer_hooks.tiered``).
 """
 
 from __future__ import annotations
