@@ -642,7 +642,7 @@ def simulate_restore(m: int, args, seed: int = 0) -> dict:
 
     def rank(r: int) -> None:
         coord = SimCoordinator(clock, slots, r, m)
-        (_, step, _), *_ = restore._candidates(store, coord, None, False, None)[0]  # rank 0's pick, broadcast
+        (_, step, _), *_ = restore._candidates(store, coord, None, False, None)  # rank 0's pick, broadcast
         src = restore._planned_store(store, coord, step)
         try:
             if hasattr(restore, "_load_manifest"):

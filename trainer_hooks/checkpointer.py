@@ -330,7 +330,7 @@ class Checkpointer:
             raise CheckpointError("restore: fallback=True picks the step itself; do not pass step")
         if self._tiers is not None:
             self._tiers.begin()
-        got, self.last_restore_skipped, asked = restore(
+        got, self.last_restore_skipped = restore(
             self.store,
             self.coord,
             state,
@@ -343,7 +343,7 @@ class Checkpointer:
         )
         newest = max([got, *(s for s, _ in self.last_restore_skipped)]) if got is not None else None
         if self._tiers is not None and got is not None:  # drop the abandoned future's memory-only steps
-            self._tiers.fence([self._tiers.daemon_url, *asked], got)
+            self._tiers.fence(got)
         self._know(got, newest)
         if got is None:  # every rank got the same answer from rank 0
             if require:

@@ -16,8 +16,8 @@ daemons hold passes ``commit.held_whole`` (its manifest, every rank's done recor
 every object they pin at the pinned size, and the root's commit rule ``commit.whole_step``).
 Every rank then reads it over a ``tiered.TierSource`` with no job root behind it, its commit
 record the one ``commit.whole_step`` returns. If none counts, or its restore fails on any rank,
-the committed steps follow; after any restore of step S, the daemons asked drop memory-only
-steps newer than S (``TieredRestore.fence``).
+the committed steps follow; after any restore of step S, each rank's daemon drops memory-only
+steps newer than S and tells its peers to (``TieredRestore.fence``).
 """
 
 from __future__ import annotations
@@ -74,12 +74,12 @@ def memory_only_save(sink, coord, step: int, attempt: str, job, persist_every: i
 # ------------------------------------------------------------------------------ choosing
 
 
-def choose(tiers, newest_persisted: int | None) -> tuple[Any, list[str]]:
+def choose(tiers, newest_persisted: int | None) -> Any:
     """Rank 0: (the newest memory-only step newer than ``newest_persisted`` that the surviving
     tiers hold whole (``commit.newest_held``, the rule the status page names too), as ``(step,
-    attempt, holders, commit, data paths)``, or None; the daemons asked, for the fence)."""
-    held, data, asked, _ = tiers.walk([tiers.daemon_url])
+    attempt, holders, commit, data paths)``, or None)."""
+    held, data, _, _ = tiers.walk([tiers.daemon_url])
     got, skipped = newest_held(held, newest_persisted, lambda s, a: TierSource(tiers, s, a, held[(s, a)], data))
     for step, attempt, why in skipped:
         log.info("memory-only step %d (attempt %s) is not held whole: %s", step, attempt, why)
-    return (None if got is None else (got[0], got[1], held[got[:2]], got[2], data)), asked
+    return None if got is None else (got[0], got[1], held[got[:2]], got[2], data)

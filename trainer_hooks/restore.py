@@ -193,9 +193,9 @@ def _restore_step(
 MEMORY_ONLY, COMMITTED = "memory-only", "committed"
 
 
-def _candidates(store: Store, coord: Coordinator, step: int | None, fallback: bool, tiers) -> tuple[list, list[str]]:
+def _candidates(store: Store, coord: Coordinator, step: int | None, fallback: bool, tiers) -> list:
     """Rank 0 orders the steps a restore tries and every rank gets its list of (kind, step,
-    memory-only choice), and the daemons asked: with ``step`` asked, that committed step; else
+    memory-only choice): with ``step`` asked, that committed step; else
     the newest memory-only step the tiers hold whole when it is newer than the newest committed
     one (``trainer_hooks.memsteps.choose``), then the newest committed step, or with
     ``fallback`` every committed step, newest first. Rank 0's error is raised on every rank."""
@@ -211,16 +211,16 @@ def _candidates(store: Store, coord: Coordinator, step: int | None, fallback: bo
                 order = [s for s in [catalog.latest_step(store)] if s is not None]
         except StorageError as e:
             raise CheckpointError(str(e)) from None
-        got, asked = [(COMMITTED, s, None) for s in order], []
+        got = [(COMMITTED, s, None) for s in order]
         if tiers is not None and step is None:
             try:
-                choice, asked = memsteps.choose(tiers, order[0] if order else None)
+                choice = memsteps.choose(tiers, order[0] if order else None)
             except (CheckpointError, StorageError) as e:
                 log.warning("restore: not looking for memory-only steps: %s", e)
                 choice = None
             if choice is not None:
                 got.insert(0, (MEMORY_ONLY, choice[0], choice))
-        return got, asked
+        return got
 
     return from_rank0(coord, plan)
 
@@ -236,7 +236,7 @@ def restore(
     in_place: bool = False,
     fallback: bool = False,
     tiers: Any = None,
-) -> tuple[int | None, list[tuple[int, str]], list[str]]:
+) -> tuple[int | None, list[tuple[int, str]]]:
     """Restore ``state`` from the first candidate step (``_candidates``) that restores; with
     ``fallback``, committed steps that ``ckptd verify`` recorded bad or that fail because the
     checkpoint is broken (manifest, chunk crc32c, a missing object, storage errors) are skipped.
@@ -244,12 +244,12 @@ def restore(
     it. A mismatch between the state and the checkpoint is the caller's and is raised at once; a
     memory-only step that does not restore falls through to the next candidate on every rank.
     Returns (the step restored, or None when the root has none; the committed steps skipped with
-    why; the daemons asked for memory-only steps). Raises CheckpointError naming every skipped
+    why). Raises CheckpointError naming every skipped
     step when none restores (storage that is down must not make a job start again from step 0).
     With ``in_place`` the next try overwrites whatever a failed one wrote."""
     from ckptd import verify as _verify  # verdicts of ``ckptd verify``
 
-    candidates, asked = _candidates(store, coord, step, fallback, tiers)
+    candidates = _candidates(store, coord, step, fallback, tiers)
     newest = next((s for kind, s, _ in candidates if kind == COMMITTED), None)
     skipped: list[tuple[int, str]] = []
     for kind, s, choice in candidates:
@@ -302,13 +302,13 @@ def restore(
             tiers.report(src, got)
         if skipped:
             log.warning("restored step %d after skipping newer steps %s", got, ", ".join(str(x) for x, _ in skipped))
-        return got, skipped, asked
+        return got, skipped
     if skipped:  # never start a job from scratch because its checkpoints could not be read
         raise CheckpointError(
             f"{store.uri}: no committed checkpoint restores; skipped "
             + "; ".join(f"step {x}: {why}" for x, why in skipped)
         )
-    return None, skipped, asked
+    return None, skipped
 
 
 # What a hostile manifest can make Python raise past the explicit checks; mapped to CheckpointError.

@@ -388,7 +388,7 @@ class TieredRestore:
         ``timeout_s`` (default ``survey_s``); wait ``survey_s`` at most for the set (the own
         daemon, asked with its full timeout: that long). Returns [(url, its answer or the
         error)] in order; a daemon still silent is a DaemonUnreachable, its request left to end
-        on its own thread (a fence still arrives at a peer that was only slow). One that did not
+        on its own thread. One that did not
         answer (gone or silent) goes in ``silent``: not asked again, nor listed, in this restore."""
         timeout_s = self.survey_s if timeout_s is None else timeout_s
         urls = [u for u in urls if u not in self.silent]
@@ -473,12 +473,12 @@ class TieredRestore:
         except (ValueError, CheckpointError) as e:
             log.debug("restore: could not report tier bytes to the daemon: %s", e)
 
-    def fence(self, urls: list[str], step: int) -> None:
-        """Tell each daemon of ``urls`` that the root restored ``step`` (``POST
-        /v1/tiers/restored``): memory-only steps newer than it are dropped. Best effort: a
-        daemon that is gone holds nothing any more."""
+    def fence(self, step: int) -> None:
+        """Tell this rank's own daemon that the root restored ``step`` (``POST
+        /v1/tiers/restored``): it drops memory-only steps newer than it, and tells its peers to
+        (signed: no rank fences a peer). Best effort: a daemon that is gone holds nothing."""
         body = {"job_root": self.root_uri, "restored_step": step}
-        urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
-        for url, got in self._ask_all(urls, "POST", "/v1/tiers/restored", self.timeout_s, body):
-            if isinstance(got, Exception):
-                log.warning("restore: could not tell %s that step %d was restored: %s", url, step, got)
+        try:
+            ask_json(self.daemon_url, self._token, self.timeout_s, "POST", "/v1/tiers/restored", body)
+        except (ValueError, CheckpointError) as e:
+            log.warning("restore: could not tell %s that step %d was restored: %s", self.daemon_url, step, e)

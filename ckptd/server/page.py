@@ -382,7 +382,8 @@ def overview(
     offset: int = Query(0, ge=0, le=MAX_NUMBER),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=500, description="checkpoint rows per job root"),
 ):
-    return page_data.collect(request.app.state, root, offset, limit)  # RootError: 400 (``app.ERRORS``)
+    who = request.app.state.daemon.tenancy.caller(request.scope)
+    return page_data.collect(request.app.state, root, offset, limit, who)  # RootError: 400 (``app.ERRORS``)
 
 
 @router.get("/v1/page", summary="the status page's body, rendered (escaped) HTML")
@@ -392,7 +393,9 @@ def page(
     offset: int = Query(0, ge=0, le=MAX_NUMBER),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=500),
 ):
-    data = page_data.collect(request.app.state, root, offset, limit)
+    data = page_data.collect(
+        request.app.state, root, offset, limit, request.app.state.daemon.tenancy.caller(request.scope)
+    )
     return JSONResponse({"html": render(data), "refresh_s": REFRESH_S}, headers={"Cache-Control": "no-store"})
 
 

@@ -322,9 +322,28 @@ def overview(state) -> Overview:
     return jobroots.one_per_daemon(state, "overview", lambda: Overview(state.daemon.runner, jobroots.shared(state)))
 
 
-def collect(state, root: str | None, offset: int, limit: int) -> dict:
+def visible_tiers(tenancy, caller, d: dict) -> dict:
+    """``Tiers.describe``'s answer ``d`` with the copies of the roots ``caller`` may read only
+    (``Tenancy.visible``); the last push failure, which names a root, to operators only."""
+    d |= {k: tenancy.visible(caller, d[k]) for k in ("hot", "replicas", "memory_only")}
+    return d if caller.operator else d | {"last_push_failure": None}
+
+
+def collect(state, root: str | None, offset: int, limit: int, caller=None) -> dict:
     """Everything the page shows: ``Overview.build``, paged at ``root`` (a served root, or
-    RootError), and this daemon's memory tier when it has one (``state.tiers``)."""
+    RootError), and this daemon's memory tier when it has one (``state.tiers``); with
+    ``caller``, of the roots it may read only (``Tenancy.visible``)."""
+    data = _collect(state, root, offset, limit)
+    if caller is not None:
+        tenancy = state.daemon.tenancy
+        for k in {"roots", "active", "failures", "superseded", "saves", "stalled", "memory_only"} & data.keys():
+            data[k] = tenancy.visible(caller, data[k])
+        if "tiers" in data:
+            data["tiers"] = visible_tiers(tenancy, caller, data["tiers"])
+    return data
+
+
+def _collect(state, root: str | None, offset: int, limit: int) -> dict:
     ov = overview(state)
     if root is not None:
         ov.runner.roots.check(root)

@@ -4,11 +4,12 @@ before a memory-only hand-off, and the report (and fence) after a restore.
 
 Every route needs the daemon token (``app.Guard``) and names a served root; the replica routes
 also a request signed with the peer key, which only daemons hold (``peer_sender``): the token
-alone is 403. Objects are looked up in the tier's table by (root, step, attempt, key): no route
-turns a request into a path, so none can read outside (or inside) the staging folder. A read
-answers with the step and attempt of the copy in ``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the
-reader checks both against the commit record and every chunk against its crc32c
-(``trainer_hooks.tiered``).
+alone is 403; a fence (``restored``) needs that or the right to write its root here. Listings
+show the roots the caller may read (``Tenancy.visible``). Objects are looked up in the tier's
+table by (root, step, attempt, key): no route turns a request into a path, so none can read
+outside (or inside) the staging folder. A read answers with the step and attempt of the copy in
+``X-Ckptd-Step`` / ``X-Ckptd-Attempt``; the reader checks both against the commit record and
+every chunk against its crc32c (``trainer_hooks.tiered``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from ckptd.daemon_conn import PEER_HEADER, peer_mac
+from ckptd.server.page_data import visible_tiers
 from ckptd.server.parts import MAX_NUMBER, Count, Rank, Step
 from ckptd.server.tenancy import Forbidden
 from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS, SELF
@@ -143,9 +145,9 @@ def describe(
     if root is None:
         if keys or step is not None or attempt is not None:
             return JSONResponse({"detail": "name the root (?root=) to list keys or a step"}, status_code=400)
-        return request.app.state.tiers.describe()
-    r = _readable_root(request, root) if keys else _root(request, root)
-    return request.app.state.tiers.describe(r, step, attempt, keys)
+        tenancy = request.app.state.daemon.tenancy
+        return visible_tiers(tenancy, tenancy.caller(request.scope), request.app.state.tiers.describe())
+    return request.app.state.tiers.describe(_readable_root(request, root), step, attempt, keys)
 
 
 @router.post("/v1/tiers/reserve", summary="hold room for a rank's part of a memory-only step before its hand-off")
@@ -262,10 +264,25 @@ def seal_replica(rid: str, request: Request):
     return {"replica": rid, "complete": True}
 
 
+async def _signed_peer(request: Request) -> str | None:
+    """The signing peer daemon (``peer_sender``) of a request that names one, else None."""
+    return await peer_sender(request) if PEER_HEADER in request.headers else None
+
+
 @router.post("/v1/tiers/restored", summary="a rank reports the bytes its restore read from each tier")
-def restored(body: RestoredReport, request: Request):
-    request.app.state.tiers.restored(body.local, body.peer, body.root)
-    fenced = 0
+def restored(body: RestoredReport, request: Request, peer: str | None = Depends(_signed_peer)):
+    """A rank's report to its own daemon; with ``job_root``, the fence: only a caller that may
+    write that root here (``Tenancy.check_write``, never binding it), or a signed peer daemon
+    it was forwarded to. The own daemon forwards it to its peers (``Replication.fence_peers``)."""
+    t, fenced = request.app.state.tiers, 0
     if body.job_root is not None and body.restored_step is not None:
-        fenced = request.app.state.tiers.fence(_readable_root(request, body.job_root), body.restored_step)
+        root = _root(request, body.job_root)
+        if peer is None:
+            tenancy = request.app.state.daemon.tenancy
+            tenancy.check_write(tenancy.caller(request.scope), root, bind=False)
+        fenced = t.fence(root, body.restored_step)
+        if peer is None:
+            t.fence_peers(root, body.restored_step)
+    if peer is None:
+        t.restored(body.local, body.peer, body.root)
     return {"ok": True, "fenced": fenced}

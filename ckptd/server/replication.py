@@ -156,6 +156,30 @@ class Replication:
         finally:
             conn.close()
 
+    def fence_peers(self, root: str, step: int, wait_s: float = 1.0) -> None:
+        """Forward a fence of ``root`` at restored ``step`` to every peer of the ring, signed
+        (``POST /v1/tiers/restored``), each on a thread of its own; wait ``wait_s`` at most (a
+        slow peer still gets it; one that is gone holds nothing any more)."""
+        peers = [p for p in self.peers if p != self.me] if self.peer_key else []
+        body = {"job_root": root, "restored_step": step}
+
+        def send(peer: str) -> None:
+            try:
+                conn = self._dial(peer)
+                try:
+                    _request(conn, "POST", "/v1/tiers/restored", body)
+                finally:
+                    conn.close()
+            except Exception as e:  # noqa: BLE001 - a peer that is gone must not fail the restore
+                log.warning("memory tier: could not tell %s that %s restored step %d: %s", peer, root, step, e)
+
+        threads = [threading.Thread(target=send, args=(p,), name="ckptd-tier-fence", daemon=True) for p in peers]
+        deadline = time.monotonic() + wait_s
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
     def begin_replica(
         self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list, kind: str = HOT
     ) -> str:

@@ -266,6 +266,16 @@ class Tenancy:
         if held is not None and held[1]["uid"] != caller.uid:
             raise Forbidden(f"job root {root} belongs to {self._who(held)}: {caller} may not read it")
 
+    def visible(self, caller: Caller, items: list[dict]) -> list[dict]:
+        """The entries of a listing (each names its ``root``) that ``caller`` may read
+        (``check_read``): over TCP without ``--trust-tcp``, those of unbound roots only."""
+        out = []
+        for item in items:
+            with contextlib.suppress(Forbidden, RootError):
+                self.check_read(caller, item["root"])
+                out.append(item)
+        return out
+
     def check_write(self, caller: Caller, root: str, bind: bool) -> None:
         """Leases and hand-offs for ``root``: refused (403) inside another identity's root, or
         when ``root`` is unbound and the caller could not write it itself (local roots) or it

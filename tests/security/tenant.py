@@ -9,11 +9,12 @@ before it talks to the daemon. From there on the kernel sees a process of that u
 
 Commands on stdin, one JSON object per line; one JSON reply per line on stdout:
 
-* ``{"op": "open", "root": R, "daemon": URL}``: a ``Checkpointer(R, daemon=URL)``;
+* ``{"op": "open", "root": R, "daemon": URL}``: a ``Checkpointer(R, daemon=URL)`` (and
+  ``persist_every`` when the command names it);
 * ``{"op": "save", "step": N, "seed": S}``: save ``state(S)`` as step N and wait for its commit;
 * ``{"op": "lease"}``: the staging lease the open Checkpointer holds (id and folder);
-* ``{"op": "restore", "root": R}``: an in-process restore of R's latest step: the step and a
-  digest of the restored tensor;
+* ``{"op": "restore", "root": R}``: an in-process restore of R's latest step (through the daemon
+  ``daemon`` when the command names one): the step and a digest of the restored tensor;
 * ``{"op": "http", "daemon": URL, "method": M, "path": P, "body": B}``: one request;
 * ``{"op": "quit"}``.
 """
@@ -32,6 +33,7 @@ import traceback
 import torch
 
 import trainer_hooks.daemon_sink  # noqa: F401 - imported while the interpreter is readable
+import trainer_hooks.memsteps  # noqa: F401
 from ckptd.auth import daemon_token
 from ckptd.daemon_conn import DaemonConnection
 from trainer_hooks import Checkpointer
@@ -46,9 +48,9 @@ def digest(st: dict) -> str:
     return hashlib.sha256(st["model"]["w"].contiguous().numpy().tobytes()).hexdigest()
 
 
-def restore(root: str) -> dict:
+def restore(root: str, daemon: str | None = None) -> dict:
     target = {"model": {"w": torch.zeros(64, 32)}}
-    with Checkpointer(root) as ckpt:
+    with Checkpointer(root, daemon=daemon) as ckpt:
         step = ckpt.restore(target)
     return {"step": step, "digest": digest(target) if step is not None else None}
 
@@ -78,7 +80,7 @@ def main() -> None:
         op = cmd["op"]
         try:
             if op == "open":
-                ckpt = Checkpointer(cmd["root"], daemon=cmd["daemon"])
+                ckpt = Checkpointer(cmd["root"], daemon=cmd["daemon"], persist_every=cmd.get("persist_every", 1))
                 out = {"ok": True}
             elif op == "save":
                 ckpt.save(cmd["step"], state(cmd["seed"])).result(timeout=120)
@@ -87,7 +89,7 @@ def main() -> None:
                 stager = ckpt._stager
                 out = {"lease": stager.lease_id, "dir": str(stager._dir)}
             elif op == "restore":
-                out = restore(cmd["root"])
+                out = restore(cmd["root"], cmd.get("daemon"))
             elif op == "http":
                 client = DaemonConnection(cmd["daemon"], daemon_token())
                 try:

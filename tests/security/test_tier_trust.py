@@ -1,0 +1,128 @@
+"""Issue 36: the memory tier trusts the wrong party. Two real local users, alice and bob, both
+holding the trainers' token (the staging group's), and two real daemons (root) of one ring,
+started as the docs print them: token file, each daemon's Unix socket, the peer key, never
+``--trust-tcp``. alice trains through daemon A with memory-only steps (``persist_every``),
+which A replicates to its peer B.
+
+* bob fences alice's root on the peer (``POST /v1/tiers/restored`` with her root and an older
+  step), over TCP and over B's socket: before, B dropped her replica, and after the loss of
+  A's node her restore went back to her last persisted step; now 403, her replica stays and her
+  restore returns the memory-only step's weights bitwise. (A rank fences its own daemon, which
+  forwards the fence signed to its peers.)
+* bob lists ``/v1/tiers``, ``/v1/overview`` and ``/v1/page`` on A: before, he saw alice's root
+  (its steps, parts, sizes); now he sees only what he may read, and ``/v1/tiers?root=`` of her
+  root is 403.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import launch
+from tests.security.test_tenancy import ALICE, BOB, GROUP, TOKEN, Tenant, _expected, _operator
+from tests.security.test_tenancy import tenants as tenants  # the fixture
+from tests.server.daemon import node, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PERSIST_EVERY = 10
+
+
+@pytest.fixture
+def ring(tenants):
+    """Daemons A and B (root) serving ``jobs/``, one ring; alice's and bob's roots (theirs);
+    alice has saved step 10 (persisted) and memory-only step 11 through A, replicated to B."""
+    base = Path("/dev/shm") / f"ckptd-t36-{uuid.uuid4().hex[:8]}"
+    base.mkdir(mode=0o755)
+    token = base / "token"  # ``node`` reads the token here
+    token.write_text(TOKEN + "\n")
+    os.chown(token, 0, grp.getgrnam(GROUP).gr_gid)
+    os.chmod(token, 0o640)
+    jobs = base / "jobs"
+    jobs.mkdir(mode=0o755)
+    roots, works = {}, {}
+    for name, pw in tenants.items():
+        for d, where in ((jobs / name, roots), (base / f"work-{name}", works)):
+            d.mkdir(mode=0o755)
+            os.chown(d, pw.pw_uid, pw.pw_gid)
+            where[name] = str(d)
+    ports = [launch.free_port(), launch.free_port()]
+    peers = [f"http://127.0.0.1:{p}" for p in ports]
+    daemons = []
+    started: list[Tenant] = []
+    try:
+        for name, port in zip("ab", ports, strict=True):
+            daemons.append(node(base, name, str(jobs), port, peers, trust_tcp=False, CKPTD_STAGING_GROUP=GROUP))
+        a, b = daemons
+
+        def tenant(name: str) -> Tenant:
+            t = Tenant(tenants[name], Path(works[name]), token)
+            started.append(t)
+            return t
+
+        alice = tenant(ALICE)
+        root = roots[ALICE]
+        assert alice(op="open", root=root, daemon=a.socket_url, persist_every=PERSIST_EVERY) == {"ok": True}
+        for step in (PERSIST_EVERY, PERSIST_EVERY + 1):
+            assert alice(op="save", step=step, seed=step) == {"ok": True}
+        wait_for(lambda: _parts(b, root), "alice's memory-only replica on B", 60, logs=b.logs)
+        yield {"a": a, "b": b, "alice": alice, "bob": tenant(BOB), "roots": roots}
+    finally:
+        for t in started:
+            t.close()
+        for d in daemons:
+            d.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _parts(d, root: str) -> list[dict]:
+    """The memory-only parts of ``root`` that daemon ``d`` holds (asked as root, an operator)."""
+    with _operator({"addr": d.socket_url}) as op:
+        return op.get("/v1/tiers", params={"root": root}).json()["memory_only"]
+
+
+def test_bob_cannot_fence_alices_replicas_on_a_peer(ring):
+    a, b, alice, bob, root = ring["a"], ring["b"], ring["alice"], ring["bob"], ring["roots"][ALICE]
+    (held,) = _parts(b, root)
+    assert held["step"] == PERSIST_EVERY + 1 and held["source"] == a.url, held
+    fence = {"job_root": root, "restored_step": PERSIST_EVERY}
+    for d in (b, a):  # the peer that holds her replica, and her own daemon
+        for addr in (d.url, d.socket_url):
+            r = bob(op="http", daemon=addr, method="POST", path="/v1/tiers/restored", body=fence)
+            assert r["status"] == 403, (addr, r)
+    assert [p["step"] for p in _parts(b, root)] == [PERSIST_EVERY + 1]
+    # A's node is lost: its memory with it; the restarted daemon holds nothing, B her replica.
+    a.kill()
+    a.start(port=a.port)
+    assert _parts(a, root) == []
+    got = alice(op="restore", root=root, daemon=a.socket_url)
+    assert got == {"step": PERSIST_EVERY + 1, "digest": _expected(PERSIST_EVERY + 1)}, (got, b.logs())
+    # her own restore fenced through A, which told B (signed): step 11 is not newer, still held
+    assert [p["step"] for p in _parts(b, root)] == [PERSIST_EVERY + 1]
+
+
+def test_bob_does_not_see_alices_root_in_the_listings(ring):
+    a, alice, bob, root = ring["a"], ring["alice"], ring["bob"], ring["roots"][ALICE]
+    assert bob(op="open", root=ring["roots"][BOB], daemon=a.socket_url) == {"ok": True}
+    assert bob(op="save", step=1, seed=1) == {"ok": True}
+    for addr in (a.socket_url, a.url):
+        for path in ("/v1/tiers", "/v1/overview", "/v1/page"):
+            r = bob(op="http", daemon=addr, method="GET", path=path)
+            assert r["status"] == 200, (addr, path, r)
+            assert root not in json.dumps(r["body"]), (addr, path, r)
+        r = bob(op="http", daemon=addr, method="GET", path=f"/v1/tiers?root={root}")
+        assert r["status"] == 403, (addr, r)
+    # bob sees his own root on the socket; alice hers
+    r = bob(op="http", daemon=a.socket_url, method="GET", path="/v1/overview")
+    assert ring["roots"][BOB] in json.dumps(r["body"]), r
+    r = alice(op="http", daemon=a.socket_url, method="GET", path="/v1/tiers")
+    assert [p["root"] for p in r["body"]["memory_only"]] == [root], r
+    r = alice(op="http", daemon=a.socket_url, method="GET", path="/v1/overview")
+    assert root in [x["root"] for x in r["body"]["roots"]], r
