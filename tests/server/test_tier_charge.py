@@ -1,0 +1,76 @@
+"""A held object costs the staging budget at least ``OBJECT_CHARGE`` bytes and its key
+(``server.replication.charge``): a memory-only part or a replica of many zero-byte objects is
+not free (before, each was charged 0 bytes while its key and table entries took daemon memory,
+without bound and outside the budget)."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+import pytest
+
+from ckptd import manifest as mf
+from ckptd.server.replication import OBJECT_CHARGE
+from ckptd.server.staging import Staging
+from ckptd.server.tiers import Tiers
+from tests import load
+from tests.server.daemon import Daemon
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "charge-test-token-0123456789abcdef"
+BUDGET = 1 << 20
+
+
+def _reserve(d: Daemon, root: str, step: int, objects: int) -> bool:
+    body = {"root": root, "step": step, "attempt": "a1", "rank": 0, "bytes": 0, "objects": objects}
+    head = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+    req = urllib.request.Request(d.url + "/v1/tiers/reserve", json.dumps(body).encode(), head)
+    with urllib.request.urlopen(req, timeout=load.scaled(10)) as r:
+        return json.loads(r.read())["ok"]
+
+
+def test_a_hand_off_of_zero_byte_objects_is_charged_and_refused_past_the_budget(tmp_path):
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    root = f"file://{tmp_path / 'job'}"
+    d = Daemon(
+        [root], tmp_path / "staging", tmp_path / "d.log", token_file=tmp_path / "token", CKPTD_BUDGET=str(BUDGET)
+    )
+    with d:
+        n = 1000  # zero-byte objects: charged n x OBJECT_CHARGE (before: 0, and always room)
+        assert _reserve(d, root, 3, n) is True
+        assert d.get("/v1/tiers", TOKEN)[1]["reserved_bytes"] == n * OBJECT_CHARGE
+        many = BUDGET // OBJECT_CHARGE + 1  # more than the budget holds: persisted instead
+        assert _reserve(d, root, 5, many) is False
+        assert d.metric("ckptd_tier_persisted_instead_total", TOKEN) == 1
+        assert d.logs().count("persisted to the job root instead") == 1
+        assert d.get("/v1/tiers", TOKEN)[1]["reserved_bytes"] == n * OBJECT_CHARGE  # nothing leaked
+
+
+def test_held_and_replicated_zero_byte_objects_take_their_charge_and_give_it_back(tmp_path):
+    staging = Staging(tmp_path / "staging", budget=BUDGET)
+    try:
+        tiers = Tiers(staging, [], None, 0, None)
+        keys = [f"{mf.step_dir(2)}/state/o{i:04d}" for i in range(100)]
+        cost = sum(OBJECT_CHARGE + len(k) for k in keys)
+        store = tiers.holder("file:///job", 2, "a", 0)  # a rank's memory-only part, as the daemon writes it
+        for k in keys:
+            store.put(k, b"")
+        assert staging.reserved_bytes == cost
+        store.delete(keys[0])
+        assert staging.reserved_bytes == cost - OBJECT_CHARGE - len(keys[0])
+        tiers.failed("file:///job", 2, "a", 0)
+        assert staging.reserved_bytes == 0
+        objects = [{"key": k, "size": 0, "crc32c": 0} for k in keys]
+        rid = tiers.begin_replica("file:///job", 2, "a", "http://peer", [0], objects, kind="memory_only")
+        tiers.seal(rid)
+        assert staging.reserved_bytes == cost
+        (part,) = tiers.describe("file:///job")["memory_only"]
+        assert part["bytes"] == 0 and part["objects"] == 100  # users see the real bytes
+        tiers.fence("file:///job", 1)
+        assert staging.reserved_bytes == 0
+    finally:
+        staging.close()
