@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.request
 
 import pytest
 
 from ckptd import manifest as mf
+from ckptd.daemon_conn import DaemonConnection
 from ckptd.server.replication import OBJECT_CHARGE
 from ckptd.server.staging import Staging
 from ckptd.server.tiers import Tiers
-from tests import load
 from tests.server.daemon import Daemon
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,30 +23,45 @@ TOKEN = "charge-test-token-0123456789abcdef"
 BUDGET = 1 << 20
 
 
-def _reserve(d: Daemon, root: str, step: int, objects: int) -> bool:
+def _reserve(conn: DaemonConnection, root: str, step: int, objects: int) -> bool:
+    """A rank's reservation before its hand-off, through the daemon's socket as trainers send it."""
     body = {"root": root, "step": step, "attempt": "a1", "rank": 0, "bytes": 0, "objects": objects}
-    head = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
-    req = urllib.request.Request(d.url + "/v1/tiers/reserve", json.dumps(body).encode(), head)
-    with urllib.request.urlopen(req, timeout=load.scaled(10)) as r:
-        return json.loads(r.read())["ok"]
+    status, _, raw = conn.fetch("POST", "/v1/tiers/reserve", body)
+    assert status == 200, raw
+    return json.loads(raw)["ok"]
+
+
+def _reserved(conn: DaemonConnection) -> int:
+    status, _, raw = conn.fetch("GET", "/v1/tiers")
+    assert status == 200, raw
+    return json.loads(raw)["reserved_bytes"]
 
 
 def test_a_hand_off_of_zero_byte_objects_is_charged_and_refused_past_the_budget(tmp_path):
     (tmp_path / "token").write_text(TOKEN)
     os.chmod(tmp_path / "token", 0o600)
     root = f"file://{tmp_path / 'job'}"
-    d = Daemon(
-        [root], tmp_path / "staging", tmp_path / "d.log", token_file=tmp_path / "token", CKPTD_BUDGET=str(BUDGET)
+    d = Daemon(  # as the docs start it: token on, trainers on its socket, no --trust-tcp
+        [root],
+        tmp_path / "staging",
+        tmp_path / "d.log",
+        token_file=tmp_path / "token",
+        trust_tcp=False,
+        CKPTD_BUDGET=str(BUDGET),
     )
     with d:
-        n = 1000  # zero-byte objects: charged n x OBJECT_CHARGE (before: 0, and always room)
-        assert _reserve(d, root, 3, n) is True
-        assert d.get("/v1/tiers", TOKEN)[1]["reserved_bytes"] == n * OBJECT_CHARGE
-        many = BUDGET // OBJECT_CHARGE + 1  # more than the budget holds: persisted instead
-        assert _reserve(d, root, 5, many) is False
-        assert d.metric("ckptd_tier_persisted_instead_total", TOKEN) == 1
-        assert d.logs().count("persisted to the job root instead") == 1
-        assert d.get("/v1/tiers", TOKEN)[1]["reserved_bytes"] == n * OBJECT_CHARGE  # nothing leaked
+        conn = DaemonConnection(d.socket_url, TOKEN)
+        try:
+            n = 1000  # zero-byte objects: charged n x OBJECT_CHARGE (before: 0, and always room)
+            assert _reserve(conn, root, 3, n) is True
+            assert _reserved(conn) == n * OBJECT_CHARGE
+            many = BUDGET // OBJECT_CHARGE + 1  # more than the budget holds: persisted instead
+            assert _reserve(conn, root, 5, many) is False
+            assert d.metric("ckptd_tier_persisted_instead_total", TOKEN) == 1
+            assert d.logs().count("persisted to the job root instead") == 1
+            assert _reserved(conn) == n * OBJECT_CHARGE  # nothing leaked
+        finally:
+            conn.close()
 
 
 def test_held_and_replicated_zero_byte_objects_take_their_charge_and_give_it_back(tmp_path):
