@@ -31,7 +31,7 @@ from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable
 from ckptd.server.sealed import Sealed, new_buffer, seal
 
 __all__ = ["Copy", "HOT", "INCOMING_TTL_S", "KINDS", "MAX_OBJECTS", "MEMORY_ONLY", "PIECE_BYTES", "Replication"]
-__all__ += ["replica_targets"]
+__all__ += ["OBJECT_CHARGE", "charge", "replica_targets"]
 
 log = logging.getLogger("ckptd.tiers")
 
@@ -40,6 +40,14 @@ MAX_OBJECTS = 1 << 16  # objects in one replica at most
 INCOMING_TTL_S = 600.0  # a replica whose pusher stopped sending is dropped after this
 HOT, MEMORY_ONLY = "hot", "memory_only"  # the kinds of copy (module doc)
 KINDS = (HOT, MEMORY_ONLY)
+OBJECT_CHARGE = 512  # budget bytes a held object takes at least, besides its key (measured: ~170)
+
+
+def charge(size: int, key_bytes: int = 0, objects: int = 1) -> int:
+    """The staging budget ``objects`` held objects of ``size`` bytes in all (keys of ``key_bytes``)
+    take: their bytes, but at least ``OBJECT_CHARGE`` each and their keys (docs/operations.md):
+    a zero-byte object still costs the daemon its key and table entries."""
+    return max(size, objects * OBJECT_CHARGE + key_bytes)
 
 
 @dataclass(eq=False)
@@ -54,7 +62,8 @@ class Copy:
     objects: dict[str, Sealed | bytearray] = field(default_factory=dict)  # sealed once complete (``sealed``)
     expected: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica: key -> (size, crc32c)
     filled: dict[str, int] = field(default_factory=dict)  # replica: bytes received per key
-    bytes: int = 0
+    bytes: int = 0  # the objects' bytes (what users see)
+    charged: int = 0  # what they take from the staging budget (``charge``)
     complete: bool = False
     degraded: bool = False  # a hot copy that did not fit: none kept of this step on this node
     dropped: bool = False
@@ -205,7 +214,7 @@ class Replication:
             if parts[1] == mf.COMMIT:
                 raise ValueError("a replica holds no commit record")
             expected[key] = (size, crc)
-        total = sum(s for s, _ in expected.values())
+        total = sum(charge(s, len(k)) for k, (s, _) in expected.items())
         self._expire_incoming()
         what = (kind, root, step)
         if not self.staging.reserve(total):
@@ -218,7 +227,8 @@ class Replication:
             )
             return ""
         rid = uuid.uuid4().hex
-        c = Copy(root, step, attempt, source, ranks[0], expected=expected, bytes=total, kind=kind)
+        c = Copy(root, step, attempt, source, ranks[0], expected=expected, kind=kind, charged=total)
+        c.bytes = sum(s for s, _ in expected.values())
         try:
             c.objects = {k: new_buffer(s) for k, (s, _) in expected.items()}
         except OSError as e:

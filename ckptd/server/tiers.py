@@ -47,7 +47,16 @@ from ckptd import manifest as mf
 from ckptd.commit import held_whole
 from ckptd.errors import CheckpointError
 from ckptd.server import capacity
-from ckptd.server.replication import HOT, MAX_OBJECTS, MEMORY_ONLY, PIECE_BYTES, Copy, Replication, replica_targets
+from ckptd.server.replication import (
+    HOT,
+    MAX_OBJECTS,
+    MEMORY_ONLY,
+    PIECE_BYTES,
+    Copy,
+    Replication,
+    charge,
+    replica_targets,
+)
 from ckptd.server.sealed import Sealed, new_buffer, seal
 from ckptd.server.staging import Staging
 from storage_backends.base import (
@@ -338,14 +347,15 @@ class Tiers(Replication):
     def _put(self, c: Copy, key: str, data) -> str | None:
         """Copy ``data`` into sealed memory as ``key`` of ``c``; None, or why it was not kept."""
         n = data_size(data)
+        cost = charge(n, len(key))
         with self._lock:
             if c.dropped and c.kind == MEMORY_ONLY:
                 return "it was dropped (a save needed its room, or a newer hand-off came)"
             if c.degraded or c.dropped:  # a hot copy not kept: its puts go nowhere
                 return None
         self._forget(c, key)  # a retried put
-        if not self.staging.reserve(n):
-            return f"{n} more bytes do not fit the staging budget"
+        if not self.staging.reserve(cost):
+            return f"{cost} more bytes do not fit the staging budget"
         try:
             buf = new_buffer(n)
             pos = 0
@@ -354,14 +364,14 @@ class Tiers(Replication):
                 pos += v.nbytes
             buf = seal(buf)
         except OSError as e:  # no descriptor or memory left
-            self.staging.unreserve(n)
+            self.staging.unreserve(cost)
             return f"cannot hold {key} in memory ({e.strerror or e})"
         with self._lock:
             if not c.dropped and not c.degraded:
                 c.objects[key] = buf
-                c.bytes += n
+                c.bytes, c.charged = c.bytes + n, c.charged + cost
                 return None
-        self.staging.unreserve(n)
+        self.staging.unreserve(cost)
         return None
 
     def _forget(self, c: Copy, key: str) -> None:
@@ -369,9 +379,10 @@ class Tiers(Replication):
         with self._lock:
             old = c.objects.pop(key, None)
             if old is not None:
-                c.bytes -= len(old)
+                cost = charge(len(old), len(key))
+                c.bytes, c.charged = c.bytes - len(old), c.charged - cost
         if old is not None:
-            self.staging.unreserve(len(old))
+            self.staging.unreserve(cost)
 
     def _degrade(self, c: Copy, why: str) -> None:
         """A hot copy did not fit: none is kept of its (root, step, attempt) on this node."""
@@ -381,7 +392,7 @@ class Tiers(Replication):
             freed = 0
             for x in group:
                 x.degraded = True
-                freed, x.bytes = freed + x.bytes, 0
+                freed, x.bytes, x.charged = freed + x.charged, 0, 0
                 x.objects.clear()
             if first:
                 self.counters["degraded"] += 1
@@ -503,7 +514,9 @@ class Tiers(Replication):
         """Hold ``nbytes`` for rank's part of a memory-only step before its hand-off; False (and
         counted, logged) when it does not fit the staging budget, or its ``objects`` do not fit
         what the daemon's descriptors and mappings let the tier hold (``server.capacity``): the
-        job then persists the step instead, rather than failing the save at hold time."""
+        job then persists the step instead, rather than failing the save at hold time. Each object
+        is charged its minimum too (``charge``): zero-byte objects are not free."""
+        nbytes += charge(0, 0, objects)  # at least what its puts take, keys aside
         now, mine = time.monotonic(), (root, step, attempt, rank)
         with self._lock:  # this part's earlier reservation, and those whose hand-off never came, go
             old = [k for k, (_, t, _) in self._reserved.items() if k == mine or now - t > RESERVE_TTL_S]
@@ -651,10 +664,10 @@ class Tiers(Replication):
 
 
 def _drop(c: Copy) -> int:
-    """Mark ``c`` dropped and empty it; returns the bytes it held (the caller gives them back)."""
+    """Mark ``c`` dropped and empty it; returns the budget it held (the caller gives it back)."""
     c.dropped = True
     c.objects.clear()
-    n, c.bytes = c.bytes, 0
+    n, c.bytes, c.charged = c.charged, 0, 0
     return n
 
 
