@@ -106,17 +106,14 @@ class Tenant:
         self._err.close()
 
 
-@pytest.fixture
-def node(tenants, request):
-    """A node: the daemon (root) serving ``jobs/``; alice's and bob's job roots (theirs, 0755),
-    their working folders, the token (0640, the staging group's)."""
-    isolate = getattr(request, "param", "isolated") == "isolated"
-    base = Path("/dev/shm") / f"ckptd-ten-{uuid.uuid4().hex[:8]}"
+def tenant_tree(tag: str, tenants) -> tuple[Path, Path, Path, dict[str, Path], dict[str, Path]]:
+    """A node's folders in /dev/shm: (base, the token (0640, the staging group's), ``jobs/`` (the
+    daemon's), each tenant's job root under it and working folder (theirs, 0755))."""
+    base = Path("/dev/shm") / f"ckptd-{tag}-{uuid.uuid4().hex[:8]}"
     base.mkdir(mode=0o755)
-    gid = grp.getgrnam(GROUP).gr_gid
     token = base / "token"
     token.write_text(TOKEN + "\n")
-    os.chown(token, 0, gid)
+    os.chown(token, 0, grp.getgrnam(GROUP).gr_gid)
     os.chmod(token, 0o640)
     jobs = base / "jobs"
     jobs.mkdir(mode=0o755)
@@ -126,6 +123,15 @@ def node(tenants, request):
             d.mkdir(mode=0o755)
             os.chown(d, pw.pw_uid, pw.pw_gid)
             where[name] = d
+    return base, token, jobs, roots, works
+
+
+@pytest.fixture
+def node(tenants, request):
+    """A node: the daemon (root) serving ``jobs/``; alice's and bob's job roots (theirs, 0755),
+    their working folders, the token (0640, the staging group's)."""
+    isolate = getattr(request, "param", "isolated") == "isolated"
+    base, token, jobs, roots, works = tenant_tree("ten", tenants)
     daemon = Daemon(
         [str(jobs)],
         base / "staging",

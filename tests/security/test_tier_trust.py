@@ -16,17 +16,14 @@ which A replicates to its peer B.
 
 from __future__ import annotations
 
-import grp
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.distributed import launch
-from tests.security.test_tenancy import ALICE, BOB, GROUP, TOKEN, Tenant, _expected, _operator
+from tests.security.test_tenancy import ALICE, BOB, GROUP, Tenant, _expected, _operator, tenant_tree
 from tests.security.test_tenancy import tenants as tenants  # the fixture
 from tests.server.daemon import node, wait_for
 
@@ -39,20 +36,8 @@ PERSIST_EVERY = 10
 def ring(tenants):
     """Daemons A and B (root) serving ``jobs/``, one ring; alice's and bob's roots (theirs);
     alice has saved step 10 (persisted) and memory-only step 11 through A, replicated to B."""
-    base = Path("/dev/shm") / f"ckptd-t36-{uuid.uuid4().hex[:8]}"
-    base.mkdir(mode=0o755)
-    token = base / "token"  # ``node`` reads the token here
-    token.write_text(TOKEN + "\n")
-    os.chown(token, 0, grp.getgrnam(GROUP).gr_gid)
-    os.chmod(token, 0o640)
-    jobs = base / "jobs"
-    jobs.mkdir(mode=0o755)
-    roots, works = {}, {}
-    for name, pw in tenants.items():
-        for d, where in ((jobs / name, roots), (base / f"work-{name}", works)):
-            d.mkdir(mode=0o755)
-            os.chown(d, pw.pw_uid, pw.pw_gid)
-            where[name] = str(d)
+    base, token, jobs, paths, works = tenant_tree("t36", tenants)  # ``node`` reads the token at base
+    roots = {name: str(d) for name, d in paths.items()}
     ports = [launch.free_port(), launch.free_port()]
     peers = [f"http://127.0.0.1:{p}" for p in ports]
     daemons = []
