@@ -190,10 +190,13 @@ class TierSource(_RangeReads, Store):
         with self._lock:
             t = self._tiers.get(url)
             if t is None:
-                own = url == self.tiers.daemon_url
+                # the own daemon, by the address this rank dialled (its socket: the kernel names
+                # the rank, whose root a daemon may refuse to a TCP caller) or by its --advertise URL
+                own = url in (self.tiers.daemon_url, self.tiers.advertised)
                 name = f"{'daemon' if own else 'peer'} {url}"
+                dial = self.tiers.daemon_url if own else url
                 ts = TierStore(
-                    url, name, self.tiers.root_uri, self.step, self.attempt, self.tiers._token, self.tiers.timeout_s
+                    dial, name, self.tiers.root_uri, self.step, self.attempt, self.tiers._token, self.tiers.timeout_s
                 )
                 ts.use_data(self._data.get(url), unix=own)
                 t = self._tiers[url] = _Tier(ts, "local" if own else "peer", mf.step_dir(self.step))
@@ -332,6 +335,7 @@ class TieredRestore:
         self.last: dict[str, int] = {}
         self._token = daemon_token()
         self.silent: set[str] = set()  # daemons that did not answer in this restore (``_ask_all``)
+        self.advertised: str | None = None  # the own daemon's --advertise URL (``walk``)
 
     def begin(self) -> None:
         """A restore starts: every daemon is asked again (one silent before may be back)."""
@@ -373,6 +377,7 @@ class TieredRestore:
             asked.append(url)
             own = url == self.daemon_url and isinstance(body.get("advertise"), str)
             name = body["advertise"].rstrip("/") if own else url  # reachable from other nodes
+            self.advertised = name if own else self.advertised
             if isinstance(body.get("data"), dict):
                 data[name] = body["data"]
             for gid, keys in found:

@@ -546,6 +546,7 @@ def create_app(settings: Settings) -> FastAPI:
         settings.tiers,
     )
     runner.tiers = tiers
+    tiers.bound_uid, tenancy.carried = tenancy.bound_uid, tiers.carried  # bindings travel with replicas
     tiers.peer_key = peer_key.encode() if peer_key else None
     if (settings.peers or settings.discover) and settings.tiers and peer_key is None:
         log.warning(

@@ -56,6 +56,7 @@ class ReplicaRequest(_Held):  # its source is the signed sender (``peer_sender``
     kind: Literal["hot", "memory_only"] = "hot"  # a hot copy, or one rank's part of a memory-only step
     ranks: list[Rank] = Field(default_factory=list, max_length=1 << 20)
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
+    uid: int | None = Field(None, ge=0, lt=2**32)  # the uid the sender binds its root to (``Tenancy.carried``)
 
 
 class ReserveRequest(_Held):
@@ -218,9 +219,12 @@ class _Parts(Response):
 @router.post("/v1/tiers/replicas", summary="a peer starts pushing its hot copy; 429 when it does not fit")
 def begin_replica(body: ReplicaRequest, request: Request, source: str = Depends(peer_sender)):
     root = _root(request, body.root)
+    if body.uid is not None:  # read here as bound to it, unless this daemon binds it otherwise (403)
+        request.app.state.daemon.tenancy.check_carried(root, body.uid, source)
     try:
+        objects = [o.model_dump() for o in body.objects]
         rid = request.app.state.tiers.begin_replica(
-            root, body.step, body.attempt, source, body.ranks, [o.model_dump() for o in body.objects], body.kind
+            root, body.step, body.attempt, source, body.ranks, objects, body.kind, body.uid
         )
     except ValueError as e:
         return JSONResponse({"detail": str(e)}, status_code=400)

@@ -14,6 +14,11 @@ The bindings file, in the daemon's own staging folder, is written through a fres
 O_NOFOLLOW`` file renamed into place and read with ``O_NOFOLLOW``, a size cap and an owner check;
 an unreadable one stops the daemon at start (failing closed: a daemon that forgot its bindings
 would hand roots to the next caller).
+
+A replica carries its root's binding from the daemon that pushed it (signed with the peer key:
+``server.peers.peer_sender``); while this daemon holds it (``carried``), that root is bound here
+to that uid as well, in memory only; a replica whose binding conflicts with this daemon's own is
+refused (``check_carried``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,6 +236,8 @@ class Tenancy:
         self._load()
         named = map(parse_bind, binds or [])
         self._operator_binds = {normalize(r): {"uid": uid, "root": r, "by": "--bind"} for r, uid in named}
+        # (root, uid, source) of the replicas held (``Tiers.carried``): their origins' bindings
+        self.carried: Callable[[], Iterable[tuple[str, int, str]]] = lambda: ()
 
     def caller(self, scope: dict) -> Caller:
         peer = (scope.get("state") or {}).get(PEER_KEY)
@@ -251,7 +259,29 @@ class Tenancy:
         return caller.operator or (caller.peer is not None and caller.peer.uid == uid)
 
     def _bindings(self) -> dict:
-        return {**self._bound, **self._operator_binds}
+        carried = {
+            normalize(r): {"uid": u, "root": r, "by": f"a replica from {s}", "carried": 1} for r, u, s in self.carried()
+        }
+        return {**carried, **self._bound, **self._operator_binds}
+
+    def bound_uid(self, root: str) -> int | None:
+        """The uid ``root`` is bound to here (what a replica of it carries to a peer), or None."""
+        with self._lock:
+            held = self._holder(normalize(root))
+        return held[1]["uid"] if held is not None else None
+
+    def check_carried(self, root: str, uid: int, source: str) -> None:
+        """A replica of ``root`` from ``source`` carries its binding to ``uid``: Forbidden (logged)
+        when this daemon binds that root, or one around or inside it, to another uid."""
+        key = normalize(root)
+        with self._lock:
+            b = self._bindings()
+        clash = [(k, v) for k, v in b.items() if (inside(key, k) or inside(k, key)) and v["uid"] != uid]
+        if clash:
+            k, b = clash[0]
+            why = f"{source} binds job root {root} to uid {uid}, this daemon {b['root']} to {self._who((k, b))}"
+            log.warning("memory tier: replica refused: %s", why)
+            raise Forbidden(f"replica refused: {why}")
 
     def _holder(self, key) -> tuple[tuple, dict] | None:
         """The innermost binding that ``key`` lies inside (or is), if any."""
@@ -289,7 +319,8 @@ class Tenancy:
             if held is not None:
                 if held[1]["uid"] != caller.uid:
                     raise Forbidden(f"job root {root} belongs to {self._who(held)}: {caller} may not write it")
-                return
+                if not (bind and held[1].get("carried")):  # its first write here binds a carried one
+                    return
             for k, b in self._bindings().items():
                 if inside(k, key) and b["uid"] != caller.uid:
                     raise Forbidden(f"job root {root} holds {self._who((k, b))}: {caller} may not write it")
@@ -339,7 +370,7 @@ class Tenancy:
 
     def _who(self, held: tuple[tuple, dict]) -> str:
         b = held[1]
-        how = " (--bind)" if b.get("by") == "--bind" else ""
+        how = f" ({b['by']})" if b.get("by") else ""
         return f"uid {b['uid']} ({_user_name(b['uid'])}){how}"
 
     def _load(self) -> None:
