@@ -39,6 +39,7 @@ log = logging.getLogger("ckptd.daemon_conn")
 
 MAX_REPLY = 64 << 20  # a reply read whole (JSON, a listing) may be at most this long
 _WAIT_LOG_EVERY_S = 30.0
+VOUCH_HEADER = "X-Ckptd-Vouch"  # "<uid> <expiry> <HMAC>": a reader vouched for by its own daemon
 PEER_HEADER = "X-Ckptd-Peer"  # "<sender URL> <unix time> <nonce> <HMAC-SHA256>" (``peer_auth``)
 _HINT = "start `ckptd serve`, or name its address in CKPTD_DAEMON (its socket: --socket / CKPTD_SOCKET)"
 
@@ -128,6 +129,7 @@ class DaemonConnection:
         self.url, self.token, self.who = url.rstrip("/"), token, who
         self.reconnect = True  # False: a kept connection that breaks is an error, not replaced
         self.peer: tuple[bytes, str] | None = None  # (peer key, this daemon's URL): sign each request
+        self.vouch: str | None = None  # a ticket naming the caller to a peer daemon (``Tenancy.vouch``)
         self.host: str | None = None  # the TCP host (None over a Unix socket)
         self._base = ""
         if url.startswith(("unix://", "http+unix://")):
@@ -162,6 +164,8 @@ class DaemonConnection:
             hdrs["Content-Type"] = "application/octet-stream"
         if self.token:
             hdrs["Authorization"] = f"Bearer {self.token}"
+        if self.vouch:
+            hdrs[VOUCH_HEADER] = self.vouch
         while True:
             if self.peer:  # signed afresh for each try: a resent request is not a replay
                 hdrs[PEER_HEADER] = peer_auth(*self.peer, method, self._base + path, body)

@@ -199,6 +199,7 @@ class TierSource(_RangeReads, Store):
                     dial, name, self.tiers.root_uri, self.step, self.attempt, self.tiers._token, self.tiers.timeout_s
                 )
                 ts.use_data(self._data.get(url), unix=own)
+                ts.vouch = ts._http.vouch = None if own else self.tiers.vouch
                 t = self._tiers[url] = _Tier(ts, "local" if own else "peer", mf.step_dir(self.step))
                 t.dead = url in self.tiers.silent
             return t
@@ -336,10 +337,19 @@ class TieredRestore:
         self._token = daemon_token()
         self.silent: set[str] = set()  # daemons that did not answer in this restore (``_ask_all``)
         self.advertised: str | None = None  # the own daemon's --advertise URL (``walk``)
+        self.vouch: str | None = None  # the own daemon's ticket naming this rank to its peers (``begin``)
 
     def begin(self) -> None:
         """A restore starts: every daemon is asked again (one silent before may be back)."""
         self.silent.clear()
+        self.vouch = None
+        if self.daemon_url.startswith("unix://"):  # peers read a bound root to whom it names only
+            try:
+                self.vouch = ask_json(self.daemon_url, self._token, self.timeout_s, "GET", "/v1/tiers/vouch")["vouch"]
+            except (ValueError, KeyError, CheckpointError) as e:
+                log.debug(
+                    "restore: no ticket from %s (%s): its peers read this rank as a TCP caller", self.daemon_url, e
+                )
 
     def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers this
@@ -401,7 +411,7 @@ class TieredRestore:
 
         def ask(url: str) -> None:
             try:
-                got[url] = ask_json(url, self._token, timeout_s, method, path, body)
+                got[url] = ask_json(url, self._token, timeout_s, method, path, body, vouch=self.vouch)
             except (ValueError, CheckpointError) as e:
                 got[url] = e
 

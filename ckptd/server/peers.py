@@ -151,6 +151,12 @@ def describe(
     return request.app.state.tiers.describe(_readable_root(request, root), step, attempt, keys)
 
 
+@router.get("/v1/tiers/vouch", summary="a ticket naming the caller (Unix socket) to this ring's daemons")
+def vouch(request: Request):
+    tenancy = request.app.state.daemon.tenancy
+    return {"vouch": tenancy.vouch(tenancy.caller(request.scope))}
+
+
 @router.post("/v1/tiers/reserve", summary="hold room for a rank's part of a memory-only step before its hand-off")
 def reserve(body: ReserveRequest, request: Request):
     root = _root(request, body.root)

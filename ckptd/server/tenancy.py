@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hmac
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.daemon_conn import unix_address
+from ckptd.daemon_conn import VOUCH_HEADER, unix_address
 from ckptd.server.roots import RootError, innermost, inside, normalize
 from ckptd.server.safefiles import StagingError, check_ancestors, open_private_dir, read_staged, write_json_atomic
 
@@ -64,6 +65,7 @@ PEER_KEY = "ckptd_peer"
 SOCKET_NAME = "ckptd.sock"
 BINDINGS_FILE = "bindings.json"
 MAX_BINDINGS_BYTES = 4 << 20
+VOUCH_S = 900  # how long a reader's ticket (``Tenancy.vouch``) is good for
 _CAP_CHOWN, _CAP_DAC_OVERRIDE = 0, 1
 
 
@@ -84,14 +86,15 @@ class Peer:
 class Caller:
     peer: Peer | None  # None: a TCP connection, which names nobody
     operator: bool
+    vouched: bool = False  # a TCP reader named by its own daemon's ticket (``Tenancy.vouched``): reads only
 
     @property
     def uid(self) -> int | None:
         return self.peer.uid if self.peer is not None else None
 
     def __str__(self) -> str:
-        if self.peer is None:
-            return "a TCP caller"
+        if self.peer is None or self.vouched:
+            return "a TCP caller" + (f" vouched for as uid {self.peer.uid}" if self.peer else "")
         return f"uid {self.peer.uid} ({_user_name(self.peer.uid)}, pid {self.peer.pid})"
 
 
@@ -238,16 +241,39 @@ class Tenancy:
         self._operator_binds = {normalize(r): {"uid": uid, "root": r, "by": "--bind"} for r, uid in named}
         # (root, uid, source) of the replicas held (``Tiers.carried``): their origins' bindings
         self.carried: Callable[[], Iterable[tuple[str, int, str]]] = lambda: ()
+        self.peer_key: bytes | None = None  # signs the tickets of ``vouch``
+
+    def vouch(self, caller: Caller) -> str:
+        """A ticket, signed with the peer key, that names a caller of this daemon's Unix socket to
+        the ring's daemons for ``VOUCH_S``: a rank reads its replicas on other nodes as itself."""
+        if caller.peer is None or caller.vouched or self.peer_key is None:
+            raise Forbidden("a ticket needs the daemon's Unix socket and its peer key (--peer-key-file)")
+        text = f"{caller.peer.uid} {int(time.time()) + VOUCH_S}"
+        return f"{text} {hmac.new(self.peer_key, f'ckptd-vouch {text}'.encode(), 'sha256').hexdigest()}"
+
+    def vouched(self, ticket: str) -> Caller:
+        """The reader a peer's ticket (``vouch``) names, never an operator; else a TCP caller."""
+        uid, until, mac = ([*ticket.split(" "), "", ""])[:3]
+        want = hmac.new(self.peer_key or b"", f"ckptd-vouch {uid} {until}".encode(), "sha256").hexdigest()
+        ok = self.peer_key and hmac.compare_digest(mac.encode(), want.encode()) and uid.isdigit()
+        if not ok or not until.isdigit() or not time.time() <= int(until) <= time.time() + VOUCH_S + 60:
+            return Caller(None, self.trust_tcp)
+        return Caller(Peer(0, int(uid), int(uid)), False, vouched=True)
 
     def caller(self, scope: dict) -> Caller:
         peer = (scope.get("state") or {}).get(PEER_KEY)
         if peer is None:
-            return Caller(None, self.trust_tcp)
+            ticket = dict(scope.get("headers") or ()).get(VOUCH_HEADER.lower().encode())
+            return (
+                self.vouched(ticket.decode("latin-1"))
+                if ticket and not self.trust_tcp
+                else Caller(None, self.trust_tcp)
+            )
         return Caller(peer, peer.uid in (0, self._me))
 
     def identified(self, caller: Caller, what: str) -> None:
         """Leases and hand-offs: the caller must be named by the kernel, or TCP trusted."""
-        if caller.peer is None and not caller.operator:
+        if (caller.peer is None or caller.vouched) and not caller.operator:
             raise Forbidden(
                 f"{what} needs the daemon's Unix socket (unix://.../{SOCKET_NAME}), where the kernel names the "
                 "caller: this daemon does not trust TCP callers with that (--trust-tcp)"
@@ -256,7 +282,7 @@ class Tenancy:
     def owns(self, caller: Caller, uid: int | None) -> bool:
         """Whether ``caller`` may act on a lease or job of ``uid`` (None: made by a trusted TCP
         caller, which only operators may touch)."""
-        return caller.operator or (caller.peer is not None and caller.peer.uid == uid)
+        return caller.operator or (caller.peer is not None and not caller.vouched and caller.peer.uid == uid)
 
     def _bindings(self) -> dict:
         carried = {

@@ -15,7 +15,8 @@ Commands on stdin, one JSON object per line; one JSON reply per line on stdout:
 * ``{"op": "lease"}``: the staging lease the open Checkpointer holds (id and folder);
 * ``{"op": "restore", "root": R}``: an in-process restore of R's latest step (through the daemon
   ``daemon`` when the command names one): the step and a digest of the restored tensor;
-* ``{"op": "http", "daemon": URL, "method": M, "path": P, "body": B}``: one request;
+* ``{"op": "http", "daemon": URL, "method": M, "path": P, "body": B}``: one request (with the
+  ticket ``vouch`` when the command names one: ``X-Ckptd-Vouch``);
 * ``{"op": "data", "socket": PATH | "port": N, "request": H}``: one request ``H`` (the token
   added) on the tier data path (``ckptd.server.tierdata``): its reply header, and the sha256 of
   the bytes that follow it;
@@ -112,6 +113,7 @@ def main() -> None:
                 out = restore(cmd["root"], cmd.get("daemon"))
             elif op == "http":
                 client = DaemonConnection(cmd["daemon"], daemon_token())
+                client.vouch = cmd.get("vouch")
                 try:
                     status, body, _ = client.call(cmd["method"], cmd["path"], cmd.get("body"))
                 finally:

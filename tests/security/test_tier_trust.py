@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pwd
 import shutil
 from pathlib import Path
 
@@ -70,6 +71,10 @@ def ring(tenants):
         for d in daemons:
             d.kill()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def tenants_uid(name: str) -> int:
+    return pwd.getpwnam(name).pw_uid
 
 
 def _parts(d, root: str) -> list[dict]:
@@ -140,6 +145,24 @@ def test_a_replica_carries_its_roots_binding_to_the_peer(ring):
     for where in ({"socket": data["socket"]}, {"port": data["port"]}):
         r = bob(op="data", request=read, **where)
         assert r["ok"] is False and r["status"] == 403, (where, r)
+    # a rank of another node reads over TCP as the ticket its own daemon signed names it
+    # (``GET /v1/tiers/vouch`` on that daemon's socket): bob's names bob, and his altered one nobody
+    tickets = {}
+    for who, t in ((BOB, bob), (ALICE, alice)):
+        assert t(op="http", daemon=b.url, method="GET", path="/v1/tiers/vouch")["status"] == 403
+        tickets[who] = t(op="http", daemon=a.socket_url, method="GET", path="/v1/tiers/vouch")["body"]["vouch"]
+    rest = tickets[BOB].partition(" ")[2]
+    forged = f"{tenants_uid(ALICE)} {rest}"
+    for ticket in (tickets[BOB], forged):
+        r = bob(op="http", daemon=b.url, method="POST", path="/v1/tiers/read", body=body, vouch=ticket)
+        assert r["status"] == 403, r
+        r = bob(op="data", request=read | {"vouch": ticket}, port=data["port"])
+        assert r["ok"] is False and r["status"] == 403, r
+    r = alice(op="data", request=read | {"vouch": tickets[ALICE]}, port=data["port"])
+    assert r["ok"] and r["sha256"] == hashlib.sha256(want.content).hexdigest(), r
+    fence = {"job_root": root, "restored_step": PERSIST_EVERY}  # a ticket reads, never writes
+    r = alice(op="http", daemon=b.url, method="POST", path="/v1/tiers/restored", body=fence, vouch=tickets[ALICE])
+    assert r["status"] == 403, r
     # alice, on B's socket, reads and lists her replica
     r = alice(op="data", request=read, socket=data["socket"])
     assert r["ok"] and r["sha256"] == hashlib.sha256(want.content).hexdigest(), r
