@@ -164,10 +164,10 @@ def whole_step(where: str, step: int, attempt: str, world_size: int, m, sha: str
                     raise CheckpointError(
                         f"{where}: done record {key} does not add up to its name for this attempt{why}"
                     )
-                mine = set(rec.get("shards", ()))
-                if len(mine) != len(rec.get("shards", ())):
+                shards = rec.get("shards", ())
+                if len(set(shards)) != len(shards):
                     raise CheckpointError(f"{where}: done record {key} names a shard key more than once")
-                named.update(mine)
+                named.update(shards)
             except (TypeError, AttributeError, ValueError) as e:
                 raise CheckpointError(f"{where}: done record {key} is malformed ({e!r})") from None
         need = expected_shards(m)
