@@ -3,7 +3,7 @@
 Invariant: ``commit.json`` is created once (``put_if_absent``, :func:`commit_step`) and only when
 the step's newest claim, its ``manifest.json`` (same step, attempt and world size) and a done
 record of every rank 0 .. N-1 all name the committing attempt, and the done records name every
-shard the manifest needs, once, and nothing else (:func:`whole_step`); ``ckptd verify``
+shard the manifest needs and nothing else (:func:`whole_step`); ``ckptd verify``
 re-checks the attempts and the count of done records on a committed step
 (:func:`check_consistency`). A committed checkpoint is immutable.
 
@@ -138,13 +138,14 @@ def whole_step(where: str, step: int, attempt: str, world_size: int, m, sha: str
     CheckpointError naming what fails otherwise.
 
     1. the manifest names ``step``, ``attempt`` and ``world_size``;
-    2. the done records name every shard the manifest needs, once, and nothing else:
-       ``total.digest`` (keyed by step, attempt, array path and arity) equals the manifest's
-       (:func:`expected_digest`, O(arrays)). If not, the step is refused, and ``records``
-       ((key, record) pairs, one per rank, read lazily) are read only to say why: a record
-       that does not add up to its key's totals for this step and attempt (copied from another
-       attempt, or written by a ckptd whose digest differs), a shard no record names, or one
-       named twice or not needed.
+    2. the done records name every shard the manifest needs and nothing else: ``total.digest``
+       (keyed by step, attempt, array path and arity) equals the manifest's when each shard is
+       named once (:func:`expected_digest`, O(arrays)). If not, ``records`` ((key, record)
+       pairs, one per rank, read lazily) are read: the step is refused if a record does not add
+       up to its key's totals for this step and attempt (copied from another attempt, or written
+       by a ckptd whose digest differs) or names a key twice, or a shard is named by no record
+       or is not the manifest's. Several ranks may name one shard: ranks that hold the same
+       slice (a 2-D mesh's replicas) each write it, the same bytes.
 
     The record keeps the pin digest (what every rank wrote, object by object) and the
     manifest's sha256, which readers check."""
@@ -163,20 +164,26 @@ def whole_step(where: str, step: int, attempt: str, world_size: int, m, sha: str
                     raise CheckpointError(
                         f"{where}: done record {key} does not add up to its name for this attempt{why}"
                     )
-                named.update(rec.get("shards", ()))
+                shards = rec.get("shards", ())
+                if len(set(shards)) != len(shards):
+                    raise CheckpointError(f"{where}: done record {key} names a shard key more than once")
+                named.update(shards)
             except (TypeError, AttributeError, ValueError) as e:
                 raise CheckpointError(f"{where}: done record {key} is malformed ({e!r})") from None
         need = expected_shards(m)
         missing = sorted(need - named.keys())
-        odd = sorted(k for k, n in named.items() if n > 1 or k not in need)
+        odd = sorted(named.keys() - need)
         why = (
             f"no rank wrote {len(missing)} shard objects the manifest needs, e.g. {missing[0]}"
             if missing
-            else f"the done records name {len(odd)} shard keys twice or not in the manifest, e.g. {odd[0]}"
+            else f"the done records name {len(odd)} shard keys not in the manifest, e.g. {odd[0]}"
             if odd
+            else None
+            if any(n > 1 for n in named.values())  # ranks holding the same slice named it each
             else "the done records' shard digest is not the manifest's"
         )
-        raise CheckpointError(f"{where}: not committing attempt {attempt}: {why}")
+        if why is not None:
+            raise CheckpointError(f"{where}: not committing attempt {attempt}: {why}")
     return {
         "step": step,
         "attempt": attempt,

@@ -403,8 +403,8 @@ class TieredRestore:
         ``timeout_s`` (default ``survey_s``); wait ``survey_s`` at most for the set (the own
         daemon, asked with its full timeout: that long). Returns [(url, its answer or the
         error)] in order; a daemon still silent is a DaemonUnreachable, its request left to end
-        on its own thread. One that did not
-        answer (gone or silent) goes in ``silent``: not asked again, nor listed, in this restore."""
+        on its own thread. One that did not answer (gone or silent) goes in ``silent``: not
+        asked again, nor listed, in this restore."""
         timeout_s = self.survey_s if timeout_s is None else timeout_s
         urls = [u for u in urls if u not in self.silent]
         got: dict[str, object] = {}
