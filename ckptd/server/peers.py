@@ -225,13 +225,15 @@ class _Parts(Response):
 @router.post("/v1/tiers/replicas", summary="a peer starts pushing its hot copy; 429 when it does not fit")
 def begin_replica(body: ReplicaRequest, request: Request, source: str = Depends(peer_sender)):
     root = _root(request, body.root)
-    if body.uid is not None:  # read here as bound to it, unless this daemon binds it otherwise (403)
-        request.app.state.daemon.tenancy.check_carried(root, body.uid, source)
-    try:
-        objects = [o.model_dump() for o in body.objects]
-        rid = request.app.state.tiers.begin_replica(
+    objects = [o.model_dump() for o in body.objects]
+
+    def begin() -> str:
+        return request.app.state.tiers.begin_replica(
             root, body.step, body.attempt, source, body.ranks, objects, body.kind, body.uid
         )
+
+    try:  # with a uid: read here as bound to it, unless this daemon binds it otherwise (403)
+        rid = begin() if body.uid is None else request.app.state.daemon.tenancy.carry(root, body.uid, source, begin)
     except ValueError as e:
         return JSONResponse({"detail": str(e)}, status_code=400)
     if not rid:

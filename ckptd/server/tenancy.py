@@ -18,7 +18,7 @@ would hand roots to the next caller).
 A replica carries its root's binding from the daemon that pushed it (signed with the peer key:
 ``server.peers.peer_sender``); while this daemon holds it (``carried``), that root is bound here
 to that uid as well, in memory only; a replica whose binding conflicts with this daemon's own is
-refused (``check_carried``).
+refused (``carry``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from ckptd.daemon_conn import VOUCH_HEADER, unix_address
 from ckptd.server.roots import RootError, innermost, inside, normalize
@@ -67,6 +68,7 @@ BINDINGS_FILE = "bindings.json"
 MAX_BINDINGS_BYTES = 4 << 20
 VOUCH_S = 900  # how long a reader's ticket (``Tenancy.vouch``) is good for
 _CAP_CHOWN, _CAP_DAC_OVERRIDE = 0, 1
+T = TypeVar("T")
 
 
 class Forbidden(Exception):
@@ -296,18 +298,22 @@ class Tenancy:
             held = self._holder(normalize(root))
         return held[1]["uid"] if held is not None else None
 
-    def check_carried(self, root: str, uid: int, source: str) -> None:
+    def carry(self, root: str, uid: int, source: str, begin: Callable[[], T]) -> T:
         """A replica of ``root`` from ``source`` carries its binding to ``uid``: Forbidden (logged)
-        when this daemon binds that root, or one around or inside it, to another uid."""
+        when this daemon binds that root, or one around or inside it, to another uid; else what
+        ``begin`` (which holds the replica, so ``carried`` names it) returns. Checked and begun
+        under the lock of every binding: of two replicas of one root carrying other uids, or a
+        replica and a lease binding it here, the first decides and the other is refused."""
         key = normalize(root)
         with self._lock:
             b = self._bindings()
-        clash = [(k, v) for k, v in b.items() if (inside(key, k) or inside(k, key)) and v["uid"] != uid]
-        if clash:
-            k, b = clash[0]
-            why = f"{source} binds job root {root} to uid {uid}, this daemon {b['root']} to {self._who((k, b))}"
-            log.warning("memory tier: replica refused: %s", why)
-            raise Forbidden(f"replica refused: {why}")
+            clash = [(k, v) for k, v in b.items() if (inside(key, k) or inside(k, key)) and v["uid"] != uid]
+            if not clash:
+                return begin()
+        k, b = clash[0]
+        why = f"{source} binds job root {root} to uid {uid}, this daemon {b['root']} to {self._who((k, b))}"
+        log.warning("memory tier: replica refused: %s", why)
+        raise Forbidden(f"replica refused: {why}")
 
     def _holder(self, key) -> tuple[tuple, dict] | None:
         """The innermost binding that ``key`` lies inside (or is), if any."""
