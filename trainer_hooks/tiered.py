@@ -34,7 +34,7 @@ from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.auth import daemon_token
 from ckptd.codec import CRC_BYTES
-from ckptd.daemon_conn import DaemonUnreachable
+from ckptd.daemon_conn import VOUCH_S, DaemonUnreachable
 from ckptd.errors import CheckpointError
 from ckptd.reader import CheckpointReader, ReadRequest, run_all
 from ckptd.tierwire import ask_json
@@ -199,7 +199,7 @@ class TierSource(_RangeReads, Store):
                     dial, name, self.tiers.root_uri, self.step, self.attempt, self.tiers._token, self.tiers.timeout_s
                 )
                 ts.use_data(self._data.get(url), unix=own)
-                ts.vouch = ts._http.vouch = None if own else self.tiers.vouch
+                ts.vouch = ts._http.vouch = None if own else self.tiers.ticket
                 t = self._tiers[url] = _Tier(ts, "local" if own else "peer", mf.step_dir(self.step))
                 t.dead = url in self.tiers.silent
             return t
@@ -337,19 +337,34 @@ class TieredRestore:
         self._token = daemon_token()
         self.silent: set[str] = set()  # daemons that did not answer in this restore (``_ask_all``)
         self.advertised: str | None = None  # the own daemon's --advertise URL (``walk``)
-        self.vouch: str | None = None  # the own daemon's ticket naming this rank to its peers (``begin``)
+        self._ticket: tuple[str | None, float] = (None, -VOUCH_S)  # (``ticket``, when it was asked)
+        self._ticket_lock = threading.Lock()
 
     def begin(self) -> None:
         """A restore starts: every daemon is asked again (one silent before may be back)."""
         self.silent.clear()
-        self.vouch = None
-        if self.daemon_url.startswith("unix://"):  # peers read a bound root to whom it names only
+        self._ticket = (None, -VOUCH_S)
+
+    def ticket(self) -> str | None:
+        """This rank's ticket for this root from its own daemon (``GET /v1/tiers/vouch`` on its
+        socket), asked again once half its life is gone: peers read a bound root to whom it
+        names only. None without one (peers read this rank as a TCP caller)."""
+        if not self.daemon_url.startswith("unix://"):
+            return None
+        with self._ticket_lock:
+            text, asked = self._ticket
+            if time.monotonic() - asked < VOUCH_S / 2:
+                return text
+            path = f"/v1/tiers/vouch?{urlencode({'root': self.root_uri})}"
             try:
-                self.vouch = ask_json(self.daemon_url, self._token, self.timeout_s, "GET", "/v1/tiers/vouch")["vouch"]
+                text = ask_json(self.daemon_url, self._token, self.timeout_s, "GET", path)["vouch"]
             except (ValueError, KeyError, CheckpointError) as e:
+                text = None
                 log.debug(
                     "restore: no ticket from %s (%s): its peers read this rank as a TCP caller", self.daemon_url, e
                 )
+            self._ticket = (text, time.monotonic())
+            return text
 
     def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers this
@@ -408,10 +423,11 @@ class TieredRestore:
         timeout_s = self.survey_s if timeout_s is None else timeout_s
         urls = [u for u in urls if u not in self.silent]
         got: dict[str, object] = {}
+        vouch = self.ticket()  # asked before the set: its own daemon's answer is not raced by the survey
 
         def ask(url: str) -> None:
             try:
-                got[url] = ask_json(url, self._token, timeout_s, method, path, body, vouch=self.vouch)
+                got[url] = ask_json(url, self._token, timeout_s, method, path, body, vouch=vouch)
             except (ValueError, CheckpointError) as e:
                 got[url] = e
 

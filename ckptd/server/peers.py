@@ -151,10 +151,10 @@ def describe(
     return request.app.state.tiers.describe(_readable_root(request, root), step, attempt, keys)
 
 
-@router.get("/v1/tiers/vouch", summary="a ticket naming the caller (Unix socket) to this ring's daemons")
-def vouch(request: Request):
+@router.get("/v1/tiers/vouch", summary="a ticket naming the caller (Unix socket) to the ring as a reader of one root")
+def vouch(request: Request, root: str = _ROOT):
     tenancy = request.app.state.daemon.tenancy
-    return {"vouch": tenancy.vouch(tenancy.caller(request.scope))}
+    return {"vouch": tenancy.vouch(tenancy.caller(request.scope), _root(request, root))}
 
 
 @router.post("/v1/tiers/reserve", summary="hold room for a rank's part of a memory-only step before its hand-off")

@@ -39,8 +39,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import quote, unquote
 
-from ckptd.daemon_conn import VOUCH_HEADER, unix_address
+from ckptd.daemon_conn import VOUCH_HEADER, VOUCH_S, unix_address
 from ckptd.server.roots import RootError, innermost, inside, normalize
 from ckptd.server.safefiles import StagingError, check_ancestors, open_private_dir, read_staged, write_json_atomic
 
@@ -66,7 +67,6 @@ PEER_KEY = "ckptd_peer"
 SOCKET_NAME = "ckptd.sock"
 BINDINGS_FILE = "bindings.json"
 MAX_BINDINGS_BYTES = 4 << 20
-VOUCH_S = 900  # how long a reader's ticket (``Tenancy.vouch``) is good for
 _CAP_CHOWN, _CAP_DAC_OVERRIDE = 0, 1
 T = TypeVar("T")
 
@@ -88,7 +88,8 @@ class Peer:
 class Caller:
     peer: Peer | None  # None: a TCP connection, which names nobody
     operator: bool
-    vouched: bool = False  # a TCP reader named by its own daemon's ticket (``Tenancy.vouched``): reads only
+    # a TCP reader named by its own daemon's ticket (``Tenancy.vouched``): the one root it reads
+    vouched: tuple | None = None
 
     @property
     def uid(self) -> int | None:
@@ -245,22 +246,29 @@ class Tenancy:
         self.carried: Callable[[], Iterable[tuple[str, int, str]]] = lambda: ()
         self.peer_key: bytes | None = None  # signs the tickets of ``vouch``
 
-    def vouch(self, caller: Caller) -> str:
+    def vouch(self, caller: Caller, root: str) -> str:
         """A ticket, signed with the peer key, that names a caller of this daemon's Unix socket to
-        the ring's daemons for ``VOUCH_S``: a rank reads its replicas on other nodes as itself."""
+        the ring's daemons as a reader of ``root`` (one it may read here) for ``VOUCH_S``: a rank
+        reads its replicas on other nodes as itself."""
         if caller.peer is None or caller.vouched or self.peer_key is None:
             raise Forbidden("a ticket needs the daemon's Unix socket and its peer key (--peer-key-file)")
-        text = f"{caller.peer.uid} {int(time.time()) + VOUCH_S}"
+        self.check_read(caller, root)
+        text = f"{caller.peer.uid} {int(time.time()) + VOUCH_S} {quote(root, safe='')}"
         return f"{text} {hmac.new(self.peer_key, f'ckptd-vouch {text}'.encode(), 'sha256').hexdigest()}"
 
     def vouched(self, ticket: str) -> Caller:
-        """The reader a peer's ticket (``vouch``) names, never an operator; else a TCP caller."""
-        uid, until, mac = ([*ticket.split(" "), "", ""])[:3]
-        want = hmac.new(self.peer_key or b"", f"ckptd-vouch {uid} {until}".encode(), "sha256").hexdigest()
+        """The reader of one root a peer's ticket (``vouch``) names, never an operator; else a
+        TCP caller."""
+        uid, until, root, mac = ([*ticket.split(" "), "", "", ""])[:4]
+        want = hmac.new(self.peer_key or b"", f"ckptd-vouch {uid} {until} {root}".encode(), "sha256").hexdigest()
         ok = self.peer_key and hmac.compare_digest(mac.encode(), want.encode()) and uid.isdigit()
         if not ok or not until.isdigit() or not time.time() <= int(until) <= time.time() + VOUCH_S + 60:
             return Caller(None, self.trust_tcp)
-        return Caller(Peer(0, int(uid), int(uid)), False, vouched=True)
+        try:
+            key = normalize(unquote(root))
+        except RootError:
+            return Caller(None, self.trust_tcp)
+        return Caller(Peer(0, int(uid), int(uid)), False, vouched=key)
 
     def caller(self, scope: dict) -> Caller:
         peer = (scope.get("state") or {}).get(PEER_KEY)
@@ -323,8 +331,11 @@ class Tenancy:
         """Listings and verifies of ``root``: refused (403) inside another identity's root."""
         if caller.operator:
             return
+        key = normalize(root)
+        if caller.vouched and caller.vouched != key:
+            raise Forbidden(f"{caller} holds a ticket for another root: it may not read {root}")
         with self._lock:
-            held = self._holder(normalize(root))
+            held = self._holder(key)
         if held is not None and held[1]["uid"] != caller.uid:
             raise Forbidden(f"job root {root} belongs to {self._who(held)}: {caller} may not read it")
 

@@ -149,11 +149,18 @@ def test_a_replica_carries_its_roots_binding_to_the_peer(ring):
     # (``GET /v1/tiers/vouch`` on that daemon's socket): bob's names bob, and his altered one nobody
     tickets = {}
     for who, t in ((BOB, bob), (ALICE, alice)):
-        assert t(op="http", daemon=b.url, method="GET", path="/v1/tiers/vouch")["status"] == 403
-        tickets[who] = t(op="http", daemon=a.socket_url, method="GET", path="/v1/tiers/vouch")["body"]["vouch"]
+        assert t(op="http", daemon=b.url, method="GET", path=f"/v1/tiers/vouch?root={root}")["status"] == 403
+        tickets[who] = t(op="http", daemon=a.socket_url, method="GET", path=f"/v1/tiers/vouch?root={root}")
+    assert tickets[BOB]["status"] == 403, tickets  # A vouches for a reader of a root it may read there
+    tickets = {who: r["body"]["vouch"] for who, r in tickets.items() if r["status"] == 200}
+    other = f"{root}-other"  # unbound: alice may read it, and a ticket for it is not one for her root
+    r = bob(op="http", daemon=a.socket_url, method="GET", path=f"/v1/tiers/vouch?root={root}-bob")
+    tickets[BOB] = r["body"]["vouch"]
+    r = alice(op="http", daemon=a.socket_url, method="GET", path=f"/v1/tiers/vouch?root={other}")
+    elsewhere = r["body"]["vouch"]
     rest = tickets[BOB].partition(" ")[2]
     forged = f"{tenants_uid(ALICE)} {rest}"
-    for ticket in (tickets[BOB], forged):
+    for ticket in (tickets[BOB], forged, elsewhere):
         r = bob(op="http", daemon=b.url, method="POST", path="/v1/tiers/read", body=body, vouch=ticket)
         assert r["status"] == 403, r
         r = bob(op="data", request=read | {"vouch": ticket}, port=data["port"])

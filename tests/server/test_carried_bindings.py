@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import quote
 
 import pytest
 
@@ -71,9 +72,11 @@ def test_a_ticket_names_its_reader_for_reads_only(tmp_path, monkeypatch):
     t = _tenancy(tmp_path)
     root = str(tmp_path / "jobs" / "alice")
     t.carried = lambda: [(root, ALICE, "http://a:1")]
-    ticket = t.vouch(_on_socket(ALICE))
+    ticket = t.vouch(_on_socket(ALICE), root)
     with pytest.raises(Forbidden):  # only a caller the kernel named gets one
-        t.vouch(Caller(None, False))
+        t.vouch(Caller(None, False), root)
+    with pytest.raises(Forbidden):  # for a root it may read here
+        t.vouch(_on_socket(BOB), root)
     scope = {"headers": [(b"x-ckptd-vouch", ticket.encode())]}
     reader = t.caller(scope)
     assert reader.vouched and reader.uid == ALICE and not reader.operator
@@ -81,10 +84,17 @@ def test_a_ticket_names_its_reader_for_reads_only(tmp_path, monkeypatch):
     with pytest.raises(Forbidden):
         t.check_write(reader, root, bind=False)
     assert not t.owns(reader, ALICE)
+    other = str(tmp_path / "jobs" / "alice2")  # unbound: any caller reads it, but not with this ticket
+    t.check_read(Caller(None, False), other)
+    with pytest.raises(Forbidden, match="ticket for another root"):
+        t.check_read(reader, other)
+    assert t.visible(reader, [{"root": root}, {"root": other}]) == [{"root": root}]
     forged = f"{BOB} {ticket.split(' ', 1)[1]}"
     other_key = _tenancy(tmp_path / "other")
     other_key.peer_key = b"o" * 32
-    for bad in (forged, other_key.vouch(_on_socket(ALICE)), "junk", ""):
+    moved = ticket.replace(quote(root, safe=""), quote(other, safe=""))  # renamed to another root
+    assert moved != ticket
+    for bad in (forged, moved, other_key.vouch(_on_socket(ALICE), root), "junk", ""):
         c = t.caller({"headers": [(b"x-ckptd-vouch", bad.encode())]})
         assert c.peer is None and not c.vouched, bad
     monkeypatch.setattr(time, "time", lambda: 10**10)  # expired
