@@ -26,19 +26,21 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ckptd.errors import CheckpointError
 
-__all__ = ["DaemonConnection", "DaemonUnreachable", "default_socket", "detail", "peer_auth", "peer_mac", "resolve"]
-__all__ += ["PEER_HEADER", "unix_address"]
+__all__ = ["DaemonConnection", "DaemonUnreachable", "VOUCH_S", "default_socket", "detail", "peer_auth", "resolve"]
+__all__ += ["PEER_HEADER", "peer_mac", "unix_address"]
 
 log = logging.getLogger("ckptd.daemon_conn")
 
 MAX_REPLY = 64 << 20  # a reply read whole (JSON, a listing) may be at most this long
 _WAIT_LOG_EVERY_S = 30.0
+VOUCH_HEADER = "X-Ckptd-Vouch"  # "<uid> <expiry> <root> <HMAC>": a reader vouched for by its own daemon
+VOUCH_S = 120  # how long a reader's ticket (``Tenancy.vouch``) is good for: a restore asks again at half
 PEER_HEADER = "X-Ckptd-Peer"  # "<sender URL> <unix time> <nonce> <HMAC-SHA256>" (``peer_auth``)
 _HINT = "start `ckptd serve`, or name its address in CKPTD_DAEMON (its socket: --socket / CKPTD_SOCKET)"
 
@@ -128,6 +130,8 @@ class DaemonConnection:
         self.url, self.token, self.who = url.rstrip("/"), token, who
         self.reconnect = True  # False: a kept connection that breaks is an error, not replaced
         self.peer: tuple[bytes, str] | None = None  # (peer key, this daemon's URL): sign each request
+        # a ticket naming the caller to a peer daemon (``Tenancy.vouch``), or what answers a fresh one
+        self.vouch: str | Callable[[], str | None] | None = None
         self.host: str | None = None  # the TCP host (None over a Unix socket)
         self._base = ""
         if url.startswith(("unix://", "http+unix://")):
@@ -162,6 +166,8 @@ class DaemonConnection:
             hdrs["Content-Type"] = "application/octet-stream"
         if self.token:
             hdrs["Authorization"] = f"Bearer {self.token}"
+        if vouch := self.vouch() if callable(self.vouch) else self.vouch:
+            hdrs[VOUCH_HEADER] = vouch
         while True:
             if self.peer:  # signed afresh for each try: a resent request is not a replay
                 hdrs[PEER_HEADER] = peer_auth(*self.peer, method, self._base + path, body)

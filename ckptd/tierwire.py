@@ -55,11 +55,14 @@ class WireError(Exception):
     """A malformed, oversized or cut-off frame: the connection is closed after it."""
 
 
-def ask_json(url: str, token: str | None, timeout_s: float, method: str, path: str, body=None, cap=MAX_JSON_REPLY):
+def ask_json(
+    url: str, token: str | None, timeout_s: float, method: str, path: str, body=None, cap=MAX_JSON_REPLY, vouch=None
+):
     """The JSON object one request to the daemon at ``url`` answers, on a connection of its own.
     DaemonUnreachable (a CheckpointError) when it does not answer; ValueError for another status
     than 200 or a reply that is not a JSON object."""
     conn = DaemonConnection(url, token, timeout_s)
+    conn.vouch = vouch
     try:
         status, _, raw = conn.fetch(method, path, body, cap)
     finally:

@@ -34,7 +34,7 @@ from ckptd import catalog
 from ckptd import manifest as mf
 from ckptd.auth import daemon_token
 from ckptd.codec import CRC_BYTES
-from ckptd.daemon_conn import DaemonUnreachable
+from ckptd.daemon_conn import VOUCH_S, DaemonUnreachable
 from ckptd.errors import CheckpointError
 from ckptd.reader import CheckpointReader, ReadRequest, run_all
 from ckptd.tierwire import ask_json
@@ -190,12 +190,16 @@ class TierSource(_RangeReads, Store):
         with self._lock:
             t = self._tiers.get(url)
             if t is None:
-                own = url == self.tiers.daemon_url
+                # the own daemon, by the address this rank dialled (its socket: the kernel names
+                # the rank, whose root a daemon may refuse to a TCP caller) or by its --advertise URL
+                own = url in (self.tiers.daemon_url, self.tiers.advertised)
                 name = f"{'daemon' if own else 'peer'} {url}"
+                dial = self.tiers.daemon_url if own else url
                 ts = TierStore(
-                    url, name, self.tiers.root_uri, self.step, self.attempt, self.tiers._token, self.tiers.timeout_s
+                    dial, name, self.tiers.root_uri, self.step, self.attempt, self.tiers._token, self.tiers.timeout_s
                 )
                 ts.use_data(self._data.get(url), unix=own)
+                ts.vouch = ts._http.vouch = None if own else self.tiers.ticket
                 t = self._tiers[url] = _Tier(ts, "local" if own else "peer", mf.step_dir(self.step))
                 t.dead = url in self.tiers.silent
             return t
@@ -332,10 +336,35 @@ class TieredRestore:
         self.last: dict[str, int] = {}
         self._token = daemon_token()
         self.silent: set[str] = set()  # daemons that did not answer in this restore (``_ask_all``)
+        self.advertised: str | None = None  # the own daemon's --advertise URL (``walk``)
+        self._ticket: tuple[str | None, float] = (None, -VOUCH_S)  # (``ticket``, when it was asked)
+        self._ticket_lock = threading.Lock()
 
     def begin(self) -> None:
         """A restore starts: every daemon is asked again (one silent before may be back)."""
         self.silent.clear()
+        self._ticket = (None, -VOUCH_S)
+
+    def ticket(self) -> str | None:
+        """This rank's ticket for this root from its own daemon (``GET /v1/tiers/vouch`` on its
+        socket), asked again once half its life is gone: peers read a bound root to whom it
+        names only. None without one (peers read this rank as a TCP caller)."""
+        if not self.daemon_url.startswith("unix://"):
+            return None
+        with self._ticket_lock:
+            text, asked = self._ticket
+            if time.monotonic() - asked < VOUCH_S / 2:
+                return text
+            path = f"/v1/tiers/vouch?{urlencode({'root': self.root_uri})}"
+            try:
+                text = ask_json(self.daemon_url, self._token, self.timeout_s, "GET", path)["vouch"]
+            except (ValueError, KeyError, CheckpointError) as e:
+                text = None
+                log.debug(
+                    "restore: no ticket from %s (%s): its peers read this rank as a TCP caller", self.daemon_url, e
+                )
+            self._ticket = (text, time.monotonic())
+            return text
 
     def walk(self, urls: list[str], step: int | None = None, attempt: str | None = None, follow: bool = True):
         """The one peer walk: ask each daemon of ``urls`` (and, with ``follow``, the peers this
@@ -373,6 +402,7 @@ class TieredRestore:
             asked.append(url)
             own = url == self.daemon_url and isinstance(body.get("advertise"), str)
             name = body["advertise"].rstrip("/") if own else url  # reachable from other nodes
+            self.advertised = name if own else self.advertised
             if isinstance(body.get("data"), dict):
                 data[name] = body["data"]
             for gid, keys in found:
@@ -393,10 +423,11 @@ class TieredRestore:
         timeout_s = self.survey_s if timeout_s is None else timeout_s
         urls = [u for u in urls if u not in self.silent]
         got: dict[str, object] = {}
+        vouch = self.ticket()  # asked before the set: its own daemon's answer is not raced by the survey
 
         def ask(url: str) -> None:
             try:
-                got[url] = ask_json(url, self._token, timeout_s, method, path, body)
+                got[url] = ask_json(url, self._token, timeout_s, method, path, body, vouch=vouch)
             except (ValueError, CheckpointError) as e:
                 got[url] = e
 

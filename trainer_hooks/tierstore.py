@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import quote
 
 import numpy as np
@@ -98,6 +98,7 @@ class TierStore(_RangeReads):
         # on this daemon's host, and the Unix socket when this is the rank's own node's daemon.
         self.data_port: int | None = None
         self.data_socket: str | None = None
+        self.vouch: Callable[[], str | None] | None = None  # this rank's ticket (``TieredRestore.ticket``)
         self._local = threading.local()
         self._conns: list = []  # every thread's data-path socket, closed by close()
         self._conns_lock = threading.Lock()
@@ -152,6 +153,7 @@ class TierStore(_RangeReads):
         try:
             sock = self._data_conn(unix)
             req = {"token": self._token, "root": self.root, "step": self.step, "attempt": self.attempt, **header}
+            req |= {"vouch": vouch} if self.vouch and not unix and (vouch := self.vouch()) else {}
             send_frame(sock, REQUEST, req)
             got = recv_frame(sock, REPLY, max_fds)
             if got is None:

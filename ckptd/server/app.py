@@ -546,7 +546,8 @@ def create_app(settings: Settings) -> FastAPI:
         settings.tiers,
     )
     runner.tiers = tiers
-    tiers.peer_key = peer_key.encode() if peer_key else None
+    tiers.bound_uid, tenancy.carried = tenancy.bound_uid, tiers.carried  # bindings travel with replicas
+    tiers.peer_key = tenancy.peer_key = peer_key.encode() if peer_key else None
     if (settings.peers or settings.discover) and settings.tiers and peer_key is None:
         log.warning(
             "memory tier: no --peer-key-file: this daemon neither pushes replicas to its peers nor accepts theirs "

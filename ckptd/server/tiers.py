@@ -135,6 +135,7 @@ class Tiers(Replication):
         self.discovery = None  # server.discovery.Discovery (--discover): the ring from the job root
         self.token = token
         self.peer_key: bytes | None = None  # --peer-key-file: signs replicas (``server.peers.peer_sender``)
+        self.bound_uid: Callable[[str], int | None] = lambda root: None  # ``Tenancy.bound_uid``
         self.peer_macs: dict[str, float] = {}  # signatures accepted lately -> when: a replay is refused
         self.timeout_s = timeout_s
         self.data_endpoint: dict | None = None  # the data path's {"port", "socket"} (``server.tierdata``)

@@ -15,7 +15,11 @@ Commands on stdin, one JSON object per line; one JSON reply per line on stdout:
 * ``{"op": "lease"}``: the staging lease the open Checkpointer holds (id and folder);
 * ``{"op": "restore", "root": R}``: an in-process restore of R's latest step (through the daemon
   ``daemon`` when the command names one): the step and a digest of the restored tensor;
-* ``{"op": "http", "daemon": URL, "method": M, "path": P, "body": B}``: one request;
+* ``{"op": "http", "daemon": URL, "method": M, "path": P, "body": B}``: one request (with the
+  ticket ``vouch`` when the command names one: ``X-Ckptd-Vouch``);
+* ``{"op": "data", "socket": PATH | "port": N, "request": H}``: one request ``H`` (the token
+  added) on the tier data path (``ckptd.server.tierdata``): its reply header, and the sha256 of
+  the bytes that follow it;
 * ``{"op": "quit"}``.
 """
 
@@ -27,6 +31,7 @@ import hashlib
 import json
 import os
 import pwd
+import socket
 import sys
 import traceback
 
@@ -36,6 +41,7 @@ import trainer_hooks.daemon_sink  # noqa: F401 - imported while the interpreter 
 import trainer_hooks.memsteps  # noqa: F401
 from ckptd.auth import daemon_token
 from ckptd.daemon_conn import DaemonConnection
+from ckptd.tierwire import REPLY, REQUEST, recv_exact, recv_frame, send_frame
 from trainer_hooks import Checkpointer
 
 
@@ -53,6 +59,21 @@ def restore(root: str, daemon: str | None = None) -> dict:
     with Checkpointer(root, daemon=daemon) as ckpt:
         step = ckpt.restore(target)
     return {"step": step, "digest": digest(target) if step is not None else None}
+
+
+def data_read(cmd: dict) -> dict:
+    if "socket" in cmd:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(cmd["socket"])
+    else:
+        sock = socket.create_connection(("127.0.0.1", cmd["port"]))
+    with sock:
+        sock.settimeout(30)
+        send_frame(sock, REQUEST, {"token": daemon_token(), **cmd["request"]})
+        header = recv_frame(sock, REPLY)[0]
+        body = bytearray(header.get("length", 0) if header.get("ok") else 0)
+        recv_exact(sock, memoryview(body))
+    return header | {"sha256": hashlib.sha256(body).hexdigest()}
 
 
 def drop_to(user: str) -> None:
@@ -92,11 +113,14 @@ def main() -> None:
                 out = restore(cmd["root"], cmd.get("daemon"))
             elif op == "http":
                 client = DaemonConnection(cmd["daemon"], daemon_token())
+                client.vouch = cmd.get("vouch")
                 try:
                     status, body, _ = client.call(cmd["method"], cmd["path"], cmd.get("body"))
                 finally:
                     client.close()
                 out = {"status": status, "body": body}
+            elif op == "data":
+                out = data_read(cmd)
             elif op == "quit":
                 break
             else:

@@ -12,11 +12,17 @@ which A replicates to its peer B.
 * bob lists ``/v1/tiers``, ``/v1/overview`` and ``/v1/page`` on A: before, he saw alice's root
   (its steps, parts, sizes); now he sees only what he may read, and ``/v1/tiers?root=`` of her
   root is 403.
+* bob on the peer B, where alice's root was unbound (bindings were per daemon): before, he listed
+  her root in B's ``/v1/tiers`` and read her replica's bytes (``/v1/tiers/read`` and the tier
+  data path); now the replica carries her binding from A (signed), B reads her root as hers: 403,
+  while alice reads it over B's socket and restores her memory-only step through B.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pwd
 import shutil
 from pathlib import Path
 
@@ -67,6 +73,10 @@ def ring(tenants):
         shutil.rmtree(base, ignore_errors=True)
 
 
+def tenants_uid(name: str) -> int:
+    return pwd.getpwnam(name).pw_uid
+
+
 def _parts(d, root: str) -> list[dict]:
     """The memory-only parts of ``root`` that daemon ``d`` holds (asked as root, an operator)."""
     with _operator({"addr": d.socket_url}) as op:
@@ -111,3 +121,66 @@ def test_bob_does_not_see_alices_root_in_the_listings(ring):
     assert [p["root"] for p in r["body"]["memory_only"]] == [root], r
     r = alice(op="http", daemon=a.socket_url, method="GET", path="/v1/overview")
     assert root in [x["root"] for x in r["body"]["roots"]], r
+
+
+def test_a_replica_carries_its_roots_binding_to_the_peer(ring):
+    a, b, alice, bob, root = ring["a"], ring["b"], ring["alice"], ring["bob"], ring["roots"][ALICE]
+    with _operator({"addr": b.socket_url}) as op:
+        got = op.get("/v1/tiers", params={"root": root, "keys": "true"}).json()
+        (held,) = got["memory_only"]
+        step = {"root": root, "step": held["step"], "attempt": held["attempt"]}
+        ranges = [[k, 0, n] for k, n in sorted(held["keys"].items())]
+        body = step | {"ranges": [{"key": k, "start": s, "length": n} for k, s, n in ranges]}
+        want = op.post("/v1/tiers/read", json=body)
+        assert want.status_code == 200 and len(want.content) == held["bytes"] > 0, want
+    data = got["data"]
+    for addr in (b.url, b.socket_url):
+        r = bob(op="http", daemon=addr, method="GET", path="/v1/tiers")
+        assert r["status"] == 200 and root not in json.dumps(r["body"]), (addr, r)
+        r = bob(op="http", daemon=addr, method="GET", path=f"/v1/tiers?root={root}")
+        assert r["status"] == 403, (addr, r)
+        r = bob(op="http", daemon=addr, method="POST", path="/v1/tiers/read", body=body)
+        assert r["status"] == 403, (addr, r)
+    read = step | {"op": "read", "ranges": ranges}
+    for where in ({"socket": data["socket"]}, {"port": data["port"]}):
+        r = bob(op="data", request=read, **where)
+        assert r["ok"] is False and r["status"] == 403, (where, r)
+    # a rank of another node reads over TCP as the ticket its own daemon signed names it
+    # (``GET /v1/tiers/vouch`` on that daemon's socket): bob's names bob, and his altered one nobody
+    tickets = {}
+    for who, t in ((BOB, bob), (ALICE, alice)):
+        assert t(op="http", daemon=b.url, method="GET", path=f"/v1/tiers/vouch?root={root}")["status"] == 403
+        tickets[who] = t(op="http", daemon=a.socket_url, method="GET", path=f"/v1/tiers/vouch?root={root}")
+    assert tickets[BOB]["status"] == 403, tickets  # A vouches for a reader of a root it may read there
+    tickets = {who: r["body"]["vouch"] for who, r in tickets.items() if r["status"] == 200}
+    other = f"{root}-other"  # unbound: alice may read it, and a ticket for it is not one for her root
+    r = bob(op="http", daemon=a.socket_url, method="GET", path=f"/v1/tiers/vouch?root={root}-bob")
+    tickets[BOB] = r["body"]["vouch"]
+    r = alice(op="http", daemon=a.socket_url, method="GET", path=f"/v1/tiers/vouch?root={other}")
+    elsewhere = r["body"]["vouch"]
+    rest = tickets[BOB].partition(" ")[2]
+    forged = f"{tenants_uid(ALICE)} {rest}"
+    for ticket in (tickets[BOB], forged, elsewhere):
+        r = bob(op="http", daemon=b.url, method="POST", path="/v1/tiers/read", body=body, vouch=ticket)
+        assert r["status"] == 403, r
+        r = bob(op="data", request=read | {"vouch": ticket}, port=data["port"])
+        assert r["ok"] is False and r["status"] == 403, r
+    r = alice(op="data", request=read | {"vouch": tickets[ALICE]}, port=data["port"])
+    assert r["ok"] and r["sha256"] == hashlib.sha256(want.content).hexdigest(), r
+    fence = {"job_root": root, "restored_step": PERSIST_EVERY}  # a ticket reads, never writes
+    r = alice(op="http", daemon=b.url, method="POST", path="/v1/tiers/restored", body=fence, vouch=tickets[ALICE])
+    assert r["status"] == 403, r
+    # alice, on B's socket, reads and lists her replica
+    r = alice(op="data", request=read, socket=data["socket"])
+    assert r["ok"] and r["sha256"] == hashlib.sha256(want.content).hexdigest(), r
+    r = alice(op="http", daemon=b.socket_url, method="POST", path="/v1/tiers/read", body=body)
+    assert r["status"] == 200, r
+    r = alice(op="http", daemon=b.socket_url, method="GET", path="/v1/tiers")
+    assert [p["root"] for p in r["body"]["memory_only"]] == [root], r
+    # held in memory only: B wrote no binding of her root into its own table
+    bindings = Path(b.staging) / "bindings.json"
+    assert not bindings.exists() or root not in bindings.read_text()
+    # A's node is lost; alice's job restarts on B and restores through B: her memory-only step
+    a.kill()
+    got = alice(op="restore", root=root, daemon=b.socket_url)
+    assert got == {"step": PERSIST_EVERY + 1, "digest": _expected(PERSIST_EVERY + 1)}, (got, b.logs())
