@@ -4,6 +4,7 @@ the fields its tool requires, and every ``ckptd serve`` flag in it is one the CL
 from __future__ import annotations
 
 import configparser
+import json
 import re
 import shlex
 from pathlib import Path
@@ -110,3 +111,116 @@ def test_systemd_unit():
     assert svc["KillSignal"] == "SIGTERM"
     assert "/dev/shm" in svc["ReadWritePaths"]
     assert unit["Install"]["WantedBy"] == "multi-user.target"
+
+
+# -- issue 39, item 2: the recipes' limits against the daemon's own settings ----------------------
+# Sized by docs/operations.md ("Descriptors and mappings", worked example): a 7B model (291
+# tensors) with AdamW (873 tensors per rank), 8 ranks per node, --replicas 1.
+TENSORS_PER_RANK, RANKS_PER_NODE, REPLICAS = 291 * 3, 8, 1
+OBJECTS_HELD = 2 * TENSORS_PER_RANK * RANKS_PER_NODE * (2 + REPLICAS)  # 41,904
+DAEMON_OVERHEAD = 2 * 2**30  # the limit is the budget plus this, for the daemon itself
+IN_USE = 1024  # descriptors the daemon's own work holds (sockets, staging and root files)
+
+
+def _unit() -> dict[str, list[str]]:
+    from tests.server import unit_sandbox
+
+    return unit_sandbox.unit()
+
+
+def _holds(nofile: int, max_map_count: int) -> int:
+    """Objects the memory tier may hold under these limits (``ckptd.server.capacity``)."""
+    from ckptd.server import capacity
+
+    maps = max_map_count - max(capacity.MAP_HEADROOM, max_map_count // 8)
+    return min(capacity._room_from(nofile, IN_USE), maps)
+
+
+def _quantity(text: str) -> int:
+    """A Kubernetes or compose memory quantity (18Gi, 10g) or systemd's bytes, in bytes."""
+    m = re.fullmatch(r"(\d+)([KMGT]i?|[kmgt])?", str(text).strip())
+    assert m, text
+    n, unit = int(m[1]), (m[2] or "")
+    return n * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit[:1].upper()] if unit else n
+
+
+def _k8s_init(k8s, name: str) -> str:
+    pod = k8s["DaemonSet"]["spec"]["template"]["spec"]
+    return " ".join(next(c for c in pod["initContainers"] if c["name"] == name)["command"])
+
+
+def test_memory_limits_cover_the_budget_and_the_daemon(k8s):
+    """Staged snapshots and the tier's copies (memfds charged to the daemon's cgroup) stay within
+    the budget: a limit below it gets the daemon OOM-killed where it would degrade."""
+    from tests.server import unit_sandbox
+
+    env = unit_sandbox.environment()
+    unit = _unit()
+    assert _quantity(unit["Service.MemoryMax"][-1]) >= int(env["CKPTD_BUDGET"]) + DAEMON_OVERHEAD
+    budget = int(k8s["ConfigMap"]["data"]["CKPTD_BUDGET"])
+    (c,) = k8s["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    assert _quantity(c["resources"]["limits"]["memory"]) >= budget + DAEMON_OVERHEAD
+    ck = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["ckptd"]
+    assert _quantity(ck["mem_limit"]) >= int(ck["environment"]["CKPTD_BUDGET"]) + DAEMON_OVERHEAD
+
+
+def test_descriptor_and_mapping_limits_hold_the_stated_model(k8s):
+    assert OBJECTS_HELD == 41_904
+    ck = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["ckptd"]
+    node_limits = _k8s_init(k8s, "node-limits")
+    k8s_nofile = int(re.search(r'ulimit -Hn\)" -ge (\d+)', node_limits)[1])
+    k8s_maps = int(re.search(r"sysctl -w vm.max_map_count=(\d+)", node_limits)[1])
+    unit = _unit()
+    unit_text = (DEPLOY / "systemd" / "ckptd.service").read_text()
+    unit_maps = int(re.search(r"vm.max_map_count=(\d+) > /etc/sysctl.d/", unit_text)[1])
+    compose_maps = int(re.search(r"sysctl -w vm.max_map_count=(\d+)", (DEPLOY / "compose.yaml").read_text())[1])
+    for name, nofile, maps in (
+        ("systemd", int(unit["Service.LimitNOFILE"][-1]), unit_maps),
+        ("compose", int(ck["ulimits"]["nofile"]["hard"]), compose_maps),
+        ("kubernetes", k8s_nofile, k8s_maps),
+    ):
+        assert _holds(nofile, maps) >= OBJECTS_HELD, (name, nofile, maps, _holds(nofile, maps))
+    assert int(ck["ulimits"]["nofile"]["soft"]) == int(ck["ulimits"]["nofile"]["hard"])
+    # the old 65536 held 24,576: not enough for the stated model
+    assert _holds(65536, 65530) < OBJECTS_HELD
+
+
+def test_recipes_serve_a_local_and_an_s3_root_and_form_a_ring(k8s):
+    from tests.server import unit_sandbox
+
+    # systemd: the env file's roots, its local ones writable under ProtectSystem=strict
+    env = unit_sandbox.environment()
+    roots = json.loads(env["CKPTD_ROOTS"])
+    assert any(r.startswith("s3://") for r in roots) and any(r.startswith("/") for r in roots), roots
+    writable = " ".join(_unit()["Service.ReadWritePaths"]).split()
+    writable += [f"/var/lib/{d}" for d in _unit().get("Service.StateDirectory", [])]
+    for r in roots:
+        if r.startswith("/"):
+            assert any(r == w or r.startswith(w.rstrip("/") + "/") for w in writable), (r, writable)
+    assert env["CKPTD_DISCOVER"] == "true" and env["CKPTD_ADVERTISE"].startswith("http://")
+    assert env["CKPTD_PEER_KEY_FILE"] and env["CKPTD_HOST"] != "127.0.0.1" and env["CKPTD_TIER_DATA_PORT"] != "0"
+    assert "--trust-tcp" not in _unit()["Service.ExecStart"][-1]  # what makes binding beyond loopback safe
+    _serve_args_ok(shlex.split(_unit()["Service.ExecStart"][-1])[2:])
+    # Kubernetes: both roots, --discover with the node's address, the data port on the node
+    cm = k8s["ConfigMap"]["data"]
+    roots = json.loads(cm["CKPTD_ROOTS"])
+    assert any(r.startswith("s3://") for r in roots) and any(r.startswith("/") for r in roots), roots
+    (c,) = k8s["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    args = c["args"]
+    _serve_args_ok(args)
+    assert "--discover" in args and args[args.index("--advertise") + 1] == "http://$(HOST_IP):8470"
+    ports = {p["containerPort"]: p for p in c["ports"]}
+    data = int(cm["CKPTD_TIER_DATA_PORT"])
+    assert ports[data]["hostPort"] == data and ports[8470]["hostPort"] == 8470
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    for r in roots:
+        if r.startswith("/"):
+            assert any(r.startswith(m.rstrip("/") + "/") for m in mounts), (r, mounts)  # not the read-only root fs
+    # compose: both roots, the local one on a volume
+    ck = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["ckptd"]
+    roots = [ck["command"][i + 1] for i, a in enumerate(ck["command"]) if a == "--root"]
+    assert any(r.startswith("s3://") for r in roots) and any(r.startswith("/") for r in roots), roots
+    targets = [v["target"] if isinstance(v, dict) else v.split(":")[1] for v in ck["volumes"]]
+    for r in roots:
+        if r.startswith("/"):
+            assert any(r.startswith(t.rstrip("/") + "/") for t in targets), (r, targets)
