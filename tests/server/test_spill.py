@@ -7,8 +7,9 @@ the daemons' memory only (a: rank 0's part and its replica of rank 1's; b: the r
 - a is SIGKILLed and restarted on the same spill folder, then b is SIGKILLed: the restore still
   finds step 3, bitwise, 0 bytes from the job root (without the spill folder a restarted a
   holds nothing, b is gone, and the job falls back to the persisted step 2).
-- A spill file whose bytes were flipped, and a symbolic link planted under a spill file's name,
-  are not adopted (logged once each, removed): the restore falls back to step 2, bitwise.
+- A spill file whose bytes were flipped (a's replica of rank 1's part of step 3), and a symbolic
+  link planted under a spill file's name, are not adopted (logged once each, removed): the
+  restore falls back to the persisted step 2, bitwise, never step 3 with wrong bytes.
 - A spill folder that is a link, another user's, or writable by others: the daemon refuses to
   start (exit 2, one line).
 """
@@ -121,9 +122,9 @@ def test_a_tampered_spill_file_is_not_adopted(tmp_path):
         assert not tampered.exists() and not planted.is_symlink()
         assert a.metric("ckptd_tier_spill_refused_total", TOKEN) == 2
         b.kill()
-        # Step 3 lacks a part everywhere: the restore takes the persisted step 2, bitwise.
-        got = _restore(a, root, out, EVERY)
-        assert got["root"] > 0, got
+        # Step 3 lacks a part everywhere: the restore takes the persisted step 2, bitwise (its
+        # bytes from a's hot copies of it, adopted from the spill folder too, or the root).
+        _restore(a, root, out, EVERY)
     finally:
         a.kill()
         b.kill()
