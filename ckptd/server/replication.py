@@ -94,7 +94,7 @@ def check_objects(step: int, kind: str, objects: list) -> dict[str, tuple[int, i
     for key, size, crc in objects:
         size, crc = int(size), int(crc)
         parts = key.split("/") if isinstance(key, str) else [""]
-        if not key.startswith(prefix) or ".." in parts or "" in parts or size < 0 or not 0 <= crc < 2**32:
+        if "" in parts or not key.startswith(prefix) or ".." in parts or size < 0 or not 0 <= crc < 2**32:
             raise ValueError(f"replica object {key!r} is not an object of step {step} ({kind})")
         if parts[1] == mf.COMMIT:
             raise ValueError("a replica holds no commit record")

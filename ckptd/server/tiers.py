@@ -599,7 +599,7 @@ class Tiers(Replication):
         for name in self.spill.names():
             try:
                 c = self._adopt_one(name, check_root)
-            except (OSError, SpillError, CheckpointError, ValueError, TypeError, KeyError, IndexError) as e:
+            except (OSError, SpillError, CheckpointError, ValueError, TypeError, KeyError, RecursionError) as e:
                 self.count("spill_refused")
                 log.warning("spill file %s/%s not adopted (%s): removed, never served", self.spill.path, name, e)
                 self.spill.remove(name)
@@ -742,6 +742,7 @@ class Tiers(Replication):
                 g["ranks"] = sorted(g["ranks"] + d["ranks"])
                 g["bytes"] += d["bytes"]
                 g["objects"] += d["objects"]
+                g["spilled"] = g["spilled"] and d["spilled"]
                 g.get("keys", {}).update(d.get("keys", {}))
                 for peer, how in d["replicated_to"].items():
                     if g["replicated_to"].get(peer, "complete") == "complete":
