@@ -106,6 +106,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--replicas", type=int, metavar="K", help="peers each hot copy is pushed to (default 1; 0: none)")
     p.add_argument("--no-tiers", action="store_true", help="keep no hot copy of committed steps in memory")
+    p.add_argument(
+        "--spill-dir",
+        metavar="DIR",
+        help="also write complete memory-tier copies to this local folder (yours, mode 700): "
+        "a restarted daemon checks and serves them again (CKPTD_SPILL_DIR)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
 
 

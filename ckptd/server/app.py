@@ -53,6 +53,7 @@ from ckptd.server.peers import router as peers
 from ckptd.server.roots import RootError, Roots
 from ckptd.server.safefiles import open_private_dir
 from ckptd.server.settings import Settings, default_staging_dir, group_id
+from ckptd.server.spill import Spill
 from ckptd.server.staging import BudgetFull, LeaseBusy, LeaseGone, Staging
 from ckptd.server.staging_routes import router as leases
 from ckptd.server.tenancy import Forbidden, Tenancy, can_isolate
@@ -553,6 +554,14 @@ def create_app(settings: Settings) -> FastAPI:
             "memory tier: no --peer-key-file: this daemon neither pushes replicas to its peers nor accepts theirs "
             "(daemons sign replicas with the peer key; the trainers' token is not enough)"
         )
+    if settings.spill_dir and settings.tiers:
+        try:
+            tiers.spill = Spill(settings.spill_dir)
+        except BaseException:
+            staging.close()
+            raise
+        n = tiers.adopt(roots.check)
+        log.info("memory tier: spilling complete copies to %s (%d adopted at start)", settings.spill_dir, n)
     finder = _discovery(settings, roots, runner, tiers, peer_key or token)
     for name, (text, fn) in tiers.gauges().items():
         metrics.gauge(name, text, fn)

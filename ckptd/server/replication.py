@@ -31,7 +31,7 @@ from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable
 from ckptd.server.sealed import Sealed, new_buffer, seal
 
 __all__ = ["Copy", "HOT", "INCOMING_TTL_S", "KINDS", "MAX_OBJECTS", "MEMORY_ONLY", "PIECE_BYTES", "Replication"]
-__all__ += ["OBJECT_CHARGE", "charge", "replica_targets"]
+__all__ += ["OBJECT_CHARGE", "charge", "check_objects", "replica_targets"]
 
 log = logging.getLogger("ckptd.tiers")
 
@@ -71,11 +71,36 @@ class Copy:
     pushed: dict[str, str] = field(default_factory=dict)  # peer -> "pushing", "complete" or why not
     kind: str = HOT  # HOT or MEMORY_ONLY
     uid: int | None = None  # replica: the uid its origin binds its root to (``Tenancy.carried``)
+    spill_name: str = ""  # its file in the spill folder (``server.spill``), once queued to be written
+    spilled: bool = False  # that file is written and fsynced
 
     def info(self) -> dict:
         info = {k: getattr(self, k) for k in ("root", "step", "attempt", "source", "kind", "rank")}
         info |= {"ranks": [self.rank], "bytes": self.bytes, "objects": len(self.objects), "complete": self.complete}
+        info |= {"spilled": self.spilled}
         return info | {"replicated_to": dict(self.pushed)}
+
+
+def check_objects(step: int, kind: str, objects: list) -> dict[str, tuple[int, int]]:
+    """Key -> (size, crc32c) of the ``objects`` ((key, size, crc32c) each) of one rank's copy of
+    ``kind`` of ``step`` (a pushed replica's, or a spill file's: ``server.spill``); ValueError
+    unless each is an object of the step's folder of that kind (module doc), not a commit record."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if len(objects) > MAX_OBJECTS:
+        raise ValueError(f"a copy of {len(objects)} objects is over {MAX_OBJECTS}")
+    folder = mf.step_dir(step)
+    prefix = f"{folder}/" if kind == MEMORY_ONLY else f"{folder}/{mf.ARRAYS}/"
+    expected: dict[str, tuple[int, int]] = {}
+    for key, size, crc in objects:
+        size, crc = int(size), int(crc)
+        parts = key.split("/") if isinstance(key, str) else [""]
+        if "" in parts or not key.startswith(prefix) or ".." in parts or size < 0 or not 0 <= crc < 2**32:
+            raise ValueError(f"replica object {key!r} is not an object of step {step} ({kind})")
+        if parts[1] == mf.COMMIT:
+            raise ValueError("a replica holds no commit record")
+        expected[key] = (size, crc)
+    return expected
 
 
 def replica_targets(peers: list[str], me: str | None, k: int) -> list[str]:
@@ -214,21 +239,9 @@ class Replication:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if not self.enabled:
             return ""
-        if len(objects) > MAX_OBJECTS:
-            raise ValueError(f"a replica of {len(objects)} objects is over {MAX_OBJECTS}")
         if len(ranks) != 1:
             raise ValueError("a replica is one rank's copy")
-        folder = mf.step_dir(step)
-        prefix = f"{folder}/" if kind == MEMORY_ONLY else f"{folder}/{mf.ARRAYS}/"
-        expected: dict[str, tuple[int, int]] = {}
-        for o in objects:
-            key, size, crc = o["key"], int(o["size"]), int(o["crc32c"])
-            parts = key.split("/")
-            if not key.startswith(prefix) or ".." in parts or "" in parts or size < 0 or not 0 <= crc < 2**32:
-                raise ValueError(f"replica object {key!r} is not an object of step {step} ({kind})")
-            if parts[1] == mf.COMMIT:
-                raise ValueError("a replica holds no commit record")
-            expected[key] = (size, crc)
+        expected = check_objects(step, kind, [(o["key"], o["size"], o["crc32c"]) for o in objects])
         total = sum(charge(s, len(k)) for k, (s, _) in expected.items())
         self._expire_incoming()
         what = (kind, root, step)
@@ -295,6 +308,7 @@ class Replication:
             self.counters["replicas_received"] += kept
         self._release(release)
         if kept:
+            self.spill_later(c)
             log.info(
                 "memory tier: %s replica of %s step %d rank %d from %s complete (%d bytes)",
                 c.kind,

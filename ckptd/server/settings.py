@@ -106,6 +106,11 @@ class Settings(BaseSettings):
     )
     discover_interval_s: float = Field(5.0, gt=0, description="how often this daemon renews its _daemons/ record")
     discover_ttl_s: float = Field(30.0, gt=0, description="a _daemons/ record older than this is not in the ring")
+    spill_dir: str | None = Field(
+        None,
+        description="a local folder of this user's (not group- or other-writable) where complete memory-tier "
+        "copies are also written: a restarted daemon re-adopts them (--spill-dir)",
+    )
     tier_data_port: int = Field(
         0, ge=0, lt=65536, description="TCP port of the tier data path (server.tierdata); 0: any free port"
     )

@@ -37,16 +37,21 @@ Concurrency: one lock guards the tables; it is never held while calling into ``S
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
+from ckptd import donetree
 from ckptd import manifest as mf
+from ckptd.codec import crc32c
 from ckptd.commit import held_whole
 from ckptd.errors import CheckpointError
+from ckptd.pins import Pins, check_meta
 from ckptd.server import capacity
+from ckptd.server.handoff import ATTEMPT
 from ckptd.server.replication import (
     HOT,
     MAX_OBJECTS,
@@ -55,9 +60,11 @@ from ckptd.server.replication import (
     Copy,
     Replication,
     charge,
+    check_objects,
     replica_targets,
 )
 from ckptd.server.sealed import Sealed, new_buffer, seal
+from ckptd.server.spill import Spill, SpillError
 from ckptd.server.staging import Staging
 from storage_backends.base import (
     NotFoundError,
@@ -93,6 +100,9 @@ COUNTED = {
         "backpressure_seconds",  # ``backpressure``
         "seconds memory-only hand-offs waited for the previous step's replicas to be sealed",
     ),
+    "ckptd_tier_spilled_total": ("spilled", "copies written to the spill folder (--spill-dir)"),
+    "ckptd_tier_spill_adopted_total": ("spill_adopted", "spilled copies a restarted daemon checked and holds again"),
+    "ckptd_tier_spill_refused_total": ("spill_refused", "spill files that failed their checks: removed, never served"),
     "ckptd_tier_bytes_served_total": ("bytes_served", "tier bytes served to restoring ranks"),
     "ckptd_tier_object_requests_total": ("object_requests", "ranged reads of tier objects asked"),
     "ckptd_tier_data_requests_total": (
@@ -136,6 +146,7 @@ class Tiers(Replication):
         self.token = token
         self.peer_key: bytes | None = None  # --peer-key-file: signs replicas (``server.peers.peer_sender``)
         self.bound_uid: Callable[[str], int | None] = lambda root: None  # ``Tenancy.bound_uid``
+        self.spill: Spill | None = None  # --spill-dir: complete copies also on local disk (``server.spill``)
         self.peer_macs: dict[str, float] = {}  # signatures accepted lately -> when: a replay is refused
         self.timeout_s = timeout_s
         self.data_endpoint: dict | None = None  # the data path's {"port", "socket"} (``server.tierdata``)
@@ -194,8 +205,14 @@ class Tiers(Replication):
     def _release(self, copies: list[Copy]) -> None:
         """Drop ``copies`` (already out of the table) and give their budget back (outside the lock)."""
         for c in copies:
-            if n := _drop(c):
+            if n := self._drop(c):
                 self.staging.unreserve(n)
+
+    def _drop(self, c: Copy) -> int:
+        """``_drop`` (below), and its spill file removed once written (the spill thread's order)."""
+        if self.spill is not None and c.spill_name and not c.dropped:
+            self.spill.later(lambda: (self.spill.remove(c.spill_name), setattr(c, "spilled", False)))
+        return _drop(c)
 
     def _take(self, keys) -> list[Copy]:
         """Under the lock: take ``keys`` out of the table (release them after)."""
@@ -234,17 +251,8 @@ class Tiers(Replication):
         (``commit.held_whole``: the manifest, every rank's done record, every pinned object at
         its pinned size, the commit rule)."""
         objects = {k: b for c in parts for k, b in c.objects.items()}
-
-        class Held:  # the parts as the one reader ``held_whole`` needs
-            uri = root
-
-            def get(self, key: str, limit: int | None = None) -> bytes:
-                if key not in objects:
-                    raise NotFoundError(f"{key} is not held")
-                return bytes(objects[key])
-
         try:
-            held_whole(Held(), step, attempt, {k: (len(b),) for k, b in objects.items()})
+            held_whole(_Held(root, objects), step, attempt, {k: (len(b),) for k, b in objects.items()})
         except (CheckpointError, ValueError, TypeError) as e:
             log.debug("memory-only step %d of %s (attempt %s) is not whole here: %s", step, root, attempt, e)
             return False
@@ -277,7 +285,7 @@ class Tiers(Replication):
                 if freed >= nbytes:
                     break
                 (self._incoming if isinstance(k, str) else self._held).pop(k)
-                freed += _drop(c)
+                freed += self._drop(c)
                 self.counters["degraded"] += 1
                 log.warning(
                     "dropping the %s copy of %s step %d (rank %d, from %s): a save needs the staging memory",
@@ -437,6 +445,8 @@ class Tiers(Replication):
                 sum(c.bytes for c in group),
                 sorted(c.rank for c in group),
             )
+            for c in group:
+                self.spill_later(c)
             self.push_later(group)
 
     def failed(self, root: str, step: int, attempt: str, rank: int | None = None) -> None:
@@ -509,6 +519,7 @@ class Tiers(Replication):
         self._release(release)
         n = len(c.objects)
         log.info("memory-only step %d of %s: rank %d held (%d objects, %d bytes)", step, root, rank, n, c.bytes)
+        self.spill_later(c)
         self.push_later([c])
 
     def reserve(self, root: str, step: int, attempt: str, rank: int, nbytes: int, objects: int = 0) -> bool:
@@ -554,6 +565,102 @@ class Tiers(Replication):
         if n:
             self.staging.unreserve(n)
         return n
+
+    # ------------------------------------------------------------------- the spill folder
+
+    def spill_later(self, c: Copy) -> None:
+        """Write complete copy ``c`` to the spill folder on the spill thread (``server.spill``)."""
+        if self.spill is None:
+            return
+        with self._lock:
+            if c.dropped or c.spill_name:
+                return
+            c.spill_name = name = self.spill.new_name()
+            objects = list(c.objects.items())  # the buffers live on if ``c`` is dropped meanwhile
+        header = {k: getattr(c, k) for k in ("root", "step", "attempt", "rank", "source", "kind", "uid")}
+
+        def write() -> None:
+            if c.dropped:
+                return
+            listed = [[k, len(b), c.expected[k][1] if k in c.expected else crc32c(b)] for k, b in objects]
+            self.spill.write(name, header | {"objects": listed}, [b for _, b in objects])
+            c.spilled = True
+            self.count("spilled")
+
+        self.spill.later(write)
+
+    def adopt(self, check_root: Callable[[str], object]) -> int:
+        """On start: hold again the copies the spill folder keeps, each only if its file passes
+        every check (``server.spill``) and its root is served (``check_root`` raises otherwise)
+        and it fits the budget; a file that fails is logged once and removed. Own copies are
+        pushed to the ring again. Returns the copies adopted."""
+        if self.spill is None:
+            return 0
+        mine = []
+        for name in self.spill.names():
+            try:
+                c = self._adopt_one(name, check_root)
+            except (OSError, SpillError, CheckpointError, ValueError, TypeError, KeyError, RecursionError) as e:
+                self.count("spill_refused")
+                log.warning("spill file %s/%s not adopted (%s): removed, never served", self.spill.path, name, e)
+                self.spill.remove(name)
+                continue
+            with self._lock:
+                key = (c.root, c.step, c.attempt, c.rank, c.source)
+                old = [self._held.pop(key)] if key in self._held else []
+                self._held[key] = c
+                self.counters["spill_adopted"] += 1
+            self._release(old)
+            log.info(
+                "memory tier: %s copy of %s step %d rank %d (from %s) adopted from %s",
+                c.kind,
+                c.root,
+                c.step,
+                c.rank,
+                c.source,
+                name,
+            )
+            mine += [c] if c.source == SELF else []
+        with self._lock:
+            release = [x for r in {c.root for c in self._held.values()} for k in KEEP_STEPS for x in self._retain(r, k)]
+        self._release(release)
+        self.push_later([c for c in mine if not c.dropped])
+        return self.counters["spill_adopted"]
+
+    def _adopt_one(self, name: str, check_root: Callable[[str], object]) -> Copy:
+        """The complete copy spill file ``name`` holds, checked (``adopt``), its budget reserved."""
+        header, bufs = self.spill.read(name, self.staging.budget, new_buffer)
+        root, step, attempt, rank, source, kind = (
+            header[k] for k in ("root", "step", "attempt", "rank", "source", "kind")
+        )
+        if not (
+            isinstance(root, str) and isinstance(source, str) and isinstance(attempt, str) and ATTEMPT.match(attempt)
+        ):
+            raise SpillError("malformed header")
+        if type(step) is not int or type(rank) is not int or step < 0 or rank < 0:
+            raise SpillError("malformed header")
+        check_root(root)
+        uid = header.get("uid")  # a replica's carried binding (``Tenancy.carry``) comes back with it
+        if uid is not None and (type(uid) is not int or not 0 <= uid < 2**32 or source == SELF):
+            raise SpillError("malformed header")
+        if uid is not None and self.bound_uid(root) not in (None, uid):
+            raise SpillError(f"it carries {root} bound to uid {uid}; this daemon binds it to another")
+        expected = check_objects(step, kind, header["objects"])
+        if len(expected) != len(bufs):
+            raise SpillError("an object is named twice")
+        objects = dict(zip(expected, bufs, strict=True))
+        bad = [k for k, (_, crc) in expected.items() if crc32c(objects[k]) != crc]
+        if bad:
+            raise SpillError(f"{len(bad)} objects fail their crc32c, e.g. {bad[0]!r}")
+        if kind == MEMORY_ONLY:
+            _check_part(root, step, attempt, rank, objects)
+        objects = {k: seal(b) for k, b in objects.items()}
+        c = Copy(root, step, attempt, source, rank, objects=objects, kind=kind, complete=True, spill_name=name, uid=uid)
+        c.bytes, c.spilled = sum(s for s, _ in expected.values()), True
+        c.charged = sum(charge(s, len(k)) for k, (s, _) in expected.items())
+        if not self.staging.reserve(c.charged):
+            raise SpillError(f"its {c.charged} bytes do not fit the staging budget")
+        return c
 
     # ----------------------------------------------------------------------------- serving
 
@@ -641,6 +748,7 @@ class Tiers(Replication):
                 g["ranks"] = sorted(g["ranks"] + d["ranks"])
                 g["bytes"] += d["bytes"]
                 g["objects"] += d["objects"]
+                g["spilled"] = g["spilled"] and d["spilled"]
                 g.get("keys", {}).update(d.get("keys", {}))
                 for peer, how in d["replicated_to"].items():
                     if g["replicated_to"].get(peer, "complete") == "complete":
@@ -662,6 +770,40 @@ class Tiers(Replication):
             "data": self.data_endpoint,
             **({"discovery": self.discovery.describe()} if self.discovery is not None else {}),
         }
+
+
+class _Held:
+    """Held objects (key -> buffer) as the one reader ``held_whole`` and ``check_meta`` need."""
+
+    def __init__(self, uri: str, objects: dict):
+        self.uri, self._objects = uri, objects
+
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        if key not in self._objects:
+            raise NotFoundError(f"{key} is not held")
+        return bytes(self._objects[key])
+
+
+def _check_part(root: str, step: int, attempt: str, rank: int, objects: dict) -> None:
+    """A rank's part of a memory-only step (a spill file's) against its own done record, as the
+    restore's ``held_whole`` reads it: every shard object it pins held at its pinned size, every
+    metadata object at its pinned sha256 (``pins.check_meta``); CheckpointError otherwise."""
+    prefix = f"{donetree.folder(step, attempt, 1, rank // donetree.FANOUT)}r{rank:06d}."
+    key = next((k for k in sorted(objects) if k.startswith(prefix)), None)
+    if key is None:
+        raise CheckpointError(f"rank {rank}'s part holds no done record of its rank")
+    try:
+        pins = Pins()
+        pins.add(json.loads(bytes(objects[key]))["pins"], f"step {step}", key)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"its done record is unreadable ({e})") from None
+    folder = mf.step_dir(step)
+    for k, (size, _) in pins.shards.items():
+        if (buf := objects.get(f"{folder}/{k}")) is None or len(buf) != size:
+            raise CheckpointError(f"{k} (pinned by rank {rank}) is not held at its pinned size")
+    errors = check_meta(_Held(root, objects), step, pins, f"step {step} rank {rank}")
+    if errors:
+        raise CheckpointError(errors[0])
 
 
 def _drop(c: Copy) -> int:
