@@ -15,8 +15,8 @@ Commands on stdin, one JSON object per line; one JSON reply per line on stdout:
   (with ``"tensors": T``, a state of T tiny tensors instead: many small objects);
 * ``{"op": "lease"}``: the staging lease the open Checkpointer holds (id and folder);
 * ``{"op": "restore", "root": R}``: an in-process restore of R's latest step (through the daemon
-  ``daemon`` when the command names one): the step, a digest of the restored tensor and the
-  bytes it read from each tier (``last_restore_tiers``);
+  ``daemon`` when the command names one): the step and a digest of the restored tensor (with
+  ``"tiers": true``, also the bytes it read from each tier: ``last_restore_tiers``);
 * ``{"op": "http", "daemon": URL, "method": M, "path": P, "body": B}``: one request;
 * ``{"op": "quit"}``.
 """
@@ -55,12 +55,12 @@ def digest(st: dict) -> str:
     return hashlib.sha256(st["model"]["w"].contiguous().numpy().tobytes()).hexdigest()
 
 
-def restore(root: str, daemon: str | None = None) -> dict:
+def restore(root: str, daemon: str | None = None, tiers: bool = False) -> dict:
     target = {"model": {"w": torch.zeros(64, 32)}}
     with Checkpointer(root, daemon=daemon) as ckpt:
         step = ckpt.restore(target)
-        tiers = dict(ckpt.last_restore_tiers or {})
-    return {"step": step, "digest": digest(target) if step is not None else None, "tiers": tiers}
+        read = {"tiers": dict(ckpt.last_restore_tiers or {})} if tiers else {}
+    return {"step": step, "digest": digest(target) if step is not None else None} | read
 
 
 def drop_to(user: str) -> None:
@@ -100,7 +100,7 @@ def main() -> None:
                 stager = ckpt._stager
                 out = {"lease": stager.lease_id, "dir": str(stager._dir)}
             elif op == "restore":
-                out = restore(cmd["root"], cmd.get("daemon"))
+                out = restore(cmd["root"], cmd.get("daemon"), cmd.get("tiers", False))
             elif op == "http":
                 client = DaemonConnection(cmd["daemon"], daemon_token())
                 try:

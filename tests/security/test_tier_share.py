@@ -93,7 +93,7 @@ def test_a_tenant_flooding_the_tier_with_tiny_objects_leaves_the_others_their_sh
             assert not (roots[ALICE] / mf.step_dir(3)).exists(), why  # held in memory, never written
             assert [c["step"] for c in tiers["hot"] if c["root"].endswith(f"/{ALICE}")] == [2], why
             assert [p["step"] for p in tiers["memory_only"] if p["root"].endswith(f"/{ALICE}")] == [3], why
-            got = alice(op="restore", root=root, daemon=addr)
+            got = alice(op="restore", root=root, daemon=addr, tiers=True)
             assert got["step"] == 3 and got["digest"] == _expected(3), (got, why)
             assert got["tiers"].get("local", 0) > 0 and got["tiers"].get("root", 0) == 0, (got, why)
             # Bob held no more than his share, and the daemon said so once.
