@@ -105,6 +105,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="find the peers through _daemons/ records under the roots (with --advertise and a token; not --peers)",
     )
     p.add_argument("--replicas", type=int, metavar="K", help="peers each hot copy is pushed to (default 1; 0: none)")
+    p.add_argument(
+        "--tenant-share",
+        type=float,
+        metavar="F",
+        help="of the memory tier's objects and bytes one uid or peer may hold at most (default 0.5; 1: no limit)",
+    )
     p.add_argument("--no-tiers", action="store_true", help="keep no hot copy of committed steps in memory")
     p.add_argument(
         "--spill-dir",

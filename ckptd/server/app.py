@@ -548,6 +548,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     runner.tiers = tiers
     tiers.bound_uid, tenancy.carried = tenancy.bound_uid, tiers.carried  # bindings travel with replicas
+    tiers.share = settings.tenant_share
     tiers.peer_key = tenancy.peer_key = peer_key.encode() if peer_key else None
     if (settings.peers or settings.discover) and settings.tiers and peer_key is None:
         log.warning(
@@ -565,6 +566,8 @@ def create_app(settings: Settings) -> FastAPI:
     finder = _discovery(settings, roots, runner, tiers, peer_key or token)
     for name, (text, fn) in tiers.gauges().items():
         metrics.gauge(name, text, fn)
+    for name, (text, many) in tiers.origin_gauges().items():
+        metrics.labelled(name, text, "origin", many)
     _capacity(metrics)
     runner.recover()
     metrics.gauge("ckptd_queue_depth", "handed-off snapshots not yet uploaded", lambda: runner.queue_depth)

@@ -35,6 +35,7 @@ from ckptd.server.roots import RootError, Roots
 from ckptd.server.settings import Settings
 from ckptd.server.shared_claim import SharedClaim
 from ckptd.server.staging import Lease, LeaseBusy, Staging
+from ckptd.server.tiers import origin_of
 from storage_backends import StorageError, Store
 from storage_backends.base import data_size
 
@@ -323,7 +324,7 @@ class Runner:
         job.state = "uploading"
         job.upload_started_at, job.bytes_uploaded = time.time(), 0
         on = self.tiers is not None and self.tiers.enabled
-        tee = self.tiers.recorder(job.root, job.step, job.attempt, job.rank) if on else None
+        tee = self.tiers.recorder(job.root, job.step, job.attempt, job.rank, origin=origin_of(job.uid)) if on else None
         store: Any = _Counted(self.store(job.root), job, tee)
         result, err = self._upload_with_retries(job, store, lease)
         if result is None:
@@ -346,7 +347,7 @@ class Runner:
             if t is None or not t.enabled:
                 raise CheckpointError("this daemon keeps no memory tier (--no-tiers): memory-only steps are refused")
             t.backpressure(job.root, job.step, job.rank, job.accepted_at + job.commit_timeout)
-            store = t.holder(job.root, job.step, job.attempt, job.rank)
+            store = t.holder(job.root, job.step, job.attempt, job.rank, origin_of(job.uid))
             part = load(job, lease.dir)
             try:
                 writer = job.writer or job.attempt

@@ -44,6 +44,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._c: dict[str, float] = dict.fromkeys(_HELP, 0.0)
         self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+        self._labelled: dict[str, tuple[str, str, Callable[[], dict[str, float]]]] = {}
 
     def inc(self, name: str, value: float = 1.0) -> None:
         with self._lock:
@@ -58,6 +59,10 @@ class Metrics:
     def gauge(self, name: str, help_text: str, fn: Callable[[], float]) -> None:
         self._gauges[name] = (help_text, fn)
 
+    def labelled(self, name: str, help_text: str, label: str, fn: Callable[[], dict[str, float]]) -> None:
+        """A gauge with one sample per ``label`` value (``fn`` bounds how many)."""
+        self._labelled[name] = (help_text, label, fn)
+
     def render(self) -> str:
         with self._lock:
             counters = dict(self._c)
@@ -66,7 +71,14 @@ class Metrics:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_num(counters[name])}"]
         for name, (text, fn) in self._gauges.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {_num(fn())}"]
+        for name, (text, label, many) in self._labelled.items():
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge"]
+            lines += [f'{name}{{{label}="{_label(k)}"}} {_num(v)}' for k, v in many().items()]
         return "\n".join(lines) + "\n"
+
+
+def _label(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _num(v: float) -> str:

@@ -37,6 +37,7 @@ from ckptd.errors import CheckpointError
 from ckptd.server import jobroots
 from ckptd.server.jobroots import JobRoots
 from ckptd.server.roots import RootError, normalize
+from ckptd.server.tiers import origin_of
 from storage_backends import NotFoundError, StorageError, Store
 
 __all__ = [
@@ -326,7 +327,10 @@ def visible_tiers(tenancy, caller, d: dict) -> dict:
     """``Tiers.describe``'s answer ``d`` with the copies of the roots ``caller`` may read only
     (``Tenancy.visible``); the last push failure, which names a root, to operators only."""
     d |= {k: tenancy.visible(caller, d[k]) for k in ("hot", "replicas", "memory_only")}
-    return d if caller.operator else d | {"last_push_failure": None}
+    if caller.operator:
+        return d
+    mine = origin_of(caller.uid)  # a tenant sees its own share of the tier, not its neighbours'
+    return d | {"last_push_failure": None, "origins": {k: v for k, v in d.get("origins", {}).items() if k == mine}}
 
 
 def collect(state, root: str | None, offset: int, limit: int, caller=None) -> dict:

@@ -26,7 +26,7 @@ from ckptd.daemon_conn import PEER_HEADER, peer_mac
 from ckptd.server.page_data import visible_tiers
 from ckptd.server.parts import MAX_NUMBER, Count, Rank, Step
 from ckptd.server.tenancy import Forbidden
-from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS, SELF
+from ckptd.server.tiers import MAX_BATCH_RANGES, MAX_OBJECTS, SELF, origin_of
 
 __all__ = ["BatchReadRequest", "PEER_WINDOW_S", "ReplicaRequest", "ReserveRequest", "RestoredReport", "peer_sender"]
 __all__ += ["router"]
@@ -163,8 +163,10 @@ def reserve(body: ReserveRequest, request: Request):
     # Room in the staging budget, for a root: the rule of a staging lease (``server.tenancy``),
     # else another local user could hold the budget or replace a tenant's reservation.
     tenancy = request.app.state.daemon.tenancy
-    tenancy.check_write(tenancy.caller(request.scope), root, bind=False)
-    ok = request.app.state.tiers.reserve(root, body.step, body.attempt, body.rank, body.bytes, body.objects)
+    who = tenancy.caller(request.scope)
+    tenancy.check_write(who, root, bind=False)
+    t = request.app.state.tiers
+    ok = t.reserve(root, body.step, body.attempt, body.rank, body.bytes, body.objects, origin_of(who.uid))
     return {"ok": ok}
 
 

@@ -59,6 +59,7 @@ class Copy:
     attempt: str
     source: str  # "self" for this daemon's own copy, the pushing daemon's URL for a replica
     rank: int = 0
+    origin: str = ""  # whose share of the tier it takes (``Tiers.share``): "uid N", or the pushing peer
     objects: dict[str, Sealed | bytearray] = field(default_factory=dict)  # sealed once complete (``sealed``)
     expected: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica: key -> (size, crc32c)
     filled: dict[str, int] = field(default_factory=dict)  # replica: bytes received per key
@@ -245,6 +246,8 @@ class Replication:
         total = sum(charge(s, len(k)) for k, (s, _) in expected.items())
         self._expire_incoming()
         what = (kind, root, step)
+        if self.over_share(source, len(expected), total):
+            return ""
         if not self.staging.reserve(total):
             self.count("degraded")
             log.warning(
@@ -255,7 +258,7 @@ class Replication:
             )
             return ""
         rid = uuid.uuid4().hex
-        c = Copy(root, step, attempt, source, ranks[0], expected=expected, kind=kind, charged=total, uid=uid)
+        c = Copy(root, step, attempt, source, ranks[0], source, expected=expected, kind=kind, charged=total, uid=uid)
         c.bytes = sum(s for s, _ in expected.values())
         try:
             c.objects = {k: new_buffer(s) for k, (s, _) in expected.items()}

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -77,7 +78,7 @@ from storage_backends.base import (
 )
 
 __all__ = ["Copy", "KEEP_STEPS", "MAX_BATCH_BYTES", "MAX_BATCH_RANGES", "MAX_OBJECTS", "PIECE_BYTES"]
-__all__ += ["RESERVE_TTL_S", "SELF", "Tiers", "replica_targets"]
+__all__ += ["ORIGIN_LABELS", "RESERVE_TTL_S", "SELF", "TENANT_SHARE", "Tiers", "origin_of", "replica_targets"]
 
 log = logging.getLogger("ckptd.tiers")
 
@@ -86,6 +87,8 @@ MAX_BATCH_RANGES = 4096  # ranges in one batched tier read at most
 KEEP_STEPS = {HOT: 1, MEMORY_ONLY: 2}  # steps kept per (root, kind, source): ``_retain``
 RESERVE_TTL_S = 600.0  # a memory-only reservation whose hand-off never came is released after this
 SELF = "self"  # the source of this daemon's own copies
+TENANT_SHARE = 0.5  # of the tier's objects and bytes one origin may hold at most (``--tenant-share``)
+ORIGIN_LABELS = 16  # origins /metrics names one by one (the most bytes first); the rest are "other"
 # Metric -> (the counter of ``Tiers.counters`` it shows, its help); ``replicas_received`` has none.
 COUNTED = {
     "ckptd_tier_degraded_total": ("degraded", "copies not kept or dropped for room (budget, descriptors or mappings)"),
@@ -94,6 +97,10 @@ COUNTED = {
         "memory-only saves that did not fit and were persisted instead",
     ),
     "ckptd_tier_parts_held_total": ("parts_held", "ranks' parts of memory-only steps held"),
+    "ckptd_tier_over_share_total": (
+        "over_share",  # ``over_share``
+        "copies, parts, replicas and reservations refused because their origin held its share of the tier",
+    ),
     "ckptd_tier_replicas_pushed_total": ("replicas_pushed", "copies pushed to a peer (either kind)"),
     "ckptd_tier_replica_push_failures_total": ("replica_push_failures", "replica pushes that failed"),
     "ckptd_tier_backpressure_seconds_total": (
@@ -119,6 +126,12 @@ COUNTED = {
 }
 
 Key = tuple[str, int, str, int, str]  # (root, step, attempt, rank, source)
+
+
+def origin_of(uid: int | None) -> str:
+    """The origin an own copy counts against (``Tiers.share``): the uid that handed it off (the
+    kernel's word on the Unix socket), or "local" (a trusted TCP caller, or in-process)."""
+    return "local" if uid is None else f"uid {uid}"
 
 
 class Tiers(Replication):
@@ -155,7 +168,10 @@ class Tiers(Replication):
         self._queued: set[Copy] = set()  # copies handed to a push thread that has not named their peers
         self._held: dict[Key, Copy] = {}  # own copies (filling or complete) and complete replicas
         self._incoming: dict[str, Copy] = {}  # replicas being received, by id
-        self._reserved: dict[tuple[str, int, str, int], tuple[int, float, int]] = {}  # -> (bytes, when, objects)
+        # (root, step, attempt, rank) -> (bytes, when, objects, origin)
+        self._reserved: dict[tuple[str, int, str, int], tuple[int, float, int, str]] = {}
+        self.share = TENANT_SHARE  # of the tier's objects and bytes one origin may hold (``over_share``)
+        self._over: set[str] = set()  # origins refused for their share (logged once each)
         self.unreachable: dict[str, dict] = {}  # peer -> {time, error}: no answer to its last push or challenge
         self.last_push_failure: dict | None = None  # {time, error} of the last failed push
         self.counters = dict.fromkeys([*(name for name, _ in COUNTED.values()), "replicas_received"], 0)
@@ -193,6 +209,82 @@ class Tiers(Replication):
             ),
             "ckptd_tier_replicas": ("complete replicas held (one per peer's step, of either kind)", replicas),
         } | {metric: (text, lambda n=name: float(self.counters[n])) for metric, (name, text) in COUNTED.items()}
+
+    def origin_gauges(self) -> dict[str, tuple[str, Callable[[], dict[str, float]]]]:
+        """Metric name -> (help, origin -> value) for ``Metrics.labelled``: what each origin
+        holds (``usage``), the ``ORIGIN_LABELS`` origins that hold the most budget by name and
+        the rest summed as "other", so a flood of uids or peers cannot grow the scrape."""
+
+        def by(field: str) -> Callable[[], dict[str, float]]:
+            def fn() -> dict[str, float]:
+                u = sorted(self.usage().items(), key=lambda kv: (-kv[1]["charged"], kv[0]))
+                out = {o: float(v[field]) for o, v in u[:ORIGIN_LABELS]}
+                if rest := u[ORIGIN_LABELS:]:
+                    out["other"] = float(sum(v[field] for _, v in rest))
+                return out
+
+            return fn
+
+        return {
+            "ckptd_tier_origin_objects": ("objects of the memory tier each origin (uid or peer) holds", by("objects")),
+            "ckptd_tier_origin_bytes": ("budget bytes each origin (uid or peer) holds in the tier", by("charged")),
+        }
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Origin -> {"objects", "bytes" (held), "charged" (of the staging budget, reservations
+        included)}: what each origin holds of the tier, counted from the table itself."""
+        with self._lock:
+            return self._tally()
+
+    def _tally(self) -> dict[str, dict[str, int]]:
+        """Under the lock: ``usage``."""
+        out: dict[str, dict[str, int]] = {}
+
+        def add(origin: str, objects: int, nbytes: int, charged: int) -> None:
+            u = out.setdefault(origin, dict.fromkeys(("objects", "bytes", "charged"), 0))
+            u["objects"], u["bytes"], u["charged"] = u["objects"] + objects, u["bytes"] + nbytes, u["charged"] + charged
+
+        for c in [*self._held.values(), *self._incoming.values()]:
+            if not c.dropped:
+                add(c.origin, len(c.objects), c.bytes, c.charged)
+        for n, _, objects, origin in self._reserved.values():
+            add(origin, objects, 0, n)
+        return out
+
+    def over_share(self, origin: str, objects: int, nbytes: int) -> bool:
+        """Whether ``objects`` more objects and ``nbytes`` more budget bytes would take ``origin``
+        past its share of the tier: ``share`` of the objects the daemon's limits let it hold
+        (``server.capacity``) and of the staging budget. A tenant that fills the tier with tiny
+        objects then only fills its own share: its own copies are not kept (or persisted
+        instead), never another origin's. Counted each time, logged the first time per origin."""
+        if self.share >= 1:
+            return False
+        room = capacity.room()
+        cap = None if room is None else room + capacity.describe()["held"]
+        with self._lock:
+            u = self._tally().get(origin, {"objects": 0, "charged": 0})
+            held, charged = u["objects"], u["charged"]
+            why = []
+            if cap is not None and held + objects > self.share * cap:
+                why.append(f"{held} objects held, {objects} more, of the {int(self.share * cap)} its share allows")
+            if charged + nbytes > self.share * self.staging.budget:
+                why.append(f"{charged} bytes held, {nbytes} more, of {int(self.share * self.staging.budget)}")
+            if not why:
+                return False
+            first = origin not in self._over
+            if first and len(self._over) >= 4096:  # uids and peers: few, but the set stays bounded
+                self._over.clear()
+            self._over.add(origin)
+            self.counters["over_share"] += 1
+        if first:
+            log.warning(
+                "memory tier: %s holds its share of the tier (%s, --tenant-share %g): "
+                "its further copies are not kept, its memory-only steps persisted instead",
+                origin,
+                "; ".join(why),
+                self.share,
+            )
+        return True
 
     def restored(self, local: int, peer: int, root: int) -> None:
         """A rank reports what its restore read from each tier."""
@@ -311,8 +403,11 @@ class Tiers(Replication):
 
     # ------------------------------------------------------------------ own copies: the tee
 
-    def recorder(self, root: str, step: int, attempt: str, rank: int, kind: str = HOT) -> Callable[[str, object], None]:
-        """The upload tee: a function the write path calls with every (key, data) it put. A hot
+    def recorder(
+        self, root: str, step: int, attempt: str, rank: int, kind: str = HOT, origin: str = "local"
+    ) -> Callable[[str, object], None]:
+        """The upload tee: a function the write path calls with every (key, data) it put, for
+        ``origin`` (``origin_of`` the uid that handed it off: whose share it takes). A hot
         copy takes the step's shard objects, and a copy that does not fit is dropped for the
         whole (root, step, attempt) on this node (never a failed save); a memory-only part takes
         every object of the step's folder, and a put that cannot be held raises CheckpointError."""
@@ -322,7 +417,7 @@ class Tiers(Replication):
             c = self._held.get(k)
             if c is None or c.complete or c.kind != kind:  # a retried upload reuses its copy
                 old = [self._held.pop(k)] if c is not None else []
-                c = self._held[k] = Copy(root, step, attempt, SELF, rank=rank, kind=kind)
+                c = self._held[k] = Copy(root, step, attempt, SELF, rank=rank, kind=kind, origin=origin)
                 c.degraded = kind == HOT and any(x.degraded for x in self._group(root, step, attempt))
         self._release(old)
         prefix = f"{mf.step_dir(step)}/" + (f"{mf.ARRAYS}/" if kind == HOT else "")
@@ -363,6 +458,8 @@ class Tiers(Replication):
             if c.degraded or c.dropped:  # a hot copy not kept: its puts go nowhere
                 return None
         self._forget(c, key)  # a retried put
+        if self.over_share(c.origin, 1, cost):
+            return f"{c.origin} holds its share of the tier (--tenant-share {self.share:g})"
         if not self.staging.reserve(cost):
             return f"{cost} more bytes do not fit the staging budget"
         try:
@@ -487,11 +584,11 @@ class Tiers(Replication):
             finally:
                 self.counters["backpressure_seconds"] += time.monotonic() - t0 if waited else 0
 
-    def holder(self, root: str, step: int, attempt: str, rank: int) -> Store:
-        """The store rank's part of memory-only (root, step, attempt) is written into (its
-        reservation is released: each put now holds its own bytes)."""
+    def holder(self, root: str, step: int, attempt: str, rank: int, origin: str = "local") -> Store:
+        """The store rank's part of memory-only (root, step, attempt) is written into, for
+        ``origin`` (its reservation is released: each put now holds its own bytes)."""
         self.release_reservation(root, step, attempt, rank)
-        tee = self.recorder(root, step, attempt, rank, MEMORY_ONLY)
+        tee = self.recorder(root, step, attempt, rank, MEMORY_ONLY, origin)
         with self._lock:
             c = self._held[(root, step, attempt, rank, SELF)]
         return _Holding(self, c, tee)
@@ -522,18 +619,21 @@ class Tiers(Replication):
         self.spill_later(c)
         self.push_later([c])
 
-    def reserve(self, root: str, step: int, attempt: str, rank: int, nbytes: int, objects: int = 0) -> bool:
+    def reserve(
+        self, root: str, step: int, attempt: str, rank: int, nbytes: int, objects: int = 0, origin: str = "local"
+    ) -> bool:
         """Hold ``nbytes`` for rank's part of a memory-only step before its hand-off; False (and
         counted, logged) when it does not fit the staging budget, or its ``objects`` do not fit
-        what the daemon's descriptors and mappings let the tier hold (``server.capacity``): the
-        job then persists the step instead, rather than failing the save at hold time. Each object
-        is charged its minimum too (``charge``): zero-byte objects are not free."""
+        what the daemon's descriptors and mappings let the tier hold (``server.capacity``), or
+        ``origin`` (``origin_of`` the caller) would pass its share (``over_share``): the job then
+        persists the step instead, rather than failing the save at hold time. Each object is
+        charged its minimum too (``charge``): zero-byte objects are not free."""
         nbytes += charge(0, 0, objects)  # at least what its puts take, keys aside
         now, mine = time.monotonic(), (root, step, attempt, rank)
         with self._lock:  # this part's earlier reservation, and those whose hand-off never came, go
-            old = [k for k, (_, t, _) in self._reserved.items() if k == mine or now - t > RESERVE_TTL_S]
+            old = [k for k, (_, t, _, _) in self._reserved.items() if k == mine or now - t > RESERVE_TTL_S]
             freed = sum(self._reserved.pop(k)[0] for k in old)
-            pending = sum(n for _, _, n in self._reserved.values())  # objects other reservations hold
+            pending = sum(n for _, _, n, _ in self._reserved.values())  # objects other reservations hold
         if freed:
             self.staging.unreserve(freed)
         room = capacity.room()
@@ -544,8 +644,13 @@ class Tiers(Replication):
             why = f"its {objects} objects do not fit the {max(0, room - pending)} the daemon's limits leave"
         elif not self.staging.reserve(nbytes):
             why = "it does not fit the staging budget"
+        elif self.over_share(origin, objects, nbytes):  # logged there, once per origin
+            self.staging.unreserve(nbytes)
+            why = ""
         if why is not None:
             self.count("persisted_instead")
+            if not why:
+                return False
             log.warning(
                 "memory-only step %d of %s (rank %d, %d bytes): %s: the step is persisted to the job root instead",
                 step,
@@ -556,7 +661,7 @@ class Tiers(Replication):
             )
             return False
         with self._lock:
-            self._reserved[mine] = (nbytes, time.monotonic(), objects)
+            self._reserved[mine] = (nbytes, time.monotonic(), objects, origin)
         return True
 
     def release_reservation(self, root: str, step: int, attempt: str, rank: int) -> int:
@@ -577,7 +682,7 @@ class Tiers(Replication):
                 return
             c.spill_name = name = self.spill.new_name()
             objects = list(c.objects.items())  # the buffers live on if ``c`` is dropped meanwhile
-        header = {k: getattr(c, k) for k in ("root", "step", "attempt", "rank", "source", "kind", "uid")}
+        header = {k: getattr(c, k) for k in ("root", "step", "attempt", "rank", "source", "kind", "uid", "origin")}
 
         def write() -> None:
             if c.dropped:
@@ -645,6 +750,9 @@ class Tiers(Replication):
             raise SpillError("malformed header")
         if uid is not None and self.bound_uid(root) not in (None, uid):
             raise SpillError(f"it carries {root} bound to uid {uid}; this daemon binds it to another")
+        origin = header.get("origin", "") if source == SELF else source  # whose share it takes
+        if source == SELF and not (isinstance(origin, str) and re.fullmatch(r"uid \d{1,10}|local", origin)):
+            raise SpillError("malformed header")
         expected = check_objects(step, kind, header["objects"])
         if len(expected) != len(bufs):
             raise SpillError("an object is named twice")
@@ -655,7 +763,19 @@ class Tiers(Replication):
         if kind == MEMORY_ONLY:
             _check_part(root, step, attempt, rank, objects)
         objects = {k: seal(b) for k, b in objects.items()}
-        c = Copy(root, step, attempt, source, rank, objects=objects, kind=kind, complete=True, spill_name=name, uid=uid)
+        c = Copy(
+            root,
+            step,
+            attempt,
+            source,
+            rank,
+            objects=objects,
+            kind=kind,
+            complete=True,
+            spill_name=name,
+            uid=uid,
+            origin=origin,
+        )
         c.bytes, c.spilled = sum(s for s, _ in expected.values()), True
         c.charged = sum(charge(s, len(k)) for k, (s, _) in expected.items())
         if not self.staging.reserve(c.charged):
@@ -764,6 +884,8 @@ class Tiers(Replication):
             "replicas": [g for g in copies if g["source"] != SELF],
             "memory_only": sorted(parts, key=lambda p: (p["root"], p["step"], p["rank"], p["source"])),
             "reserved_bytes": self.staging.reserved_bytes,
+            "tenant_share": self.share,
+            **({"origins": self.usage()} if root is None else {}),  # each origin's share taken
             "unreachable": dict(self.unreachable),
             "push_failures": self.counters["replica_push_failures"],
             "last_push_failure": self.last_push_failure,

@@ -10,11 +10,13 @@ before it talks to the daemon. From there on the kernel sees a process of that u
 Commands on stdin, one JSON object per line; one JSON reply per line on stdout:
 
 * ``{"op": "open", "root": R, "daemon": URL}``: a ``Checkpointer(R, daemon=URL)`` (and
-  ``persist_every`` when the command names it);
-* ``{"op": "save", "step": N, "seed": S}``: save ``state(S)`` as step N and wait for its commit;
+  ``persist_every`` when the command names it), closing the one open before;
+* ``{"op": "save", "step": N, "seed": S}``: save ``state(S)`` as step N and wait for its commit
+  (with ``"tensors": T``, a state of T tiny tensors instead: many small objects);
 * ``{"op": "lease"}``: the staging lease the open Checkpointer holds (id and folder);
 * ``{"op": "restore", "root": R}``: an in-process restore of R's latest step (through the daemon
-  ``daemon`` when the command names one): the step and a digest of the restored tensor;
+  ``daemon`` when the command names one): the step and a digest of the restored tensor (with
+  ``"tiers": true``, also the bytes it read from each tier: ``last_restore_tiers``);
 * ``{"op": "http", "daemon": URL, "method": M, "path": P, "body": B}``: one request (with the
   ticket ``vouch`` when the command names one: ``X-Ckptd-Vouch``);
 * ``{"op": "data", "socket": PATH | "port": N, "request": H}``: one request ``H`` (the token
@@ -50,15 +52,21 @@ def state(seed: int) -> dict:
     return {"model": {"w": torch.randn(64, 32, generator=g)}}
 
 
+def tiny(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"t{i}": torch.randn(1, generator=g) for i in range(n)}}
+
+
 def digest(st: dict) -> str:
     return hashlib.sha256(st["model"]["w"].contiguous().numpy().tobytes()).hexdigest()
 
 
-def restore(root: str, daemon: str | None = None) -> dict:
+def restore(root: str, daemon: str | None = None, tiers: bool = False) -> dict:
     target = {"model": {"w": torch.zeros(64, 32)}}
     with Checkpointer(root, daemon=daemon) as ckpt:
         step = ckpt.restore(target)
-    return {"step": step, "digest": digest(target) if step is not None else None}
+        read = {"tiers": dict(ckpt.last_restore_tiers or {})} if tiers else {}
+    return {"step": step, "digest": digest(target) if step is not None else None} | read
 
 
 def data_read(cmd: dict) -> dict:
@@ -101,16 +109,19 @@ def main() -> None:
         op = cmd["op"]
         try:
             if op == "open":
+                if ckpt is not None:
+                    ckpt.close()
                 ckpt = Checkpointer(cmd["root"], daemon=cmd["daemon"], persist_every=cmd.get("persist_every", 1))
                 out = {"ok": True}
             elif op == "save":
-                ckpt.save(cmd["step"], state(cmd["seed"])).result(timeout=120)
+                st = tiny(cmd["tensors"], cmd["seed"]) if "tensors" in cmd else state(cmd["seed"])
+                ckpt.save(cmd["step"], st).result(timeout=120)
                 out = {"ok": True}
             elif op == "lease":
                 stager = ckpt._stager
                 out = {"lease": stager.lease_id, "dir": str(stager._dir)}
             elif op == "restore":
-                out = restore(cmd["root"], cmd.get("daemon"))
+                out = restore(cmd["root"], cmd.get("daemon"), cmd.get("tiers", False))
             elif op == "http":
                 client = DaemonConnection(cmd["daemon"], daemon_token())
                 client.vouch = cmd.get("vouch")

@@ -161,3 +161,98 @@ def test_a_deep_frame_before_auth_is_refused_cleanly(served):
     log = d.log_path.read_text()
     assert "Traceback" not in log and "RecursionError" not in log, d.logs()
     _answering(d, client)
+
+
+# Every numeric field of every route, each given each of these (-1 is legal for a range's start:
+# from the end, which then answers 404 for a key not held: still one clear 4xx).
+BAD_BODY = ("@huge", -1, "@nan", 2**64)
+BAD_QUERY = (HUGE, "-1", "nan", str(2**64))
+
+
+def _fields(root: str, lease: str) -> list[tuple[str, str, dict, str]]:
+    """(method, path, a valid body, the field to spoil: ``a.0.b`` for ``body["a"][0]["b"]``)."""
+    r = root
+    tier = {"root": r, "step": 1, "attempt": "a"}
+    job = {"lease": lease, "root": r, "step": 1, "attempt": "a", "rank": 0, "world_size": 1, "shards": []}
+    replica = tier | {"ranks": [0], "objects": [{"key": "step_00000001/arrays/k", "size": 1, "crc32c": 0}]}
+    out = [("POST", "/v1/tiers/restored", {"job_root": r, "restored_step": 1}, f) for f in ("local", "peer", "root")]
+    out += [("POST", "/v1/tiers/restored", {"job_root": r, "restored_step": 1}, "restored_step")]
+    out += [
+        ("POST", "/v1/leases", {"root": r, "rank": 0, "bytes": 1, "client": "x"}, f) for f in ("rank", "bytes", "want")
+    ]
+    out += [("POST", f"/v1/leases/{lease}/grow", {"bytes": 0}, f) for f in ("bytes", "want")]
+    out += [("POST", "/v1/jobs", job, f) for f in ("step", "rank", "world_size", "commit_timeout")]
+    out += [
+        ("POST", "/v1/tiers/reserve", tier | {"rank": 0, "bytes": 0}, f) for f in ("step", "rank", "bytes", "objects")
+    ]
+    ranges = tier | {"ranges": [{"key": "k", "start": 0, "length": 1}]}
+    out += [("POST", "/v1/tiers/read", ranges, f) for f in ("step", "ranges.0.start", "ranges.0.length")]
+    out += [
+        ("POST", "/v1/tiers/replicas", replica, f) for f in ("step", "ranks.0", "objects.0.size", "objects.0.crc32c")
+    ]
+    return out
+
+
+def _queries(root: str) -> list[tuple[str, str]]:
+    """(method, path with ``{v}`` where the number goes)."""
+    r = root
+    obj = f"/v1/tiers/object?root={r}&attempt=a&key=k"
+    return [
+        ("GET", f"/v1/tiers?root={r}&step={{v}}"),
+        ("GET", f"{obj}&step={{v}}&start=0&length=1"),
+        ("GET", f"{obj}&step=1&start={{v}}&length=1"),
+        ("GET", f"{obj}&step=1&start=0&length={{v}}"),
+        ("GET", f"/v1/checkpoints/{{v}}?root={r}"),
+        ("GET", f"/v1/job-roots?root={r}&offset={{v}}"),
+        ("GET", f"/v1/job-roots?root={r}&limit={{v}}"),
+        ("GET", "/v1/overview?offset={v}"),
+        ("GET", "/v1/overview?limit={v}"),
+        ("GET", "/v1/page?offset={v}"),
+        ("GET", "/v1/page?limit={v}"),
+        ("POST", f"/v1/page/verify?root={r}&step={{v}}"),
+        ("GET", "/v1/jobs?limit={v}"),
+        ("GET", "/v1/jobs/0123456789abcdef?wait={v}"),
+        ("PUT", "/v1/tiers/replicas/x?key=k&offset={v}"),
+    ]
+
+
+def _spoil(body: dict, field: str, value) -> dict:
+    body = json.loads(json.dumps(body))
+    *path, last = field.split(".")
+    at = body
+    for p in path:
+        at = at[int(p)] if p.isdigit() else at[p]
+    at[int(last) if last.isdigit() else last] = value
+    return body
+
+
+def test_every_numeric_field_refuses_huge_negative_nan_and_2_64(served):
+    d, client, root, sock = served
+    lease = client.post("/v1/leases", json={"root": root, "rank": 0, "bytes": 0, "client": "m"})
+    assert lease.status_code == 200, lease.text
+    accepted = []
+    for method, path, body, field in _fields(root, lease.json()["lease"]):
+        for bad in BAD_BODY:
+            got = client.request(method, path, **_json(_spoil(body, field, bad)))
+            if not 400 <= got.status_code < 500:
+                accepted.append((method, path, field, bad, got.status_code, got.text[:200]))
+    for method, path in _queries(root):
+        for bad in BAD_QUERY:
+            headers = {"X-Ckptd-Page": "1"} if "verify" in path else {}
+            got = client.request(method, path.format(v=bad), headers=headers, content=b"x" if method == "PUT" else None)
+            if not 400 <= got.status_code < 500:
+                accepted.append((method, path, bad[:20], got.status_code, got.text[:200]))
+    data = client.get("/v1/tiers").json()["data"]
+    ask = {"token": TOKEN, "op": "read", "root": root, "step": 1, "attempt": "a", "ranges": [["k", 0, 1]]}
+    for bad in (10**400, -1, float("nan"), 2**64):
+        for spoiled in ({**ask, "step": bad}, {**ask, "ranges": [["k", bad, 1]]}, {**ask, "ranges": [["k", 0, bad]]}):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(30)
+                s.connect(data["socket"])
+                send_frame(s, REQUEST, spoiled)
+                got = recv_frame(s, REPLY)
+                if got is None or not 400 <= got[0]["status"] < 500:
+                    accepted.append(("data path", str(bad)[:20], got))
+    assert not accepted, accepted
+    _answering(d, client)
+    assert "Traceback" not in d.log_path.read_text(), d.logs()

@@ -126,7 +126,8 @@ def test_two_replicas_of_one_root_carrying_other_uids_at_once_one_is_kept(tmp_pa
     jobs.mkdir()
     port = launch.free_port()
     url = f"http://127.0.0.1:{port}"
-    d = node(tmp_path, "b", f"file://{jobs}", port, [url], trust_tcp=False)
+    # Share 1: each replica names more objects than half the tier holds (``--tenant-share``).
+    d = node(tmp_path, "b", f"file://{jobs}", port, [url], trust_tcp=False, CKPTD_TENANT_SHARE="1")
     try:
         keys = [f"{mf.step_dir(3)}/o{i:05d}" for i in range(MAX_OBJECTS)]
         objects = [{"key": k, "size": 0, "crc32c": 0} for k in keys]

@@ -88,3 +88,28 @@ def test_held_and_replicated_zero_byte_objects_take_their_charge_and_give_it_bac
         assert staging.reserved_bytes == 0
     finally:
         staging.close()
+
+
+def test_a_peer_or_uid_past_its_share_is_refused_and_the_others_still_fit(tmp_path):
+    """``Tiers.over_share``: each origin holds at most ``share`` of the budget (and object cap)."""
+    staging = Staging(tmp_path / "staging", budget=BUDGET)
+    try:
+        tiers = Tiers(staging, [], None, 0, None)
+        big = [{"key": f"{mf.step_dir(2)}/state/o{i}", "size": BUDGET // 8, "crc32c": 0} for i in range(3)]
+        rid = tiers.begin_replica("file:///job", 2, "a", "http://peer", [0], big, kind="memory_only")
+        assert rid  # 3/8 of the budget: within the peer's half
+        more = [{"key": f"{mf.step_dir(3)}/state/o{i}", "size": BUDGET // 8, "crc32c": 0} for i in range(2)]
+        assert tiers.begin_replica("file:///job", 3, "a", "http://peer", [0], more, kind="memory_only") == ""
+        assert tiers.counters["over_share"] == 1
+        # another origin (a uid handing off on this node) still has its own half
+        assert tiers.reserve("file:///mine", 5, "a", 0, 3 * BUDGET // 8, 3, origin="uid 1002") is True
+        assert tiers.reserve("file:///mine", 6, "a", 0, BUDGET // 4, 2, origin="uid 1002") is False
+        usage = tiers.usage()
+        assert usage["http://peer"]["bytes"] == 3 * (BUDGET // 8), usage
+        assert usage["uid 1002"]["objects"] == 3, usage
+        tiers.release_reservation("file:///mine", 5, "a", 0)
+        assert tiers.begin_replica("file:///job", 3, "a", "http://peer", [0], more, kind="memory_only") == ""
+        tiers.share = 1.0  # --tenant-share 1: no per-origin limit, the budget alone
+        assert tiers.begin_replica("file:///job", 3, "a", "http://peer", [0], more, kind="memory_only")
+    finally:
+        staging.close()

@@ -124,6 +124,7 @@ def test_a_lease_reclaims_the_tiers_memory(tmp_path):
     staging = Staging(tmp_path / "staging", budget=1000)
     try:
         tiers = Tiers(staging, [], None, 0, None)
+        tiers.share = 1.0  # one origin, 60% of the budget: the reclaim rule alone (--tenant-share 1)
         tee = tiers.recorder("file:///job", 5, "att", 0)
         tee("step_0000000005/arrays/w/c/0", b"x" * 600)
         tee("step_0000000005/manifest.json", b"{}")  # not a shard object: not copied
