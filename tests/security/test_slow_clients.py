@@ -66,10 +66,10 @@ def test_half_open_connections_do_not_starve_health_checks_or_hand_offs(tmp_path
         socks = _flood(d.port, FLOOD)
         with urllib.request.urlopen(d.url + "/healthz", timeout=30) as r:
             assert r.status == 200
-        with Checkpointer(root + "/run", daemon=d.url) as ck:
+        with Checkpointer(root + "/run", daemon=d.socket_url) as ck:
             assert ck.save(1, small_state(1)).result().committed_here
         socks += _flood(d.port, FLOOD)  # a second wave, while the trainer's connection is known
-        with Checkpointer(root + "/run", daemon=d.url) as ck:
+        with Checkpointer(root + "/run", daemon=d.socket_url) as ck:
             assert ck.save(2, small_state(2)).result().committed_here
         assert catalog.committed_steps(open_store(root + "/run")) == [1, 2]
         # every flooding connection but at most CAP was closed by the daemon: evicted to make
