@@ -84,16 +84,16 @@ def _logs(out: Path, *daemons: Daemon) -> str:
     return launch.logs(out, "save_memory", 4) + "".join(f"\n--- {d.log_path.name} ---\n{d.logs()}" for d in daemons)
 
 
-def _setup(tmp_path: Path, trust_tcp: bool = True, **b_args):
-    """Two node daemons a and b (``b_args``: node b's own options) with a token file;
-    ``trust_tcp=False``: as the docs run them (trainers on each node's socket)."""
+def _setup(tmp_path: Path, **b_args):
+    """Two node daemons a and b (``b_args``: node b's own options) with a token file, as the docs
+    run them (trainers on each node's socket)."""
     (tmp_path / "token").write_text(TOKEN)
     os.chmod(tmp_path / "token", 0o600)
     root = f"file://{tmp_path / 'job'}"
     pa, pb = launch.free_port(), launch.free_port()
     urls = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
-    a = node(tmp_path, "a", root, pa, urls, trust_tcp=trust_tcp)
-    b = node(tmp_path, "b", root, pb, urls, trust_tcp=trust_tcp, **b_args)
+    a = node(tmp_path, "a", root, pa, urls)
+    b = node(tmp_path, "b", root, pb, urls, **b_args)
     return root, a, b, urls
 
 
@@ -292,7 +292,7 @@ def _restore_beside_a_silent_peer(tmp_path: Path, silence: str, last: int, every
     accepts, nothing answers) or "mute" (b gone, a listener on its port that accepts and never
     answers). One rank then restores through a's socket, the tier's request timeout at an hour.
     Returns its result and how often its log says b gave no answer."""
-    root, a, b, urls = _setup(tmp_path, trust_tcp=False)
+    root, a, b, urls = _setup(tmp_path)
     out = tmp_path / "out"
     mute = socket.socket()
     try:

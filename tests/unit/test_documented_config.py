@@ -42,9 +42,10 @@ def _uses(text: str) -> int:
     for i, t in enumerate(toks):
         if t.type == tokenize.STRING and t.string.strip("\"'") in FLAGS:
             n += 1
-        named = t.type == tokenize.NAME and t.string in KEYWORDS and i + 2 < len(toks)
-        if named and toks[i + 1].string in ("=", ":") and toks[i + 2].string == "True":
-            n += 1
+        if t.type == tokenize.NAME and t.string in KEYWORDS:
+            rest = [x.string for x in toks[i + 1 : i + 8]]  # ``=True``, ``: bool = True``, ``=x or True``
+            value = rest[rest.index("=") + 1] if "=" in rest[:4] and rest.index("=") + 1 < len(rest) else None
+            n += value == "True"
     return n
 
 
@@ -78,5 +79,6 @@ def test_only_listed_files_turn_on_trust_tcp_or_insecure_no_auth():
 
 def test_the_scan_sees_each_spelling():
     code = 'a = ["serve", "--trust-tcp"]\nf(x, trust_tcp=True)\nd.insecure_no_auth = True\nb = "--insecure-no-auth"\n'
-    assert _uses(code) == 4
+    code += "def g(trust_tcp: bool = True): pass\n"
+    assert _uses(code) == 5
     assert _uses('"""mentions --trust-tcp in prose"""\nf(trust_tcp=False)\n# trust_tcp=True\n') == 0
