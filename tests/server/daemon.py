@@ -109,6 +109,8 @@ class Daemon:
             else:  # insecure_no_auth: only the tests of that mode ask for it
                 args += ["--insecure-no-auth"]
             env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            if self.token_file is None:  # no token at all: not the one the test's trainers read
+                env = {k: v for k, v in env.items() if k not in ("CKPTD_TOKEN_FILE", "CKPTD_TOKEN")}
             env.update({"CKPTD_SOCKET": str(self.socket), **self.env})
             with open(self.log_path, "a") as log:
                 self.proc = subprocess.Popen(
