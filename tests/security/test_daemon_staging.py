@@ -54,7 +54,8 @@ def _victim(tmp: Path) -> Path:
 # ------------------------------------------------------------------------------------ item 3
 
 
-def test_serve_without_token_refuses_to_start(tmp_path):
+def test_serve_without_token_refuses_to_start(tmp_path, monkeypatch):
+    monkeypatch.delenv("CKPTD_TOKEN_FILE")  # no token file at all, not even in the environment
     p = cli("serve", "--root", tmp_path / "jobs", "--port", "1", "--staging-dir", tmp_path / "stg", timeout=60)
     line = assert_one_line_error(p, rc=(2,))
     assert "--token-file" in line and "--insecure-no-auth" in line

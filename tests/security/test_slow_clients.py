@@ -87,10 +87,11 @@ def test_half_open_connections_do_not_starve_health_checks_or_hand_offs(tmp_path
 def test_a_request_that_never_finishes_is_closed(tmp_path):
     d = Daemon([str(tmp_path / "jobs")], tmp_path / "staging", tmp_path / "daemon.log", CKPTD_REQUEST_TIMEOUT_S="1")
     with d:
+        auth = f"Authorization: Bearer {d.token}\r\n".encode()  # a caller with the token: no early 401
         for first in (
             b"",
             b"POST /v1/leases HTTP/1.1\r\nHost: x\r\n",
-            b"POST /v1/leases HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n{",
+            b"POST /v1/leases HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 9\r\n\r\n{",
         ):
             with socket.create_connection(("127.0.0.1", d.port), timeout=60) as s:
                 s.sendall(first)
