@@ -178,7 +178,7 @@ def test_ls_marks_memory_only_steps_whole_or_partial(tmp_path):
     c = _daemon(tmp_path, "c", root, pc, urls, CKPTD_REPLICAS="0")
     try:
         out = tmp_path / "out"
-        args = {"daemons": urls, "root": root, "last": 3, "persist_every": 2, "hang": False}
+        args = {"daemons": [a.socket_url, c.socket_url], "root": root, "last": 3, "persist_every": 2, "hang": False}
         procs = launch.spawn(2, "save_memory", args, out, {"CKPTD_TOKEN": TOKEN}, scenarios=MEMSTEPS)
         launch.wait(procs, out, "save_memory", timeout=600)
 
