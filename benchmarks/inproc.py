@@ -29,6 +29,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -109,7 +110,9 @@ def daemon_status() -> str | None:
 
 
 class Daemon:
-    """A ``ckptd serve`` subprocess on a free loopback port, with its own staging folder."""
+    """A ``ckptd serve`` subprocess on a free loopback port, with its own staging folder, as the
+    docs run it: a token file (the one ``CKPTD_TOKEN_FILE`` names, else a new one next to the log,
+    which this process's trainers then read) and the trainers on its Unix socket (``socket_url``)."""
 
     def __init__(self, root: str, log_path: str, budget: int):
         with socket.socket() as s:
@@ -119,9 +122,17 @@ class Daemon:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.dirname(root)
         self.staging = os.path.join(shm, f"ckptd-bench-{os.getpid()}-{self.port}")
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        if not os.environ.get("CKPTD_TOKEN_FILE"):
+            token = f"{log_path}-token"
+            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            os.environ["CKPTD_TOKEN_FILE"] = token
         code = "import sys; from ckptd.cli.main import main; sys.exit(main())"
-        args = ["serve", "--root", root, "--port", str(self.port), "--staging-dir", self.staging, "--insecure-no-auth"]
+        args = ["serve", "--root", root, "--port", str(self.port), "--staging-dir", self.staging]
+        args += ["--token-file", os.environ["CKPTD_TOKEN_FILE"]]
         args += ["--socket", f"{self.staging}/ckptd.sock"]  # not the machine's default socket
+        self.socket_url = f"unix://{self.staging}/ckptd.sock"
         args += ["--budget", str(budget), "--log-level", "warning"]
         self.proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -527,7 +538,7 @@ def run(
         if why is None:
             try:
                 daemon = Daemon(path("daemon_job"), path("daemon.log"), budget=3 * total + (256 << 20))
-                ckpts["daemon"] = Checkpointer(path("daemon_job"), daemon=daemon.url)
+                ckpts["daemon"] = Checkpointer(path("daemon_job"), daemon=daemon.socket_url)
                 systems.append(System("ckptd.daemon", "save", ckptd_save("daemon"), warm=True))
             except Exception as e:  # noqa: BLE001 - any failure of a component still being built
                 why = f"`ckptd serve` did not work: {type(e).__name__}: {e}"

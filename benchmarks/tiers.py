@@ -106,10 +106,10 @@ def _run_m(res: Results, size: int, reps: int, work: Path, m: int, sec: dict) ->
     }
     daemons = _daemons(work, args["disk_root"], size)
     try:
-        saved = dist.run(m, "benchmarks.tier_scenarios:save", work, daemon=daemons[0].url, **args)
+        saved = dist.run(m, "benchmarks.tier_scenarios:save", work, daemon=daemons[0].socket_url, **args)
         _wait_replica(daemons[1], 1)
         daemons[0].kill()
-        got = dist.run(m, "benchmarks.tier_scenarios:restore", work, daemon=daemons[2].url, reps=reps, **args)
+        got = dist.run(m, "benchmarks.tier_scenarios:restore", work, daemon=daemons[2].socket_url, reps=reps, **args)
     finally:
         for d in daemons:
             d.stop()
@@ -163,7 +163,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
     disk_root, dcp_dir = str(work / "root"), str(work / "dcp")
     daemons = _daemons(work, disk_root, size)
     try:
-        with Checkpointer(disk_root, daemon=daemons[0].url) as ck:
+        with Checkpointer(disk_root, daemon=daemons[0].socket_url) as ck:
             ck.save(1, state).result()
         _wait_replica(daemons[1], 1)
         daemons[0].kill()  # node a is lost; b holds its replica
@@ -174,8 +174,8 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
         s3_ck = Checkpointer(f"s3://{bucket}/job")
         s3_ck.save(1, state).result()
         dcp.save(st.dcp_state(model, optim), storage_writer=dcp.FileSystemWriter(dcp_dir))
-        peer_ck = Checkpointer(disk_root, daemon=daemons[2].url)
-        local_ck = Checkpointer(disk_root, daemon=daemons[1].url)  # a rank on node b, which holds it
+        peer_ck = Checkpointer(disk_root, daemon=daemons[2].socket_url)
+        local_ck = Checkpointer(disk_root, daemon=daemons[1].socket_url)  # a rank on node b, which holds it
         disk_ck = Checkpointer(disk_root)
         checked = {"peer_root_bytes": None}
 

@@ -90,6 +90,23 @@ def _own_daemon_socket(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest
     monkeypatch.setenv("CKPTD_SOCKET", str(base / uuid.uuid4().hex[:12] / "ckptd.sock"))
 
 
+@pytest.fixture(autouse=True)
+def _own_token_file(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every test's daemons (tests/server/daemon.py) start with ``--token-file``, the file
+    ``CKPTD_TOKEN_FILE`` names, and its trainers and CLI calls read the same file from their
+    environment: the docs' setup (README: the job script exports ``CKPTD_TOKEN_FILE``). A test of
+    a missing token removes the variable."""
+    from tests.server.daemon import TOKEN
+
+    folder = tmp_path_factory.getbasetemp() / "tokens" / uuid.uuid4().hex[:12]
+    folder.mkdir(mode=0o700, parents=True)
+    path = folder / "token"
+    path.write_text(TOKEN)
+    path.chmod(0o600)
+    monkeypatch.setenv("CKPTD_TOKEN_FILE", str(path))
+    monkeypatch.delenv("CKPTD_TOKEN", raising=False)
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """The endpoint URL. AWS_* variables point at it for the rest of the session."""

@@ -191,7 +191,7 @@ class Campaign:
         d = Daemon([root.uri], staging, log, upload_delay_s=0.05, **_daemon_env(root))
         d.start()
         try:
-            p, prog = self.trainer(root, 50, daemon=d.url)
+            p, prog = self.trainer(root, 50, daemon=d.socket_url)
             deadline = load.deadline(120)
             while not _progress(prog) and p.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.01)

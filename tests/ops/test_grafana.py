@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import pytest
 import yaml
 
@@ -61,10 +60,10 @@ def test_every_queried_metric_is_served(tmp_path):
     alerts = {r["alert"] for r in rules}
     assert {"CkptdNoCommit", "CkptdSaveFailed"} <= alerts
     root = str(tmp_path / "jobs")
-    with Daemon([root], tmp_path / "staging", tmp_path / "daemon.log") as d, httpx.Client(base_url=d.url) as c:
+    with Daemon([root], tmp_path / "staging", tmp_path / "daemon.log") as d, d.client() as c:
         types = _metric_types(c.get("/metrics").text)  # a fresh daemon: nothing saved yet
         assert d.metric("ckptd_last_commit_timestamp_seconds") == 0
-        _commit_once(d.url, root)
+        _commit_once(d.socket_url, root)
         wait_for(lambda: d.metric("ckptd_last_commit_timestamp_seconds") > 0, "the last-commit gauge", 30)
         assert d.metric("ckptd_save_staging_seconds_count") == 1
         assert d.metric("ckptd_handoff_to_commit_seconds_count") == 1

@@ -111,13 +111,16 @@ def test_operations_without_torch(venv, saved, tmp_path):
 
 def test_serve_without_torch(venv, saved, tmp_path):
     port = launch.free_port()
-    args = ["ckptd", "serve", "--root", saved[0], "--port", str(port), "--insecure-no-auth"]
+    args = ["ckptd", "serve", "--root", saved[0], "--port", str(port), "--token-file", os.environ["CKPTD_TOKEN_FILE"]]
     args += ["--staging-dir", str(tmp_path / "staging")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with open(tmp_path / "serve.log", "w") as log:
         proc = subprocess.Popen([str(venv / "bin" / args[0]), *args[1:]], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        url = f"http://127.0.0.1:{port}/v1/checkpoints"
+        token = Path(os.environ["CKPTD_TOKEN_FILE"]).read_text().strip()
+        url = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/checkpoints", headers={"Authorization": f"Bearer {token}"}
+        )
         deadline = load.deadline(120)
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()

@@ -98,7 +98,7 @@ def test_status_page_in_a_browser(tmp_path, browser):
         CKPTD_IO_THREADS="1",
     ) as d:
         try:
-            with httpx.Client(base_url=d.url, timeout=60) as c:
+            with d.client(timeout=60) as c:  # the failing hand-off: on the socket, as a trainer
                 evil_job = _failing_handoff(c, evil_root)
                 wait_for(
                     lambda: c.get(f"/v1/jobs/{evil_job}").json()["state"] == "failed", "the failure", 60, logs=d.logs
@@ -106,7 +106,7 @@ def test_status_page_in_a_browser(tmp_path, browser):
                 env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
                 with open(tmp_path / "saver.log", "w") as log:
                     saver = subprocess.Popen(
-                        [sys.executable, "-m", "tests.ops.saver", d.url, run, str(flags)],
+                        [sys.executable, "-m", "tests.ops.saver", d.socket_url, run, str(flags)],
                         env=env,
                         cwd=str(ROOT),
                         stdout=log,
@@ -125,6 +125,8 @@ def test_status_page_in_a_browser(tmp_path, browser):
 
                 page = browser.new_page(viewport={"width": 1280, "height": 1400})
                 page.goto(d.url + "/")
+                page.fill("#token", d.token)  # the page asks for the daemon's token once
+                page.click("#tokenform button[type=submit]")
                 page.wait_for_selector("#inflight tr.job")
                 # rows: steps 1-3 committed, step 4 partial (being written), newest good = 3
                 root_div = page.locator("div.root", has=page.locator("h3", has_text="run-1"))

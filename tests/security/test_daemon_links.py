@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import httpx
 import numpy as np
 import pytest
 
@@ -39,7 +38,7 @@ def test_a_link_below_the_served_root_is_refused_on_every_route(tmp_path):
     before = _tree(theirs)
     evil = f"{served}/link/theirjob"
     daemon = Daemon([str(served)], tmp_path / "staging", tmp_path / "daemon.log")
-    with daemon as d, httpx.Client(base_url=d.url, timeout=30, headers={"X-Ckptd-Page": "1"}) as c:
+    with daemon as d, d.client(headers={"X-Ckptd-Page": "1"}) as c:
         for r in (
             c.get("/v1/checkpoints", params={"root": evil}),
             c.get("/v1/checkpoints/1", params={"root": evil}),

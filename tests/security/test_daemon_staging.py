@@ -54,7 +54,8 @@ def _victim(tmp: Path) -> Path:
 # ------------------------------------------------------------------------------------ item 3
 
 
-def test_serve_without_token_refuses_to_start(tmp_path):
+def test_serve_without_token_refuses_to_start(tmp_path, monkeypatch):
+    monkeypatch.delenv("CKPTD_TOKEN_FILE")  # no token file at all, not even in the environment
     p = cli("serve", "--root", tmp_path / "jobs", "--port", "1", "--staging-dir", tmp_path / "stg", timeout=60)
     line = assert_one_line_error(p, rc=(2,))
     assert "--token-file" in line and "--insecure-no-auth" in line
@@ -62,7 +63,8 @@ def test_serve_without_token_refuses_to_start(tmp_path):
 
 
 def test_insecure_no_auth_logs_one_warning(tmp_path):
-    with Daemon([str(tmp_path / "jobs")], tmp_path / "stg", tmp_path / "d.log") as d:
+    # the mode under test: no token at all
+    with Daemon([str(tmp_path / "jobs")], tmp_path / "stg", tmp_path / "d.log", insecure_no_auth=True) as d:
         assert d.get("/v1/status")[0] == 200
     warnings = [line for line in d.logs().splitlines() if " WARNING " in line and "INSECURE" in line]
     assert len(warnings) == 1, d.logs()
@@ -74,7 +76,15 @@ def test_taken_port_is_one_line_exit_1(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         p = cli(
-            "serve", "--root", tmp_path / "j", "--port", port, "--insecure-no-auth", "--staging-dir", tmp_path / "stg"
+            "serve",
+            "--root",
+            tmp_path / "j",
+            "--port",
+            port,
+            "--token-file",
+            os.environ["CKPTD_TOKEN_FILE"],
+            "--staging-dir",
+            tmp_path / "stg",
         )
     line = assert_one_line_error(p, rc=(1,))
     assert "address already in use" in line.lower()
@@ -89,7 +99,8 @@ def test_staging_precreated_by_another_user_is_refused(tmp_path, shm_dir, attack
     staging = shm_dir / "ckptd"
     as_user(attacker, "mkdir", "-m", "0777", str(staging))
     as_user(attacker, "ln", "-s", str(victim), str(staging / "leases"))
-    p = cli("serve", "--root", tmp_path / "jobs", "--insecure-no-auth", "--staging-dir", staging, "--port", "0")
+    token = os.environ["CKPTD_TOKEN_FILE"]
+    p = cli("serve", "--root", tmp_path / "jobs", "--token-file", token, "--staging-dir", staging, "--port", "0")
     line = assert_one_line_error(p, rc=(2,))
     assert f"uid {attacker.pw_uid}" in line
     assert (victim / "precious" / "data.txt").read_text() == "keep me"
@@ -158,7 +169,7 @@ def test_metadata_swapped_for_environ_link_is_not_uploaded(tmp_path, shm_dir, at
         upload_delay_s=1.5,
         CKPTD_SECRET_FOR_TEST=secret,
     )
-    with d, httpx.Client(base_url=d.url, timeout=30) as c:
+    with d, d.client() as c:
         first, second = _lease(c, root), _lease(c, root)
         # Item 6: the lease folder and what is staged in it are private to the daemon's user.
         for lease in (first, second):
@@ -208,7 +219,7 @@ def test_client_never_writes_through_a_link_in_its_lease(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
     with Daemon([root], tmp_path / "stg", tmp_path / "d.log") as d:
-        ckpt = Checkpointer(root, daemon=d.url)
+        ckpt = Checkpointer(root, daemon=d.socket_url)
         try:
             ckpt.save(1, small_state(1)).result()
             staged = sorted((tmp_path / "stg" / "leases").glob("*/meta_*.bin"))

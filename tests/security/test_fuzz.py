@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -231,7 +230,7 @@ BODY = st.fixed_dictionaries(
 def test_daemon_bodies_never_5xx(daemon, path, body, raw):
     d, root = daemon
     body = {k: (root if v == "ROOT" else v) for k, v in body.items()}
-    with httpx.Client(base_url=d.url, timeout=30) as c:
+    with d.client() as c:
         if raw:
             r = c.post(path, content=json.dumps(body).encode()[::-1], headers={"content-type": "application/json"})
         else:
@@ -243,7 +242,7 @@ def test_daemon_bodies_never_5xx(daemon, path, body, raw):
 
 def test_daemon_deep_bodies_and_tampered_root(daemon):
     d, root = daemon
-    with httpx.Client(base_url=d.url, timeout=30) as c:
+    with d.client() as c:
         deep = "[" * 100_000 + "]" * 100_000
         r = c.post("/v1/jobs", content=deep, headers={"content-type": "application/json"})
         assert 400 <= r.status_code < 500, r.text

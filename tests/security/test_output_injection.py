@@ -74,9 +74,7 @@ def test_daemon_log_escapes_a_job_root_name(tmp_path):
     served = tmp_path / "jobs"
     root = f"{served}/run{EVIL}"
     with Daemon([str(served)], tmp_path / "staging", tmp_path / "daemon.log") as d:
-        import httpx
-
-        with httpx.Client(base_url=d.url, timeout=30) as c:
+        with d.client() as c:
             r = c.post("/v1/leases", json={"root": root, "rank": 0, "bytes": 64, "client": "t"})
             assert r.status_code == 200, r.text
             lease = r.json()

@@ -66,10 +66,10 @@ def test_half_open_connections_do_not_starve_health_checks_or_hand_offs(tmp_path
         socks = _flood(d.port, FLOOD)
         with urllib.request.urlopen(d.url + "/healthz", timeout=30) as r:
             assert r.status == 200
-        with Checkpointer(root + "/run", daemon=d.url) as ck:
+        with Checkpointer(root + "/run", daemon=d.socket_url) as ck:
             assert ck.save(1, small_state(1)).result().committed_here
         socks += _flood(d.port, FLOOD)  # a second wave, while the trainer's connection is known
-        with Checkpointer(root + "/run", daemon=d.url) as ck:
+        with Checkpointer(root + "/run", daemon=d.socket_url) as ck:
             assert ck.save(2, small_state(2)).result().committed_here
         assert catalog.committed_steps(open_store(root + "/run")) == [1, 2]
         # every flooding connection but at most CAP was closed by the daemon: evicted to make
@@ -87,10 +87,11 @@ def test_half_open_connections_do_not_starve_health_checks_or_hand_offs(tmp_path
 def test_a_request_that_never_finishes_is_closed(tmp_path):
     d = Daemon([str(tmp_path / "jobs")], tmp_path / "staging", tmp_path / "daemon.log", CKPTD_REQUEST_TIMEOUT_S="1")
     with d:
+        auth = f"Authorization: Bearer {d.token}\r\n".encode()  # a caller with the token: no early 401
         for first in (
             b"",
             b"POST /v1/leases HTTP/1.1\r\nHost: x\r\n",
-            b"POST /v1/leases HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n{",
+            b"POST /v1/leases HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 9\r\n\r\n{",
         ):
             with socket.create_connection(("127.0.0.1", d.port), timeout=60) as s:
                 s.sendall(first)

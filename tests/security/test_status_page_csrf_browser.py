@@ -40,7 +40,8 @@ def _serve(body: str) -> tuple[ThreadingHTTPServer, str]:
 
 def test_a_cross_origin_form_cannot_start_a_verify(tmp_path, browser):  # noqa: F811
     root = str(make_root(tmp_path / "jobs", steps=(1,)))
-    with Daemon([root], tmp_path / "staging", tmp_path / "daemon.log") as d:
+    # --insecure-no-auth: a cross-site form is the attack on a page without a token
+    with Daemon([root], tmp_path / "staging", tmp_path / "daemon.log", insecure_no_auth=True) as d:
         action = f"{d.url}/v1/page/verify?{urlencode({'root': root, 'step': 1})}"
         evil = (
             f'<html><body><form id="f" method="POST" action="{html.escape(action)}">'

@@ -28,7 +28,8 @@ def served(tmp_path):
     rec = json.loads(commit.read_text())
     rec.update(time="yesterday", bytes="lots")
     commit.write_text(json.dumps(rec))
-    with Daemon([str(good), str(bad)], tmp_path / "staging", tmp_path / "daemon.log") as d:
+    # --insecure-no-auth: the mode whose cross-site POSTs this checks (no token stops them)
+    with Daemon([str(good), str(bad)], tmp_path / "staging", tmp_path / "daemon.log", insecure_no_auth=True) as d:
         yield d, str(good), str(bad)
 
 

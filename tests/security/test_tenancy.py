@@ -411,7 +411,8 @@ def test_bad_bindings_stop_the_daemon_with_one_line(tmp_path):
     from tests.security.conftest import assert_one_line_error, cli
 
     staging = tmp_path / "stg"
-    base = ["serve", "--root", tmp_path / "jobs", "--insecure-no-auth", "--port", "0", "--staging-dir", staging]
+    token = os.environ["CKPTD_TOKEN_FILE"]
+    base = ["serve", "--root", tmp_path / "jobs", "--token-file", token, "--port", "0", "--staging-dir", staging]
     line = assert_one_line_error(cli(*base, "--bind", "no-user-here"), rc=(2,))
     assert "ROOT=USER" in line
     line = assert_one_line_error(cli(*base, "--bind", f"{tmp_path}/jobs=no-such-user-xyz"), rc=(2,))

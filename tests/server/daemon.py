@@ -23,10 +23,13 @@ SCENARIOS = "tests.server.daemon_scenarios"
 
 
 class Daemon:
-    """``ckptd serve`` in a subprocess. ``env`` adds ``CKPTD_*`` settings. Stopped by its pid,
-    never by name. ``trust_tcp``: with a token, lease and hand-off routes over TCP need
-    ``--trust-tcp`` (one trusted party, as these tests are); the tenancy tests turn it off and
-    reach the daemon through ``socket_url``. Faults, read at each ``start``: ``upload_delay_s``,
+    """``ckptd serve`` in a subprocess, as the docs run it: ``--token-file`` (``token_file``, else
+    the file ``CKPTD_TOKEN_FILE`` names, which tests/conftest.py gives every test, so its trainers
+    read the same token as the docs' job script does), its own Unix socket (``socket_url``: leases
+    and hand-offs go there), no ``--trust-tcp``. ``env`` adds ``CKPTD_*`` settings. Stopped by its
+    pid, never by name. ``trust_tcp=True`` (``--trust-tcp``) and ``insecure_no_auth=True`` (no
+    token) are for the tests of those modes only (tests/unit/test_documented_config.py lists
+    them). Faults, read at each ``start``: ``upload_delay_s``,
     each shard put into a job root sleeps that long first (a test kills the daemon mid-upload);
     ``tier_delay_s``, each read of its memory tier sleeps first (a slow peer); ``push_delay``
     (step, seconds), each push of that step's copies to a peer sleeps first (a replica in
@@ -40,7 +43,8 @@ class Daemon:
         log: Path,
         *,
         token_file: Path | None = None,
-        trust_tcp: bool = True,
+        trust_tcp: bool = False,
+        insecure_no_auth: bool = False,
         preexec_fn=None,
         upload_delay_s: float = 0.0,
         tier_delay_s: float = 0.0,
@@ -52,11 +56,16 @@ class Daemon:
         self.roots, self.staging, self.log_path = roots, staging, log
         self.upload_delay_s, self.tier_delay_s, self.push_delay = upload_delay_s, tier_delay_s, push_delay
         self.preexec_fn = preexec_fn  # run in the child before exec (e.g. lower its rlimits)
-        self.token_file = token_file
+        self.token_file = None if insecure_no_auth else (token_file or default_token_file(log))
         self.trust_tcp = trust_tcp
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.port = 0
+
+    @property
+    def token(self) -> str | None:
+        """The bearer token the daemon was started with (None: ``insecure_no_auth``)."""
+        return None if self.token_file is None else Path(self.token_file).read_text().strip()
 
     @property
     def url(self) -> str:
@@ -97,9 +106,11 @@ class Daemon:
                 args += ["--token-file", str(self.token_file)]
                 if self.trust_tcp:
                     args += ["--trust-tcp"]
-            else:  # loopback, one user: the tests' own choice, made explicit as the CLI requires
+            else:  # insecure_no_auth: only the tests of that mode ask for it
                 args += ["--insecure-no-auth"]
             env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            if self.token_file is None:  # no token at all: not the one the test's trainers read
+                env = {k: v for k, v in env.items() if k not in ("CKPTD_TOKEN_FILE", "CKPTD_TOKEN")}
             env.update({"CKPTD_SOCKET": str(self.socket), **self.env})
             with open(self.log_path, "a") as log:
                 self.proc = subprocess.Popen(
@@ -143,22 +154,40 @@ class Daemon:
             return self.log_path.read_text()[-6000:]
         return ""
 
-    def get(self, path: str, token: str | None = None) -> tuple[int, object]:
-        req = urllib.request.Request(self.url + path)
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
-        try:
-            with urllib.request.urlopen(req, timeout=scaled(10)) as r:
-                body = r.read()
-                status = r.status
-        except urllib.error.HTTPError as e:
-            body, status = e.read(), e.code
+    def client(self, timeout: float = 30, token: str | None = "", headers: dict | None = None, **kw):
+        """An ``httpx.Client`` on the daemon's socket with its token (``token``: another one; None:
+        none): how a trainer on its node calls it (leases and hand-offs need the socket)."""
+        import httpx
+
+        token = self.token if token == "" else token
+        headers = ({"Authorization": f"Bearer {token}"} if token else {}) | (headers or {})
+        transport = httpx.HTTPTransport(uds=str(self.socket))
+        return httpx.Client(base_url="http://ckptd", transport=transport, headers=headers, timeout=timeout, **kw)
+
+    def get(self, path: str, token: str | None = "", tcp: bool = False) -> tuple[int, object]:
+        """GET on the daemon's socket, as an operator on its node (``tcp``: its port, a caller
+        the kernel does not name) with its token (``token``: another one; None: none)."""
+        token = self.token if token == "" else token
+        if tcp:
+            req = urllib.request.Request(self.url + path)
+            if token:
+                req.add_header("Authorization", f"Bearer {token}")
+            try:
+                with urllib.request.urlopen(req, timeout=scaled(10)) as r:
+                    body = r.read()
+                    status = r.status
+            except urllib.error.HTTPError as e:
+                body, status = e.read(), e.code
+        else:
+            with self.client(timeout=scaled(10), token=token) as c:
+                r = c.get(path)
+                body, status = r.content, r.status_code
         try:
             return status, json.loads(body)
         except ValueError:
             return status, body.decode()
 
-    def metric(self, name: str, token: str | None = None) -> float:
+    def metric(self, name: str, token: str | None = "") -> float:
         status, text = self.get("/metrics", token)
         assert status == 200, text
         for line in str(text).splitlines():
@@ -171,6 +200,21 @@ class Daemon:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+TOKEN = "harness-token-of-this-test-0123456789abcdef"  # what default_token_file writes
+
+
+def default_token_file(log: Path) -> Path:
+    """The token file of the docs' setup: the one ``CKPTD_TOKEN_FILE`` names (tests/conftest.py
+    makes one per test; trainers read it from their environment as the docs' job script sets
+    it), else (a benchmark run outside pytest) a new one next to ``log``, 0600."""
+    if os.environ.get("CKPTD_TOKEN_FILE"):
+        return Path(os.environ["CKPTD_TOKEN_FILE"])
+    path = log.with_name(f"{log.stem}-token")
+    path.write_text(TOKEN)
+    os.chmod(path, 0o600)
+    return path
 
 
 PEER_KEY = "peer-key-of-the-test-ring-0123456789abcdef"  # the daemons' own key: no trainer holds it
@@ -192,21 +236,21 @@ def node(
     peers: list[str],
     preexec_fn=None,
     tier_delay_s: float = 0.0,
-    trust_tcp: bool = True,
+    trust_tcp: bool = False,
     push_delay: tuple[int, float] | None = None,
     no_backpressure: bool = False,
     **env: str,
 ) -> Daemon:
     """A started daemon playing node ``name`` of a memory-tier test: its own staging folder and
-    log under ``tmp``, the token in ``tmp/token``, the peer key in ``tmp/peer-key``
+    log under ``tmp``, the token in ``tmp/token`` (else ``default_token_file``'s), the peer key in ``tmp/peer-key``
     (``peer_key_file``), the ring ``peers`` and its own URL advertised; ``tier_delay_s``,
-    ``push_delay``, ``no_backpressure``: test doubles (``Daemon``). ``trust_tcp=False``: as the docs run it, trainers
-    reach it on its socket only."""
+    ``push_delay``, ``no_backpressure``: test doubles (``Daemon``). As the docs run it: trainers reach it on its
+    socket only (``trust_tcp=True`` for the tests of that mode)."""
     d = Daemon(
         [root],
         tmp / f"staging-{name}",
         tmp / f"{name}.log",
-        token_file=tmp / "token",
+        token_file=tmp / "token" if (tmp / "token").exists() else None,
         trust_tcp=trust_tcp,
         preexec_fn=preexec_fn,
         tier_delay_s=tier_delay_s,
@@ -246,7 +290,7 @@ def saves_returned(
     through ``daemons[r % len(daemons)]``), once every rank's save has returned: the hand-off is
     done and the daemons own the snapshots; the ranks hang until the caller kills them
     (``kill_all``). If they fail or time out first, they are killed here."""
-    procs = spawn(world, "save_and_hang", {"daemons": [d.url for d in daemons], "root": root}, out, extra_env)
+    procs = spawn(world, "save_and_hang", {"daemons": [d.socket_url for d in daemons], "root": root}, out, extra_env)
     try:
         wait_for(
             lambda: all((out / f"save_returned_{r}").exists() for r in range(world)),

@@ -43,7 +43,7 @@ def served(tmp_path_factory):
 @pytest.fixture
 def client(served):
     d, _ = served
-    with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
+    with d.client() as c:  # a trainer on the node: its socket
         yield c
 
 
@@ -194,7 +194,7 @@ def test_client_in_process(served, client, monkeypatch):
     job_root = root + "/client"
     monkeypatch.setenv("CKPTD_TOKEN", TOKEN)
     state = _state(0)
-    with Checkpointer(job_root, daemon=d.url, keep_last=2) as ck:
+    with Checkpointer(job_root, daemon=d.socket_url, keep_last=2) as ck:
         for step in (1, 2, 3):
             res = ck.save(step, state).result()
             assert res.step == step and res.committed_here
@@ -221,10 +221,10 @@ def test_client_in_process(served, client, monkeypatch):
 
     monkeypatch.setenv("CKPTD_TOKEN", "wrong")
     with pytest.raises(CheckpointError, match="401"):
-        Checkpointer(job_root, daemon=d.url)
+        Checkpointer(job_root, daemon=d.socket_url)
     monkeypatch.setenv("CKPTD_TOKEN", TOKEN)
     with pytest.raises(CheckpointError, match="not served"):
-        Checkpointer(str(d.staging.parent / "other"), daemon=d.url)
+        Checkpointer(str(d.staging.parent / "other"), daemon=d.socket_url)
 
 
 def test_restart_discards_a_job_whose_files_are_lost(tmp_path, monkeypatch):
@@ -234,10 +234,8 @@ def test_restart_discards_a_job_whose_files_are_lost(tmp_path, monkeypatch):
     staging = tmp_path / "staging"
     slow = Daemon([root], staging, tmp_path / "d1.log", upload_delay_s=2.0)
     slow.start()
-    monkeypatch.delenv("CKPTD_TOKEN", raising=False)
-    monkeypatch.delenv("CKPTD_TOKEN_FILE", raising=False)
     try:
-        ck = Checkpointer(root, daemon=slow.url, commit_timeout=120)
+        ck = Checkpointer(root, daemon=slow.socket_url, commit_timeout=120)
         fut = ck.save(1, _state(0))
         wait_for(lambda: [j["state"] for j in slow.get("/v1/jobs")[1]] == ["uploading"], "upload to start", 60)
         slow.kill()  # every put is sleeping its injected second: nothing is committed
@@ -282,7 +280,7 @@ def test_object_images_through_the_daemon(roomy, monkeypatch, tmp_path):
     monkeypatch.delenv("CKPTD_TOKEN", raising=False)
     torch.manual_seed(0)
     state = {"w": torch.randn(1000, 1024), "e": torch.randn(2048, 300).bfloat16(), "b": torch.randn(7)}
-    with Checkpointer(job_root, daemon=d.url) as ck:
+    with Checkpointer(job_root, daemon=d.socket_url) as ck:
         ck.save(1, state).result()
         state["w"] += 1
         ck.save(2, state).result()
@@ -318,7 +316,7 @@ def test_the_daemon_writes_its_own_index_and_checksums_into_an_image(roomy, tmp_
     job_root = root + "/handmade"
     layout = ArrayLayout((512, 1024), "float32", (512, 1024), (16, 1024))  # 2 MiB in 32 chunks
     data = np.random.default_rng(0).random((512, 1024), dtype=np.float32)
-    with httpx.Client(base_url=d.url, timeout=30) as c:
+    with d.client(timeout=30) as c:
         lease = _lease(c, job_root, nbytes=image_nbytes(layout, 32) + 4096)
         image = np.frombuffer(os.urandom(image_nbytes(layout, 32)), np.uint8).copy()  # garbage slots
         stride = layout.chunk_nbytes + 4
@@ -352,7 +350,7 @@ def test_job_status_long_poll_answers_when_the_job_is_final(tmp_path):
     root = str(tmp_path / "jobs")
     with (
         Daemon([root], tmp_path / "staging", tmp_path / "daemon.log", upload_delay_s=1.5) as d,
-        httpx.Client(base_url=d.url, timeout=60) as c,
+        d.client(timeout=60) as c,
     ):
         lease = _lease(c, root)
         np.arange(4, dtype=np.float32).tofile(os.path.join(lease["dir"], "w.bin"))
@@ -374,13 +372,13 @@ def test_a_client_uses_only_what_the_daemon_advertises(roomy, monkeypatch):
     from trainer_hooks import daemon_sink
 
     d, root = roomy
-    with httpx.Client(base_url=d.url, timeout=30) as c:
+    with d.client(timeout=30) as c:
         assert {"image_handoff", "job_long_poll"} <= set(c.get("/v1/status").json()["features"])
     monkeypatch.setattr(daemon_sink.DaemonSink, "_features", lambda self: set())
     torch.manual_seed(1)
     state = {"w": torch.randn(1000, 1024)}
     job_root = root + "/old-daemon"
-    with Checkpointer(job_root, daemon=d.url) as ck:
+    with Checkpointer(job_root, daemon=d.socket_url) as ck:
         assert ck.save(1, state).result().committed_here
         assert not ck._stager._views and ck._stager.images is False and ck._sink.long_poll is False
     got = {"w": torch.zeros(1000, 1024)}

@@ -9,7 +9,6 @@ import hashlib
 import os
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -36,7 +35,7 @@ def served(tmp_path_factory):
 @pytest.fixture
 def client(served):
     d, _ = served
-    with httpx.Client(base_url=d.url, timeout=30) as c:
+    with d.client() as c:
         yield c
 
 

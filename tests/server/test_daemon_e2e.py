@@ -81,7 +81,7 @@ def test_daemon_killed_mid_upload_then_restarted(tmp_path):
     staging = tmp_path / "staging"
     d = Daemon([root], staging, tmp_path / "d1.log", upload_delay_s=1.0).start()
     d2 = None
-    procs = dm.spawn(1, "save_across_daemon_crash", {"daemon": d.url, "root": root}, tmp_path)
+    procs = dm.spawn(1, "save_across_daemon_crash", {"daemon": d.socket_url, "root": root}, tmp_path)
     logs = lambda: launch.logs(tmp_path, "save_across_daemon_crash", 1) + d.logs()  # noqa: E731
     try:
         store = open_store(root)
@@ -120,7 +120,7 @@ def test_two_daemons_as_two_nodes_commit_once(tmp_path):
         Daemon([root], tmp_path / "node0", tmp_path / "node0.log") as d0,
         Daemon([root], tmp_path / "node1", tmp_path / "node1.log") as d1,
     ):
-        res = dm.run(2, "save_and_wait", tmp_path, daemons=[d0.url, d1.url], root=root)
+        res = dm.run(2, "save_and_wait", tmp_path, daemons=[d0.socket_url, d1.socket_url], root=root)
         assert sum(r["committed_here"] for r in res) == 1  # exactly one rank's daemon committed
         assert d0.metric("ckptd_commits_written_total") + d1.metric("ckptd_commits_written_total") == 1
         assert d0.metric("ckptd_jobs_committed_total") == d1.metric("ckptd_jobs_committed_total") == 1
@@ -142,11 +142,11 @@ def test_budget_smaller_than_two_snapshots_makes_the_second_save_wait(tmp_path):
         CKPTD_BUDGET=str(400 * 1024),
         upload_delay_s=2.0,
     ) as d:
-        a = dm.spawn(1, "save_big", {"daemon": d.url, "root": root + "/a", "tag": "a"}, tmp_path / "a")
+        a = dm.spawn(1, "save_big", {"daemon": d.socket_url, "root": root + "/a", "tag": "a"}, tmp_path / "a")
         b = dm.spawn(
             1,
             "save_big",
-            {"daemon": d.url, "root": root + "/b", "tag": "b", "wait_for": str(tmp_path / "a" / "returned_a")},
+            {"daemon": d.socket_url, "root": root + "/b", "tag": "b", "wait_for": str(tmp_path / "a" / "returned_a")},
             tmp_path / "b",
         )
         ra = launch.wait(a, tmp_path / "a", "save_big", timeout=180)[0]
@@ -186,7 +186,7 @@ def test_unchanged_metadata_stays_staged_and_a_planted_link_is_replaced(tmp_path
     secret = tmp_path / "secret.txt"
     secret.write_text("SECRET-" * 64)
     state = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(64)}
-    with Daemon([root], staging, tmp_path / "daemon.log") as d, Checkpointer(root, daemon=d.url) as ck:
+    with Daemon([root], staging, tmp_path / "daemon.log") as d, Checkpointer(root, daemon=d.socket_url) as ck:
 
         def staged() -> dict[Path, tuple[bytes, int]]:
             return {p: (p.read_bytes(), p.stat().st_ino) for p in staging.rglob("meta_*.bin")}
@@ -219,7 +219,10 @@ def test_metadata_over_16_mib_goes_through_the_daemon(tmp_path):
     root = str(tmp_path / "jobs")
     blob = "x" * (20 << 20)
     state = {"w": torch.arange(64, dtype=torch.float32), "cfg": {"vocab": blob}}
-    with Daemon([root], tmp_path / "staging", tmp_path / "daemon.log") as d, Checkpointer(root, daemon=d.url) as ck:
+    with (
+        Daemon([root], tmp_path / "staging", tmp_path / "daemon.log") as d,
+        Checkpointer(root, daemon=d.socket_url) as ck,
+    ):
         ck.save(1, state).result()
     got = {"w": torch.zeros(64), "cfg": {}}
     with Checkpointer(root) as ck:

@@ -92,7 +92,7 @@ def _save(world: int, daemons: list[Daemon], root: str, out: Path, step: int) ->
     procs = launch.spawn(
         world,
         "save_steps",
-        {"daemons": [d.url for d in daemons], "root": root, "steps": [step]},
+        {"daemons": [d.socket_url for d in daemons], "root": root, "steps": [step]},
         out,
         {"CKPTD_TOKEN": TOKEN},
         scenarios=SCENARIOS,
@@ -151,7 +151,7 @@ def test_replicas_follow_the_discovered_ring_and_it_reforms_after_a_node_dies(tm
         procs = launch.spawn(
             3,
             "restore_tiered",
-            {"daemon": alive[0].url, "root": root, "ref": str(tmp_path / "s1" / "ref_step1.pt")},
+            {"daemon": alive[0].socket_url, "root": root, "ref": str(tmp_path / "s1" / "ref_step1.pt")},
             tmp_path / "r3",
             {"CKPTD_TOKEN": TOKEN},
             scenarios=SCENARIOS,

@@ -45,7 +45,7 @@ def test_ls_shows_steps_per_tier(tmp_path):
     a = _daemon(tmp_path, "a", root, pa, urls)
     c = _daemon(tmp_path, "c", root, pc, urls)
     try:
-        _run(2, "save_steps", tmp_path / "s", daemons=[a.url], root=root, steps=[1, 2])
+        _run(2, "save_steps", tmp_path / "s", daemons=[a.socket_url], root=root, steps=[1, 2])
         wait_for(lambda: [r["step"] for r in _tiers(c)["replicas"]] == [2], "the replica on c", 120, (), c.logs)
 
         r = _ls(root, c.url, "--json")
@@ -120,7 +120,7 @@ def test_the_page_after_a_node_loss(tmp_path, monkeypatch):
     c = _daemon(tmp_path, "c", root, pc, [_url(pa), _url(pc)])
     state = {"w": torch.randn(16, 4)}
     try:
-        with Checkpointer(root, daemon=a.url, persist_every=2) as ck:
+        with Checkpointer(root, daemon=a.socket_url, persist_every=2) as ck:
             for step in (1, 2, 3):  # 1 and 3 memory-only (held by a, replicated to c), 2 committed
                 ck.save(step, state).result()
         wait_for(lambda: 3 in {p["step"] for p in _tiers(c)["memory_only"]}, "c's replica of 3", 120, (), c.logs)
@@ -129,7 +129,7 @@ def test_the_page_after_a_node_loss(tmp_path, monkeypatch):
         assert "memory-only step held whole" in row["restore"]["why"]
 
         c.kill()
-        with Checkpointer(root, daemon=a.url, persist_every=2) as ck:
+        with Checkpointer(root, daemon=a.socket_url, persist_every=2) as ck:
             ck.save(4, state).result()  # committed: its hot copy's push to c fails
             ck.save(5, state).result()  # memory-only: its push to c fails too
         wait_for(lambda: _tiers(a)["push_failures"] >= 2, "the failed pushes", 120, (), a.logs)
@@ -178,7 +178,7 @@ def test_ls_marks_memory_only_steps_whole_or_partial(tmp_path):
     c = _daemon(tmp_path, "c", root, pc, urls, CKPTD_REPLICAS="0")
     try:
         out = tmp_path / "out"
-        args = {"daemons": urls, "root": root, "last": 3, "persist_every": 2, "hang": False}
+        args = {"daemons": [a.socket_url, c.socket_url], "root": root, "last": 3, "persist_every": 2, "hang": False}
         procs = launch.spawn(2, "save_memory", args, out, {"CKPTD_TOKEN": TOKEN}, scenarios=MEMSTEPS)
         launch.wait(procs, out, "save_memory", timeout=600)
 

@@ -84,16 +84,16 @@ def _logs(out: Path, *daemons: Daemon) -> str:
     return launch.logs(out, "save_memory", 4) + "".join(f"\n--- {d.log_path.name} ---\n{d.logs()}" for d in daemons)
 
 
-def _setup(tmp_path: Path, trust_tcp: bool = True, **b_args):
-    """Two node daemons a and b (``b_args``: node b's own options) with a token file;
-    ``trust_tcp=False``: as the docs run them (trainers on each node's socket)."""
+def _setup(tmp_path: Path, **b_args):
+    """Two node daemons a and b (``b_args``: node b's own options) with a token file, as the docs
+    run them (trainers on each node's socket)."""
     (tmp_path / "token").write_text(TOKEN)
     os.chmod(tmp_path / "token", 0o600)
     root = f"file://{tmp_path / 'job'}"
     pa, pb = launch.free_port(), launch.free_port()
     urls = [f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"]
-    a = node(tmp_path, "a", root, pa, urls, trust_tcp=trust_tcp)
-    b = node(tmp_path, "b", root, pb, urls, trust_tcp=trust_tcp, **b_args)
+    a = node(tmp_path, "a", root, pa, urls)
+    b = node(tmp_path, "b", root, pb, urls, **b_args)
     return root, a, b, urls
 
 
@@ -112,7 +112,7 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
     c = None
     procs = []
     try:
-        args = {"daemons": [a.url, b.url], "root": root, "last": LAST, "persist_every": EVERY}
+        args = {"daemons": [a.socket_url, b.socket_url], "root": root, "last": LAST, "persist_every": EVERY}
         procs = launch.spawn(4, "save_memory", args, out, {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
         wait_for(
             lambda: all((out / f"saved_{r}").exists() for r in range(4)),
@@ -137,7 +137,7 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
 
         ref = str(out / f"ref_step{LAST}.pt")
         shared = a.metric("ckptd_tier_bytes_shared_total", TOKEN)
-        res = _run(3, "restore_position", out / "r3", daemon=a.url, root=root, ref=ref)
+        res = _run(3, "restore_position", out / "r3", daemon=a.socket_url, root=root, ref=ref)
         got = _restored(res, LAST)
         assert got["root"] == 0 and got["local"] > 0, got
         assert a.metric("ckptd_restore_bytes_local_total", TOKEN) == got["local"]
@@ -152,7 +152,7 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
         asked = a.metric("ckptd_tier_object_requests_total", TOKEN)
         on_data = a.metric("ckptd_tier_data_requests_total", TOKEN)
         served = a.metric("ckptd_tier_bytes_served_total", TOKEN)
-        res = _run(2, "restore_position", out / "r2", daemon=c.url, root=root, ref=ref)
+        res = _run(2, "restore_position", out / "r2", daemon=c.socket_url, root=root, ref=ref)
         got = _restored(res, LAST)
         assert got["root"] == 0 and got["local"] == 0 and got["peer"] > 0, got
         # The peer's parts came over the tier's data path (every read a answered was asked there,
@@ -166,7 +166,9 @@ def test_node_loss_after_the_save_restores_the_memory_only_step(tmp_path):
         a.kill()
         c.kill()
         c = node(tmp_path, "c2", root, launch.free_port(), [])
-        res = _run(2, "restore_position", out / "rfloor", daemon=c.url, root=root, ref=str(out / f"ref_step{EVERY}.pt"))
+        res = _run(
+            2, "restore_position", out / "rfloor", daemon=c.socket_url, root=root, ref=str(out / f"ref_step{EVERY}.pt")
+        )
         got = _restored(res, EVERY)
         assert got["root"] > 0, got
     finally:
@@ -265,7 +267,13 @@ def test_each_rank_reads_its_own_nodes_parts_through_its_socket(tmp_path):
     root, a, b, urls = _setup(tmp_path)
     out = tmp_path / "out"
     try:
-        args = {"daemons": [a.url, b.url], "root": root, "last": LAST, "persist_every": EVERY, "hang": False}
+        args = {
+            "daemons": [a.socket_url, b.socket_url],
+            "root": root,
+            "last": LAST,
+            "persist_every": EVERY,
+            "hang": False,
+        }
         _run(4, "save_memory", out, **args)
         wait_for(lambda: _has(a, root, LAST, {2, 3}, urls[1]) and _has(b, root, LAST, {0, 1}, urls[0]), "replicas", 120)
         ref = str(out / f"ref_step{LAST}.pt")
@@ -284,7 +292,7 @@ def _restore_beside_a_silent_peer(tmp_path: Path, silence: str, last: int, every
     accepts, nothing answers) or "mute" (b gone, a listener on its port that accepts and never
     answers). One rank then restores through a's socket, the tier's request timeout at an hour.
     Returns its result and how often its log says b gave no answer."""
-    root, a, b, urls = _setup(tmp_path, trust_tcp=False)
+    root, a, b, urls = _setup(tmp_path)
     out = tmp_path / "out"
     mute = socket.socket()
     try:
@@ -349,7 +357,13 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
     procs = []
     try:
         # Ranks 2 and 3 (node b) hang inside the hand-off of step 7: b never holds its part.
-        args = {"daemons": [a.url, b.url], "root": root, "last": LAST, "persist_every": EVERY, "stall_rank_from": 2}
+        args = {
+            "daemons": [a.socket_url, b.socket_url],
+            "root": root,
+            "last": LAST,
+            "persist_every": EVERY,
+            "stall_rank_from": 2,
+        }
         procs = launch.spawn(4, "save_memory", args, out, {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
         wait_for(
             lambda: all((out / f"saved_{r}").exists() for r in (2, 3)) and _has(a, root, LAST, {0, 1}, "self"),
@@ -363,7 +377,9 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
         kill_all(procs)
 
         # Step 7 lacks ranks 2 and 3 everywhere: step 6 is the newest whole step.
-        res = _run(3, "restore_position", out / "r3", daemon=a.url, root=root, ref=str(out / f"ref_step{LAST - 1}.pt"))
+        res = _run(
+            3, "restore_position", out / "r3", daemon=a.socket_url, root=root, ref=str(out / f"ref_step{LAST - 1}.pt")
+        )
         got = _restored(res, LAST - 1)
         assert got["root"] == 0 and got["local"] > 0, got
         # The restore fenced the abandoned future: a holds nothing newer than step 6.
@@ -400,7 +416,13 @@ def test_a_late_replica_and_a_newer_hand_off_keep_the_last_whole_step(tmp_path):
     out = tmp_path / "out"
     procs = []
     try:
-        args = {"daemons": [a.url, b.url], "root": root, "last": 4, "persist_every": 100, "stall_rank_from": 2}
+        args = {
+            "daemons": [a.socket_url, b.socket_url],
+            "root": root,
+            "last": 4,
+            "persist_every": 100,
+            "stall_rank_from": 2,
+        }
         procs = launch.spawn(4, "save_memory", args | {"gate": True}, out, {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
 
         def step2_whole_on_a_step3_held() -> bool:
@@ -417,7 +439,7 @@ def test_a_late_replica_and_a_newer_hand_off_keep_the_last_whole_step(tmp_path):
         wait_for(lambda: _has(a, root, 4, {0, 1}, "self"), "a's own parts of step 4", 120, logs=logs)
         kill_all(procs)  # the job's ranks go too
 
-        res = _run(3, "restore_position", out / "r3", daemon=a.url, root=root, ref=str(out / "ref_step2.pt"))
+        res = _run(3, "restore_position", out / "r3", daemon=a.socket_url, root=root, ref=str(out / "ref_step2.pt"))
         got = _restored(res, 2)
         assert got["root"] == 0 and got["local"] > 0, got
     finally:
@@ -438,7 +460,16 @@ def test_a_memory_only_step_that_does_not_fit_is_persisted_instead(tmp_path):
     )
     d.start()
     try:
-        _run(2, "save_memory", tmp_path / "out", daemons=[d.url], root=root, last=2, persist_every=EVERY, hang=False)
+        _run(
+            2,
+            "save_memory",
+            tmp_path / "out",
+            daemons=[d.socket_url],
+            root=root,
+            last=2,
+            persist_every=EVERY,
+            hang=False,
+        )
         assert catalog.committed_steps(open_store(root)) == [1, 2]
         assert d.metric("ckptd_tier_persisted_instead_total", TOKEN) >= 2
         assert "is persisted to the job root instead" in d.logs()

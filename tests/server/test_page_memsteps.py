@@ -37,7 +37,7 @@ def test_the_page_shows_memory_only_steps_pernode(tmp_path, monkeypatch):
     try:
         assert '<section id="memsteps">' in _page(a) and "no memory-only step held" in _page(a)
         state = {"w": torch.randn(16, 4), "b": torch.randn(4)}
-        with Checkpointer(root, daemon=a.url, persist_every=2) as ck:
+        with Checkpointer(root, daemon=a.socket_url, persist_every=2) as ck:
             ck.save(1, state).result()  # memory-only: held by a, replicated to c
         wait_for(lambda: 'data-step="1"' in _page(c), "c to hold the replica of step 1", 60, (), c.logs)
 
@@ -60,7 +60,7 @@ def test_the_page_shows_memory_only_steps_pernode(tmp_path, monkeypatch):
             section = section[: section.index("</section>")]
             assert "<img" not in section and "job&lt;img src=x onerror=alert(1)&gt;&quot;&#x27;&amp;" in section
         # step 2 is persisted: not a memory-only step, and it is not listed as one
-        with Checkpointer(root, daemon=a.url, persist_every=2) as ck:
+        with Checkpointer(root, daemon=a.socket_url, persist_every=2) as ck:
             ck.save(2, state).result()
         code, ov = a.get("/v1/overview", TOKEN)
         assert [s["step"] for s in ov["memory_only"]] == [1], ov["memory_only"]

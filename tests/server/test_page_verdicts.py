@@ -41,7 +41,9 @@ def test_the_page_shows_the_recorded_verdicts(tmp_path):
 
         # the page's own verify records its verdict where the CLI finds it
         req = urllib.request.Request(
-            f"{d.url}/v1/page/verify?root={root}&step=2", method="POST", headers={"X-Ckptd-Page": "1"}
+            f"{d.url}/v1/page/verify?root={root}&step=2",
+            method="POST",
+            headers={"X-Ckptd-Page": "1", "Authorization": f"Bearer {d.token}"},
         )
         with urllib.request.urlopen(req, timeout=60) as resp:
             doc = json.loads(resp.read())

@@ -24,7 +24,7 @@ def state(seed: int) -> dict:
 def test_a_quarantined_step_saves_again_through_the_same_daemon(tmp_path):
     root = str(tmp_path / "job")
     with Daemon([root], tmp_path / "staging", tmp_path / "d.log") as d:
-        with Checkpointer(root, daemon=d.url) as ck:
+        with Checkpointer(root, daemon=d.socket_url) as ck:
             for step in (1, 2, 3):
                 ck.save(step, state(step)).result()
         flip_byte(chunk_files(root, 3)[0])
@@ -32,7 +32,7 @@ def test_a_quarantined_step_saves_again_through_the_same_daemon(tmp_path):
         assert out.returncode == 0, out.stderr
         out = cli("verify", root, "--step", "3")
         assert out.returncode != 0 and "no such checkpoint" in out.stderr
-        with Checkpointer(root, daemon=d.url) as ck:
+        with Checkpointer(root, daemon=d.socket_url) as ck:
             got = state(0)
             assert ck.restore(got) == 2
             ck.save(3, state(33)).result()  # refused "already committed" before the fix
@@ -46,11 +46,11 @@ def test_a_hand_off_far_past_the_newest_commit_is_refused(tmp_path):
     root = str(tmp_path / "job")
     with Daemon([root], tmp_path / "staging", tmp_path / "d.log") as d:
         # the trainer's own bound off: the daemon's is what is tested
-        with Checkpointer(root, daemon=d.url, max_step_jump=None) as ck:
+        with Checkpointer(root, daemon=d.socket_url, max_step_jump=None) as ck:
             ck.save(1, state(1)).result()
             with pytest.raises(CheckpointError, match=r"max_step_jump=1000000"):
                 ck.save(9_999_999_999, state(2)).result()
-        with Checkpointer(root, daemon=d.url, max_step_jump=None) as ck:
+        with Checkpointer(root, daemon=d.socket_url, max_step_jump=None) as ck:
             ck.save(2, state(2)).result()  # within the bound
             assert ck.latest_step() == 2
 

@@ -37,7 +37,7 @@ def held(tmp_path_factory):
     port = launch.free_port()
     d = _daemon(tmp, "a", root, port, [_url(port)])
     try:
-        _run(1, "save_steps", tmp / "s", daemons=[d.url], root=root, steps=[1])
+        _run(1, "save_steps", tmp / "s", daemons=[d.socket_url], root=root, steps=[1])
         hot = _tiers(d)["hot"]
         assert [h["step"] for h in hot] == [1], hot
         attempt = hot[0]["attempt"]
@@ -199,7 +199,7 @@ def test_restore_through_own_daemon_maps_its_memory(held):
     before = d.metric("ckptd_tier_object_requests_total", TOKEN)
     served = d.metric("ckptd_tier_bytes_served_total", TOKEN)
     shared = d.metric("ckptd_tier_bytes_shared_total", TOKEN)
-    res = _run(1, "restore_tiered", out, {}, daemon=d.url, root=root, ref=str(tmp / "s" / "ref_step1.pt"))
+    res = _run(1, "restore_tiered", out, {}, daemon=d.socket_url, root=root, ref=str(tmp / "s" / "ref_step1.pt"))
     got = _check(res, 1)
     assert got["root"] == 0 and got["local"] > 0 and got["peer"] == 0, got
     # one descriptor request per 128 objects: no request carried the objects' bytes

@@ -59,7 +59,7 @@ def test_a_daemon_short_of_descriptors_keeps_saving_persist_only(tmp_path, token
         assert d.metric("ckptd_open_files_limit", TOKEN) == NOFILE
         assert 0 < d.metric("ckptd_tier_objects_limit", TOKEN) < NOFILE
         states = {s: _state(TENSORS, s) for s in (1, 2, 3)}
-        with Checkpointer(root, daemon=d.url) as ck:
+        with Checkpointer(root, daemon=d.socket_url) as ck:
             for s, state in states.items():
                 ck.save(s, state).result()  # never a failed save
         logs = d.logs()
@@ -77,7 +77,7 @@ def test_a_daemon_short_of_descriptors_keeps_saving_persist_only(tmp_path, token
 
         # A step that fits the limits still gets its hot copy on the same daemon.
         small = _state(20, 9)
-        with Checkpointer(root, daemon=d.url) as ck:
+        with Checkpointer(root, daemon=d.socket_url) as ck:
             ck.save(4, small).result()
         wait_for(lambda: [c["step"] for c in _tiers(d)["hot"]] == [4], "the hot copy of step 4", 60, (), d.logs)
         assert d.metric("ckptd_tier_objects", TOKEN) == _tiers(d)["hot"][0]["objects"] > 0
@@ -92,7 +92,7 @@ def test_a_replica_receiver_short_of_descriptors_refuses_it_and_keeps_serving(tm
     a = _daemon(tmp_path, "a", root, pa, urls, low=False)
     c = _daemon(tmp_path, "c", root, pc, urls, low=True)
     try:
-        with Checkpointer(root, daemon=a.url) as ck:
+        with Checkpointer(root, daemon=a.socket_url) as ck:
             ck.save(1, _state(TENSORS, 1)).result()
         wait_for(
             lambda: a.metric("ckptd_tier_replica_push_failures_total", TOKEN) >= 1,
@@ -111,9 +111,9 @@ def test_a_replica_receiver_short_of_descriptors_refuses_it_and_keeps_serving(tm
 
         # c still serves its own saves, and a small replica still fits.
         state = _state(10, 2)
-        with Checkpointer(root, daemon=c.url) as ck:
+        with Checkpointer(root, daemon=c.socket_url) as ck:
             ck.save(2, state).result()
-        with Checkpointer(root, daemon=a.url) as ck:
+        with Checkpointer(root, daemon=a.socket_url) as ck:
             ck.save(3, _state(10, 3)).result()
         wait_for(lambda: [r["step"] for r in _tiers(c)["replicas"]] == [3], "the small replica on c", 120, (), c.logs)
     finally:
@@ -129,7 +129,7 @@ def test_memory_only_steps_past_the_descriptor_limit_are_persisted_instead(tmp_p
     d = _daemon(tmp_path, "a", root, launch.free_port(), [], low=True)
     try:
         states = {s: _state(TENSORS, s) for s in (1, 2, 3)}
-        with Checkpointer(root, daemon=d.url, persist_every=2) as ck:
+        with Checkpointer(root, daemon=d.socket_url, persist_every=2) as ck:
             for s, state in states.items():
                 ck.save(s, state).result()  # never a failed save
         logs = d.logs()

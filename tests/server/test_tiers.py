@@ -139,7 +139,7 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         procs = launch.spawn(
             4,
             "save_steps",
-            {"daemons": [a.url, b.url], "root": root, "steps": [1, 2], "hang": True},
+            {"daemons": [a.socket_url, b.socket_url], "root": root, "steps": [1, 2], "hang": True},
             out,
             {"CKPTD_TOKEN": TOKEN},
             scenarios=SCENARIOS,
@@ -180,7 +180,7 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         kill_all(procs[:2])
 
         # Restore at 3 ranks on node a: every shard from a's memory (its hot copy and b's replica).
-        res = _run(3, "restore_tiered", out / "r3", daemon=a.url, root=root, ref=str(out / "ref_step2.pt"))
+        res = _run(3, "restore_tiered", out / "r3", daemon=a.socket_url, root=root, ref=str(out / "ref_step2.pt"))
         got = _check(res, 2)
         assert got["root"] == 0 and got["local"] > 0, got
         assert _metric(a, "ckptd_restore_bytes_root_total") == 0
@@ -190,7 +190,7 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         # from peer a by ranged reads, b skipped, nothing from the job root.
         pc = launch.free_port()  # every daemon start below on a fresh port: none waits for a port to free
         c = node(tmp_path, "c", root, pc, [urls[0], urls[1], _url(pc)])
-        res = _run(2, "restore_tiered", out / "r2", daemon=c.url, root=root, ref=str(out / "ref_step2.pt"))
+        res = _run(2, "restore_tiered", out / "r2", daemon=c.socket_url, root=root, ref=str(out / "ref_step2.pt"))
         got = _check(res, 2)
         assert got["root"] == 0 and got["local"] == 0 and got["peer"] > 0, got
         c.stop()
@@ -200,7 +200,7 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         bad = _CorruptingPeer(a.url)
         try:
             c = node(tmp_path, "c", root, launch.free_port(), [bad.url])
-            res = _run(2, "restore_tiered", out / "rbad", daemon=c.url, root=root, ref=str(out / "ref_step2.pt"))
+            res = _run(2, "restore_tiered", out / "rbad", daemon=c.socket_url, root=root, ref=str(out / "ref_step2.pt"))
             got = _check(res, 2)
             assert bad.corrupted["key"] is not None
             assert got["root"] > 0 and got["peer"] > 0, got
@@ -211,7 +211,9 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         # Stale replicas: a newer step committed that no tier holds (saved straight to the
         # root); a holds step 2 only, so step 3 comes from the job root, bitwise.
         _run(2, "save_direct", out / "s3", root=root, step=3)
-        res = _run(2, "restore_tiered", out / "rstale", daemon=a.url, root=root, ref=str(out / "s3" / "ref_step3.pt"))
+        res = _run(
+            2, "restore_tiered", out / "rstale", daemon=a.socket_url, root=root, ref=str(out / "s3" / "ref_step3.pt")
+        )
         got = _check(res, 3)
         assert got["root"] > 0 and got["local"] == 0 and got["peer"] == 0, got
 
@@ -222,20 +224,20 @@ def test_node_failure_restores_from_memory_tiers(tmp_path):
         a.stop()
         pa, pc = launch.free_port(), launch.free_port()
         a = node(tmp_path, "a", root2, pa, [_url(pa), _url(pc)], tier_delay_s=3)
-        _run(2, "save_steps", out / "s2", daemons=[a.url], root=root2, steps=[2])
+        _run(2, "save_steps", out / "s2", daemons=[a.socket_url], root=root2, steps=[2])
         c = node(tmp_path, "c", root2, pc, [_url(pa), _url(pc)])
         ref2 = str(out / "s2" / "ref_step2.pt")
         # A peer slower than the readers' deadline: skipped after its first timeout, every shard
         # from the job root.
         res = _run(
-            2, "restore_tiered", out / "rslow", {"CKPTD_TIER_TIMEOUT_S": "1"}, daemon=c.url, root=root2, ref=ref2
+            2, "restore_tiered", out / "rslow", {"CKPTD_TIER_TIMEOUT_S": "1"}, daemon=c.socket_url, root=root2, ref=ref2
         )
         got = _check(res, 2)
         assert got["root"] > 0 and got["peer"] == 0, got
         procs = launch.spawn(
             2,
             "restore_tiered",
-            {"daemon": c.url, "root": root2, "ref": ref2},
+            {"daemon": c.socket_url, "root": root2, "ref": ref2},
             out / "rkill",
             {"CKPTD_TOKEN": TOKEN},
             scenarios=SCENARIOS,

@@ -58,7 +58,7 @@ def test_tier_reads_are_batched(tmp_path):
     c = _daemon(tmp_path, "c", root, pc, urls)
     procs = []
     try:
-        _run(2, "save_steps", out / "s", daemons=[a.url], root=root, steps=[1])
+        _run(2, "save_steps", out / "s", daemons=[a.socket_url], root=root, steps=[1])
         wait_for(lambda: [r["step"] for r in _tiers(c)["replicas"]] == [1], "the replica on c", 120, (), c.logs)
         rep = _tiers(c)["replicas"][0]
         attempt = rep["attempt"]
@@ -98,7 +98,9 @@ def test_tier_reads_are_batched(tmp_path):
         before = c.metric("ckptd_tier_object_requests_total", TOKEN)
         batch = 1 << 20
         env = {"CKPTD_TIER_BATCH_BYTES": str(batch), "CKPTD_TIER_SHARED_MEMORY": "0"}
-        res = _run(1, "restore_tiered", out / "r1", env, daemon=c.url, root=root, ref=str(out / "s" / "ref_step1.pt"))
+        res = _run(
+            1, "restore_tiered", out / "r1", env, daemon=c.socket_url, root=root, ref=str(out / "s" / "ref_step1.pt")
+        )
         got = _check(res, 1)
         assert got["root"] == 0 and got["local"] > 0, got
         asked = c.metric("ckptd_tier_object_requests_total", TOKEN) - before
@@ -109,7 +111,9 @@ def test_tier_reads_are_batched(tmp_path):
         # straight into the tensors and the others batched: still every byte from c, bitwise.
         before = c.metric("ckptd_tier_object_requests_total", TOKEN)
         env = {"CKPTD_TIER_BATCH_BYTES": str(4 << 10), "CKPTD_TIER_SHARED_MEMORY": "0"}
-        res = _run(1, "restore_tiered", out / "r1s", env, daemon=c.url, root=root, ref=str(out / "s" / "ref_step1.pt"))
+        res = _run(
+            1, "restore_tiered", out / "r1s", env, daemon=c.socket_url, root=root, ref=str(out / "s" / "ref_step1.pt")
+        )
         small = _check(res, 1)
         assert small == got, (small, got)
         assert c.metric("ckptd_tier_object_requests_total", TOKEN) - before > asked

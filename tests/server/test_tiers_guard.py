@@ -111,7 +111,7 @@ def test_full_budget_degrades_to_persist_only(tmp_path):
     root = f"file://{tmp_path / 'job'}"
     out = tmp_path / "out"
     with dm.Daemon([root], tmp_path / "staging", tmp_path / "d.log", CKPTD_BUDGET="4096") as d:
-        res = dm.run(1, "save_and_wait", out, daemons=[d.url], root=root, step=1)
+        res = dm.run(1, "save_and_wait", out, daemons=[d.socket_url], root=root, step=1)
         assert res[0]["committed_here"] is True  # the save committed
         assert d.metric("ckptd_tier_degraded_total") >= 1
         assert d.metric("ckptd_tier_hot_bytes") == 0

@@ -219,6 +219,8 @@ def test_trainers_hand_off_to_a_separate_daemon_through_the_manifest_wiring(tmp_
         staging,
         tmp_path / "daemon.log",
         token_file=secret / "token",
+        # the DaemonSet's own args: the manifest prints --trust-tcp (pods reach it on hostPort)
+        trust_tcp="--trust-tcp" in _container(_kind("ckptd.yaml", "DaemonSet"))["args"],
         upload_delay_s=3,
     )
     # The trainer "pod": the manifest's environment, its paths mapped to this machine's folders.
