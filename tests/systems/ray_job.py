@@ -86,6 +86,7 @@ def main() -> int:
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from tests import load
     from trainer_hooks.ray import ckptd_step
 
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -94,7 +95,16 @@ def main() -> int:
     elastic = tuple(int(n) for n in args.elastic.split("-")) if args.elastic else None
 
     def start(cpus: int) -> None:
-        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
+        def init() -> None:
+            ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
+
+        def transient(e: object) -> bool:  # Ray gives its raylet a fixed 30 s to register (ray._private.node)
+            if isinstance(e, Exception) and "timed out during startup" in str(e):
+                ray.shutdown()  # the half-started cluster's processes, before the next try
+                return True
+            return False
+
+        load.retry(init, transient, "ray.init")
 
     if not elastic:
         start(max(w for w, _ in runs))
