@@ -144,7 +144,7 @@ def test_the_unit_saves_to_a_local_and_an_s3_root_and_replicates_to_the_next_nod
         n1, n2 = nodes
         # a trainer on node 1 (root, in node 1's namespace), through the unit's socket
         job_local, job_s3 = f"{local}/run-1", f"{s3_bucket}/run-1"
-        env = {"PYTHONPATH": str(sandbox.REPO), "CKPTD_TOKEN_FILE": "/etc/ckptd/token", "OMP_NUM_THREADS": "1"}
+        env = {"PYTHONPATH": sandbox.CODE, "CKPTD_TOKEN_FILE": "/etc/ckptd/token", "OMP_NUM_THREADS": "1"}
         env |= aws | {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
         out = sandbox.enter(n1.proc.pid, [sys.executable, "-c", TRAIN, job_local, job_s3], env, load.scaled(240))
         assert out.returncode == 0, (out.stderr[-4000:], n1.logs())

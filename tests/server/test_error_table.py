@@ -14,7 +14,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def served(tmp_path):
+def served(tmp_path, monkeypatch):
+    # The table's mapping, in this process: no daemon, no token (``Settings`` reads the one the
+    # suite's fixture names in CKPTD_TOKEN_FILE, and TestClient's calls come over "TCP").
+    monkeypatch.delenv("CKPTD_TOKEN_FILE", raising=False)
     root = tmp_path / "jobs"
     root.mkdir()
     settings = Settings(roots=[str(root)], staging_dir=str(tmp_path / "staging"), budget=1 << 20)

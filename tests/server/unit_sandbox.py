@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "deploy" / "systemd" / "ckptd.service"
 ENV_FILE = REPO / "deploy" / "systemd" / "ckptd.env"
+CODE = "/opt/ckptd/src"  # REPO inside the sandbox (PrivateTmp and ProtectHome hide it where it is)
 UID = 1990  # the unit's User= and Group= inside the namespace (unused on this machine)
 
 SCRIPT = r"""
@@ -52,7 +53,8 @@ mount -t tmpfs -o mode=1777 tmpfs /dev/shm
 mount -t tmpfs -o mode=0755 tmpfs /run
 mount -t tmpfs -o mode=0755 tmpfs /var/lib
 mount -t tmpfs -o mode=0755 tmpfs /opt
-install -d -m 0755 /opt/ckptd/bin
+install -d -m 0755 /opt/ckptd/bin /opt/ckptd/src
+mount --bind "$SB_REPO" /opt/ckptd/src  # the code, where a node installs it: the checkout may sit in /tmp or a home
 printf '#!/bin/sh\nexec %s -m ckptd.cli.main "$@"\n' "$SB_PYTHON" >/opt/ckptd/bin/ckptd
 chmod 0755 /opt/ckptd/bin/ckptd
 RW=$SB_RW
@@ -160,12 +162,13 @@ def start(
     (inputs / "token").write_text(token)
     (inputs / "peer-key").write_text(peer_key)
     (inputs / "ckptd.env").write_text(ENV_FILE.read_text())
-    env = environment({"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"} | overrides)
+    env = environment({"PYTHONPATH": CODE, "PATH": "/usr/bin:/bin"} | overrides)
     (inputs / "env").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
     (scratch / "ns").mkdir()
     py_home = sys.base_prefix if sys.base_prefix.startswith(("/root/", "/home/")) else ""
     sb = {
         "SB_SCRATCH": str(scratch / "ns"),
+        "SB_REPO": str(REPO),
         "SB_IN": str(inputs),
         "SB_USER": u["Service.User"][-1],
         "SB_GROUP": u["Service.Group"][-1],
