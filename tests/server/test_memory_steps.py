@@ -387,7 +387,7 @@ def test_node_loss_during_a_save_restores_the_previous_whole_step(tmp_path):
 
         # The routes need the token, the replica route a peer daemon's signature too; a pushed
         # part holds objects of its step's folder only, never a commit record.
-        assert a.get(f"/v1/tiers?root={root}&keys=true")[0] == 401
+        assert a.get(f"/v1/tiers?root={root}&keys=true", None)[0] == 401
         assert a.get(f"/v1/tiers?root={root}&keys=true", "wrong")[0] == 401
         # (One protocol: a part is pushed on the tier's replica route, kind memory_only.)
         part = {"root": root, "step": 9, "attempt": "x", "kind": "memory_only", "ranks": [0], "source": "http://evil"}
