@@ -161,8 +161,19 @@ class Daemon:
 
         token = self.token if token == "" else token
         headers = ({"Authorization": f"Bearer {token}"} if token else {}) | (headers or {})
-        transport = httpx.HTTPTransport(uds=str(self.socket))
+        transport = httpx.HTTPTransport(uds=self._uds())
         return httpx.Client(base_url="http://ckptd", transport=transport, headers=headers, timeout=timeout, **kw)
+
+    def _uds(self) -> str:
+        """The socket's address for a client: its path, or when that is longer than a socket
+        address holds, its name under a descriptor of its folder (``daemon_conn.unix_address``),
+        kept open while this object lives (a test's tmp path can pass 108 bytes)."""
+        path = str(self.socket)
+        if len(os.fsencode(path)) < 108:
+            return path
+        if getattr(self, "_socket_dir", None) is None:
+            self._socket_dir = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        return f"/proc/self/fd/{self._socket_dir}/{os.path.basename(path)}"
 
     def get(self, path: str, token: str | None = "", tcp: bool = False) -> tuple[int, object]:
         """GET on the daemon's socket, as an operator on its node (``tcp``: its port, a caller

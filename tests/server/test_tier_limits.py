@@ -40,7 +40,8 @@ def _tiers(d: Daemon) -> dict:
 
 
 def _daemon(tmp, name: str, root: str, port: int, peers: list[str], low: bool) -> Daemon:
-    return node(tmp, name, root, port, peers, preexec_fn=_low_nofile if low else None)
+    # Share 1: these tests are about the descriptor limit, which --tenant-share would reach first.
+    return node(tmp, name, root, port, peers, preexec_fn=_low_nofile if low else None, CKPTD_TENANT_SHARE="1")
 
 
 @pytest.fixture
