@@ -120,8 +120,9 @@ def test_daemon_wiring_is_consistent_with_the_daemonset():
     (dc,), jc = dpod["containers"], _container(job)
     env = _env(jc, "10.0.0.7")
     # the address: the node's IP and the DaemonSet's hostPort, which is the port it serves on
-    (port,) = dc["ports"]
+    port, data = dc["ports"]  # the API's, and the tier data path's (peers read the memory tier there)
     assert port["hostPort"] == port["containerPort"] == int(dc["args"][dc["args"].index("--port") + 1])
+    assert data["hostPort"] == data["containerPort"] == int(config["CKPTD_TIER_DATA_PORT"])
     assert env["CKPTD_DAEMON"] == f"http://10.0.0.7:{port['hostPort']}"
     assert '--daemon "$CKPTD_DAEMON"' in jc["args"][0]
     # the staging folder: the same host folder at the same path on both sides, the daemon's own
