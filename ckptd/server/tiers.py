@@ -646,11 +646,10 @@ class Tiers(Replication):
             why = "it does not fit the staging budget"
         elif self.over_share(origin, objects, nbytes):  # logged there, once per origin
             self.staging.unreserve(nbytes)
-            why = ""
+            self.count("persisted_instead")
+            return False
         if why is not None:
             self.count("persisted_instead")
-            if not why:
-                return False
             log.warning(
                 "memory-only step %d of %s (rank %d, %d bytes): %s: the step is persisted to the job root instead",
                 step,
