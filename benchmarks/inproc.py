@@ -491,16 +491,25 @@ def run(
     R("ckptd.restore_fresh", "ckptd restore (cold) in a fresh process, as a restarting job", floor="floor.read",
       dcp_ref="dcp.load_fresh")  # fmt: skip
     R("dcp.load_fresh", "dcp.load (cold) + set_state_dict in a fresh process", floor="floor.read")
+    # ... and with the library's import in front, its files cold too (torch itself imported
+    # before, warm): what a restarting job waits for between torch and its first step.
+    R("ckptd.import_restore_fresh", "import trainer_hooks + ckptd restore, both cold, in a fresh process",
+      dcp_ref="dcp.import_load_fresh")  # fmt: skip
+    R("dcp.import_load_fresh", "import torch.distributed.checkpoint + dcp.load, both cold, in a fresh process")
     ref_path = path("sentinel.pt")
     torch.save(ref, ref_path)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code: dict[str, list[str]] = {}  # the files each system's import reads, evicted before its child
 
     def fresh_restore(system: str, rid: str) -> Callable[[int], None]:
         def go(rep: int) -> None:
             p = ck_root if system == "ckptd" else path(f"dcp_save_{rep}")
             if not os.path.isdir(p):
                 return
-            drop_cache(p)
+            if system not in code:
+                cmd = [sys.executable, "-m", "benchmarks.fresh_restore", "--imports", system]
+                code[system] = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300).stdout.split()
+            drop_cache(p, *code[system])
             cmd = [sys.executable, "-m", "benchmarks.fresh_restore", system, p, str(size), ref_path]
             out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900)
             lines = out.stdout.strip().splitlines()
@@ -509,6 +518,8 @@ def run(
                 return
             got = json.loads(lines[-1])
             res.add(rid, rep, got["s"])
+            res.add(rid.replace(".restore_", ".import_restore_").replace(".load_", ".import_load_"), rep,
+                    got["import_s"] + got["s"])  # fmt: skip
             for k in ("page_faults", "cpu_s"):
                 res.rows[rid].extra.setdefault(k, []).append(got[k])
             if not got["ok"]:

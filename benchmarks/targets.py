@@ -78,6 +78,8 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
                     ">= 0.9x the raw read floor", _inv(ratio("ckptd.restore_fresh")), 0.9, ">="))  # fmt: skip
     T.append(Target("restore1.fresh.dcp", "default restore at 1 rank in a fresh process <= 0.8x dcp.load in a "
                     "fresh process", ratio("ckptd.restore_fresh", "dcp"), 0.8, "<="))  # fmt: skip
+    T.append(Target("restore1.fresh.import", "import + default restore at 1 rank in a fresh process, cold, <= 0.8x "
+                    "DCP's import + dcp.load", ratio("ckptd.import_restore_fresh", "dcp"), 0.8, "<="))  # fmt: skip
     for m in (3, 2):
         ip = f"reshard.restore{m}.ckptd_inplace"
         ip_floor, ip_dcp = _inv(ratio(ip)), ratio(ip, "dcp")
