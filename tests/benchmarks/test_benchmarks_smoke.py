@@ -44,7 +44,7 @@ def test_tiny_inprocess_row(tmp_path):
     assert sec["failures"] == []
     assert 0 < sec["state_bytes"] < 8 * MiB
     for rid in ("floor.memcpy", "floor.write", "floor.read", "ckptd.block", "ckptd.commit", "ckptd.restore",
-                "ckptd.restore_fresh"):  # fmt: skip
+                "ckptd.restore_fresh", "ckptd.import_restore_fresh"):  # fmt: skip
         row = res.rows[rid]
         assert row.status == OK, (rid, row.note)
         assert list(row.values) == [0] and row.min == row.median > 0
@@ -54,6 +54,8 @@ def test_tiny_inprocess_row(tmp_path):
     assert res.rows["ckptd.restore"].ratio_floor is not None
     assert res.rows["ckptd.restore_fresh"].extra["page_faults"][0] > 0  # measured in the child process
     assert res.rows["dcp.load_fresh"].values == {}  # dcp not selected
+    imp = res.rows["ckptd.import_restore_fresh"]  # the import, timed in the child, comes on top
+    assert imp.median > res.rows["ckptd.restore_fresh"].median
     assert res.rows["ckptd.block"].extra["staged_bytes"] > 0
     assert res.rows["dcp.save"].values == {}  # not selected: no figure, no crash
     assert res.rows["ckptd.daemon.block"].status != OK  # not selected: says so
