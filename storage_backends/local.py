@@ -17,7 +17,10 @@ Here: ``LocalStore``'s writes; its reads and listings are ``_local_reads``, its 
 ``owner``: a function naming the (uid, gid) that what the store makes belongs to, or None. Each
 file and folder it makes is then given to them (``fchown`` and ``fchmod`` on a descriptor opened
 ``O_NOFOLLOW``, before the file is renamed into place), files 0640 and folders 0750: no world
-bits. A daemon writing a tenant's root as root uses it (``ckptd.server.tenancy``).
+bits. A daemon writing a tenant's root as root uses it (``ckptd.server.tenancy``). uid -1: the
+writer keeps the files (it cannot give them away) and gives them the group only, files 0640 and
+folders 2770, so that group (the tenant's and the writer's, who share the root folder) can delete
+and move what the writer made; a group the writer is not in is refused (``StorageError``).
 """
 
 from __future__ import annotations
@@ -186,10 +189,16 @@ class LocalStore(Reads, Deletes, Store):
         who = self._owner() if self._owner is not None else None
         if who is None:
             return
+        uid, gid = who
         fd = os.open(name, DIR_OPEN if folder else FILE_OPEN, dir_fd=dir_fd)
         try:
-            os.fchown(fd, *who)
-            os.fchmod(fd, 0o750 if folder else 0o640)
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, (0o750 if uid != -1 else 0o2770) if folder else 0o640)
+        except PermissionError:
+            raise StorageError(
+                f"{self.uri}: cannot give {name!r} to uid {uid}, gid {gid}: "
+                + ("this process is not in that group" if uid == -1 else "this process lacks CAP_CHOWN")
+            ) from None
         finally:
             os.close(fd)
 

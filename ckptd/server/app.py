@@ -535,8 +535,7 @@ def create_app(settings: Settings) -> FastAPI:
         )
     metrics = Metrics()
     runner = Runner(settings, roots, staging, metrics)
-    if can_isolate():  # files committed into a tenant's local root are the tenant's
-        runner.owner_of = tenancy.owner_of
+    runner.owner_of = tenancy.owner_of  # files committed into a tenant's local root: the tenant's
     tiers = Tiers(
         staging,
         settings.peers,

@@ -245,6 +245,7 @@ class Tenancy:
         # (root, uid, source) of the replicas held (``Tiers.carried``): their origins' bindings
         self.carried: Callable[[], Iterable[tuple[str, int, str]]] = lambda: ()
         self.peer_key: bytes | None = None  # signs the tickets of ``vouch``
+        self.chown = can_isolate()  # may give what it writes to a tenant (``owner_of``)
 
     def vouch(self, caller: Caller, root: str) -> str:
         """A ticket, signed with the peer key, that names a caller of this daemon's Unix socket to
@@ -375,7 +376,11 @@ class Tenancy:
                 log.info("job root %s bound to %s", root, caller)
 
     def _check_local(self, caller: Caller, root: str, key) -> None:
-        path = Path("/" + "/".join(key[1]))
+        """The caller must be able to write ``root`` (or the nearest folder above it) itself; an
+        existing root folder must not be writable by every local user, nor belong to another
+        user than the caller, root or the daemon's: either could swap or read what the daemon
+        commits there as the caller's (``owner_of``)."""
+        path = top = Path("/" + "/".join(key[1]))
         while True:
             try:
                 st = os.stat(path)  # the root itself may be a link: the operator served it
@@ -390,11 +395,22 @@ class Tenancy:
             raise Forbidden(
                 f"job root {root}: {caller} cannot write {path} itself, so the daemon does not write it on its behalf"
             )
+        if path == top and st.st_mode & stat.S_IWOTH:
+            mode = stat.S_IMODE(st.st_mode)
+            raise Forbidden(f"job root {root} is writable by every local user (mode {mode:04o}): remove o+w")
+        if path == top and st.st_uid not in (caller.uid, 0, self._me):
+            raise Forbidden(
+                f"job root {root} belongs to uid {st.st_uid} ({_user_name(st.st_uid)}), not to {caller}: "
+                "its owner could read and replace what the daemon commits there"
+            )
 
     def owner_of(self, root: str) -> tuple[int, int] | None:
         """(uid, gid) that what the daemon writes into ``root`` belongs to: for a local root
         inside one bound to a uid other than the daemon's, that uid and the bound folder's group
-        (the uid's own group if that folder is gone); else None (the daemon's own)."""
+        (the uid's own group if that folder is gone); else None (the daemon's own). A daemon
+        that cannot give files away (no ``CAP_CHOWN``: ``can_isolate``) gets uid -1: it keeps
+        them and gives them the bound folder's group, which it shares with the tenant
+        (``LocalStore``'s ``owner``)."""
         key = normalize(root)
         if key[0] != "file":
             return None
@@ -404,12 +420,13 @@ class Tenancy:
             return None
         uid = held[1]["uid"]
         try:
-            return uid, os.stat("/" + "/".join(held[0][1])).st_gid
+            gid = os.stat("/" + "/".join(held[0][1])).st_gid
         except OSError:
             try:
-                return uid, pwd.getpwuid(uid).pw_gid
+                gid = pwd.getpwuid(uid).pw_gid
             except KeyError:
-                return uid, uid
+                gid = uid
+        return (uid if self.chown else -1), gid
 
     def _who(self, held: tuple[tuple, dict]) -> str:
         b = held[1]
