@@ -86,6 +86,7 @@ def run(k: int, m: int, size: int, replicas: int, repeat: int) -> None:
         f"  held per node: ec {fmt_bytes(held)} ({held / size:.2f}x, survives {m} losses)  "
         f"| --replicas {replicas}: {fmt_bytes(rep)} ({1 + replicas}x, survives {replicas})  "
         f"| ec/replication {held / rep:.2f}"
+        + (f"  | --replicas {m} (the same losses): {1 + m}x" if m != replicas else "")
     )
 
 

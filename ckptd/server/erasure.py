@@ -33,7 +33,7 @@ Encoding, the linearity trick. RS parity is linear over GF(2^8): parity row ``j`
 ``XOR over slots t of c[j][t] * D_t``. So a data member computes its block's share of each of
 the ``m`` parity blocks alone (``contribution``: the library's encoding of the block in its slot
 and zero blocks elsewhere; computed here by multiplying with a table read off the library's own
-encoder, ``_Code.table``, ~3x faster than encoding the zero blocks, and checked equal to it in the
+encoder, ``_Code.table``, 3-5x faster here than encoding the zero blocks, and checked equal to it in the
 tests) and sends each share to the holder, which XORs shares into its parity buffer as they
 arrive, in any order (``fold``). No member needs another's data; each sends ``m * |P_i|`` bytes,
 as m-way replication does, and holds ``m * block`` of parity.
