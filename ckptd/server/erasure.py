@@ -98,7 +98,8 @@ def _check_code(k: int, m: int) -> None:
 
 
 class _Code:
-    """One (k, m) zfec code: its encoder, decoder and multiplication tables read off the encoder."""
+    """One (k, m) zfec code: its encoder, decoder and multiplication tables read off the encoder
+    (built on first use, 128 KiB each, k*m at most: 1 MiB for 4+2, 32 MiB for the largest group)."""
 
     _cache: dict[tuple[int, int], _Code] = {}
 
