@@ -21,6 +21,7 @@ SECTION_TITLES = {
     "incremental": "Incremental saves",
     "reshard": "Resharding: saved at 4 ranks, restored at 3 and 2 (gloo, real processes)",
     "s3": "S3 on the loopback moto server",
+    "rgw": "S3 on a loopback Ceph RADOS Gateway (one-node cluster, memstore OSD)",
     "memory": "Host memory across consecutive async saves",
     "gpu": "GPU",
 }
@@ -83,7 +84,7 @@ def chart(res: Results, path: str) -> str | None:
         return None
     fig, axes = plt.subplots(2, 2, figsize=(15, 10))
     _bars(axes[0][0], res, lambda r: r.section == "local", "single process: time / floor (median of per-rep ratios)")
-    _bars(axes[0][1], res, lambda r: r.section in ("reshard", "s3", "incremental") and r.unit == "s",
+    _bars(axes[0][1], res, lambda r: r.section in ("reshard", "s3", "rgw", "incremental") and r.unit == "s",
           "resharding, S3, incremental: time / floor")  # fmt: skip
     _memory(axes[1][0], res)
     _bars(axes[1][1], res, lambda r: r.id.startswith("reshard.") and ".bytes." in r.id,
@@ -215,7 +216,7 @@ def write_markdown(res: Results, path: str, chart_path: str | None) -> None:
     for t in res.targets:
         val = "-" if t.value is None else f"{t.value:.3f}"
         note = t.detail
-        if t.profile and (t.passed is False or "s3" in t.id):
+        if t.profile and (t.passed is False or t.id.startswith(("s3.", "rgw."))):
             note = (note + "; " if note else "") + f"profile: `{os.path.relpath(t.profile, Path(path).parent)}`"
         out.append(f"| {t.text} | {val} | {t.op} {t.limit} | **{t.verdict}** | {note} |")
     out.append("")
@@ -317,7 +318,7 @@ def _section_extras(res: Results, sec: str) -> list[str]:
 def _profiles(res: Results, path: str) -> list[str]:
     out: list[str] = []
     profs = []
-    for sec in ("local", "reshard", "s3"):
+    for sec in ("local", "reshard", "s3", "rgw"):
         for name, p in (res.sections.get(sec, {}).get("profiles") or {}).items():
             if p:
                 profs.append((f"{sec}/{name}", p))

@@ -3,7 +3,7 @@
 Prints a table, writes the JSON, a markdown report (``benchmarks/RESULTS.md`` by default; with
 ``--quick``, ``RESULTS-quick.md`` beside the JSON so a smoke run never overwrites the committed
 report) and a PNG chart beside the report. ``--only`` takes a comma-separated list of sections
-(planning, local, incremental, reshard, s3, memory, gpu, tiers) or local systems (floor, torch, dcp, ckptd,
+(planning, local, incremental, reshard, s3, rgw, memory, gpu, tiers) or local systems (floor, torch, dcp, ckptd,
 daemon).
 """
 
@@ -22,7 +22,7 @@ from benchmarks.common import GiB, MiB, drop_cache, fmt_bytes, machine_info, par
 from benchmarks.results import ERROR, Results
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("planning", "local", "incremental", "reshard", "s3", "memory", "gpu", "tiers")
+SECTIONS = ("planning", "local", "incremental", "reshard", "s3", "rgw", "memory", "gpu", "tiers")
 LOCAL_SYSTEMS = ("floor", "torch", "dcp", "ckptd", "daemon")
 
 
@@ -122,6 +122,7 @@ def run(a: argparse.Namespace) -> Results:
     section("incremental", lambda: incremental.run(res, min(a.size_bytes, 512 * MiB), a.reps, bench_dir))
     section("reshard", lambda: reshard.run(res, a.size_bytes, a.reps, bench_dir, p("reshard_ckptd")))
     section("s3", lambda: s3.run(res, a.s3_bytes, a.reps, lambda _: True, p("s3_ckptd")))
+    section("rgw", lambda: s3.run(res, a.s3_bytes, a.reps, lambda _: True, p("rgw_ckptd"), section="rgw"))
     section("memory", lambda: memory.run(res, a.mem_bytes, a.mem_saves, bench_dir))
     section("gpu", lambda: gpu.run(res, a.size_bytes, a.reps, bench_dir))
     section("tiers", lambda: tiers.run(res, a.s3_bytes, a.reps, bench_dir))

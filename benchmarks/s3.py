@@ -1,10 +1,14 @@
-"""S3 rows on the loopback moto server: ckptd save/restore against raw boto3 of the same bytes.
+"""S3 rows: ckptd save/restore against raw boto3 moving the same bytes, on the loopback moto
+server (section ``s3``) and on a real Ceph RADOS Gateway on loopback (section ``rgw``:
+``tests.rgwserver``, a one-node cluster with a memstore OSD; needs Debian's ``radosgw ceph-mon
+ceph-osd``, skipped without them).
 
 The floor is plain boto3 moving the same bytes as 16 MiB objects on 16 threads (ckptd's S3
 part size and worker count), PUT and GET in parallel: the fastest way to move them through one
 client. (A single multipart object is no floor: moto serves one far more slowly than many small
 objects, which would hide ckptd's own overhead.) moto is a correctness server on the same cores
-as the client: these figures measure moto, not S3.
+as the client: its figures measure moto, not S3. RGW is Ceph's own gateway (C++), closer to
+what a real object store costs per request, though it too shares the machine's cores.
 """
 
 from __future__ import annotations
@@ -28,16 +32,13 @@ THREADS = 16
 
 
 @contextlib.contextmanager
-def moto_env():
-    """A moto server and the AWS_* variables pointing at it (restored afterwards)."""
-    from tests.s3server import CREDENTIALS, start_moto_server, stop
-
-    proc, url = start_moto_server()
+def endpoint_env(url: str, credentials: dict):
+    """The AWS_* variables pointing at ``url`` with ``credentials`` (restored afterwards)."""
     saved = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k in ("NO_PROXY", "no_proxy")}
     try:
         for k in [k for k in os.environ if k.startswith("AWS_")]:
             del os.environ[k]
-        os.environ.update(CREDENTIALS)
+        os.environ.update(credentials)
         os.environ.update(
             AWS_ENDPOINT_URL=url,
             AWS_EC2_METADATA_DISABLED="true",
@@ -51,39 +52,83 @@ def moto_env():
         for k in [k for k in os.environ if k.startswith("AWS_") or k in ("NO_PROXY", "no_proxy")]:
             del os.environ[k]
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def moto_env():
+    """A moto server and the AWS_* variables pointing at it."""
+    from tests.s3server import CREDENTIALS, start_moto_server, stop
+
+    proc, url = start_moto_server()
+    try:
+        with endpoint_env(url, CREDENTIALS):
+            yield url
+    finally:
         stop(proc)
 
 
-def run(res: Results, size: int, reps: int, selected: Callable[[str], bool], profile_prefix: str | None = None):
+@contextlib.contextmanager
+def rgw_env(device_bytes: int = 1 << 30):
+    """A one-node Ceph cluster's RADOS Gateway and the AWS_* variables pointing at it; its OSD
+    holds ``device_bytes`` (every byte written: RGW frees deleted objects only hours later)."""
+    from tests import rgwserver
+
+    missing = rgwserver.missing_binaries()
+    if missing:
+        raise RuntimeError(
+            f"Ceph is not installed ({', '.join(missing)} missing: apt-get install radosgw ceph-mon ceph-osd)"
+        )
+    server = rgwserver.start_rgw_server(device_bytes=device_bytes)
+    try:
+        with endpoint_env(server.url, rgwserver.CREDENTIALS):
+            yield server.url
+    finally:
+        rgwserver.stop(server)
+
+
+SERVERS = {"s3": ("moto", moto_env), "rgw": ("Ceph RGW", rgw_env)}
+
+
+def run(
+    res: Results,
+    size: int,
+    reps: int,
+    selected: Callable[[str], bool],
+    profile_prefix: str | None = None,
+    section: str = SECTION,
+):
+    """The rows of ``section``: ``s3`` on moto, ``rgw`` on Ceph's gateway (``SERVERS``)."""
     import boto3
 
     from trainer_hooks import Checkpointer
 
     def R(id, label, floor=None, unit="s"):  # noqa: N802
-        return res.row(id, SECTION, label, floor=floor, unit=unit)
+        return res.row(f"{section}.{id}", section, label, floor=floor and f"{section}.{floor}", unit=unit)
 
-    R("s3.floor.put", "boto3 PUT of the state's bytes as 16 MiB objects, 16 threads (floor)")
-    R("s3.floor.get", "boto3 GET of those objects, 16 threads, into a preallocated buffer (floor)")
-    R("s3.ckptd.save", "ckptd save to S3: until committed", floor="s3.floor.put")
-    R("s3.ckptd.block", "ckptd save to S3: time save() blocks")
-    R("s3.ckptd.restore", "ckptd restore from S3", floor="s3.floor.get")
-    sec = res.sections.setdefault(SECTION, {})
+    server, env = SERVERS[section]
+    R("floor.put", f"boto3 PUT of the state's bytes as 16 MiB objects, 16 threads, {server} (floor)")
+    R("floor.get", f"boto3 GET of those objects, 16 threads, into a preallocated buffer, {server} (floor)")
+    R("ckptd.save", f"ckptd save to S3 ({server}): until committed", floor="floor.put")
+    R("ckptd.block", f"ckptd save to S3 ({server}): time save() blocks")
+    R("ckptd.restore", f"ckptd restore from S3 ({server})", floor="floor.get")
+    sec = res.sections.setdefault(section, {})
     try:
-        ctx = moto_env()
+        # every save and floor write of the run, with room (RGW does not free deletes in time)
+        ctx = env() if env is moto_env else env(device_bytes=(3 * reps + 6) * size + (1 << 30))
         url = ctx.__enter__()
     except Exception as e:  # noqa: BLE001 - the server is an external process
         for r in res.rows.values():
-            if r.section == SECTION:
-                r.status, r.note = ERROR, f"moto server did not start: {e}"
+            if r.section == section:
+                r.status, r.note = ERROR, f"{server} did not start: {e}"[:2000]
         return
     try:
-        _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix)
+        _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix, section)
     finally:
         ctx.__exit__(None, None, None)
         collect()
 
 
-def _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix):  # noqa: N803
+def _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix, section):  # noqa: N803
     from botocore.config import Config
 
     model, optim, dims = st.build_local(size, seed=3)
@@ -110,7 +155,7 @@ def _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix):  # noq
     def floor_put(rep: int) -> None:
         with Timer() as t:
             list(pool.map(lambda i: client.put_object(Bucket=bucket, Key=f"obj/{i}", Body=parts[i]), range(len(parts))))
-        res.add("s3.floor.put", rep, t.s)
+        res.add(f"{section}.floor.put", rep, t.s)
 
     def floor_get(rep: int) -> None:
         with Timer() as t:
@@ -121,7 +166,7 @@ def _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix):  # noq
                 out_mv[off : off + len(data)] = data
 
             list(pool.map(one, range(len(parts))))
-        res.add("s3.floor.get", rep, t.s)
+        res.add(f"{section}.floor.get", rep, t.s)
 
     def ckptd_save(rep: int) -> None:
         step[0] += 1
@@ -136,15 +181,15 @@ def _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix):  # noq
             if s < step[0]:
                 catalog.delete_checkpoint(ck.store, s)
         if rep >= 0:
-            res.add("s3.ckptd.block", rep, block)
-            res.add("s3.ckptd.save", rep, t)
+            res.add(f"{section}.ckptd.block", rep, block)
+            res.add(f"{section}.ckptd.save", rep, t)
 
     def ckptd_restore(rep: int) -> None:
         with torch.no_grad():
             sent.zero_()
         with Timer() as t:
             ck.restore(state)
-        res.add("s3.ckptd.restore", rep, t.s)
+        res.add(f"{section}.ckptd.restore", rep, t.s)
         if not torch.equal(sent.detach(), ref):
             res.notes.append("S3: ckptd restore brought back different values")
 
@@ -165,7 +210,7 @@ def _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix):  # noq
             with profiled(profile_prefix + "_restore", "ckptd restore from S3 (moto)") as p:
                 ckptd_restore(-2)
             sec["profiles"]["restore"] = p
-            res.rows["s3.ckptd.restore"].values.pop(-2, None)
+            res.rows[f"{section}.ckptd.restore"].values.pop(-2, None)
     finally:
         ck.close()
         pool.shutdown()

@@ -96,12 +96,13 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
                     detail=f"DCP: {med('reshard.restore3.bytes.dcp') or float('nan'):.2f}x; raw floor (method "
                     f"check): {med('reshard.restore3.bytes.raw') or float('nan'):.3f}x"))  # fmt: skip
 
-    T.append(Target("s3.save", "S3 save >= 0.9x boto3 moving the same bytes as 16 MiB objects on 16 threads "
-                    "(floor time / save time)", _inv(ratio("s3.ckptd.save")), 0.9, ">=",
-                    profile=prof("s3_ckptd_save.txt")))  # fmt: skip
-    T.append(Target("s3.restore", "S3 restore >= 0.9x boto3 moving the same bytes as 16 MiB objects on 16 threads "
-                    "(floor time / restore time)", _inv(ratio("s3.ckptd.restore")), 0.9, ">=",
-                    profile=prof("s3_ckptd_restore.txt")))  # fmt: skip
+    for s3, server in (("s3", "moto"), ("rgw", "Ceph RGW")):
+        T.append(Target(f"{s3}.save", f"S3 save ({server}) >= 0.9x boto3 moving the same bytes as 16 MiB objects "
+                        "on 16 threads (floor time / save time)", _inv(ratio(f"{s3}.ckptd.save")), 0.9, ">=",
+                        profile=prof(f"{s3}_ckptd_save.txt")))  # fmt: skip
+        T.append(Target(f"{s3}.restore", f"S3 restore ({server}) >= 0.9x boto3 moving the same bytes as 16 MiB "
+                        "objects on 16 threads (floor time / restore time)", _inv(ratio(f"{s3}.ckptd.restore")), 0.9,
+                        ">=", profile=prof(f"{s3}_ckptd_restore.txt")))  # fmt: skip
     mem = rows.get("memory.ckptd")
     T.append(Target("memory.peak", "host memory of async saves <= 1x the state on top of model + optimizer (peak)",
                     mem.extra.get("max") if mem else None, 1.0, "<=",

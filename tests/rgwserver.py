@@ -100,7 +100,7 @@ mon data = {root}/mon
 [osd]
 osd data = {root}/osd
 osd objectstore = memstore
-memstore device bytes = 1073741824
+memstore device bytes = {device_bytes}
 [client.rgw]
 rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
 rgw data = {root}/rgw
@@ -153,26 +153,31 @@ def _daemon(server: RGWServer, name: str, *args: str) -> None:
         )
 
 
-def start_rgw_server(timeout: float = 120.0) -> RGWServer:
+def start_rgw_server(timeout: float = 120.0, device_bytes: int = 1 << 30) -> RGWServer:
     """Bootstrap the cluster and return it once its S3 endpoint answers; on failure stop what
-    was started and raise with the daemons' log tails. Usually 10-20 s."""
+    was started and raise with the daemons' log tails. Usually 10-20 s. ``device_bytes``: the
+    memstore OSD's size (its memory); past it the OSD is full and writes wait forever, and
+    RGW frees deleted objects' space only at its garbage collection (hours), so size it for
+    every byte a run writes."""
     root = Path(tempfile.mkdtemp(prefix="ckptd-rgw-"))
     server = RGWServer(root)
     try:
-        _bootstrap(server, timeout)
+        _bootstrap(server, timeout, device_bytes)
     except BaseException:
         stop(server, keep_logs=True)
         raise
     return server
 
 
-def _bootstrap(server: RGWServer, timeout: float) -> None:
+def _bootstrap(server: RGWServer, timeout: float, device_bytes: int) -> None:
     root = server.root
     for sub in ("mon", "osd", "rgw", "run", "log"):
         (root / sub).mkdir()
     fsid = str(uuid.uuid4())
     mon_port, rgw_port = free_port(), free_port()
-    server.conf.write_text(_CONF.format(fsid=fsid, root=root, mon_port=mon_port, rgw_port=rgw_port))
+    server.conf.write_text(
+        _CONF.format(fsid=fsid, root=root, mon_port=mon_port, rgw_port=rgw_port, device_bytes=device_bytes)
+    )
     monmap = str(root / "monmap")
     subprocess.run(
         ["monmaptool", "--create", "--clobber", "--fsid", fsid, "--addv", "a", f"[v2:127.0.0.1:{mon_port}]", monmap],
