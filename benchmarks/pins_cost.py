@@ -6,17 +6,26 @@
   (``commit.expected_digest``, O(arrays));
 * a restore's extra requests: the LISTs and GETs of done records one restoring rank makes to
   load the pins of the shards it reads (``restore.pins_for`` against a counting in-memory
-  store holding N done records), for a save at N ranks restored at M.
+  store holding N done records), for a save at N ranks restored at M;
+* BLAKE3 pins (issue 36 item 3): save-to-commit and restore of one rank's state with the done
+  records pinning each part's crc32c only (as before issue 36: the writer's digests switched
+  off) and with each part's BLAKE3 too, side by side, alternating, the median of ``--reps``.
 
-Run: ``python -m benchmarks.pins_cost [--arrays 300 900] [--ranks 4096] [--restore-at 1024 4096]``
+Run: ``python -m benchmarks.pins_cost [--arrays 300 900] [--ranks 4096] [--restore-at 1024 4096]``;
+the BLAKE3 rows alone: ``python -m benchmarks.pins_cost --blake3 256MiB 1.5GiB [--dir /dev/shm]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import shutil
+import statistics
+import tempfile
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -95,12 +104,73 @@ def restore_requests(arrays: int, ranks: int, restore_at: int, rank: int) -> dic
     }
 
 
+def _state(nbytes: int) -> dict:
+    import torch
+
+    n = 16 << 20  # 64 MiB tensors of float32
+    sizes = [n] * (nbytes // 4 // n) + ([nbytes // 4 % n] if nbytes // 4 % n else [])
+    return {f"layers.{i}.weight": torch.rand(k // 1024, 1024) for i, k in enumerate(sizes)}
+
+
+def blake3_cost(nbytes: int, reps: int, folder: str | None = None) -> dict:
+    """Seconds (wall, and CPU of this process) to save to commit and to restore ``nbytes`` of
+    float32 tensors into a local root under ``folder``, with crc32c-only pins and with BLAKE3
+    pins; the medians and their ratios (BLAKE3 / crc32c)."""
+    import torch
+
+    from ckptd import persist
+    from trainer_hooks import Checkpointer
+
+    state = _state(nbytes)
+    got = {k: torch.empty_like(v) for k, v in state.items()}
+    kinds = ("save", "restore", "save_cpu", "restore_cpu")
+    times: dict[str, dict[str, list[float]]] = {m: {k: [] for k in kinds} for m in ("crc32c", "blake3")}
+    for rep in range(-1, reps):  # rep -1 warms up (imports, page faults, thread pools): not counted
+        for mode in ("crc32c", "blake3") if rep % 2 == 0 else ("blake3", "crc32c"):
+            root = tempfile.mkdtemp(prefix=f"pins-{mode}-", dir=folder)
+            try:
+                with contextlib.ExitStack() as es:
+                    if mode == "crc32c":  # the done records a writer made before issue 36
+                        es.enter_context(mock.patch.object(persist, "shard_digests", lambda bufs: None))
+                        es.enter_context(mock.patch.object(persist, "image_digests", lambda *a: None))
+                    ck = es.enter_context(Checkpointer(root))
+                    t, c = time.perf_counter(), time.process_time()
+                    ck.save(1, state).result()
+                    if rep >= 0:
+                        times[mode]["save"].append(time.perf_counter() - t)
+                        times[mode]["save_cpu"].append(time.process_time() - c)
+                with Checkpointer(root) as ck:
+                    t, c = time.perf_counter(), time.process_time()
+                    ck.restore(got, step=1)
+                    if rep >= 0:
+                        times[mode]["restore"].append(time.perf_counter() - t)
+                        times[mode]["restore_cpu"].append(time.process_time() - c)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+    med = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in times.items()}
+    out = {"bytes": nbytes, "reps": reps}
+    for k in kinds:  # wall seconds, and CPU seconds of the process (all its threads): steadier on a busy host
+        out[f"{k}_crc32c_s"] = round(med["crc32c"][k], 3)
+        out[f"{k}_blake3_s"] = round(med["blake3"][k], 3)
+        out[f"{k}_ratio"] = round(med["blake3"][k] / med["crc32c"][k], 3)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arrays", type=int, nargs="+", default=[300, 900])
     p.add_argument("--ranks", type=int, default=4096)
     p.add_argument("--restore-at", type=int, nargs="+", default=[4096, 1024, 64])
+    p.add_argument("--blake3", nargs="+", default=None, help="state sizes for the BLAKE3 rows alone (e.g. 1.5GiB)")
+    p.add_argument("--reps", type=int, default=5, help="repetitions per BLAKE3 row (default 5)")
+    p.add_argument("--dir", default="/dev/shm", help="where the BLAKE3 rows' roots go (default /dev/shm)")
     a = p.parse_args(argv)
+    if a.blake3:
+        from benchmarks.common import parse_size
+
+        for size in a.blake3:
+            print(json.dumps({"size": size, **blake3_cost(parse_size(size), a.reps, a.dir)}), flush=True)
+        return
     for arrays in a.arrays:
         print(json.dumps(commit_check(arrays, a.ranks)))
     for m in a.restore_at:

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import blake3 as _blake3
 import crc32c as _crc32c
 import numpy as np
 
@@ -42,6 +43,7 @@ __all__ = [
     "MIN_AVG_CHUNK_BYTES",
     "check_chunk",
     "check_metadata",
+    "DIGEST_BYTES",
     "crc32c",
     "crc_bytes",
     "decode_chunk",
@@ -49,6 +51,9 @@ __all__ = [
     "encode_shard",
     "image_chunks",
     "image_crcs",
+    "image_digests",
+    "part_digest",
+    "shard_digests",
     "image_nbytes",
     "init_image",
     "inlinable",
@@ -76,6 +81,26 @@ crc32c = _crc32c.crc32c
 
 def crc_bytes(data) -> bytes:
     return struct.pack("<I", _crc32c.crc32c(data))
+
+
+# A part's cryptographic pin (issue 36): BLAKE3 of its bytes as stored (a chunk and its crc32c,
+# or the shard index and its crc32c), truncated to 128 bits. Unlike the crc32c, no 4 bytes make
+# other contents keep it; a reader that checks it need not recompute the crc32c.
+DIGEST_BYTES = 16
+
+
+def part_digest(*bufs) -> bytes:
+    """The BLAKE3 pin of one part: the concatenation of ``bufs`` (blake3 drops the GIL on big
+    buffers, so writer and reader threads hash in parallel)."""
+    h = _blake3.blake3()
+    for b in bufs:
+        h.update(b)
+    return h.digest(DIGEST_BYTES)
+
+
+def shard_digests(bufs: Sequence) -> bytes:
+    """The BLAKE3 pin of each part of ``encode_shard``'s buffers ((bytes, crc32c) pairs), in order."""
+    return b"".join(part_digest(bufs[i], bufs[i + 1]) for i in range(0, len(bufs), 2))
 
 
 def inlinable(dtype: str) -> bool:
@@ -404,13 +429,22 @@ def image_crcs(layout: ArrayLayout, image: np.ndarray, chunks: int) -> bytes:
     return out + bytes(mv[-CRC_BYTES:]) if layout.sharded else out
 
 
-def check_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> memoryview:
+def image_digests(layout: ArrayLayout, image: np.ndarray, chunks: int) -> bytes:
+    """The BLAKE3 pin of each part of a sealed image: what ``shard_digests`` gives for the same shard."""
+    stride = layout.chunk_nbytes + CRC_BYTES
+    mv = memoryview(image).cast("B")
+    out = [part_digest(mv[k * stride : (k + 1) * stride]) for k in range(chunks)]
+    return b"".join(out + [part_digest(mv[chunks * stride :])] if layout.sharded else out)
+
+
+def check_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str, crc: bool = True) -> memoryview:
     """Check a chunk's size and crc32c; its body. ``where`` names the chunk in the error message.
-    Needs no numpy dtype (a check of a bfloat16 chunk imports no ``ml_dtypes``)."""
+    Needs no numpy dtype (a check of a bfloat16 chunk imports no ``ml_dtypes``). ``crc=False``:
+    the size only (the caller checked the chunk against its BLAKE3 pin)."""
     mv = memoryview(data)
     if mv.nbytes != layout.chunk_nbytes + CRC_BYTES:
         raise CorruptChunkError(f"{where}: chunk has {mv.nbytes} bytes, expected {layout.chunk_nbytes + CRC_BYTES}")
-    if not _crc_ok(mv):
+    if crc and not _crc_ok(mv):
         raise CorruptChunkError(f"{where}: crc32c mismatch (corrupt chunk)")
     return mv[:-CRC_BYTES]
 
@@ -420,9 +454,9 @@ def _crc_ok(data) -> bool:
     return crc32c(data[:-CRC_BYTES]) == struct.unpack("<I", data[-CRC_BYTES:])[0]
 
 
-def decode_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str) -> np.ndarray:
+def decode_chunk(layout: ArrayLayout, data: bytes | memoryview, where: str, crc: bool = True) -> np.ndarray:
     """``check_chunk``, then the chunk as an array of ``chunk_shape``."""
-    return np.frombuffer(check_chunk(layout, data, where), dtype=layout.np_dtype).reshape(layout.chunk_shape)
+    return np.frombuffer(check_chunk(layout, data, where, crc), dtype=layout.np_dtype).reshape(layout.chunk_shape)
 
 
 def decode_index(layout: ArrayLayout, data: bytes, where: str) -> np.ndarray:

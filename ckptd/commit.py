@@ -217,7 +217,7 @@ def held_whole(store, step: int, attempt: str, holders: dict) -> dict:
         try:
             rec = records[key] = json.loads(store.get(key, mf.MAX_RECORD_BYTES))
             pins = rec["pins"]
-            for k, (size, _) in pins.get("shards", {}).items():
+            for k, (size, *_) in pins.get("shards", {}).items():
                 got = holders.get(f"{folder}/{k}")
                 if got is None or got[0] != size:
                     raise CheckpointError(f"{k} (pinned by rank {r}) is not held whole")

@@ -83,6 +83,7 @@ class Totals:
 
 P = (1 << 61) - 1  # a Mersenne prime: the shard digest lives in the field Z/P
 MAX_COORD = 1 << 24  # a shard coordinate's bound: far below P - 1, where g ** c repeats
+PINS_VERSION = 2  # done records' pins: 1 (before issue 36) has no BLAKE3 digest per part
 DIGEST_VERSION = 2  # done records say it: 1 (none) hashed no arity and took any coordinate
 
 
@@ -165,14 +166,22 @@ def pin_digest(pins: dict | None) -> int | None:
     return total & MASK
 
 
-def make_pins(shards: dict[str, tuple[int, bytes]], meta: dict[str, bytes]) -> dict:
+def make_pins(shards: dict[str, tuple], meta: dict[str, bytes]) -> dict:
     """The ``pins`` of a done record: ``shards`` maps a shard key to (object size, the
     crc32c bytes of each part as stored, concatenated: the inner chunks in storage order, then
-    the index's for a sharded object), ``meta`` a metadata key to its bytes. Shard pins are
-    ``[size, base64 of the little-endian uint32 crcs]``, metadata pins the sha256 hex."""
+    the index's for a sharded object, and the parts' BLAKE3 pins (``codec.part_digest``) in the
+    same order, or None), ``meta`` a metadata key to its bytes. Shard pins are ``[size, base64 of
+    the little-endian uint32 crcs, base64 of the digests]`` (``v`` 2; ``v`` 1, written before
+    issue 36, has no digests: ``[size, crcs]``), metadata pins the sha256 hex."""
+    out = {}
+    for k, (size, crcs, *digests) in shards.items():
+        pin = [size, base64.b64encode(crcs).decode()]
+        if digests and digests[0] is not None:
+            pin.append(base64.b64encode(digests[0]).decode())
+        out[k] = pin
     return {
-        "v": 1,
-        "shards": {k: [size, base64.b64encode(crcs).decode()] for k, (size, crcs) in shards.items()},
+        "v": PINS_VERSION if all(len(p) == 3 for p in out.values()) else 1,
+        "shards": out,
         "meta": {k: hashlib.sha256(data).hexdigest() for k, data in meta.items()},
     }
 

@@ -50,7 +50,7 @@ import numpy as np
 from ckptd import catalog, donetree
 from ckptd import manifest as mf
 from ckptd.claims import LEADER, begin, check_abort, check_writer, follow_claim, lead_claim, owner
-from ckptd.codec import encode_shard, image_crcs, seal_image
+from ckptd.codec import encode_shard, image_crcs, image_digests, seal_image, shard_digests
 from ckptd.commit import climb, wait_commit
 from ckptd.errors import CheckpointError, SaveAborted
 from ckptd.leases import Heartbeat
@@ -207,7 +207,7 @@ def _write_data(
     shard's are its source's, since its bytes are the same)."""
     folder = mf.step_dir(part.step)
     lock = threading.Lock()
-    shard_pins: dict[str, tuple[int, bytes]] = {}
+    shard_pins: dict[str, tuple[int, bytes, bytes]] = {}
 
     def put(key: str, data) -> None:
         check_abort(abort, where)
@@ -233,12 +233,14 @@ def _write_data(
             seal_image(sw.layout, data, sw.chunks)
             bufs = [memoryview(data)]
             pin = image_crcs(sw.layout, data, sw.chunks)
+            digests = image_digests(sw.layout, data, sw.chunks)  # while the image is hot in cache
         else:
             data = to_numpy(sw.buffer)
             bufs = encode_shard(sw.layout, sw.coord, data)
             pin = b"".join(bytes(b) for b in bufs[1::2])  # each chunk's crc, then the index's
+            digests = shard_digests(bufs)
         with lock:
-            shard_pins[sw.object_key] = (data_size(bufs), pin)
+            shard_pins[sw.object_key] = (data_size(bufs), pin, digests)
         if dedupe is not None:
             digest = dedupe.digest(sw, data)
             check_abort(abort, where)

@@ -1,8 +1,9 @@
 """Pins: what the committing attempt of a step wrote, object by object, and the checks readers
 make against them (issue 26: a committed step verifies itself).
 
-Every done record pins what its rank wrote (``donetree.make_pins``: per shard object its size
-and the crc32c of each part as stored, per metadata object its sha256); ``commit.json`` keeps
+Every done record pins what its rank wrote (``donetree.make_pins``: per shard object its size,
+the crc32c of each part as stored and (since issue 36) each part's BLAKE3, per metadata object
+its sha256); ``commit.json`` keeps
 the sum of the records' pin digests and the manifest's sha256. Why it holds (only the committing
 attempt writes the done records and the commit record) and who checks what (``ckptd verify``:
 :func:`read_all`; ``restore``: :func:`load_manifest`, :func:`read_ranks`,
@@ -10,7 +11,8 @@ attempt writes the done records and the commit record) and who checks what (``ck
 
 Old checkpoints: a commit record without ``pins`` (written before pins existed) means no pins
 to check; such steps are read as before (each chunk's own crc32c), and a reader never asks
-them for pins.
+them for pins. Done records written before issue 36 pin no BLAKE3 (``v`` 1): their steps are
+checked against the crc32c pins only, as then.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ckptd import catalog, donetree
 from ckptd import manifest as mf
+from ckptd.codec import CRC_BYTES, DIGEST_BYTES
 from ckptd.errors import CheckpointError, CorruptChunkError
 from storage_backends import NotFoundError, StorageError, Store
 
@@ -42,16 +45,20 @@ __all__ = [
 class Pins:
     """The pins of (some of) a step's done records: keys are relative to the step folder."""
 
-    shards: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # key -> (size, crc bytes)
+    # key -> (size, crc bytes, BLAKE3 pins: b"" in a done record written before issue 36)
+    shards: dict[str, tuple[int, bytes, bytes]] = field(default_factory=dict)
     meta: dict[str, str] = field(default_factory=dict)  # key -> sha256 hex
 
     def add(self, pins: dict, where: str, key: str) -> None:
         try:
-            for k, (size, crcs) in pins.get("shards", {}).items():
+            for k, (size, crcs, *digests) in pins.get("shards", {}).items():
                 raw = base64.b64decode(crcs, validate=True)
-                if type(size) is not int or size < 0 or len(raw) % 4:
+                dig = base64.b64decode(digests[0], validate=True) if digests else b""
+                if type(size) is not int or size < 0 or len(raw) % CRC_BYTES or len(digests) > 1:
                     raise ValueError(f"bad pin of {k}")
-                self.shards[k] = (size, raw)
+                if digests and len(dig) != len(raw) // CRC_BYTES * DIGEST_BYTES:
+                    raise ValueError(f"bad pin of {k}")
+                self.shards[k] = (size, raw, dig)
             for k, sha in pins.get("meta", {}).items():
                 if not isinstance(sha, str):
                     raise ValueError(f"bad pin of {k}")
@@ -140,8 +147,9 @@ def read_ranks(
     return out
 
 
-def shard_pin(pins: Pins, key: str, name: str) -> tuple[int, bytes]:
-    """The pin of shard ``key``: CorruptChunkError when no done record pins it."""
+def shard_pin(pins: Pins, key: str, name: str) -> tuple[int, bytes, bytes]:
+    """The pin of shard ``key`` (size, crc32c of each part, BLAKE3 of each part or b""):
+    CorruptChunkError when no done record pins it."""
     pin = pins.shards.get(key)
     if pin is None:
         raise CorruptChunkError(f"{name}: no done record of the committing attempt pins this object")

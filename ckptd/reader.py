@@ -1,4 +1,5 @@
-"""Read sub-boxes of a checkpoint's arrays, checking every chunk's crc32c.
+"""Read sub-boxes of a checkpoint's arrays, checking every chunk's crc32c (or, where its writer
+pinned one, its BLAKE3).
 
 A read computes where each touched inner chunk sits in its shard object (our encoder stores them
 back to back in C order; the shard index is read only if a chunk fails its check), coalesces
@@ -17,10 +18,22 @@ import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, crc_bytes, decode_chunk, decode_index, parse_inline
+from ckptd.codec import (
+    CRC_BYTES,
+    DIGEST_BYTES,
+    EMPTY,
+    ArrayLayout,
+    check_chunk,
+    crc_bytes,
+    decode_chunk,
+    decode_index,
+    parse_inline,
+    part_digest,
+)
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import Box, ShardRead, chunk_box, plan_reads
 from ckptd.manifest import TensorEntry
@@ -52,7 +65,9 @@ class CheckpointReader:
     def __init__(self, store: Store, prefix: str, where: str | None = None, pins: Pins | None = None):
         """``pins``: the pins of the committing attempt's done records that cover the shards
         to read (``ckptd.pins``): every chunk's stored crc32c (and a shard index's) must then
-        equal the one its writer pinned, else ``CorruptChunkError`` naming the object. None:
+        equal the one its writer pinned, and its bytes as read hash to the BLAKE3 its writer
+        pinned (done records since issue 36; that check replaces the chunk's crc32c
+        recomputation), else ``CorruptChunkError`` naming the object. None:
         each chunk is checked against its own crc32c only (a step committed before pins)."""
         self.store = store
         self.prefix = prefix.rstrip("/") + "/"
@@ -61,19 +76,45 @@ class CheckpointReader:
         self.pins = pins
         self._lock = threading.Lock()
 
+    def _part(self, entry: TensorEntry, off: int | None, crcs: bytes) -> int:
+        """Which part sits at offset ``off`` (None: the shard index): parts are back to back, so
+        that is part ``off // (chunk bytes + 4)``, the index last."""
+        return len(crcs) // CRC_BYTES - 1 if off is None else off // (entry.layout.chunk_nbytes + CRC_BYTES)
+
     def _check_pinned(self, entry: TensorEntry, shard: Sequence[int], off: int | None, crc) -> None:
-        """The crc32c stored after the part at offset ``off`` (None: the shard index) against its
-        pin: parts are back to back, so that is part ``off // (chunk bytes + 4)``, the index last."""
+        """The crc32c stored after the part at offset ``off`` (None: the shard index) against its pin."""
         if self.pins is None:
             return
         rel = f"{entry.path}/{entry.layout.shard_key(shard)}"
-        _, crcs = shard_pin(self.pins, rel, self._name(entry, shard))
-        k = len(crcs) // CRC_BYTES - 1 if off is None else off // (entry.layout.chunk_nbytes + CRC_BYTES)
+        _, crcs, _ = shard_pin(self.pins, rel, self._name(entry, shard))
+        k = self._part(entry, off, crcs)
         if bytes(crc) != crcs[k * CRC_BYTES : (k + 1) * CRC_BYTES]:
             raise CorruptChunkError(
                 f"{self._name(entry, shard)}: object {self.prefix}{rel} differs from what its committing attempt "
                 "wrote (a crc32c pinned in its done record differs: replaced after the commit)"
             )
+
+    def _vouched(self, entry: TensorEntry, shard: Sequence[int], off: int | None, parts: tuple, check) -> bool:
+        """The part at offset ``off`` (None: the index), as read (``parts``: its buffers, its
+        crc32c last), against its BLAKE3 pin (issue 36). True when checked: the digest stands
+        for the crc32c then (it catches corruption as well), so the caller need not recompute
+        that. False when there is no such pin (no pins, or a done record written before them).
+        On a mismatch ``check()`` raises first what the part's own checks say of it (a corrupt
+        chunk still reads as one); a part that passes them was forged: CorruptChunkError."""
+        if self.pins is None:
+            return False
+        rel = f"{entry.path}/{entry.layout.shard_key(shard)}"
+        _, crcs, digests = shard_pin(self.pins, rel, self._name(entry, shard))
+        if not digests:
+            return False
+        k = self._part(entry, off, crcs)
+        if part_digest(*parts) == digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]:
+            return True
+        check()
+        raise CorruptChunkError(
+            f"{self._name(entry, shard)}: object {self.prefix}{rel} differs from what its committing attempt "
+            "wrote (its BLAKE3 pinned in its done record differs: replaced after the commit)"
+        )
 
     def _count(self, nbytes: int) -> None:
         with self._lock:
@@ -98,6 +139,7 @@ class CheckpointReader:
         self._count(len(data))
         index = decode_index(layout, data, self._name(entry, shard))
         self._check_pinned(entry, shard, None, data[-CRC_BYTES:])
+        self._vouched(entry, shard, None, (data,), lambda: None)
         return index
 
     def read_shard(self, req: ReadRequest, sr: ShardRead) -> None:
@@ -164,7 +206,9 @@ class CheckpointReader:
         mv = memoryview(blob)
         for off, n, c in group:
             part = mv[off - start : off - start + n]
-            chunk = decode_chunk(layout, part, self._name(req.entry, shard, c))
+            name = self._name(req.entry, shard, c)
+            vouched = self._vouched(req.entry, shard, off, (part,), partial(check_chunk, layout, part, name))
+            chunk = decode_chunk(layout, part, name, crc=not vouched)
             self._check_pinned(req.entry, shard, off, part[-CRC_BYTES:])
             _place(req, chunk, chunk_box(layout, shard, c))
 
@@ -203,8 +247,13 @@ class CheckpointReader:
         self.store.get_range_into(key, start, views)
         self._count(pos - start)
         for body, crc, c, off in direct:
-            if crc_bytes(body) != crc:  # the little-endian crc32c the chunk was stored with
-                raise CorruptChunkError(f"{self._name(req.entry, shard, c)}: crc32c mismatch (corrupt chunk)")
+
+            def check(body=body, crc=crc, c=c) -> None:
+                if crc_bytes(body) != crc:  # the little-endian crc32c the chunk was stored with
+                    raise CorruptChunkError(f"{self._name(req.entry, shard, c)}: crc32c mismatch (corrupt chunk)")
+
+            if not self._vouched(req.entry, shard, off, (body, crc), check):
+                check()
             self._check_pinned(req.entry, shard, off, crc)
         for scratch, c, off in staged:
             self._copy_chunks(req, shard, [(off, n_chunk, c)], off, scratch)

@@ -25,7 +25,7 @@ import numpy as np
 
 from ckptd import catalog, claims, commit, donetree, leases, persist
 from ckptd import manifest as mf
-from ckptd.codec import ArrayLayout, encode_shard
+from ckptd.codec import ArrayLayout, encode_shard, shard_digests
 from ckptd.dtypes import as_numpy, zarr_name
 from ckptd.errors import CheckpointError
 from ckptd.layout import choose_chunk_shape
@@ -86,7 +86,7 @@ class CheckpointWriter:
         self._max_pending = max_pending_bytes
         self._committed = False
         self._shards: list[str] = []
-        self._shard_pins: dict[str, tuple[int, bytes]] = {}  # the done record's pins (donetree.make_pins)
+        self._shard_pins: dict[str, tuple[int, bytes, bytes]] = {}  # the done record's pins (donetree.make_pins)
         self._meta: dict[str, bytes] = {}
         self._written: list[str] = []
         self._tags: dict[str, object] = {}  # identities of the objects put_new created, for clean_up
@@ -132,7 +132,7 @@ class CheckpointWriter:
         name = f"{mf.array_path(key)}/{layout.shard_key(coord)}"
         size = data_size(bufs)
         self._shards.append(name)
-        self._shard_pins[name] = (size, b"".join(bytes(b) for b in bufs[1::2]))
+        self._shard_pins[name] = (size, b"".join(bytes(b) for b in bufs[1::2]), shard_digests(bufs))
         self._put(name, bufs, size)
 
     def write_tensor(self, key: str, array, layout: ArrayLayout | None = None, placements: str = "") -> None:

@@ -3,9 +3,10 @@
 Checks that the commit record, the manifest, the step's newest claim and the done records all
 name one attempt (``ckptd.commit.check_consistency``: a step mixed by two writers fails). Where
 the commit record has pins (``ckptd.pins``): the done records' pins sum to the commit's, every
-metadata object matches its sha256 and every shard object its size and the crc32c of each of
-its parts as the committing attempt wrote them (an object replaced after the commit by
-another attempt's, validly encoded, fails here and nowhere else). Then, per array: ``zarr.json``
+metadata object matches its sha256 and every shard object its size and the crc32c (and, in done
+records since issue 36, the BLAKE3) of each of its parts as the committing attempt wrote them
+(an object replaced after the commit by another attempt's, validly encoded, or rewritten with
+bytes that keep its crc32c, fails here and nowhere else). Then, per array: ``zarr.json``
 exists and matches the manifest; every shard object of the grid exists; each shard index passes
 its crc32c and points inside the object; every chunk that lies inside the array is present with
 the right size and passes its crc32c. Shards are read whole (one GET each) and in parallel.
@@ -27,7 +28,17 @@ import numpy as np
 from ckptd import catalog, commit, fencing
 from ckptd import manifest as mf
 from ckptd import pins as pinsmod
-from ckptd.codec import CRC_BYTES, EMPTY, ArrayLayout, check_chunk, check_metadata, decode_index, max_object_bytes
+from ckptd.codec import (
+    CRC_BYTES,
+    DIGEST_BYTES,
+    EMPTY,
+    ArrayLayout,
+    check_chunk,
+    check_metadata,
+    decode_index,
+    max_object_bytes,
+    part_digest,
+)
 from ckptd.errors import CheckpointError, CorruptChunkError
 from ckptd.layout import chunk_box
 from storage_backends import NotFoundError, StorageError, Store
@@ -53,10 +64,12 @@ class VerifyReport:
         return not self.errors
 
 
-def _check_pin(layout: ArrayLayout, mv: memoryview, pin: tuple[int, bytes], name: str, key: str) -> None:
-    """The object against its pin (``ckptd.pins``): its size, and the crc32c stored after each
-    part (chunks back to back in storage order, then the index) against the ones written."""
-    size, crcs = pin
+def _check_pin(layout: ArrayLayout, mv: memoryview, pin: tuple[int, bytes, bytes], name: str, key: str) -> None:
+    """The object against its pin (``ckptd.pins``): its size, the crc32c stored after each part
+    (chunks back to back in storage order, then the index) against the ones written, then each
+    part's BLAKE3 against its pin (done records since issue 36: the crc32c is linear, 4 bytes
+    make other contents keep it)."""
+    size, crcs, digests = pin
     if mv.nbytes != size:
         raise CorruptChunkError(
             f"{name}: object {key} is {mv.nbytes} bytes, its committing attempt wrote {size} (replaced after the "
@@ -73,6 +86,16 @@ def _check_pin(layout: ArrayLayout, mv: memoryview, pin: tuple[int, bytes], name
             f"{name}: object {key} differs from what its committing attempt wrote ({part}: crc32c pinned in the done "
             "record differs; the object was replaced after the commit)"
         )
+    bounds = [(k * n, n) for k in range(parts)]
+    if layout.sharded:
+        bounds.append((mv.nbytes - layout.index_nbytes, layout.index_nbytes))
+    for k, (off, length) in enumerate(bounds if digests else ()):
+        if part_digest(mv[off : off + length]) != digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]:
+            part = "its index" if layout.sharded and k == parts else f"its chunk #{k}"
+            raise CorruptChunkError(
+                f"{name}: object {key} differs from what its committing attempt wrote ({part}: BLAKE3 pinned in the "
+                "done record differs; the object was replaced after the commit)"
+            )
 
 
 def _check_shard(

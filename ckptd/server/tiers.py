@@ -919,7 +919,7 @@ def _check_part(root: str, step: int, attempt: str, rank: int, objects: dict) ->
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"its done record is unreadable ({e})") from None
     folder = mf.step_dir(step)
-    for k, (size, _) in pins.shards.items():
+    for k, (size, *_) in pins.shards.items():
         if (buf := objects.get(f"{folder}/{k}")) is None or len(buf) != size:
             raise CheckpointError(f"{k} (pinned by rank {rank}) is not held at its pinned size")
     errors = check_meta(_Held(root, objects), step, pins, f"step {step} rank {rank}")

@@ -16,3 +16,12 @@ def test_a_restoring_rank_reads_n_over_m_done_records():
 def test_the_commit_check_runs_at_both_sizes():
     got = pins_cost.commit_check(arrays=3, ranks=64)
     assert got["before_cpu_s"] >= 0 and got["after_cpu_s"] >= 0
+
+
+def test_the_blake3_rows_time_both_pin_formats(tmp_path):
+    """``--blake3`` saves and restores with crc32c-only and with BLAKE3 pins (a smoke run: no
+    duration is asserted, only that both formats were timed)."""
+    from benchmarks.pins_cost import blake3_cost
+
+    row = blake3_cost(8 << 20, 1, str(tmp_path))
+    assert row["bytes"] == 8 << 20 and all(row[f"{k}_ratio"] > 0 for k in ("save", "restore"))

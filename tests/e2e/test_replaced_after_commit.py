@@ -77,7 +77,7 @@ def test_a_changed_done_record_or_metadata_object_fails_verify(tmp_path):
     assert verify(store, 2).ok
     (rec_key,) = [o.key for o in store.list("step_0000000002/_done/") if "/t1/" in o.key]
     rec = json.loads(store.get(rec_key))
-    size, _ = rec["pins"]["shards"][SHARD]
+    size, *_ = rec["pins"]["shards"][SHARD]
     rec["pins"]["shards"][SHARD] = [size, "AAAAAA=="]
     store.put(rec_key, json.dumps(rec).encode())
     report = verify(store, 2)
