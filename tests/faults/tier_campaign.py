@@ -120,6 +120,7 @@ class TierCampaign:
         """Seconds from step 1's start to step ``2 * EVERY + 1``'s acknowledgement on every rank
         in an undisturbed run: the span the campaign draws its kill times over."""
         d = self.work / "window"
+        d.mkdir(parents=True, exist_ok=True)
         root, (a, b), _ = self._nodes(d, "node", None)
         out = d / "out"
         procs = launch.spawn(
