@@ -235,10 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(path: Path, counts: Counter, proxy: Counter, violations: list[str], elapsed: float, args) -> None:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    commit = head_commit()
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     kills = sum(v for k, v in counts.items() if k.startswith("kills: ") and "," not in k)
     lines = [
@@ -266,13 +263,26 @@ def _write(path: Path, counts: Counter, proxy: Counter, violations: list[str], e
         lines += ["", "Invariant violations (first 20):", ""]
         lines += [f"- {v}" for v in violations[:20]]
     lines.append(MARK_END)
+    replace_block(path, "\n".join(lines), MARK_BEGIN, MARK_END)
+
+
+def replace_block(path: Path, block: str, begin: str, end: str) -> None:
+    """``block`` (which starts with ``begin`` and ends with ``end``) in place of the text between
+    those markers in ``path``, or appended when they are not there."""
     text = path.read_text() if path.exists() else ""
-    block = "\n".join(lines)
-    if MARK_BEGIN in text and MARK_END in text:
-        text = text[: text.index(MARK_BEGIN)] + block + text[text.index(MARK_END) + len(MARK_END) :]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
         text = text + "\n" + block + "\n"
     path.write_text(text)
+
+
+def head_commit() -> str:
+    """The short hash of the checkout the campaign ran on ("?" without git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable
+from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable, unix_address
 from ckptd.tierwire import F_GET_SEALS, MAX_FDS, REPLY, REQUEST, SEALS, WireError, recv_exact, recv_frame, send_frame
 from storage_backends.base import as_writable_buffers
 
@@ -135,7 +135,8 @@ class TierStore(_RangeReads):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
                     sock.settimeout(self.timeout_s)
-                    sock.connect(self.data_socket)
+                    with unix_address(self.data_socket) as address:  # a path past 108 bytes too
+                        sock.connect(address)
                 except OSError:
                     sock.close()
                     raise
