@@ -136,7 +136,8 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
                     "bytes (floor time / restore time, same repetition)", _inv(per_rep("tiers.peer", "tiers.socket")),
                     0.7, ">="))  # fmt: skip
     for m in (1, 2, 3):
-        T.append(Target(f"tiers.memonly{m}", f"a memory-only step restored at {m} ranks <= 1.2x the hot-copy "
+        at = f"at {m} rank{'s' if m > 1 else ''}"
+        T.append(Target(f"tiers.memonly{m}", f"a memory-only step restored {at} <= 1.2x the hot-copy "
                         "restore (a committed step) of the same state (same repetition)",
                         per_rep(f"tiers.mem{m}.memonly", f"tiers.mem{m}.hot"), 1.2, "<="))  # fmt: skip
     res.targets = T

@@ -58,10 +58,11 @@ def run(res: Results, size: int, reps: int, bench_dir: str) -> None:
     R("tiers.socket", "socket floor: the state's bytes over a TCP loopback socket into a preallocated buffer",
       floor="tiers.s3")  # fmt: skip
     for m in MEM_RANKS:
-        R(f"tiers.mem{m}.hot", f"at {m} ranks: ckptd restore of a committed step from the node daemon's hot copy")
+        at = f"at {m} rank{'s' if m > 1 else ''}"
+        R(f"tiers.mem{m}.hot", f"{at}: ckptd restore of a committed step from the node daemon's hot copy")
         R(
             f"tiers.mem{m}.memonly",
-            f"at {m} ranks: ckptd restore of a memory-only step (persist_every > 1) from the node daemon",
+            f"{at}: ckptd restore of a memory-only step (persist_every > 1) from the node daemon",
             floor=f"tiers.mem{m}.hot",
         )
     for m in RANKS:
@@ -156,7 +157,9 @@ def _run_memsteps(res: Results, size: int, reps: int, work: Path, m: int, sec: d
 
     work.mkdir(parents=True)
     hot_root, mem_root = f"file://{work / 'hot'}", f"file://{work / 'mem'}"
-    daemons = _daemons(work, [hot_root, mem_root], size, count=1)
+    # room for both roots' copies and the memory-only step's reservation (``memsteps.reserve_bytes``):
+    # a daemon short of it persists the step instead, and the row would read from the root
+    daemons = _daemons(work, [hot_root, mem_root], size, count=1, budget=8 * size + (512 << 20))
     try:
         got = dist.run(
             m,
@@ -185,7 +188,7 @@ def _run_memsteps(res: Results, size: int, reps: int, work: Path, m: int, sec: d
         res.notes.append(f"tiers: the memory-only rows at {m} ranks restored other steps: {got[0]['steps']}")
 
 
-def _daemons(work: Path, root: str | list[str], size: int, count: int = 3) -> list:
+def _daemons(work: Path, root: str | list[str], size: int, count: int = 3, budget: int | None = None) -> list:
     from tests.distributed import launch
     from tests.server.daemon import Daemon, peer_key_file
 
@@ -203,7 +206,7 @@ def _daemons(work: Path, root: str | list[str], size: int, count: int = 3) -> li
             CKPTD_PEERS=json.dumps(urls),
             CKPTD_ADVERTISE=me,
             CKPTD_PEER_KEY_FILE=str(peer_key_file(work)),
-            CKPTD_BUDGET=str(4 * size + (256 << 20)),
+            CKPTD_BUDGET=str(budget or 4 * size + (256 << 20)),
         )
         out.append(d.start(port=port))
     return out
