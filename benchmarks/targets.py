@@ -130,5 +130,16 @@ def evaluate(res: Results, profiles_dir: str | None) -> list[Target]:
                     ratio("tiers.peer"), 0.3, "<=",
                     detail=f"local disk: {ratio('tiers.disk') or float('nan'):.2f}x, "
                     f"dcp.load: {ratio('tiers.dcp') or float('nan'):.2f}x of the S3 restore"))  # fmt: skip
+    T.append(Target("tiers.local.memcpy", "restore from this node's daemon's memory >= 0.5x the memcpy floor "
+                    "(floor time / restore time, same repetition)", _inv(per_rep("tiers.local", "tiers.memcpy")),
+                    0.5, ">="))  # fmt: skip
+    T.append(Target("tiers.peer.socket", "restore from a peer's memory >= 0.7x a loopback socket copy of the same "
+                    "bytes (floor time / restore time, same repetition)", _inv(per_rep("tiers.peer", "tiers.socket")),
+                    0.7, ">="))  # fmt: skip
+    for m in (1, 2, 3):
+        at = f"at {m} rank{'s' if m > 1 else ''}"
+        T.append(Target(f"tiers.memonly{m}", f"a memory-only step restored {at} <= 1.2x the hot-copy "
+                        "restore (a committed step) of the same state (same repetition)",
+                        per_rep(f"tiers.mem{m}.memonly", f"tiers.mem{m}.hot"), 1.2, "<="))  # fmt: skip
     res.targets = T
     return T

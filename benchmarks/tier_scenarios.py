@@ -89,3 +89,55 @@ def restore(size: int, out: str, disk_root: str, s3_root: str, dcp_dir: str, dae
     for ck in cks.values():
         ck.close()
     return {"times": times, "checks": checks, "tiers": tiers}
+
+
+def memsteps(size: int, out: str, hot_root: str, mem_root: str, daemon: str, reps: int) -> dict:
+    """The memory-only step rows: through this node's ``daemon``, save the state as committed
+    step 1 in ``hot_root`` (its hot copy stays in the daemon), and in ``mem_root`` as step 2
+    (persisted) then step 3 with ``persist_every=2`` (memory-only: only in the daemon). Then
+    restore both, interleaved per repetition, each into zeroed tensors and checked bitwise
+    against the saved values (every tensor of this rank). Two roots: a restore fences away the
+    memory-only steps newer than the one it restored, so step 3 cannot share a root with the
+    committed step restored beside it."""
+    import time
+
+    from trainer_hooks import Checkpointer
+
+    model, optim, _ = st.build_fsdp(size, seed=7)
+    state = {"model": model, "optim": optim}
+    tensors = st.all_tensors(model, optim)
+    with Checkpointer(hot_root, daemon=daemon) as ck:
+        ck.save(1, state).result()
+    with Checkpointer(mem_root, daemon=daemon, persist_every=2) as ck:
+        ck.save(2, state).result()
+        ck.save(3, state).result()
+    ref = [t.clone() for t in tensors]
+    cks = {"hot": Checkpointer(hot_root, daemon=daemon), "memonly": Checkpointer(mem_root, daemon=daemon)}
+    times: dict[str, list[float]] = {k: [] for k in cks}
+    checks: dict[str, int] = {}
+    tiers: dict[str, dict] = {}
+    steps: dict[str, int | None] = {}
+
+    def timed(name: str) -> float:
+        with torch.no_grad():  # so the restore must bring every value back
+            for t in tensors:
+                t.zero_()
+        dist.barrier()
+        t0 = time.perf_counter()
+        steps[name] = cks[name].restore(state)
+        dist.barrier()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        tiers[name] = cks[name].last_restore_tiers
+        checks[name] = min(checks.get(name, 1), int(all(torch.equal(a, b) for a, b in zip(tensors, ref, strict=True))))
+        return float(t.item())
+
+    for name in cks:  # warm-up: connections, mappings, first-use allocations
+        timed(name)
+    for rep in range(reps):
+        for name in rotate(list(cks), rep):
+            times[name].append(timed(name))
+            collect()
+    for ck in cks.values():
+        ck.close()
+    return {"times": times, "checks": checks, "tiers": tiers, "steps": steps}

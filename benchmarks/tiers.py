@@ -11,8 +11,15 @@ local disk. Systems are interleaved per repetition (``rotate``) and reported as 
 the S3 restore (the issue's target: the peer restore at most 0.3x of it). One rank restores
 (M=1) in the first rows; the ``tiers.m{M}.*`` rows (``RANKS``, default M=2) save an FSDP2 state
 at M ranks and restore it at M ranks on node ``c`` (``benchmarks.tier_scenarios``), each
-restore's time the slowest rank's. moto and the daemons share the machine's cores with the
-clients.
+restore's time the slowest rank's. Two floors run in the same rotation: ``tiers.memcpy`` (the
+state's bytes copied into preallocated tensors, the faster of ``copy_`` per tensor and
+``hostcopy.copy_all``; the local row is judged against it) and
+``tiers.socket`` (the same bytes sent by a thread over a TCP loopback connection, received with
+``recv_into`` into a preallocated buffer; the peer row is judged against it). The
+``tiers.mem{M}.*`` rows (``MEM_RANKS``, default 1,2,3) restore at M ranks on one node a
+memory-only step (``persist_every`` > 1: it lives only in the daemon's memory) beside the
+hot-copy restore of a committed step of the same state. moto and the daemons share the
+machine's cores with the clients.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import signal
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,6 +42,7 @@ from benchmarks.results import ERROR, Results
 
 SECTION = "tiers"
 RANKS = tuple(int(m) for m in os.environ.get("CKPTD_BENCH_TIER_RANKS", "2").split(",") if m.strip())
+MEM_RANKS = tuple(int(m) for m in os.environ.get("CKPTD_BENCH_MEMSTEP_RANKS", "1,2,3").split(",") if m.strip())
 TOKEN = "bench-tier-token-" + uuid.uuid4().hex
 
 
@@ -47,6 +56,17 @@ def run(res: Results, size: int, reps: int, bench_dir: str) -> None:
     R("tiers.disk", "ckptd restore from the job root on local disk", floor="tiers.s3")
     R("tiers.dcp", "dcp.load from local disk", floor="tiers.s3")
     R("tiers.silent", "ckptd restore from this node's daemon's memory, a peer SIGSTOPped", floor="tiers.local")
+    R("tiers.memcpy", "memcpy floor: the state's bytes copied into preallocated tensors", floor="tiers.s3")
+    R("tiers.socket", "socket floor: the state's bytes over a TCP loopback socket into a preallocated buffer",
+      floor="tiers.s3")  # fmt: skip
+    for m in MEM_RANKS:
+        at = f"at {m} rank{'s' if m > 1 else ''}"
+        R(f"tiers.mem{m}.hot", f"{at}: ckptd restore of a committed step from the node daemon's hot copy")
+        R(
+            f"tiers.mem{m}.memonly",
+            f"{at}: ckptd restore of a memory-only step (persist_every > 1) from the node daemon",
+            floor=f"tiers.mem{m}.hot",
+        )
     for m in RANKS:
         R(f"tiers.m{m}.s3", f"at {m} ranks: ckptd restore from the job root on S3 (loopback moto)")
         R(
@@ -78,6 +98,12 @@ def run(res: Results, size: int, reps: int, bench_dir: str) -> None:
             except Exception as e:  # noqa: BLE001 - a failed row is reported, not the whole run
                 for k in ("s3", "peer", "disk", "dcp"):
                     res.rows[f"tiers.m{m}.{k}"].status, res.rows[f"tiers.m{m}.{k}"].note = ERROR, str(e)[:300]
+        for m in MEM_RANKS:
+            try:
+                _run_memsteps(res, size, reps, work / f"mem{m}", m, sec)
+            except Exception as e:  # noqa: BLE001 - a failed row is reported, not the whole run
+                for k in ("hot", "memonly"):
+                    res.rows[f"tiers.mem{m}.{k}"].status, res.rows[f"tiers.mem{m}.{k}"].note = ERROR, str(e)[:300]
     finally:
         if saved_token is None:
             os.environ.pop("CKPTD_TOKEN", None)
@@ -125,25 +151,64 @@ def _run_m(res: Results, size: int, reps: int, work: Path, m: int, sec: dict) ->
         res.notes.append(f"tiers: the peer restore at {m} ranks did not read everything from the peer: {tiers}")
 
 
-def _daemons(work: Path, root: str, size: int) -> list:
+def _run_memsteps(res: Results, size: int, reps: int, work: Path, m: int, sec: dict) -> None:
+    """The memory-only step rows at ``m`` ranks on one node: a committed step (its hot copy in
+    the node daemon) and a memory-only step of the same state (``persist_every`` > 1: only in
+    the daemon's memory), each restored through that daemon, interleaved per repetition."""
+    from benchmarks import dist
+
+    work.mkdir(parents=True)
+    hot_root, mem_root = f"file://{work / 'hot'}", f"file://{work / 'mem'}"
+    # room for both roots' copies and the memory-only step's reservation (``memsteps.reserve_bytes``):
+    # a daemon short of it persists the step instead, and the row would read from the root
+    daemons = _daemons(work, [hot_root, mem_root], size, count=1, budget=8 * size + (512 << 20))
+    try:
+        got = dist.run(
+            m,
+            "benchmarks.tier_scenarios:memsteps",
+            work,
+            daemon=daemons[0].socket_url,
+            hot_root=hot_root,
+            mem_root=mem_root,
+            size=size,
+            reps=reps,
+        )
+    finally:
+        for d in daemons:
+            d.stop()
+    for name, times in got[0]["times"].items():
+        for rep, t in enumerate(times):
+            res.add(f"tiers.mem{m}.{name}", rep, t)
+        if any(r["checks"][name] != 1 for r in got):
+            res.notes.append(f"tiers: the {name} restore at {m} ranks brought back different values")
+    for name in ("hot", "memonly"):
+        tiers = {k: sum(r["tiers"][name].get(k, 0) for r in got) for k in ("local", "peer", "root")}
+        sec[f"mem{m}_{name}_restore_tiers"] = tiers
+        if tiers["local"] == 0 or tiers["root"] != 0 or tiers["peer"] != 0:
+            res.notes.append(f"tiers: the {name} restore at {m} ranks did not read everything from its daemon: {tiers}")
+    if any(r["steps"] != {"hot": 1, "memonly": 3} for r in got):
+        res.notes.append(f"tiers: the memory-only rows at {m} ranks restored other steps: {got[0]['steps']}")
+
+
+def _daemons(work: Path, root: str | list[str], size: int, count: int = 3, budget: int | None = None) -> list:
     from tests.distributed import launch
     from tests.server.daemon import Daemon, peer_key_file
 
     (work / "token").write_text(TOKEN)
     os.chmod(work / "token", 0o600)
-    ports = [launch.free_port() for _ in range(3)]
+    ports = [launch.free_port() for _ in range(count)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     out = []
-    for name, port, me in zip("abc", ports, urls, strict=True):
+    for name, port, me in zip("abc"[:count], ports, urls, strict=True):
         d = Daemon(
-            [root],
+            root if isinstance(root, list) else [root],
             work / f"staging-{name}",
             work / f"{name}.log",
             token_file=work / "token",
             CKPTD_PEERS=json.dumps(urls),
             CKPTD_ADVERTISE=me,
             CKPTD_PEER_KEY_FILE=str(peer_key_file(work)),
-            CKPTD_BUDGET=str(4 * size + (256 << 20)),
+            CKPTD_BUDGET=str(budget or 4 * size + (256 << 20)),
         )
         out.append(d.start(port=port))
     return out
@@ -153,6 +218,7 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
     import torch.distributed.checkpoint as dcp
 
     from trainer_hooks import Checkpointer
+    from trainer_hooks.hostcopy import copy_all
 
     model, optim, dims = st.build_local(size, seed=3)
     state = {"model": model, "optim": optim}
@@ -208,18 +274,48 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
             if not torch.equal(sent.detach(), ref):
                 res.notes.append("tiers: dcp.load brought back different values")
 
+        tensors = st.all_tensors(model, optim)
+        dst = [torch.empty_like(t) for t in tensors]  # the floors' preallocated tensors
+
+        copier = ThreadPoolExecutor(4, thread_name_prefix="floor-copy")
+
+        def memcpy() -> None:
+            # the faster of one copy_ per tensor (OpenMP inside, which stalls per tensor on a
+            # busy machine) and the library's bulk copy (8 MiB pieces on 4 threads), as
+            # inproc's floor.memcpy: a floor slowed by the load would flatter the ratio
+            with Timer() as t:
+                for d, s in zip(dst, tensors, strict=True):
+                    d.copy_(s)
+            with Timer() as t2:
+                copy_all(list(zip(dst, tensors, strict=True)), copier)
+            res.add("tiers.memcpy", rep_[0], min(t.s, t2.s))
+            if not all(torch.equal(d, s) for d, s in zip(dst, tensors, strict=True)):
+                res.notes.append("tiers: the memcpy floor copied different values")
+
+        buf = torch.empty(total, dtype=torch.uint8)  # the socket floor's preallocated buffer
+
+        def socket_copy() -> None:
+            buf.zero_()
+            with Timer() as t:
+                got = _socket_copy(tensors, buf)
+            res.add("tiers.socket", rep_[0], t.s)
+            if got != total or not torch.equal(buf[-tail.numel() :], tail):
+                res.notes.append("tiers: the socket floor received different bytes")
+
+        tail = _bytes(tensors[-1]).clone()
         systems = [
             lambda: restore("peer", peer_ck),
             lambda: restore("local", local_ck),
             lambda: restore("disk", disk_ck),
             dcp_load,
             lambda: restore("s3", s3_ck),
+            memcpy,
+            socket_copy,
         ]
         rep_ = [-1]
-        for f in systems:  # warm-up: connections, page cache
+        for f in systems:  # warm-up: connections, page cache, the floors' buffers faulted in
             f()
-        res.rows["tiers.peer"].values.clear()
-        for row in ("tiers.local", "tiers.disk", "tiers.dcp", "tiers.s3"):
+        for row in ("tiers.peer", "tiers.local", "tiers.disk", "tiers.dcp", "tiers.s3", "tiers.memcpy", "tiers.socket"):
             res.rows[row].values.clear()
         for rep in range(reps):
             rep_[0] = rep
@@ -238,9 +334,42 @@ def _run(res: Results, size: int, reps: int, work: Path, url: str, sec: dict) ->
             os.kill(daemons[2].proc.pid, signal.SIGCONT)
         for ck in (peer_ck, local_ck, disk_ck, s3_ck):
             ck.close()
+        copier.shutdown()
     finally:
         for d in daemons:
             d.stop()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _socket_copy(tensors: list[torch.Tensor], buf: torch.Tensor) -> int:
+    """The socket floor: ``tensors``' bytes sent over a TCP loopback connection by a thread and
+    received with ``recv_into`` into ``buf`` (preallocated); returns the bytes received."""
+    import socket
+    import threading
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+
+        def send() -> None:
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                for t in tensors:
+                    c.sendall(memoryview(_bytes(t).numpy()))
+
+        th = threading.Thread(target=send, daemon=True)
+        th.start()
+        conn, _ = srv.accept()
+        view, got = memoryview(buf.numpy()), 0
+        with conn:
+            while got < len(view):
+                n = conn.recv_into(view[got:])
+                if not n:
+                    break
+                got += n
+        th.join()
+    return got
 
 
 def _wait_replica(d, step: int, timeout: float = 120.0) -> None:

@@ -105,3 +105,31 @@ def test_interleaving_gives_each_system_different_neighbours():
     before = {x: {o[o.index(x) - 1] for o in orders if o.index(x) > 0} for x in items}
     assert all(len(b) >= 2 for b in before.values()), before  # a plain rotation gives one each
     assert {o[0] for o in orders} == {"A", "E", "B", "D"}
+
+
+def test_tier_floors_and_memory_only_rows(tmp_path, monkeypatch):
+    """The tiers section's floors (a loopback socket copy, received whole into the preallocated
+    buffer) and the memory-only step rows at 1 rank (a real daemon: step 3 memory-only, step 1
+    committed, both read from the daemon only, bitwise), judged by their targets."""
+    import torch
+
+    from benchmarks import tiers
+
+    ts = [torch.arange(n, dtype=torch.float32) for n in (3, 1000, 70000)]
+    buf = torch.zeros(sum(t.numel() * 4 for t in ts), dtype=torch.uint8)
+    assert tiers._socket_copy(ts, buf) == buf.numel()
+    assert torch.equal(buf, torch.cat([tiers._bytes(t) for t in ts]))
+
+    monkeypatch.setenv("CKPTD_TOKEN", tiers.TOKEN)
+    res = Results()
+    for k in ("hot", "memonly"):
+        res.row(f"tiers.mem1.{k}", "tiers", k)
+    sec: dict = {}
+    tiers._run_memsteps(res, 4 * MiB, 2, tmp_path / "mem1", 1, sec)
+    res.finalize()
+    assert res.notes == []
+    for k in ("hot", "memonly"):
+        assert sorted(res.rows[f"tiers.mem1.{k}"].values) == [0, 1]
+        assert sec[f"mem1_{k}_restore_tiers"]["local"] > 0
+    t = {t.id: t for t in targets.evaluate(res, None)}["tiers.memonly1"]
+    assert t.value is not None and t.verdict in ("PASS", "FAIL")
