@@ -57,6 +57,7 @@ class ReplicaRequest(_Held):  # its source is the signed sender (``peer_sender``
     ranks: list[Rank] = Field(default_factory=list, max_length=1 << 20)
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
     uid: int | None = Field(None, ge=0, lt=2**32)  # the uid the sender binds its root to (``Tenancy.carried``)
+    mac: str = Field("", pattern=r"^[0-9a-f]{0,64}$")  # a memory-only part's ``replication.part_mac``, checked at seal
 
 
 class ReserveRequest(_Held):
@@ -231,7 +232,7 @@ def begin_replica(body: ReplicaRequest, request: Request, source: str = Depends(
 
     def begin() -> str:
         return request.app.state.tiers.begin_replica(
-            root, body.step, body.attempt, source, body.ranks, objects, body.kind, body.uid
+            root, body.step, body.attempt, source, body.ranks, objects, body.kind, body.uid, body.mac
         )
 
     try:  # with a uid: read here as bound to it, unless this daemon binds it otherwise (403)

@@ -9,14 +9,18 @@ the ``--peers`` ring (which may name this daemon: ``--advertise``), or with ``--
 job root's ring, each peer challenged on the connection first (``targets_for``, ``_dial``). With
 the daemon token: ``POST /v1/tiers/replicas`` (kind, objects, sizes, whole-object crc32c), the
 bytes in pieces of ``PIECE_BYTES``, then ``seal``. The receiver serves nothing of a replica until
-every object arrived whole and matches its crc32c; it then seals the buffers (``server.sealed``:
-read-only, shareable with a rank on its node) and keeps it by the one retention rule
-(``Tiers._retain``). Replicas take their bytes from the staging budget: one that does not fit is
-not kept (429); one whose pusher stopped sending is dropped after ``INCOMING_TTL_S``.
+every object arrived whole and matches its crc32c, and a memory-only part its MAC for its
+root's binding (``part_mac``, made by the daemon that took the part: ``check_mac``); it then
+seals the buffers (``server.sealed``: read-only, shareable with a rank on its node) and keeps
+it by the one retention rule (``Tiers._retain``). Replicas take their bytes from the staging
+budget: one that does not fit is not kept (429); one whose pusher stopped sending is dropped
+after ``INCOMING_TTL_S``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -31,7 +35,7 @@ from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable
 from ckptd.server.sealed import Sealed, new_buffer, seal
 
 __all__ = ["Copy", "HOT", "INCOMING_TTL_S", "KINDS", "MAX_OBJECTS", "MEMORY_ONLY", "PIECE_BYTES", "Replication"]
-__all__ += ["OBJECT_CHARGE", "charge", "check_objects", "replica_targets"]
+__all__ += ["MAC_CONTEXT", "OBJECT_CHARGE", "charge", "check_objects", "part_mac", "replica_targets"]
 
 log = logging.getLogger("ckptd.tiers")
 
@@ -41,6 +45,7 @@ INCOMING_TTL_S = 600.0  # a replica whose pusher stopped sending is dropped afte
 HOT, MEMORY_ONLY = "hot", "memory_only"  # the kinds of copy (module doc)
 KINDS = (HOT, MEMORY_ONLY)
 OBJECT_CHARGE = 512  # budget bytes a held object takes at least, besides its key (measured: ~170)
+MAC_CONTEXT = b"ckptd memstep v1"  # the label of a root's memory-only part key (``part_mac``)
 
 
 def charge(size: int, key_bytes: int = 0, objects: int = 1) -> int:
@@ -72,6 +77,7 @@ class Copy:
     pushed: dict[str, str] = field(default_factory=dict)  # peer -> "pushing", "complete" or why not
     kind: str = HOT  # HOT or MEMORY_ONLY
     uid: int | None = None  # replica: the uid its origin binds its root to (``Tenancy.carried``)
+    mac: str = ""  # a memory-only part: its ``part_mac`` (made where it was handed off, checked where held)
     spill_name: str = ""  # its file in the spill folder (``server.spill``), once queued to be written
     spilled: bool = False  # that file is written and fsynced
 
@@ -102,6 +108,25 @@ def check_objects(step: int, kind: str, objects: list) -> dict[str, tuple[int, i
             raise ValueError("a replica holds no commit record")
         expected[key] = (size, crc)
     return expected
+
+
+def part_mac(peer_key: bytes, root: str, uid: int | None, step: int, attempt: str, rank: int, objects: dict) -> str:
+    """The MAC (HMAC-SHA256, hex) of rank's part of memory-only (root, step, attempt), keyed by the
+    root's part key ``HMAC(peer_key, MAC_CONTEXT | root | uid)`` (``uid``: the uid the root is
+    bound to, None when unbound): only a daemon of the ring can compute it, and for one binding
+    (docs/security.md, "Memory-only steps: each part is MACed"). It covers (step, attempt,
+    rank), every object's key and size (which delimit what follows), and the bytes of every
+    object outside ``arrays/`` (the manifest, the done records and other metadata, as they are:
+    not their inner structure); the shard bytes are bound to those by the pins the done record
+    holds, which every reader checks."""
+    key = hmac.new(peer_key, b"\n".join([MAC_CONTEXT, root.encode(), str(uid).encode()]), hashlib.sha256).digest()
+    shards = f"{mf.step_dir(step)}/{mf.ARRAYS}/"
+    h = hmac.new(
+        key, json.dumps([step, attempt, rank, sorted((k, len(v)) for k, v in objects.items())]).encode(), "sha256"
+    )
+    for k in sorted(k for k in objects if not k.startswith(shards)):
+        h.update(memoryview(objects[k]).cast("B"))
+    return h.hexdigest()
 
 
 def replica_targets(peers: list[str], me: str | None, k: int) -> list[str]:
@@ -178,6 +203,7 @@ class Replication:
         body = {k: getattr(group, k) for k in ("root", "step", "attempt", "kind")}
         body["ranks"], body["uid"] = [group.rank], self.bound_uid(group.root)  # the binding travels with it
         body["objects"] = [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()]
+        body["mac"] = group.mac  # a memory-only part's: the receiver checks it (``check_mac``)
         conn = self._dial(peer)
         try:
             rid = json.loads(_request(conn, "POST", "/v1/tiers/replicas", body))["replica"]
@@ -232,6 +258,7 @@ class Replication:
         objects: list,
         kind: str = HOT,
         uid: int | None = None,
+        mac: str = "",
     ) -> str:
         """A peer starts pushing a replica of ``kind``: its id, or "" when it is not kept (no room
         in the budget, or tiers off: HTTP 429). ValueError unless it is exactly one rank's objects
@@ -259,6 +286,7 @@ class Replication:
             return ""
         rid = uuid.uuid4().hex
         c = Copy(root, step, attempt, source, ranks[0], source, expected=expected, kind=kind, charged=total, uid=uid)
+        c.mac = mac
         c.bytes = sum(s for s, _ in expected.values())
         try:
             c.objects = {k: new_buffer(s) for k, (s, _) in expected.items()}
@@ -295,6 +323,12 @@ class Replication:
             self._release([c])
             raise ValueError(f"replica {rid}: {len(bad)} objects incomplete or failing their crc32c, e.g. {bad[0]!r}")
         try:
+            self.check_mac(c.root, c.uid, c.step, c.attempt, c.rank, c.objects, c.kind, c.mac)
+        except ValueError as e:
+            self._release([c])
+            log.warning("memory tier: replica from %s refused, never served: %s", c.source, e)
+            raise ValueError(f"replica {rid} refused: {e}") from None
+        try:
             c.objects = {k: seal(v) for k, v in c.objects.items()}  # read-only from now on
         except OSError as e:  # no descriptor or mapping left: refused whole, its budget given back
             self.count("degraded")
@@ -320,6 +354,24 @@ class Replication:
                 c.rank,
                 c.source,
                 c.bytes,
+            )
+
+    def check_mac(
+        self, root: str, uid: int | None, step: int, attempt: str, rank: int, objects: dict, kind: str, mac
+    ) -> None:
+        """ValueError unless ``mac`` is the ``part_mac`` of a memory-only part (a pushed replica's,
+        a spill file's) for ``root`` bound to ``uid`` (None: the uid this daemon binds it to):
+        made by a daemon of the ring for that binding. Other kinds carry none."""
+        if kind != MEMORY_ONLY:
+            return
+        if self.peer_key is None:
+            raise ValueError("this daemon has no peer key (--peer-key-file) to check a memory-only part's MAC")
+        uid = self.bound_uid(root) if uid is None else uid
+        want = part_mac(self.peer_key, root, uid, step, attempt, rank, objects)
+        if not (isinstance(mac, str) and hmac.compare_digest(mac.encode(), want.encode())):
+            raise ValueError(
+                f"rank {rank}'s part of memory-only step {step} of {root} fails its MAC: "
+                f"not made by a daemon of this ring for that root bound to uid {uid}"
             )
 
     def _expire_incoming(self) -> None:

@@ -3,7 +3,8 @@
 Every complete copy of the tier table (``server.tiers``: an own memory-only part or hot copy, or
 a replica of either) is also written, by one background thread (never on a save's path), to one
 file of the spill folder: ``MAGIC``, the header's length (4 bytes, little endian), the header
-(JSON: root, step, attempt, rank, source, kind, and each object's key, size and crc32c), then the
+(JSON: root, step, attempt, rank, source, kind, a memory-only part's MAC, and each object's key,
+size and crc32c), then the
 objects' bytes in that order. Each file is created ``O_EXCL | O_NOFOLLOW``, 0600, under a
 temporary name, written, fsynced, renamed into place, and the folder fsynced. A dropped copy's
 file is removed by the same thread, after its write (the one queue keeps them in order).
@@ -11,9 +12,11 @@ file is removed by the same thread, after its write (the one queue keeps them in
 On start (``Tiers.adopt``) each file is read back without following a link or blocking on a FIFO,
 only if it is a regular file of this user with one link and at most the staging budget; its
 header passes the checks a pushed replica's does (``replication.check_objects``) and every
-object its crc32c; a memory-only part's objects also match the pins of its rank's done record
-(``commit.check_pins``). A file that fails is logged once and removed, never served. Names that
-are not a spill file's are left alone (logged once).
+object its crc32c; a memory-only part also its MAC (``Replication.check_mac``: made by a daemon
+of the ring for its root's binding, so a file planted in the folder is not adopted) and its
+objects the pins of its rank's done record (``commit.check_pins``). A file that fails is
+logged once and removed, never served. Names that are not a spill file's are left alone
+(logged once).
 
 The folder (docs/operations.md, "Spill folder") must be a real folder of the daemon's user, not
 writable by its group or others (else the daemon refuses to start), and one daemon's alone (a

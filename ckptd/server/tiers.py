@@ -62,6 +62,7 @@ from ckptd.server.replication import (
     Replication,
     charge,
     check_objects,
+    part_mac,
     replica_targets,
 )
 from ckptd.server.sealed import Sealed, new_buffer, seal
@@ -599,6 +600,10 @@ class Tiers(Replication):
         k = (root, step, attempt, rank, SELF)
         with self._lock:
             c = self._held.get(k)
+            objects = dict(c.objects) if c is not None else {}
+        if c is not None and self.peer_key is not None:  # this daemon checked the hand-off's binding
+            c.mac = part_mac(self.peer_key, root, self.bound_uid(root), step, attempt, rank, objects)
+        with self._lock:
             if c is None or c.dropped:
                 raise CheckpointError(f"memory-only step {step}: rank {rank}'s part was dropped while it was written")
             if not any(f"/{mf.DONE}/" in key for key in c.objects):
@@ -681,7 +686,8 @@ class Tiers(Replication):
                 return
             c.spill_name = name = self.spill.new_name()
             objects = list(c.objects.items())  # the buffers live on if ``c`` is dropped meanwhile
-        header = {k: getattr(c, k) for k in ("root", "step", "attempt", "rank", "source", "kind", "uid", "origin")}
+        fields = ("root", "step", "attempt", "rank", "source", "kind", "uid", "origin", "mac")
+        header = {k: getattr(c, k) for k in fields}
 
         def write() -> None:
             if c.dropped:
@@ -759,7 +765,8 @@ class Tiers(Replication):
         bad = [k for k, (_, crc) in expected.items() if crc32c(objects[k]) != crc]
         if bad:
             raise SpillError(f"{len(bad)} objects fail their crc32c, e.g. {bad[0]!r}")
-        if kind == MEMORY_ONLY:
+        if kind == MEMORY_ONLY:  # made by a daemon of the ring for this root's binding, then whole
+            self.check_mac(root, uid, step, attempt, rank, objects, kind, header.get("mac"))
             _check_part(root, step, attempt, rank, objects)
         objects = {k: seal(b) for k, b in objects.items()}
         c = Copy(
@@ -771,6 +778,7 @@ class Tiers(Replication):
             objects=objects,
             kind=kind,
             complete=True,
+            mac=header.get("mac", ""),
             spill_name=name,
             uid=uid,
             origin=origin,

@@ -27,6 +27,7 @@ def save_memory(
     stall_rank_from: int | None = None,
     hang: bool = True,
     gate: bool = False,
+    seed: int = 0,
 ) -> dict:
     """Train steps 1..``last``; after each, save it through this rank's node daemon (ranks split
     evenly over ``daemons``) with ``persist_every`` and wait for the save; record the full state
@@ -34,9 +35,10 @@ def save_memory(
     restore puts the data loader exactly there). Then flag ``saved_{rank}`` and wait to be
     killed (``hang``; else close and return). ``stall_rank_from``: ranks from this one on hang
     inside the hand-off of step ``last`` (after the step's collectives: their node dies during
-    that save). ``gate``: before step ``last``'s save, wait for the file ``go`` in ``out``."""
+    that save). ``gate``: before step ``last``'s save, wait for the file ``go`` in ``out``.
+    ``seed``: the model's initial weights (another seed: other weights at every step)."""
     rank, ws = world()
-    state, dp_rank, dp_size = make_state("fsdp", 0)
+    state, dp_rank, dp_size = make_state("fsdp", seed)
     ck = Checkpointer(root, daemon=daemons[rank * len(daemons) // ws], persist_every=persist_every)
     position = 0
     for s in range(1, last + 1):

@@ -12,7 +12,7 @@ import pytest
 
 from ckptd import manifest as mf
 from ckptd.daemon_conn import DaemonConnection
-from ckptd.server.replication import OBJECT_CHARGE
+from ckptd.server.replication import OBJECT_CHARGE, part_mac
 from ckptd.server.staging import Staging
 from ckptd.server.tiers import Tiers
 from tests.server.daemon import Daemon
@@ -79,7 +79,9 @@ def test_held_and_replicated_zero_byte_objects_take_their_charge_and_give_it_bac
         tiers.failed("file:///job", 2, "a", 0)
         assert staging.reserved_bytes == 0
         objects = [{"key": k, "size": 0, "crc32c": 0} for k in keys]
-        rid = tiers.begin_replica("file:///job", 2, "a", "http://peer", [0], objects, kind="memory_only")
+        tiers.peer_key = b"k" * 32  # a memory-only replica carries its part's MAC (``part_mac``)
+        mac = part_mac(tiers.peer_key, "file:///job", None, 2, "a", 0, dict.fromkeys(keys, b""))
+        rid = tiers.begin_replica("file:///job", 2, "a", "http://peer", [0], objects, kind="memory_only", mac=mac)
         tiers.seal(rid)
         assert staging.reserved_bytes == cost
         (part,) = tiers.describe("file:///job")["memory_only"]
