@@ -26,7 +26,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.security.test_tenancy import ALICE, BOB, GROUP, Tenant, _cli_as, _expected, _reads, _tree, tenant_tree
+from tests.security.test_tenancy import (
+    ALICE,
+    BOB,
+    GROUP,
+    Tenant,
+    _cli_as,
+    _reads,
+    _tree,
+    retire_as,
+    tenant_tree,
+)
 from tests.security.test_tenancy import node as node  # the fixtures
 from tests.security.test_tenancy import tenants as tenants
 from tests.server.daemon import Daemon
@@ -96,12 +106,7 @@ def test_a_daemon_without_cap_chown_commits_with_the_roots_group_and_no_world_bi
             read = [str(f) for f in files if _reads(bob_pw, f)]
             assert not read, f"bob read alice's committed files: {read[:5]}"
             # alice: her own gc and quarantine (as her, not root) retire the daemon's files
-            p = _cli_as(alice_pw, "gc", str(root), "--keep-last", "2")
-            assert p.returncode == 0, (p.stdout, p.stderr)
-            assert not (root / "step_0000000001").exists() and not (root / "step_0000000002").exists()
-            p = _cli_as(alice_pw, "quarantine", str(root), "--step", "4", "--reason", "test")
-            assert p.returncode == 0, (p.stdout, p.stderr)
-            assert alice(op="restore", root=str(root)) == {"step": 3, "digest": _expected(3)}
+            retire_as(alice, alice_pw, root)
     finally:
         if alice is not None:
             alice.close()

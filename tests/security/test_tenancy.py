@@ -461,6 +461,17 @@ def _tree(root: Path) -> list[Path]:
     return out
 
 
+def retire_as(tenant, user: pwd.struct_passwd, root: Path) -> None:
+    """``user``'s own ``gc --keep-last 2`` and ``quarantine --step 4`` on ``root``'s steps 1-4
+    (committed through the daemon) succeed as that user; the restore then takes step 3."""
+    p = _cli_as(user, "gc", str(root), "--keep-last", "2")
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert not (root / "step_0000000001").exists() and not (root / "step_0000000002").exists()
+    p = _cli_as(user, "quarantine", str(root), "--step", "4", "--reason", "test")
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert tenant(op="restore", root=str(root)) == {"step": 3, "digest": _expected(3)}
+
+
 def _reads(user: pwd.struct_passwd, f: Path) -> bool:
     return run_as(user, "sh", "-c", 'cat -- "$1" >/dev/null', "sh", str(f)).returncode == 0
 
@@ -494,12 +505,7 @@ def test_committed_files_belong_to_their_tenant(node):
     assert all(_reads(alice_pw, f) for f in files)
     p = _cli_as(alice_pw, "show", str(root))
     assert p.returncode == 0, p.stderr
-    p = _cli_as(alice_pw, "gc", str(root), "--keep-last", "2")
-    assert p.returncode == 0, (p.stdout, p.stderr)
-    assert not (root / "step_0000000001").exists() and not (root / "step_0000000002").exists()
-    p = _cli_as(alice_pw, "quarantine", str(root), "--step", "4", "--reason", "test")
-    assert p.returncode == 0, (p.stdout, p.stderr)
-    assert alice(op="restore", root=str(root)) == {"step": 3, "digest": _expected(3)}
+    retire_as(alice, alice_pw, root)
     # and her next save through the daemon is hers too (what her own commands made is as her
     # umask made it)
     assert alice(op="save", step=5, seed=5) == {"ok": True}
