@@ -131,3 +131,69 @@ def test_steps_pinned_without_blake3_still_restore_and_verify(tmp_path, monkeypa
     with Checkpointer(root) as ck:
         assert ck.restore(got, step=2) == 2
     assert torch.equal(got["w"], value(2))
+
+
+def test_a_hot_replica_forged_to_keep_its_crc32c_is_not_restored(tmp_path, monkeypatch):
+    """The issue's attack on a peer: whoever signs with the ring's peer key (a compromised daemon)
+    pushes a hot replica of committed step 2 into a daemon, its chunk rewritten to 666.0 with 4
+    compensating bytes (the object's and the chunk's crc32c as pinned). A restore through that
+    daemon reads the step from its memory tier: the BLAKE3 pin refuses the chunk, and the
+    restore ends with step 2's own values (the root's bytes), never 666.0. With crc32c pins only,
+    it returned 666.0 from the tier."""
+    import hashlib
+    import hmac
+    import os
+    import time
+    import urllib.parse
+    import urllib.request
+
+    from tests import load
+    from tests.distributed import launch
+    from tests.server.daemon import PEER_KEY, node
+
+    token = tmp_path / "token"
+    token.write_text("forged-crc-token-0123456789")
+    os.chmod(token, 0o600)
+    monkeypatch.setenv("CKPTD_TOKEN_FILE", str(token))
+    sender = "http://127.0.0.1:9"  # the peer the compromised key speaks for
+    root = f"file://{tmp_path / 'job'}"
+    with Checkpointer(root) as ck:  # steps 1 and 2 committed in the root
+        ck.save(1, {"w": value(1)}).result()
+        ck.save(2, {"w": value(2)}).result()
+    store = open_store(root)
+    attempt = catalog.read_commit(store, 2)["attempt"]
+    layout = catalog.load_manifest(store, 2).tensors["w"].layout
+    data = bytearray(store.get(KEY))
+    n, off = layout.chunk_nbytes, layout.chunk_nbytes + codec.CRC_BYTES  # chunk 1
+    evil = np.full(n // 4, 666.0, np.float32).tobytes()
+    data[off : off + n] = forge(bytes(data[off : off + n]), evil, n - 4)
+    forged = bytes(data)
+
+    def call(url: str, method: str, path: str, body: bytes) -> int:
+        when, nonce = str(int(time.time())), os.urandom(16).hex()
+        msg = "\n".join([method, path, hashlib.sha256(body).hexdigest(), when, nonce, sender])
+        mac = hmac.new(PEER_KEY.encode(), msg.encode(), hashlib.sha256).hexdigest()
+        req = urllib.request.Request(url + path, data=body, method=method)
+        req.add_header("Authorization", f"Bearer {token.read_text()}")
+        req.add_header("Content-Type", "application/json")
+        req.add_header("X-Ckptd-Peer", f"{sender} {when} {nonce} {mac}")
+        with urllib.request.urlopen(req, timeout=load.scaled(10)) as r:
+            out = r.read()
+            return json.loads(out)["replica"] if path == "/v1/tiers/replicas" else r.status
+
+    port = launch.free_port()
+    d = node(tmp_path, "b", root, port, [f"http://127.0.0.1:{port}", sender])
+    try:
+        body = {"root": root, "step": 2, "attempt": attempt, "ranks": [0], "kind": "hot"}
+        body["objects"] = [{"key": KEY, "size": len(forged), "crc32c": codec.crc32c(forged)}]
+        rid = call(d.url, "POST", "/v1/tiers/replicas", json.dumps(body).encode())
+        assert call(d.url, "PUT", f"/v1/tiers/replicas/{rid}?key={urllib.parse.quote(KEY, safe='')}&offset=0", forged)
+        assert call(d.url, "POST", f"/v1/tiers/replicas/{rid}/seal", b"{}") == 200
+        got = {"w": torch.zeros(SHAPE)}
+        with Checkpointer(root, daemon=d.socket_url) as ck:
+            assert ck.restore(got) == 2
+            read = ck.last_restore_tiers
+        assert torch.equal(got["w"], value(2)), read  # never the forged chunk (666.0 throughout)
+        assert read["root"] > 0, read  # the refused shard came from the root
+    finally:
+        d.kill()
