@@ -32,8 +32,18 @@ from urllib.parse import unquote, urlsplit
 
 from ckptd.errors import CheckpointError
 
-__all__ = ["DaemonConnection", "DaemonUnreachable", "VOUCH_S", "default_socket", "detail", "peer_auth", "resolve"]
-__all__ += ["PEER_HEADER", "peer_mac", "unix_address"]
+__all__ = [
+    "PEER_HEADER",
+    "VOUCH_S",
+    "DaemonConnection",
+    "DaemonUnreachable",
+    "default_socket",
+    "detail",
+    "peer_auth",
+    "peer_mac",
+    "resolve",
+    "unix_address",
+]
 
 log = logging.getLogger("ckptd.daemon_conn")
 
