@@ -143,7 +143,11 @@ def _run(res, size, reps, url, sec, boto3, Checkpointer, profile_prefix, section
     out_mv = memoryview(out)
     # The raw rows use the client settings ckptd's store uses: a CRC32 on every body and no
     # SHA-256 of the payload (which botocore would add over moto's plain http).
-    client = boto3.client("s3", config=Config(max_pool_connections=THREADS * 2, s3={"payload_signing_enabled": False}))
+    # A session of its own: boto3's default session keeps the credentials it first resolved
+    # (the moto section's), which the RGW section's endpoint refuses (InvalidAccessKeyId).
+    client = boto3.session.Session().client(
+        "s3", config=Config(max_pool_connections=THREADS * 2, s3={"payload_signing_enabled": False})
+    )
     bucket = f"ckptd-bench-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
     pool = ThreadPoolExecutor(THREADS)
