@@ -508,7 +508,7 @@ class TieredRestore:
         """Tell this rank's own daemon that the root restored ``step`` (``POST
         /v1/tiers/restored``): it drops memory-only steps newer than it, and tells its peers to
         (signed: no rank fences a peer). Best effort: a daemon that is gone holds nothing."""
-        body = {"job_root": self.root_uri, "restored_step": step}
+        body = {"job_root": self.root_uri, "restored_step": step, "silent": sorted(self.silent)[:256]}
         try:
             ask_json(self.daemon_url, self._token, self.timeout_s, "POST", "/v1/tiers/restored", body)
         except (ValueError, CheckpointError) as e:

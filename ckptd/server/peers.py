@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -85,6 +85,8 @@ class RestoredReport(BaseModel):
     # abandoned future and are dropped (``server.tiers.Tiers.fence``).
     job_root: str | None = Field(None, min_length=1, max_length=4096)
     restored_step: int | None = Field(None, ge=0, le=10**10 - 1)
+    # the peers that gave the restore no answer: the fence is not waited for there
+    silent: list[Annotated[str, Field(max_length=2048)]] = Field([], max_length=256)
 
 
 async def peer_sender(request: Request) -> str:
@@ -297,7 +299,7 @@ def restored(body: RestoredReport, request: Request, peer: str | None = Depends(
             tenancy.check_write(tenancy.caller(request.scope), root, bind=False)
         fenced = t.fence(root, body.restored_step)
         if peer is None:
-            t.fence_peers(root, body.restored_step)
+            t.fence_peers(root, body.restored_step, frozenset(body.silent))
     if peer is None:
         t.restored(body.local, body.peer, body.root)
     return {"ok": True, "fenced": fenced}

@@ -218,10 +218,12 @@ class Replication:
         finally:
             conn.close()
 
-    def fence_peers(self, root: str, step: int, wait_s: float = 1.0) -> None:
+    def fence_peers(self, root: str, step: int, silent: frozenset[str] = frozenset(), wait_s: float = 1.0) -> None:
         """Forward a fence of ``root`` at restored ``step`` to every peer of the ring, signed
         (``POST /v1/tiers/restored``), each on a thread of its own; wait ``wait_s`` at most (a
-        slow peer still gets it; one that is gone holds nothing any more)."""
+        slow peer still gets it; one that is gone holds nothing any more), and not at all for
+        the peers of ``silent``: the restore found them silent, and waiting for them again would
+        add ``wait_s`` to its end (each still gets its fence, on its thread)."""
         peers = [p for p in self.peers if p != self.me] if self.peer_key else []
         body = {"job_root": root, "restored_step": step}
 
@@ -239,8 +241,9 @@ class Replication:
         deadline = time.monotonic() + wait_s
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        for p, t in zip(peers, threads, strict=True):
+            if p.rstrip("/") not in silent:
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def carried(self) -> list[tuple[str, int, str]]:
         """(root, uid, source) of the replicas held or being received that carry a binding."""
