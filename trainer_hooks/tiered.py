@@ -160,7 +160,7 @@ class TieredReader(CheckpointReader):
             if isinstance(e, TierUnavailable) and reader.store is tier.store:
                 self._source.failed(tier, e)
             else:
-                log.warning("restore: %s; reading that shard from the next tier", e)
+                self._source.refused(self._object(req.entry, sr.shard), e)
             return False
         self._source.count(tier, reader.stats.bytes_read)
         return True
@@ -183,6 +183,7 @@ class TierSource(_RangeReads, Store):
         self._tiers: dict[str, _Tier] = {}
         self._mapped: _Tier | None = None  # this node's daemon's objects, mapped (``map_own``)
         self._reader: TieredReader | None = None
+        self._refused: set[str] = set()  # shards a tier's copy of failed a check (logged once)
         # chunk bytes each tier kind served (a tier's bytes that failed a check count for none)
         self.bytes = {"local": 0, "peer": 0}
 
@@ -220,6 +221,15 @@ class TierSource(_RangeReads, Store):
             self.tiers.silent.add(tier.store.uri)
         if first:
             log.warning("restore: skipping the memory tier %s: %s", tier.store.name, e)
+
+    def refused(self, key: str, e: Exception) -> None:
+        """A tier's copy of shard ``key`` failed a check: logged once per shard and restore (this
+        node's daemon serves one copy through its mapped memory, its socket and its --advertise
+        URL, and each refuses it alike), later refusals at DEBUG."""
+        with self._lock:
+            first = key not in self._refused
+            self._refused.add(key)
+        (log.warning if first else log.debug)("restore: %s; reading that shard from the next tier", e)
 
     def map_own(self) -> None:
         """Map every object this rank's own daemon holds from the sealed memory it passes on its

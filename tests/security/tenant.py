@@ -22,6 +22,12 @@ Commands on stdin, one JSON object per line; one JSON reply per line on stdout:
 * ``{"op": "data", "socket": PATH | "port": N, "request": H}``: one request ``H`` (the token
   added) on the tier data path (``ckptd.server.tierdata``): its reply header, and the sha256 of
   the bytes that follow it;
+* ``{"op": "push", "daemon": URL, "root": R, "step": N, ...}``: a whole memory-only replica of
+  rank 0 of step N of R pushed with the token, as a trainer could try (``POST
+  /v1/tiers/replicas``, its pieces, its seal; ``source`` "self" unless the command names one):
+  the statuses it got, up to the first refusal. Its objects: ``objects`` (key -> text), or with
+  ``copy`` ({"daemon", "root", "step"}) the bytes of that memory-only part, read from that
+  daemon as the caller (its ``attempt`` too, unless the command names one);
 * ``{"op": "quit"}``.
 """
 
@@ -36,12 +42,14 @@ import pwd
 import socket
 import sys
 import traceback
+import urllib.parse
 
 import torch
 
 import trainer_hooks.daemon_sink  # noqa: F401 - imported while the interpreter is readable
 import trainer_hooks.memsteps  # noqa: F401
 from ckptd.auth import daemon_token
+from ckptd.codec import crc32c
 from ckptd.daemon_conn import DaemonConnection
 from ckptd.tierwire import REPLY, REQUEST, recv_exact, recv_frame, send_frame
 from trainer_hooks import Checkpointer
@@ -82,6 +90,44 @@ def data_read(cmd: dict) -> dict:
         body = bytearray(header.get("length", 0) if header.get("ok") else 0)
         recv_exact(sock, memoryview(body))
     return header | {"sha256": hashlib.sha256(body).hexdigest()}
+
+
+def push(cmd: dict) -> list[int]:
+    objects = {k: v.encode() for k, v in cmd.get("objects", {}).items()}
+    attempt = cmd.get("attempt")
+    if "copy" in cmd:
+        src = cmd["copy"]
+        conn = DaemonConnection(src["daemon"], daemon_token())
+        try:
+            q = urllib.parse.urlencode({"root": src["root"], "keys": "true"})
+            status, _, raw = conn.fetch("GET", f"/v1/tiers?{q}")
+            assert status == 200, raw[:500]
+            (part,) = [p for p in json.loads(raw)["memory_only"] if p["step"] == src["step"]]
+            attempt = attempt or part["attempt"]
+            for key, size in part["keys"].items():
+                q = urllib.parse.urlencode({"root": src["root"], "step": src["step"], "attempt": part["attempt"]})
+                q += "&" + urllib.parse.urlencode({"key": key, "start": 0, "length": size})
+                status, _, objects[key] = conn.fetch("GET", f"/v1/tiers/object?{q}")
+                assert status == 200 and len(objects[key]) == size, objects[key][:500]
+        finally:
+            conn.close()
+    body = {"root": cmd["root"], "step": cmd["step"], "attempt": attempt or "forged", "ranks": [0]}
+    body |= {"kind": "memory_only", "source": cmd.get("source", "self")}
+    body["objects"] = [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()]
+    conn = DaemonConnection(cmd["daemon"], daemon_token())
+    try:
+        status, _, raw = conn.fetch("POST", "/v1/tiers/replicas", body)
+        got = [status]
+        if status != 200:
+            return got
+        rid = json.loads(raw)["replica"]
+        for key, data in objects.items():
+            piece = f"/v1/tiers/replicas/{rid}?key={urllib.parse.quote(key, safe='')}&offset=0"
+            got.append(conn.fetch("PUT", piece, data)[0])
+        got.append(conn.fetch("POST", f"/v1/tiers/replicas/{rid}/seal", {})[0])
+        return got
+    finally:
+        conn.close()
 
 
 def drop_to(user: str) -> None:
@@ -132,6 +178,8 @@ def main() -> None:
                 out = {"status": status, "body": body}
             elif op == "data":
                 out = data_read(cmd)
+            elif op == "push":
+                out = {"statuses": push(cmd)}
             elif op == "quit":
                 break
             else:

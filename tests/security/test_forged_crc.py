@@ -12,6 +12,7 @@ still restore and verify, against their crc32c pins as before.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 
 import numpy as np
@@ -133,13 +134,13 @@ def test_steps_pinned_without_blake3_still_restore_and_verify(tmp_path, monkeypa
     assert torch.equal(got["w"], value(2))
 
 
-def test_a_hot_replica_forged_to_keep_its_crc32c_is_not_restored(tmp_path, monkeypatch):
+def test_a_hot_replica_forged_to_keep_its_crc32c_is_not_restored(tmp_path, monkeypatch, caplog):
     """The issue's attack on a peer: whoever signs with the ring's peer key (a compromised daemon)
     pushes a hot replica of committed step 2 into a daemon, its chunk rewritten to 666.0 with 4
     compensating bytes (the object's and the chunk's crc32c as pinned). A restore through that
-    daemon reads the step from its memory tier: the BLAKE3 pin refuses the chunk, and the
-    restore ends with step 2's own values (the root's bytes), never 666.0. With crc32c pins only,
-    it returned 666.0 from the tier."""
+    daemon reads the step from its memory tier: the BLAKE3 pin refuses the chunk (one WARNING
+    naming the shard), and the restore ends with step 2's own values (the root's bytes), never
+    666.0. With crc32c pins only, it returned 666.0 from the tier."""
     import hashlib
     import hmac
     import os
@@ -190,10 +191,13 @@ def test_a_hot_replica_forged_to_keep_its_crc32c_is_not_restored(tmp_path, monke
         assert call(d.url, "PUT", f"/v1/tiers/replicas/{rid}?key={urllib.parse.quote(KEY, safe='')}&offset=0", forged)
         assert call(d.url, "POST", f"/v1/tiers/replicas/{rid}/seal", b"{}") == 200
         got = {"w": torch.zeros(SHAPE)}
+        caplog.set_level(logging.WARNING, logger="trainer_hooks")
         with Checkpointer(root, daemon=d.socket_url) as ck:
             assert ck.restore(got) == 2
             read = ck.last_restore_tiers
         assert torch.equal(got["w"], value(2)), read  # never the forged chunk (666.0 throughout)
         assert read["root"] > 0, read  # the refused shard came from the root
+        refused = [r.getMessage() for r in caplog.records if "BLAKE3" in r.getMessage()]
+        assert len(refused) == 1 and SHARD in refused[0], caplog.text  # logged once
     finally:
         d.kill()

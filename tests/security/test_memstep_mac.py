@@ -147,3 +147,28 @@ def test_a_replica_not_maced_for_the_roots_binding_is_refused(tmp_path):
     finally:
         a.kill()
         b.kill()
+
+
+def test_a_compromised_daemon_makes_a_memory_only_step_its_ring_restores(tmp_path):
+    """What the MAC does not stop (docs/security.md, "What a compromised daemon can do"): whoever
+    holds the ring's peer key derives the part key of the root's real binding (uid 0 here), so
+    the same forged parts, MACed for it, are held at their seal and the victim's restore returns
+    them: step 5, the other job's weights. Kept as a test so the docs' limit stays true."""
+    from ckptd.server.replication import part_mac
+
+    forged = _forged_parts(tmp_path)
+    root, a, b, urls, out = _ring_saved(tmp_path)
+    try:
+        sealed = []
+        for head, objs in forged:
+            objects = {k: v for (k, _, _), v in zip(head["objects"], objs, strict=True)}
+            mac = part_mac(PEER_KEY.encode(), root, 0, FORGED, head["attempt"], head["rank"], objects)
+            sealed.append(_push(a, urls[1], root, head, objects, mac))
+        assert sealed == [200] * len(forged), (sealed, a.logs())
+        args = {"daemon": a.socket_url, "root": root, "ref": str(out / f"ref_step{LAST}.pt")}
+        procs = launch.spawn(2, "restore_position", args, out / "r", {"CKPTD_TOKEN": TOKEN}, scenarios=SCENARIOS)
+        res = launch.wait(procs, out / "r", "restore_position", timeout=600)
+        assert [r["step"] for r in res] == [FORGED] * 2 and any(r["mismatches"] for r in res), res
+    finally:
+        a.kill()
+        b.kill()

@@ -39,9 +39,11 @@ PERSIST_EVERY = 10
 
 
 @pytest.fixture
-def ring(tenants):
+def ring(tenants, request):
     """Daemons A and B (root) serving ``jobs/``, one ring; alice's and bob's roots (theirs);
-    alice has saved step 10 (persisted) and memory-only step 11 through A, replicated to B."""
+    alice has saved step 10 (persisted) and memory-only step 11 through A, replicated to B.
+    Parametrized indirectly with "trust-tcp", the daemons run with ``--trust-tcp``."""
+    flags = dict(trust_tcp=True) if getattr(request, "param", "docs") == "trust-tcp" else {}
     base, token, jobs, paths, works = tenant_tree("t36", tenants)  # ``node`` reads the token at base
     roots = {name: str(d) for name, d in paths.items()}
     ports = [launch.free_port(), launch.free_port()]
@@ -50,7 +52,7 @@ def ring(tenants):
     started: list[Tenant] = []
     try:
         for name, port in zip("ab", ports, strict=True):
-            daemons.append(node(base, name, str(jobs), port, peers, trust_tcp=False, CKPTD_STAGING_GROUP=GROUP))
+            daemons.append(node(base, name, str(jobs), port, peers, CKPTD_STAGING_GROUP=GROUP, **flags))
         a, b = daemons
 
         def tenant(name: str) -> Tenant:
@@ -184,3 +186,39 @@ def test_a_replica_carries_its_roots_binding_to_the_peer(ring):
     a.kill()
     got = alice(op="restore", root=root, daemon=b.socket_url)
     assert got == {"step": PERSIST_EVERY + 1, "digest": _expected(PERSIST_EVERY + 1)}, (got, b.logs())
+
+
+@pytest.mark.parametrize("ring", ["docs", "trust-tcp"], indirect=True)
+def test_bob_cannot_push_a_memory_only_step_into_alices_root(ring):
+    """bob saves a memory-only step 12 of his own (other weights) through A, reads its bytes
+    back (his root) and pushes them with the token as step 12 of alice's root, over A's TCP port
+    and over A's socket (where the kernel names him), claiming ``source`` "self": 403 each time,
+    and her next restore returns her own step 11. Before, each push was taken and her restore
+    returned his weights from the tier. Also with ``--trust-tcp``."""
+    a, alice, bob, root = ring["a"], ring["alice"], ring["bob"], ring["roots"][ALICE]
+    mine, step = ring["roots"][BOB], PERSIST_EVERY + 2
+    assert bob(op="open", root=mine, daemon=a.socket_url, persist_every=PERSIST_EVERY) == {"ok": True}
+    assert bob(op="save", step=step, seed=666) == {"ok": True}
+    for addr in (a.url, a.socket_url):
+        r = bob(op="push", daemon=addr, root=root, step=step, copy={"daemon": a.socket_url, "root": mine, "step": step})
+        got = alice(op="restore", root=root, daemon=a.socket_url)
+        assert got == {"step": PERSIST_EVERY + 1, "digest": _expected(PERSIST_EVERY + 1)}, (addr, r, got)
+        assert r["statuses"] == [403], (addr, r)
+    assert [p["step"] for p in _parts(a, root)] == [PERSIST_EVERY + 1]
+
+
+def test_bob_cannot_drop_alices_memory_only_step_with_a_one_byte_part(ring):
+    """bob pushes a 1-byte part of alice's memory-only step 11 (its attempt, rank 0) to A
+    claiming ``source`` "self", A's own copy, over TCP and A's socket: 403, A still holds her
+    step and her restore returns it. Before, A took the byte for her own hand-off and dropped
+    her step: her restore went back to step 10."""
+    a, alice, bob, root = ring["a"], ring["alice"], ring["bob"], ring["roots"][ALICE]
+    (held,) = _parts(a, root)
+    assert held["source"] == "self", held
+    key = f"step_{held['step']:010d}/manifest.json"
+    for addr in (a.url, a.socket_url):
+        r = bob(op="push", daemon=addr, root=root, step=held["step"], attempt=held["attempt"], objects={key: "x"})
+        got = alice(op="restore", root=root, daemon=a.socket_url)
+        assert got == {"step": PERSIST_EVERY + 1, "digest": _expected(PERSIST_EVERY + 1)}, (addr, r, got)
+        assert r["statuses"] == [403], (addr, r)
+    assert [(p["step"], p["source"]) for p in _parts(a, root)] == [(PERSIST_EVERY + 1, "self")]
