@@ -2,17 +2,23 @@
 
 A shard's pins go into the rank's done record only, after every put: the shard is handed to the
 store before it is hashed, so the store's I/O starts at once and overlaps the hashing of the
-shards behind it. An incremental save names each shard's content by its pins, which it computes
+shards behind it; ``CheckpointWriter`` (import, rechunk) likewise hashes on its pool's threads,
+beside its other puts. An incremental save names each shard's content by its pins, which it computes
 anyway, instead of hashing the shard's bytes a second time with sha256.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import threading
 
+import numpy as np
 import torch
 
-from ckptd import persist
+from ckptd import persist, stream
+from ckptd.verify import verify
+from storage_backends import open_store
 from storage_backends.local import LocalStore
 from trainer_hooks import Checkpointer
 
@@ -72,3 +78,26 @@ def test_an_incremental_save_hashes_no_shard_twice(tmp_path, monkeypatch):
         assert ck.restore(got, step=2) == 2
     assert second.bytes_written < first.bytes_written  # "a" reused, "b" written again
     assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_an_import_hashes_on_the_writer_pool_beside_its_puts(tmp_path, monkeypatch):
+    """``CheckpointWriter`` (import, rechunk) hashes each shard on its pool's threads after the
+    shard's put, not on the caller's thread before handing the put over; its pins stay ``v`` 2
+    and verify."""
+    threads = []
+    digests = stream.shard_digests
+
+    def spy(bufs):
+        threads.append(threading.current_thread().name)
+        return digests(bufs)
+
+    monkeypatch.setattr(stream, "shard_digests", spy)
+    store = open_store(str(tmp_path / "job"))
+    with stream.CheckpointWriter(store, step=3) as w:
+        for i in range(3):
+            w.write_tensor(f"model/w{i}", np.full(SHAPE, i, np.float32))
+        w.set_state({})
+    assert len(threads) == 3 and all(t.startswith("ckptd-stream") for t in threads), threads
+    (rec,) = [o.key for o in store.list("step_0000000003/_done/") if o.key.endswith(".json")]
+    assert json.loads(store.get(rec))["pins"]["v"] == 2
+    assert verify(store, 3).ok
