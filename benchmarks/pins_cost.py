@@ -9,7 +9,8 @@
   store holding N done records), for a save at N ranks restored at M;
 * BLAKE3 pins (issue 36 item 3): save-to-commit and restore of one rank's state with the done
   records pinning each part's crc32c only (as before issue 36: the writer's digests switched
-  off) and with each part's BLAKE3 too, side by side, alternating, the median of ``--reps``.
+  off) and with each part's BLAKE3 too, side by side, alternating, the median of ``--reps``; with
+  the load average and the CPU seconds of the hashing alone (``hash_cpu_s``).
 
 Run: ``python -m benchmarks.pins_cost [--arrays 300 900] [--ranks 4096] [--restore-at 1024 4096]``;
 the BLAKE3 rows alone: ``python -m benchmarks.pins_cost --blake3 256MiB 1.5GiB [--dir /dev/shm]``
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -31,6 +33,7 @@ import numpy as np
 
 from ckptd import commit, donetree
 from ckptd import manifest as mf
+from ckptd.codec import crc32c, part_digest
 from ckptd.layout import Box, plan_grid
 from ckptd.reader import ReadRequest
 from storage_backends.memory import MemoryStore
@@ -123,6 +126,7 @@ def blake3_cost(nbytes: int, reps: int, folder: str | None = None) -> dict:
 
     state = _state(nbytes)
     got = {k: torch.empty_like(v) for k, v in state.items()}
+    load = round(os.getloadavg()[0], 2)  # 1-minute load average when the row began, and ended
     kinds = ("save", "restore", "save_cpu", "restore_cpu")
     times: dict[str, dict[str, list[float]]] = {m: {k: [] for k in kinds} for m in ("crc32c", "blake3")}
     for rep in range(-1, reps):  # rep -1 warms up (imports, page faults, thread pools): not counted
@@ -148,12 +152,29 @@ def blake3_cost(nbytes: int, reps: int, folder: str | None = None) -> dict:
             finally:
                 shutil.rmtree(root, ignore_errors=True)
     med = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in times.items()}
-    out = {"bytes": nbytes, "reps": reps}
+    out = {"bytes": nbytes, "reps": reps, "load": [load, round(os.getloadavg()[0], 2)]}
     for k in kinds:  # wall seconds, and CPU seconds of the process (all its threads): steadier on a busy host
         out[f"{k}_crc32c_s"] = round(med["crc32c"][k], 3)
         out[f"{k}_blake3_s"] = round(med["blake3"][k], 3)
         out[f"{k}_ratio"] = round(med["blake3"][k] / med["crc32c"][k], 3)
+    # The pins' own work: BLAKE3 over the same bytes in 2 MiB parts on one thread. Where a save is
+    # CPU-bound (every core busy throughout), its wall ratio cannot fall below
+    # 1 + hash / (the crc32c save's CPU seconds): the cpu_floor rows.
+    # A restore hashes each part instead of recomputing its crc32c: one hash less one crc.
+    out["hash_cpu_s"], out["crc_cpu_s"] = (round(cpu_over(state, f), 3) for f in (part_digest, crc32c))
+    out["cpu_floor_save"] = round(1 + out["hash_cpu_s"] / out["save_cpu_crc32c_s"], 3)
+    out["cpu_floor_restore"] = round(1 + (out["hash_cpu_s"] - out["crc_cpu_s"]) / out["restore_cpu_crc32c_s"], 3)
     return out
+
+
+def cpu_over(state: dict, fn) -> float:
+    """CPU seconds of ``fn`` over every byte of ``state`` in 2 MiB parts (a chunk), one thread."""
+    t = time.thread_time()
+    for v in state.values():
+        mv = memoryview(v.numpy()).cast("B")
+        for off in range(0, mv.nbytes, 2 << 20):
+            fn(mv[off : off + (2 << 20)])
+    return time.thread_time() - t
 
 
 def main(argv=None) -> None:

@@ -95,12 +95,15 @@ class CheckpointWriter:
         self._heartbeat = leases.Heartbeat(store, step, self.attempt, 0).__enter__()  # renews the lease
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-stream")
 
-    def _put_new(self, key: str, data) -> None:
+    def _put_new(self, key: str, data, pin=None) -> None:
         self._tags[key] = self.store.put_new(key, data)  # create-only: never over another writer's
+        if pin is not None:
+            pin()
 
-    def _put(self, key: str, data, nbytes: int) -> None:
+    def _put(self, key: str, data, nbytes: int, pin=None) -> None:
+        """Put ``data`` at ``key`` on the pool; then ``pin()``, on the same thread."""
         self._written.append(f"{self._folder}/{key}")
-        self._pending.append((self._pool.submit(self._put_new, f"{self._folder}/{key}", data), nbytes))
+        self._pending.append((self._pool.submit(self._put_new, f"{self._folder}/{key}", data, pin), nbytes))
         self._pending_bytes += nbytes
         self.bytes += nbytes
         self.objects += 1
@@ -132,8 +135,12 @@ class CheckpointWriter:
         name = f"{mf.array_path(key)}/{layout.shard_key(coord)}"
         size = data_size(bufs)
         self._shards.append(name)
-        self._shard_pins[name] = (size, b"".join(bytes(b) for b in bufs[1::2]), shard_digests(bufs))
-        self._put(name, bufs, size)
+        crcs = b"".join(bytes(b) for b in bufs[1::2])
+
+        def pin() -> None:  # BLAKE3 on the pool's threads, after the put: beside the other puts
+            self._shard_pins[name] = (size, crcs, shard_digests(bufs))
+
+        self._put(name, bufs, size, pin)
 
     def write_tensor(self, key: str, array, layout: ArrayLayout | None = None, placements: str = "") -> None:
         """Write a whole tensor (numpy array or CPU torch tensor)."""
