@@ -141,6 +141,11 @@ class Stripes:
     k: int
     m: int
     sizes: tuple[int, ...]
+    # Each member's part cut by its own size (``block_of``), a stripe as long as its longest
+    # contributor's block (``length``): what the daemon uses (``server.parity``), since a member
+    # then codes its part alone, without first learning the others' sizes (no round between
+    # daemons per step); the parity a holder keeps is as long as the longest share it folded.
+    per_member: bool = False
 
     def __post_init__(self):
         _check_code(self.k, self.m)
@@ -163,6 +168,19 @@ class Stripes:
         b = -(-max(self.sizes) // self.k)
         return b + (b & 1)  # even: the multiplication tables take two bytes at a time
 
+    def block_of(self, i: int) -> int:
+        """Bytes of member ``i``'s blocks: ``block``, or with ``per_member`` its own part over ``k`` (even)."""
+        if not self.per_member:
+            return self.block
+        b = -(-self.sizes[i] // self.k)
+        return b + (b & 1)
+
+    def length(self, s: int) -> int:
+        """Bytes of stripe ``s``'s blocks (its parity): the longest block of its contributors."""
+        if not self.per_member:
+            return self.block
+        return max(self.block_of(c) for c in self.contributors(s))
+
     def stripe_of(self, i: int, b: int) -> int:
         """The stripe whose slot ``b`` is member ``i``'s block ``b``."""
         return (i - self.m - b) % self.n
@@ -181,12 +199,13 @@ class Stripes:
 
     def held(self, i: int) -> int:
         """Bytes member ``i`` holds: its part and its ``m`` parity blocks."""
-        return self.sizes[i] + self.m * self.block
+        return self.sizes[i] + sum(self.length(s) for s, _ in self.parity_of(i))
 
     def span(self, i: int, b: int) -> tuple[int, int]:
         """(start, length) of block ``b`` in member ``i``'s part (length < ``block`` at its end)."""
-        start = min(b * self.block, self.sizes[i])
-        return start, min(self.block, self.sizes[i] - start)
+        block = self.block_of(i)
+        start = min(b * block, self.sizes[i])
+        return start, min(block, self.sizes[i] - start)
 
 
 def _as_bytes(buf) -> np.ndarray:
@@ -256,14 +275,14 @@ def plan(stripes: Stripes, lost: Iterable[int]) -> dict[int, list[tuple[int, int
 def recover(stripes: Stripes, lost: Iterable[int], read: Callable[[int, int, int], object]) -> dict[int, bytearray]:
     """The parts of the ``lost`` members, rebuilt from survivors' blocks: ``read(member, stripe,
     number)`` returns that member's block (data: ``span`` long, padding implied; parity:
-    ``block`` long) and is called only for the blocks ``plan`` names. ValueError if a block read
+    ``length(s)`` long) and is called only for the blocks ``plan`` names. ValueError if a block read
     has the wrong length, or as ``plan``."""
     gone = sorted(set(lost))
     reads = plan(stripes, gone)
-    code, size = _Code.of(stripes.k, stripes.m), stripes.block
+    code = _Code.of(stripes.k, stripes.m)
     parts = {i: bytearray(stripes.sizes[i]) for i in gone}
     for s, wanted in reads.items():
-        blocks = []
+        size, blocks = stripes.length(s), []
         for member, num in wanted:
             raw = _as_bytes(read(member, s, num))
             want = stripes.span(member, num)[1] if num < stripes.k else size
