@@ -1,0 +1,132 @@
+"""The erasure-coded memory tier (``ckptd serve --ec k+m``, ``ckptd.server.parity``) with real
+daemons as the docs run them (token file, own sockets, the ring's peer key): 3 daemons with
+``--ec 2+1``, a 3-rank gloo job (one rank per node) saving every step, persisting every 3rd
+(steps 1, 2 and 4 memory-only, step 3 in the job root).
+
+- One daemon is SIGKILLed after step 4's parity is sealed on its holders: a restore at 2 ranks
+  gets step 4 bitwise, with 0 bytes from the job root: rank 0's daemon rebuilt the lost part
+  from the group's parity and the survivor's data blocks (nothing but what is missing).
+- Two daemons are SIGKILLed (more than m = 1): nothing can be rebuilt, and the restore falls
+  back to the persisted step 3, bitwise, never to other weights.
+- ``--ec`` with ``--replicas K > 0``, or a malformed code, is one clear usage error.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptd import manifest as mf
+from tests import load
+from tests.distributed import launch
+from tests.server.daemon import ROOT, Daemon, kill_all, node, peer_key_file, tier_totals, wait_for
+
+pytestmark = pytest.mark.timeout(900)
+
+SCENARIOS = "tests.faults.tier_scenarios"
+TOKEN = "erasure-tier-test-token-0123456789"
+LAST, EVERY, RANKS = 4, 3, 3
+
+
+def _ring(tmp_path: Path) -> tuple[str, list[Daemon]]:
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    root = f"file://{tmp_path / 'job'}"
+    ports = [launch.free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    return root, [node(tmp_path, n, root, p, urls, CKPTD_EC="2+1") for n, p in zip("abc", ports, strict=True)]
+
+
+def _sealed(d: Daemon, root: str, step: int) -> bool:
+    """``d`` holds its parity block of ``step`` with both contributors' shares folded in."""
+    status, body = d.get(f"/v1/tiers?root={root}", TOKEN)
+    assert status == 200, body
+    return any(p["step"] == step and p["slots"] == 2 for p in body.get("parity", []))  # type: ignore[union-attr]
+
+
+def _save(tmp_path: Path, root: str, daemons: list[Daemon]) -> Path:
+    out = tmp_path / "out"
+    args = {"daemons": [d.socket_url for d in daemons], "root": root, "out": str(out), "steps": LAST}
+    procs = launch.spawn(RANKS, "save_steps", args | {"persist_every": EVERY}, out, {"CKPTD_TOKEN": TOKEN}, SCENARIOS)
+    try:
+        launch.wait(procs, out, "save_steps", timeout=load.scaled(300))
+    finally:
+        kill_all(procs)
+    # Step 4's parity sealed on every daemon: each holds one block of one stripe of lane 0.
+    wait_for(lambda: all(_sealed(d, root, LAST) for d in daemons), "step 4's parity", 60)
+    job = tmp_path / "job"
+    assert sorted(p.name for p in job.iterdir() if p.name.startswith("step_")) == [mf.step_dir(EVERY)]
+    return out
+
+
+def _restore(out: Path, via: Daemon, root: str, name: str) -> list[dict]:
+    rargs = {"daemon": via.socket_url, "root": root, "refs": str(out), "saved_world": RANKS}
+    rout = out.parent / name
+    procs = launch.spawn(2, "restore_step", rargs, rout, {"CKPTD_TOKEN": TOKEN}, SCENARIOS)
+    try:
+        got = launch.wait(procs, rout, "restore_step", timeout=load.scaled(300))
+    finally:
+        kill_all(procs)
+    assert all(r["mismatches"] == [] for r in got), got
+    return got
+
+
+def test_one_lost_daemon_is_rebuilt_from_parity_and_restored_at_fewer_ranks(tmp_path):
+    root, daemons = _ring(tmp_path)
+    a, _, c = daemons
+    try:
+        out = _save(tmp_path, root, daemons)
+        # No node holds another's part whole: its own parts and parity only.
+        status, body = a.get(f"/v1/tiers?root={root}&keys=true", TOKEN)
+        assert {p["source"] for p in body["memory_only"]} == {"self"}, body  # type: ignore[index]
+        c.kill()
+        got = _restore(out, a, root, "restore2")
+        assert {r["step"] for r in got} == {LAST}, got
+        tiers = tier_totals(got)
+        assert tiers["root"] == 0 and tiers["local"] + tiers["peer"] > 0, tiers
+        assert "rebuilt" in a.logs()
+    finally:
+        for d in daemons:
+            d.kill()
+
+
+def test_more_losses_than_m_fall_back_to_the_persisted_step(tmp_path):
+    root, daemons = _ring(tmp_path)
+    a, b, c = daemons
+    try:
+        out = _save(tmp_path, root, daemons)
+        b.kill()
+        c.kill()
+        got = _restore(out, a, root, "restore2")
+        assert {r["step"] for r in got} == {EVERY}, got
+        assert tier_totals(got)["root"] > 0
+        assert "at most 1 can be rebuilt" in a.logs()
+    finally:
+        for d in daemons:
+            d.kill()
+
+
+@pytest.mark.parametrize(
+    "flags,why",
+    [
+        (["--ec", "2+1", "--replicas", "1"], "--ec 2+1 and --replicas 1 exclude each other"),
+        (["--ec", "2"], "--ec must be k+m"),
+        (["--ec", "4+2"], "must name this daemon (--advertise) and be a multiple of 6 daemons"),
+    ],
+)
+def test_ec_settings_that_do_not_go_together_are_one_usage_error(tmp_path, flags, why):
+    (tmp_path / "token").write_text(TOKEN)
+    os.chmod(tmp_path / "token", 0o600)
+    ring = "http://127.0.0.1:9101,http://127.0.0.1:9102,http://127.0.0.1:9103"
+    cmd = [sys.executable, "-m", "ckptd.cli.main", "serve", "--root", str(tmp_path / "job"), "--token-file"]
+    cmd += [str(tmp_path / "token"), "--peer-key-file", str(peer_key_file(tmp_path)), "--port", "0"]
+    cmd += ["--socket", str(tmp_path / "d.sock"), "--staging-dir", str(tmp_path / "staging")]
+    cmd += ["--peers", ring, "--advertise", "http://127.0.0.1:9101", *flags]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=load.scaled(60), env=env, cwd=str(ROOT))
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert why in p.stderr and "Traceback" not in p.stderr, p.stderr
