@@ -1,5 +1,5 @@
-"""Erasure coding of the memory tier across nodes (issue 37 item 4, ``--ec k+m``): pure code, not
-wired into the daemon yet.
+"""Erasure coding of the memory tier across nodes (issue 37 item 4, ``--ec k+m``): the pure code
+(the layout, encoding shares, rebuilding lost parts) that ``server.parity`` wires into the daemon.
 
 Today (``server.replication``) each daemon pushes its node's part of a step whole to ``k`` ring
 successors: (1+k)x its part held per node, any k node losses survived. Here a *group* of
@@ -47,24 +47,9 @@ a callback (the restore would fetch them from the surviving daemons' tier routes
 the lost members' parts. More than ``m`` losses in one stripe are refused with one error before
 anything is read.
 
-What remains to wire into the daemon:
-1. ``--ec k+m`` (``settings``), refused with ``--replicas``; groups of ``n`` consecutive
-   daemons of the ring, a ring of N not divisible by ``n`` leaving its last ``N % n`` on
-   replication (or a larger last group with ``k' = n' - m``: the same layout).
-2. Per (root, step, attempt): the members announce their parts' sizes (an object count and
-   crc32c list as ``check_objects`` takes today) to the group, ``Stripes`` from them; each
-   member packs its part's objects in key order into ``P_i`` (the object table is its header,
-   replicated to every member: it is small).
-3. A ``Copy`` kind ``parity`` (one per stripe held) in ``Tiers``' table, charged to the
-   staging budget, sealed once every contributor's share was folded (shares counted per slot:
-   a repeated or missing share keeps it unsealed; one whose pusher stopped is dropped after
-   ``INCOMING_TTL_S``, as a replica is), kept by ``_retain`` with its step.
-4. Restore (``commit.held_whole`` and ``trainer_hooks.tiered``): a step counts as held when, per
-   stripe, ``k`` of its blocks are sealed on live daemons; the ranks of a lost node read its
-   part through ``recover`` (from any world size: the rebuilt part is served like a replica),
-   and every chunk of it is checked against its crc32c and the manifest's pins as today: RS
-   detects nothing itself, so a wrong parity block shows as a chunk failing its crc32c, and the
-   restore falls back to the next step.
+Wired into the daemon by ``server.parity`` (``ckptd serve --ec k+m``), in the ``per_member``
+form: groups of ``n`` consecutive daemons of the ``--peers`` ring (its length a multiple of
+``n``), a ``parity`` copy kind in ``Tiers``' table, and a rebuild by a restoring rank's daemon.
 """
 
 from __future__ import annotations

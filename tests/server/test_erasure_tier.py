@@ -22,57 +22,22 @@ import pytest
 
 from ckptd import manifest as mf
 from tests import load
-from tests.distributed import launch
-from tests.server.daemon import ROOT, Daemon, kill_all, node, peer_key_file, tier_totals, wait_for
+from tests.server.daemon import ROOT, Daemon, peer_key_file, tier_totals
+from tests.server.ring3 import EVERY, LAST, TOKEN, held, restore, ring, save
 
 pytestmark = pytest.mark.timeout(900)
 
-SCENARIOS = "tests.faults.tier_scenarios"
-TOKEN = "erasure-tier-test-token-0123456789"
-LAST, EVERY, RANKS = 4, 3, 3
-
 
 def _ring(tmp_path: Path) -> tuple[str, list[Daemon]]:
-    (tmp_path / "token").write_text(TOKEN)
-    os.chmod(tmp_path / "token", 0o600)
-    root = f"file://{tmp_path / 'job'}"
-    ports = [launch.free_port() for _ in range(3)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    return root, [node(tmp_path, n, root, p, urls, CKPTD_EC="2+1") for n, p in zip("abc", ports, strict=True)]
-
-
-def _sealed(d: Daemon, root: str, step: int) -> bool:
-    """``d`` holds its parity block of ``step`` with both contributors' shares folded in."""
-    status, body = d.get(f"/v1/tiers?root={root}", TOKEN)
-    assert status == 200, body
-    return any(p["step"] == step and p["slots"] == 2 for p in body.get("parity", []))  # type: ignore[union-attr]
+    return ring(tmp_path, CKPTD_EC="2+1")
 
 
 def _save(tmp_path: Path, root: str, daemons: list[Daemon]) -> Path:
-    out = tmp_path / "out"
-    args = {"daemons": [d.socket_url for d in daemons], "root": root, "out": str(out), "steps": LAST}
-    procs = launch.spawn(RANKS, "save_steps", args | {"persist_every": EVERY}, out, {"CKPTD_TOKEN": TOKEN}, SCENARIOS)
-    try:
-        launch.wait(procs, out, "save_steps", timeout=load.scaled(300))
-    finally:
-        kill_all(procs)
-    # Step 4's parity sealed on every daemon: each holds one block of one stripe of lane 0.
-    wait_for(lambda: all(_sealed(d, root, LAST) for d in daemons), "step 4's parity", 60)
+    # Step 4's parity sealed on every daemon: each holds one block of one stripe, both shares in.
+    out = save(tmp_path, root, daemons, lambda d: held(d, root, LAST)["parity_slots"] == 2)
     job = tmp_path / "job"
     assert sorted(p.name for p in job.iterdir() if p.name.startswith("step_")) == [mf.step_dir(EVERY)]
     return out
-
-
-def _restore(out: Path, via: Daemon, root: str, name: str) -> list[dict]:
-    rargs = {"daemon": via.socket_url, "root": root, "refs": str(out), "saved_world": RANKS}
-    rout = out.parent / name
-    procs = launch.spawn(2, "restore_step", rargs, rout, {"CKPTD_TOKEN": TOKEN}, SCENARIOS)
-    try:
-        got = launch.wait(procs, rout, "restore_step", timeout=load.scaled(300))
-    finally:
-        kill_all(procs)
-    assert all(r["mismatches"] == [] for r in got), got
-    return got
 
 
 def test_one_lost_daemon_is_rebuilt_from_parity_and_restored_at_fewer_ranks(tmp_path):
@@ -84,7 +49,7 @@ def test_one_lost_daemon_is_rebuilt_from_parity_and_restored_at_fewer_ranks(tmp_
         status, body = a.get(f"/v1/tiers?root={root}&keys=true", TOKEN)
         assert {p["source"] for p in body["memory_only"]} == {"self"}, body  # type: ignore[index]
         c.kill()
-        got = _restore(out, a, root, "restore2")
+        got = restore(out, a, root, "restore2")
         assert {r["step"] for r in got} == {LAST}, got
         tiers = tier_totals(got)
         assert tiers["root"] == 0 and tiers["local"] + tiers["peer"] > 0, tiers
@@ -101,7 +66,7 @@ def test_more_losses_than_m_fall_back_to_the_persisted_step(tmp_path):
         out = _save(tmp_path, root, daemons)
         b.kill()
         c.kill()
-        got = _restore(out, a, root, "restore2")
+        got = restore(out, a, root, "restore2")
         assert {r["step"] for r in got} == {EVERY}, got
         assert tier_totals(got)["root"] > 0
         assert "at most 1 can be rebuilt" in a.logs()
