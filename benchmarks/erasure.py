@@ -11,6 +11,13 @@
 
 Every member's part is the same random buffer (memory: one part, not n); the work per byte is
 the same. Run: ``python -m benchmarks.erasure [--ec 4+2] [--sizes 64MiB 256MiB] [--replicas 2]``
+
+``--daemons``: the wired tier side by side in one run, real daemons (``tests.server.ring3``: 3
+daemons, a 3-rank gloo job, one rank per node, steps 1, 2 and 4 memory-only) once with
+``--ec 2+1`` and once with ``--replicas 1`` (both survive one node loss): the bytes each daemon
+holds of the newest memory-only step (own part, others' parts, parity), then daemon c SIGKILLed
+and the restore at 2 ranks through a timed (the slowest rank's), checked bitwise, with the bytes
+it read per tier. ``python -m benchmarks.erasure --daemons [--reps 3]``
 """
 
 from __future__ import annotations
@@ -90,13 +97,66 @@ def run(k: int, m: int, size: int, replicas: int, repeat: int) -> None:
     )
 
 
+def run_daemons(reps: int) -> None:
+    """``--daemons`` (module doc): one row per daemon and mode, one per restore."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from tests.server.ring3 import LAST, held, restore, ring, save
+
+    modes = {"--ec 2+1": {"CKPTD_EC": "2+1"}, "--replicas 1": {"CKPTD_REPLICAS": "1"}}
+    ready = {
+        "--ec 2+1": lambda root: lambda d: held(d, root, LAST)["parity_slots"] == 2,
+        "--replicas 1": lambda root: lambda d: held(d, root, LAST)["others"] > 0,
+    }
+    work = Path(tempfile.mkdtemp(prefix="ckptd-bench-ec-"))
+    try:
+        for rep in range(reps):
+            for mode, env in modes.items():
+                d = work / f"{rep}-{mode.strip('-').replace(' ', '').replace('+', 'p')}"
+                root, daemons = ring(d, **env)
+                try:
+                    out = save(d, root, daemons, ready[mode](root))
+                    rows = {name: held(x, root, LAST) for name, x in zip("abc", daemons, strict=True)}
+                    own = sum(r["own"] for r in rows.values())
+                    total = sum(r["own"] + r["others"] + r["parity"] for r in rows.values())
+                    for name, r in rows.items():
+                        print(
+                            f"{mode:13s} rep {rep} daemon {name}: own {fmt_bytes(r['own'])}, others' parts "
+                            f"{fmt_bytes(r['others'])}, parity {fmt_bytes(r['parity'])}"
+                        )
+                    print(
+                        f"{mode:13s} rep {rep} all: {fmt_bytes(total)} held for {fmt_bytes(own)} of parts "
+                        f"({total / own:.2f}x)"
+                    )
+                    daemons[2].kill()
+                    got = restore(out, daemons[0], root, "restore2")
+                    assert {r["step"] for r in got} == {LAST}, got
+                    tiers = {k: sum(r["tiers"].get(k, 0) for r in got) for k in ("local", "peer", "root")}
+                    print(
+                        f"{mode:13s} rep {rep} restore at 2 ranks after c's loss: "
+                        f"{max(r['seconds'] for r in got):.2f} s, step {LAST} bitwise, bytes {tiers}"
+                    )
+                finally:
+                    for x in daemons:
+                        x.kill()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ec", default="4+2")
     ap.add_argument("--sizes", nargs="+", default=["64MiB", "256MiB"])
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--daemons", action="store_true", help="the wired tier: real daemons, --ec 2+1 vs --replicas 1")
+    ap.add_argument("--reps", type=int, default=1)
     args = ap.parse_args(argv)
+    if args.daemons:
+        run_daemons(args.reps)
+        return
     k, m = parse_ec(args.ec)
     for size in args.sizes:
         run(k, m, parse_size(size), args.replicas, args.repeat)

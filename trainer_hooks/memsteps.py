@@ -11,9 +11,11 @@ daemon has no room, every rank persists the step instead (one WARNING on rank 0,
 is never silently lost and never half in memory, half in the root.
 
 Restore (``choose``, rank 0, the first candidate of ``restore.restore`` with no step asked):
-newest first, a (step, attempt) newer than the newest committed step counts only when what the
-daemons hold passes ``commit.held_whole`` (its manifest, every rank's done record of that attempt,
-every object they pin at the pinned size, and the root's commit rule ``commit.whole_step``).
+with ``--ec`` rank 0's daemon first rebuilds what lost daemons of its group held
+(``ckptd.server.parity``); then newest first, a (step, attempt) newer than the newest committed
+step counts only when what the daemons hold passes ``commit.held_whole`` (its manifest, every
+rank's done record of that attempt, every object they pin at the pinned size, and the root's
+commit rule ``commit.whole_step``).
 Every rank then reads it over a ``tiered.TierSource`` with no job root behind it, its commit
 record the one ``commit.whole_step`` returns. If none counts, or its restore fails on any rank,
 the committed steps follow; after any restore of step S, each rank's daemon drops memory-only
@@ -78,6 +80,7 @@ def choose(tiers, newest_persisted: int | None) -> Any:
     """Rank 0: (the newest memory-only step newer than ``newest_persisted`` that the surviving
     tiers hold whole (``commit.newest_held``, the rule the status page names too), as ``(step,
     attempt, holders, commit, data paths)``, or None)."""
+    tiers.rebuild()  # --ec: the parts of lost daemons, rebuilt from their group's parity first
     held, data, _, _ = tiers.walk([tiers.daemon_url])
     got, skipped = newest_held(held, newest_persisted, lambda s, a: TierSource(tiers, s, a, held[(s, a)], data))
     for step, attempt, why in skipped:

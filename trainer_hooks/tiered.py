@@ -498,6 +498,21 @@ class TieredRestore:
         src.map_own()
         return src
 
+    def rebuild(self) -> None:
+        """Ask this rank's own daemon to rebuild the memory-only parts that lost daemons of its
+        erasure-coded group held (``POST /v1/tiers/rebuild``; ``ckptd.server.parity``): they are
+        then held there as replicas, and ``walk`` finds them. Best effort: a daemon without
+        ``--ec`` rebuilds nothing."""
+        try:
+            got = ask_json(
+                self.daemon_url, self._token, self.timeout_s, "POST", "/v1/tiers/rebuild", {"job_root": self.root_uri}
+            )
+        except (ValueError, CheckpointError) as e:
+            log.info("restore: %s rebuilt no erasure-coded parts: %s", self.daemon_url, e)
+            return
+        if got.get("rebuilt"):
+            log.info("restore: %s rebuilt %s memory-only parts of lost daemons", self.daemon_url, got["rebuilt"])
+
     def report(self, source: Store, step: int) -> None:
         """Record and log the bytes the restore of ``step`` read per tier; tell the daemon."""
         got = self.last = source.tier_bytes() if isinstance(source, TierSource) else {"local": 0, "peer": 0, "root": 0}

@@ -106,6 +106,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--replicas", type=int, metavar="K", help="peers each hot copy is pushed to (default 1; 0: none)")
     p.add_argument(
+        "--ec",
+        metavar="K+M",
+        help="erasure-code memory-only steps over groups of K+M daemons of --peers instead of copying them "
+        "(any M of a group lost; needs --peer-key-file; not with --replicas K > 0)",
+    )
+    p.add_argument(
         "--tenant-share",
         type=float,
         metavar="F",

@@ -48,6 +48,7 @@ from ckptd.server.jobs import Runner
 from ckptd.server.metrics import Metrics
 from ckptd.server.page import PUBLIC_PATHS
 from ckptd.server.page import router as page
+from ckptd.server.parity import check_ec
 from ckptd.server.parts import MAX_NUMBER, MAX_RANK, MAX_STEP, Count, Daemon, Parts, Rank, Step, Who, own_lease
 from ckptd.server.peers import router as peers
 from ckptd.server.roots import RootError, Roots
@@ -501,6 +502,11 @@ def create_app(settings: Settings) -> FastAPI:
     token = read_token(settings.token_file)
     peer_key = read_token(settings.peer_key_file, peer=True)
     _check_discovery(settings, token)
+    ec = None
+    if settings.ec is not None:  # parity replaces copies: only a --replicas K > 0 given conflicts
+        replicas = settings.replicas if "replicas" in settings.model_fields_set else 0
+        ec = check_ec(settings.ec, replicas, settings.peers, settings.advertise, peer_key, settings.discover)
+        settings.replicas = 0
     isolate = can_isolate() if settings.isolate_tenants is None else settings.isolate_tenants
     if settings.staging_dir:
         folder, why = Path(settings.staging_dir), "configured"
@@ -546,6 +552,7 @@ def create_app(settings: Settings) -> FastAPI:
         settings.tiers,
     )
     runner.tiers = tiers
+    tiers.ec = ec
     tiers.bound_uid, tenancy.carried = tenancy.bound_uid, tiers.carried  # bindings travel with replicas
     tiers.share = settings.tenant_share
     tiers.peer_key = tenancy.peer_key = peer_key.encode() if peer_key else None

@@ -1,5 +1,5 @@
-"""Erasure coding of the memory tier across nodes (issue 37 item 4, ``--ec k+m``): pure code, not
-wired into the daemon yet.
+"""Erasure coding of the memory tier across nodes (issue 37 item 4, ``--ec k+m``): the pure code
+(the layout, encoding shares, rebuilding lost parts) that ``server.parity`` wires into the daemon.
 
 Today (``server.replication``) each daemon pushes its node's part of a step whole to ``k`` ring
 successors: (1+k)x its part held per node, any k node losses survived. Here a *group* of
@@ -47,24 +47,9 @@ a callback (the restore would fetch them from the surviving daemons' tier routes
 the lost members' parts. More than ``m`` losses in one stripe are refused with one error before
 anything is read.
 
-What remains to wire into the daemon:
-1. ``--ec k+m`` (``settings``), refused with ``--replicas``; groups of ``n`` consecutive
-   daemons of the ring, a ring of N not divisible by ``n`` leaving its last ``N % n`` on
-   replication (or a larger last group with ``k' = n' - m``: the same layout).
-2. Per (root, step, attempt): the members announce their parts' sizes (an object count and
-   crc32c list as ``check_objects`` takes today) to the group, ``Stripes`` from them; each
-   member packs its part's objects in key order into ``P_i`` (the object table is its header,
-   replicated to every member: it is small).
-3. A ``Copy`` kind ``parity`` (one per stripe held) in ``Tiers``' table, charged to the
-   staging budget, sealed once every contributor's share was folded (shares counted per slot:
-   a repeated or missing share keeps it unsealed; one whose pusher stopped is dropped after
-   ``INCOMING_TTL_S``, as a replica is), kept by ``_retain`` with its step.
-4. Restore (``commit.held_whole`` and ``trainer_hooks.tiered``): a step counts as held when, per
-   stripe, ``k`` of its blocks are sealed on live daemons; the ranks of a lost node read its
-   part through ``recover`` (from any world size: the rebuilt part is served like a replica),
-   and every chunk of it is checked against its crc32c and the manifest's pins as today: RS
-   detects nothing itself, so a wrong parity block shows as a chunk failing its crc32c, and the
-   restore falls back to the next step.
+Wired into the daemon by ``server.parity`` (``ckptd serve --ec k+m``), in the ``per_member``
+form: groups of ``n`` consecutive daemons of the ``--peers`` ring (its length a multiple of
+``n``), a ``parity`` copy kind in ``Tiers``' table, and a rebuild by a restoring rank's daemon.
 """
 
 from __future__ import annotations
@@ -141,6 +126,11 @@ class Stripes:
     k: int
     m: int
     sizes: tuple[int, ...]
+    # Each member's part cut by its own size (``block_of``), a stripe as long as its longest
+    # contributor's block (``length``): what the daemon uses (``server.parity``), since a member
+    # then codes its part alone, without first learning the others' sizes (no round between
+    # daemons per step); the parity a holder keeps is as long as the longest share it folded.
+    per_member: bool = False
 
     def __post_init__(self):
         _check_code(self.k, self.m)
@@ -163,6 +153,19 @@ class Stripes:
         b = -(-max(self.sizes) // self.k)
         return b + (b & 1)  # even: the multiplication tables take two bytes at a time
 
+    def block_of(self, i: int) -> int:
+        """Bytes of member ``i``'s blocks: ``block``, or with ``per_member`` its own part over ``k`` (even)."""
+        if not self.per_member:
+            return self.block
+        b = -(-self.sizes[i] // self.k)
+        return b + (b & 1)
+
+    def length(self, s: int) -> int:
+        """Bytes of stripe ``s``'s blocks (its parity): the longest block of its contributors."""
+        if not self.per_member:
+            return self.block
+        return max(self.block_of(c) for c in self.contributors(s))
+
     def stripe_of(self, i: int, b: int) -> int:
         """The stripe whose slot ``b`` is member ``i``'s block ``b``."""
         return (i - self.m - b) % self.n
@@ -181,12 +184,13 @@ class Stripes:
 
     def held(self, i: int) -> int:
         """Bytes member ``i`` holds: its part and its ``m`` parity blocks."""
-        return self.sizes[i] + self.m * self.block
+        return self.sizes[i] + sum(self.length(s) for s, _ in self.parity_of(i))
 
     def span(self, i: int, b: int) -> tuple[int, int]:
         """(start, length) of block ``b`` in member ``i``'s part (length < ``block`` at its end)."""
-        start = min(b * self.block, self.sizes[i])
-        return start, min(self.block, self.sizes[i] - start)
+        block = self.block_of(i)
+        start = min(b * block, self.sizes[i])
+        return start, min(block, self.sizes[i] - start)
 
 
 def _as_bytes(buf) -> np.ndarray:
@@ -256,14 +260,14 @@ def plan(stripes: Stripes, lost: Iterable[int]) -> dict[int, list[tuple[int, int
 def recover(stripes: Stripes, lost: Iterable[int], read: Callable[[int, int, int], object]) -> dict[int, bytearray]:
     """The parts of the ``lost`` members, rebuilt from survivors' blocks: ``read(member, stripe,
     number)`` returns that member's block (data: ``span`` long, padding implied; parity:
-    ``block`` long) and is called only for the blocks ``plan`` names. ValueError if a block read
+    ``length(s)`` long) and is called only for the blocks ``plan`` names. ValueError if a block read
     has the wrong length, or as ``plan``."""
     gone = sorted(set(lost))
     reads = plan(stripes, gone)
-    code, size = _Code.of(stripes.k, stripes.m), stripes.block
+    code = _Code.of(stripes.k, stripes.m)
     parts = {i: bytearray(stripes.sizes[i]) for i in gone}
     for s, wanted in reads.items():
-        blocks = []
+        size, blocks = stripes.length(s), []
         for member, num in wanted:
             raw = _as_bytes(read(member, s, num))
             want = stripes.span(member, num)[1] if num < stripes.k else size

@@ -326,7 +326,7 @@ def overview(state) -> Overview:
 def visible_tiers(tenancy, caller, d: dict) -> dict:
     """``Tiers.describe``'s answer ``d`` with the copies of the roots ``caller`` may read only
     (``Tenancy.visible``); the last push failure, which names a root, to operators only."""
-    d |= {k: tenancy.visible(caller, d[k]) for k in ("hot", "replicas", "memory_only")}
+    d |= {k: tenancy.visible(caller, d[k]) for k in ("hot", "replicas", "memory_only", "parity") if k in d}
     if caller.operator:
         return d
     mine = origin_of(caller.uid)  # a tenant sees its own share of the tier, not its neighbours'

@@ -53,7 +53,8 @@ class _Held(BaseModel):  # the (root, step, attempt) of a copy in the memory tie
 
 
 class ReplicaRequest(_Held):  # its source is the signed sender (``peer_sender``), never a field
-    kind: Literal["hot", "memory_only"] = "hot"  # a hot copy, or one rank's part of a memory-only step
+    # a hot copy, one rank's part of a memory-only step, or its shares of parity (``server.parity``)
+    kind: Literal["hot", "memory_only", "parity"] = "hot"
     ranks: list[Rank] = Field(default_factory=list, max_length=1 << 20)
     objects: list[ReplicaObject] = Field(max_length=MAX_OBJECTS)
     uid: int | None = Field(None, ge=0, lt=2**32)  # the uid the sender binds its root to (``Tenancy.carried``)
@@ -279,6 +280,45 @@ def seal_replica(rid: str, request: Request):
     except ValueError as e:
         return JSONResponse({"detail": str(e)}, status_code=400)
     return {"replica": rid, "complete": True}
+
+
+@router.get("/v1/tiers/ec", summary="own memory-only parts and parity blocks held (--ec), to a peer of the group")
+def ec_holdings(request: Request, root: str = _ROOT, source: str = Depends(peer_sender)):
+    return request.app.state.tiers.ec_holdings(_root(request, root))
+
+
+@router.get("/v1/tiers/ec/block", summary="one block of a stripe (--ec), to a peer of the group rebuilding a part")
+def ec_block(
+    request: Request,
+    root: str = _ROOT,
+    step: int = _STEP,
+    attempt: str = _ATTEMPT,
+    lane: int = Query(ge=0, lt=1 << 12),
+    stripe: int = Query(ge=0, lt=64),
+    num: int = Query(ge=0, lt=64),
+    source: str = Depends(peer_sender),
+):
+    tiers = request.app.state.tiers
+    if tiers.ec is None:
+        return JSONResponse({"detail": "this daemon keeps no erasure-coded tier (--ec)"}, status_code=404)
+    try:
+        raw = tiers.ec_block(_root(request, root), step, attempt, lane, stripe, num)
+    except ValueError as e:
+        return JSONResponse({"detail": str(e)}, status_code=400)
+    if raw is None:
+        return JSONResponse({"detail": f"no block {num} of stripe {stripe} held"}, status_code=404)
+    return Response(raw, media_type="application/octet-stream")
+
+
+class RebuildRequest(BaseModel):
+    job_root: str = Field(min_length=1, max_length=4096)
+
+
+@router.post("/v1/tiers/rebuild", summary="rebuild the memory-only parts lost daemons of the group held (--ec)")
+def rebuild(body: RebuildRequest, request: Request):
+    """A restoring rank asks its own daemon, before it chooses a memory-only step
+    (``server.parity``, 3); needs the right to read the root. Answers the parts rebuilt."""
+    return {"rebuilt": request.app.state.tiers.rebuild(_readable_root(request, body.job_root))}
 
 
 async def _signed_peer(request: Request) -> str | None:

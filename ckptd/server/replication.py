@@ -6,7 +6,10 @@ One protocol carries both kinds of copy (``kind``), one rank's objects each: ``h
 step's shard objects) and ``memory_only`` (a rank's part of a memory-only step: every object of
 the step's folder but a commit record). Each goes to the ``replicas`` daemons after this one in
 the ``--peers`` ring (which may name this daemon: ``--advertise``), or with ``--discover`` the
-job root's ring, each peer challenged on the connection first (``targets_for``, ``_dial``). With
+job root's ring, each peer challenged on the connection first (``targets_for``, ``_dial``).
+With ``--ec k+m`` a memory-only part is not copied: its shares of the group's parity go to the
+parity holders as a copy of a third kind, ``parity`` (``server.parity``), over this same
+protocol, signed and MACed the same way, and folded into the holder's parity at seal. With
 the daemon token: ``POST /v1/tiers/replicas`` (kind, objects, sizes, whole-object crc32c), the
 bytes in pieces of ``PIECE_BYTES``, then ``seal``. The receiver serves nothing of a replica until
 every object arrived whole and matches its crc32c, and a memory-only part its MAC for its
@@ -34,7 +37,8 @@ from ckptd.codec import crc32c
 from ckptd.daemon_conn import DaemonConnection, DaemonUnreachable
 from ckptd.server.sealed import Sealed, new_buffer, seal
 
-__all__ = ["Copy", "HOT", "INCOMING_TTL_S", "KINDS", "MAX_OBJECTS", "MEMORY_ONLY", "PIECE_BYTES", "Replication"]
+__all__ = ["Copy", "EC_DIR", "HOT", "INCOMING_TTL_S", "KINDS", "MAX_OBJECTS", "MEMORY_ONLY", "PARITY", "PIECE_BYTES"]
+__all__ += ["Replication"]
 __all__ += ["MAC_CONTEXT", "OBJECT_CHARGE", "charge", "check_objects", "part_mac", "replica_targets"]
 
 log = logging.getLogger("ckptd.tiers")
@@ -42,8 +46,9 @@ log = logging.getLogger("ckptd.tiers")
 PIECE_BYTES = 8 << 20  # replica bytes per request: under the daemon's body limit
 MAX_OBJECTS = 1 << 16  # objects in one replica at most
 INCOMING_TTL_S = 600.0  # a replica whose pusher stopped sending is dropped after this
-HOT, MEMORY_ONLY = "hot", "memory_only"  # the kinds of copy (module doc)
-KINDS = (HOT, MEMORY_ONLY)
+HOT, MEMORY_ONLY, PARITY = "hot", "memory_only", "parity"  # the kinds of copy (module doc)
+KINDS = (HOT, MEMORY_ONLY, PARITY)
+EC_DIR = ".ec"  # a parity push's objects: ``step_*/.ec/<lane>/...`` (``server.parity``), never a step's
 OBJECT_CHARGE = 512  # budget bytes a held object takes at least, besides its key (measured: ~170)
 MAC_CONTEXT = b"ckptd memstep v1"  # the label of a root's memory-only part key (``part_mac``)
 
@@ -75,11 +80,13 @@ class Copy:
     dropped: bool = False
     created: float = field(default_factory=time.monotonic)
     pushed: dict[str, str] = field(default_factory=dict)  # peer -> "pushing", "complete" or why not
-    kind: str = HOT  # HOT or MEMORY_ONLY
+    kind: str = HOT  # HOT, MEMORY_ONLY or PARITY
     uid: int | None = None  # replica: the uid its origin binds its root to (``Tenancy.carried``)
     mac: str = ""  # a memory-only part: its ``part_mac`` (made where it was handed off, checked where held)
     spill_name: str = ""  # its file in the spill folder (``server.spill``), once queued to be written
     spilled: bool = False  # that file is written and fsynced
+    lane: int = 0  # an own memory-only part: its place among this node's parts of its step (``server.parity``)
+    ec: dict = field(default_factory=dict)  # a parity block: its stripe, row and each slot's header
 
     def info(self) -> dict:
         info = {k: getattr(self, k) for k in ("root", "step", "attempt", "source", "kind", "rank")}
@@ -97,7 +104,7 @@ def check_objects(step: int, kind: str, objects: list) -> dict[str, tuple[int, i
     if len(objects) > MAX_OBJECTS:
         raise ValueError(f"a copy of {len(objects)} objects is over {MAX_OBJECTS}")
     folder = mf.step_dir(step)
-    prefix = f"{folder}/" if kind == MEMORY_ONLY else f"{folder}/{mf.ARRAYS}/"
+    prefix = {MEMORY_ONLY: f"{folder}/", PARITY: f"{folder}/{EC_DIR}/"}.get(kind, f"{folder}/{mf.ARRAYS}/")
     expected: dict[str, tuple[int, int]] = {}
     for key, size, crc in objects:
         size, crc = int(size), int(crc)
@@ -162,14 +169,21 @@ class Replication:
 
     def push_later(self, copies: list[Copy]) -> None:
         """Push ``copies`` to the ring's daemons on a thread of their own (none when there is no ring)."""
-        if self.peer_key and (self.targets or self.discovery is not None):
+        if self.peer_key and (self.targets or self.discovery is not None or self.ec is not None):
             with self._lock:
                 self._queued.update(copies)
             threading.Thread(target=self._push_all, args=(copies,), name="ckptd-tier-push", daemon=True).start()
 
     def _push_all(self, copies: list[Copy]) -> None:
         for c in copies:
-            peers = self.targets_for(c.root)
+            shares = None
+            if self.ec is not None and c.kind == MEMORY_ONLY:
+                try:
+                    shares = self.ec_shares(c)
+                except Exception as e:  # noqa: BLE001 - logged; the part is then held here alone
+                    log.exception("memory tier: no parity of %s step %d rank %d: %s", c.root, c.step, c.rank, e)
+                    shares = {}
+            peers = list(shares) if shares is not None else self.targets_for(c.root)
             with self._pushes:
                 c.pushed.update(dict.fromkeys(peers, "pushing"))  # a step is whole once all are complete
                 self._queued.discard(c)
@@ -177,7 +191,7 @@ class Replication:
             for peer in peers:
                 what = (c.kind, c.root, c.step, c.rank, peer)
                 try:
-                    self._push(peer, c)
+                    self._push(peer, c if shares is None else shares[peer])
                 except Exception as e:  # noqa: BLE001 - a peer that is gone must not stop the daemon
                     c.pushed[peer] = f"failed: {e}"
                     self.count("replica_push_failures")
@@ -327,10 +341,16 @@ class Replication:
             raise ValueError(f"replica {rid}: {len(bad)} objects incomplete or failing their crc32c, e.g. {bad[0]!r}")
         try:
             self.check_mac(c.root, c.uid, c.step, c.attempt, c.rank, c.objects, c.kind, c.mac)
+            if c.kind == PARITY:  # folded into this daemon's parity blocks, then let go
+                self.fold_in(c)
         except ValueError as e:
             self._release([c])
             log.warning("memory tier: replica from %s refused, never served: %s", c.source, e)
             raise ValueError(f"replica {rid} refused: {e}") from None
+        if c.kind == PARITY:
+            self._release([c])
+            self.count("replicas_received")
+            return
         try:
             c.objects = {k: seal(v) for k, v in c.objects.items()}  # read-only from now on
         except OSError as e:  # no descriptor or mapping left: refused whole, its budget given back
@@ -363,9 +383,10 @@ class Replication:
         self, root: str, uid: int | None, step: int, attempt: str, rank: int, objects: dict, kind: str, mac
     ) -> None:
         """ValueError unless ``mac`` is the ``part_mac`` of a memory-only part (a pushed replica's,
-        a spill file's) for ``root`` bound to ``uid`` (None: the uid this daemon binds it to):
-        made by a daemon of the ring for that binding. Other kinds carry none."""
-        if kind != MEMORY_ONLY:
+        a spill file's, a rebuilt one's) or of a parity push's shares (``server.parity``) for
+        ``root`` bound to ``uid`` (None: the uid this daemon binds it to): made by a daemon of the
+        ring for that binding. Hot copies carry none."""
+        if kind == HOT:
             return
         if self.peer_key is None:
             raise ValueError("this daemon has no peer key (--peer-key-file) to check a memory-only part's MAC")
@@ -373,7 +394,8 @@ class Replication:
         want = part_mac(self.peer_key, root, uid, step, attempt, rank, objects)
         if not (isinstance(mac, str) and hmac.compare_digest(mac.encode(), want.encode())):
             raise ValueError(
-                f"rank {rank}'s part of memory-only step {step} of {root} fails its MAC: "
+                f"rank {rank}'s {'parity shares' if kind == PARITY else 'part'} of memory-only step {step} of {root} "
+                "fails its MAC: "
                 f"not made by a daemon of this ring for that root bound to uid {uid}"
             )
 

@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     peers: list[str] = Field(default_factory=list, description="the node daemons of the job, in ring order (--peers)")
     advertise: str | None = Field(None, description="this daemon's URL as the peers know it (--advertise)")
     replicas: int = Field(1, ge=0, description="peers each hot copy is pushed to (the next ones in the ring)")
+    ec: str | None = Field(
+        None, description="k+m: memory-only parts erasure-coded over groups of k+m daemons of the ring (--ec)"
+    )
     replica_timeout_s: float = Field(30.0, gt=0, description="a replica push's socket timeout")
     tenant_share: float = Field(
         0.5, gt=0, le=1, description="of the tier's objects and bytes one uid or peer may hold at most (--tenant-share)"

@@ -53,10 +53,12 @@ from ckptd.errors import CheckpointError
 from ckptd.pins import Pins, check_meta
 from ckptd.server import capacity
 from ckptd.server.handoff import ATTEMPT
+from ckptd.server.parity import Parity
 from ckptd.server.replication import (
     HOT,
     MAX_OBJECTS,
     MEMORY_ONLY,
+    PARITY,
     PIECE_BYTES,
     Copy,
     Replication,
@@ -85,7 +87,7 @@ log = logging.getLogger("ckptd.tiers")
 
 MAX_BATCH_BYTES = 256 << 20  # bytes one batched tier read answers at most
 MAX_BATCH_RANGES = 4096  # ranges in one batched tier read at most
-KEEP_STEPS = {HOT: 1, MEMORY_ONLY: 2}  # steps kept per (root, kind, source): ``_retain``
+KEEP_STEPS = {HOT: 1, MEMORY_ONLY: 2, PARITY: 2}  # steps kept per (root, kind, source): ``_retain``
 RESERVE_TTL_S = 600.0  # a memory-only reservation whose hand-off never came is released after this
 SELF = "self"  # the source of this daemon's own copies
 TENANT_SHARE = 0.5  # of the tier's objects and bytes one origin may hold at most (``--tenant-share``)
@@ -135,7 +137,7 @@ def origin_of(uid: int | None) -> str:
     return "local" if uid is None else f"uid {uid}"
 
 
-class Tiers(Replication):
+class Tiers(Replication, Parity):
     def __init__(
         self,
         staging: Staging,
@@ -363,7 +365,7 @@ class Tiers(Replication):
             own = source == SELF
             if c.kind == HOT:
                 return (1 if not own else 2 if not c.complete else 3), step
-            if (w := whole[root]) is not None and step < w[0]:
+            if (w := whole.get(root)) is not None and step < w[0]:
                 return 0, step  # older than the newest whole step: can no longer be the one restored
             return (6 if (step, attempt) == w else 4 if not own else 5), step
 
@@ -395,7 +397,7 @@ class Tiers(Replication):
         abandoned trajectory). Returns how many parts were dropped."""
         with self._lock:
             gone = self._take(
-                k for k, c in self._held.items() if k[0] == root and k[1] > step and c.kind == MEMORY_ONLY
+                k for k, c in self._held.items() if k[0] == root and k[1] > step and c.kind in (MEMORY_ONLY, PARITY)
             )
         self._release(gone)
         if gone:
@@ -613,7 +615,10 @@ class Tiers(Replication):
             release = self._take(
                 j
                 for j, x in self._held.items()
-                if j[0] == root and j[1] >= step and j[2] != attempt and x.kind == MEMORY_ONLY and x.complete
+                if j[0] == root and j[1] >= step and j[2] != attempt and x.kind in (MEMORY_ONLY, PARITY) and x.complete
+            )
+            c.lane = sum(  # its place among this node's parts of the step (``server.parity``)
+                1 for j, x in self._held.items() if j[:3] == k[:3] and j[4] == SELF and x.complete and x is not c
             )
             c.complete = True
             release += self._retain(root, MEMORY_ONLY)  # wholeness is the root's: every source's
@@ -667,6 +672,10 @@ class Tiers(Replication):
         with self._lock:
             self._reserved[mine] = (nbytes, time.monotonic(), objects, origin)
         return True
+
+    def check_part(self, root: str, step: int, attempt: str, rank: int, objects: dict) -> None:
+        """``_check_part``: a part (spilled, or rebuilt by ``server.parity``) against its own done record."""
+        _check_part(root, step, attempt, rank, objects)
 
     def release_reservation(self, root: str, step: int, attempt: str, rank: int) -> int:
         with self._lock:
@@ -795,7 +804,9 @@ class Tiers(Replication):
         """The complete copies of exactly (root, step, attempt): own hot copies first, then
         replicas, then memory-only parts."""
         with self._lock:
-            out = [c for c in self._complete() if (c.root, c.step, c.attempt) == (root, step, attempt)]
+            out = [
+                c for c in self._complete() if (c.root, c.step, c.attempt) == (root, step, attempt) and c.kind != PARITY
+            ]
         return sorted(out, key=lambda c: (c.kind != HOT, c.source != SELF))
 
     def keys(self, root: str, step: int, attempt: str) -> list[str]:
@@ -857,11 +868,15 @@ class Tiers(Replication):
         sizes with ``keys``; the ring, the budget held and the data path."""
         groups: dict[tuple, dict] = {}
         parts: list[dict] = []
+        parity: list[dict] = []
         with self._lock:
             for (r, s, a, _, _), c in self._held.items():
                 if not c.complete or c.dropped or (root is not None and r != root):
                     continue
                 if (step is not None and s != step) or (attempt is not None and a != attempt):
+                    continue
+                if c.kind == PARITY:  # not objects of the step: a restore rebuilds from them (``rebuild``)
+                    parity.append(c.info() | {f: c.ec[f] for f in ("stripe", "row")} | {"slots": len(c.ec["slots"])})
                     continue
                 d = c.info() | ({"keys": {k: len(v) for k, v in c.objects.items()}} if keys else {})
                 for p in d["replicated_to"].keys() & self.unreachable.keys():  # its copy there is gone
@@ -890,6 +905,7 @@ class Tiers(Replication):
             "hot": [g for g in copies if g["source"] == SELF],
             "replicas": [g for g in copies if g["source"] != SELF],
             "memory_only": sorted(parts, key=lambda p: (p["root"], p["step"], p["rank"], p["source"])),
+            **({"ec": f"{self.ec[0]}+{self.ec[1]}", "parity": parity} if self.ec is not None else {}),
             "reserved_bytes": self.staging.reserved_bytes,
             "tenant_share": self.share,
             **({"origins": self.usage()} if root is None else {}),  # each origin's share taken

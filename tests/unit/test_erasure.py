@@ -179,3 +179,39 @@ def test_blocks_of_the_wrong_length_are_refused():
 
     with pytest.raises(ValueError, match="bytes, not 50"):
         recover(st, [0], short)
+
+
+@pytest.mark.parametrize("k,m", CODES)
+def test_parts_cut_by_their_own_size_are_rebuilt_from_parity_grown_share_by_share(k, m):
+    """``per_member`` (the daemon's layout): each member codes its part knowing only its own
+    size, each holder's parity grows to its longest share (what ``fold`` into a longer buffer
+    keeps); any m losses rebuild bitwise, the short parity read padded with zeros."""
+    sizes = [5000, 37, 0, 4999, 12, 3001][: k + m]
+    members = tuple(f"http://node{i}:7000" for i in range(k + m))
+    rng = np.random.default_rng(3)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    parity: dict = {}
+    for i, part in enumerate(parts):
+        own = Stripes(members, k, m, tuple(n if j == i else 0 for j, n in enumerate(sizes)), per_member=True)
+        for b in range(k):
+            start, length = own.span(i, b)
+            for _, s, j, share in contribution(own, i, b, part[start : start + length]):
+                old = parity.get((s, j), np.zeros(0, np.uint8))
+                grown = np.zeros(max(old.size, share.size), np.uint8)
+                grown[: old.size] = old
+                fold(grown, share)
+                parity[(s, j)] = grown
+    st = Stripes(members, k, m, tuple(sizes), per_member=True)
+    assert all(p.size <= st.length(s) for (s, _), p in parity.items())
+
+    def read(member: int, s: int, num: int):
+        if num >= k:
+            p = parity.get((s, num - k), np.zeros(0, np.uint8))
+            return np.concatenate([p, np.zeros(st.length(s) - p.size, np.uint8)])
+        start, length = st.span(member, num)
+        return parts[member][start : start + length]
+
+    for lost in itertools.combinations(range(k + m), m):
+        got = recover(st, lost, read)
+        assert all(bytes(got[i]) == parts[i] for i in lost), lost
+    assert st.held(0) < sizes[0] + m * max(sizes)  # not padded to the largest part
