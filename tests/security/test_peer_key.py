@@ -29,6 +29,7 @@ from ckptd.codec import crc32c
 from ckptd.daemon_conn import DaemonConnection
 from tests import load
 from tests.distributed import launch
+from tests.security.tenant import push_replica
 from tests.server.daemon import PEER_KEY, ROOT, Daemon, node
 from trainer_hooks import Checkpointer
 
@@ -71,22 +72,6 @@ def _signed(method: str, path: str, body: bytes, key: str = PEER_KEY, age: int =
     return {PEER_HEADER: f"{SENDER} {when} {nonce} {_mac(key, method, path, body, when, nonce)}"}
 
 
-def _push_with_token(conn: DaemonConnection, body: dict, objects: dict[str, bytes]) -> list[int]:
-    """A trainer's push of a whole replica, with the token only: the statuses it got (it stops
-    at the first refusal)."""
-    status, _, raw = conn.fetch("POST", "/v1/tiers/replicas", body)
-    got = [status]
-    if status != 200:
-        return got
-    rid = json.loads(raw)["replica"]
-    for key, data in objects.items():
-        got.append(
-            conn.fetch("PUT", f"/v1/tiers/replicas/{rid}?key={urllib.parse.quote(key, safe='')}&offset=0", data)[0]
-        )
-    got.append(conn.fetch("POST", f"/v1/tiers/replicas/{rid}/seal", {})[0])
-    return got
-
-
 def test_a_trainer_with_the_token_cannot_push_a_forged_memory_only_step(tmp_path, monkeypatch):
     """Bob, who holds the trainers' token, saves a memory-only step 11 of his own (666.0) and
     pushes its bytes as a replica into Alice's root, over TCP and over the Unix socket, claiming
@@ -119,7 +104,7 @@ def test_a_trainer_with_the_token_cannot_push_a_forged_memory_only_step(tmp_path
             "objects": [{"key": k, "size": len(v), "crc32c": crc32c(v)} for k, v in objects.items()],
         }
         for conn in (tcp, sock):
-            got = _push_with_token(conn, forged, objects)
+            got = push_replica(conn, forged, objects)
             assert got == [403], got
         status, _, raw = sock.fetch("GET", f"/v1/tiers?root={urllib.parse.quote(alice)}")
         assert json.loads(raw)["memory_only"] == [], raw
