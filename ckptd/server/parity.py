@@ -28,7 +28,7 @@ peer; instead, in this order:
    read from a surviving holder), ``erasure.recover`` reads the blocks ``plan`` names, and only
    those (``GET /v1/tiers/ec/block``), and rebuilds the lost parts. A rebuilt part is held only
    if every object matches the crc32c of its table, the part its MAC and its done record's pins
-   (``Tiers.check_part``, the spill's check): then as a replica from the lost member, served as any, and the
+   (``Tiers.check_whole``, the spill's check): then as a replica from the lost member, served as any, and the
    restore checks every chunk against its crc32c and pins again. Reed-Solomon detects nothing
    itself: a wrong or stale parity block rebuilds bytes that fail these checks, never a part
    that is served. More than m lost: nothing is rebuilt, the restore falls back to the
@@ -347,11 +347,10 @@ class Parity:
         rank = _int(head["rank"], 1 << 24)
         objects = _unpack(packed, head["table"])
         expected = check_objects(step, MEMORY_ONLY, head["table"])
-        bad = [key for key, (_, crc) in expected.items() if crc32c(objects[key]) != crc]
-        if bad:
-            raise ValueError(f"rebuilt rank {rank}'s {bad[0]} fails its crc32c (a stale or wrong parity block)")
-        self.check_mac(root, None, step, attempt, rank, objects, MEMORY_ONLY, head["mac"])
-        self.check_part(root, step, attempt, rank, objects)
+        try:
+            self.check_whole(root, None, step, attempt, rank, MEMORY_ONLY, expected, objects, head["mac"])
+        except ValueError as e:
+            raise ValueError(f"rebuilt rank {rank}'s part (a stale or wrong parity block?): {e}") from None
         c = Copy(root, step, attempt, source, rank, source, kind=MEMORY_ONLY, mac=head["mac"])
         c.charged = sum(charge(len(b), len(key)) for key, b in objects.items())
         if not self.staging.reserve(c.charged):

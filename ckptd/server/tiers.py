@@ -673,9 +673,19 @@ class Tiers(Replication, Parity):
             self._reserved[mine] = (nbytes, time.monotonic(), objects, origin)
         return True
 
-    def check_part(self, root: str, step: int, attempt: str, rank: int, objects: dict) -> None:
-        """``_check_part``: a part (spilled, or rebuilt by ``server.parity``) against its own done record."""
-        _check_part(root, step, attempt, rank, objects)
+    def check_whole(
+        self, root: str, uid: int | None, step: int, attempt: str, rank: int, kind: str, expected: dict, objects, mac
+    ) -> None:
+        """ValueError unless every object of ``objects`` matches its crc32c in ``expected``
+        (``check_objects``) and, a memory-only part, its MAC (``check_mac``) and its done
+        record's pins (``_check_part``): what a copy held without its hand-off here passes (a
+        spill file's, a part rebuilt by ``server.parity``)."""
+        bad = [k for k, (_, crc) in expected.items() if crc32c(objects[k]) != crc]
+        if bad:
+            raise ValueError(f"{len(bad)} objects fail their crc32c, e.g. {bad[0]!r}")
+        if kind == MEMORY_ONLY:  # made by a daemon of the ring for this root's binding, then whole
+            self.check_mac(root, uid, step, attempt, rank, objects, kind, mac)
+            _check_part(root, step, attempt, rank, objects)
 
     def release_reservation(self, root: str, step: int, attempt: str, rank: int) -> int:
         with self._lock:
@@ -771,12 +781,7 @@ class Tiers(Replication, Parity):
         if len(expected) != len(bufs):
             raise SpillError("an object is named twice")
         objects = dict(zip(expected, bufs, strict=True))
-        bad = [k for k, (_, crc) in expected.items() if crc32c(objects[k]) != crc]
-        if bad:
-            raise SpillError(f"{len(bad)} objects fail their crc32c, e.g. {bad[0]!r}")
-        if kind == MEMORY_ONLY:  # made by a daemon of the ring for this root's binding, then whole
-            self.check_mac(root, uid, step, attempt, rank, objects, kind, header.get("mac"))
-            _check_part(root, step, attempt, rank, objects)
+        self.check_whole(root, uid, step, attempt, rank, kind, expected, objects, header.get("mac"))
         objects = {k: seal(b) for k, b in objects.items()}
         c = Copy(
             root,
