@@ -238,16 +238,15 @@ def _write_data(
             bufs = encode_shard(sw.layout, sw.coord, data)
             pin = b"".join(bytes(b) for b in bufs[1::2])  # each chunk's crc, then the index's
 
-        def digests() -> bytes | None:
-            if sw.image is not None:
-                return image_digests(sw.layout, data, sw.chunks)
-            return shard_digests(bufs)
-
-        if dedupe is not None:
-            parts = digests()  # the BLAKE3 pins name the content too: no second pass over it
+        def record_pins() -> bytes | None:
+            """The shard's BLAKE3 pins, recorded with its crc32c pins for the done record."""
+            parts = image_digests(sw.layout, data, sw.chunks) if sw.image is not None else shard_digests(bufs)
             with lock:
                 shard_pins[sw.object_key] = (data_size(bufs), pin, parts)
-            digest = dedupe.digest(sw, data, parts)
+            return parts
+
+        if dedupe is not None:
+            digest = dedupe.digest(sw, data, record_pins())  # the pins name the content: no second pass
             check_abort(abort, where)
             if dedupe.try_reuse(store, sw.object_key, digest, key):
                 with lock:
@@ -257,11 +256,9 @@ def _write_data(
             return data_size(bufs)
         # The BLAKE3 pins go into the done record only, after every put: hashing after the put
         # lets the store's I/O (a disk's DMA, an upload) of this shard start before its hash,
-        # and overlap the hashing of the shards still queued on the pool (issue 36's cost).
+        # and overlap the hashing of the shards still queued on the pool.
         put(key, bufs)
-        parts = digests()
-        with lock:
-            shard_pins[sw.object_key] = (data_size(bufs), pin, parts)
+        record_pins()
         return data_size(bufs)
 
     for key, _ in part.metadata:
